@@ -1,0 +1,182 @@
+"""Atomic file output: temp file in the target directory, fsync, rename, fsync the directory.
+
+An interrupted or failed write (exception, Ctrl-C, SIGKILL) never leaves a partial file at the
+output path: the output is either absent, the old file, or the complete new file. Temp files are
+named ``.<name>.tmp-<pid>-<hex>`` so a later run can sweep those left behind by dead processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from poly.errors import InsufficientSpaceError, OutputExistsError, OutputPathError, PolyError
+
+__all__ = ["atomic_output", "check_output", "temp_name", "sweep_stale_temps", "TEMP_PATTERN"]
+
+# `.<name>.tmp-<pid>-<hex>`: recognisable, hidden, and tied to the writing process.
+TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
+_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+_SPACE_MARGIN = 16 << 20  # preflight margin for filesystem metadata
+
+
+def temp_name(path: str | os.PathLike) -> Path:
+    """A fresh temp path next to ``path`` for this process."""
+    p = Path(path)
+    return p.with_name(f".{p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # exists but not ours, or not a pid: leave it alone
+    return True
+
+
+def sweep_stale_temps(directory: str | os.PathLike) -> list[Path]:
+    """Remove our own temp files in ``directory`` whose writing process is dead."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = TEMP_PATTERN.match(entry.name)
+        if m is None or not entry.is_file(follow_symlinks=False):
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except OSError:
+            pass
+    return removed
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_output(
+    path: str | os.PathLike, *, force: bool = False, inputs: Iterable[str | os.PathLike] = ()
+) -> None:
+    """Raise the typed error `atomic_output` would raise for ``path`` (to fail before slow work)."""
+    _check_target(Path(os.path.abspath(os.fspath(path))), force, list(inputs))
+
+
+def _check_target(out: Path, force: bool, inputs: Iterable[str | os.PathLike]) -> None:
+    parent = out.parent
+    if not parent.is_dir():
+        raise OutputPathError(f"output directory does not exist: {parent}", path=str(out))
+    for src in inputs:
+        if _same_file(out, Path(src)):
+            raise OutputPathError(
+                "output path is the input file (never written over)", path=str(out)
+            )
+    if out.is_dir():
+        raise OutputPathError("output path is a directory", path=str(out))
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputExistsError("output exists (use force=True / --force)", path=str(out))
+
+
+def _wrap_os_error(exc: OSError, out: Path) -> PolyError:
+    if exc.errno in _SPACE_ERRNOS:
+        return InsufficientSpaceError(
+            f"not enough space writing output: {exc.strerror}", path=str(out)
+        )
+    return OutputPathError(f"cannot write output: {exc.strerror or exc}", path=str(out))
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # some filesystems refuse opening directories; the rename itself is done
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _preflight_space(parent: Path, expected_size: int | None, out: Path) -> None:
+    if not expected_size:
+        return
+    free = shutil.disk_usage(parent).free
+    if free < expected_size + _SPACE_MARGIN:
+        raise InsufficientSpaceError(
+            f"need about {expected_size + _SPACE_MARGIN} bytes, {free} free", path=str(out)
+        )
+
+
+@contextmanager
+def atomic_output(
+    path: str | os.PathLike,
+    *,
+    force: bool = False,
+    inputs: Iterable[str | os.PathLike] = (),
+    expected_size: int | None = None,
+) -> Iterator[BinaryIO]:
+    """Open a temp file next to ``path``; on clean exit fsync it and rename it over ``path``.
+
+    Refuses an existing output unless ``force`` (`OutputExistsError`) and any output that is one of
+    ``inputs`` (`OutputPathError`, compared with ``os.path.samefile``). Missing or unwritable
+    directories give `OutputPathError`; ENOSPC/EFBIG give `InsufficientSpaceError`. On any
+    exception (including KeyboardInterrupt) the temp file is removed and nothing else changes.
+    The yielded file object's ``name`` is the temp path.
+    """
+    out = Path(os.path.abspath(os.fspath(path)))
+    inputs = list(inputs)
+    _check_target(out, force, inputs)
+    sweep_stale_temps(out.parent)
+    _preflight_space(out.parent, expected_size, out)
+    tmp = temp_name(out)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        raise _wrap_os_error(exc, out) from exc
+    f = os.fdopen(fd, "w+b")
+    try:
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+        _check_target(out, force, inputs)  # the world may have changed while we wrote
+        try:
+            os.replace(tmp, out)
+        except OSError as exc:
+            raise _wrap_os_error(exc, out) from exc
+    except OSError as exc:
+        _unlink_quiet(tmp)
+        if exc.errno in _SPACE_ERRNOS:
+            raise _wrap_os_error(exc, out) from exc
+        raise  # e.g. an unreadable source file: not an output problem
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    _fsync_dir(out.parent)
+
+
+def _unlink_quiet(p: Path) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass

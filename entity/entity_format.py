@@ -1,0 +1,456 @@
+"""The `.entity` v2 container: a checksummed msgpack header followed by 64-byte aligned blobs.
+
+Layout (little-endian; full description in docs/formats.md):
+
+    0   8   magic b"ENTITY\\0\\0"
+    8   2   u16 format version (2)
+    10  2   u16 flags (0)
+    12  8   u64 header length N
+    20  N   msgpack map; its last entry is "header_crc32": uint32 (always 0xce + 4 bytes),
+            the crc32 of file bytes [0, 20+N-4)
+    ...     blobs, the first at align64(20+N), each next at align64(previous end), zero padding
+            between them, the file ends exactly at the end of the last blob.
+
+Every blob record carries the crc32 of its bytes. The container knows nothing about transformers:
+`entity_model` decides which blobs and header keys a model needs.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Literal
+
+import ml_dtypes
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from entity.atomic import _wrap_os_error, atomic_output, check_output, temp_name
+from poly.errors import (
+    EntityFormatError,
+    IntegrityError,
+    LimitExceededError,
+    UnsupportedError,
+)
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "ALIGN",
+    "BLOB_DTYPES",
+    "BlobRecord",
+    "EntityFile",
+    "EntityWriter",
+    "EntityVersionError",
+    "read_prefix",
+]
+
+MAGIC = b"ENTITY\x00\x00"
+FORMAT_VERSION = 2
+ALIGN = 64  # cache-line and SIMD friendly; any page-aligned mmap keeps it
+PREFIX = struct.Struct("<8sHHQ")  # magic, version, flags, header length
+MAX_HEADER_LEN = 64 << 20  # tokenizer.json of a 150k vocab is ~10 MB
+MAX_BLOBS = 1 << 20
+_CRC_KEY = "header_crc32"
+_CRC_TAIL = msgpack.packb(_CRC_KEY) + b"\xce"  # key, then uint32 marker, then 4 crc bytes
+_CHUNK = 16 << 20
+
+# Blob dtype names (the lower-case Loom names) -> numpy dtype, little-endian.
+BLOB_DTYPES: dict[str, np.dtype] = {
+    "float64": np.dtype("<f8"),
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "int16": np.dtype("<i2"),
+    "int8": np.dtype("i1"),
+    "uint64": np.dtype("<u8"),
+    "uint32": np.dtype("<u4"),
+    "uint16": np.dtype("<u2"),
+    "uint8": np.dtype("u1"),
+}
+_NAME_OF = {v: k for k, v in BLOB_DTYPES.items()}
+
+
+class EntityVersionError(EntityFormatError, UnsupportedError):
+    """A `.entity` whose version this reader does not know."""
+
+    code = "entity_version"
+    exit_code = 5
+
+
+class BlobRecord(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+    path: str = Field(min_length=1, max_length=512)
+    offset: int = Field(ge=0)
+    length: int = Field(ge=0)
+    dtype: str
+    shape: list[int]
+    checksum: int = Field(ge=0, lt=1 << 32)
+
+
+class _Header(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    format_version: Literal[2]
+    network: dict[str, Any]
+    transformer: dict[str, Any]
+    quant: dict[str, Any]
+    blobs: list[BlobRecord] = Field(max_length=MAX_BLOBS)
+    tokenizer: str | None
+    chat_template: str | None
+    generation_config: dict[str, Any]
+    eos_token_ids: list[int]
+    source: dict[str, Any]
+    header_crc32: int = Field(ge=0, lt=1 << 32)
+
+
+META_KEYS = tuple(k for k in _Header.model_fields if k not in ("format_version", "blobs", _CRC_KEY))
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _fail(msg: str, path: str | None, offset: int | None = None) -> EntityFormatError:
+    return EntityFormatError(msg, path=path, offset=offset)
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def read_prefix(f, path: str | None = None) -> tuple[int, int, int]:
+    """Read and check the 20-byte prefix: returns (version, flags, header length)."""
+    raw = f.read(PREFIX.size)
+    if len(raw) < PREFIX.size:
+        raise _fail("truncated: file shorter than the 20-byte prefix", path, 0)
+    magic, version, flags, hlen = PREFIX.unpack(raw)
+    if magic != MAGIC:
+        raise _fail("not an .entity file (bad magic)", path, 0)
+    return version, flags, hlen
+
+
+def _no_dups(pairs: list[tuple[Any, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if not isinstance(k, str):
+            raise ValueError("header map key is not a string")
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} not allowed")
+
+
+def _check_finite(obj: Any, where: str = "header") -> None:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise ValueError(f"non-finite number at {where}")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_finite(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_finite(v, f"{where}[{i}]")
+
+
+def _decode_header(raw: bytes, path: str | None) -> _Header:
+    try:
+        obj = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            object_pairs_hook=_no_dups,
+            ext_hook=_reject_ext,
+        )
+        if not isinstance(obj, dict):
+            raise ValueError("header is not a map")
+        _check_finite(obj)
+        return _Header.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise _fail(f"bad header field {loc}: {err['msg']}", path, PREFIX.size) from exc
+    except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
+        raise _fail(f"bad msgpack header: {exc}", path, PREFIX.size) from exc
+
+
+def _check_layout(blobs: list[BlobRecord], data_start: int, size: int, path: str | None) -> None:
+    seen: set[str] = set()
+    expect = data_start
+    for b in sorted(blobs, key=lambda r: r.offset):
+        if b.path in seen:
+            raise _fail(f"duplicate blob path {b.path!r}", path)
+        seen.add(b.path)
+        dt = BLOB_DTYPES.get(b.dtype)
+        if dt is None:
+            raise _fail(f"blob {b.path!r}: unknown dtype {b.dtype!r}", path)
+        if any(d < 0 for d in b.shape) or math.prod(b.shape) * dt.itemsize != b.length:
+            raise _fail(f"blob {b.path!r}: length {b.length} != shape {b.shape} x {b.dtype}", path)
+        if b.offset != expect:
+            raise _fail(f"blob {b.path!r}: offset {b.offset}, expected {expect}", path, b.offset)
+        expect = align(b.offset + b.length)
+    end = max((b.offset + b.length for b in blobs), default=data_start)
+    if end != size:
+        what = "truncated" if end > size else "trailing bytes after the last blob"
+        raise _fail(f"{what}: data ends at {end}, file size {size}", path, min(end, size))
+
+
+def _crc_of_range(f, start: int, length: int) -> int:
+    f.seek(start)
+    crc = 0
+    buf = bytearray(min(_CHUNK, max(length, 1)))
+    view = memoryview(buf)
+    left = length
+    while left > 0:
+        n = f.readinto(view[: min(left, len(buf))])
+        if not n:
+            raise _fail("truncated while verifying", None, start + length - left)
+        crc = zlib.crc32(view[:n], crc)
+        left -= n
+    return crc
+
+
+class EntityFile:
+    """A validated, memory-mapped `.entity` v2 file.
+
+    ``verify``: True checks every blob checksum at open (reads the file once, in chunks, without
+    mapping it into RSS); "lazy" checks a blob the first time `array` returns it; False trusts the
+    blobs (the header checksum, layout and padding are always checked).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool | str = True):
+        if verify not in (True, False, "lazy"):
+            raise ValueError("verify must be True, False or 'lazy'")
+        self.path = str(path)
+        self._verify = verify
+        self._checked: set[str] = set()
+        try:
+            f = open(self.path, "rb")
+        except OSError as exc:
+            raise _fail(f"cannot open: {exc.strerror}", self.path) from exc
+        with f:
+            self.size = os.fstat(f.fileno()).st_size
+            self.header, self.flags = self._read_header(f)
+            self.blobs = {b.path: b for b in self.header.blobs}
+            self._check_padding(f)
+            if verify is True:
+                for rec in self.header.blobs:
+                    self._verify_record(f, rec)
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+
+    def _read_header(self, f) -> tuple[_Header, int]:
+        version, flags, hlen = read_prefix(f, self.path)
+        if version != FORMAT_VERSION:
+            raise EntityVersionError(
+                f"unsupported .entity version {version} (this reader: 1 via entity_v1, 2)",
+                path=self.path,
+                offset=8,
+            )
+        if hlen > self.size - PREFIX.size:
+            raise _fail(f"header length {hlen} exceeds the file", self.path, 12)
+        if hlen > MAX_HEADER_LEN:
+            raise LimitExceededError(f"header length {hlen} > {MAX_HEADER_LEN}", path=self.path)
+        f.seek(0)
+        raw = f.read(PREFIX.size + hlen)
+        if hlen < len(_CRC_TAIL) + 4 or raw[-len(_CRC_TAIL) - 4 : -4] != _CRC_TAIL:
+            raise IntegrityError("header checksum entry missing or damaged", path=self.path)
+        want = int.from_bytes(raw[-4:], "big")  # msgpack uint32 is big-endian
+        if zlib.crc32(raw[:-4]) != want:
+            raise IntegrityError("header checksum mismatch (file damaged)", path=self.path)
+        header = _decode_header(raw[PREFIX.size :], self.path)
+        self.header_len = hlen
+        self.data_start = align(PREFIX.size + hlen)
+        _check_layout(header.blobs, self.data_start, self.size, self.path)
+        if not header.blobs and self.size != PREFIX.size + hlen:
+            raise _fail("trailing bytes after the header", self.path, PREFIX.size + hlen)
+        return header, flags
+
+    def _check_padding(self, f) -> None:
+        # Zero padding only: hidden data between blobs is refused.
+        pos = PREFIX.size + self.header_len
+        for rec in sorted(self.header.blobs, key=lambda r: r.offset):
+            gap = rec.offset - pos
+            if gap:
+                f.seek(pos)
+                if f.read(gap).strip(b"\x00"):
+                    raise _fail("non-zero padding before blob", self.path, pos)
+            pos = rec.offset + rec.length
+
+    def _verify_record(self, f, rec: BlobRecord) -> None:
+        if _crc_of_range(f, rec.offset, rec.length) != rec.checksum:
+            raise IntegrityError(f"checksum mismatch in blob {rec.path!r}", path=self.path)
+        self._checked.add(rec.path)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.blobs
+
+    def meta(self, key: str) -> Any:
+        return getattr(self.header, key)
+
+    def array(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view of blob ``name`` with its dtype and shape."""
+        rec = self.blobs.get(name)
+        if rec is None:
+            raise _fail(f"blob {name!r} missing", self.path)
+        if self._verify == "lazy" and name not in self._checked:
+            mv = memoryview(self._mm)[rec.offset : rec.offset + rec.length]
+            if zlib.crc32(mv) != rec.checksum:
+                raise IntegrityError(f"checksum mismatch in blob {name!r}", path=self.path)
+            self._checked.add(name)
+        dt = BLOB_DTYPES[rec.dtype]
+        if rec.length == 0:
+            return np.zeros(rec.shape, dtype=dt)
+        count = rec.length // dt.itemsize
+        arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=rec.offset)
+        return arr.reshape(rec.shape)
+
+    def verify(self) -> None:
+        """Check every blob checksum now (IntegrityError on the first mismatch)."""
+        with open(self.path, "rb") as f:
+            for rec in self.header.blobs:
+                self._verify_record(f, rec)
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def _blob_bytes(arr: np.ndarray) -> tuple[str, memoryview]:
+    arr = np.asarray(arr)
+    name = _NAME_OF.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
+    if name is None:
+        raise EntityFormatError(f"cannot store dtype {arr.dtype} in a blob")
+    le = np.ascontiguousarray(arr, dtype=BLOB_DTYPES[name]).reshape(-1)  # [n]
+    return name, memoryview(le.view(np.uint8))
+
+
+class EntityWriter:
+    """Streams blobs to a scratch payload file, then writes prefix + header + payload atomically.
+
+    Peak memory is one blob (the caller's array) plus the header; disk use is twice the file
+    while `finish` copies the payload into the output temp file.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, force: bool = False, inputs=()):
+        self.path = Path(os.path.abspath(os.fspath(path)))
+        self.force = force
+        self.inputs = list(inputs)
+        check_output(self.path, force=force, inputs=self.inputs)  # fail before any slow work
+        self._payload_path = temp_name(self.path.with_name(self.path.name + ".payload"))
+        try:
+            self._payload = open(self._payload_path, "x+b")
+        except OSError as exc:
+            raise _wrap_os_error(exc, self.path) from exc
+        self._records: list[dict[str, Any]] = []
+        self._names: set[str] = set()
+        self._pos = 0
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        """Append one blob (any dtype of `BLOB_DTYPES`; shape kept)."""
+        if name in self._names:
+            raise EntityFormatError(f"duplicate blob path {name!r}")
+        dtype, mv = _blob_bytes(arr)
+        pad = align(self._pos) - self._pos
+        if pad:
+            self._payload.write(b"\x00" * pad)
+            self._pos += pad
+        self._payload.write(mv)
+        rec = {"path": name, "offset": self._pos, "length": mv.nbytes, "dtype": dtype}
+        rec.update(shape=[int(d) for d in np.shape(arr)], checksum=zlib.crc32(mv))
+        self._records.append(rec)
+        self._names.add(name)
+        self._pos += mv.nbytes
+
+    def _pack_header(self, meta: dict[str, Any], data_start: int) -> bytes:
+        blobs = [dict(r, offset=r["offset"] + data_start) for r in self._records]
+        fields = {"format_version": FORMAT_VERSION, **meta, "blobs": blobs}
+        packer = msgpack.Packer(use_bin_type=True)
+        body = packer.pack_map_header(len(fields) + 1)
+        body += b"".join(packer.pack(k) + packer.pack(v) for k, v in fields.items())
+        body += _CRC_TAIL
+        prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body) + 4)
+        crc = zlib.crc32(prefix + body)
+        return prefix + body + crc.to_bytes(4, "big")
+
+    def _header_for(self, meta: dict[str, Any]) -> bytes:
+        # Offsets live in the header, whose size depends on them: iterate to the fixed point
+        # (data_start only grows, so this converges in a few steps).
+        data_start = align(len(self._pack_header(meta, 0)))
+        while True:
+            head = self._pack_header(meta, data_start)
+            nxt = align(len(head))
+            if nxt == data_start:
+                return head
+            data_start = nxt
+
+    def finish(self, meta: dict[str, Any]) -> Path:
+        """Write the file. ``meta`` holds every header key but format_version/blobs/checksum."""
+        missing = set(META_KEYS) - set(meta)
+        extra = set(meta) - set(META_KEYS)
+        if missing or extra:
+            raise EntityFormatError(
+                f"header keys: missing {sorted(missing)}, unknown {sorted(extra)}"
+            )
+        try:
+            head = self._header_for(meta)
+            _decode_header(head[PREFIX.size :], str(self.path))  # never write what we cannot read
+            self._payload.flush()
+            size = align(len(head)) + self._pos
+            with atomic_output(
+                self.path, force=self.force, inputs=self.inputs, expected_size=size
+            ) as out:
+                out.write(head)
+                out.write(b"\x00" * (align(len(head)) - len(head)))
+                _copy_all(self._payload, out, self._pos)
+        finally:
+            self.close()
+        return self.path
+
+    def close(self) -> None:
+        """Drop the scratch payload (idempotent; called by `finish` and on errors)."""
+        if not self._payload.closed:
+            self._payload.close()
+        try:
+            os.unlink(self._payload_path)
+        except OSError:
+            pass
+
+    def __enter__(self) -> EntityWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _copy_all(src, dst, length: int) -> None:
+    src.seek(0)
+    dst.flush()
+    copied = 0
+    try:
+        while copied < length:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), length - copied)
+            if n == 0:
+                break
+            copied += n
+    except (AttributeError, OSError) as exc:
+        if getattr(exc, "errno", None) in (28, 27):  # ENOSPC, EFBIG: a real write failure
+            raise
+        src.seek(copied)
+        dst.seek(0, os.SEEK_END)
+        while copied < length:
+            chunk = src.read(min(_CHUNK, length - copied))
+            if not chunk:
+                break
+            dst.write(chunk)
+            copied += len(chunk)
+    if copied != length:
+        raise EntityFormatError(f"payload copy stopped at {copied} of {length} bytes")
+    dst.seek(0, os.SEEK_END)
