@@ -1,0 +1,88 @@
+"""`lucy bench`: load time, prefill and decode tok/s, peak RSS, measured on the raw forward.
+
+Decode is greedy (argmax of the last logits) so the measured work does not depend on sampling
+or on an early EOS; a warm-up pass runs first so lazy initialisation is not timed.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from poly.errors import UsageError
+
+BENCH_TEXT = "Explain in one short paragraph why the sky appears blue during the day. "
+WARMUP_PROMPT, WARMUP_NEW = 8, 4
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def prompt_ids(model, n: int) -> list[int]:
+    """`n` token ids of ordinary text (the benchmark sentence repeated, then cut)."""
+    ids = list(model.tokenizer.encode(BENCH_TEXT))
+    if not ids:
+        raise UsageError("the tokenizer produced no tokens for the benchmark text")
+    reps = n // len(ids) + 1
+    return (ids * reps)[:n]
+
+
+def time_run(model, ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) for one prompt + `new_tokens` greedy steps."""
+    model.reset()
+    t0 = time.perf_counter()
+    logits = model.forward(ids)
+    t1 = time.perf_counter()
+    for _ in range(new_tokens):
+        logits = model.forward([int(np.argmax(logits))])
+    t2 = time.perf_counter()
+    model.reset()
+    return t1 - t0, t2 - t1
+
+
+def _check(prompt_tokens: int, new_tokens: int, runs: int, max_seq: int | None) -> None:
+    if prompt_tokens < 1 or new_tokens < 1 or runs < 1:
+        raise UsageError("--prompt-tokens, --new-tokens and --runs must be >= 1")
+    if max_seq is not None and prompt_tokens + new_tokens > max_seq:
+        raise UsageError(
+            f"prompt + new tokens ({prompt_tokens + new_tokens}) exceed the context of {max_seq}"
+        )
+
+
+def bench_model(model, prompt_tokens: int = 64, new_tokens: int = 32, runs: int = 3) -> dict:
+    """Median prefill/decode tok/s over `runs` after one warm-up pass."""
+    _check(prompt_tokens, new_tokens, runs, getattr(model.config, "max_seq_len", None))
+    ids = prompt_ids(model, prompt_tokens)
+    time_run(model, ids[:WARMUP_PROMPT], min(WARMUP_NEW, new_tokens))
+    prefill, decode = [], []
+    for _ in range(runs):
+        p, d = time_run(model, ids, new_tokens)
+        prefill.append(prompt_tokens / p)
+        decode.append(new_tokens / d)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "runs": runs,
+        "prefill_tok_s": statistics.median(prefill),
+        "decode_tok_s": statistics.median(decode),
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def run_bench(spec: str, prompt_tokens: int = 64, new_tokens: int = 32, runs: int = 3) -> dict:
+    """Load `spec` through `entity.load` (timed), then `bench_model`."""
+    import entity
+
+    _check(prompt_tokens, new_tokens, runs, None)
+    t0 = time.perf_counter()
+    model = entity.load(spec)
+    load_s = time.perf_counter() - t0
+    result = bench_model(model, prompt_tokens, new_tokens, runs)
+    return {"model": str(spec), "load_s": load_s, **result}
