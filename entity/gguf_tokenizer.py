@@ -1,0 +1,286 @@
+"""Build a ``tokenizers.Tokenizer`` from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+Re-implements what transformers' GGUF integration and llama.cpp's vocab loader do:
+``gpt2`` = byte-level BPE with the split regex of ``tokenizer.ggml.pre``; ``llama`` =
+SentencePiece-style BPE (Metaspace, byte fallback, merges from the file or derived from scores).
+Control tokens (token_type 3) become special added tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from poly.errors import TokenizerError
+
+from .gguf_reader import T_ARRAY, T_STRING, GGUFFile
+
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
+MAX_VOCAB = 1 << 22  # reliability.md A5: vocab <= 2^22
+
+# llama.cpp llama-vocab.cpp regexes, by tokenizer.ggml.pre (split then byte-level, no regex).
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLIT_REGEX: dict[str, str] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx"), _LLAMA3),
+    **dict.fromkeys(("smaug-bpe",), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2),
+    "tekken": _TEKKEN,
+}
+# Pre types that split every digit apart before the GPT-2 regex (llama.cpp's "\p{N}" group;
+# SmolLM2's own tokenizer.json has Digits(individual_digits=True) + ByteLevel).
+DIGIT_SPLIT = frozenset(
+    ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+)
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerSpec:
+    """A built tokenizer plus the special ids and the chat template the file declares."""
+
+    tokenizer: Tokenizer
+    model: str
+    pre: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unk_token_id: int | None
+    pad_token_id: int | None
+    eot_token_id: int | None
+    eom_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    chat_template: str | None
+
+    def token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.tokenizer.id_to_token(token_id)
+
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """eos plus eot/eom when the file names them (ids in file order, no duplicates)."""
+        ids = (self.eos_token_id, self.eot_token_id, self.eom_token_id)
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _string_array(gg: GGUFFile, key: str, required: bool = True) -> list[str] | None:
+    if key not in gg.metadata:
+        if required:
+            raise TokenizerError(f"GGUF has no {key}", path=gg.path)
+        return None
+    if gg.metadata_types[key] != (T_ARRAY, T_STRING):
+        raise TokenizerError(f"{key} must be an array of strings", path=gg.path)
+    return gg.metadata[key]
+
+
+def _numeric_array(gg: GGUFFile, key: str, n: int) -> np.ndarray | None:
+    value = gg.metadata.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iuf" or len(value) != n:
+        raise TokenizerError(f"{key} must be a numeric array of {n} entries", path=gg.path)
+    return value
+
+
+def _token_id(gg: GGUFFile, name: str, n_vocab: int) -> int | None:
+    value = gg.metadata.get(f"tokenizer.ggml.{name}_token_id")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n_vocab:
+        raise TokenizerError(
+            f"tokenizer.ggml.{name}_token_id {value!r} is not a token id", path=gg.path
+        )
+    return value
+
+
+def _merges(gg: GGUFFile, tokens: list[str], scores: np.ndarray | None) -> list[tuple[str, str]]:
+    listed = _string_array(gg, "tokenizer.ggml.merges", required=False)
+    if listed is not None:
+        pairs = [tuple(m.split(" ", 1)) for m in listed]
+        if any(len(p) != 2 for p in pairs):
+            raise TokenizerError(
+                "tokenizer.ggml.merges holds an entry without a space", path=gg.path
+            )
+        return pairs
+    if scores is None:
+        return []
+    return _merges_from_scores(tokens, scores)
+
+
+def _merges_from_scores(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
+    """SentencePiece BPE files have scores, not merges: every split of a token into two vocab
+    pieces is a merge ranked by the token's score (transformers' generate_merges)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for token, score in zip(tokens, scores.tolist()):
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))]
+        local = [m for m in local if m[0] in vocab and m[1] in vocab]
+        found.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
+
+
+def _byte_level(tokens: list[str], merges, pre: str | None) -> Tokenizer:
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Tokens outside the byte alphabet (rare mislabels) are re-spelled from their UTF-8 bytes.
+    vocab = {}
+    for i, t in enumerate(tokens):
+        key = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+        vocab.setdefault(key, i)
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    regex = SPLIT_REGEX.get(pre or "")
+    if regex is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif pre in DIGIT_SPLIT:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece(tokens: list[str], merges, unk: str | None, add_space_prefix: bool) -> Tokenizer:
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    model = BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(model)
+    scheme = "first" if add_space_prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _add_special(tok: Tokenizer, tokens: list[str], types: np.ndarray | None, byte_level: bool):
+    if types is None:
+        return
+    alphabet = set(bytes_to_unicode().values()) if byte_level else None
+    control, user = [], []
+    for token, kind in zip(tokens, types.tolist()):
+        if kind == TOKEN_CONTROL and (alphabet is None or set(token) <= alphabet):
+            control.append(AddedToken(token, normalized=False, special=True))
+        elif kind == TOKEN_USER_DEFINED:
+            user.append(AddedToken(token, normalized=False, special=False))
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+
+
+def _post_processor(tok: Tokenizer, spec_ids: dict[str, int | None], add_bos: bool, add_eos: bool):
+    bos, eos = spec_ids["bos"], spec_ids["eos"]
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    if not (add_bos or add_eos):
+        return
+    bos_t = tok.id_to_token(bos) if add_bos else None
+    eos_t = tok.id_to_token(eos) if add_eos else None
+    single = " ".join(x for x in (bos_t and f"{bos_t}:0", "$A:0", eos_t and f"{eos_t}:0") if x)
+    pair = (
+        single
+        + " "
+        + " ".join(x for x in (bos_t and f"{bos_t}:1", "$B:1", eos_t and f"{eos_t}:1") if x)
+    )
+    special = [(t, i) for t, i in ((bos_t, bos), (eos_t, eos)) if t is not None]
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=special
+    )
+
+
+BUILDERS = {"gpt2": "byte_level", "llama": "sentencepiece"}
+
+
+def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
+    """Build the tokenizer a GGUF file describes. Bad or missing metadata -> ``TokenizerError``."""
+    md = gg.metadata
+    model = md.get("tokenizer.ggml.model")
+    if model not in BUILDERS:
+        raise TokenizerError(
+            f"unsupported GGUF tokenizer model {model!r} (supported: gpt2, llama)", path=gg.path
+        )
+    tokens = _string_array(gg, "tokenizer.ggml.tokens")
+    if not 0 < len(tokens) <= MAX_VOCAB:
+        raise TokenizerError(f"tokenizer.ggml.tokens has {len(tokens)} entries", path=gg.path)
+    scores = _numeric_array(gg, "tokenizer.ggml.scores", len(tokens))
+    types = _numeric_array(gg, "tokenizer.ggml.token_type", len(tokens))
+    pre = md.get("tokenizer.ggml.pre")
+    pre = pre if isinstance(pre, str) else None
+    ids = {
+        k: _token_id(gg, k, len(tokens)) for k in ("bos", "eos", "unknown", "padding", "eot", "eom")
+    }
+    try:
+        merges = _merges(gg, tokens, scores)
+        if model == "gpt2":
+            tok = _byte_level(tokens, merges, pre)
+        else:
+            unk = tokens[ids["unknown"]] if ids["unknown"] is not None else None
+            tok = _sentencepiece(
+                tokens, merges, unk, bool(md.get("tokenizer.ggml.add_space_prefix", True))
+            )
+        _add_special(tok, tokens, types, byte_level=model == "gpt2")
+    except TokenizerError:
+        raise
+    except Exception as exc:  # the tokenizers crate raises plain Exception subclasses
+        raise TokenizerError(f"cannot build the GGUF tokenizer: {exc}", path=gg.path) from None
+    # llama.cpp adds BOS to SentencePiece vocabularies that do not say otherwise.
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", model == "llama"))
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+    _post_processor(tok, {"bos": ids["bos"], "eos": ids["eos"]}, add_bos, add_eos)
+    template = md.get("tokenizer.chat_template")
+    return GGUFTokenizerSpec(
+        tokenizer=tok,
+        model=model,
+        pre=pre,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        unk_token_id=ids["unknown"],
+        pad_token_id=ids["padding"],
+        eot_token_id=ids["eot"],
+        eom_token_id=ids["eom"],
+        add_bos_token=add_bos,
+        add_eos_token=add_eos,
+        chat_template=template if isinstance(template, str) else None,
+    )
