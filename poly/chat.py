@@ -1,0 +1,475 @@
+"""Chat templates: HF Jinja templates rendered in a hardened sandbox, plus Loom's five presets.
+
+The environment mirrors transformers' `_compile_jinja_template` (trim_blocks, lstrip_blocks,
+loopcontrols, `raise_exception`, `strftime_now`, HF's `tojson`, guarded `dict`/`namespace`) so
+our text equals `apply_chat_template`. On top of the sandbox we reject, before anything runs,
+any access to underscore names and any include/import/extends; range, `*`, `**`, `%`, output
+size and render time are bounded (CVE-2024-34359 came from an unsandboxed template).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import json
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from poly.errors import TemplateError, TemplateSecurityError
+
+
+class TemplateLimitError(TemplateError):
+    """Rendering exceeded a size, loop or time bound."""
+
+    code = "template_limit"
+
+
+MAX_TEMPLATE_CHARS = 1 << 20  # real templates are < 20 kB
+MAX_OUTPUT_CHARS = 16 << 20
+MAX_LOOP_STEPS = 1_000_000  # summed over every range() of one render
+MAX_RENDER_SECONDS = 10.0
+MAX_INT_BITS = 4096
+
+# --- the sandboxed environment ---------------------------------------------------------------
+
+
+class _RenderBudget:
+    """Per-render counters, charged by every loop iteration and every range()."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
+
+    def tick(self, n: int = 1) -> None:
+        self.steps += n
+        if self.steps > MAX_LOOP_STEPS:
+            raise TemplateLimitError(f"template loops exceed {MAX_LOOP_STEPS} steps")
+        if time.monotonic() > self.deadline:
+            raise TemplateLimitError(f"template rendering exceeded {MAX_RENDER_SECONDS:g} s")
+
+
+_BUDGET: contextvars.ContextVar[_RenderBudget | None] = contextvars.ContextVar(
+    "poly_chat_budget", default=None
+)
+_GUARD_NAME = "poly_loop_guard"
+
+
+def _budget() -> _RenderBudget:
+    budget = _BUDGET.get()
+    if budget is None:  # rendering outside ChatTemplate.render (e.g. a test)
+        budget = _RenderBudget()
+        _BUDGET.set(budget)
+    return budget
+
+
+def _bounded_range(*args: int) -> range:
+    # Like the sandbox's safe_range, but the whole range is charged to the render budget.
+    rng = range(*args)
+    _budget().tick(len(rng))
+    return rng
+
+
+def _loop_guard(iterable: Any):
+    # Wraps every {% for %} iterable: loops over long strings or lists cannot run unbounded.
+    budget = _budget()
+    for item in iterable:
+        budget.tick()
+        yield item
+
+
+def _raise_exception(message: Any) -> None:
+    raise jinja2.exceptions.TemplateError(str(message))
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # HF's override: no HTML escaping, and the json.dumps options exposed.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """`dict(...)` without exposing the dict type itself (HF's TemplateDict)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace(...)` that refuses underscore attributes (HF's TemplateNamespace)."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _HardenedEnvironment(ImmutableSandboxedEnvironment):
+    """Unsafe attribute access raises at once instead of yielding a silent Undefined."""
+
+    intercepted_binops = frozenset(["**", "*", "%"])
+
+    def unsafe_undefined(self, obj: Any, attribute: str):
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} is not allowed"
+        )
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if right > 0 and max(abs(left), 2).bit_length() * right > MAX_INT_BITS:
+                raise TemplateLimitError("integer power too large")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(n, int):
+                    if len(seq) * n > MAX_OUTPUT_CHARS:
+                        raise TemplateLimitError("sequence repetition too large")
+        if operator == "%" and isinstance(left, str):
+            result = super().call_binop(context, operator, left, right)
+            if len(result) > MAX_OUTPUT_CHARS:
+                raise TemplateLimitError("formatted string too large")
+            return result
+        return super().call_binop(context, operator, left, right)
+
+
+class _AssistantTracker(jinja2.ext.Extension):
+    """Parses HF's `{% generation %}...{% endgeneration %}` as a plain block (no mask tracking)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _build_environment() -> _HardenedEnvironment:
+    env = _HardenedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_AssistantTracker, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    env.globals["range"] = _bounded_range
+    env.globals[_GUARD_NAME] = _loop_guard
+    return env
+
+
+_ENV = _build_environment()
+_FORBIDDEN_NODES = (
+    jinja2.nodes.Include,
+    jinja2.nodes.Import,
+    jinja2.nodes.FromImport,
+    jinja2.nodes.Extends,
+)
+
+
+def _check_ast(tree: jinja2.nodes.Template) -> None:
+    """Refuses, before any rendering, the constructs only an attack needs."""
+    for node in tree.find_all(_FORBIDDEN_NODES):
+        kind = type(node).__name__.lower()
+        raise TemplateSecurityError(
+            f"chat templates may not use {{% {kind} %}} (line {node.lineno})"
+        )
+    for node in tree.find_all(jinja2.nodes.Name):
+        if node.name == _GUARD_NAME:
+            raise TemplateSecurityError(f"{_GUARD_NAME!r} is a reserved name")
+    for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
+        name = node.attr if isinstance(node, jinja2.nodes.Getattr) else None
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+            name = node.arg.value
+        if isinstance(name, str) and name.startswith("_"):
+            raise TemplateSecurityError(
+                f"chat template reaches for internal attribute {name!r} (line {node.lineno})"
+            )
+
+
+def _guard_loops(tree: jinja2.nodes.Template) -> None:
+    # {% for x in it %} becomes {% for x in poly_loop_guard(it) %}.
+    for node in tree.find_all(jinja2.nodes.For):
+        guard = jinja2.nodes.Name(_GUARD_NAME, "load", lineno=node.lineno)
+        node.iter = jinja2.nodes.Call(guard, [node.iter], [], None, None, lineno=node.lineno)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(source: str) -> jinja2.Template:
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(
+            f"chat template has {len(source)} chars (limit {MAX_TEMPLATE_CHARS})"
+        )
+    try:
+        tree = _ENV.parse(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise TemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from e
+    _check_ast(tree)
+    _guard_loops(tree)
+    try:
+        return _ENV.from_string(tree)
+    except (jinja2.exceptions.TemplateError, RecursionError) as e:
+        raise TemplateError(f"chat template does not compile: {e}") from e
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """Rebuilds template inputs from plain JSON types, so no rich object's methods leak in."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    for kind in (bool, str, int, float):  # subclasses (enums, numpy scalars) -> base type
+        if isinstance(value, kind):
+            return kind(value)
+    return f"<{type(value).__name__}>"
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """A list of {"role": str, "content": str, ...} dicts; None-valued keys dropped as HF does."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+        raise TemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise TemplateError("messages must not be empty")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TemplateError(f"message {i} must be a dict, got {type(message).__name__}")
+        message = {k: v for k, v in message.items() if v is not None}
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise TemplateError(f"message {i} needs a string {key!r}, got {message.get(key)!r}")
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:  # HF aliases the reasoning fields so any template finds them
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(_plain(message))
+    return out
+
+
+def _render(template: jinja2.Template, context: dict[str, Any]) -> str:
+    token = _BUDGET.set(_RenderBudget())
+    try:
+        parts, size = [], 0
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            if size > MAX_OUTPUT_CHARS:
+                raise TemplateLimitError(f"rendered prompt exceeds {MAX_OUTPUT_CHARS} chars")
+            parts.append(chunk)
+        return "".join(parts)
+    except TemplateError:
+        raise
+    except jinja2.exceptions.SecurityError as e:
+        raise TemplateSecurityError(f"chat template blocked: {e}") from e
+    except jinja2.exceptions.TemplateError as e:  # includes raise_exception(...)
+        raise TemplateError(f"chat template error: {e}") from e
+    except (RecursionError, MemoryError, OverflowError) as e:
+        raise TemplateLimitError(f"chat template exceeded a limit: {type(e).__name__}") from e
+    except Exception as e:  # a template is untrusted code: nothing raw escapes
+        raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+    finally:
+        _BUDGET.reset(token)
+
+
+class ChatTemplate:
+    """A compiled chat template. `render(messages)` returns the prompt text."""
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        name: str | None = None,
+    ):
+        if not isinstance(source, str):
+            raise TemplateError(f"chat template must be a string, got {type(source).__name__}")
+        for label, tok in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if tok is not None and not isinstance(tok, str):
+                raise TemplateError(f"{label} must be a string or None, got {tok!r}")
+        self._template = _compile(source)
+        self._source = source
+        self._bos = bos_token
+        self._eos = eos_token
+        self._name = name
+
+    source = property(lambda self: self._source)
+    bos_token = property(lambda self: self._bos)
+    eos_token = property(lambda self: self._eos)
+    name = property(lambda self: self._name)
+
+    def render(self, messages: Any, *, add_generation_prompt: bool = True, **extra: Any) -> str:
+        """Renders like transformers' apply_chat_template(tokenize=False).
+
+        `extra` reaches the template as variables (e.g. `tools`, `enable_thinking`, `pad_token`).
+        """
+        context: dict[str, Any] = {"tools": None, "documents": None}
+        context.update({k: v for k, v in (("bos_token", self._bos), ("eos_token", self._eos)) if v})
+        context.update(_plain(extra))
+        context["messages"] = validate_messages(messages)
+        context["add_generation_prompt"] = bool(add_generation_prompt)
+        return _render(self._template, context)
+
+    @classmethod
+    def preset(cls, name: str) -> ChatTemplate:
+        """One of Loom's built-in templates (`PRESETS`)."""
+        if name not in _PRESET_ROLES:
+            raise TemplateError(
+                f"unknown chat template preset {name!r}; known: {', '.join(PRESETS)}"
+            )
+        return cls(_preset_source(name), name=name)
+
+    @classmethod
+    def from_tokenizer_config(
+        cls, cfg: Mapping[str, Any], fallback: str | None = "chatml", *, name: str | None = None
+    ) -> ChatTemplate:
+        """From a tokenizer_config.json dict; the `fallback` preset when it has no template."""
+        if not isinstance(cfg, Mapping):
+            raise TemplateError("tokenizer_config must be a JSON object")
+        bos, eos = (_token_content(cfg.get(k), k) for k in ("bos_token", "eos_token"))
+        source = _pick_template(cfg.get("chat_template"))
+        if source is None:
+            if fallback is None:
+                raise TemplateError(
+                    "tokenizer_config has no chat_template and no fallback was given"
+                )
+            return cls(
+                _preset_source(_known_preset(fallback)), bos_token=bos, eos_token=eos, name=fallback
+            )
+        return cls(source, bos_token=bos, eos_token=eos, name=name or "tokenizer_config")
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(name={self._name!r}, {len(self._source)} chars)"
+
+
+def _token_content(value: Any, key: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TemplateError(f"{key} must be a string or {{'content': str}}, got {value!r}")
+
+
+def _pick_template(value: Any) -> str | None:
+    """`chat_template` is a string, or a list of {name, template} where "default" is used."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {}
+        for entry in value:
+            if not (isinstance(entry, Mapping) and isinstance(entry.get("name"), str)):
+                raise TemplateError(f"chat_template entries must be {{name, template}}: {entry!r}")
+            named[entry["name"]] = entry.get("template")
+        chosen = named.get("default")
+        if chosen is not None and not isinstance(chosen, str):
+            raise TemplateError("the 'default' chat_template must be a string")
+        return chosen
+    raise TemplateError(f"chat_template must be a string or a list, got {type(value).__name__}")
+
+
+def messages_from_prompt(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """A one-turn conversation: optional system message, then the user prompt."""
+    if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
+        raise TemplateError("prompt and system must be strings")
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": "user", "content": prompt}]
+
+
+# --- Loom's presets (inventory §5.6), written as Jinja so every template has one renderer ----
+
+# role -> (prefix, suffix); a preset without "system" drops system messages, as Loom does.
+_PRESET_ROLES: dict[str, dict[str, tuple[str, str]]] = {
+    "chatml": {
+        "system": ("<|im_start|>system\n", "<|im_end|>\n"),
+        "user": ("<|im_start|>user\n", "<|im_end|>\n"),
+        "assistant": ("<|im_start|>assistant\n", "<|im_end|>\n"),
+    },
+    "plain": {"user": ("", ""), "assistant": ("", "")},
+    "bitnet-inst": {"user": ("<s>[INST] ", " [/INST]"), "assistant": (" ", " </s>")},
+    "microsoft-bitnet": {
+        "system": ("System: ", "<|eot_id|>"),
+        "user": ("User: ", "<|eot_id|>"),
+        "assistant": ("Assistant: ", "<|eot_id|>"),
+    },
+    "llama3": {
+        "system": (
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n",
+            "<|eot_id|>",
+        ),
+        "user": ("<|start_header_id|>user<|end_header_id|>\n\n", "<|eot_id|>"),
+        "assistant": ("<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    },
+}
+PRESETS: tuple[str, ...] = tuple(_PRESET_ROLES)
+
+
+def _known_preset(name: str) -> str:
+    if name not in _PRESET_ROLES:
+        raise TemplateError(f"unknown chat template preset {name!r}; known: {', '.join(PRESETS)}")
+    return name
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)  # a double-quoted literal Jinja parses the same way
+
+
+@functools.cache
+def _preset_source(name: str) -> str:
+    roles = _PRESET_ROLES[name]
+    parts = ["{%- for m in messages -%}"]
+    if "system" in roles:  # Loom trims the system prompt and skips it when empty
+        pre, suf = roles["system"]
+        parts.append(
+            "{%- if m.role == 'system' -%}{%- if m.content | trim -%}"
+            f"{{{{ {_lit(pre)} }}}}{{{{ m.content | trim }}}}{{{{ {_lit(suf)} }}}}"
+            "{%- endif -%}"
+        )
+    else:
+        parts.append("{%- if m.role == 'system' -%}")
+    for role in ("user", "assistant"):
+        pre, suf = roles[role]
+        parts.append(
+            f"{{%- elif m.role == '{role}' -%}}"
+            f"{{{{ {_lit(pre)} }}}}{{{{ m.content }}}}{{{{ {_lit(suf)} }}}}"
+        )
+    parts.append("{%- else -%}{{ raise_exception('unsupported role: ' ~ m.role) }}")
+    parts.append("{%- endif -%}{%- endfor -%}")
+    parts.append(
+        f"{{%- if add_generation_prompt -%}}{{{{ {_lit(roles['assistant'][0])} }}}}{{%- endif -%}}"
+    )
+    return "".join(parts)
