@@ -80,6 +80,13 @@ def check_output(
 
 
 def _check_target(out: Path, force: bool, inputs: Iterable[str | os.PathLike]) -> None:
+    try:
+        _check_target_unsafe(out, force, inputs)
+    except OSError as exc:  # e.g. a parent directory we may not even look into
+        raise OutputPathError(f"cannot use output path: {exc.strerror}", path=str(out)) from exc
+
+
+def _check_target_unsafe(out: Path, force: bool, inputs: Iterable[str | os.PathLike]) -> None:
     parent = out.parent
     if not parent.is_dir():
         raise OutputPathError(f"output directory does not exist: {parent}", path=str(out))

@@ -359,10 +359,13 @@ class EntityWriter:
             raise EntityFormatError(f"duplicate blob path {name!r}")
         dtype, mv = _blob_bytes(arr)
         pad = align(self._pos) - self._pos
-        if pad:
+        try:
             self._payload.write(b"\x00" * pad)
-            self._pos += pad
-        self._payload.write(mv)
+            self._payload.write(mv)
+        except OSError as exc:
+            self.close()
+            raise _wrap_os_error(exc, self.path) from exc
+        self._pos += pad
         rec = {"path": name, "offset": self._pos, "length": mv.nbytes, "dtype": dtype}
         rec.update(shape=[int(d) for d in np.shape(arr)], checksum=zlib.crc32(mv))
         self._records.append(rec)
