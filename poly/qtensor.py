@@ -1,0 +1,323 @@
+"""Matrices [out, in] (HF nn.Linear layout) kept in their stored representation.
+
+`matmul(x)` = x @ W.T, computed block of rows by block of rows so a quantized matrix is never fully
+re-materialized in float32. A compiled backend can take over a scheme by registering a kernel in
+`KERNELS` (signature `kernel(qtensor, x [n, in] float32, out [n, out] float32) -> None`).
+"""
+
+from __future__ import annotations
+
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+from gguf import quants as gguf_quants
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from poly.dtypes import DType, Encoded, decode_rows, encode, parse_dtype
+from poly.errors import (
+    EntityFormatError,
+    GGUFFormatError,
+    LayerConfigError,
+    NumericalError,
+    UnsupportedError,
+)
+
+KERNELS: dict[str, Callable[[QTensor, np.ndarray, np.ndarray], None]] = {}
+
+
+class QTensor(ABC):
+    """A matrix [out, in] in some stored representation."""
+
+    shape: tuple[int, int]
+    scheme: str
+    block_rows: int = 256  # row-block ("tile") size of the blocked matmul
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int: ...
+
+    @abstractmethod
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        """float32 [stop-start, in] for a validated row range."""
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) as float32 [stop-start, in] (may be a read-only view for float32)."""
+        rows = self.shape[0]
+        stop = rows if stop is None else int(stop)
+        if not 0 <= start <= stop <= rows:
+            raise LayerConfigError(f"row range [{start}, {stop}) outside 0..{rows}")
+        return self._rows(int(start), stop)
+
+    def matmul(self, x, out: np.ndarray | None = None) -> np.ndarray:
+        """x @ W.T for float32 x [n, in] (or [in]) -> float32 [n, out] (or [out])."""
+        x = np.asarray(x, dtype=np.float32)
+        vec = x.ndim == 1
+        x2 = np.ascontiguousarray(x.reshape(1, -1) if vec else x)  # [n, in]
+        if x2.ndim != 2 or x2.shape[1] != self.shape[1]:
+            raise LayerConfigError(f"matmul input {x.shape} does not match weight {self.shape}")
+        want = (self.shape[0],) if vec else (x2.shape[0], self.shape[0])
+        if out is None:
+            out = np.empty(want, dtype=np.float32)
+        elif out.shape != want or out.dtype != np.float32:
+            raise LayerConfigError(f"out must be float32 {want}, got {out.dtype} {out.shape}")
+        res = out.reshape(x2.shape[0], self.shape[0])  # [n, out] view of `out`
+        kernel = KERNELS.get(self.scheme)
+        if kernel is not None:
+            kernel(self, x2, res)
+        else:
+            self._matmul(x2, res)
+        return out
+
+    def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
+        rows, step = self.shape[0], max(1, int(self.block_rows))
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            res[:, a:b] = x2 @ self._rows(a, b).T  # [n, b-a]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, scheme={self.scheme!r})"
+
+
+def _shape2(shape) -> tuple[int, int]:
+    if len(shape) != 2 or min(shape) < 0:
+        raise LayerConfigError(f"a matrix shape must be (out, in), got {tuple(shape)}")
+    return int(shape[0]), int(shape[1])
+
+
+# --- dense arrays ------------------------------------------------------------------------------
+
+_DENSE_SCHEMES: dict[np.dtype, str] = {
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float16): "float16",
+    np.dtype(ml_dtypes.bfloat16): "bfloat16",
+}
+
+
+class DenseMatrix(QTensor):
+    """A float32/float16/bfloat16 ndarray (memmap views welcome: never copied here)."""
+
+    def __init__(self, array: np.ndarray):
+        if not isinstance(array, np.ndarray) or array.dtype not in _DENSE_SCHEMES:
+            got = getattr(array, "dtype", type(array).__name__)
+            raise LayerConfigError(f"DenseMatrix takes a float32/float16/bfloat16 array, got {got}")
+        self.shape = _shape2(array.shape)
+        self.array = array
+        self.scheme = _DENSE_SCHEMES[array.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        return self.array[start:stop].astype(np.float32, copy=False)
+
+    def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
+        if self.array.dtype == np.float32:
+            np.matmul(x2, self.array.T, out=res)  # one BLAS call, no blocking needed
+        else:
+            super()._matmul(x2, res)
+
+
+# --- any of the 21 dtypes ----------------------------------------------------------------------
+
+
+class CodedMatrix(QTensor):
+    """A matrix encoded with `poly.dtypes.encode` (per-row scales, packed sub-byte kinds)."""
+
+    def __init__(self, encoded: Encoded):
+        self.shape = _shape2(encoded.shape)
+        self.encoded = encoded
+        self.dtype = encoded.dtype
+        self.scheme = encoded.dtype.label
+
+    @classmethod
+    def encode(cls, w, dtype: DType | int | str) -> CodedMatrix:
+        w = np.asarray(w, dtype=np.float32)
+        _shape2(w.shape)
+        return cls(encode(w, dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.encoded.nbytes
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        return decode_rows(self.encoded, start, stop)
+
+
+# --- Loom Q4_0 bake (inventory §2.5, §4.6, Appendix A) -----------------------------------------
+
+Q4_BLOCK = 32
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    # Go math.Round; floor(x + 0.5) would mis-round 0.49999997.
+    t = np.trunc(x)
+    return t + np.sign(x) * (np.abs(x - t) >= 0.5)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """uint8 [nb, 16] -> int8 [nb, 32]: low nibble = even element, 4-bit two's complement."""
+    lo = ((packed & np.uint8(0xF)) ^ np.uint8(8)).view(np.int8) - np.int8(8)
+    hi = ((packed >> np.uint8(4)) ^ np.uint8(8)).view(np.int8) - np.int8(8)
+    return np.stack([lo, hi], axis=-1).reshape(packed.shape[0], Q4_BLOCK)  # [nb, 32]
+
+
+def _q4_words(nblocks: int) -> int:
+    return max(512, -(-4 * nblocks // 64) * 64)
+
+
+class Q4Matrix(QTensor):
+    """Loom's Q4_0: 32-weight blocks of the row-major matrix, float32 scale max|w|/7, nibbles."""
+
+    scheme = "q4_0"
+
+    def __init__(self, scales: np.ndarray, packed: np.ndarray, shape):
+        self.shape = _shape2(shape)
+        nb = -(-self.shape[0] * self.shape[1] // Q4_BLOCK)
+        if scales.dtype != np.float32 or scales.shape != (nb,):
+            raise LayerConfigError(
+                f"Q4 scales must be float32 [{nb}], got {scales.dtype} {scales.shape}"
+            )
+        if packed.dtype != np.uint8 or packed.size != nb * 16:
+            raise LayerConfigError(f"Q4 packed must be uint8 [{nb}, 16], got {packed.shape}")
+        self.scales = scales
+        self.packed = packed.reshape(nb, 16)  # [nblocks, 16], a view
+
+    @classmethod
+    def quantize(cls, w) -> Q4Matrix:
+        w = np.asarray(w, dtype=np.float32)
+        shape = _shape2(w.shape)
+        if not np.isfinite(w).all():
+            raise NumericalError("cannot Q4-quantize non-finite weights")
+        nb = -(-w.size // Q4_BLOCK)
+        blocks = np.zeros(nb * Q4_BLOCK, np.float32)
+        blocks[: w.size] = w.reshape(-1)
+        blocks = blocks.reshape(nb, Q4_BLOCK)  # [nblocks, 32], zero-padded tail
+        scales = np.max(np.abs(blocks), axis=1, initial=0.0) / np.float32(7.0)  # float32
+        x = np.zeros_like(blocks)
+        np.divide(blocks, scales[:, None], out=x, where=scales[:, None] > 0)  # scale 0 -> codes 0
+        u = np.clip(_round_half_away(x), -8, 7).astype(np.int8).view(np.uint8) & np.uint8(0xF)
+        packed = (u[:, 0::2] | (u[:, 1::2] << np.uint8(4))).astype(np.uint8)  # [nblocks, 16]
+        return cls(scales.astype(np.float32), packed, shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.scales.nbytes + self.packed.nbytes)
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        n_in = self.shape[1]
+        a, e = start * n_in, stop * n_in  # flat element range
+        b0, b1 = a // Q4_BLOCK, -(-e // Q4_BLOCK)
+        vals = _nibbles(self.packed[b0:b1]).astype(np.float32)  # [nb, 32]
+        vals *= self.scales[b0:b1, None]
+        flat = vals.reshape(-1)
+        if n_in % Q4_BLOCK == 0:  # rows are whole blocks: no offset, no copy
+            return flat.reshape(stop - start, n_in)
+        off = a - b0 * Q4_BLOCK
+        return flat[off : off + e - a].reshape(stop - start, n_in)
+
+    def to_loom_payload(self) -> bytes:
+        """u32 n_scales | u32 n_words | f32 scales | u32 words (zero-padded, inventory §4.6)."""
+        nb = self.scales.size
+        words = np.zeros(_q4_words(nb) * 4, np.uint8)
+        words[: nb * 16] = self.packed.reshape(-1)
+        head = struct.pack("<II", nb, words.size // 4)
+        return head + self.scales.astype("<f4").tobytes() + words.tobytes()
+
+    @classmethod
+    def from_loom_payload(cls, buf, shape) -> Q4Matrix:
+        """Parse a Loom Q4_0 blob payload (views into `buf`, no copy)."""
+        shape = _shape2(shape)
+        b = (
+            buf.reshape(-1).view(np.uint8)
+            if isinstance(buf, np.ndarray)
+            else np.frombuffer(buf, np.uint8)
+        )
+        nb = -(-shape[0] * shape[1] // Q4_BLOCK)
+        if b.size < 8:
+            raise EntityFormatError("Q4_0 payload shorter than its 8-byte header (size_mismatch)")
+        ns, nw = struct.unpack("<II", b[:8].tobytes())
+        if ns != nb:
+            raise EntityFormatError(f"Q4_0 payload has {ns} scales, shape {shape} needs {nb}")
+        if nw < 4 * nb or b.size != 8 + 4 * ns + 4 * nw:
+            raise EntityFormatError(
+                f"Q4_0 payload of {b.size} bytes does not match {ns} scales and {nw} words "
+                "(size_mismatch)"
+            )
+        scales = b[8 : 8 + 4 * ns].view("<f4")
+        if not np.isfinite(scales).all():
+            raise EntityFormatError("Q4_0 payload has non-finite block scales")
+        packed = b[8 + 4 * ns : 8 + 4 * ns + 16 * nb]
+        return cls(scales.astype(np.float32, copy=False), packed, shape)
+
+
+# --- raw GGUF quant blocks ---------------------------------------------------------------------
+
+_GGUF_SUPPORTED = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *gguf_quants._type_traits}
+)
+
+
+class GGUFMatrix(QTensor):
+    """A GGUF tensor's raw bytes (numpy row-major shape (out, in)), dequantized per row block."""
+
+    def __init__(self, raw: np.ndarray, ggml_type: int, shape):
+        try:
+            qtype = GGMLQuantizationType(int(ggml_type))
+        except ValueError as exc:
+            raise GGUFFormatError(f"unknown ggml tensor type {ggml_type} (tensor_type)") from exc
+        if qtype not in _GGUF_SUPPORTED:
+            raise UnsupportedError(f"ggml type {qtype.name} cannot be dequantized (quant_type)")
+        self.shape = _shape2(shape)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if self.shape[1] % block:
+            raise GGUFFormatError(
+                f"row length {self.shape[1]} is not a multiple of the {qtype.name} block {block} "
+                "(block_size)"
+            )
+        row_bytes = self.shape[1] // block * type_size
+        flat = np.asarray(raw).reshape(-1).view(np.uint8)
+        if flat.size != self.shape[0] * row_bytes:
+            raise GGUFFormatError(
+                f"{qtype.name} tensor {self.shape} needs {self.shape[0] * row_bytes} bytes, "
+                f"got {flat.size} (size_mismatch)"
+            )
+        self.raw = flat.reshape(self.shape[0], row_bytes)  # [out, row_bytes], a view
+        self.ggml_type = qtype
+        self.scheme = "gguf_" + qtype.name.lower()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        vals = gguf_quants.dequantize(self.raw[start:stop], self.ggml_type)
+        return np.asarray(vals, dtype=np.float32).reshape(stop - start, self.shape[1])
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def as_qtensor(x) -> QTensor:
+    """A QTensor as is; a 2-D float32/float16/bfloat16 ndarray wrapped (no copy) as DenseMatrix."""
+    if isinstance(x, QTensor):
+        return x
+    if isinstance(x, np.ndarray):
+        return DenseMatrix(x)
+    raise LayerConfigError(f"cannot use {type(x).__name__} as a weight matrix")
+
+
+def encode_matrix(w, dtype: DType | int | str) -> QTensor:
+    """Encode float32 w [out, in] as `dtype` (any of the 21, or "q4_0" for Loom's Q4 bake)."""
+    if isinstance(dtype, str) and dtype.strip().lower() == "q4_0":
+        return Q4Matrix.quantize(w)
+    dt = parse_dtype(dtype)
+    w = np.asarray(w, dtype=np.float32)
+    if dt is DType.FLOAT32:
+        return DenseMatrix(w)
+    if dt in (DType.FLOAT16, DType.BFLOAT16):
+        return DenseMatrix(w.astype(np.float16 if dt is DType.FLOAT16 else ml_dtypes.bfloat16))
+    return CodedMatrix.encode(w, dt)
