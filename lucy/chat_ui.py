@@ -94,22 +94,23 @@ def generate_once(model, prompt: str, overrides: dict, chat=False, system=None) 
         text = prompt
     ids = list(model.tokenizer.encode(text))
     options = make_options(getattr(model, "generation_defaults", None), overrides)
-    done = None
+    done, out_ids = None, []
     for event in stream_tokens(model, ids, options):
         if isinstance(event, DoneEvent):
             done = event
-    return done_json(done, ids)
+        else:
+            out_ids.append(int(event.token_id))
+    return done_json(done, ids, out_ids)
 
 
 def _count(x) -> int:
     return len(x) if isinstance(x, (list, tuple)) else int(x)
 
 
-def done_json(done, prompt_ids) -> dict:
-    tokens = done.tokens if isinstance(done.tokens, (list, tuple)) else None
+def done_json(done, prompt_ids, out_ids) -> dict:
     return {
         "text": done.text,
-        "tokens": [int(t) for t in tokens] if tokens is not None else _count(done.tokens),
+        "tokens": out_ids,
         "prompt_tokens": _count(done.prompt_tokens),
         "prompt_ids": [int(t) for t in prompt_ids],
         "prefill_tokens": int(done.prefill_tokens),
