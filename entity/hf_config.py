@@ -1,0 +1,479 @@
+"""Parse and validate a HuggingFace ``config.json`` (+ ``generation_config.json``) once.
+
+The result is a frozen pydantic record, :class:`HFModelConfig`, holding only what poly needs.
+Every failure is a typed poly error: malformed JSON, wrong types and missing keys are
+``ConfigError`` naming the key; absurd sizes are ``LimitExceededError``; architectures or
+features we cannot run exactly (gemma, phi3, yarn rope scaling, MLP biases ...) are
+``UnsupportedError`` naming them. No pydantic traceback leaks out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from poly.errors import ConfigError, LimitExceededError, UnsupportedError
+
+CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
+MAX_JSON_BYTES = 4 * 1024 * 1024  # real configs are a few KB
+DEFAULT_CONTEXT = 4096  # KV cache size when the caller gives no max_seq_len
+
+
+class ArchSpec(BaseModel):
+    """How one HF ``model_type`` maps onto the poly decoder block."""
+
+    model_config = ConfigDict(frozen=True)
+    causal_lm_class: str
+    # "flag": q/k/v/o biases follow `attention_bias`; "qkv": q/k/v always biased, o never.
+    bias_rule: Literal["flag", "qkv", "none"]
+    qk_norm: bool
+    default_head_dim: int | None  # None: hidden_size // num_attention_heads
+    default_max_positions: int
+    # Which keys turn a sliding window on (transformers' own rule per architecture).
+    sliding: Literal["none", "sliding_window", "use_sliding_window"]
+
+
+# Defaults mirror transformers' config classes so a sparse config.json means the same here.
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec(
+        causal_lm_class="LlamaForCausalLM",
+        bias_rule="flag",
+        qk_norm=False,
+        default_head_dim=None,
+        default_max_positions=2048,
+        sliding="none",
+    ),
+    "mistral": ArchSpec(
+        causal_lm_class="MistralForCausalLM",
+        bias_rule="none",
+        qk_norm=False,
+        default_head_dim=None,
+        default_max_positions=131072,
+        sliding="sliding_window",
+    ),
+    "qwen2": ArchSpec(
+        causal_lm_class="Qwen2ForCausalLM",
+        bias_rule="qkv",
+        qk_norm=False,
+        default_head_dim=None,
+        default_max_positions=32768,
+        sliding="use_sliding_window",
+    ),
+    "qwen3": ArchSpec(
+        causal_lm_class="Qwen3ForCausalLM",
+        bias_rule="flag",
+        qk_norm=True,
+        default_head_dim=128,
+        default_max_positions=32768,
+        sliding="use_sliding_window",
+    ),
+}
+
+# Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
+REFUSED_REASONS: dict[str, str] = {
+    "gemma": "needs (1+w) RMSNorm, sqrt(hidden) embedding scale and GeGLU",
+    "gemma2": "needs logit soft-capping, sandwich norms and GeGLU",
+    "gemma3": "needs sandwich norms, local/global attention and GeGLU",
+    "phi": "uses LayerNorm, partial rotary and a parallel block",
+    "phi3": "stores fused qkv_proj / gate_up_proj and may use longrope",
+    "gpt2": "uses fused c_attn, LayerNorm and learned positions",
+    "mixtral": "mixture of experts (not in the dense importer)",
+    "qwen2_moe": "mixture of experts (not in the dense importer)",
+    "qwen3_moe": "mixture of experts (not in the dense importer)",
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers maps both to SiLU
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+# Sane upper bounds, checked before anything is sized from these numbers (reliability B3 #42).
+LIMITS: dict[str, int] = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 18,
+    "num_hidden_layers": 512,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "max_position_embeddings": 1 << 24,
+}
+# transformers' sampling defaults used when do_sample is true and a knob is absent.
+HF_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+TokenIds = int | list[int] | None
+
+
+class _RawConfig(BaseModel):
+    """config.json keys as written by transformers 4.x and 5.x (types checked strictly)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_type: str
+    architectures: list[str] | None = None
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    max_position_embeddings: int | None = None
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    bos_token_id: TokenIds = None
+    eos_token_id: TokenIds = None
+    torch_dtype: str | None = None
+    dtype: str | None = None
+
+
+class _RawGeneration(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    bos_token_id: TokenIds = None
+    eos_token_id: TokenIds = None
+
+
+class HFRopeScaling(BaseModel):
+    """Llama-3 frequency scaling (the only rope_scaling type supported)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, allow_inf_nan=False)
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+class HFGeneration(BaseModel):
+    """generation_config.json, reduced to what poly's sampler understands."""
+
+    model_config = ConfigDict(frozen=True)
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+
+    def gen_options_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``poly.GenOptions``; do_sample false (HF's default) is greedy."""
+        out: dict[str, Any] = {}
+        if self.repetition_penalty is not None:
+            out["repetition_penalty"] = self.repetition_penalty
+        if self.max_new_tokens is not None:
+            out["max_tokens"] = self.max_new_tokens
+        if not self.do_sample:
+            out["temperature"] = 0.0
+            return out
+        for key, default in HF_SAMPLING_DEFAULTS.items():
+            value = getattr(self, key)
+            out[key] = default if value is None else value
+        return out
+
+
+class HFModelConfig(BaseModel):
+    """A validated HF decoder config. Build it with :func:`load_hf_config` or :meth:`parse`."""
+
+    model_config = ConfigDict(frozen=True)
+    model_type: str
+    architectures: tuple[str, ...]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: HFRopeScaling | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    sliding_window: int | None  # effective window (None: full attention)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # config.json ∪ generation_config.json, in first-seen order
+    dtype: str | None
+    generation: HFGeneration
+
+    @property
+    def arch(self) -> ArchSpec:
+        return ARCHITECTURES[self.model_type]
+
+    @classmethod
+    def parse(
+        cls, config: Any, generation: Any = None, *, source: str | None = None
+    ) -> HFModelConfig:
+        """Validate already-decoded JSON objects (``generation`` may be None)."""
+        return _build(config, generation, source)
+
+    def default_max_seq_len(self) -> int:
+        limit = min(self.max_position_embeddings, DEFAULT_CONTEXT)
+        return limit if self.sliding_window is None else min(limit, self.sliding_window)
+
+    def to_transformer_config(self, max_seq_len: int | None = None):
+        """The matching ``poly.TransformerConfig`` (KV cache sized to ``max_seq_len``).
+
+        A sliding window never changes results while the context fits inside it, so a window
+        smaller than the requested context is refused instead of silently ignored.
+        """
+        from poly import RopeScaling, TransformerConfig
+
+        seq = self.default_max_seq_len() if max_seq_len is None else max_seq_len
+        if type(seq) is not int or seq <= 0:
+            raise ConfigError(f"max_seq_len must be a positive int, got {seq!r}")
+        if self.sliding_window is not None and seq > self.sliding_window:
+            raise UnsupportedError(
+                f"sliding_window {self.sliding_window} is smaller than max_seq_len {seq}; "
+                f"sliding-window attention is not implemented (use max_seq_len <= {self.sliding_window})"
+            )
+        rs = self.rope_scaling
+        scaling = None if rs is None else RopeScaling(**rs.model_dump())
+        return TransformerConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=scaling,
+            max_seq_len=seq,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.qkv_bias or self.o_bias,
+            qk_norm=self.qk_norm,
+            architecture=self.model_type,
+        )
+
+
+def load_hf_config(model_dir: str | Path) -> HFModelConfig:
+    """Read ``config.json`` and, when present, ``generation_config.json`` from a snapshot dir."""
+    root = Path(model_dir)
+    config = read_json(root / CONFIG_FILE)
+    gen_path = root / GENERATION_FILE
+    generation = read_json(gen_path) if gen_path.is_file() else None
+    return _build(config, generation, str(root / CONFIG_FILE))
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"duplicate_key: {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ConfigError(f"json: non-standard constant {name}")
+
+
+def read_json(path: Path, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """Strict JSON object reader: size cap, no duplicate keys, no NaN/Infinity."""
+    try:
+        if not path.is_file():
+            raise error(f"missing: {path.name} not found", path=str(path))
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise LimitExceededError(
+                f"{path.name} is larger than {MAX_JSON_BYTES} bytes", path=str(path)
+            )
+        text = path.read_bytes().decode("utf-8")
+        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except ConfigError as exc:
+        exc.path = exc.path or str(path)
+        raise
+    except (OSError, ValueError, RecursionError) as exc:
+        raise error(f"json: cannot parse {path.name}: {exc}", path=str(path)) from None
+    if not isinstance(data, dict):
+        raise error(f"json: {path.name} is not a JSON object", path=str(path))
+    return data
+
+
+def _validate(model: type[BaseModel], data: Any, source: str | None) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ConfigError(f"{key}: {first['msg']}", path=source) from None
+
+
+def _token_ids(value: TokenIds) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+def _rope(raw: _RawConfig, source: str | None) -> tuple[float, HFRopeScaling | None]:
+    # 4.x: top-level rope_theta + optional rope_scaling; 5.x: rope_parameters holds both.
+    params = dict(raw.rope_parameters or raw.rope_scaling or {})
+    theta = params.pop("rope_theta", None)
+    theta = raw.rope_theta if raw.rope_theta is not None else theta
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+        raise ConfigError(f"rope_theta: must be a finite number, got {theta!r}", path=source)
+    if theta <= 0:
+        raise ConfigError(f"rope_theta: must be > 0, got {theta}", path=source)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedError(
+            f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
+            path=source,
+        )
+    if kind == "default":
+        return float(theta), None
+    params.pop("type", None)
+    wanted = {k: params.get(k) for k in HFRopeScaling.model_fields}
+    return float(theta), _validate(HFRopeScaling, wanted, source)
+
+
+def _check_sizes(raw: _RawConfig, kv_heads: int, head_dim: int, source: str | None) -> None:
+    sizes = {
+        "vocab_size": raw.vocab_size,
+        "hidden_size": raw.hidden_size,
+        "intermediate_size": raw.intermediate_size,
+        "num_hidden_layers": raw.num_hidden_layers,
+        "num_attention_heads": raw.num_attention_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": raw.max_position_embeddings or 1,
+    }
+    for key, value in sizes.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}", path=source)
+        if value > LIMITS[key]:
+            raise LimitExceededError(f"{key}: {value} exceeds the limit {LIMITS[key]}", path=source)
+    if raw.num_attention_heads % kv_heads:
+        raise ConfigError(
+            f"num_attention_heads: {raw.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads {kv_heads}",
+            path=source,
+        )
+    if not 0 < raw.rms_norm_eps < 1:
+        raise ConfigError(f"rms_norm_eps: must be in (0, 1), got {raw.rms_norm_eps}", path=source)
+
+
+def _check_features(raw: _RawConfig, source: str | None) -> ArchSpec:
+    arch = ARCHITECTURES.get(raw.model_type)
+    if arch is None:
+        why = REFUSED_REASONS.get(raw.model_type, "no importer for it")
+        raise UnsupportedError(
+            f"model_type {raw.model_type!r} is not supported ({why}); "
+            f"supported: {', '.join(ARCHITECTURES)}",
+            path=source,
+        )
+    if raw.architectures and arch.causal_lm_class not in raw.architectures:
+        raise UnsupportedError(
+            f"architectures {raw.architectures} is not supported for model_type "
+            f"{raw.model_type!r} (expected {arch.causal_lm_class})",
+            path=source,
+        )
+    if raw.hidden_act not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedError(
+            f"hidden_act {raw.hidden_act!r} is not supported (silu only)", path=source
+        )
+    if raw.mlp_bias:
+        raise UnsupportedError("mlp_bias=true is not supported", path=source)
+    dtype = raw.dtype or raw.torch_dtype
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedError(
+            f"dtype {dtype!r} is not supported ({', '.join(SUPPORTED_DTYPES)})", path=source
+        )
+    return arch
+
+
+def _sliding_window(raw: _RawConfig, arch: ArchSpec) -> int | None:
+    enabled = {"none": False, "sliding_window": True, "use_sliding_window": raw.use_sliding_window}
+    return raw.sliding_window if enabled[arch.sliding] else None
+
+
+def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
+    raw: _RawConfig = _validate(_RawConfig, config, source)
+    arch = _check_features(raw, source)
+    gen_source = None if source is None else str(Path(source).with_name(GENERATION_FILE))
+    gen: _RawGeneration = _validate(_RawGeneration, generation or {}, gen_source)
+    kv_heads = raw.num_key_value_heads or raw.num_attention_heads
+    if raw.head_dim is not None:
+        head_dim = raw.head_dim
+    elif arch.default_head_dim is not None:
+        head_dim = arch.default_head_dim
+    else:
+        if raw.num_attention_heads <= 0 or raw.hidden_size % raw.num_attention_heads:
+            raise ConfigError(
+                f"hidden_size: {raw.hidden_size} is not a multiple of num_attention_heads "
+                f"{raw.num_attention_heads} and no head_dim is given",
+                path=source,
+            )
+        head_dim = raw.hidden_size // raw.num_attention_heads
+    _check_sizes(raw, kv_heads, head_dim, source)
+    theta, scaling = _rope(raw, source)
+    eos = _union(_token_ids(raw.eos_token_id), _token_ids(gen.eos_token_id))
+    bos = _token_ids(raw.bos_token_id) or _token_ids(gen.bos_token_id)
+    for tid in (*eos, *bos):
+        if not 0 <= tid < raw.vocab_size:
+            raise ConfigError(
+                f"special_token_id: {tid} is outside [0, {raw.vocab_size})", path=source
+            )
+    _check_generation(gen, gen_source)
+    biased = {"flag": raw.attention_bias, "qkv": True, "none": False}[arch.bias_rule]
+    return HFModelConfig(
+        model_type=raw.model_type,
+        architectures=tuple(raw.architectures or ()),
+        vocab_size=raw.vocab_size,
+        hidden_size=raw.hidden_size,
+        intermediate_size=raw.intermediate_size,
+        num_layers=raw.num_hidden_layers,
+        num_heads=raw.num_attention_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=raw.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=raw.tie_word_embeddings,
+        qkv_bias=biased,
+        o_bias=biased and arch.bias_rule == "flag",
+        qk_norm=arch.qk_norm,
+        max_position_embeddings=raw.max_position_embeddings or arch.default_max_positions,
+        sliding_window=_sliding_window(raw, arch),
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=eos,
+        dtype=raw.dtype or raw.torch_dtype,
+        generation=HFGeneration(**gen.model_dump(exclude={"bos_token_id", "eos_token_id"})),
+    )
+
+
+def _union(*groups: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(t for group in groups for t in group))
+
+
+def _check_generation(gen: _RawGeneration, source: str | None) -> None:
+    # Same rules as the sampling parameters of the CLI (reliability B3 #48).
+    checks = {
+        "temperature": gen.temperature is None or 0 <= gen.temperature,
+        "top_k": gen.top_k is None or gen.top_k >= 0,
+        "top_p": gen.top_p is None or 0 < gen.top_p <= 1,
+        "repetition_penalty": gen.repetition_penalty is None or gen.repetition_penalty > 0,
+        "max_new_tokens": gen.max_new_tokens is None or gen.max_new_tokens >= 1,
+    }
+    for key, ok in checks.items():
+        if not ok:
+            raise ConfigError(f"{key}: invalid value {getattr(gen, key)!r}", path=source)

@@ -1,0 +1,175 @@
+"""The HF tensor-name table: every checkpoint tensor maps to a (block, part, component) slot.
+
+``part`` names the poly accessor (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp`` on a block;
+``embeddings``, ``final_norm``, ``lm_head`` globally) and ``component`` the layout view
+(``w_q`` ... ``b_o``, ``q_norm``, ``k_norm``, ``w_gate`` ..., ``gamma``). Biases go to the bias
+slots, never over weights (Loom's defect). Import is strict: unexpected, missing and
+mis-shaped tensors are ``WeightMappingError`` naming the tensor; the only tensors dropped on
+purpose are listed in ``IGNORED_SUFFIXES``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from entity.hf_config import HFModelConfig
+from poly.errors import WeightMappingError
+
+BLOCK_PREFIX = "model.layers.{i}."
+_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# Per-block suffix -> (part, component).
+BLOCK_TENSORS: dict[str, tuple[str, str]] = {
+    "input_layernorm.weight": ("attn_norm", "gamma"),
+    "self_attn.q_proj.weight": ("attn", "w_q"),
+    "self_attn.k_proj.weight": ("attn", "w_k"),
+    "self_attn.v_proj.weight": ("attn", "w_v"),
+    "self_attn.o_proj.weight": ("attn", "w_o"),
+    "self_attn.q_proj.bias": ("attn", "b_q"),
+    "self_attn.k_proj.bias": ("attn", "b_k"),
+    "self_attn.v_proj.bias": ("attn", "b_v"),
+    "self_attn.o_proj.bias": ("attn", "b_o"),
+    "self_attn.q_norm.weight": ("attn", "q_norm"),
+    "self_attn.k_norm.weight": ("attn", "k_norm"),
+    "post_attention_layernorm.weight": ("mlp_norm", "gamma"),
+    "mlp.gate_proj.weight": ("mlp", "w_gate"),
+    "mlp.up_proj.weight": ("mlp", "w_up"),
+    "mlp.down_proj.weight": ("mlp", "w_down"),
+}
+GLOBAL_TENSORS: dict[str, str] = {
+    "model.embed_tokens.weight": "embeddings",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+}
+# Buffers some older checkpoints saved; recomputed from rope_theta, so dropped explicitly.
+IGNORED_SUFFIXES: tuple[str, ...] = ("self_attn.rotary_emb.inv_freq",)
+
+# Shape of each component as a function of the config (matrices are [out, in], like nn.Linear).
+SHAPES: dict[str, Callable[[HFModelConfig], tuple[int, ...]]] = {
+    "w_q": lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+    "w_k": lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    "w_v": lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    "w_o": lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+    "b_q": lambda c: (c.num_heads * c.head_dim,),
+    "b_k": lambda c: (c.num_kv_heads * c.head_dim,),
+    "b_v": lambda c: (c.num_kv_heads * c.head_dim,),
+    "b_o": lambda c: (c.hidden_size,),
+    "q_norm": lambda c: (c.head_dim,),
+    "k_norm": lambda c: (c.head_dim,),
+    "gamma": lambda c: (c.hidden_size,),
+    "w_gate": lambda c: (c.intermediate_size, c.hidden_size),
+    "w_up": lambda c: (c.intermediate_size, c.hidden_size),
+    "w_down": lambda c: (c.hidden_size, c.intermediate_size),
+    "embeddings": lambda c: (c.vocab_size, c.hidden_size),
+    "final_norm": lambda c: (c.hidden_size,),
+    "lm_head": lambda c: (c.vocab_size, c.hidden_size),
+}
+
+# Which optional components a config switches on (the rest of BLOCK_TENSORS is always present).
+OPTIONAL: dict[str, Callable[[HFModelConfig], bool]] = {
+    "b_q": lambda c: c.qkv_bias,
+    "b_k": lambda c: c.qkv_bias,
+    "b_v": lambda c: c.qkv_bias,
+    "b_o": lambda c: c.o_bias,
+    "q_norm": lambda c: c.qk_norm,
+    "k_norm": lambda c: c.qk_norm,
+    "lm_head": lambda c: not c.tie_word_embeddings,
+}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one HF tensor goes: ``block`` is None for globals (then ``part`` is the global)."""
+
+    block: int | None
+    part: str
+    component: str
+    shape: tuple[int, ...]
+
+
+def hf_name(block: int | None, part: str, component: str) -> str:
+    """Inverse of the table: the HF name of a slot (used by converters and tests)."""
+    if block is None:
+        return next(name for name, g in GLOBAL_TENSORS.items() if g == part)
+    suffix = next(s for s, pc in BLOCK_TENSORS.items() if pc == (part, component))
+    return BLOCK_PREFIX.format(i=block) + suffix
+
+
+def _wanted(cfg: HFModelConfig, component: str) -> bool:
+    rule = OPTIONAL.get(component)
+    return True if rule is None else rule(cfg)
+
+
+def expected_tensors(cfg: HFModelConfig) -> dict[str, Slot]:
+    """Every tensor the config requires, in block order then globals."""
+    out: dict[str, Slot] = {}
+    for i in range(cfg.num_layers):
+        for suffix, (part, comp) in BLOCK_TENSORS.items():
+            if _wanted(cfg, comp):
+                out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, SHAPES[comp](cfg))
+    for name, part in GLOBAL_TENSORS.items():
+        if _wanted(cfg, part):
+            out[name] = Slot(None, part, "value", SHAPES[part](cfg))
+    return out
+
+
+def _is_ignored(name: str) -> bool:
+    m = _BLOCK_RE.match(name)
+    return m is not None and m.group(2) in IGNORED_SUFFIXES
+
+
+def plan(
+    cfg: HFModelConfig, shapes: dict[str, tuple[int, ...]], *, tied_lm_head_ok: bool = True
+) -> dict[str, Slot]:
+    """Check a checkpoint's tensor names and shapes against the config; return name -> slot.
+
+    ``shapes`` maps every tensor name in the files to its shape. With tied embeddings a stray
+    ``lm_head.weight`` is returned too (slot part ``lm_head``) so the caller can check that it
+    equals the embeddings; pass ``tied_lm_head_ok=False`` to refuse it outright.
+    """
+    expected = expected_tensors(cfg)
+    lm_head_extra = cfg.tie_word_embeddings and tied_lm_head_ok and "lm_head.weight" in shapes
+    if lm_head_extra:
+        expected["lm_head.weight"] = Slot(None, "lm_head", "value", SHAPES["lm_head"](cfg))
+    unexpected = [n for n in shapes if n not in expected and not _is_ignored(n)]
+    if unexpected:
+        raise WeightMappingError(
+            f"unexpected tensor {ascii(unexpected[0])} (no slot in the {cfg.model_type} table)"
+            + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else "")
+        )
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        raise WeightMappingError(
+            f"missing tensor {missing[0]!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    for name, slot in expected.items():
+        if tuple(shapes[name]) != slot.shape:
+            raise WeightMappingError(
+                f"tensor {name!r} has shape {tuple(shapes[name])}, expected {slot.shape}"
+            )
+    return expected
+
+
+def group_by_block(slots: dict[str, Slot]) -> tuple[dict[int, dict[str, Slot]], dict[str, Slot]]:
+    """Split a plan into per-block dicts (block -> name -> slot) and the globals."""
+    blocks: dict[int, dict[str, Slot]] = {}
+    globals_: dict[str, Slot] = {}
+    for name, slot in slots.items():
+        if slot.block is None:
+            globals_[name] = slot
+        else:
+            blocks.setdefault(slot.block, {})[name] = slot
+    return blocks, globals_
+
+
+def names_in(shapes: Iterable[str]) -> list[str]:
+    """Tensor names sorted by block index, then suffix (for stable iteration)."""
+
+    def key(name: str) -> tuple[int, str]:
+        m = _BLOCK_RE.match(name)
+        return (int(m.group(1)), m.group(2)) if m else (1 << 30, name)
+
+    return sorted(shapes, key=key)
