@@ -1,0 +1,97 @@
+"""Frozen, validated configuration records for transformers built on the grid."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from poly.errors import LayerConfigError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            raise LayerConfigError(f"rope scaling type {self.rope_type!r} is not supported")
+        if not (self.factor > 0 and self.low_freq_factor > 0 and self.high_freq_factor > 0):
+            raise LayerConfigError("rope scaling factors must be positive")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise LayerConfigError("rope scaling needs high_freq_factor > low_freq_factor")
+        if self.original_max_position_embeddings <= 0:
+            raise LayerConfigError("rope scaling needs original_max_position_embeddings > 0")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise LayerConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int = 0  # 0 = num_heads
+    head_dim: int = 0  # 0 = hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    architecture: str = "llama"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+            _positive(name, getattr(self, name))
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise LayerConfigError(
+                    "hidden_size must be divisible by num_heads without head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        _positive("num_kv_heads", self.num_kv_heads)
+        _positive("head_dim", self.head_dim)
+        _positive("max_seq_len", self.max_seq_len)
+        if self.num_heads % self.num_kv_heads:
+            raise LayerConfigError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise LayerConfigError("head_dim must be even for rotary embeddings")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise LayerConfigError(f"{name} must be a positive finite number, got {value!r}")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+    @property
+    def query_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TransformerConfig:
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise LayerConfigError(f"bad transformer config: {exc}") from None

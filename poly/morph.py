@@ -1,0 +1,54 @@
+"""Convert layers to another dtype. Matrices are encoded (per-row scales), vectors (biases,
+gammas) pass through the codec and are kept as float32 decoded values, so a morphed layer runs
+from its stored representation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from poly import layout
+from poly.dtypes import DType, decode, encode, parse_dtype
+from poly.layer import LayerType, VolumetricLayer
+
+KEEP_FLOAT32 = (LayerType.RMSNORM,)
+
+
+def morph_layer(layer: VolumetricLayer, dtype, *, recursive: bool = True) -> VolumetricLayer:
+    """Re-encode `layer` (and its sub-layers) in `dtype`; float32 switches back to the master."""
+    from poly.qtensor import CodedMatrix
+
+    dt = parse_dtype(dtype)
+    if recursive:
+        for sub in layer.sequential_layers:
+            morph_layer(sub, dt)
+    store = layer.weights
+    if store is None or store.size == 0:
+        layer.dtype = dt
+        return layer
+    if dt == DType.FLOAT32:
+        store.activate(None)
+        layer.dtype = dt
+        return layer
+    comps = {}
+    for name, view in layout.views(layer).items():
+        if view is None:
+            comps[name] = None
+        elif name in layout.MATRIX_COMPONENTS:
+            comps[name] = CodedMatrix.encode(np.ascontiguousarray(view), dt)
+        else:
+            comps[name] = decode(encode(np.asarray(view, dtype=np.float32), dt)).astype(np.float32)
+    store.set_version(dt.label, comps, activate=True)
+    layer.dtype = dt
+    return layer
+
+
+def morph_network(net, dtype, *, keep: Iterable[LayerType] = KEEP_FLOAT32) -> None:
+    """Morph every top-level layer of a network (recursively), norms kept float32 by default."""
+    keep = tuple(keep)
+    for layer in net.layers:
+        for sub in layer.walk():
+            if sub.type in keep or sub.type == LayerType.SEQUENTIAL:
+                continue
+            morph_layer(sub, dtype, recursive=False)

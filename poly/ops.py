@@ -1,0 +1,62 @@
+"""Small numeric building blocks shared by the layer kinds. All float32 in, float32 out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def linear(x: np.ndarray, w, b: np.ndarray | None = None, block_rows: int = 0) -> np.ndarray:
+    """x [n, in] @ W.T (+ b) -> [n, out] for a float32 array or any QTensor.
+
+    `block_rows` > 0 computes the product over blocks of output rows (the tiled path).
+    """
+    if isinstance(w, np.ndarray) and w.dtype == np.float32:
+        if block_rows > 0 and w.shape[0] > block_rows:
+            out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+            for r0 in range(0, w.shape[0], block_rows):
+                out[:, r0 : r0 + block_rows] = x @ w[r0 : r0 + block_rows].T
+        else:
+            out = x @ w.T
+    else:
+        from poly.qtensor import as_qtensor
+
+        qt = as_qtensor(w)
+        if block_rows > 0:
+            qt.block_rows = block_rows
+        out = qt.matmul(x)
+    if b is not None:
+        out += b
+    return out
+
+
+def rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * gamma over the last axis, any leading shape."""
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (1.0 / np.sqrt(var + np.float32(eps)))).astype(np.float32, copy=False) * gamma
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    # x * sigmoid(x), written to stay float32 and avoid overflow warnings for very negative x
+    return x / (np.float32(1.0) + np.exp(-np.clip(x, -88.0, 88.0)))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+ACTIVATIONS = {
+    -1: lambda x: x,
+    0: lambda x: np.maximum(x, np.float32(0)),
+    1: silu,
+    2: lambda x: (
+        np.float32(0.5)
+        * x
+        * (1 + np.tanh(np.float32(0.7978845608) * (x + np.float32(0.044715) * x**3)))
+    ),
+    3: np.tanh,
+    4: lambda x: np.float32(1) / (np.float32(1) + np.exp(-x)),
+    5: lambda x: np.where(x > 0, x, np.float32(0.01) * x).astype(np.float32),
+    6: lambda x: np.square(np.maximum(x, np.float32(0))),
+}

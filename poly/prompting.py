@@ -1,0 +1,39 @@
+"""Turning what a user passes to generate()/stream() into token ids and options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from poly.errors import GenerationError, TemplateError
+
+
+def prompt_to_ids(
+    model: Any, prompt: Any, *, chat: bool | None = None, system: str | None = None
+) -> list[int]:
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt) and prompt:
+        return [int(t) for t in prompt]
+    if model.tokenizer is None:
+        raise GenerationError("this model has no tokenizer: pass token ids")
+    if isinstance(prompt, str) and not chat:
+        if system is not None:
+            raise GenerationError("a system message needs chat=True")
+        return model.tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)):
+        messages = list(prompt)
+    else:
+        raise GenerationError(f"cannot use a {type(prompt).__name__} as a prompt")
+    if system is not None:
+        messages = [{"role": "system", "content": system}, *messages]
+    if model.chat_template is None:
+        raise TemplateError("this model has no chat template")
+    text = model.chat_template.render(messages, add_generation_prompt=True)
+    return model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def resolve_options(model: Any, options: Any, overrides: dict) -> Any:
+    from poly.sampling import GenOptions
+
+    base = options if options is not None else (model.generation_defaults or GenOptions())
+    return base.replace(**overrides) if overrides else base

@@ -1,0 +1,49 @@
+"""Rotary position embeddings, HF half-split ("rotate half") convention."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from poly.config import RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """float64 [head_dim/2] inverse frequencies, with Llama-3 scaling when given."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv
+    # Llama-3: long wavelengths are divided by `factor`, short kept, a smooth ramp between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+    return np.where(mid, blended, scaled)
+
+
+@lru_cache(maxsize=16)
+def rope_tables(
+    head_dim: int, theta: float, scaling: RopeScaling | None, max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [max_len, head_dim/2], computed once in float64."""
+    inv = inv_frequencies(head_dim, theta, scaling)
+    angles = np.arange(max_len, dtype=np.float64)[:, None] * inv[None, :]  # [max_len, hd/2]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [n, heads, hd]; cos/sin [n, hd/2] for the n positions. Pairs (i, i + hd/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]  # [n, 1, hd/2]
+    out = np.empty_like(x)
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half:] = x2 * c + x1 * s
+    return out
