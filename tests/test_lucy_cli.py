@@ -12,76 +12,26 @@ from pathlib import Path
 import pytest
 
 from poly.errors import EXIT_CODES
+from tests.hf_fixtures import make_tiny_checkpoint
 
 REPO = "test-org/tiny-llama"
 REV_OLD = "1" * 40
 REV_MAIN = "2" * 40
-CORPUS = [
-    "hello there, how are you today?",
-    "the quick brown fox jumps over the lazy dog.",
-    "tell me a story about a small model that runs on a laptop.",
-    "numbers 0 1 2 3 4 5 6 7 8 9 and some punctuation: ; , . ! ?",
-]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SUBCOMMANDS = ["models", "chat", "convert", "generate", "bench", "inspect", "demo", "download"]
 
 
-# --- fixtures: a tiny random llama in a fabricated HF cache --------------------------------------
+# --- fixtures: a tiny random llama in a fabricated HF cache ------------------------------------
 
 
-def make_tokenizer(out: Path):
-    """A small byte-level BPE trained here, with ChatML specials, saved as tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+def make_snapshot(out: Path, layers: int, seed: int) -> Path:
+    """A tiny random llama (tests/hf_fixtures) that answers in at most 6 greedy tokens."""
+    return make_tiny_checkpoint(
+        out,
+        "llama",
+        seed=seed,
+        config_overrides={"num_hidden_layers": layers},
+        generation={"max_new_tokens": 6, "do_sample": False},
     )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    fast.chat_template = CHATML
-    fast.save_pretrained(out)
-    return fast
-
-
-def make_tiny_checkpoint(out: Path, layers: int = 2, seed: int = 0) -> Path:
-    """Random LlamaForCausalLM (float32, safetensors) + tokenizer + generation config."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    out.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(out)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=eos,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(eos_token_id=eos, do_sample=False, max_new_tokens=6).save_pretrained(out)
-    return out
 
 
 def fabricate_cache(hub: Path, repo: str, src: Path, revisions: dict[str, Path], main: str) -> Path:
@@ -105,8 +55,8 @@ def fabricate_cache(hub: Path, repo: str, src: Path, revisions: dict[str, Path],
 def world(tmp_path_factory):
     """tmp HF_HOME with one repo of two snapshots (refs/main → the 2-layer one) + POLY_HOME."""
     base = tmp_path_factory.mktemp("lucy")
-    old = make_tiny_checkpoint(base / "src-old", layers=1, seed=1)
-    new = make_tiny_checkpoint(base / "src-new", layers=2, seed=0)
+    old = make_snapshot(base / "src-old", layers=1, seed=1)
+    new = make_snapshot(base / "src-new", layers=2, seed=0)
     hub = base / "hf" / "hub"
     snap = fabricate_cache(hub, REPO, new, {REV_OLD: old, REV_MAIN: new}, REV_MAIN)
     env = dict(os.environ)
