@@ -20,12 +20,25 @@ def rel_err(a, b):
 
 def hf_attention(kind, d, heads, kv_heads, head_dim, bias, theta=10000.0):
     if kind == "qwen3":
-        cfg = Qwen3Config(hidden_size=d, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                          head_dim=head_dim, rope_theta=theta, attention_bias=bias, rms_norm_eps=1e-6)
+        cfg = Qwen3Config(
+            hidden_size=d,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rope_theta=theta,
+            attention_bias=bias,
+            rms_norm_eps=1e-6,
+        )
         cfg._attn_implementation = "sdpa"
         return cfg, mq.Qwen3Attention(cfg, 0).eval(), mq.Qwen3RotaryEmbedding(cfg)
-    cfg = LlamaConfig(hidden_size=d, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, rope_theta=theta, attention_bias=bias)
+    cfg = LlamaConfig(
+        hidden_size=d,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        attention_bias=bias,
+    )
     cfg._attn_implementation = "sdpa"
     return cfg, ml.LlamaAttention(cfg, 0).eval(), ml.LlamaRotaryEmbedding(cfg)
 
@@ -71,9 +84,17 @@ def test_mha_matches_hf_attention(case):
     kind, d, heads, kv, hd, bias = case
     _, attn, rotary = hf_attention(kind, d, heads, kv, hd, bias)
     randomize(attn)
-    layer = VolumetricLayer(type=LayerType.MHA, d_model=d, num_heads=heads, num_kv_heads=kv,
-                            head_dim=hd, query_dim=heads * hd, max_seq_len=64,
-                            rms_norm_eps=1e-6, qk_norm=kind == "qwen3")
+    layer = VolumetricLayer(
+        type=LayerType.MHA,
+        d_model=d,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hd,
+        query_dim=heads * hd,
+        max_seq_len=64,
+        rms_norm_eps=1e-6,
+        qk_norm=kind == "qwen3",
+    )
     copy_attention(layer, attn, kind == "qwen3")
     x = RNG.standard_normal((7, d)).astype(np.float32)
     ours = layer.forward(x)
@@ -84,8 +105,16 @@ def test_mha_matches_hf_attention(case):
 def test_incremental_decoding_equals_full_forward():
     _, attn, _ = hf_attention("qwen3", 64, 4, 2, 24, False)
     randomize(attn)
-    layer = VolumetricLayer(type=LayerType.MHA, d_model=64, num_heads=4, num_kv_heads=2,
-                            head_dim=24, query_dim=96, max_seq_len=32, qk_norm=True)
+    layer = VolumetricLayer(
+        type=LayerType.MHA,
+        d_model=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=24,
+        query_dim=96,
+        max_seq_len=32,
+        qk_norm=True,
+    )
     copy_attention(layer, attn, True)
     x = RNG.standard_normal((7, 64)).astype(np.float32)
     full = layer.forward(x)
@@ -132,15 +161,22 @@ def test_rmsnorm_formula_any_leading_shape():
 
 def test_sequential_block_is_a_real_prenorm_block():
     """[RMSNorm, MHA, Residual, RMSNorm, SwiGLU, Residual] equals HF's LlamaDecoderLayer."""
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                      num_key_value_heads=2, rms_norm_eps=1e-5)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+    )
     cfg._attn_implementation = "sdpa"
     hf = ml.LlamaDecoderLayer(cfg, 0).eval()
     randomize(hf)
     rotary = ml.LlamaRotaryEmbedding(cfg)
     subs = [
         VolumetricLayer(type=LayerType.RMSNORM, input_height=64, rms_norm_eps=1e-5),
-        VolumetricLayer(type=LayerType.MHA, d_model=64, num_heads=4, num_kv_heads=2, max_seq_len=16),
+        VolumetricLayer(
+            type=LayerType.MHA, d_model=64, num_heads=4, num_kv_heads=2, max_seq_len=16
+        ),
         VolumetricLayer(type=LayerType.RESIDUAL, skip="input"),
         VolumetricLayer(type=LayerType.RMSNORM, input_height=64, rms_norm_eps=1e-5),
         VolumetricLayer(type=LayerType.SWIGLU, input_height=64, output_height=96),
@@ -167,10 +203,18 @@ def test_tiled_equals_untiled_and_tile_maps_cover_all_dtypes():
     from poly import DType, VolumetricNetwork
 
     net = VolumetricNetwork(1, 1, 1, 2)
-    net.set_layer(0, 0, 0, 0, VolumetricLayer(type=LayerType.MHA, d_model=64, num_heads=4,
-                                              num_kv_heads=2, max_seq_len=64))
-    net.set_layer(0, 0, 0, 1, VolumetricLayer(type=LayerType.SWIGLU, input_height=64,
-                                              output_height=96))
+    net.set_layer(
+        0,
+        0,
+        0,
+        0,
+        VolumetricLayer(
+            type=LayerType.MHA, d_model=64, num_heads=4, num_kv_heads=2, max_seq_len=64
+        ),
+    )
+    net.set_layer(
+        0, 0, 0, 1, VolumetricLayer(type=LayerType.SWIGLU, input_height=64, output_height=96)
+    )
     for layer in net.layers:
         layer.weights.master[:] = RNG.standard_normal(layer.weights.size).astype(np.float32) * 0.2
     x = RNG.standard_normal((40, 64)).astype(np.float32)
