@@ -197,7 +197,8 @@ def _row_absmax(rows: np.ndarray) -> np.ndarray:
 
 
 def _enc_cast(rows, dt, codec):
-    return rows.astype(codec.store), None, None
+    with np.errstate(over="ignore"):  # out-of-range values become ±inf, as in the format
+        return rows.astype(codec.store), None, None
 
 
 def _enc_float(rows, dt, codec):
