@@ -21,6 +21,7 @@ from poly.errors import InvalidTokenError, LimitExceededError, TokenizerError
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # real tokenizer.json files are < 20 MB
 MAX_VOCAB = 1 << 22
 REPLACEMENT_CHAR = "\ufffd"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # A group holding a quantifier, itself quantified: `(a+)+`, `(?:x*)*`, `(a{2,})+` (tokenizers PR#2060).
 _NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*(?:[+*]|\{\d+,\d*\})\)(?:[+*]|\{\d+,\d*\})")
@@ -69,6 +70,11 @@ def _validate_structure(data: Any) -> None:
     added = data.get("added_tokens") or []
     if not isinstance(added, list) or len(added) > MAX_VOCAB:
         raise TokenizerError("tokenizer.json 'added_tokens' must be a list of bounded length")
+    unk = data["model"].get("unk_token")
+    known = {t.get("content") for t in added if isinstance(t, dict)}
+    if isinstance(unk, str) and isinstance(vocab, dict) and unk not in vocab and unk not in known:
+        # tokenizers accepts this and fails later, inside encode (UnkTokenOutOfVocabulary).
+        raise TokenizerError(f"unk_token {unk!r} is not in the vocabulary")
     for section in ("normalizer", "pre_tokenizer"):
         for pattern in _iter_regex_patterns(data.get(section)):
             if _NESTED_QUANTIFIER.search(pattern):
@@ -97,6 +103,7 @@ class Tokenizer:
             for i, t in sorted(tk.get_added_tokens_decoder().items())
         )
         self._special_ids = frozenset(t.id for t in self._added if t.special)
+        self._byte_ids = self._find_byte_fallback_ids(tk)
         self.bos_token = bos_token
         self.eos_token = eos_token
 
@@ -220,6 +227,18 @@ class Tokenizer:
             raise TokenizerError(f"{name} {value!r} is not in the vocabulary")
         return value
 
+    @staticmethod
+    def _find_byte_fallback_ids(tk: tokenizers.Tokenizer) -> frozenset[int]:
+        if not getattr(tk.model, "byte_fallback", False):
+            return frozenset()
+        ids = (tk.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(i for i in ids if i is not None)
+
+    @property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of the `<0xXX>` pieces when the model uses byte fallback, else empty."""
+        return self._byte_ids
+
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 
@@ -232,7 +251,8 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes str, got {type(text).__name__}")
         # Lone surrogates (surrogateescape terminal input) cannot cross into Rust.
-        text = text.encode("utf-8", "replace").decode("utf-8")
+        if not text.isascii():
+            text = _SURROGATE.sub(REPLACEMENT_CHAR, text)
         try:
             with self._lock:
                 return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
@@ -269,7 +289,9 @@ class StreamDecoder:
     Keeps a small window: the tokens of the last emitted piece (context for decoders that
     treat the first token specially) plus the not-yet-emitted ones. Each push decodes that
     window only, so cost per token is O(1) amortized (Loom re-decodes everything: O(n^2)).
-    Text ending in U+FFFD is held back until the byte sequence completes or `flush()`.
+    Text ending in U+FFFD is held back until the byte sequence completes or `flush()`. With byte
+    fallback, a run of `<0xXX>` pieces is held until it ends: `decode` replaces a whole run with
+    U+FFFDs when any byte in it is invalid, so emitting part of a run early could differ.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
@@ -283,6 +305,8 @@ class StreamDecoder:
         if self._skip and self._tok.is_special(token_id):
             return ""  # the full decode never shows these to the decoder either
         self._window.append(token_id)
+        if token_id in self._tok.byte_fallback_ids:
+            return ""
         text = self._decode(self._window)
         if text.endswith(REPLACEMENT_CHAR):
             return ""
