@@ -268,8 +268,11 @@ def _cmd_stats(ui: ChatUI, rest: str) -> None:
     parts.append(f"tokens in cache {cached}")
     ui.con.print(" · ".join(parts), markup=False)
     stats = getattr(s, "stats", None)
-    if stats:
-        ui.con.print(clean(str(stats)), markup=False, style="dim")
+    if isinstance(stats, dict) and stats:
+        text = " ".join(
+            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+        )
+        ui.con.print(clean(text), markup=False, style="dim")
 
 
 def _cmd_help(ui: ChatUI, rest: str) -> None:
@@ -293,10 +296,11 @@ COMMANDS = {
 
 def run_chat(model, system: str | None = None, overrides: dict | None = None, con=None) -> None:
     """Open a `ChatSession` on `model` and run the loop until /quit, Ctrl-C or EOF."""
-    from poly.session import ChatSession
     from rich.console import Console
 
-    con = con or Console(highlight=False)
+    from poly.session import ChatSession
+
+    con = con or Console(highlight=False, soft_wrap=True)
     options = make_options(getattr(model, "generation_defaults", None), overrides or {})
     session = ChatSession(model, system=system, options=options)
     ChatUI(session, con).run()

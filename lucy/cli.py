@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 def console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
 def load_model(spec: str):

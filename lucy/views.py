@@ -248,16 +248,17 @@ def bench_table(result: dict) -> Table:
 
 def _layer_rows(layer, index: str) -> list[dict]:
     """One row per layer, Sequential children indented by index path."""
-    kind = getattr(getattr(layer, "type", None), "name", str(getattr(layer, "type", "?")))
-    dtype = getattr(layer, "dtype", None)
+    from poly import layout
+
+    kind = getattr(layer.type, "label", str(layer.type))
     weights = getattr(layer, "weights", None)
-    master = getattr(weights, "master", None)
     row = {
         "index": index,
         "type": kind,
-        "dtype": getattr(dtype, "label", str(dtype)),
+        "dtype": getattr(layer.dtype, "label", str(layer.dtype)),
         "active": str(getattr(weights, "active", None) or "float32"),
-        "params": int(getattr(master, "size", 0) or 0),
+        "params": int(layout.param_count(layer)),
+        "bytes": int(weights.nbytes()) if weights is not None else 0,
     }
     rows = [row]
     for j, child in enumerate(getattr(layer, "sequential_layers", None) or []):
@@ -300,11 +301,16 @@ def print_inspect(con, data: dict) -> None:
         f"layers_per_cell={g['layers_per_cell']}  dtypes: {', '.join(data['dtypes'])}"
     )
     layers = Table(title="layers")
-    for col in ("index", "type", "dtype", "active", "params"):
-        layers.add_column(col, justify="right" if col == "params" else "left")
+    for col in ("index", "type", "dtype", "active", "params", "bytes"):
+        layers.add_column(col, justify="right" if col in ("params", "bytes") else "left")
     for row in data["layers"]:
         layers.add_row(
-            row["index"], row["type"], row["dtype"], row["active"], human_count(row["params"])
+            row["index"],
+            row["type"],
+            row["dtype"],
+            row["active"],
+            human_count(row["params"]),
+            human_bytes(row["bytes"]),
         )
     con.print(layers)
     if data["memory"]:
