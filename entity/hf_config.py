@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from poly.errors import ConfigError, LimitExceededError, UnsupportedError
+from poly.errors import ConfigError, LimitExceededError, PolyError, UnsupportedError
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
@@ -287,7 +287,7 @@ def _reject_constant(name: str) -> Any:
     raise ConfigError(f"json: non-standard constant {name}")
 
 
-def read_json(path: Path, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+def read_json(path: Path, error: type[PolyError] = ConfigError) -> dict[str, Any]:
     """Strict JSON object reader: size cap, no duplicate keys, no NaN/Infinity."""
     try:
         if not path.is_file():

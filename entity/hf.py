@@ -1,0 +1,207 @@
+"""Load a HuggingFace snapshot dir (safetensors) into a ``poly.Transformer``.
+
+``load_hf`` reads the config once, checks every tensor name and shape against the name
+table before touching any data, then fills the model block by block straight from the
+memory-mapped files (peak memory ≈ the model in float32). ``iter_hf_blocks`` exposes the
+same walk for block-by-block converters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from entity.hf_config import HFModelConfig, load_hf_config, read_json
+from entity.hf_names import Slot, group_by_block, plan
+from entity.safetensors_io import FLOAT_DTYPES, Checkpoint, open_checkpoint
+from poly.errors import (
+    CheckpointError,
+    ConfigError,
+    IntegrityError,
+    SamplingParamsError,
+    TokenizerError,
+    UnsupportedError,
+    WeightMappingError,
+)
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves the template
+# Storage of the embedding / LM-head tables per requested dtype (default float32).
+TABLE_DTYPES: dict[str | None, Any] = {
+    None: np.float32,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+}
+
+Block = dict[str, dict[str, np.ndarray]]  # part -> component -> array
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A snapshot whose config, tensor names, shapes and dtypes have all been checked."""
+
+    path: Path
+    config: HFModelConfig
+    checkpoint: Checkpoint
+    slots: dict[str, Slot]  # HF tensor name -> destination
+
+
+def open_hf(path: str | Path) -> HFSource:
+    """Validate a snapshot dir without reading tensor data (except a tied lm_head check)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory", path=str(root))
+    cfg = load_hf_config(root)
+    ckpt = open_checkpoint(root)
+    slots = plan(cfg, {name: ckpt.info(name).shape for name in ckpt.names()})
+    for name in slots:
+        if ckpt.info(name).dtype not in FLOAT_DTYPES:
+            raise UnsupportedError(
+                f"tensor {name!r} is stored as {ckpt.info(name).dtype}; only "
+                f"{', '.join(FLOAT_DTYPES)} weights are supported",
+                path=str(ckpt.where[name].path),
+            )
+    if cfg.tie_word_embeddings and "lm_head.weight" in slots:
+        # transformers ties the head to the embeddings and drops this tensor; refuse a mismatch.
+        if not np.array_equal(
+            ckpt.tensor("lm_head.weight"), ckpt.tensor("model.embed_tokens.weight")
+        ):
+            raise WeightMappingError(
+                "lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings is true"
+            )
+        slots = {n: s for n, s in slots.items() if n != "lm_head.weight"}
+    return HFSource(root, cfg, ckpt, slots)
+
+
+def iter_hf_blocks(source: str | Path | HFSource) -> Iterator[tuple[int | None, Block]]:
+    """Yield ``(None, globals)`` first, then ``(i, block_i)`` for i = 0 .. num_layers-1.
+
+    Arrays are read-only memmap views in the stored dtype (float32, float16 or
+    ml_dtypes.bfloat16), shaped like HF (matrices ``[out, in]``); widen them with
+    ``np.asarray(a, np.float32)``. Globals: ``{"embeddings": {"value": [V, H]},
+    "final_norm": {"value": [H]}, "lm_head": {"value": [V, H]}}`` (no ``lm_head`` when
+    tied). A block: ``{"attn_norm": {"gamma"}, "attn": {"w_q", "w_k", "w_v", "w_o",
+    ["b_q", "b_k", "b_v", "b_o"], ["q_norm", "k_norm"]}, "mlp_norm": {"gamma"},
+    "mlp": {"w_gate", "w_up", "w_down"}}`` — component names are the ``poly.layout`` views.
+    Everything was validated up front, so iteration only fails on I/O.
+    """
+    src = source if isinstance(source, HFSource) else open_hf(source)
+    blocks, globals_ = group_by_block(src.slots)
+    yield None, _collect(src.checkpoint, globals_)
+    for i in range(src.config.num_layers):
+        yield i, _collect(src.checkpoint, blocks.get(i, {}))
+
+
+def _collect(ckpt: Checkpoint, slots: dict[str, Slot]) -> Block:
+    out: Block = {}
+    for name, slot in slots.items():
+        out.setdefault(slot.part, {})[slot.component] = ckpt.tensor(name)
+    return out
+
+
+def _fill_block(tf: Any, i: int, block: Block) -> None:
+    from poly import layout
+
+    views = {
+        "attn_norm": layout.rmsnorm(tf.attn_norm(i)),
+        "attn": layout.mha(tf.attn(i)),
+        "mlp_norm": layout.rmsnorm(tf.mlp_norm(i)),
+        "mlp": layout.swiglu(tf.mlp(i)),
+    }
+    for part, comps in block.items():
+        for comp, arr in comps.items():
+            dst = getattr(views[part], comp)
+            if dst is None or dst.shape != arr.shape:
+                got = None if dst is None else dst.shape
+                raise WeightMappingError(
+                    f"block {i} {part}.{comp}: layout slot {got}, tensor {arr.shape}"
+                )
+            dst[...] = arr  # widens F16/BF16 to the float32 master in place
+
+
+def _fill_globals(tf: Any, parts: Block, table_dtype: Any) -> None:
+    emb = np.asarray(parts["embeddings"]["value"], dtype=table_dtype)  # [V, H], a copy off the file
+    tf.embeddings = emb
+    tf.final_norm = parts["final_norm"]["value"]
+    if "lm_head" in parts:
+        tf.lm_head = np.asarray(parts["lm_head"]["value"], dtype=table_dtype)
+    else:
+        tf.lm_head = tf.embeddings  # tied: the same object
+
+
+def load_hf(path: str | Path, *, max_seq_len: int | None = None, dtype: str | None = None):
+    """A ``poly.Transformer`` from a snapshot dir (config.json + safetensors + tokenizer).
+
+    ``max_seq_len`` sizes the KV cache (default: min(max_position_embeddings, 4096), and never
+    beyond a sliding window). ``dtype`` None/"float32" keeps everything float32 (exact parity
+    with transformers); any other poly dtype name morphs the block weights to it (norms stay
+    float32) and float16/bfloat16 also store the embedding and LM-head tables in that dtype.
+    """
+    from poly import Transformer, morph_network
+
+    src = open_hf(path)
+    cfg = src.config
+    tf = Transformer.from_config(cfg.to_transformer_config(max_seq_len))
+    table_dtype = TABLE_DTYPES.get(dtype, np.float32)
+    for index, block in iter_hf_blocks(src):
+        if index is None:
+            _fill_globals(tf, block, table_dtype)
+        else:
+            _fill_block(tf, index, block)
+    if dtype not in (None, "float32"):
+        morph_network(tf.network, dtype)
+    _attach_metadata(tf, src)
+    return tf
+
+
+def _attach_metadata(tf: Any, src: HFSource) -> None:
+    from poly.chat import ChatTemplate
+    from poly.sampling import GenOptions
+    from poly.tokenizer import Tokenizer
+
+    root, cfg = src.path, src.config
+    tok_cfg: dict[str, Any] = {}
+    if (root / TOKENIZER_CONFIG_FILE).is_file():
+        tok_cfg = read_json(root / TOKENIZER_CONFIG_FILE, TokenizerError)
+    if "chat_template" not in tok_cfg and (root / CHAT_TEMPLATE_FILE).is_file():
+        try:
+            tok_cfg = dict(tok_cfg, chat_template=(root / CHAT_TEMPLATE_FILE).read_text("utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(
+                f"cannot read {CHAT_TEMPLATE_FILE}: {exc}", path=str(root)
+            ) from None
+    eos = cfg.eos_token_ids
+    if (root / TOKENIZER_FILE).is_file():
+        tok = Tokenizer.from_file(root / TOKENIZER_FILE)
+        tok.apply_config(tok_cfg)
+        if tok.vocab_size > cfg.vocab_size:
+            raise IntegrityError(
+                f"token_id_out_of_range: tokenizer has {tok.vocab_size} ids, config vocab_size is "
+                f"{cfg.vocab_size}",
+                path=str(root / TOKENIZER_FILE),
+            )
+        tf.tokenizer = tok
+        if not eos and tok.eos_token_id is not None:
+            eos = (tok.eos_token_id,)
+    tf.chat_template = ChatTemplate.from_tokenizer_config(tok_cfg)
+    tf.eos_token_ids = tuple(eos)
+    try:
+        tf.generation_defaults = GenOptions(
+            **cfg.generation.gen_options_kwargs(), eos_tokens=tf.eos_token_ids
+        )
+    except SamplingParamsError as exc:
+        raise ConfigError(f"generation_config.json: {exc}", path=str(root)) from None
+    tf.source = {
+        "format": "hf",
+        "path": str(root),
+        "model_type": cfg.model_type,
+        "dtype": cfg.dtype,
+        "architectures": list(cfg.architectures),
+    }
