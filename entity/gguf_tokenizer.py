@@ -284,3 +284,23 @@ def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
         add_eos_token=add_eos,
         chat_template=template if isinstance(template, str) else None,
     )
+
+
+def load_gguf_tokenizer(gg: GGUFFile, fallback_template: str | None = "chatml"):
+    """``(poly.tokenizer.Tokenizer, poly.chat.ChatTemplate | None, GGUFTokenizerSpec)`` for a file.
+
+    Without ``tokenizer.chat_template`` the ``fallback_template`` preset is used (None: no template).
+    """
+    from poly.chat import ChatTemplate
+    from poly.tokenizer import Tokenizer as PolyTokenizer
+
+    spec = build_tokenizer(gg)
+    bos, eos = spec.token(spec.bos_token_id), spec.token(spec.eos_token_id)
+    tokenizer = PolyTokenizer(spec.tokenizer, bos_token=bos, eos_token=eos)
+    if spec.chat_template is not None:
+        template = ChatTemplate(spec.chat_template, bos_token=bos, eos_token=eos, name="gguf")
+    elif fallback_template is not None:
+        template = ChatTemplate.preset(fallback_template)
+    else:
+        template = None
+    return tokenizer, template, spec

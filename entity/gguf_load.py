@@ -1,0 +1,335 @@
+"""Load a GGUF file (llama/mistral, qwen2, qwen3) into a ``poly.Transformer``.
+
+Matrices stay quantized as ``GGUFMatrix`` (raw blocks, dequantized per row block) unless
+``keep_quantized=False``. llama-arch files store q/k rows permuted for interleaved RoPE; we undo
+that by reordering whole rows, which works on raw quantized rows too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from poly.errors import (
+    GGUFFormatError,
+    LayerConfigError,
+    PolyError,
+    UnsupportedError,
+    WeightMappingError,
+)
+
+from .gguf_reader import GGUFFile
+from .gguf_tokenizer import load_gguf_tokenizer
+
+MAX_LAYERS = 512  # llama.cpp LLAMA_MAX_LAYERS
+DEFAULT_MAX_SEQ = 2048  # KV caches are preallocated; ask for more with max_seq_len=
+QUANT_VERSION = "gguf"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    permute_qk: bool  # llama.cpp convert_hf_to_gguf permutes q/k for LlamaModel only
+    qk_norm: bool
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec(permute_qk=True, qk_norm=False),  # also Mistral and SmolLM files
+    "qwen2": ArchSpec(permute_qk=False, qk_norm=False),
+    "qwen3": ArchSpec(permute_qk=False, qk_norm=True),
+}
+
+# blk.{i}.<suffix> -> (Transformer accessor, layout component)
+LAYER_TENSORS: dict[str, tuple[str, str]] = {
+    "attn_norm.weight": ("attn_norm", "gamma"),
+    "attn_q.weight": ("attn", "w_q"),
+    "attn_k.weight": ("attn", "w_k"),
+    "attn_v.weight": ("attn", "w_v"),
+    "attn_output.weight": ("attn", "w_o"),
+    "attn_q.bias": ("attn", "b_q"),
+    "attn_k.bias": ("attn", "b_k"),
+    "attn_v.bias": ("attn", "b_v"),
+    "attn_output.bias": ("attn", "b_o"),
+    "attn_q_norm.weight": ("attn", "q_norm"),
+    "attn_k_norm.weight": ("attn", "k_norm"),
+    "ffn_norm.weight": ("mlp_norm", "gamma"),
+    "ffn_gate.weight": ("mlp", "w_gate"),
+    "ffn_up.weight": ("mlp", "w_up"),
+    "ffn_down.weight": ("mlp", "w_down"),
+}
+GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
+REQUIRED_LAYER = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
+# Whole-row reorders that undo llama.cpp's q/k permutation: component -> which head count.
+PERMUTED = {"w_q": "num_heads", "b_q": "num_heads", "w_k": "num_kv_heads", "b_k": "num_kv_heads"}
+# End-of-turn markers the chat templates emit; added to the stop ids when control tokens.
+END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+BLOCK_NAME = re.compile(r"blk\.(\d{1,4})\.(.+)")
+
+
+def _meta_int(gg: GGUFFile, key: str, default: int | None = None) -> int:
+    value = gg.metadata.get(key, default)
+    if value is None:
+        raise GGUFFormatError(f"missing metadata key {key}", path=gg.path)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise GGUFFormatError(
+            f"metadata {key} must be a positive integer, got {value!r}", path=gg.path
+        )
+    return value
+
+
+def _meta_float(gg: GGUFFile, key: str, default: float) -> float:
+    value = gg.metadata.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GGUFFormatError(f"metadata {key} must be a number, got {value!r}", path=gg.path)
+    return float(value)
+
+
+def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
+    """The ``TransformerConfig`` a GGUF file describes (metadata ``{arch}.*`` keys)."""
+    from poly import TransformerConfig
+
+    arch = gg.metadata.get("general.architecture")
+    if arch not in ARCHS:
+        raise UnsupportedError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})",
+            path=gg.path,
+        )
+    if "rope_freqs.weight" in gg.tensors or f"{arch}.rope.scaling.type" in gg.metadata:
+        raise UnsupportedError(
+            "GGUF RoPE scaling (rope_freqs / rope.scaling) is not supported", path=gg.path
+        )
+    if "token_embd.weight" not in gg.tensors:
+        raise WeightMappingError("missing tensor token_embd.weight", path=gg.path)
+    hidden = _meta_int(gg, f"{arch}.embedding_length")
+    heads = _meta_int(gg, f"{arch}.attention.head_count")
+    head_dim = _meta_int(gg, f"{arch}.attention.key_length", hidden // heads or None)
+    rot = gg.metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise UnsupportedError(
+            f"partial rotary ({rot} of {head_dim} dims) is not supported", path=gg.path
+        )
+    layers = _meta_int(gg, f"{arch}.block_count")
+    if layers > MAX_LAYERS:
+        raise GGUFFormatError(f"{arch}.block_count {layers} exceeds {MAX_LAYERS}", path=gg.path)
+    context = _meta_int(gg, f"{arch}.context_length", DEFAULT_MAX_SEQ)
+    try:
+        return TransformerConfig(
+            vocab_size=gg.tensors["token_embd.weight"].shape[0],
+            hidden_size=hidden,
+            intermediate_size=_meta_int(gg, f"{arch}.feed_forward_length"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=_meta_int(gg, f"{arch}.attention.head_count_kv", heads),
+            head_dim=head_dim,
+            rms_norm_eps=_meta_float(gg, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=_meta_float(gg, f"{arch}.rope.freq_base", 10000.0),
+            max_seq_len=max_seq_len or min(context, DEFAULT_MAX_SEQ),
+            tie_word_embeddings="output.weight" not in gg.tensors,
+            attention_bias="blk.0.attn_q.bias" in gg.tensors,
+            qk_norm=ARCHS[arch].qk_norm,
+            architecture=arch,
+        )
+    except LayerConfigError as exc:
+        raise GGUFFormatError(
+            f"inconsistent GGUF hyper-parameters: {exc.message}", path=gg.path
+        ) from None
+
+
+def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    h, q, kv, i = cfg.hidden_size, cfg.query_dim, cfg.kv_dim, cfg.intermediate_size
+    return {
+        "attn_norm.weight": (h,),
+        "attn_q.weight": (q, h),
+        "attn_k.weight": (kv, h),
+        "attn_v.weight": (kv, h),
+        "attn_output.weight": (h, q),
+        "attn_q.bias": (q,),
+        "attn_k.bias": (kv,),
+        "attn_v.bias": (kv,),
+        "attn_output.bias": (h,),
+        "attn_q_norm.weight": (cfg.head_dim,),
+        "attn_k_norm.weight": (cfg.head_dim,),
+        "ffn_norm.weight": (h,),
+        "ffn_gate.weight": (i, h),
+        "ffn_up.weight": (i, h),
+        "ffn_down.weight": (h, i),
+    }
+
+
+def check_tensors(gg: GGUFFile, cfg) -> None:
+    """Every tensor is known, every required one present, every shape right (errors name it)."""
+    shapes = _expected_shapes(cfg)
+    globals_ = {
+        "token_embd.weight": (cfg.vocab_size, cfg.hidden_size),
+        "output_norm.weight": (cfg.hidden_size,),
+    }
+    globals_["output.weight"] = globals_["token_embd.weight"]
+    for name, info in gg.tensors.items():
+        m = BLOCK_NAME.fullmatch(name)
+        if m and m.group(2) in shapes and int(m.group(1)) < cfg.num_layers:
+            want = shapes[m.group(2)]
+        elif name in globals_:
+            want = globals_[name]
+        else:
+            raise WeightMappingError(f"unexpected tensor {name!r}", path=gg.path)
+        if info.shape != want:
+            raise WeightMappingError(
+                f"tensor {name!r} has shape {info.shape}, expected {want}", path=gg.path
+            )
+    required = [f"blk.{i}.{s}" for i in range(cfg.num_layers) for s in REQUIRED_LAYER]
+    if cfg.qk_norm:
+        required += [f"blk.{i}.attn_{c}_norm.weight" for i in range(cfg.num_layers) for c in "qk"]
+    for name in ("output_norm.weight", *required):
+        if name not in gg.tensors:
+            raise WeightMappingError(f"missing tensor {name!r}", path=gg.path)
+
+
+def qk_row_order(n_heads: int, head_dim: int) -> np.ndarray:
+    """Row indices that turn llama.cpp's interleaved q/k rows back into HF's half-split order.
+
+    convert_hf_to_gguf ``permute`` maps HF row (head, half, j) to GGUF row (head, 2*j + half)."""
+    one = np.arange(head_dim).reshape(head_dim // 2, 2).T.reshape(-1)  # [2, hd/2] -> [hd]
+    return (np.arange(n_heads)[:, None] * head_dim + one[None, :]).reshape(-1)  # [heads*hd]
+
+
+class _Loader:
+    def __init__(self, gg: GGUFFile, cfg, keep_quantized: bool):
+        self.gg, self.cfg, self.keep = gg, cfg, keep_quantized
+        spec = ARCHS[cfg.architecture]
+        self.orders = {}
+        if spec.permute_qk:
+            for comp, heads in PERMUTED.items():
+                self.orders[comp] = qk_row_order(getattr(cfg, heads), cfg.head_dim)
+
+    def matrix(self, name: str, comp: str) -> Any:
+        from poly.qtensor import GGUFMatrix
+
+        info, order = self.gg.tensors[name], self.orders.get(comp)
+        if not self.keep:
+            w = self.gg.dequantize(name)  # [out, in]
+            return w if order is None else np.ascontiguousarray(w[order])
+        raw = self.gg.tensor_bytes(name)  # [out, row_bytes]
+        if order is not None:
+            raw = np.ascontiguousarray(raw[order])  # whole quantized rows reordered
+        return GGUFMatrix(raw, info.ggml_type, info.shape)
+
+    def vector(self, name: str, comp: str) -> np.ndarray:
+        v = self.gg.dequantize(name).reshape(-1)
+        order = self.orders.get(comp)
+        return np.ascontiguousarray(v if order is None else v[order], dtype=np.float32)
+
+    def components(self, i: int, accessor: str) -> dict[str, Any]:
+        out = {}
+        for suffix, (acc, comp) in LAYER_TENSORS.items():
+            name = f"blk.{i}.{suffix}"
+            if acc != accessor or name not in self.gg.tensors:
+                continue
+            is_matrix = comp.startswith("w_")
+            out[comp] = self.matrix(name, comp) if is_matrix else self.vector(name, comp)
+        return out
+
+
+def _bias_sizes(cfg) -> dict[str, dict[str, int]]:
+    """Vectors a stored version must carry even when the file has none (zeros)."""
+    h, q, kv, inter = cfg.hidden_size, cfg.query_dim, cfg.kv_dim, cfg.intermediate_size
+    return {
+        "attn": {"b_q": q, "b_k": kv, "b_v": kv, "b_o": h},
+        "mlp": {"b_gate": inter, "b_up": inter, "b_down": h},
+    }
+
+
+def _fill_layer(tf, loader: _Loader, i: int) -> None:
+    from poly import layout
+
+    for accessor in ("attn_norm", "mlp_norm"):
+        layer = getattr(tf, accessor)(i)
+        layer.weights.ensure_master()
+        layout.rmsnorm(layer).gamma[...] = loader.components(i, accessor)["gamma"]
+    biases = _bias_sizes(loader.cfg)
+    for accessor in ("attn", "mlp"):
+        layer = getattr(tf, accessor)(i)
+        comps = loader.components(i, accessor)
+        if loader.keep:
+            full = {k: np.zeros(n, dtype=np.float32) for k, n in biases[accessor].items()}
+            if accessor == "attn":
+                full.update(q_norm=None, k_norm=None)
+            full.update(comps)
+            layer.weights.set_version(QUANT_VERSION, full, activate=True)
+        else:
+            views = layout.views(layer)
+            for comp, value in comps.items():
+                views[comp][...] = value
+
+
+def _table(gg: GGUFFile, name: str) -> np.ndarray:
+    """Embedding-sized table: a zero-copy memmap view when stored F32, else float32 values."""
+    if gg.tensors[name].ggml_type == 0:
+        return gg.tensor_array(name)
+    return gg.dequantize(name)
+
+
+def _end_tokens(spec, template_source: str | None) -> tuple[int, ...]:
+    ids = list(spec.end_token_ids)
+    vocab = spec.tokenizer
+    for marker in END_MARKERS:
+        tid = vocab.token_to_id(marker)
+        if tid is not None and template_source and marker in template_source and tid not in ids:
+            ids.append(tid)
+    return tuple(ids)
+
+
+def load_gguf(
+    path: str | os.PathLike, *, keep_quantized: bool = True, max_seq_len: int | None = None
+):
+    """Load a GGUF checkpoint as a ``poly.Transformer`` with its tokenizer and chat template.
+
+    ``keep_quantized`` keeps the block matrices as ``GGUFMatrix`` (else float32 masters);
+    ``max_seq_len`` sizes the KV cache (default min(context_length, 2048)).
+    """
+    from poly import Transformer
+
+    gg = GGUFFile(path)
+    cfg = gguf_config(gg, max_seq_len)
+    check_tensors(gg, cfg)
+    tokenizer, template, spec = load_gguf_tokenizer(gg)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise WeightMappingError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but token_embd only {cfg.vocab_size} rows",
+            path=gg.path,
+        )
+    loader = _Loader(gg, cfg, keep_quantized)
+    try:
+        tf = Transformer.from_config(cfg, allocate=not keep_quantized)
+        for i in range(cfg.num_layers):
+            _fill_layer(tf, loader, i)
+        tf.embeddings = _table(gg, "token_embd.weight")
+        if not cfg.tie_word_embeddings:
+            tf.lm_head = loader.matrix("output.weight", "lm_head")
+        tf.final_norm = gg.dequantize("output_norm.weight")
+    except PolyError:
+        raise
+    except (ValueError, TypeError) as exc:  # e.g. a dequantizer rejecting bad block bytes
+        raise GGUFFormatError(f"cannot load GGUF weights: {exc}", path=gg.path) from None
+    tf.tokenizer, tf.chat_template = tokenizer, template
+    tf.eos_token_ids = _end_tokens(spec, spec.chat_template)
+    tf.source = {
+        "format": "gguf",
+        "path": str(path),
+        "file_type": gg.metadata.get("general.file_type"),
+        "name": gg.metadata.get("general.name"),
+        "keep_quantized": keep_quantized,
+    }
+    return tf

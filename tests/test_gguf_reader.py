@@ -1,0 +1,254 @@
+"""Malformed GGUF files: every one gives GGUFFormatError quickly, never another exception type.
+
+The files are written here with ``struct`` (a tiny independent GGUF writer), then corrupted.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from entity.gguf_reader import GGUFFile
+from poly.errors import GGUFFormatError, UnsupportedError
+
+U8, I32, U32, F32, BOOL, STRING, ARRAY, U64 = 0, 5, 4, 6, 7, 8, 9, 10
+GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8
+
+
+def _str(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+def _value(vtype: int, value) -> bytes:
+    if vtype == STRING:
+        return _str(value)
+    if vtype == ARRAY:
+        etype, items = value
+        body = b"".join(_value(etype, v) for v in items)
+        return struct.pack("<IQ", etype, len(items)) + body
+    fmt = {U8: "<B", I32: "<i", U32: "<I", F32: "<f", BOOL: "<?", U64: "<Q"}[vtype]
+    return struct.pack(fmt, value)
+
+
+def write_gguf(kvs, tensors, *, alignment=32, version=3, magic=b"GGUF", offsets=None) -> bytes:
+    """kvs: [(key, vtype, value)]; tensors: [(name, ggml_type, gguf_dims, raw_bytes)]."""
+    head = magic + struct.pack("<IQQ", version, len(tensors), len(kvs))
+    head += b"".join(_str(k) + struct.pack("<I", t) + _value(t, v) for k, t, v in kvs)
+    data, rel = b"", []
+    for _, _, _, raw in tensors:
+        data += b"\0" * (-len(data) % alignment)
+        rel.append(len(data))
+        data += raw
+    rel = offsets if offsets is not None else rel
+    for (name, gtype, dims, _), off in zip(tensors, rel):
+        head += _str(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        head += struct.pack("<IQ", gtype, off)
+    head += b"\0" * (-len(head) % alignment)
+    return head + data
+
+
+W = np.arange(12, dtype=np.float32).reshape(3, 4) / 7  # numpy (3, 4) -> GGUF dims [4, 3]
+B = np.array([1.5, -2.0, 0.25], dtype=np.float16)
+Q8_BLOCK = struct.pack("<e", 0.5) + bytes(range(0, 64, 2))  # one Q8_0 block: f16 scale, 32 int8
+KVS = [
+    ("general.architecture", STRING, "llama"),
+    ("llama.block_count", U32, 2),
+    ("llama.rope.freq_base", F32, 10000.0),
+    ("tokenizer.ggml.add_bos_token", BOOL, False),
+    ("tokenizer.ggml.tokens", ARRAY, (STRING, ["a", "b", "ü"])),
+    ("tokenizer.ggml.token_type", ARRAY, (I32, [1, 3, 1])),
+]
+TENSORS = [
+    ("w", GGML_F32, [4, 3], W.tobytes()),
+    ("b", GGML_F16, [3], B.tobytes()),
+    ("q", GGML_Q8_0, [32], Q8_BLOCK),
+]
+
+
+def valid_bytes(**kw) -> bytes:
+    return write_gguf(KVS, TENSORS, **kw)
+
+
+def open_bytes(tmp_path, data: bytes, name="x.gguf") -> GGUFFile:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return GGUFFile(p)
+
+
+def assert_bad(tmp_path, data: bytes, match: str | None = None) -> GGUFFormatError:
+    start = time.monotonic()
+    with pytest.raises(GGUFFormatError, match=match) as info:
+        open_bytes(tmp_path, data)
+    # a bound on pathological behaviour (huge loops/allocations), not a speed benchmark
+    assert time.monotonic() - start < 1.0
+    assert info.value.offset is not None
+    return info.value
+
+
+def test_valid_round_trip(tmp_path):
+    gg = open_bytes(tmp_path, valid_bytes())
+    assert gg.version == 3 and gg.alignment == 32
+    md = gg.metadata
+    assert md["general.architecture"] == "llama" and md["llama.block_count"] == 2
+    assert md["llama.rope.freq_base"] == 10000.0 and md["tokenizer.ggml.add_bos_token"] is False
+    assert md["tokenizer.ggml.tokens"] == ["a", "b", "ü"]
+    assert md["tokenizer.ggml.token_type"].tolist() == [1, 3, 1]
+    assert gg.tensors["w"].shape == (3, 4)  # GGUF dims [4, 3] reversed
+    np.testing.assert_array_equal(gg.dequantize("w"), W)
+    np.testing.assert_array_equal(gg.tensor_array("w"), W)
+    np.testing.assert_array_equal(gg.dequantize("b"), B.astype(np.float32))
+    scale, qs = 0.5, np.frombuffer(bytes(range(0, 64, 2)), dtype=np.int8).astype(np.float32)
+    np.testing.assert_array_equal(gg.dequantize("q"), (scale * qs)[None, :].reshape(32))
+    assert gg.tensor_bytes("q").tobytes() == Q8_BLOCK
+
+
+def test_custom_alignment_loads(tmp_path):
+    kvs = [*KVS, ("general.alignment", U32, 64)]
+    gg = open_bytes(tmp_path, write_gguf(kvs, TENSORS, alignment=64))
+    assert gg.alignment == 64 and all(t.offset % 64 == 0 for t in gg.tensors.values())
+    np.testing.assert_array_equal(gg.dequantize("w"), W)
+
+
+def test_truncated_everywhere(tmp_path):
+    data = valid_bytes()
+    for cut in range(0, len(data) - 1, 3):
+        assert_bad(tmp_path, data[:cut])
+
+
+def _patch(data: bytes, at: int, fmt: str, value) -> bytes:
+    return data[:at] + struct.pack(fmt, value) + data[at + struct.calcsize(fmt) :]
+
+
+def _key_value_at(data: bytes, key: str) -> int:
+    """Byte offset just after the key's type tag (where its value starts)."""
+    return data.index(_str(key)) + 8 + len(key) + 4
+
+
+@pytest.mark.parametrize(
+    ("what", "at", "fmt", "value", "match"),
+    [
+        ("bad magic", 0, "<4s", b"GGML", "magic"),
+        ("version 1", 4, "<I", 1, "version"),
+        ("version 4", 4, "<I", 4, "version"),
+        ("huge tensor count", 8, "<Q", 2**63, "tensor count"),
+        ("huge kv count", 16, "<Q", 2**63 - 1, "kv count"),
+    ],
+)
+def test_header_fields(tmp_path, what, at, fmt, value, match):
+    assert_bad(tmp_path, _patch(valid_bytes(), at, fmt, value), match)
+
+
+def test_huge_string_length(tmp_path):
+    data = valid_bytes()
+    at = _key_value_at(data, "general.architecture")
+    assert_bad(tmp_path, _patch(data, at, "<Q", 2**63), "length")
+    at = data.index(_str("general.architecture"))
+    assert_bad(tmp_path, _patch(data, at, "<Q", 2**40), "length")  # a key length
+
+
+def test_huge_array_length(tmp_path):
+    data = valid_bytes()
+    at = _key_value_at(data, "tokenizer.ggml.token_type") + 4
+    assert_bad(tmp_path, _patch(data, at, "<Q", 2**63), "array")
+    at = _key_value_at(data, "tokenizer.ggml.tokens") + 4
+    assert_bad(tmp_path, _patch(data, at, "<Q", 2**62), "array")
+
+
+def test_unknown_value_types(tmp_path):
+    data = valid_bytes()
+    at = _key_value_at(data, "llama.block_count") - 4
+    assert_bad(tmp_path, _patch(data, at, "<I", 13), "value type")
+    at = _key_value_at(data, "tokenizer.ggml.token_type")
+    assert_bad(tmp_path, _patch(data, at, "<I", 99), "element type")
+    assert_bad(tmp_path, _patch(data, at, "<I", ARRAY), "nested")
+
+
+def test_duplicate_key_and_bad_utf8(tmp_path):
+    assert_bad(tmp_path, write_gguf([*KVS, KVS[1]], TENSORS), "duplicate")
+    assert_bad(tmp_path, write_gguf([(b"general.\xff", STRING, "x")], TENSORS), "UTF-8")
+    assert_bad(tmp_path, write_gguf([("general.name", STRING, b"\xc3")], TENSORS), "UTF-8")
+
+
+@pytest.mark.parametrize("alignment", [0, 13, 48, 2**31])
+def test_bad_alignment_value(tmp_path, alignment):
+    kvs = [*KVS, ("general.alignment", U32, alignment)]
+    assert_bad(tmp_path, write_gguf(kvs, TENSORS), "alignment")
+
+
+def test_alignment_wrong_type(tmp_path):
+    kvs = [*KVS, ("general.alignment", U64, 32)]
+    assert_bad(tmp_path, write_gguf(kvs, TENSORS), "UINT32")
+
+
+def test_misaligned_offset(tmp_path):
+    assert_bad(tmp_path, valid_bytes(offsets=[0, 52, 64]), "multiple")
+
+
+def test_overlapping_tensors(tmp_path):
+    assert_bad(tmp_path, valid_bytes(offsets=[0, 32, 0]), "overlaps")
+
+
+def test_offset_past_eof(tmp_path):
+    assert_bad(tmp_path, valid_bytes(offsets=[0, 64, 2**40]), "past the end")
+    assert_bad(tmp_path, valid_bytes(offsets=[0, 64, 2**64 - 32]), "past the end")
+
+
+def _tensor_with(name="t", gtype=GGML_F32, dims=(4,), raw=b"\0" * 16) -> bytes:
+    return write_gguf(KVS, [(name, gtype, list(dims), raw)])
+
+
+def test_bad_tensor_infos(tmp_path):
+    assert_bad(tmp_path, _tensor_with(dims=(1, 1, 1, 1, 4)), "n_dims")
+    assert_bad(tmp_path, _tensor_with(dims=()), "n_dims")
+    assert_bad(tmp_path, _tensor_with(dims=(4, 0)), "zero")
+    assert_bad(tmp_path, _tensor_with(dims=(2**32, 2**32, 2**32)), "larger than the file")
+    assert_bad(tmp_path, _tensor_with(gtype=4), "unknown ggml type")  # Q4_2 was removed
+    assert_bad(tmp_path, _tensor_with(gtype=2**31), "unknown ggml type")
+    assert_bad(tmp_path, _tensor_with(gtype=GGML_Q8_0, dims=(33,)), "multiple")
+    assert_bad(tmp_path, _tensor_with(name="n" * 100), "limit")
+    assert_bad(tmp_path, write_gguf(KVS, [TENSORS[0], TENSORS[0]]), "duplicate")
+
+
+def test_data_one_byte_short(tmp_path):
+    assert_bad(tmp_path, valid_bytes()[:-1], "past the end")
+
+
+def test_empty_and_tiny_files(tmp_path):
+    assert_bad(tmp_path, b"")
+    assert_bad(tmp_path, b"GGUF")
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(min_value=0, max_value=10**6), st.integers(0, 255)),
+        min_size=1,
+        max_size=6,
+    ),
+    cut=st.one_of(st.none(), st.integers(min_value=0, max_value=10**6)),
+)
+def test_random_edits_only_raise_format_errors(tmp_path, edits, cut):
+    data = bytearray(valid_bytes())
+    for pos, byte in edits:
+        data[pos % len(data)] = byte
+    if cut is not None:
+        data = data[: cut % (len(data) + 1)]
+    start = time.monotonic()
+    try:
+        gg = open_bytes(tmp_path, bytes(data), name="fuzz.gguf")
+        for name in gg.tensors:
+            try:
+                assert gg.dequantize(name).dtype == np.float32
+            except UnsupportedError:  # an edit may name a known type gguf cannot dequantize
+                pass
+    except GGUFFormatError:
+        pass
+    assert time.monotonic() - start < 1.0
