@@ -1,0 +1,166 @@
+"""Multi-turn chat over one model, reusing the KV cache across turns.
+
+Each ``send`` renders the whole conversation with the model's chat template and tokenizes it;
+the longest common prefix with the tokens already in the KV cache is kept (``model.truncate``)
+and only the rest is prefilled. The cache holds the tokens actually generated, so when the
+template re-renders the reply differently (another tokenization, an end token the model did or
+did not emit) the prefix comparison finds the divergence and re-prefills from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from poly.errors import GenerationError, PolyError
+from poly.generation import DoneEvent, TokenStream, stream_tokens
+from poly.sampling import GenOptions, Sampler
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ChatSession:
+    """A conversation with ``model``; the session owns the model's KV cache while it is used."""
+
+    def __init__(self, model, *, system: str | None = None, options: GenOptions | None = None):
+        self.model = model
+        self.options = options or getattr(model, "generation_defaults", None) or GenOptions()
+        self._system = system
+        self._turns: list[tuple[str, str]] = []  # (user, assistant) pairs
+        self._cache_ids: list[int] = []  # token ids in the model's KV cache, in order
+        self._sampler: Sampler | None = None
+        self.last_prefill_tokens = 0
+        self.last_done: DoneEvent | None = None
+        self.turns = 0
+
+    # --- conversation state ---------------------------------------------------------------------
+
+    @property
+    def system(self) -> str | None:
+        return self._system
+
+    @property
+    def history(self) -> list[dict[str, str]]:
+        """The messages as the chat template sees them (system first, if any)."""
+        msgs = [] if self._system is None else [{"role": "system", "content": self._system}]
+        for user, assistant in self._turns:
+            msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return msgs
+
+    @property
+    def stats(self) -> dict:
+        d = self.last_done
+        return {
+            "turns": self.turns,
+            "tokens_in_cache": int(self.model.position),
+            "last_prefill_tokens": self.last_prefill_tokens,
+            "last_prefill_tok_s": d.prefill_tok_s if d else 0.0,
+            "last_decode_tok_s": d.decode_tok_s if d else 0.0,
+            "last_stop_reason": d.stop_reason if d else None,
+        }
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays) and empty the KV cache."""
+        self._turns.clear()
+        self._cache_ids = []
+        self.model.reset()
+
+    def set_system(self, text: str | None, *, keep_history: bool = False) -> None:
+        """Set the system message; the conversation restarts unless ``keep_history``."""
+        self._system = text or None
+        if not keep_history:
+            self.reset()
+
+    def set_option(self, name: str, value) -> None:
+        """Change one generation option (validated); the random stream continues unless ``seed``."""
+        self.options = self.options.replace(**{name: value})
+        old, self._sampler = self._sampler, None
+        if old is not None and name != "seed":
+            self._sampler = self._new_sampler()
+            self._sampler.rng = old.rng
+
+    def drop_oldest_turns(self, n: int = 1) -> int:
+        """Remove the ``n`` oldest user/assistant turns to make room; returns how many went.
+
+        The cache is not touched here: the next ``send`` finds the divergence (right after the
+        system message) and re-prefills from it.
+        """
+        if not self._turns:
+            raise GenerationError("no earlier turns to drop: the message alone exceeds the context")
+        n = max(1, min(int(n), len(self._turns)))
+        del self._turns[:n]
+        return n
+
+    # --- a turn ---------------------------------------------------------------------------------
+
+    def _new_sampler(self) -> Sampler:
+        eos = tuple(getattr(self.model, "eos_token_ids", ()))
+        return Sampler(self.options, self.model.config.vocab_size, eos)
+
+    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.model.chat_template.render(messages, add_generation_prompt=True)
+        return list(self.model.tokenizer.encode(text, add_special_tokens=False))
+
+    def _cached(self) -> list[int]:
+        # someone else moved the model (another session, a plain stream): trust nothing
+        if len(self._cache_ids) != self.model.position:
+            return []
+        return self._cache_ids
+
+    def send(self, user_text: str, *, stop=None) -> TokenStream:
+        """Stream the reply to ``user_text``: ``TokenEvent``s, then a ``DoneEvent``.
+
+        Raises ``ContextOverflowError`` before anything runs if the conversation plus
+        ``max_tokens`` does not fit (see ``drop_oldest_turns``), ``ModelBusyError`` if the model
+        is streaming elsewhere.
+        """
+        ids = self._encode(self.history + [{"role": "user", "content": user_text}])
+        # keep >= 1 token to prefill: the last position's logits are needed for the first sample
+        prefix = min(common_prefix(ids, self._cached()), len(ids) - 1)
+        if self._sampler is None:
+            self._sampler = self._new_sampler()
+        stream = stream_tokens(
+            self.model,
+            ids[prefix:],
+            self.options,
+            stop=stop,
+            start_fresh=prefix <= 0,
+            history=ids[:prefix],
+            sampler=self._sampler,
+        )
+        gen = self._turn(stream, user_text, ids)
+        return TokenStream(gen, stream.close, stream.state)
+
+    def _turn(self, stream: TokenStream, user_text: str, ids: list[int]) -> Iterator:
+        failed = False
+        try:
+            for event in stream:
+                if isinstance(event, DoneEvent):
+                    self.last_done = event
+                yield event
+        except PolyError:
+            failed = True
+            raise
+        finally:
+            stream.close()
+            self._after_turn(stream, user_text, ids, failed)
+
+    def _after_turn(self, stream: TokenStream, user_text: str, ids: list[int], failed) -> None:
+        state = stream.state
+        seq = ids + state.generated
+        pos = int(self.model.position)
+        # the cache holds the prompt and every generated token but the last (never fed back)
+        self._cache_ids = seq[:pos] if pos <= len(seq) else []
+        if not state.prefilled:
+            return
+        self.last_prefill_tokens = state.prefill_tokens
+        if failed:
+            return
+        self._turns.append((user_text, state.text))
+        self.turns += 1
