@@ -103,6 +103,7 @@ class _Header(BaseModel):
     quant: dict[str, Any]
     blobs: list[BlobRecord] = Field(max_length=MAX_BLOBS)
     tokenizer: str | None
+    tokenizer_config: dict[str, Any]
     chat_template: str | None
     generation_config: dict[str, Any]
     eos_token_ids: list[int]

@@ -40,6 +40,7 @@ META = dict(
     transformer={"architecture": "llama"},
     quant={"scheme": "f32"},
     tokenizer='{"model": {}}',
+    tokenizer_config={"bos_token": "<s>"},
     chat_template="{{ messages }}",
     generation_config={"temperature": 0.7},
     eos_token_ids=[2],
