@@ -261,7 +261,7 @@ def _unpack(packed: np.ndarray, bits: int, n: int, signed: bool) -> np.ndarray:
     per = 8 // bits
     shifts = (np.arange(per - 1, -1, -1) * bits).astype(np.uint8)
     u = (packed[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)  # [rows, nbytes, per]
-    u = u.reshape(packed.shape[0], -1)[:, :n]
+    u = u.reshape(packed.shape[0], packed.shape[1] * per)[:, :n]
     if not signed:
         return u
     half = np.int8(1 << (bits - 1))
