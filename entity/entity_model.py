@@ -197,8 +197,10 @@ def _as_float(table) -> np.ndarray:
 def _write_block(out: EntityWriter, cfg, i: int, comps: dict, matrix_enc: str) -> None:
     for role in ROLES:
         shapes = _role_shapes(cfg, role)
-        got = comps[role]
+        got = dict(comps.get(role, {}))
         for name, shape in shapes.items():
+            if name not in got and name.startswith("b_"):  # e.g. HF llama: no biases = zeros
+                got[name] = np.zeros(shape, np.float32)
             if name not in got or tuple(np.shape(got[name])) != shape:
                 raise LayerConfigError(f"block {i} {role}.{name}: expected shape {shape}")
         base = f"blocks.{i}.{role}"

@@ -1,0 +1,307 @@
+"""Convert any loadable checkpoint (HF dir, GGUF, .entity) into a `.entity` v2 file.
+
+HF snapshots are streamed block by block (peak memory ~ one block + the memory-mapped globals);
+other sources are loaded with `entity.load` first. Output goes through `atomic_output`, so an
+interrupted conversion leaves nothing at the destination. ``verify=True`` re-opens the result and
+compares every tensor with the source: exact for f32, error statistics for lossy schemes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+import types
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from entity.atomic import check_output
+from entity.entity_model import (
+    ROLES,
+    SCHEMES,
+    _role_shapes,
+    float_components,
+    load_entity,
+    model_blocks,
+    model_meta,
+    save_entity,
+    write_entity,
+)
+from poly.errors import IntegrityError, UsageError
+from poly.qtensor import QTensor
+
+__all__ = ["convert", "ConvertReport", "TensorStat", "default_output"]
+
+DELAY_ENV = "POLY_CONVERT_BLOCK_DELAY"  # test hook: seconds to sleep after each block
+_ROWS = 4096  # row chunk of the error statistics (bounded float64 temporaries)
+Progress = Callable[[int, int, str], None]
+Blocks = Iterable[tuple[int, dict[str, dict[str, np.ndarray]]]]
+
+
+@dataclass(frozen=True)
+class TensorStat:
+    """Reconstruction error of one tensor: max |a-b| and RMS(a-b)/RMS(a)."""
+
+    name: str
+    shape: tuple[int, ...]
+    max_abs: float
+    rel_rms: float
+
+    @property
+    def exact(self) -> bool:
+        return self.max_abs == 0.0
+
+
+@dataclass
+class ConvertReport:
+    src: str
+    dst: str
+    quant: str
+    source_format: str
+    bytes: int = 0
+    seconds: float = 0.0
+    verified: bool = False
+    tensors: list[TensorStat] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return self.verified and all(t.exact for t in self.tensors)
+
+    @property
+    def max_abs(self) -> float:
+        return max((t.max_abs for t in self.tensors), default=0.0)
+
+    @property
+    def max_rel_rms(self) -> float:
+        return max((t.rel_rms for t in self.tensors), default=0.0)
+
+    def matrices(self) -> list[TensorStat]:
+        return [t for t in self.tensors if len(t.shape) == 2]
+
+    def format(self) -> str:
+        """The error report as text (the CLI prints it; the 4-bit error report for q4)."""
+        lines = [
+            f"{self.src} -> {self.dst} [{self.quant}] {self.bytes} bytes in {self.seconds:.2f}s"
+        ]
+        if self.verified:
+            lines.append(f"{'tensor':40s} {'shape':>14s} {'max_abs':>10s} {'rel_rms':>9s}")
+            for t in self.matrices():
+                shape = "x".join(map(str, t.shape))
+                lines.append(f"{t.name:40s} {shape:>14s} {t.max_abs:10.3g} {t.rel_rms:9.3%}")
+            lines.append(f"worst max_abs {self.max_abs:.4g}, worst rel_rms {self.max_rel_rms:.3%}")
+        return "\n".join(lines)
+
+
+def _rows(x: Any, a: int, b: int) -> np.ndarray:
+    if isinstance(x, QTensor):
+        return x.dequantize(a, b).astype(np.float64)
+    return np.asarray(x[a:b], dtype=np.float64)
+
+
+def error_stat(name: str, ref: Any, got: Any) -> TensorStat:
+    """Compare two tensors (arrays or QTensors) row block by row block."""
+    shape = tuple(ref.shape)
+    if tuple(got.shape) != shape:
+        raise IntegrityError(f"{name}: shape {tuple(got.shape)} != source {shape} (roundtrip)")
+    if len(shape) == 1:
+        ref, got, rows = np.asarray(ref)[None], np.asarray(got)[None], 1  # [1, n]
+    else:
+        rows = shape[0]
+    max_abs, sq_err, sq_ref = 0.0, 0.0, 0.0
+    for a in range(0, rows, _ROWS):
+        r, g = _rows(ref, a, min(rows, a + _ROWS)), _rows(got, a, min(rows, a + _ROWS))
+        diff = r - g
+        if diff.size:
+            max_abs = max(max_abs, float(np.max(np.abs(diff))))
+        sq_err += float(np.sum(diff * diff))
+        sq_ref += float(np.sum(r * r))
+    rel = math.sqrt(sq_err / sq_ref) if sq_ref > 0 else (0.0 if sq_err == 0 else math.inf)
+    return TensorStat(name, shape, max_abs, rel)
+
+
+# --- sources ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    kind: str
+    cfg: Any
+    meta: dict
+    blocks: Callable[[], Blocks]  # a fresh pass over the blocks (float32 components)
+    globals_: Callable[[], tuple[Any, Any, np.ndarray]]
+    inputs: list
+    model: Any = None
+
+
+def _f32(block: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    return {
+        part: {k: np.asarray(v, np.float32) for k, v in comps.items()}
+        for part, comps in block.items()
+    }
+
+
+def _hf_source(path: Path) -> _Source:
+    from entity.hf import _attach_metadata, iter_hf_blocks, open_hf
+    from poly.network import VolumetricNetwork
+    from poly.transformer import build_block
+
+    src = open_hf(path)
+    cfg = src.config.to_transformer_config(None)
+    net = VolumetricNetwork(1, 1, 1, cfg.num_layers)
+    for i in range(cfg.num_layers):
+        net.set_layer(0, 0, 0, i, build_block(cfg, allocate=False))
+    shell = types.SimpleNamespace(network=net, tokenizer=None, chat_template=None, eos_token_ids=(),
+                                  generation_defaults=None, source={"format": "hf", "path": str(path)})  # fmt: skip
+    _attach_metadata(shell, src)
+    meta = model_meta(shell, cfg)
+    head = next(iter_hf_blocks(src))[1]
+
+    def blocks() -> Blocks:
+        it = iter_hf_blocks(src)
+        next(it)  # globals first in HF order; .entity writes them last
+        return ((i, _f32(b)) for i, b in it)
+
+    def globals_():
+        g = {k: v["value"] for k, v in head.items()}
+        return g["embeddings"], g.get("lm_head"), np.asarray(g["final_norm"], np.float32)
+
+    return _Source("hf", cfg, meta, blocks, globals_, [p for p in _files(path)])
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+
+
+def _model_source(path: Path) -> _Source:
+    import entity
+
+    tf = entity.load(path)
+    cfg = tf.config
+    final = np.asarray(tf.final_norm, np.float32)
+    return _Source(
+        str(tf.source.get("format", "model")), cfg, model_meta(tf), lambda: model_blocks(tf),
+        lambda: (tf.embeddings, None if tf.tied else tf.lm_head, final), [path], tf,
+    )  # fmt: skip
+
+
+def _open_source(src: str | os.PathLike) -> _Source:
+    path = Path(os.fspath(src)).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return _hf_source(path)
+    if not path.exists():
+        from entity.hf_cache import resolve_cached
+
+        return _hf_source(Path(resolve_cached(str(src))))
+    return _model_source(path)
+
+
+def default_output(src: str | os.PathLike, quant: str) -> Path:
+    """$POLY_HOME/entities/<name>-<quant>.entity (name from the HF cache dir or file stem)."""
+    from entity.smollm2 import poly_home
+
+    p = Path(os.fspath(src)).expanduser()
+    parts = p.resolve().parts if p.exists() else (str(src).replace("/", "--"),)
+    repo = next((s[len("models--") :] for s in reversed(parts) if s.startswith("models--")), None)
+    name = repo or (p.name if p.is_dir() else p.stem) or "model"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+    return poly_home() / "entities" / f"{name}-{quant}.entity"
+
+
+# --- convert ------------------------------------------------------------------------------------
+
+
+def _delayed(blocks: Blocks) -> Iterator:
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    for item in blocks:
+        yield item
+        if delay > 0:
+            time.sleep(delay)
+
+
+def _verify(source: _Source, dst: Path, tick: Callable[[str], None]) -> list[TensorStat]:
+    out = load_entity(dst, verify=True)
+    stats: list[TensorStat] = []
+    for i, comps in source.blocks():
+        for role in ROLES:
+            got = float_components(getattr(out, role)(i))
+            for name in _role_shapes(out.config, role):
+                ref = comps[role].get(name)
+                ref = np.zeros(got[name].shape, np.float32) if ref is None else ref  # absent bias
+                stats.append(error_stat(f"blocks.{i}.{role}.{name}", ref, got[name]))
+        tick(f"verified block {i + 1}/{out.config.num_layers}")
+    emb, head, final = source.globals_()
+    stats.append(error_stat("embeddings", emb, out.embeddings))
+    if head is not None:
+        stats.append(error_stat("lm_head", head, out.lm_head))
+    stats.append(error_stat("final_norm", final, np.asarray(out.final_norm)))
+    _check_meta(source.meta, out, dst)
+    return stats
+
+
+def _check_meta(meta: dict, out: Any, dst: Path) -> None:
+    checks = {
+        "tokenizer": None if out.tokenizer is None else out.tokenizer.to_str(),
+        "chat_template": None if out.chat_template is None else out.chat_template.source,
+        "eos_token_ids": list(out.eos_token_ids),
+    }
+    for key, value in checks.items():
+        if meta[key] != value:
+            raise IntegrityError(f"{key} lost in conversion (roundtrip)", path=str(dst))
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    *,
+    quant: str = "q4",
+    force: bool = False,
+    verify: bool = False,
+    progress: Progress | None = None,
+    embed_quant: str | None = None,
+) -> ConvertReport:
+    """Convert ``src`` (HF dir or cached id, .gguf, .entity) to a `.entity` at ``dst``.
+
+    ``progress(done, total, detail)`` is called after every block. With ``verify`` the output is
+    re-opened (checksums verified) and compared tensor by tensor with the source; a lossless (f32)
+    conversion that does not match exactly raises `IntegrityError` and the output is removed.
+    """
+    if quant not in SCHEMES:
+        raise UsageError(f"unknown quant {quant!r}; choose one of {sorted(SCHEMES)}")
+    out_path = Path(dst) if dst is not None else default_output(src, quant)
+    if dst is None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    check_output(out_path, force=force)  # fail fast, before reading a big source
+    start = time.perf_counter()
+    source = _open_source(src)
+    n = source.cfg.num_layers
+    total = n + 2 + (n + 1 if verify else 0)
+    cb = progress or (lambda done, total, detail: None)
+    write_entity(
+        out_path, source.cfg, _delayed(source.blocks()), source.globals_, source.meta, quant=quant,
+        embed_quant=embed_quant, force=force, inputs=source.inputs,
+        progress=lambda done, _t, detail: cb(done, total, detail),
+    )  # fmt: skip
+    report = ConvertReport(str(src), str(out_path), quant, source.kind)
+    if verify:
+        step = iter(range(n + 3, total + 1))
+        report.tensors = _verify(source, out_path, lambda d: cb(next(step, total), total, d))
+        report.verified = True
+        if quant == "f32" and not report.exact:
+            worst = max(report.tensors, key=lambda t: t.max_abs)
+            os.unlink(out_path)
+            raise IntegrityError(
+                f"f32 conversion is not exact: {worst.name} (roundtrip)", path=str(out_path)
+            )
+        cb(total, total, "verified")
+    report.bytes = out_path.stat().st_size
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# Kept for callers that already hold a model: same file, no source re-read.
+save = save_entity
