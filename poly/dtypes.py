@@ -288,6 +288,13 @@ def encode(values, dtype: DType | int | str) -> Encoded:
     return Encoded(dt, tuple(v.shape), codes, scales, zero)
 
 
+def encode_vector(values, dtype: DType | int | str) -> Encoded:
+    """Encode 1-D data (a bias, a norm gamma) with one scale for the whole vector."""
+    if np.ndim(values) != 1:
+        raise DTypeError(f"encode_vector takes 1-D data, got shape {np.shape(values)}")
+    return encode(values, dtype)
+
+
 def _dec_codes(enc: Encoded, codes: np.ndarray, n: int) -> np.ndarray:
     """Unpacked codes [rows, n] of a row range (native dtype)."""
     dt = enc.dtype

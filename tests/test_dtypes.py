@@ -8,7 +8,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from poly.dtypes import DType, decode, decode_rows, encode, loom_decode, loom_nbytes, parse_dtype
+from poly.dtypes import (
+    DType,
+    decode,
+    decode_rows,
+    encode,
+    encode_vector,
+    loom_decode,
+    loom_nbytes,
+    parse_dtype,
+)
 from poly.errors import DTypeError, EntityFormatError, NumericalError
 
 D = DType
@@ -220,6 +229,9 @@ def test_one_dimensional_data():
     assert enc.shape == v.shape and enc.codes.shape == (loom_nbytes(D.INT4, v.size),)
     assert enc.scales.shape == (1,)
     np.testing.assert_array_equal(decode(enc), decode(encode(v[None], D.INT4))[0])
+    np.testing.assert_array_equal(decode(encode_vector(v, "int4")), decode(enc))
+    with pytest.raises(DTypeError):
+        encode_vector(v[None], D.INT4)
 
 
 def test_bad_inputs():
