@@ -276,9 +276,9 @@ def _fail(message: str, code: int, debug: bool) -> int:
 def run(argv: list[str] | None = None) -> int:
     """Parse and dispatch; returns the process exit code instead of exiting."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    debug = "--debug" in argv
+    debug = "--debug" in argv  # accepted anywhere on the line, not only before the subcommand
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args([a for a in argv if a != "--debug"])
         return COMMANDS[args.command](args)
     except PolyError as err:
         return _fail(str(err), err.exit_code, debug)
