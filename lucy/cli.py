@@ -117,7 +117,8 @@ def convert_with_progress(con, src, dst=None, quant="q4", force=False, verify=Fa
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
     )
-    with Progress(*columns, TimeElapsedColumn(), console=con, transient=True) as bar:
+    quiet = not con.is_terminal  # no redraws into pipes and logs
+    with Progress(*columns, TimeElapsedColumn(), console=con, transient=True, disable=quiet) as bar:
         task = bar.add_task(f"converting {Path(str(src)).name}", total=None)
 
         def progress(done, total, detail=""):

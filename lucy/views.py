@@ -197,7 +197,7 @@ def print_convert_report(con, report, seconds: float) -> None:
     out = _field(data, "dst", "output", "path")
     size = _field(data, "size_bytes", "output_bytes", "bytes")
     con.print(f"wrote {clean(str(out))} ({human_bytes(size)}) in {seconds:.1f} s", markup=False)
-    errors = _field(data, "q4_errors", "errors", "verify")
+    errors = _field(data, "tensors", "q4_errors", "errors")
     if errors:
         con.print(verify_table(errors))
 
@@ -205,10 +205,11 @@ def print_convert_report(con, report, seconds: float) -> None:
 def verify_table(errors) -> Table:
     """Per-matrix quantization error rows (dicts or records) as a table."""
     rows = [_as_dict(e) for e in (errors.values() if isinstance(errors, dict) else errors)]
+    rows = [r for r in rows if len(r.get("shape") or (0, 0)) == 2]  # matrices only
     if isinstance(errors, dict) and rows and not isinstance(next(iter(errors.values())), dict):
         rows = [{"tensor": k, "error": v} for k, v in errors.items()]
     cols = list(rows[0].keys()) if rows else ["tensor"]
-    table = Table(title="verify: quantization error vs float32")
+    table = Table(title="verify: per-matrix error vs float32")
     for c in cols:
         table.add_column(str(c))
     for r in rows:
