@@ -183,8 +183,9 @@ def _model_source(path: Path) -> _Source:
     tf = entity.load(path)
     cfg = tf.config
     final = np.asarray(tf.final_norm, np.float32)
+    kind = "entity" if hasattr(tf, "entity_file") else str(tf.source.get("format", "model"))
     return _Source(
-        str(tf.source.get("format", "model")), cfg, model_meta(tf), lambda: model_blocks(tf),
+        kind, cfg, model_meta(tf), lambda: model_blocks(tf),
         lambda: (tf.embeddings, None if tf.tied else tf.lm_head, final), [path], tf,
     )  # fmt: skip
 

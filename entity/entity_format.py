@@ -48,6 +48,7 @@ __all__ = [
     "EntityWriter",
     "EntityVersionError",
     "read_prefix",
+    "load_entity",
 ]
 
 MAGIC = b"ENTITY\x00\x00"
@@ -458,3 +459,10 @@ def _copy_all(src, dst, length: int) -> None:
     if copied != length:
         raise EntityFormatError(f"payload copy stopped at {copied} of {length} bytes")
     dst.seek(0, os.SEEK_END)
+
+
+def load_entity(path: str | os.PathLike, **kw: Any):
+    """`entity.entity_model.load_entity` (the model layer; imported lazily, it imports poly)."""
+    from entity.entity_model import load_entity as _load
+
+    return _load(path, **kw)
