@@ -156,6 +156,8 @@ def _hf_model(model_dir: str):
     import torch
     from transformers import AutoModelForCausalLM
 
+    # One thread: on this shared 2-core machine torch's thread pool makes tiny models ~50x slower.
+    torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model.eval()
 
@@ -176,7 +178,7 @@ def hf_greedy(model_dir: str | Path, ids: list[int], n: int, use_cache: bool = T
 
     model = _hf_model(str(model_dir))
     gc = copy.deepcopy(model.generation_config)
-    gc.eos_token_id = None
+    gc.eos_token_id = []  # None would fall back to the model's EOS; [] never stops
     gc.pad_token_id = 0
     gc.do_sample = False
     gc.max_new_tokens = n
