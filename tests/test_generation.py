@@ -446,3 +446,22 @@ def test_real_transformer_session_divergent_reply_matches_fresh(tiny):
         ids = encode_chat(s.history[:-1])
         assert turn == 0 or done.prefill_tokens < len(ids)  # reuse, even past a divergence
         assert generate_text(fresh, ids, s.options).tokens == done.tokens
+
+
+# --- the real SmolLM2-135M-Instruct -----------------------------------------------------------------
+
+
+def test_smollm2_session_second_turn_prefills_only_new_tokens(smollm2_gguf):
+    from entity.gguf_load import load_gguf
+
+    model = load_gguf(smollm2_gguf, max_seq_len=256, keep_quantized=False)
+    opts = GenOptions(temperature=0.0, max_tokens=2)
+    s = ChatSession(model, system="You are a helpful assistant.", options=opts)
+    _, d1 = run(s.send("What is the capital of France?"))
+    ids1 = model.tokenizer.encode(model.chat_template.render(s.history[:-1]))
+    _, d2 = run(s.send("And of Germany?"))
+    ids2 = model.tokenizer.encode(model.chat_template.render(s.history[:-1]))
+    cached = ids1 + list(d1.tokens[:-1])
+    assert d2.prompt_tokens == len(ids2)
+    assert d2.prefill_tokens == len(ids2) - common_prefix(ids2, cached) < len(ids2) // 2
+    assert generate_text(model, ids2, opts).tokens == d2.tokens  # same as a fresh prefill
