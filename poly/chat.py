@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import json
+import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -37,6 +39,8 @@ MAX_OUTPUT_CHARS = 16 << 20
 MAX_LOOP_STEPS = 1_000_000  # summed over every range() of one render
 MAX_RENDER_SECONDS = 10.0
 MAX_INT_BITS = 4096
+# printf widths/precisions of 7+ digits, or taken from the arguments (`%*d`).
+_HUGE_FORMAT = re.compile(r"%[-+ #0]*(?:\*|\d{7,})|%[-+ #0]*\d*\.(?:\*|\d{7,})")
 
 # --- the sandboxed environment ---------------------------------------------------------------
 
@@ -149,11 +153,8 @@ class _HardenedEnvironment(ImmutableSandboxedEnvironment):
                 if isinstance(seq, str | list | tuple) and isinstance(n, int):
                     if len(seq) * n > MAX_OUTPUT_CHARS:
                         raise TemplateLimitError("sequence repetition too large")
-        if operator == "%" and isinstance(left, str):
-            result = super().call_binop(context, operator, left, right)
-            if len(result) > MAX_OUTPUT_CHARS:
-                raise TemplateLimitError("formatted string too large")
-            return result
+        if operator == "%" and isinstance(left, str) and _HUGE_FORMAT.search(left):
+            raise TemplateLimitError("format width or precision too large")
         return super().call_binop(context, operator, left, right)
 
 
@@ -306,8 +307,15 @@ def _render(template: jinja2.Template, context: dict[str, Any]) -> str:
         _BUDGET.reset(token)
 
 
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+
+
 class ChatTemplate:
-    """A compiled chat template. `render(messages)` returns the prompt text."""
+    """A compiled chat template. `render(messages)` returns the prompt text.
+
+    Like transformers, the template sees `bos_token`, `eos_token` (and any other `special_tokens`
+    given, e.g. `pad_token`) as variables.
+    """
 
     def __init__(
         self,
@@ -316,65 +324,92 @@ class ChatTemplate:
         bos_token: str | None = None,
         eos_token: str | None = None,
         name: str | None = None,
+        special_tokens: Mapping[str, str | None] | None = None,
     ):
         if not isinstance(source, str):
             raise TemplateError(f"chat template must be a string, got {type(source).__name__}")
-        for label, tok in (("bos_token", bos_token), ("eos_token", eos_token)):
+        specials = {**(special_tokens or {}), "bos_token": bos_token, "eos_token": eos_token}
+        for label, tok in specials.items():
             if tok is not None and not isinstance(tok, str):
                 raise TemplateError(f"{label} must be a string or None, got {tok!r}")
         self._template = _compile(source)
         self._source = source
-        self._bos = bos_token
-        self._eos = eos_token
+        self._specials = {k: v for k, v in specials.items() if v is not None}
         self._name = name
 
     source = property(lambda self: self._source)
-    bos_token = property(lambda self: self._bos)
-    eos_token = property(lambda self: self._eos)
     name = property(lambda self: self._name)
+    bos_token = property(lambda self: self._specials.get("bos_token"))
+    eos_token = property(lambda self: self._specials.get("eos_token"))
+    special_tokens = property(lambda self: dict(self._specials))
 
     def render(self, messages: Any, *, add_generation_prompt: bool = True, **extra: Any) -> str:
         """Renders like transformers' apply_chat_template(tokenize=False).
 
-        `extra` reaches the template as variables (e.g. `tools`, `enable_thinking`, `pad_token`).
+        `extra` reaches the template as variables (e.g. `tools`, `enable_thinking`).
         """
-        context: dict[str, Any] = {"tools": None, "documents": None}
-        context.update({k: v for k, v in (("bos_token", self._bos), ("eos_token", self._eos)) if v})
+        context: dict[str, Any] = {"tools": None, "documents": None, **self._specials}
         context.update(_plain(extra))
         context["messages"] = validate_messages(messages)
         context["add_generation_prompt"] = bool(add_generation_prompt)
         return _render(self._template, context)
 
     @classmethod
-    def preset(cls, name: str) -> ChatTemplate:
+    def preset(cls, name: str, **specials: Any) -> ChatTemplate:
         """One of Loom's built-in templates (`PRESETS`)."""
         if name not in _PRESET_ROLES:
-            raise TemplateError(
-                f"unknown chat template preset {name!r}; known: {', '.join(PRESETS)}"
-            )
-        return cls(_preset_source(name), name=name)
+            known = ", ".join(PRESETS)
+            raise TemplateError(f"unknown chat template preset {name!r}; known: {known}")
+        return cls(_preset_source(name), name=name, **specials)
 
     @classmethod
     def from_tokenizer_config(
-        cls, cfg: Mapping[str, Any], fallback: str | None = "chatml", *, name: str | None = None
+        cls,
+        cfg: Mapping[str, Any],
+        fallback: str | None = "chatml",
+        *,
+        source: str | None = None,
+        name: str | None = None,
     ) -> ChatTemplate:
-        """From a tokenizer_config.json dict; the `fallback` preset when it has no template."""
+        """From a tokenizer_config.json dict (`source` overrides its `chat_template`, as a
+        chat_template.jinja file does); the `fallback` preset when there is no template."""
         if not isinstance(cfg, Mapping):
             raise TemplateError("tokenizer_config must be a JSON object")
-        bos, eos = (_token_content(cfg.get(k), k) for k in ("bos_token", "eos_token"))
-        source = _pick_template(cfg.get("chat_template"))
-        if source is None:
-            if fallback is None:
-                raise TemplateError(
-                    "tokenizer_config has no chat_template and no fallback was given"
-                )
-            return cls(
-                _preset_source(_known_preset(fallback)), bos_token=bos, eos_token=eos, name=fallback
-            )
-        return cls(source, bos_token=bos, eos_token=eos, name=name or "tokenizer_config")
+        specials = {k: _token_content(cfg.get(k), k) for k in _SPECIAL_KEYS}
+        bos, eos = specials.pop("bos_token"), specials.pop("eos_token")
+        kw = {"bos_token": bos, "eos_token": eos, "special_tokens": specials}
+        source = source if source is not None else _pick_template(cfg.get("chat_template"))
+        if source is not None:
+            return cls(source, name=name or "tokenizer_config", **kw)
+        if fallback is None:
+            raise TemplateError("tokenizer_config has no chat_template and no fallback was given")
+        return cls.preset(fallback, **kw)
+
+    @classmethod
+    def from_dir(cls, dirpath: str | os.PathLike, fallback: str | None = "chatml") -> ChatTemplate:
+        """From an HF snapshot dir: tokenizer_config.json, and chat_template.jinja if present."""
+        cfg_text = _read_capped(os.path.join(dirpath, "tokenizer_config.json"))
+        try:
+            cfg = json.loads(cfg_text) if cfg_text is not None else {}
+        except ValueError as e:
+            raise TemplateError(f"tokenizer_config.json is not JSON: {e}", path=dirpath) from e
+        source = _read_capped(os.path.join(dirpath, "chat_template.jinja"))
+        return cls.from_tokenizer_config(cfg, fallback, source=source)
 
     def __repr__(self) -> str:
         return f"ChatTemplate(name={self._name!r}, {len(self._source)} chars)"
+
+
+def _read_capped(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        if os.path.getsize(path) > 4 * MAX_TEMPLATE_CHARS:
+            raise TemplateLimitError("file too large", path=path)
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TemplateError(f"cannot read {os.path.basename(path)}: {e}", path=path) from e
 
 
 def _token_content(value: Any, key: str) -> str | None:
@@ -436,12 +471,6 @@ _PRESET_ROLES: dict[str, dict[str, tuple[str, str]]] = {
     },
 }
 PRESETS: tuple[str, ...] = tuple(_PRESET_ROLES)
-
-
-def _known_preset(name: str) -> str:
-    if name not in _PRESET_ROLES:
-        raise TemplateError(f"unknown chat template preset {name!r}; known: {', '.join(PRESETS)}")
-    return name
 
 
 def _lit(text: str) -> str:
