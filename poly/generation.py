@@ -261,6 +261,8 @@ def stream_tokens(
     cfg = model.config
     prompt = check_prompt(prompt_ids, cfg.vocab_size)
     history = None if start_fresh or history is None else [int(t) for t in history]
+    if history:
+        check_prompt(history, cfg.vocab_size)
     if history is not None and len(history) > model.position:
         raise GenerationError(
             f"history has {len(history)} tokens but the KV cache holds only {model.position}"
@@ -310,6 +312,8 @@ class _Run:
         for i in range(self.budget):
             if should_stop():
                 reason = "stopped"
+                # held-back text goes into DoneEvent.text (no TokenEvent carries it)
+                state.text_parts.append(text.finish(decoder.flush() if decoder else ""))
                 break
             if i:
                 logits = self.model.forward([tokens[-1]])

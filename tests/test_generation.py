@@ -184,6 +184,25 @@ def test_stop_callback_and_should_stop_object():
     assert done.tokens == () and done.stop_reason == "stopped"
 
 
+def test_stop_callback_releases_held_back_text_into_done():
+    m = scripted("abc STOx", eos=False)
+    seen = []
+    opts = GREEDY.replace(max_tokens=30, stop=("STOP",))
+    for ev in stream_tokens(m, [1], opts, stop=lambda: len(seen) >= 7):
+        seen.append(ev)
+    assert "".join(e.text for e in seen[:-1]) == "abc "  # "STO" may start "STOP": held back
+    assert seen[-1].text == "abc STO" and seen[-1].stop_reason == "stopped"
+
+
+def test_history_ids_are_checked():
+    m = FakeModel()
+    generate_text(m, [1, 2, 3], GREEDY)
+    with pytest.raises(InvalidTokenError):
+        stream_tokens(m, [4], GREEDY, start_fresh=False, history=[1, 999])
+    with pytest.raises(GenerationError):
+        stream_tokens(m, [4], GREEDY, start_fresh=False, history=list(range(50)))
+
+
 def test_context_overflow_raises_before_any_work():
     m = FakeModel(max_seq_len=32)
     with pytest.raises(ContextOverflowError):
