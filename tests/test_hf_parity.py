@@ -19,6 +19,10 @@ from entity.hf_config import load_hf_config
 from poly import layout
 from poly.errors import (
     ConfigError,
+    EntityFormatError,
+    FormatError,
+    GGUFFormatError,
+    ModelNotFoundError,
     UnsafeFormatError,
     UnsupportedError,
     WeightMappingError,
@@ -249,3 +253,32 @@ def test_sliding_window_smaller_than_context(tmp_path):
     assert load_hf(path).config.max_seq_len == 32  # default context clamped to the window
     with pytest.raises(UnsupportedError, match="sliding_window"):
         load_hf(path, max_seq_len=64)
+
+
+# --- entity.load identifies files by content, not by extension -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,data,error",
+    [
+        ("model.gguf", b"\x80\x04\x95pickled", UnsafeFormatError),
+        ("model.safetensors", b"PK\x03\x04zip", UnsafeFormatError),
+        ("weights.entity", b"", FormatError),
+        ("x.bin", b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + b" " * 14, FormatError),
+        ("model.safetensors", b"GGUF\x03\x00\x00\x00", GGUFFormatError),
+        ("model.gguf", b"ENTITY\x00\x00\xff\xff", EntityFormatError),
+    ],
+)
+def test_load_dispatch_by_content(tmp_path, name, data, error):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(error):
+        entity.load(path)
+
+
+def test_load_not_found(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError):
+        entity.load(tmp_path / "empty")
+    with pytest.raises(ModelNotFoundError):
+        entity.load(tmp_path / "nothing-here.gguf")
