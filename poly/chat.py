@@ -328,7 +328,10 @@ class ChatTemplate:
     ):
         if not isinstance(source, str):
             raise TemplateError(f"chat template must be a string, got {type(source).__name__}")
-        specials = {**(special_tokens or {}), "bos_token": bos_token, "eos_token": eos_token}
+        specials = dict(special_tokens or {})  # bos_token/eos_token arguments win over it
+        specials.update(
+            {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
+        )
         for label, tok in specials.items():
             if tok is not None and not isinstance(tok, str):
                 raise TemplateError(f"{label} must be a string or None, got {tok!r}")

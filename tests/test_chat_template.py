@@ -392,3 +392,10 @@ def test_other_special_tokens_reach_the_template(hf_tok, smol_tokenizer_config):
     msgs = CONVERSATIONS["user_only"]
     expected = hf_tok.apply_chat_template(msgs, tokenize=False)
     assert ChatTemplate.from_tokenizer_config(cfg).render(msgs) == expected
+
+
+def test_special_tokens_round_trip(smol_template):
+    again = ChatTemplate(smol_template.source, special_tokens=smol_template.special_tokens)
+    assert again.special_tokens == smol_template.special_tokens
+    msgs = CONVERSATIONS["multi_turn"]
+    assert again.render(msgs) == smol_template.render(msgs)
