@@ -224,6 +224,10 @@ class ChatUI:
 
     def _offer_drop(self, err) -> bool:
         self.con.print(f"context full: {err}", markup=False)
+        history = getattr(self.session, "history", None) or []
+        if not any(m.get("role") == "user" for m in history):
+            self.con.print("no earlier turns to drop: shorten the message", markup=False)
+            return False
         answer = read_line(self.con, "drop the oldest turn and retry? (1/0) [1]: ")
         if answer is None or answer.strip() not in ("", "1", "y", "yes"):
             return False

@@ -185,3 +185,50 @@ def test_layer_suite_rmsnorm_float16_matches_numpy():
     row = next(r for r in rows if r.layer == "RMSNorm" and r.dtype == "float16")
     assert row.max_diff == pytest.approx(float(ref_diff), rel=1e-3, abs=1e-6)
     assert row.bucket == layer_suite.bucket(row.max_diff, 1e-3)
+
+
+def test_context_overflow_offers_to_drop_oldest_turn(world):  # noqa: F811
+    """A turn that does not fit: Lucy offers to drop turn 1, then prefills only past the shared
+    template prefix (the cache still holds turn 1's tokens)."""
+    from transformers import AutoTokenizer
+
+    first = "The quick brown fox jumps over the lazy dog. " * 5
+    second = "Hello world! " * 20
+    script = f"{first}\n{second}\n1\n/quit\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lucy", "chat", str(world["snapshot"])],
+        input=script,
+        env=world["env"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=world["base"],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "context full" in proc.stdout
+    tok = AutoTokenizer.from_pretrained(world["src"])
+
+    def ids(text):
+        msgs = [{"role": "user", "content": text}]
+        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tok(rendered, add_special_tokens=False)["input_ids"]
+
+    ids1, ids2 = ids(first.strip()), ids(second.strip())  # the chat strips each input line
+    assert len(ids1) + len(ids2) + 6 > 256  # the fixture's context: turn 2 cannot fit unaided
+    footers = [int(m) for m in FOOTER.findall(proc.stdout)]
+    assert footers == [len(ids1), len(ids2) - common_prefix(ids2, ids1)]
+
+
+def test_ctrl_c_at_chat_prompt_returns_to_menu(world):  # noqa: F811
+    child = spawn(world)
+    child.expect_exact(MENU)
+    child.sendline("1")
+    child.expect_exact("Select model number [1]: ")
+    child.sendline("")
+    child.expect_exact("you> ")
+    child.sendintr()
+    child.expect_exact(MENU)
+    child.sendline("0")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
