@@ -300,11 +300,10 @@ COMMANDS = {
 
 def run_chat(model, system: str | None = None, overrides: dict | None = None, con=None) -> None:
     """Open a `ChatSession` on `model` and run the loop until /quit, Ctrl-C or EOF."""
-    from rich.console import Console
-
+    from lucy.views import make_console
     from poly.session import ChatSession
 
-    con = con or Console(highlight=False, soft_wrap=True)
+    con = con or make_console()
     options = make_options(getattr(model, "generation_defaults", None), overrides or {})
     session = ChatSession(model, system=system, options=options)
     ChatUI(session, con).run()

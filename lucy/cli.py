@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def console(stderr: bool = False):
-    from rich.console import Console
+    from lucy.views import make_console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    return make_console(stderr)
 
 
 def load_model(spec: str):

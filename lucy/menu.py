@@ -245,4 +245,4 @@ def catalogue_table(rows: list[views.ModelRow]):
 
 
 def run_menu() -> int:
-    return Menu(Console(highlight=False, soft_wrap=True)).run()
+    return Menu(views.make_console()).run()

@@ -12,6 +12,16 @@ from rich.table import Table
 from lucy.chat_ui import clean
 
 
+def make_console(stderr: bool = False):
+    """Rich console; into a pipe it is wide (no truncated tables) and writes no colour codes."""
+    from rich.console import Console
+
+    con = Console(stderr=stderr, highlight=False, soft_wrap=True)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        con = Console(stderr=stderr, highlight=False, soft_wrap=True, width=160)
+    return con
+
+
 def poly_home() -> Path:
     return Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly")
 
@@ -146,13 +156,16 @@ def entity_rows() -> list[ModelRow]:
 
 
 def _entity_info(path: Path) -> dict:
-    """Header facts if the entity package offers a header reader; {} otherwise."""
+    """Architecture and quant scheme from a v2 header (blobs are not read); {} if unreadable."""
     try:
-        from entity import entity_file
+        from entity.entity_format import EntityFile
 
-        info = entity_file.read_info(path)
-        return dict(info) if isinstance(info, dict) else dataclasses.asdict(info)
-    except Exception:  # noqa: BLE001 - the listing must not fail on one unreadable file
+        header = EntityFile(path, verify=False).header
+        return {
+            "architecture": header.transformer.get("architecture"),
+            "dtype": header.quant.get("scheme"),
+        }
+    except Exception:  # noqa: BLE001 - one unreadable file must not break the listing
         return {}
 
 
