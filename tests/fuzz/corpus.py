@@ -179,39 +179,51 @@ GM_H, GM_HEADS, GM_KV, GM_FF, GM_VOCAB = 8, 2, 1, 16, 6
 GM_TOKENS = ["a", "b", "c", "d", "<|im_start|>", "<|im_end|>"]
 
 
-def gguf_model_parts(seed: int = 0) -> tuple[list, list]:
-    """(kvs, tensors) of a 1-layer llama with a byte-level 6-token vocabulary."""
+def byte_vocab() -> list[str]:
+    """The 256 byte-level BPE symbols plus the two ChatML markers (vocab 258)."""
+    from tokenizers import pre_tokenizers
+
+    return sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]
+
+
+def gguf_model_parts(seed: int = 0, tokens: list[str] | None = None, hidden: int = GM_H,
+                     layers: int = 1) -> tuple[list, list]:  # fmt: skip
+    """(kvs, tensors) of a tiny llama with a byte-level vocabulary (default: 6 tokens)."""
     rng = np.random.default_rng(seed)
-    hd = GM_H // GM_HEADS
+    tokens = GM_TOKENS if tokens is None else tokens
+    vocab, GM_H_ = len(tokens), hidden
+    hd = GM_H_ // GM_HEADS
+    types = [1] * (vocab - 2) + [3, 3]
     kvs = [
         ("general.architecture", STRING, "llama"),
         ("general.name", STRING, "tiny"),
-        ("llama.block_count", U32, 1),
-        ("llama.embedding_length", U32, GM_H),
+        ("llama.block_count", U32, layers),
+        ("llama.embedding_length", U32, GM_H_),
         ("llama.feed_forward_length", U32, GM_FF),
         ("llama.attention.head_count", U32, GM_HEADS),
         ("llama.attention.head_count_kv", U32, GM_KV),
         ("llama.context_length", U32, 64),
         ("llama.attention.layer_norm_rms_epsilon", F32, 1e-5),
         ("tokenizer.ggml.model", STRING, "gpt2"),
-        ("tokenizer.ggml.tokens", ARRAY, (STRING, GM_TOKENS)),
-        ("tokenizer.ggml.token_type", ARRAY, (I32, [1, 1, 1, 1, 3, 3])),
+        ("tokenizer.ggml.tokens", ARRAY, (STRING, tokens)),
+        ("tokenizer.ggml.token_type", ARRAY, (I32, types)),
         ("tokenizer.ggml.merges", ARRAY, (STRING, [])),
-        ("tokenizer.ggml.eos_token_id", U32, 5),
+        ("tokenizer.ggml.eos_token_id", U32, vocab - 1),
     ]
-    shapes = {  # numpy shapes; GGUF dims are reversed
-        "token_embd.weight": (GM_VOCAB, GM_H),
-        "output_norm.weight": (GM_H,),
-        "blk.0.attn_norm.weight": (GM_H,),
-        "blk.0.attn_q.weight": (GM_HEADS * hd, GM_H),
-        "blk.0.attn_k.weight": (GM_KV * hd, GM_H),
-        "blk.0.attn_v.weight": (GM_KV * hd, GM_H),
-        "blk.0.attn_output.weight": (GM_H, GM_HEADS * hd),
-        "blk.0.ffn_norm.weight": (GM_H,),
-        "blk.0.ffn_gate.weight": (GM_FF, GM_H),
-        "blk.0.ffn_up.weight": (GM_FF, GM_H),
-        "blk.0.ffn_down.weight": (GM_H, GM_FF),
-    }
+    h = GM_H_
+    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}  # numpy shapes
+    for i in range(layers):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (h,),
+            f"blk.{i}.attn_q.weight": (GM_HEADS * hd, h),
+            f"blk.{i}.attn_k.weight": (GM_KV * hd, h),
+            f"blk.{i}.attn_v.weight": (GM_KV * hd, h),
+            f"blk.{i}.attn_output.weight": (h, GM_HEADS * hd),
+            f"blk.{i}.ffn_norm.weight": (h,),
+            f"blk.{i}.ffn_gate.weight": (GM_FF, h),
+            f"blk.{i}.ffn_up.weight": (GM_FF, h),
+            f"blk.{i}.ffn_down.weight": (h, GM_FF),
+        })  # fmt: skip
     tensors = [
         (name, GGML_F32, list(reversed(shape)), rng.standard_normal(shape).astype(np.float32).tobytes())
         for name, shape in shapes.items()
@@ -219,9 +231,10 @@ def gguf_model_parts(seed: int = 0) -> tuple[list, list]:
     return kvs, tensors
 
 
-def gguf_model(kv_changes: dict[str, tuple[int, Any] | None] | None = None, seed: int = 0) -> bytes:
+def gguf_model(kv_changes: dict[str, tuple[int, Any] | None] | None = None, seed: int = 0,
+               **kw: Any) -> bytes:  # fmt: skip
     """The tiny model with some KVs replaced (``(vtype, value)``) or removed (None)."""
-    kvs, tensors = gguf_model_parts(seed)
+    kvs, tensors = gguf_model_parts(seed, **kw)
     changes = dict(kv_changes or {})
     out = []
     for key, vtype, value in kvs:
@@ -233,3 +246,13 @@ def gguf_model(kv_changes: dict[str, tuple[int, Any] | None] | None = None, seed
             out.append((key, vtype, value))
     out += [(k, *v) for k, v in changes.items() if v is not None]
     return gguf_pack(out, tensors)
+
+
+def tiny_model(tmp_dir: str | os.PathLike, *, hidden: int = 32, layers: int = 1, max_seq_len: int = 64):
+    """A loaded tiny llama (byte vocab 258, random F32 weights) via our own GGUF loader."""
+    from entity.gguf_load import load_gguf
+
+    p = Path(tmp_dir) / f"tiny-{hidden}-{layers}.gguf"
+    if not p.exists():
+        p.write_bytes(gguf_model(tokens=byte_vocab(), hidden=hidden, layers=layers))
+    return load_gguf(p, keep_quantized=False, max_seq_len=max_seq_len)
