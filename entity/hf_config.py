@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from entity.hf_names import ARCHITECTURES, REFUSED_REASONS, ArchSpec
 from poly.errors import ConfigError, LimitExceededError, PolyError, UnsupportedError
 
 CONFIG_FILE = "config.json"
@@ -23,69 +24,6 @@ GENERATION_FILE = "generation_config.json"
 MAX_JSON_BYTES = 4 * 1024 * 1024  # real configs are a few KB
 DEFAULT_CONTEXT = 4096  # KV cache size when the caller gives no max_seq_len
 
-
-class ArchSpec(BaseModel):
-    """How one HF ``model_type`` maps onto the poly decoder block."""
-
-    model_config = ConfigDict(frozen=True)
-    causal_lm_class: str
-    # "flag": q/k/v/o biases follow `attention_bias`; "qkv": q/k/v always biased, o never.
-    bias_rule: Literal["flag", "qkv", "none"]
-    qk_norm: bool
-    default_head_dim: int | None  # None: hidden_size // num_attention_heads
-    default_max_positions: int
-    # Which keys turn a sliding window on (transformers' own rule per architecture).
-    sliding: Literal["none", "sliding_window", "use_sliding_window"]
-
-
-# Defaults mirror transformers' config classes so a sparse config.json means the same here.
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(
-        causal_lm_class="LlamaForCausalLM",
-        bias_rule="flag",
-        qk_norm=False,
-        default_head_dim=None,
-        default_max_positions=2048,
-        sliding="none",
-    ),
-    "mistral": ArchSpec(
-        causal_lm_class="MistralForCausalLM",
-        bias_rule="none",
-        qk_norm=False,
-        default_head_dim=None,
-        default_max_positions=131072,
-        sliding="sliding_window",
-    ),
-    "qwen2": ArchSpec(
-        causal_lm_class="Qwen2ForCausalLM",
-        bias_rule="qkv",
-        qk_norm=False,
-        default_head_dim=None,
-        default_max_positions=32768,
-        sliding="use_sliding_window",
-    ),
-    "qwen3": ArchSpec(
-        causal_lm_class="Qwen3ForCausalLM",
-        bias_rule="flag",
-        qk_norm=True,
-        default_head_dim=128,
-        default_max_positions=32768,
-        sliding="use_sliding_window",
-    ),
-}
-
-# Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
-REFUSED_REASONS: dict[str, str] = {
-    "gemma": "needs (1+w) RMSNorm, sqrt(hidden) embedding scale and GeGLU",
-    "gemma2": "needs logit soft-capping, sandwich norms and GeGLU",
-    "gemma3": "needs sandwich norms, local/global attention and GeGLU",
-    "phi": "uses LayerNorm, partial rotary and a parallel block",
-    "phi3": "stores fused qkv_proj / gate_up_proj and may use longrope",
-    "gpt2": "uses fused c_attn, LayerNorm and learned positions",
-    "mixtral": "mixture of experts (not in the dense importer)",
-    "qwen2_moe": "mixture of experts (not in the dense importer)",
-    "qwen3_moe": "mixture of experts (not in the dense importer)",
-}
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers maps both to SiLU

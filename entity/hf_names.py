@@ -1,4 +1,5 @@
-"""The HF tensor-name table: every checkpoint tensor maps to a (block, part, component) slot.
+"""The HF tables: supported architectures (``ARCHITECTURES``) and the tensor-name table that
+maps every checkpoint tensor to a (block, part, component) slot.
 
 ``part`` names the poly accessor (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp`` on a block;
 ``embeddings``, ``final_norm``, ``lm_head`` globally) and ``component`` the layout view
@@ -11,11 +12,81 @@ purpose are listed in ``IGNORED_SUFFIXES``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
-from entity.hf_config import HFModelConfig
+from pydantic import BaseModel, ConfigDict
+
 from poly.errors import WeightMappingError
+
+if TYPE_CHECKING:  # hf_config imports this module's architecture table
+    from entity.hf_config import HFModelConfig
+
+
+class ArchSpec(BaseModel):
+    """How one HF ``model_type`` maps onto the poly decoder block."""
+
+    model_config = ConfigDict(frozen=True)
+    causal_lm_class: str
+    # "flag": q/k/v/o biases follow `attention_bias`; "qkv": q/k/v always biased, o never.
+    bias_rule: Literal["flag", "qkv", "none"]
+    qk_norm: bool
+    default_head_dim: int | None  # None: hidden_size // num_attention_heads
+    default_max_positions: int
+    # Which keys turn a sliding window on (transformers' own rule per architecture).
+    sliding: Literal["none", "sliding_window", "use_sliding_window"]
+
+
+# Defaults mirror transformers' config classes so a sparse config.json means the same here.
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec(
+        causal_lm_class="LlamaForCausalLM",
+        bias_rule="flag",
+        qk_norm=False,
+        default_head_dim=None,
+        default_max_positions=2048,
+        sliding="none",
+    ),
+    "mistral": ArchSpec(
+        causal_lm_class="MistralForCausalLM",
+        bias_rule="none",
+        qk_norm=False,
+        default_head_dim=None,
+        default_max_positions=131072,
+        sliding="sliding_window",
+    ),
+    "qwen2": ArchSpec(
+        causal_lm_class="Qwen2ForCausalLM",
+        bias_rule="qkv",
+        qk_norm=False,
+        default_head_dim=None,
+        default_max_positions=32768,
+        sliding="use_sliding_window",
+    ),
+    "qwen3": ArchSpec(
+        causal_lm_class="Qwen3ForCausalLM",
+        bias_rule="flag",
+        qk_norm=True,
+        default_head_dim=128,
+        default_max_positions=32768,
+        sliding="use_sliding_window",
+    ),
+}
+
+# Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
+REFUSED_REASONS: dict[str, str] = {
+    "gemma": "needs (1+w) RMSNorm, sqrt(hidden) embedding scale and GeGLU",
+    "gemma2": "needs logit soft-capping, sandwich norms and GeGLU",
+    "gemma3": "needs sandwich norms, local/global attention and GeGLU",
+    "phi": "uses LayerNorm, partial rotary and a parallel block",
+    "phi3": "stores fused qkv_proj / gate_up_proj and may use longrope",
+    "gpt2": "uses fused c_attn, LayerNorm and learned positions",
+    "mixtral": "mixture of experts (not in the dense importer)",
+    "qwen2_moe": "mixture of experts (not in the dense importer)",
+    "qwen3_moe": "mixture of experts (not in the dense importer)",
+}
+
 
 BLOCK_PREFIX = "model.layers.{i}."
 _BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -163,13 +234,3 @@ def group_by_block(slots: dict[str, Slot]) -> tuple[dict[int, dict[str, Slot]], 
         else:
             blocks.setdefault(slot.block, {})[name] = slot
     return blocks, globals_
-
-
-def names_in(shapes: Iterable[str]) -> list[str]:
-    """Tensor names sorted by block index, then suffix (for stable iteration)."""
-
-    def key(name: str) -> tuple[int, str]:
-        m = _BLOCK_RE.match(name)
-        return (int(m.group(1)), m.group(2)) if m else (1 << 30, name)
-
-    return sorted(shapes, key=key)
