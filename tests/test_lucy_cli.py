@@ -206,3 +206,58 @@ def test_generate_json_matches_transformers_greedy(world):
         )
     assert res["tokens"] == ref[0, len(ids) :].tolist()
     assert res["prefill_tok_s"] > 0 and res["decode_tok_s"] > 0
+
+
+def test_bench_json(world):
+    proc = lucy(
+        world,
+        "bench",
+        str(world["snapshot"]),
+        "--prompt-tokens",
+        "12",
+        "--new-tokens",
+        "4",
+        "--runs",
+        "1",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["prompt_tokens"] == 12 and res["new_tokens"] == 4
+    for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_mb", "load_s"):
+        assert res[key] > 0, key
+    # the process held at least the float32 weights it ran on
+    assert res["peak_rss_mb"] * 2**20 > (world["src"] / "model.safetensors").stat().st_size
+
+
+def test_inspect_json_counts_match_transformers(world):
+    """Layer parameters + embeddings + head + final norm = transformers' parameter count."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    proc = lucy(world, "inspect", str(world["snapshot"]), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    hf_cfg = AutoConfig.from_pretrained(world["src"])
+    assert data["config"]["num_layers"] == hf_cfg.num_hidden_layers
+    assert data["config"]["hidden_size"] == hf_cfg.hidden_size
+    assert (
+        data["grid"]["layers_per_cell"]
+        * data["grid"]["depth"]
+        * data["grid"]["rows"]
+        * data["grid"]["cols"]
+        == hf_cfg.num_hidden_layers
+    )
+    model = LlamaForCausalLM.from_pretrained(world["src"])
+    head = model.lm_head.weight.numel() + model.model.embed_tokens.weight.numel()
+    final_norm = model.model.norm.weight.numel()
+    layers = sum(r["params"] for r in data["layers"])
+    assert layers + head + final_norm - _zero_biases(hf_cfg) == model.num_parameters()
+
+
+def _zero_biases(cfg) -> int:
+    # our layouts always carry bias slots (zero for llama): q + 2·kv + d per MHA, 2·I + d per SwiGLU
+    kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    per_layer = (
+        cfg.hidden_size + 2 * kv + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size
+    )
+    return cfg.num_hidden_layers * per_layer
