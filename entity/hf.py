@@ -127,11 +127,11 @@ def _fill_block(tf: Any, i: int, block: Block) -> None:
 
 
 def _fill_globals(tf: Any, parts: Block, table_dtype: Any) -> None:
-    emb = np.asarray(parts["embeddings"]["value"], dtype=table_dtype)  # [V, H], a copy off the file
+    emb = np.array(parts["embeddings"]["value"], dtype=table_dtype)  # [V, H], copied off the file
     tf.embeddings = emb
     tf.final_norm = parts["final_norm"]["value"]
     if "lm_head" in parts:
-        tf.lm_head = np.asarray(parts["lm_head"]["value"], dtype=table_dtype)
+        tf.lm_head = np.array(parts["lm_head"]["value"], dtype=table_dtype)
     else:
         tf.lm_head = tf.embeddings  # tied: the same object
 

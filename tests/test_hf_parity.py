@@ -282,3 +282,11 @@ def test_load_not_found(tmp_path):
         entity.load(tmp_path / "empty")
     with pytest.raises(ModelNotFoundError):
         entity.load(tmp_path / "nothing-here.gguf")
+
+
+def test_bf16_store_of_a_bf16_checkpoint_is_lossless(checkpoints):
+    # Weights already are bfloat16 values, so keeping them as bf16 must not move the logits.
+    path = checkpoints[("llama", "bfloat16", False)]
+    tf = load_hf(path, dtype="bfloat16")
+    assert tf.embeddings.dtype.name == "bfloat16" and tf.lm_head.dtype.name == "bfloat16"
+    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)
