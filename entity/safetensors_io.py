@@ -226,7 +226,7 @@ class SafetensorsFile:
                                    path=str(self.path))  # fmt: skip
         start = self.data_start + info.begin
         raw = self._mapped()[start : start + info.nbytes]
-        return raw.view(dtype).reshape(info.shape)
+        return raw.view(dtype).reshape(info.shape)  # the header shape, e.g. [out, in]
 
     def tensor_f32(self, name: str) -> np.ndarray:
         """The tensor widened to float32 (a new array); only float dtypes are accepted."""
