@@ -22,6 +22,7 @@ from poly.errors import (
     EntityFormatError,
     FormatError,
     GGUFFormatError,
+    IntegrityError,
     ModelNotFoundError,
     UnsafeFormatError,
     UnsupportedError,
@@ -290,3 +291,14 @@ def test_bf16_store_of_a_bf16_checkpoint_is_lossless(checkpoints):
     tf = load_hf(path, dtype="bfloat16")
     assert tf.embeddings.dtype.name == "bfloat16" and tf.lm_head.dtype.name == "bfloat16"
     np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_tokenizer_larger_than_vocab(scratch):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(scratch / "tokenizer.json"))
+    assert tok.get_vocab_size() == VOCAB
+    tok.add_special_tokens(["<|extra|>"])  # id VOCAB: no embedding row for it
+    tok.save(str(scratch / "tokenizer.json"))
+    with pytest.raises(IntegrityError, match="token_id_out_of_range"):
+        entity.load(scratch)
