@@ -13,7 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
-from poly.errors import PolyError, UsageError
+from poly.errors import ModelNotFoundError, PolyError, UsageError
 
 PROG = "lucy"
 QUANTS = ("q4", "q8", "f16", "bf16", "f32")
@@ -143,12 +143,16 @@ def demo_entity(con) -> Path:
 
 def download(repo_id: str) -> Path:
     """Snapshot a repo into the HF cache; any connection failure is one `NoNetworkError`."""
+    from huggingface_hub import errors as hf
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS))
-    except (LocalEntryNotFoundError, OSError, HfHubHTTPError) as exc:
+    except hf.HFValidationError as exc:
+        raise UsageError(f"not a valid repo id: {repo_id!r}") from exc
+    except (hf.RepositoryNotFoundError, hf.RevisionNotFoundError) as exc:
+        raise ModelNotFoundError(f"{repo_id} not found on the Hub (or gated)") from exc
+    except (hf.LocalEntryNotFoundError, OSError, hf.HfHubHTTPError) as exc:
         raise NoNetworkError(
             f"no network: cannot download {repo_id} ({type(exc).__name__})"
         ) from exc

@@ -232,3 +232,35 @@ def test_ctrl_c_at_chat_prompt_returns_to_menu(world):  # noqa: F811
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_chat_commands_piped(world):  # noqa: F811
+    """/set validates (bad value: one error line, chat goes on), /system restarts the
+    conversation: the next turn's prefill is the full system + user rendering."""
+    from transformers import AutoTokenizer
+
+    script = (
+        "\n/help\n/set temperature x\n/set bogus 1\n/set top_k 5\n/frob\n"
+        "/system You are terse.\nhello there\n/quit\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "lucy", "chat", str(world["snapshot"]), "--temperature", "0"],
+        input=script,
+        env=world["env"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=world["base"],
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "/system TEXT" in out  # the help text
+    assert "'x' is not a valid float" in out
+    assert "usage: /set NAME VALUE" in out
+    assert "top_k = 5" in out
+    assert "unknown command '/frob'" in out
+    tok = AutoTokenizer.from_pretrained(world["src"])
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": U1}]
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    n = len(tok(rendered, add_special_tokens=False)["input_ids"])
+    assert [int(m) for m in FOOTER.findall(out)] == [n]
