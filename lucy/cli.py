@@ -281,6 +281,9 @@ def _fail(message: str, code: int, debug: bool) -> int:
 def run(argv: list[str] | None = None) -> int:
     """Parse and dispatch; returns the process exit code instead of exiting."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    for stream in (sys.stdin, sys.stdout, sys.stderr):  # bad bytes never crash the terminal UI
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the subcommand
     try:
         args = build_parser().parse_args([a for a in argv if a != "--debug"])

@@ -264,3 +264,16 @@ def test_chat_commands_piped(world):  # noqa: F811
     rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     n = len(tok(rendered, add_special_tokens=False)["input_ids"])
     assert [int(m) for m in FOOTER.findall(out)] == [n]
+
+
+def test_non_utf8_input_does_not_crash(world):  # noqa: F811
+    proc = subprocess.run(
+        [sys.executable, "-m", "lucy", "chat", str(world["snapshot"]), "--max-tokens", "2"],
+        input=b"hel\xff\xfelo\n/quit\n",
+        env=world["env"],
+        capture_output=True,
+        timeout=240,
+        cwd=world["base"],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert FOOTER.search(proc.stdout.decode("utf-8", "replace"))
