@@ -170,8 +170,10 @@ def test_download_without_network(world):
     assert EXIT_CODES[proc.returncode]
 
 
-def test_generate_json_matches_transformers_greedy(world):
-    """`--greedy --json`: one object; tokens equal transformers' greedy continuation."""
+@pytest.mark.parametrize("by", ["path", "model_id"])
+def test_generate_json_matches_transformers_greedy(world, by):
+    """`--greedy --json`: one object; tokens equal transformers' greedy continuation of the
+    refs/main snapshot, whether MODEL is its path or the cached model id."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -179,7 +181,7 @@ def test_generate_json_matches_transformers_greedy(world):
     proc = lucy(
         world,
         "generate",
-        str(world["snapshot"]),
+        str(world["snapshot"]) if by == "path" else REPO,
         "--prompt",
         prompt,
         "--greedy",
