@@ -1,22 +1,22 @@
-"""Several independent sequences through one model, each with its own KV state."""
+"""Several independent sequences through one model, each with its own KV state.
+
+When every sequence brings exactly one new token (a decode step) and the blocks are plain, the
+step is one pass: embeddings, projections, FFN and LM head run as [B, d] matmuls, attention runs
+per sequence on its own cache. Otherwise (prompts of different lengths) sequences run one by one.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from poly.errors import LayerConfigError
 
-def forward_batch(
-    model: Any, sequences: Sequence[Sequence[int]], states: list | None = None
-) -> np.ndarray:
-    """Logits [B, V]. `states` (from model.new_state()) are updated in place; without them
-    every sequence starts at position 0 and the model's own cache is left untouched."""
-    if states is None:
-        states = [model.new_state() for _ in sequences]
-    if len(states) != len(sequences):
-        raise ValueError("one state per sequence")
+
+def _one_by_one(model: Any, sequences, states: list) -> np.ndarray:
     saved = model.swap_state(model.new_state())
     out = []
     try:
@@ -27,3 +27,56 @@ def forward_batch(
     finally:
         model.swap_state(saved)
     return np.stack(out)  # [B, V]
+
+
+def _batched_step(model: Any, ids: np.ndarray, states: list) -> np.ndarray:
+    from poly.layers.embedding import lookup
+    from poly.ops import linear, rms_norm
+    from poly.transformer import _gamma, run_block
+
+    x = lookup(model.embeddings, ids)  # [B, H]
+    for li, blk in enumerate(model.network.layers):
+        caches = [st[li] for st in states]
+        x = run_block(blk, x, caches)
+        for st, cache in zip(states, caches):
+            st[li] = cache  # KVCaches created on first use
+    h = rms_norm(x, _gamma(model.final_norm_layer), model.config.rms_norm_eps)
+    return linear(h, model.lm_head)  # [B, V]
+
+
+def forward_batch(
+    model: Any, sequences: Sequence[Sequence[int]], states: list | None = None
+) -> np.ndarray:
+    """Logits [B, V]. `states` (from model.new_state()) are updated in place; without them
+    every sequence starts at position 0 and the model's own cache is left untouched."""
+    from poly.transformer import is_plain_block
+
+    if states is None:
+        states = [model.new_state() for _ in sequences]
+    if len(states) != len(sequences):
+        raise LayerConfigError("forward_batch needs one state per sequence")
+    seqs = [model._check_ids(s) for s in sequences]
+    blocks = model.network.layers
+    if (
+        seqs
+        and all(s.size == 1 for s in seqs)
+        and all(not b.is_disabled and is_plain_block(b) for b in blocks)
+    ):
+        return _batched_step(model, np.concatenate(seqs), states)
+    return _one_by_one(model, seqs, states)
+
+
+def greedy_batch(
+    model: Any, prompts: Sequence[Sequence[int]], new_tokens: int
+) -> tuple[np.ndarray, float]:
+    """Greedy-decode `new_tokens` for every prompt together -> (tokens [B, new_tokens], decode
+    seconds). Prompts are prefilled one by one (not timed); each step is one batched pass."""
+    states = [model.new_state() for _ in prompts]
+    logits = forward_batch(model, [list(p) for p in prompts], states)  # [B, V]
+    out = np.empty((len(prompts), new_tokens), dtype=np.int64)
+    t0 = time.perf_counter()
+    for step in range(new_tokens):
+        out[:, step] = np.argmax(logits, axis=-1)
+        if step + 1 < new_tokens:
+            logits = forward_batch(model, [[int(t)] for t in out[:, step]], states)
+    return out, time.perf_counter() - t0

@@ -16,7 +16,9 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None, block_rows: int = 0) -
             for r0 in range(0, w.shape[0], block_rows):
                 out[:, r0 : r0 + block_rows] = x @ w[r0 : r0 + block_rows].T
         else:
-            out = x @ w.T
+            from poly.kernels import dense_matmul
+
+            out = dense_matmul(np.ascontiguousarray(x, dtype=np.float32), w)
     else:
         from poly.qtensor import as_qtensor
 

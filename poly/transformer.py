@@ -57,6 +57,56 @@ def build_block(cfg: TransformerConfig, allocate: bool = True) -> VolumetricLaye
     return VolumetricLayer(type=LayerType.SEQUENTIAL, sequential_layers=subs)
 
 
+_BLOCK_KINDS = (
+    LayerType.RMSNORM,
+    LayerType.MHA,
+    LayerType.RESIDUAL,
+    LayerType.RMSNORM,
+    LayerType.SWIGLU,
+    LayerType.RESIDUAL,
+)
+
+
+def is_plain_block(blk: VolumetricLayer) -> bool:
+    """The block `build_block` makes, untiled and fully enabled: it can skip generic dispatch."""
+    subs = blk.sequential_layers
+    return (
+        len(subs) == 6
+        and all(
+            s.type == k and not s.is_disabled and not s.use_tiling
+            for s, k in zip(subs, _BLOCK_KINDS)
+        )
+        and subs[ATTN_RES].skip == "input"
+        and subs[MLP_RES].skip == ATTN_RES
+    )
+
+
+def _gamma(norm: VolumetricLayer) -> np.ndarray:
+    """An RMSNorm's gamma, cached per weight object (layout views are re-carved otherwise)."""
+    store = norm.weights
+    key = (store.active, id(store.master), id(store.versions.get(store.active)))
+    cached = getattr(norm, "_gamma_cache", None)
+    if cached is None or cached[0] != key:
+        cached = (key, layout.components(norm)["gamma"])
+        norm._gamma_cache = cached
+    return cached[1]
+
+
+def run_block(blk: VolumetricLayer, x: np.ndarray, caches: list | None = None) -> np.ndarray:
+    """x + attn(norm(x)), then + mlp(norm(.)): the plain block without per-sub-layer dispatch.
+    With `caches` (one KVCache per row of x) every row is a separate sequence's next token."""
+    from poly.layers import mha, swiglu
+
+    subs = blk.sequential_layers
+    norm1, attn, norm2, mlp = subs[ATTN_NORM], subs[ATTN], subs[MLP_NORM], subs[MLP]
+    h = rms_norm(x, _gamma(norm1), norm1.rms_norm_eps)
+    a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches)
+    x = x + a
+    h = rms_norm(x, _gamma(norm2), norm2.rms_norm_eps)
+    x += swiglu.forward(mlp, h)
+    return x
+
+
 class Transformer(Generic[T]):
     """A decoder-only language model on the grid. T is the activation dtype (np.float32)."""
 
@@ -177,10 +227,10 @@ class Transformer(Generic[T]):
         """Run the blocks on new tokens (continuing the KV cache) -> normed hidden [n, H]."""
         x = lookup(self._embeddings, self._check_ids(ids))  # [n, H]
         for blk in self.network.layers:
-            if not blk.is_disabled:
-                x = blk.forward(x)
-        gamma = self.final_norm
-        return rms_norm(x, gamma, self.config.rms_norm_eps)
+            if blk.is_disabled:
+                continue
+            x = run_block(blk, x) if is_plain_block(blk) else blk.forward(x)
+        return rms_norm(x, _gamma(self.final_norm_layer), self.config.rms_norm_eps)
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits float32 [V] of the last of the new tokens."""

@@ -7,6 +7,7 @@ import numpy as np
 
 from poly import layout
 from poly.errors import ContextOverflowError, LayerConfigError
+from poly.kernels import dense_matmul
 from poly.ops import linear, rms_norm
 from poly.rope import apply_rope, rope_tables
 
@@ -36,26 +37,57 @@ def _cache(layer) -> KVCache:
     return layer.state
 
 
-def _project_qkv(layer, x: np.ndarray, comps: dict, block_rows: int):
-    q_dim, kv_dim = layer.query_dim, layer.num_kv_heads * layer.head_dim
-    master = layer.weights.master
-    if layer.weights.active is None and not block_rows:
-        # W_Q, W_K, W_V sit back to back in the master: one fused [q+2kv, d] projection.
-        w_qkv = master[: (q_dim + 2 * kv_dim) * layer.d_model].reshape(-1, layer.d_model)
-        qkv = x @ w_qkv.T  # [n, q+2kv]
-        qkv += _fused_bias(layer, comps)
-        return qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
-    q = linear(x, comps["w_q"], comps["b_q"], block_rows)
-    k = linear(x, comps["w_k"], comps["b_k"], block_rows)
-    v = linear(x, comps["w_v"], comps["b_v"], block_rows)
-    return q, k, v
+class _Plan:
+    """What one forward reads, derived once per weight version (not on every call)."""
+
+    def __init__(self, layer):
+        store = layer.weights
+        self.key = _plan_key(layer)
+        self.comps = layout.components(layer)
+        q_dim, kv_dim, d = layer.query_dim, layer.num_kv_heads * layer.head_dim, layer.d_model
+        self.splits = (q_dim, q_dim + kv_dim)
+        self.w_qkv = self.b_qkv = None
+        if store.active is None:
+            # W_Q, W_K, W_V (and b_Q, b_K, b_V) sit back to back in the master: one projection.
+            self.w_qkv = store.master[: (q_dim + 2 * kv_dim) * d].reshape(-1, d)  # [q+2kv, d]
+            start = 2 * q_dim * d + 2 * kv_dim * d
+            self.b_qkv = store.master[start : start + q_dim + 2 * kv_dim]
+        self.parts = [(self.comps[w], self.comps[b]) for w, b in _QKV]
+        self.width = q_dim + 2 * kv_dim
 
 
-def _fused_bias(layer, comps: dict) -> np.ndarray:
-    # b_Q, b_K, b_V are contiguous in the master too.
-    q_dim, kv_dim, d = layer.query_dim, layer.num_kv_heads * layer.head_dim, layer.d_model
-    start = 2 * q_dim * d + 2 * kv_dim * d
-    return layer.weights.master[start : start + q_dim + 2 * kv_dim]
+_QKV = (("w_q", "b_q"), ("w_k", "b_k"), ("w_v", "b_v"))
+
+
+def _plan_key(layer) -> tuple:
+    store = layer.weights
+    if store.active is None:
+        return (None, id(store.master))
+    # a component swapped inside the version dict must invalidate too
+    return (store.active, *map(id, store.versions[store.active].values()))
+
+
+def plan(layer) -> _Plan:
+    """The cached plan of `layer`, rebuilt when its active version or master object changes."""
+    cached = getattr(layer, "_mha_plan", None)
+    if cached is None or cached.key != _plan_key(layer):
+        cached = _Plan(layer)
+        layer._mha_plan = cached
+    return cached
+
+
+def _project_qkv(p: _Plan, x: np.ndarray, block_rows: int):
+    """x [n, d] -> q [n, q], k [n, kv], v [n, kv] (views of one [n, q+2kv] buffer)."""
+    if p.w_qkv is not None and not block_rows:
+        qkv = dense_matmul(x, p.w_qkv)  # [n, q+2kv]
+        qkv += p.b_qkv
+    else:
+        qkv = np.empty((x.shape[0], p.width), dtype=np.float32)  # [n, q+2kv]
+        bounds = (0, *p.splits, p.width)
+        for (w, bias), a, b in zip(p.parts, bounds[:-1], bounds[1:]):
+            qkv[:, a:b] = linear(x, w, bias, block_rows)
+    a, b = p.splits
+    return qkv[:, :a], qkv[:, a:b], qkv[:, b:]
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int) -> np.ndarray:
@@ -100,38 +132,62 @@ def _attend_tiled(q, k, v, start: int, groups: int, block: int) -> np.ndarray:
     return out.transpose(2, 0, 1, 3).reshape(n, heads, hd)  # [n, H, hd]
 
 
-def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
-    """x [n, d] (or [d]) -> [n, d]; appends the n positions to the layer's KV cache."""
-    squeeze = x.ndim == 1
-    x2 = x.reshape(-1, layer.d_model)  # [n, d]
-    n = x2.shape[0]
-    cache = _cache(layer)
+def _append(layer, cache: KVCache, p: _Plan, q, k, v, tile: int) -> np.ndarray:
+    """RoPE q/k at the cache position, append k/v, attend -> [n, H*hd]."""
+    n, hd, heads, kvh = q.shape[0], layer.head_dim, layer.num_heads, layer.num_kv_heads
     start = cache.length
     if start + n > cache.capacity:
         raise ContextOverflowError(
             f"context overflow: {start} cached + {n} new tokens > max_seq_len {cache.capacity}"
         )
-    comps = layout.components(layer)
-    tile = layer.tile_size if layer.use_tiling and layer.tile_size > 0 else 0
-    hd, heads, kvh = layer.head_dim, layer.num_heads, layer.num_kv_heads
-    q, k, v = _project_qkv(layer, x2, comps, tile)
     q = q.reshape(n, heads, hd)  # [n, H, hd]
     k = k.reshape(n, kvh, hd)  # [n, kvh, hd]
     if layer.qk_norm:
-        q = rms_norm(q, comps["q_norm"], layer.rms_norm_eps)
-        k = rms_norm(k, comps["k_norm"], layer.rms_norm_eps)
+        q = rms_norm(q, p.comps["q_norm"], layer.rms_norm_eps)
+        k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
     cos, sin = rope_tables(hd, float(layer.rope_freq_base), layer.rope_scaling, cache.capacity)
-    q = apply_rope(q, cos[start : start + n], sin[start : start + n])
-    cache.k[start : start + n] = apply_rope(k, cos[start : start + n], sin[start : start + n])
-    cache.v[start : start + n] = v.reshape(n, kvh, hd)
     end = start + n
+    q = apply_rope(q, cos[start:end], sin[start:end])
+    cache.k[start:end] = apply_rope(k, cos[start:end], sin[start:end])
+    cache.v[start:end] = v.reshape(n, kvh, hd)
     if tile:
         attn = _attend_tiled(q, cache.k[:end], cache.v[:end], start, heads // kvh, tile)
     else:
         attn = _attend(q, cache.k[:end], cache.v[:end], start, heads // kvh)
     cache.length = end
-    out = linear(attn.reshape(n, heads * hd), comps["w_o"], comps["b_o"], tile)  # [n, d]
+    return attn.reshape(n, heads * hd)  # [n, H*hd]
+
+
+def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
+    """x [n, d] (or [d]) -> [n, d]; appends the n positions to the layer's KV cache."""
+    squeeze = x.ndim == 1
+    x2 = x.reshape(-1, layer.d_model)  # [n, d]
+    cache = _cache(layer)
+    if cache.length + x2.shape[0] > cache.capacity:
+        raise ContextOverflowError(
+            f"context overflow: {cache.length} cached + {x2.shape[0]} new tokens > "
+            f"max_seq_len {cache.capacity}"
+        )
+    p = plan(layer)
+    tile = layer.tile_size if layer.use_tiling and layer.tile_size > 0 else 0
+    q, k, v = _project_qkv(p, x2, tile)
+    attn = _append(layer, cache, p, q, k, v, tile)
+    out = linear(attn, p.comps["w_o"], p.comps["b_o"], tile)  # [n, d]
     return out.reshape(-1) if squeeze else out
+
+
+def forward_rows(layer, x: np.ndarray, caches: list) -> np.ndarray:
+    """One new token per row of x [B, d], row b continuing its own KVCache caches[b] -> [B, d].
+    Projections run once for all rows; attention runs per row on its own cache."""
+    p = plan(layer)
+    for i, c in enumerate(caches):
+        if c is None or c.capacity != layer.max_seq_len:
+            caches[i] = KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim)
+    q, k, v = _project_qkv(p, x, 0)
+    attn = np.empty_like(q)  # [B, H*hd]
+    for b, cache in enumerate(caches):
+        attn[b] = _append(layer, cache, p, q[b : b + 1], k[b : b + 1], v[b : b + 1], 0)[0]
+    return linear(attn, p.comps["w_o"], p.comps["b_o"])  # [B, d]
 
 
 def validate(layer) -> None:
