@@ -252,3 +252,114 @@ def test_random_edits_only_raise_format_errors(tmp_path, edits, cut):
     except GGUFFormatError:
         pass
     assert time.monotonic() - start < 1.0
+
+
+# --- tiny synthetic models of every architecture, written with gguf.GGUFWriter ------------------
+
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+}
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute (HF half-split -> interleaved rows)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _write_tiny_gguf(path, arch: str, model) -> None:
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(128)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(0x100 + i) for i in range(cfg.vocab_size)])
+    w.add_eos_token_id(1)
+    for name, t in model.state_dict().items():
+        arr = t.detach().numpy().astype(np.float32)
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            arr = _llama_cpp_permute(arr, heads)
+        gname = {
+            "model.embed_tokens.weight": "token_embd.weight",
+            "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight",
+        }.get(name)
+        if gname is None:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
+        w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("keep_quantized", [True, False])
+@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+def test_tiny_arch_logits_match_transformers(tmp_path, arch, keep_quantized):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from entity.gguf_load import load_gguf
+
+    cls, extra = ARCH_CONFIGS[arch]
+    cfg = getattr(transformers, cls)(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=arch != "llama",
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # random biases/norms so a dropped or misplaced one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+    path = tmp_path / f"{arch}.gguf"
+    _write_tiny_gguf(path, arch, model)
+    ids = [3, 17, 42, 5, 77, 8, 13, 21, 34, 55, 89, 1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    tf = load_gguf(path, keep_quantized=keep_quantized)
+    assert tf.tied == cfg.tie_word_embeddings
+    np.testing.assert_allclose(tf.forward_all(ids), ref, atol=1e-4, rtol=0)
+    tf.reset()  # and token by token through the KV cache
+    steps = np.stack([tf.forward([t]) for t in ids])
+    np.testing.assert_allclose(steps, ref, atol=1e-4, rtol=0)
