@@ -110,7 +110,9 @@ FIELD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("changes,cls", [c[1:] for c in FIELD_CASES], ids=[c[0] for c in FIELD_CASES])
+@pytest.mark.parametrize(
+    "changes,cls", [c[1:] for c in FIELD_CASES], ids=[c[0] for c in FIELD_CASES]
+)
 def test_bad_field(tmp_path, changes, cls):
     cfg = _cfg(**changes)
     raw = json.dumps(cfg).replace("Infinity", "1e999")  # an overflowing literal, not NaN
@@ -125,7 +127,9 @@ def test_b3_40_head_dim_given_is_accepted(tmp_path):
 
 def test_b3_45_auto_map_is_never_imported(tmp_path):
     marker = tmp_path / "ran"
-    d = _dir(tmp_path, _cfg(auto_map={"AutoModelForCausalLM": "evil.Model"}, trust_remote_code=True))
+    d = _dir(
+        tmp_path, _cfg(auto_map={"AutoModelForCausalLM": "evil.Model"}, trust_remote_code=True)
+    )
     (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
     try:
         load_hf_config(d)

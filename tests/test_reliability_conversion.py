@@ -40,7 +40,9 @@ LAYERS = 8
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
     d = tmp_path_factory.mktemp("src")
-    return make_tiny_checkpoint(d / "llama", "llama", config_overrides={"num_hidden_layers": LAYERS})
+    return make_tiny_checkpoint(
+        d / "llama", "llama", config_overrides={"num_hidden_layers": LAYERS}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,9 @@ def reference(src, tmp_path_factory):
 
 
 def _leftovers(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if TEMP_PATTERN.match(p.name) or ".payload" in p.name)
+    return sorted(
+        p.name for p in directory.iterdir() if TEMP_PATTERN.match(p.name) or ".payload" in p.name
+    )
 
 
 def _in_child(fn, *, fsize: int | None = None, env: dict | None = None) -> dict:
@@ -90,7 +94,9 @@ def test_b7_92_output_is_the_input(src, tmp_path):
     first = tmp_path / "m.entity"
     convert(src, first, quant="q4")
     before = first.read_bytes()
-    expect_error(lambda: convert(first, first, quant="f32", force=True), OutputPathError, "bad_output_path")
+    expect_error(
+        lambda: convert(first, first, quant="f32", force=True), OutputPathError, "bad_output_path"
+    )
     link = tmp_path / "link.entity"
     os.symlink(first, link)
     expect_error(lambda: convert(first, link, quant="f32", force=True), OutputPathError)
@@ -118,12 +124,16 @@ def test_b7_97_missing_output_dir(src, tmp_path):
 
 def test_b7_97_output_path_is_a_directory(src, tmp_path):
     (tmp_path / "d.entity").mkdir()
-    expect_error(lambda: convert(src, tmp_path / "d.entity", quant="q4", force=True), OutputPathError)
+    expect_error(
+        lambda: convert(src, tmp_path / "d.entity", quant="q4", force=True), OutputPathError
+    )
 
 
 def _mount_tmpfs(path: Path, opts: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True
+    )
     return res.returncode == 0
 
 
@@ -150,7 +160,9 @@ def test_b7_97_read_only_output_dir(src, tmp_path, monkeypatch):
 
         monkeypatch.setattr(os, "open", ro_open)
     try:
-        expect_error(lambda: convert(src, ro / "m.entity", quant="q4"), OutputPathError, "bad_output_path")
+        expect_error(
+            lambda: convert(src, ro / "m.entity", quant="q4"), OutputPathError, "bad_output_path"
+        )
         assert list(ro.iterdir()) == []
     finally:
         monkeypatch.undo()
@@ -182,7 +194,9 @@ def test_b7_94_small_tmpfs(src, tmp_path):
         pytest.skip("cannot mount a tmpfs here (RLIMIT_FSIZE variant covers EFBIG)")
     try:
         out = mnt / "m.entity"
-        exc = expect_error(lambda: convert(src, out, quant="f32"), InsufficientSpaceError, "no_space")
+        exc = expect_error(
+            lambda: convert(src, out, quant="f32"), InsufficientSpaceError, "no_space"
+        )
         assert exc.path == str(out)
         assert list(mnt.iterdir()) == []
     finally:
@@ -311,7 +325,10 @@ def test_b7_100_lossless_roundtrip_verified(src, tmp_path):
     np.testing.assert_array_equal(np.asarray(tf.embeddings), ref["model.embed_tokens.weight"])
     np.testing.assert_array_equal(np.asarray(tf.final_norm), ref["model.norm.weight"])
     assert tf.chat_template.source == json.loads((src / "tokenizer_config.json").read_text()).get(
-        "chat_template", (src / "chat_template.jinja").read_text() if (src / "chat_template.jinja").exists() else None
+        "chat_template",
+        (src / "chat_template.jinja").read_text()
+        if (src / "chat_template.jinja").exists()
+        else None,
     )
 
 
@@ -328,7 +345,9 @@ def test_b7_100_roundtrip_mismatch_removes_output(src, tmp_path, monkeypatch):
 
     monkeypatch.setattr(conv, "load_entity", damaged)
     out = tmp_path / "m.entity"
-    expect_error(lambda: convert(src, out, quant="f32", verify=True), IntegrityError, "integrity", seconds=30)
+    expect_error(
+        lambda: convert(src, out, quant="f32", verify=True), IntegrityError, "integrity", seconds=30
+    )
     assert not out.exists() and _leftovers(tmp_path) == []
 
 

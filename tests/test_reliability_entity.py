@@ -47,7 +47,9 @@ def seal(body: bytes, version: int = 2, flags: int = 0, hlen: int | None = None)
     return prefix + body + zlib.crc32(prefix + body).to_bytes(4, "big")
 
 
-def pack_pairs(pairs: list[tuple], blob_offsets_rel: bool = True, payload: bytes | None = None) -> bytes:
+def pack_pairs(
+    pairs: list[tuple], blob_offsets_rel: bool = True, payload: bytes | None = None
+) -> bytes:
     """A header from (key, value) pairs (duplicates allowed), then the valid payload, with blob
     offsets moved to wherever the data section starts now."""
     data, old_start = _payload() if payload is None else (payload, None)
@@ -57,7 +59,10 @@ def pack_pairs(pairs: list[tuple], blob_offsets_rel: bool = True, payload: bytes
         body = packer.pack_map_header(len(pairs) + 1)
         for k, v in pairs:
             if k == "blobs" and blob_offsets_rel and isinstance(v, list) and old_start is not None:
-                v = [dict(b, offset=b["offset"] - old_start + start) if isinstance(b, dict) else b for b in v]
+                v = [
+                    dict(b, offset=b["offset"] - old_start + start) if isinstance(b, dict) else b
+                    for b in v
+                ]
             body += packer.pack(k) + packer.pack(v)
         return seal(body)
 

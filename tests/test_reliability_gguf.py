@@ -25,7 +25,6 @@ from tests.fuzz.corpus import (
     F32,
     GGML_F32,
     GGML_Q4_0,
-    GGML_Q8_0,
     GGUF_KVS,
     GGUF_TENSORS,
     I8,
@@ -145,7 +144,9 @@ def test_b5_77_nonzero_padding_is_not_read_as_data(tmp_path):
     data[pad_at] = 0xAB
     p.write_bytes(bytes(data))
     gg = GGUFFile(p)
-    np.testing.assert_array_equal(gg.tensor_array("w").reshape(-1), np.arange(12, dtype=np.float32) / 7)
+    np.testing.assert_array_equal(
+        gg.tensor_array("w").reshape(-1), np.arange(12, dtype=np.float32) / 7
+    )
 
 
 # --- loader level (tiny F32 llama) ----------------------------------------------------------
@@ -165,7 +166,11 @@ def test_tiny_model_loads(tmp_path):
 LOADER_CASES = [
     ("B5-66-scores-int8", {"tokenizer.ggml.scores": (ARRAY, (I8, [0] * 6))}, TokenizerError),
     ("B5-66-token_type-len", {"tokenizer.ggml.token_type": (ARRAY, (U32, [1, 1]))}, TokenizerError),
-    ("B5-66-tokens-not-strings", {"tokenizer.ggml.tokens": (ARRAY, (F32, [0.0] * 6))}, TokenizerError),
+    (
+        "B5-66-tokens-not-strings",
+        {"tokenizer.ggml.tokens": (ARRAY, (F32, [0.0] * 6))},
+        TokenizerError,
+    ),
     ("B5-67-block_count-600", {"llama.block_count": (U32, 600)}, GGUFFormatError),
     ("B5-67-block_count-2", {"llama.block_count": (U32, 2)}, PolyError),
     ("B5-67-heads-0", {"llama.attention.head_count": (U32, 0)}, GGUFFormatError),
@@ -185,7 +190,7 @@ def test_loader_case(tmp_path, changes, cls):
 
 def test_b5_69_template_ssti_never_runs(tmp_path):
     marker = tmp_path / "pwned"
-    payload = "{{ lipsum.__globals__['os'].popen('touch %s').read() }}" % marker
+    payload = f"{{{{ lipsum.__globals__['os'].popen('touch {marker}').read() }}}}"
     load = _load(tmp_path, gguf_model({"tokenizer.chat_template": (STRING, payload)}))
     try:
         tf = load()
@@ -220,7 +225,14 @@ def test_b5_78_nan_weights_never_become_tokens(tmp_path):
 
     kvs, tensors = gguf_model_parts()
     tensors = [
-        (n, t, d, np.full(len(raw) // 4, np.nan, np.float32).tobytes() if n == "output_norm.weight" else raw)
+        (
+            n,
+            t,
+            d,
+            np.full(len(raw) // 4, np.nan, np.float32).tobytes()
+            if n == "output_norm.weight"
+            else raw,
+        )
         for n, t, d, raw in tensors
     ]
     p = tmp_path / "m.gguf"

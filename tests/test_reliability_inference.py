@@ -107,7 +107,9 @@ def test_b8_104_invalid_ids_leave_cache_unchanged(tf, ids):
 @pytest.mark.parametrize("field", ["banned_tokens", "eos_tokens"])
 def test_b8_104_option_ids_out_of_vocab(tf, field):
     opts = GREEDY.replace(**{field: (3, 10_000)})
-    expect_error(lambda: generate_text(tf, [1, 2], opts), SamplingParamsError, "bad_sampling_params")
+    expect_error(
+        lambda: generate_text(tf, [1, 2], opts), SamplingParamsError, "bad_sampling_params"
+    )
 
 
 # --- B8-102 / 103 context ------------------------------------------------------------------------
@@ -125,7 +127,9 @@ def test_b8_102_prompt_longer_than_context(tf):
 
 def test_b8_103_context_fills_during_generation(tf):
     prompt = list(range(1, CTX - 3))
-    done = generate_text(tf, prompt, GREEDY.replace(max_tokens=50, truncate="output", eos_tokens=()))
+    done = generate_text(
+        tf, prompt, GREEDY.replace(max_tokens=50, truncate="output", eos_tokens=())
+    )
     assert done.stop_reason == "context" and len(done.tokens) == CTX - len(prompt)
     assert tf.position <= CTX
     assert list(done.tokens) == _greedy_reference(tf, prompt, len(done.tokens))
@@ -169,7 +173,9 @@ BAD_PARAMS = [
 
 @pytest.mark.parametrize("name,value", BAD_PARAMS, ids=[f"{n}={v!r}" for n, v in BAD_PARAMS])
 def test_b8_105_invalid_sampling_params(name, value):
-    exc = expect_error(lambda: GenOptions(**{name: value}), SamplingParamsError, "bad_sampling_params")
+    exc = expect_error(
+        lambda: GenOptions(**{name: value}), SamplingParamsError, "bad_sampling_params"
+    )
     assert name in str(exc)
     expect_error(lambda: GenOptions().replace(**{name: value}), SamplingParamsError)
 
@@ -295,7 +301,7 @@ def test_b8_108_interrupted_chat_turn_stays_consistent(model_dir):
     for _ in s.send("first"):
         pass
     stream = s.send("second question")
-    for i, ev in enumerate(stream):
+    for i, _ev in enumerate(stream):
         if i == 2:
             break
     stream.close()  # the user pressed Ctrl-C: partial reply kept
@@ -319,7 +325,9 @@ def _rss_mb() -> float:
 
 def test_acceptance_4_thousand_turns_rss(model_dir):
     tf = tiny_model(model_dir, hidden=32, layers=1, max_seq_len=512)
-    s = ChatSession(tf, system="be brief", options=GenOptions(temperature=0.8, seed=1, max_tokens=3))
+    s = ChatSession(
+        tf, system="be brief", options=GenOptions(temperature=0.8, seed=1, max_tokens=3)
+    )
 
     def turn(i):
         for _ in s.send(f"message {i}"):

@@ -70,7 +70,7 @@ def test_b1_3_empty_file(tmp_path):
     for name in ("m.gguf", "m.entity", "m.safetensors"):
         p = tmp_path / name
         p.write_bytes(b"")
-        expect_error(lambda: load(p), FormatError, "bad_format")
+        expect_error(lambda p=p: load(p), FormatError, "bad_format")
 
 
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])
@@ -138,4 +138,4 @@ def test_b1_3_tiny_prefixes_of_every_format(tmp_path):
         for n in range(1, 40):
             p = tmp_path / "m.bin"
             p.write_bytes(data[:n])
-            expect_error(lambda: load(p), CheckpointError)
+            expect_error(lambda p=p: load(p), CheckpointError)

@@ -48,8 +48,12 @@ CASES = [
     ("B2-13", _raw("{not json"), SafetensorsFormatError, "header_json"),
     ("B2-13", _raw("[]", b""), SafetensorsFormatError, "header_json"),
     ("B2-13", _raw("{}\x00\x00\x00", b""), SafetensorsFormatError, "header_json"),
-    ("B2-14", _raw('{"a": %s, "a": %s}' % (ENTRY_A, ENTRY_A), DATA[:24]),
-     SafetensorsFormatError, "duplicate_key"),  # fmt: skip
+    (
+        "B2-14",
+        _raw(f'{{"a": {ENTRY_A}, "a": {ENTRY_A}}}', DATA[:24]),
+        SafetensorsFormatError,
+        "duplicate_key",
+    ),  # fmt: skip
     ("B2-15", _raw('{"x": NaN}', b""), SafetensorsFormatError, "header_json"),
     ("B2-15", _raw('{"x": Infinity}', b""), SafetensorsFormatError, "header_json"),
     ("B2-15", _raw('{"x": %s}' % ("9" * 5000), b""), SafetensorsFormatError, "header_json"),
@@ -65,13 +69,31 @@ CASES = [
     ("B2-22", _with("a", data_offsets=[24, 0]), SafetensorsFormatError, "offsets"),
     ("B2-23", _with("a", shape=[2, 2]), SafetensorsFormatError, "size_mismatch"),
     ("B2-24", _with("a", shape=[2**62, 4]), SafetensorsFormatError, "overflow"),
-    ("B2-25", st_pack({"f": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, b"\0\0"),
-     SafetensorsFormatError, "misaligned"),  # fmt: skip
+    (
+        "B2-25",
+        st_pack({"f": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, b"\0\0"),
+        SafetensorsFormatError,
+        "misaligned",
+    ),  # fmt: skip
     ("B2-26", st_pack(HEADER, DATA[:-1]), IntegrityError, "truncated"),
-    ("B2-27", st_pack(HEADER, DATA + b"PK\x03\x04polyglot"), SafetensorsFormatError, "trailing_bytes"),
-    ("B2-28", st_pack({"__metadata__": {"k": 1}, **HEADER}, DATA), SafetensorsFormatError, "metadata"),
-    ("B2-28", st_pack({"__metadata__": {"k": {"n": "x"}}, **HEADER}, DATA),
-     SafetensorsFormatError, "metadata"),  # fmt: skip
+    (
+        "B2-27",
+        st_pack(HEADER, DATA + b"PK\x03\x04polyglot"),
+        SafetensorsFormatError,
+        "trailing_bytes",
+    ),
+    (
+        "B2-28",
+        st_pack({"__metadata__": {"k": 1}, **HEADER}, DATA),
+        SafetensorsFormatError,
+        "metadata",
+    ),
+    (
+        "B2-28",
+        st_pack({"__metadata__": {"k": {"n": "x"}}, **HEADER}, DATA),
+        SafetensorsFormatError,
+        "metadata",
+    ),  # fmt: skip
     ("B2-29", _with("a", extra=1), SafetensorsFormatError, "unknown_field"),
     ("B2-30", st_pack({"": HEADER["a"]}, DATA[:24]), SafetensorsFormatError, "name"),
     ("B2-30", st_pack({"n" * 70_000: HEADER["a"]}, DATA[:24]), SafetensorsFormatError, "name"),

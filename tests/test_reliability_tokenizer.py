@@ -62,7 +62,9 @@ TOKENIZER_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("text", [c[1] for c in TOKENIZER_CASES], ids=[c[0] for c in TOKENIZER_CASES])
+@pytest.mark.parametrize(
+    "text", [c[1] for c in TOKENIZER_CASES], ids=[c[0] for c in TOKENIZER_CASES]
+)
 def test_bad_tokenizer(text):
     expect_error(lambda: Tokenizer.from_str(text), TokenizerError, "bad_tokenizer")
 
@@ -169,7 +171,9 @@ def test_b4_53_ssti_never_runs(tmp_path, payload):
 
 
 def test_b4_53_classic_lipsum_is_a_security_error():
-    expect_error(lambda: ChatTemplate(SSTI[0]).render(MSGS), TemplateSecurityError, "unsafe_template")
+    expect_error(
+        lambda: ChatTemplate(SSTI[0]).render(MSGS), TemplateSecurityError, "unsafe_template"
+    )
 
 
 LIMITS = [

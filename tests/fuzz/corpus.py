@@ -31,7 +31,11 @@ def st_entries(arrays: dict[str, np.ndarray]) -> tuple[dict[str, Any], bytes]:
     for name, arr in arrays.items():
         raw = np.ascontiguousarray(arr).tobytes()
         dtype = next(k for k, v in ST_DTYPE.items() if np.dtype(v) == arr.dtype)
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(arr.shape),
+            "data_offsets": [len(data), len(data) + len(raw)],
+        }
         data += raw
     return header, data
 
@@ -225,7 +229,12 @@ def gguf_model_parts(seed: int = 0, tokens: list[str] | None = None, hidden: int
             f"blk.{i}.ffn_down.weight": (h, GM_FF),
         })  # fmt: skip
     tensors = [
-        (name, GGML_F32, list(reversed(shape)), rng.standard_normal(shape).astype(np.float32).tobytes())
+        (
+            name,
+            GGML_F32,
+            list(reversed(shape)),
+            rng.standard_normal(shape).astype(np.float32).tobytes(),
+        )
         for name, shape in shapes.items()
     ]
     return kvs, tensors
@@ -248,7 +257,9 @@ def gguf_model(kv_changes: dict[str, tuple[int, Any] | None] | None = None, seed
     return gguf_pack(out, tensors)
 
 
-def tiny_model(tmp_dir: str | os.PathLike, *, hidden: int = 32, layers: int = 1, max_seq_len: int = 64):
+def tiny_model(
+    tmp_dir: str | os.PathLike, *, hidden: int = 32, layers: int = 1, max_seq_len: int = 64
+):
     """A loaded tiny llama (byte vocab 258, random F32 weights) via our own GGUF loader."""
     from entity.gguf_load import load_gguf
 
