@@ -139,3 +139,23 @@ def test_b1_3_tiny_prefixes_of_every_format(tmp_path):
             p = tmp_path / "m.bin"
             p.write_bytes(data[:n])
             expect_error(lambda p=p: load(p), CheckpointError)
+
+
+def test_static_guard_no_code_execution_on_load_path():
+    """reliability.md §(c) static guard: no unpickling, no unsandboxed Jinja, no remote code."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    banned = re.compile(
+        r"^\s*(import pickle|from pickle|import dill|import joblib)"
+        r"|torch\.load\(|allow_pickle\s*=\s*True|trust_remote_code\s*=\s*True"
+        r"|(?<![A-Za-z])Environment\(|\beval\(|\bexec\(",
+        re.M,
+    )
+    hits = []
+    for package in ("poly", "entity", "lucy"):
+        for path in sorted((repo / package).rglob("*.py")):
+            for m in banned.finditer(path.read_text(encoding="utf-8")):
+                hits.append(f"{path.relative_to(repo)}: {m.group(0).strip()}")
+    assert hits == []
