@@ -4,7 +4,7 @@ A *target* takes bytes, writes them to a file, parses them, and touches everythi
 returned (every tensor, every metadata value), so lazy code paths are exercised too. The only
 acceptable outcomes are success or a ``PolyError``.
 
-Budget: ``POLY_FUZZ_EXAMPLES`` examples per property (default 150: the CI mode, derandomized, no
+Budget: ``POLY_FUZZ_EXAMPLES`` examples per property (default 300: the CI mode, derandomized, no
 example database). Long mode, e.g. ``POLY_FUZZ_EXAMPLES=100000 python -m pytest tests/fuzz``:
 randomized and with hypothesis' example database so failures are replayed.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from hypothesis import HealthCheck, settings
 
-DEFAULT_EXAMPLES = 150
+DEFAULT_EXAMPLES = 300
 EXAMPLES = int(os.environ.get("POLY_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
 CI_MODE = EXAMPLES <= DEFAULT_EXAMPLES
 
