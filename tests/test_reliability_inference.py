@@ -346,3 +346,31 @@ def test_acceptance_4_thousand_turns_rss(model_dir):
     assert s.turns == 1100
     print(f"RSS growth over 1000 turns: {grown:.2f} MB")
     assert grown < 20, f"RSS grew {grown:.1f} MB over 1000 turns"
+
+
+def test_acceptance_4_through_the_chat_ui(model_dir):
+    """The same loop through the terminal chat UI: typed lines, `/reset` as a slash command."""
+    from rich.console import Console
+
+    from lucy.chat_ui import ChatUI
+
+    tf = tiny_model(model_dir, hidden=32, layers=1, max_seq_len=512)
+    with open(os.devnull, "w") as sink:
+        session = ChatSession(tf, options=GenOptions(temperature=0.8, seed=2, max_tokens=3))
+        ui = ChatUI(session, Console(file=sink, width=80), out=sink)
+
+        def turn(i):
+            assert ui.handle(f"message {i}")
+            if i % 8 == 7:
+                assert ui.handle("/reset")
+
+        for i in range(100):
+            turn(i)
+        gc.collect()
+        start = _rss_mb()
+        for i in range(100, 1100):
+            turn(i)
+        gc.collect()
+        grown = _rss_mb() - start
+    assert session.turns == 1100 and ui.last is not None
+    assert grown < 20, f"RSS grew {grown:.1f} MB over 1000 UI turns"
