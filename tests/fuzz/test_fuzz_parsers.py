@@ -71,11 +71,13 @@ def test_safetensors_random_header_length_and_text(n, header, tail):
 
 
 @st.composite
-def edited(draw, seed: bytes) -> bytes:
+def edited(draw, seed: bytes, tail: bool = False) -> bytes:
+    """``seed`` with 1-4 random edits; ``tail`` may confine them to the last third (the data)."""
     data = bytearray(seed)
+    low = len(data) * 2 // 3 if tail and draw(st.booleans()) else 0
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(["flip", "byte", "u64", "u32", "cut", "insert", "delete"]))
-        at = draw(st.integers(0, max(len(data) - 1, 0)))
+        at = draw(st.integers(min(low, max(len(data) - 1, 0)), max(len(data) - 1, 0)))
         if kind == "flip" and data:
             data[at] ^= 1 << draw(st.integers(0, 7))
         elif kind == "byte" and data:
@@ -269,3 +271,47 @@ def test_sampler_properties(logits, temperature, top_k, top_p, min_p, seed):
         assert np.count_nonzero(p) <= np.count_nonzero(logits >= kth)
     tok = s.sample(logits)
     assert 0 <= tok < v and p[tok] > 0
+
+
+# --- (4) differential: never accept what the reference reader refuses ---------------------------------
+
+
+@FUZZ
+@given(data=st.data())
+def test_safetensors_differential_against_reference(data):
+    """Edited files we accept are accepted by the reference with identical tensors (we are the
+    stricter parser: duplicates, unknown fields; reliability.md §(c) differential tests)."""
+    from safetensors.numpy import load as ref_load
+
+    from entity.safetensors_io import SafetensorsFile
+    from tests.fuzz.harness import _scratch
+
+    raw = data.draw(edited(SEEDS["safetensors"], tail=True))
+    if run_target("safetensors", raw) is not None:
+        return
+    ours = SafetensorsFile(_scratch("x.safetensors", raw))
+    ref = ref_load(raw)
+    assert set(ref) == set(ours.names())
+    for name, arr in ref.items():
+        assert ours.tensor(name).tobytes() == arr.tobytes()
+
+
+@FUZZ
+@given(data=st.data())
+def test_gguf_differential_against_gguf_py(data):
+    """Edited GGUF files we accept parse in gguf-py with the same tensors and raw bytes."""
+    from gguf import GGUFReader
+
+    from entity.gguf_reader import GGUFFile
+    from tests.fuzz.harness import _scratch
+
+    raw = data.draw(edited(SEEDS["gguf"], tail=True))
+    if run_target("gguf", raw) is not None:
+        return
+    p = _scratch("d.gguf", raw)
+    ours, ref = GGUFFile(p), GGUFReader(str(p))
+    assert {t.name for t in ref.tensors} == set(ours.tensors)
+    for t in ref.tensors:
+        assert bytes(ours.tensor_bytes(t.name).reshape(-1)) == bytes(
+            t.data.view(np.uint8).reshape(-1)
+        )
