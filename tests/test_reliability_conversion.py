@@ -355,3 +355,32 @@ def test_b7_100_deterministic_bytes(src, tmp_path, reference):
     out = tmp_path / "again.entity"
     convert(src, out, quant="q4")
     assert out.read_bytes() == reference
+
+
+def test_b7_100_metadata_survives(src, tmp_path):
+    """Tokenizer, special ids, chat template and generation defaults survive HF -> .entity."""
+    from entity.hf import load_hf
+
+    out = tmp_path / "m.entity"
+    convert(src, out, quant="q8", verify=True)
+    a, b = load_hf(src), load_entity(out)
+    text = "Héllo wörld <|im_end|> 0123"
+    assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
+    assert a.eos_token_ids == b.eos_token_ids and a.config == b.config
+    msgs = [{"role": "user", "content": "hi"}]
+    assert a.chat_template.render(msgs) == b.chat_template.render(msgs)
+    assert a.generation_defaults == b.generation_defaults
+
+
+def test_b7_100_gguf_source_lossless(tmp_path):
+    from entity.gguf_load import load_gguf
+    from tests.fuzz.corpus import byte_vocab, gguf_model
+
+    g = tmp_path / "m.gguf"
+    g.write_bytes(gguf_model(tokens=byte_vocab(), hidden=32, layers=2))
+    out = tmp_path / "m.entity"
+    report = convert(g, out, quant="f32", verify=True)
+    assert report.verified and report.exact
+    ids = [5, 17, 99, 256]
+    want = load_gguf(g, keep_quantized=False).forward_all(ids)
+    np.testing.assert_array_equal(load_entity(out).forward_all(ids), want)
