@@ -218,9 +218,15 @@ def measure(args, prompts: dict[str, list[int]]) -> dict:
             workers.append(Worker(name, args))
         except (RuntimeError, OSError) as exc:
             print(f"skip {name}: {exc}", file=sys.stderr)
-    results = {w.name: {"prefill": {}, "decode": {}, "tokens": {}} for w in workers}
+    alive = []
     for w in workers:  # warm-up: weights paged in, kernels compiled
-        w.ask({"op": "run", "ids": prompts["chat"][:8], "new": 4})
+        try:
+            w.ask({"op": "run", "ids": prompts["chat"][:8], "new": 4})
+            alive.append(w)
+        except RuntimeError as exc:  # e.g. a llama.cpp build that crashes in decode
+            print(f"skip {w.name}: {exc}", file=sys.stderr)
+    workers = alive
+    results = {w.name: {"prefill": {}, "decode": {}, "tokens": {}} for w in workers}
     for _ in range(args.runs):
         for key, ids in prompts.items():
             for w in workers:
