@@ -34,8 +34,10 @@ SCHEMES: dict[str, tuple[str, str]] = {
     "f32": ("float32", "float32"),
     "f16": ("float16", "float16"),
     "bf16": ("bfloat16", "bfloat16"),
-    "q8": ("int8", "float16"),
-    "q4": ("q4_0", "float16"),
+    # 8-bit LM head for the quantized schemes (as llama.cpp's Q4 files do): it is the largest
+    # matrix read per token.
+    "q8": ("int8", "int8"),
+    "q4": ("q4_0", "int8"),
 }
 EMBED_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8": "int8", "q4": "q4_0"}
 Progress = Callable[[int, int, str], None]
@@ -390,7 +392,8 @@ def load_entity(
     if matrix_enc not in ENCODINGS or embed_enc not in ENCODINGS:
         raise EntityFormatError(f"unknown encodings {matrix_enc!r}/{embed_enc!r}", path=ef.path)
     tied = bool(ef.meta("transformer").get("tied", cfg.tie_word_embeddings))
-    if tied == ("lm_head" in ef):
+    has_head = any(n == "lm_head" or n.startswith("lm_head.") for n in ef.blobs)
+    if tied == has_head:
         raise EntityFormatError("tied flag and lm_head blob disagree", path=ef.path)
     try:
         tf = Transformer.from_config(cfg, allocate=False)

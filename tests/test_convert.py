@@ -91,7 +91,9 @@ def test_q4_error_report_is_sane(ckpts, tmp_path):
     ef = EntityFile(tmp_path / "q4.entity")
     assert all(rec.offset % 64 == 0 for rec in ef.blobs.values())
     assert ef.blobs["blocks.0.attn.w_q.packed"].dtype == "uint8"
-    assert ef.blobs["embeddings"].dtype == "float16"
+    # q4 files keep the embeddings / tied LM head at 8 bits (int8 codes + per-row scales)
+    assert ef.blobs["embeddings.codes"].dtype == "int8"
+    assert ef.blobs["embeddings.scales"].dtype == "float32"
 
 
 def test_self_contained_after_source_deleted(tmp_path):
