@@ -13,6 +13,7 @@ f32 path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -286,8 +287,6 @@ def table(results: dict, prompts: dict[str, list[int]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from entity.smollm2 import ensure_smollm2
-
     ap = argparse.ArgumentParser(description="poly vs llama.cpp vs transformers")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--new", type=int, default=64)
@@ -295,13 +294,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", nargs="*", default=list(ENGINES))
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--hf-dir", default=None)
-    ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--json", default=None, help="write the report as JSON to this file ('-': stdout only)"
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.json == "-":  # JSON alone on stdout: the table goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            report = _run(args)
+        print(json.dumps(report))
+        return
+    report = _run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def _run(args) -> dict:
+    from entity.smollm2 import ensure_smollm2
+
     args.gguf = args.gguf or str(ensure_smollm2())
     args.hf_dir = args.hf_dir or str(Path(args.gguf).parent / "SmolLM2-135M-Instruct-hf")
     if args.worker:
-        return worker(args.worker, args)
+        worker(args.worker, args)
+        return {}
     prompts, tokenizer = prepare(args)
     results = measure(args, prompts)
     texts = {n: tokenizer.decode(r["tokens"]["chat"]) for n, r in results.items()}
@@ -323,8 +338,7 @@ def main(argv: list[str] | None = None) -> None:
             f"forward_batch f32: B=1 {b['b1']['median']:.1f} tok/s, B=4 {b['b4']['median']:.1f} "
             f"tok/s ({b['b4']['median'] / b['b1']['median']:.2f}x)"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":

@@ -86,3 +86,20 @@ def run_bench(spec: str, prompt_tokens: int = 64, new_tokens: int = 32, runs: in
     load_s = time.perf_counter() - t0
     result = bench_model(model, prompt_tokens, new_tokens, runs)
     return {"model": str(spec), "load_s": load_s, **result}
+
+
+def run_compare(model: str | None, *, runs: int, as_json: bool) -> int:
+    """`lucy bench --compare`: benchmarks/compare.py of this source checkout, in a subprocess
+    (each engine needs its own process anyway, for its own peak RSS)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "compare.py").is_file():
+        raise UsageError("lucy bench --compare needs a source checkout (benchmarks/compare.py)")
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--runs", str(max(runs, 1))]
+    if model:
+        cmd += ["--gguf", str(model)]
+    if as_json:
+        cmd += ["--json", "-"]
+    return subprocess.run(cmd, cwd=root, check=False).returncode

@@ -74,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
 
     p = sub.add_parser("bench", help="prefill/decode tok/s and peak RSS")
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", help="model to measure (with --compare: a .gguf, optional)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="run benchmarks/compare.py: poly vs llama.cpp vs transformers, side by side",
+    )
     p.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, default=64)
     p.add_argument("--new-tokens", dest="new_tokens", type=int, default=32)
     p.add_argument("--runs", type=int, default=3)
@@ -215,6 +220,10 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from lucy import bench, views
 
+    if args.compare:
+        return bench.run_compare(args.model, runs=args.runs, as_json=args.json)
+    if not args.model:
+        raise UsageError("lucy bench needs a MODEL (or --compare)")
     result = bench.run_bench(args.model, args.prompt_tokens, args.new_tokens, args.runs)
     if args.json:
         print(json.dumps(result))
