@@ -1,43 +1,44 @@
-"""Compiled matrix-vector kernels (numba) and the CPU thread policy.
+"""Compiled matrix-vector kernels (C extension or numba) and the CPU thread policy.
 
 Each kernel computes out [n, m] = x [n, k] @ W.T for a small number of input rows n (decode
 steps, batched decode, short prompts) and reads W in its stored form: float32/float16 arrays,
-int8 per-row codes, Loom's Q4 bake, GGUF Q4_0/Q4_1/Q8_0 blocks. Rows of W are decoded chunk by
-chunk into a small float32 buffer, then dotted with every input row; the loop over output rows
-runs in parallel threads. More than `SMALL_N` input rows take the numpy path (dequantize row
-blocks + BLAS sgemm), which is faster for prefill.
+int8 per-row codes, Loom's Q4 bake, GGUF Q4_0/Q4_1/Q8_0 blocks (the C backend also bfloat16,
+GGUF Q4_K/Q6_K). The loop over output rows runs in parallel threads. More than `SMALL_N` input
+rows take the numpy path (dequantize row blocks + BLAS sgemm), which is faster for prefill.
 
-Backends: "numpy" (the reference: `QTensor._matmul`), "numba" (these kernels, registered into
-`poly.qtensor.KERNELS`), "auto" (numba when it imports). Choose with `set_backend()` or the
-POLY_BACKEND environment variable. Threads: `set_num_threads(n)` sets numba's pool and the BLAS
-pool together (default: the physical core count, or POLY_NUM_THREADS).
+Backends: "numpy" (the reference: `QTensor._matmul`), "c" (poly._ckernels from
+csrc/poly_kernels.c, see poly/ckernels.py), "numba" (the kernels below, compiled on first
+selection: numba is imported only then), "auto" (c if built, else numba if installed, else
+numpy). Choose with `set_backend()` or the POLY_BACKEND environment variable. Threads:
+`set_num_threads(n)` sets the C/OpenMP count, numba's pool (if loaded) and the BLAS pool
+together (default: the physical core count, or POLY_NUM_THREADS).
 
-The kernels are compiled with fastmath={"reassoc", "contract"} only: that lets LLVM vectorize
-the dot-product reductions the way BLAS does (sums in a different order, FMA), while NaN/Inf
-still propagate (no nnan/ninf assumptions).
+The numba kernels are compiled with fastmath={"reassoc", "contract"} only: that lets LLVM
+vectorize the dot-product reductions the way BLAS does (sums in a different order, FMA), while
+NaN/Inf still propagate (no nnan/ninf assumptions).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 
 import numpy as np
 
+from poly import ckernels
 from poly.errors import UsageError
 
 SMALL_N = 16  # input rows up to which the matvec kernels beat dequantize + sgemm
 CHUNK = 16  # output rows decoded per parallel work item
-BACKENDS = ("auto", "numpy", "numba")
+BACKENDS = ("auto", "numpy", "c", "numba")
 
-try:  # numba is the optional [fast] extra
-    import numba
-    from numba import njit, prange
-
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - exercised only without the extra
-    numba = None
-    HAVE_NUMBA = False
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None  # the optional [fast] extra
+HAVE_C = ckernels.AVAILABLE  # poly._ckernels, built at install when a C compiler exists
+_NUMBA_NAMES = frozenset(
+    {"HALF", "mm_f32", "mm_f16", "mm_i8", "mm_q4loom", "mm_gguf_q4", "mm_gguf_q8_0"}
+)
 
 _state = {"backend": "numpy", "threads": 0}
 
@@ -55,11 +56,13 @@ def physical_cores() -> int:
 
 
 def set_num_threads(n: int | None = None) -> int:
-    """Threads for the numba kernels and the BLAS pool; None/0 = physical cores. Returns n."""
+    """Threads for the C/numba kernels and the BLAS pool; None/0 = physical cores. Returns n."""
     n = int(n or os.environ.get("POLY_NUM_THREADS") or physical_cores())
     if n < 1:
         raise UsageError(f"thread count must be >= 1, got {n}")
-    if HAVE_NUMBA:
+    ckernels.set_num_threads(n)
+    if "mm_f32" in globals():  # numba loaded: never import it just to set its pool
+        numba = sys.modules["numba"]
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     try:
         from threadpoolctl import threadpool_limits
@@ -80,7 +83,12 @@ def backend() -> str:
     return _state["backend"]
 
 
-if HAVE_NUMBA:
+def _compile_numba() -> None:
+    """Define the numba kernels as module globals (imports numba: ~64 MB, so only on demand)."""
+    global HALF, _dot_rows, mm_f32, mm_f16, mm_i8
+    global _half, _nib_dot, mm_q4loom, mm_gguf_q4, mm_gguf_q8_0
+    from numba import njit, prange
+
     _FM = {"reassoc", "contract"}
     _opts = {"parallel": True, "fastmath": _FM, "cache": True, "nogil": True}
 
@@ -297,11 +305,14 @@ def _kernel(adapter: Callable) -> Callable:
 
 
 def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """x [n, k] @ w.T for a float32 w [m, k]: the numba kernel for few rows, else BLAS."""
+    """x [n, k] @ w.T for a float32 w [m, k]: the compiled kernel for few rows, else BLAS."""
     if out is None:
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    chosen = _state["backend"]
+    if chosen == "c" and ckernels.dense_matmul(x, w, out):
+        return out
     if (
-        _state["backend"] == "numba"
+        chosen == "numba"
         and x.shape[0] <= SMALL_N
         and w.flags.c_contiguous
         and x.flags.c_contiguous
@@ -312,24 +323,52 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) ->
     return out
 
 
+def _resolve(name: str) -> str:
+    if name == "auto":
+        return "c" if HAVE_C else ("numba" if HAVE_NUMBA else "numpy")
+    if name == "numba" and not HAVE_NUMBA:
+        raise UsageError("backend 'numba' needs the numba package (pip install poly[fast])")
+    if name == "c" and not HAVE_C:
+        raise UsageError(
+            "backend 'c' needs the compiled extension poly._ckernels (reinstall with gcc)"
+        )
+    return name
+
+
 def set_backend(name: str | None = None) -> str:
-    """Select "auto" | "numpy" | "numba" (None: $POLY_BACKEND or "auto"); returns the one used."""
+    """Select "auto" | "numpy" | "c" | "numba" (None: $POLY_BACKEND or "auto"); returns the one used."""
     from poly import qtensor
 
     name = (name or os.environ.get("POLY_BACKEND") or "auto").strip().lower()
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    if name == "numba" and not HAVE_NUMBA:
-        raise UsageError("backend 'numba' needs the numba package (pip install poly[fast])")
-    chosen = "numba" if name in ("auto", "numba") and HAVE_NUMBA else "numpy"
-    for scheme in _adapters() if HAVE_NUMBA else ():
+    chosen = _resolve(name)
+    for scheme in {*_adapters(), *ckernels.SCHEMES}:
         qtensor.KERNELS.pop(scheme, None)
     if chosen == "numba":
+        _load_numba()
         for scheme, adapter in _adapters().items():
             qtensor.KERNELS[scheme] = _kernel(adapter)
+    elif chosen == "c":
+        for scheme in ckernels.SCHEMES:
+            qtensor.KERNELS[scheme] = ckernels.kernel
     _state["backend"] = chosen
     return chosen
 
 
-set_backend()
+def _load_numba() -> None:
+    if "mm_f32" not in globals():
+        _compile_numba()
+        set_num_threads(_state["threads"] or None)
+
+
+def __getattr__(name: str):
+    """The numba kernels (mm_f32, ...) compile on first access."""
+    if name in _NUMBA_NAMES and HAVE_NUMBA:
+        _load_numba()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 set_num_threads()
+set_backend()

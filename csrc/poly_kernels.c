@@ -1,0 +1,416 @@
+/* poly._ckernels: out[n, m] = x[n, k] @ W.T for few input rows (decode, batched decode),
+ * reading W in its stored form, parallel over output rows with OpenMP.
+ *
+ * One entry point, matmul(kind, x, out, w, aux, n, k, m): buffers are taken with the buffer
+ * protocol and their byte sizes checked against (kind, n, k, m) here, so a wrong call raises
+ * ValueError instead of reading out of bounds (poly/ckernels.py validates dtypes first and
+ * raises poly errors). Sums are float32 with many independent lanes (AVX2/FMA when compiled
+ * for it, otherwise plain loops gcc vectorizes).
+ *
+ * Quantized kinds are read as 32-element blocks: value = q * D + M with q the block's codes,
+ * D a scale and M an offset, so sum_j w_j x_j = D * (q . x) + M * sum(x block).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PK_SIMD 1
+#else
+#define PK_SIMD 0
+#endif
+
+enum { K_F32, K_F16, K_BF16, K_I8, K_LOOM_Q4, K_Q4_0, K_Q4_1, K_Q8_0, K_Q4_K, K_Q6_K, K_COUNT };
+
+static int g_threads = 1;
+#define MAX_N 16
+#define SERIAL_WORK 65536 /* below this many weights one thread is faster than waking others */
+
+typedef struct {
+    const float *x;   /* [n, k] (Loom Q4: each 32-block reordered evens then odds) */
+    const float *xs;  /* [n, nb] block sums of x */
+    float *out;       /* [n, m] */
+    const uint8_t *w; /* kind-specific weight bytes */
+    const float *aux; /* Loom Q4 block scales / int8 row scales */
+    int64_t n, k, m, rb, nb; /* rb = bytes per stored row, nb = 32-blocks per row */
+} mm_args;
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if PK_SIMD
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, f = h & 1023, u;
+    if (e == 31) u = s | 0x7F800000u | (f << 13);
+    else if (e) u = s | ((e + 112) << 23) | (f << 13);
+    else { float v = (float)f * 5.9604644775390625e-08f; memcpy(&u, &v, 4); u |= s; }
+    float r; memcpy(&r, &u, 4); return r;
+#endif
+}
+
+/* ---- dense rows (any k): float32, float16, bfloat16, int8 codes x row scale ------------- */
+
+static inline float load1(int kind, const uint8_t *row, int64_t j) {
+    switch (kind) {
+    case K_F32: return ((const float *)row)[j];
+    case K_F16: return h2f(row + 2 * j);
+    case K_BF16: { uint32_t u = (uint32_t)((const uint16_t *)row)[j] << 16; float f; memcpy(&f, &u, 4); return f; }
+    default: return (float)((const int8_t *)row)[j];
+    }
+}
+
+#if PK_SIMD
+static inline __m256 load8(int kind, const uint8_t *row, int64_t j) {
+    switch (kind) {
+    case K_F32: return _mm256_loadu_ps((const float *)row + j);
+    case K_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * j)));
+    case K_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * j))), 16));
+    default:
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j))));
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static inline __attribute__((always_inline)) float dense_dot(int kind, const uint8_t *row,
+                                                             const float *x, int64_t k) {
+    int64_t j = 0;
+    float s = 0.0f;
+#if PK_SIMD
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; j + 32 <= k; j += 32) {
+        a0 = _mm256_fmadd_ps(load8(kind, row, j), _mm256_loadu_ps(x + j), a0);
+        a1 = _mm256_fmadd_ps(load8(kind, row, j + 8), _mm256_loadu_ps(x + j + 8), a1);
+        a2 = _mm256_fmadd_ps(load8(kind, row, j + 16), _mm256_loadu_ps(x + j + 16), a2);
+        a3 = _mm256_fmadd_ps(load8(kind, row, j + 24), _mm256_loadu_ps(x + j + 24), a3);
+    }
+    for (; j + 8 <= k; j += 8) a0 = _mm256_fmadd_ps(load8(kind, row, j), _mm256_loadu_ps(x + j), a0);
+    s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    float acc[16] = {0};
+    for (; j + 16 <= k; j += 16)
+        for (int l = 0; l < 16; l++) acc[l] += load1(kind, row, j + l) * x[j + l];
+    for (int l = 0; l < 16; l++) s += acc[l];
+#endif
+    for (; j < k; j++) s += load1(kind, row, j) * x[j];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void dense_row(int kind, const mm_args *A, int64_t r) {
+    const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2);
+    const uint8_t *row = A->w + r * A->k * esz;
+    const float scale = kind == K_I8 ? A->aux[r] : 1.0f;
+    for (int64_t i = 0; i < A->n; i++)
+        A->out[i * A->m + r] = scale * dense_dot(kind, row, A->x + i * A->k, A->k);
+}
+
+/* ---- 32-element quantized blocks ---------------------------------------------------------- */
+
+/* Scalar decoders: codes of block b of row r as floats q[32], value = q * D + M. */
+static inline void q4_nibbles(const uint8_t *p, uint8_t x, float *q) {
+    for (int l = 0; l < 16; l++) {
+        q[l] = (float)((p[l] ^ x) & 15);
+        q[l + 16] = (float)((p[l] ^ x) >> 4);
+    }
+}
+
+static inline void k4_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
+    if (j < 4) { *sc = s[j] & 63; *mn = s[j + 4] & 63; }
+    else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+
+static inline void dec_scalar(int kind, const mm_args *A, int64_t r, int64_t b, float *q, float *D, float *M) {
+    const uint8_t *row = A->w + r * A->rb;
+    switch (kind) {
+    case K_LOOM_Q4: /* nibble ^ 8 = code + 8; x is reordered so lows then highs line up */
+        q4_nibbles(A->w + (r * A->nb + b) * 16, 0x88, q);
+        *D = A->aux[r * A->nb + b]; *M = -8.0f * *D; return;
+    case K_Q4_0:
+        q4_nibbles(row + b * 18 + 2, 0, q); *D = h2f(row + b * 18); *M = -8.0f * *D; return;
+    case K_Q4_1:
+        q4_nibbles(row + b * 20 + 4, 0, q); *D = h2f(row + b * 20); *M = h2f(row + b * 20 + 2); return;
+    case K_Q8_0: {
+        const int8_t *c = (const int8_t *)(row + b * 34 + 2);
+        for (int l = 0; l < 32; l++) q[l] = (float)c[l];
+        *D = h2f(row + b * 34); *M = 0.0f; return;
+    }
+    case K_Q4_K: {
+        const uint8_t *p = row + (b / 8) * 144, *qs = p + 16 + 32 * ((b % 8) / 2);
+        int sc, mn, sh = 4 * (b & 1);
+        k4_scale_min((int)(b % 8), p + 4, &sc, &mn);
+        for (int l = 0; l < 32; l++) q[l] = (float)((qs[l] >> sh) & 15);
+        *D = h2f(p) * (float)sc; *M = -h2f(p + 2) * (float)mn; return;
+    }
+    default: { /* K_Q6_K: 16-element scale groups, folded into q */
+        const uint8_t *p = row + (b / 8) * 210;
+        int j = (int)(b % 8), h = j / 4, t = j % 4;
+        const uint8_t *ql = p + h * 64 + (t & 1) * 32, *qh = p + 128 + h * 32;
+        const int8_t *sc = (const int8_t *)(p + 192) + h * 8 + 2 * t;
+        for (int l = 0; l < 32; l++) {
+            int c = ((ql[l] >> (4 * (t >> 1))) & 15) | (((qh[l] >> (2 * t)) & 3) << 4);
+            q[l] = (float)(c - 32) * (float)sc[l / 16];
+        }
+        *D = h2f(p + 208); *M = 0.0f; return;
+    }
+    }
+}
+
+#if PK_SIMD
+static inline void widen_u8(__m256i b, __m256 v[4]) { /* 32 uint8 -> 4 x 8 floats */
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline void widen_i8(__m256i b, __m256 v[4]) {
+    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline void nib16(const uint8_t *p, uint8_t x, __m256 v[4]) { /* lows 0..15, highs 16..31 */
+    __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)x));
+    __m128i m = _mm_set1_epi8(15);
+    widen_u8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m)), v);
+}
+
+static inline void dec_simd(int kind, const mm_args *A, int64_t r, int64_t b, __m256 v[4], float *D, float *M) {
+    const uint8_t *row = A->w + r * A->rb;
+    switch (kind) {
+    case K_LOOM_Q4:
+        nib16(A->w + (r * A->nb + b) * 16, 0x88, v); *D = A->aux[r * A->nb + b]; *M = -8.0f * *D; return;
+    case K_Q4_0: nib16(row + b * 18 + 2, 0, v); *D = h2f(row + b * 18); *M = -8.0f * *D; return;
+    case K_Q4_1: nib16(row + b * 20 + 4, 0, v); *D = h2f(row + b * 20); *M = h2f(row + b * 20 + 2); return;
+    case K_Q8_0:
+        widen_i8(_mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)), v);
+        *D = h2f(row + b * 34); *M = 0.0f; return;
+    case K_Q4_K: {
+        const uint8_t *p = row + (b / 8) * 144, *qs = p + 16 + 32 * ((b % 8) / 2);
+        int sc, mn;
+        k4_scale_min((int)(b % 8), p + 4, &sc, &mn);
+        __m256i q = _mm256_loadu_si256((const __m256i *)qs);
+        if (b & 1) q = _mm256_srli_epi16(q, 4);
+        widen_u8(_mm256_and_si256(q, _mm256_set1_epi8(15)), v);
+        *D = h2f(p) * (float)sc; *M = -h2f(p + 2) * (float)mn; return;
+    }
+    default: {
+        float q[32];
+        dec_scalar(kind, A, r, b, q, D, M);
+        for (int l = 0; l < 4; l++) v[l] = _mm256_loadu_ps(q + 8 * l);
+    }
+    }
+}
+#endif
+
+/* One output row: decode each block once, dot it with every input row. */
+static inline __attribute__((always_inline)) void quant_row(int kind, const mm_args *A, int64_t r, int64_t n) {
+    float acc[MAX_N], macc[MAX_N];
+    for (int64_t i = 0; i < n; i++) acc[i] = macc[i] = 0.0f;
+#if PK_SIMD
+    __m256 vacc[MAX_N];
+    for (int64_t i = 0; i < n; i++) vacc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < A->nb; b++) {
+        __m256 v[4];
+        float D, M;
+        dec_simd(kind, A, r, b, v, &D, &M);
+        const __m256 vd = _mm256_set1_ps(D);
+        for (int64_t i = 0; i < n; i++) {
+            const float *xb = A->x + i * A->k + b * 32;
+            __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+            s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), s);
+            s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), s);
+            s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), s);
+            vacc[i] = _mm256_fmadd_ps(vd, s, vacc[i]);
+            macc[i] += M * A->xs[i * A->nb + b];
+        }
+    }
+    for (int64_t i = 0; i < n; i++) acc[i] = hsum(vacc[i]);
+#else
+    for (int64_t b = 0; b < A->nb; b++) {
+        float q[32], D, M;
+        dec_scalar(kind, A, r, b, q, &D, &M);
+        for (int64_t i = 0; i < n; i++) {
+            const float *xb = A->x + i * A->k + b * 32;
+            float s[8] = {0};
+            for (int l = 0; l < 32; l++) s[l & 7] += q[l] * xb[l];
+            acc[i] += D * (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+            macc[i] += M * A->xs[i * A->nb + b];
+        }
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) A->out[i * A->m + r] = acc[i] + macc[i];
+}
+
+/* The row loop, instantiated per kind so the decoders inline with a constant `kind`. */
+#define ROWS(NAME, BODY)                                                                     \
+    static void NAME(const mm_args *A, int nt) {                                             \
+        const int64_t m = A->m, n = A->n;                                                    \
+        (void)n;                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)")                         \
+        for (int64_t r = 0; r < m; r++) { BODY; }                                            \
+    }
+#define DENSE(NAME, KIND) ROWS(NAME, dense_row(KIND, A, r))
+#define QUANT(NAME, KIND) ROWS(NAME, if (n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, n))
+
+DENSE(mm_f32, K_F32)
+DENSE(mm_f16, K_F16)
+DENSE(mm_bf16, K_BF16)
+DENSE(mm_i8, K_I8)
+QUANT(mm_loom_q4, K_LOOM_Q4)
+QUANT(mm_q4_0, K_Q4_0)
+QUANT(mm_q4_1, K_Q4_1)
+QUANT(mm_q8_0, K_Q8_0)
+QUANT(mm_q4_k, K_Q4_K)
+QUANT(mm_q6_k, K_Q6_K)
+
+typedef void (*mm_fn)(const mm_args *, int);
+static const mm_fn FNS[K_COUNT] = {mm_f32, mm_f16, mm_bf16, mm_i8, mm_loom_q4,
+                                   mm_q4_0, mm_q4_1, mm_q8_0, mm_q4_k, mm_q6_k};
+/* bytes per 32-block (quantized kinds; block size 256 for K-quants) and element size (dense) */
+static const int BLOCK_BYTES[K_COUNT] = {0, 0, 0, 0, 16, 18, 20, 34, 144, 210};
+static const int BLOCK_ELEMS[K_COUNT] = {1, 1, 1, 1, 32, 32, 32, 32, 256, 256};
+static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1, 0, 0, 0, 0, 0, 0};
+
+/* ---- Python glue -------------------------------------------------------------------------- */
+
+static int want_len(Py_buffer *v, int64_t want, const char *what) {
+    if (v->len != want) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd bytes, expected %lld", what, v->len, (long long)want);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_sizes(int kind, Py_buffer *bx, Py_buffer *bo, Py_buffer *bw, Py_buffer *ba, mm_args *A) {
+    const int64_t n = A->n, k = A->k, m = A->m;
+    if (want_len(bx, n * k * 4, "x") || want_len(bo, n * m * 4, "out")) return -1;
+    if (kind <= K_I8) {
+        A->rb = k * ELEM_BYTES[kind];
+        if (want_len(bw, m * A->rb, "w")) return -1;
+        return kind == K_I8 ? want_len(ba, m * 4, "row scales") : 0;
+    }
+    if (k % BLOCK_ELEMS[kind]) {
+        PyErr_Format(PyExc_ValueError, "k=%lld is not a multiple of %d", (long long)k, BLOCK_ELEMS[kind]);
+        return -1;
+    }
+    A->nb = k / 32;
+    A->rb = k / BLOCK_ELEMS[kind] * BLOCK_BYTES[kind];
+    if (want_len(bw, m * A->rb, "w")) return -1;
+    return kind == K_LOOM_Q4 ? want_len(ba, m * A->nb * 4, "block scales") : 0;
+}
+
+/* x with every 32-block reordered [x0, x2, ..., x30, x1, x3, ..., x31] (Loom nibble order) */
+static void loom_order(const float *x, float *dst, int64_t len) {
+    for (int64_t b = 0; b + 32 <= len; b += 32)
+        for (int l = 0; l < 16; l++) { dst[b + l] = x[b + 2 * l]; dst[b + 16 + l] = x[b + 2 * l + 1]; }
+}
+
+static int run(int kind, mm_args *A, int nt) {
+    float *scratch = NULL;
+    if (kind > K_I8) {
+        const int64_t nk = A->n * A->k, nbs = A->n * A->nb;
+        scratch = malloc((size_t)(nbs + (kind == K_LOOM_Q4 ? nk : 0)) * 4 + 64);
+        if (!scratch) return -1;
+        float *xs = scratch;
+        for (int64_t i = 0; i < nbs; i++) {
+            float s = 0.0f;
+            for (int l = 0; l < 32; l++) s += A->x[i * 32 + l];
+            xs[i] = s;
+        }
+        A->xs = xs;
+        if (kind == K_LOOM_Q4) { loom_order(A->x, scratch + nbs, nk); A->x = scratch + nbs; }
+    }
+    if (A->m * A->k < SERIAL_WORK) nt = 1;
+    FNS[kind](A, nt);
+    free(scratch);
+    return 0;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) { PyErr_SetString(PyExc_TypeError, "matmul(kind, x, out, w, aux, n, k, m)"); return NULL; }
+    long kind = PyLong_AsLong(args[0]);
+    mm_args A = {0};
+    A.n = PyLong_AsLongLong(args[5]); A.k = PyLong_AsLongLong(args[6]); A.m = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad kind or shape");
+        return NULL;
+    }
+    Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0};
+    PyObject *ret = NULL;
+    int have_aux = args[4] != Py_None;
+    if (PyObject_GetBuffer(args[1], &bx, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[2], &bo, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_x;
+    if (PyObject_GetBuffer(args[3], &bw, PyBUF_C_CONTIGUOUS) < 0) goto done_o;
+    if (have_aux && PyObject_GetBuffer(args[4], &ba, PyBUF_C_CONTIGUOUS) < 0) goto done_w;
+    if ((kind == K_I8 || kind == K_LOOM_Q4) && !have_aux) {
+        PyErr_SetString(PyExc_ValueError, "this kind needs its scales");
+        goto done_a;
+    }
+    if (check_sizes((int)kind, &bx, &bo, &bw, &ba, &A) < 0) goto done_a;
+    A.x = bx.buf; A.out = bo.buf; A.w = bw.buf; A.aux = have_aux ? ba.buf : NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = run((int)kind, &A, g_threads);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) PyErr_NoMemory();
+    else ret = Py_NewRef(Py_None);
+done_a:
+    if (have_aux) PyBuffer_Release(&ba);
+done_w:
+    PyBuffer_Release(&bw);
+done_o:
+    PyBuffer_Release(&bo);
+done_x:
+    PyBuffer_Release(&bx);
+    return ret;
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) { PyErr_SetString(PyExc_ValueError, "threads must be >= 1"); return NULL; }
+    g_threads = (int)n;
+    return PyLong_FromLong(g_threads);
+}
+
+static PyObject *py_info(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+#ifdef _OPENMP
+    int omp = 1;
+#else
+    int omp = 0;
+#endif
+    return Py_BuildValue("{s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", g_threads);
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "out = x @ W.T (see poly.ckernels)"},
+    {"set_threads", py_set_threads, METH_O, "threads for the parallel row loop"},
+    {"info", py_info, METH_NOARGS, "build facts: simd, openmp, threads"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ckernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__ckernels(void) { return PyModule_Create(&moddef); }

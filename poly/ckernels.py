@@ -1,0 +1,139 @@
+"""The compiled C kernels (poly._ckernels, built from csrc/poly_kernels.c): glue and registration.
+
+`matmul(qt, x, out)` computes out [n, m] = x [n, k] @ W.T for 1 <= n <= MAX_N input rows,
+reading W in its stored form: float32/float16/bfloat16 arrays, int8 per-row codes, Loom Q4,
+GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K. Sums are float32 (AVX2/FMA when the build had them), parallel
+over output rows with OpenMP. Inputs are validated here (poly errors); the C side re-checks
+buffer sizes, so a bad call can never read out of bounds.
+
+`AVAILABLE` is False when the extension was not built (no compiler at install time).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poly.errors import DTypeError, LayerConfigError
+
+try:
+    from poly import _ckernels as _c
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - only on installs without a C compiler
+    _c = None
+    AVAILABLE = False
+
+MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
+
+# kind ids of csrc/poly_kernels.c
+F32, F16, BF16, I8, LOOM_Q4, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = range(10)
+_DENSE_KINDS = {"float32": F32, "float16": F16, "bfloat16": BF16}
+_GGUF_KINDS = {
+    "gguf_q4_0": Q4_0,
+    "gguf_q4_1": Q4_1,
+    "gguf_q8_0": Q8_0,
+    "gguf_q4_k": Q4_K,
+    "gguf_q6_k": Q6_K,
+}
+_GGUF_BLOCK = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
+_F32 = np.dtype(np.float32)
+
+
+def info() -> dict:
+    """Build facts of the extension: {"simd": 0/1, "openmp": 0/1, "threads": n}, {} if absent."""
+    return _c.info() if AVAILABLE else {}
+
+
+def set_num_threads(n: int) -> int:
+    if AVAILABLE:
+        return _c.set_threads(int(n))
+    return int(n)
+
+
+def _operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+    """(kind, weight array, aux array) for a QTensor the C kernels read, else None."""
+    scheme = qt.scheme
+    if scheme in _DENSE_KINDS:
+        a = getattr(qt, "array", None)  # CodedMatrix names its schemes "float16" too
+        if a is not None and a.flags.c_contiguous and a.dtype.name == scheme:
+            return _DENSE_KINDS[scheme], a, None
+        return None
+    if scheme == "int8":
+        enc = getattr(qt, "encoded", None)
+        if enc is None or enc.codes.dtype != np.int8 or enc.scales is None:
+            return None
+        codes, scales = enc.codes, enc.scales
+        if scales.dtype != _F32 or not (codes.flags.c_contiguous and scales.flags.c_contiguous):
+            return None
+        return I8, codes, scales
+    if scheme == "q4_0":
+        if qt.shape[1] % 32 or not hasattr(qt, "packed"):
+            return None  # blocks straddle rows: the numpy path handles those
+        if not (qt.packed.flags.c_contiguous and qt.scales.flags.c_contiguous):
+            return None
+        return LOOM_Q4, qt.packed, qt.scales
+    kind = _GGUF_KINDS.get(scheme)
+    raw = getattr(qt, "raw", None)
+    if kind is None or raw is None or not raw.flags.c_contiguous:
+        return None
+    return kind, raw, None
+
+
+def supports(qt) -> bool:
+    """True when the C kernels read this QTensor directly."""
+    return AVAILABLE and _operands(qt) is not None
+
+
+def _check_io(x, out, m: int, k: int) -> None:
+    for name, a in (("x", x), ("out", out)):
+        if not isinstance(a, np.ndarray):
+            raise LayerConfigError(f"{name} must be a numpy array, got {type(a).__name__}")
+        if a.dtype != _F32:
+            raise DTypeError(f"{name} must be float32, got {a.dtype}")
+        if not a.flags.c_contiguous:
+            raise LayerConfigError(f"{name} must be C-contiguous")
+    if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_N:
+        raise LayerConfigError(f"x must be [1..{MAX_N}, {k}], got {x.shape}")
+    if out.shape != (x.shape[0], m) or not out.flags.writeable:
+        raise LayerConfigError(f"out must be a writable [{x.shape[0]}, {m}], got {out.shape}")
+
+
+def matmul(qt, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out [n, m] = x [n, k] @ W.T with the C kernel for this QTensor's stored form."""
+    if not AVAILABLE:
+        raise LayerConfigError("the C kernels are not built (poly._ckernels is missing)")
+    ops = _operands(qt)
+    if ops is None:
+        raise LayerConfigError(f"no C kernel reads {qt!r}")
+    m, k = qt.shape
+    if out is None and isinstance(x, np.ndarray) and x.ndim == 2:
+        out = np.empty((x.shape[0], m), dtype=np.float32)
+    _check_io(x, out, m, k)
+    kind, w, aux = ops
+    _c.matmul(kind, x, out, w, aux, x.shape[0], k, m)
+    return out
+
+
+def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
+    """out = x @ w.T for a C-contiguous float32 w [m, k] and x [n <= MAX_N, k]; False = not taken."""
+    n, k = x.shape
+    if n > MAX_N or w.dtype != _F32 or not (w.flags.c_contiguous and x.flags.c_contiguous):
+        return False
+    if x.dtype != _F32 or not out.flags.c_contiguous or w.shape[1] != k:
+        return False
+    _c.matmul(F32, x, out, w, None, n, k, w.shape[0])
+    return True
+
+
+def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
+    """The `poly.qtensor.KERNELS` entry: C for few rows of a supported form, else numpy."""
+    n = x2.shape[0]
+    ops = _operands(qt) if n <= MAX_N and res.flags.c_contiguous else None
+    if ops is None:
+        qt._matmul(x2, res)
+        return
+    kind, w, aux = ops
+    _c.matmul(kind, x2, res, w, aux, n, qt.shape[1], qt.shape[0])
+
+
+SCHEMES = ("float32", "float16", "bfloat16", "int8", "q4_0", *_GGUF_KINDS)
