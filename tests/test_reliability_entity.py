@@ -222,7 +222,9 @@ MODEL_CASES = [
 @pytest.mark.parametrize("name,fn", [c[1:] for c in MODEL_CASES], ids=[c[0] for c in MODEL_CASES])
 def test_model_case(q4_entity, tmp_path, name, fn):
     src, _ = q4_entity
-    assert name in EntityFile(src), sorted(EntityFile(src).blobs)
+    blobs = EntityFile(src).blobs
+    if name not in blobs:  # the stored form of a table may be split (e.g. embeddings.codes)
+        name = min(b for b in blobs if b.startswith(name + "."))
     bad = _rewrite_blob(src, tmp_path / "bad.entity", name, fn)
     expect_error(lambda: load_entity(bad), EntityFormatError)
 
