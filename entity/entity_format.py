@@ -422,7 +422,10 @@ class EntityWriter:
     def close(self) -> None:
         """Drop the scratch payload (idempotent; called by `finish` and on errors)."""
         if not self._payload.closed:
-            self._payload.close()
+            try:
+                self._payload.close()  # flushing a full disk fails again: the file goes anyway
+            except OSError:
+                pass
         try:
             os.unlink(self._payload_path)
         except OSError:
