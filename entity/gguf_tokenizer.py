@@ -101,12 +101,16 @@ def _string_array(gg: GGUFFile, key: str, required: bool = True) -> list[str] | 
     return gg.metadata[key]
 
 
-def _numeric_array(gg: GGUFFile, key: str, n: int) -> np.ndarray | None:
+def _numeric_array(gg: GGUFFile, key: str, n: int, kinds: str) -> np.ndarray | None:
+    # The element type is checked too, not just the length (llama.cpp#26690: INT8 "scores").
     value = gg.metadata.get(key)
     if value is None:
         return None
-    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iuf" or len(value) != n:
-        raise TokenizerError(f"{key} must be a numeric array of {n} entries", path=gg.path)
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in kinds or len(value) != n:
+        raise TokenizerError(
+            f"{key} must be an array of {n} {'floats' if kinds == 'f' else 'integers'}",
+            path=gg.path,
+        )
     return value
 
 
@@ -244,8 +248,8 @@ def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
     tokens = _string_array(gg, "tokenizer.ggml.tokens")
     if not 0 < len(tokens) <= MAX_VOCAB:
         raise TokenizerError(f"tokenizer.ggml.tokens has {len(tokens)} entries", path=gg.path)
-    scores = _numeric_array(gg, "tokenizer.ggml.scores", len(tokens))
-    types = _numeric_array(gg, "tokenizer.ggml.token_type", len(tokens))
+    scores = _numeric_array(gg, "tokenizer.ggml.scores", len(tokens), "f")
+    types = _numeric_array(gg, "tokenizer.ggml.token_type", len(tokens), "iu")
     pre = md.get("tokenizer.ggml.pre")
     pre = pre if isinstance(pre, str) else None
     ids = {
