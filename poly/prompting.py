@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from poly.errors import GenerationError, TemplateError
+from poly.errors import GenerationError, InvalidTokenError, TemplateError
 
 
 def prompt_to_ids(
     model: Any, prompt: Any, *, chat: bool | None = None, system: str | None = None
 ) -> list[int]:
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt) and prompt:
+    if isinstance(prompt, (list, tuple)) and not prompt:
+        raise InvalidTokenError("empty prompt: at least one token is needed to produce logits")
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return [int(t) for t in prompt]
     if model.tokenizer is None:
         raise GenerationError("this model has no tokenizer: pass token ids")
