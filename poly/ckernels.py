@@ -11,6 +11,8 @@ buffer sizes, so a bad call can never read out of bounds.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from poly.errors import DTypeError, LayerConfigError
@@ -37,6 +39,18 @@ _GGUF_KINDS = {
 }
 _GGUF_BLOCK = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
 _F32 = np.dtype(np.float32)
+_opts = {"q8": os.environ.get("POLY_ACT_Q8", "") == "1"}
+
+
+def set_act_q8(on: bool) -> bool:
+    """Scheme flag: int8 activations for the 4/8-bit kernels (integer dot products, llama.cpp's
+    q8 activations; error documented in docs/performance.md) instead of the exact float path."""
+    _opts["q8"] = bool(on)
+    return _opts["q8"]
+
+
+def act_q8() -> bool:
+    return _opts["q8"]
 
 
 def info() -> dict:
@@ -98,8 +112,9 @@ def _check_io(x, out, m: int, k: int) -> None:
         raise LayerConfigError(f"out must be a writable [{x.shape[0]}, {m}], got {out.shape}")
 
 
-def matmul(qt, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """out [n, m] = x [n, k] @ W.T with the C kernel for this QTensor's stored form."""
+def matmul(qt, x: np.ndarray, out: np.ndarray | None = None, q8: bool | None = None) -> np.ndarray:
+    """out [n, m] = x [n, k] @ W.T with the C kernel for this QTensor's stored form
+    (q8: int8 activations, None = the `set_act_q8` setting)."""
     if not AVAILABLE:
         raise LayerConfigError("the C kernels are not built (poly._ckernels is missing)")
     ops = _operands(qt)
@@ -110,7 +125,8 @@ def matmul(qt, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty((x.shape[0], m), dtype=np.float32)
     _check_io(x, out, m, k)
     kind, w, aux = ops
-    _c.matmul(kind, x, out, w, aux, x.shape[0], k, m)
+    q8 = _opts["q8"] if q8 is None else bool(q8)
+    _c.matmul(kind, x, out, w, aux, x.shape[0], k, m, q8)
     return out
 
 
@@ -121,7 +137,7 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
         return False
     if x.dtype != _F32 or not out.flags.c_contiguous or w.shape[1] != k:
         return False
-    _c.matmul(F32, x, out, w, None, n, k, w.shape[0])
+    _c.matmul(F32, x, out, w, None, n, k, w.shape[0], False)
     return True
 
 
@@ -133,7 +149,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
         qt._matmul(x2, res)
         return
     kind, w, aux = ops
-    _c.matmul(kind, x2, res, w, aux, n, qt.shape[1], qt.shape[0])
+    _c.matmul(kind, x2, res, w, aux, n, qt.shape[1], qt.shape[0], _opts["q8"])
 
 
 SCHEMES = ("float32", "float16", "bfloat16", "int8", "q4_0", *_GGUF_KINDS)

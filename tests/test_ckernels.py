@@ -1,0 +1,222 @@
+"""C kernels (poly.ckernels / poly._ckernels) against the numpy reference x @ dequantize().T."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from poly import ckernels, kernels, qtensor
+from poly.errors import DTypeError, LayerConfigError, UsageError
+from poly.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix
+
+pytestmark = pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly._ckernels not built")
+
+K_TYPES = {  # GGUF K-quants: (block elements, bytes, byte offsets of the f16 scales)
+    GGMLQuantizationType.Q4_K: (256, 144, (0, 2)),
+    GGMLQuantizationType.Q6_K: (256, 210, (208,)),
+}
+
+
+def _weights(m: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((m, k)) * rng.uniform(0.01, 2.0, (m, 1))).astype(np.float32)
+
+
+def _gguf(kind):
+    return lambda w: GGUFMatrix(quants.quantize(w, kind), kind, w.shape)
+
+
+def _kquant(kind):
+    """Random K-quant blocks (gguf-py cannot quantize these) with sane f16 super-block scales."""
+
+    def make(w):
+        m, k = w.shape
+        block, size, offs = K_TYPES[kind]
+        rng = np.random.default_rng(m + k)
+        raw = rng.integers(0, 256, (m, k // block, size), dtype=np.uint8)  # [m, blocks, bytes]
+        d = rng.uniform(1e-3, 1e-2, (m, k // block)).astype(np.float16).view(np.uint8)
+        for o in offs:
+            raw[:, :, o : o + 2] = d.reshape(m, k // block, 2)
+        return GGUFMatrix(raw.reshape(m, -1), kind, (m, k))
+
+    return make
+
+
+MAKERS = {
+    "float32": DenseMatrix,
+    "float16": lambda w: DenseMatrix(w.astype(np.float16)),
+    "bfloat16": lambda w: DenseMatrix(w.astype(ml_dtypes.bfloat16)),
+    "int8": lambda w: CodedMatrix.encode(w, "int8"),
+    "q4_0": Q4Matrix.quantize,
+    "gguf_q4_0": _gguf(GGMLQuantizationType.Q4_0),
+    "gguf_q4_1": _gguf(GGMLQuantizationType.Q4_1),
+    "gguf_q8_0": _gguf(GGMLQuantizationType.Q8_0),
+    "gguf_q4_k": _kquant(GGMLQuantizationType.Q4_K),
+    "gguf_q6_k": _kquant(GGMLQuantizationType.Q6_K),
+}
+QUANTIZED = [s for s in MAKERS if s not in ("float32", "float16", "bfloat16")]
+
+
+@pytest.fixture(autouse=True)
+def c_backend():
+    kernels.set_backend("c")
+    yield
+    ckernels.set_act_q8(False)
+    kernels.set_backend()
+
+
+def _case(scheme, m, n, seed=0):
+    k = 512 if scheme.endswith("_k") else 96  # K-quants need multiples of 256
+    qt = MAKERS[scheme](_weights(m, k, seed=m * 7 + n + seed))
+    x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T  # [n, m]
+    return qt, x, ref
+
+
+@pytest.mark.parametrize("scheme", sorted(MAKERS))
+@pytest.mark.parametrize("m", (1, 37, 130))  # ragged tails of the parallel row split
+@pytest.mark.parametrize("n", (1, 3, 16))
+def test_kernel_matches_numpy(scheme, m, n):
+    qt, x, ref = _case(scheme, m, n)
+    assert qt.scheme == scheme and ckernels.supports(qt)
+    got = ckernels.matmul(qt, x, q8=False)
+    assert got.dtype == np.float32 and got.shape == (n, m)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(qt.matmul(x), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+@pytest.mark.parametrize("n", (1, 3, 16))
+def test_int8_activation_scheme_stays_within_2e_3(scheme, n):
+    qt, x, ref = _case(scheme, 67, n, seed=1)
+    x[:, 3] *= 30.0  # an outlier channel, as in real activations
+    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
+    got = ckernels.matmul(qt, x, q8=True)
+    assert np.abs(got - ref).max() <= 2e-3 * np.abs(ref).max()
+    assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
+
+
+def test_act_q8_flag_routes_the_registered_kernel():
+    qt, x, ref = _case("gguf_q4_1", 40, 1)
+    exact = qt.matmul(x)
+    ckernels.set_act_q8(True)
+    approx = qt.matmul(x)
+    assert not np.array_equal(exact, approx)  # the integer path really ran
+    np.testing.assert_allclose(approx, ref, atol=2e-3 * np.abs(ref).max())
+
+
+def test_float16_and_bfloat16_widening_is_exact():
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    for store in (np.float16, ml_dtypes.bfloat16):
+        w = bits.view(store)
+        want = w.astype(np.float32)
+        for j in (0, 1, 255):  # a one-hot x picks one column exactly
+            x = np.zeros((1, 256), dtype=np.float32)
+            x[0, j] = 1.0
+            got = ckernels.matmul(DenseMatrix(w), x)[0]
+            fin = np.isfinite(want).all(axis=1)  # a row holding inf/nan sums inf * 0 = nan
+            np.testing.assert_array_equal(got[fin], want[fin, j])
+            assert np.isnan(got[~fin]).all()
+
+
+@pytest.mark.parametrize("q8", (False, True))
+def test_nan_propagates(q8):
+    qt = MAKERS["gguf_q8_0"](_weights(5, 64, seed=4))
+    x = np.ones((1, 64), dtype=np.float32)
+    x[0, 7] = np.nan
+    assert np.isnan(ckernels.matmul(qt, x, q8=q8)).all()
+    w = _weights(5, 64, seed=4)
+    w[2, 10] = np.nan
+    got = ckernels.matmul(DenseMatrix(w), np.ones((1, 64), dtype=np.float32))
+    assert np.isnan(got[0, 2]) and np.isfinite(np.delete(got[0], 2)).all()
+
+
+def test_dense_matmul_odd_k_and_many_rows():
+    w = _weights(77, 101, seed=6)
+    for n in (1, 3, 16, 40):  # 40 > MAX_N: BLAS
+        x = np.random.default_rng(n).standard_normal((n, 101)).astype(np.float32)
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        got = kernels.dense_matmul(x, w)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_bad_inputs_raise_typed_errors():
+    qt = MAKERS["gguf_q4_1"](_weights(8, 64, seed=1))
+    x = np.ones((2, 64), dtype=np.float32)
+    with pytest.raises(DTypeError):
+        ckernels.matmul(qt, x.astype(np.float64))
+    with pytest.raises(LayerConfigError):
+        ckernels.matmul(qt, np.ones((2, 128), dtype=np.float32)[:, ::2])  # not contiguous
+    with pytest.raises(LayerConfigError):
+        ckernels.matmul(qt, np.ones((2, 32), dtype=np.float32))  # wrong k
+    with pytest.raises(LayerConfigError):
+        ckernels.matmul(qt, np.ones((17, 64), dtype=np.float32))  # more rows than MAX_N
+    with pytest.raises(LayerConfigError):
+        ckernels.matmul(qt, x, out=np.empty((2, 9), dtype=np.float32))
+    with pytest.raises(LayerConfigError):
+        ckernels.matmul(qt, x, out=np.empty((2, 16), dtype=np.float32)[:, ::2])
+    with pytest.raises(LayerConfigError):
+        ckernels.matmul(Q4Matrix.quantize(_weights(3, 40, seed=2)), np.ones((1, 40), np.float32))
+
+
+def test_extension_checks_buffer_sizes_itself():
+    """Even a call that skips the Python checks cannot read past a buffer."""
+    from poly import _ckernels
+
+    w = np.zeros((4, 64), dtype=np.float32)
+    out = np.zeros((1, 4), dtype=np.float32)
+    with pytest.raises(ValueError):
+        _ckernels.matmul(ckernels.F32, np.ones((1, 63), np.float32), out, w, None, 1, 64, 4, False)
+    with pytest.raises(ValueError):
+        _ckernels.matmul(ckernels.Q4_1, np.ones((1, 64), np.float32), out, w, None, 1, 64, 4, False)
+    with pytest.raises(ValueError):
+        _ckernels.matmul(ckernels.I8, np.ones((1, 64), np.float32), out, w, None, 1, 64, 4, False)
+    with pytest.raises((ValueError, BufferError)):  # numpy refuses a C-contiguous view
+        _ckernels.matmul(
+            ckernels.F32, np.ones((1, 64), np.float32), out, w[:, ::2], None, 1, 32, 4, 0
+        )
+
+
+def test_non_contiguous_weights_take_the_numpy_path():
+    w = _weights(20, 64, seed=8)
+    qt = DenseMatrix(np.asfortranarray(w))
+    assert not ckernels.supports(qt)
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    np.testing.assert_allclose(qt.matmul(x), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_selection(monkeypatch):
+    assert kernels.set_backend("numpy") == "numpy" and "gguf_q4_1" not in qtensor.KERNELS
+    assert kernels.set_backend("c") == "c" and qtensor.KERNELS["gguf_q4_1"] is ckernels.kernel
+    monkeypatch.setenv("POLY_BACKEND", "c")
+    assert kernels.set_backend() == "c"
+    monkeypatch.setenv("POLY_BACKEND", "auto")
+    assert kernels.set_backend() == "c"
+    with pytest.raises(UsageError):
+        kernels.set_backend("cuda")
+
+
+def test_threads_drive_openmp():
+    old = kernels.num_threads()
+    try:
+        kernels.set_num_threads(1)
+        assert ckernels.info()["threads"] == 1
+        qt, x, ref = _case("gguf_q4_0", 130, 3)
+        np.testing.assert_allclose(qt.matmul(x), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    finally:
+        kernels.set_num_threads(old)
+
+
+def test_numba_is_not_imported_unless_selected():
+    code = (
+        "import sys, poly.kernels as k, entity, lucy.cli\n"
+        "assert k.backend() == 'c', k.backend()\n"
+        "assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules\n"
+    )
+    env_run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert env_run.returncode == 0, env_run.stderr
