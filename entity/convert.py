@@ -24,6 +24,7 @@ from entity.atomic import check_output
 from entity.entity_model import (
     ROLES,
     SCHEMES,
+    _check_quant,
     _role_shapes,
     float_components,
     load_entity,
@@ -32,7 +33,7 @@ from entity.entity_model import (
     save_entity,
     write_entity,
 )
-from poly.errors import IntegrityError, UsageError
+from poly.errors import ConversionError, IntegrityError, UsageError
 from poly.qtensor import QTensor
 
 __all__ = ["convert", "ConvertReport", "TensorStat", "default_output"]
@@ -213,6 +214,44 @@ def default_output(src: str | os.PathLike, quant: str) -> Path:
     return poly_home() / "entities" / f"{name}-{quant}.entity"
 
 
+# --- lossy targets: refuse values they would hide or create (B7-98, llama.cpp#18145) --------------
+
+_FINITE_MAX = {"float16": float(np.finfo(np.float16).max)}  # others: the float32 range
+
+
+def _check_lossy(name: str, w: Any, enc: str) -> None:
+    if enc == "float32" or w is None or len(np.shape(w)) != 2:
+        return
+    limit = _FINITE_MAX.get(enc, float(np.finfo(np.float32).max))
+    n, bad = np.shape(w)[0], 0
+    for a in range(0, n, _ROWS):
+        rows = np.asarray(_rows(w, a, min(a + _ROWS, n)), np.float32)
+        bad += rows.size - int(np.count_nonzero(np.abs(rows) <= limit))  # NaN compares False
+    if bad:
+        raise ConversionError(
+            f"{name}: {bad} values are NaN/Inf or beyond the {enc} range; refusing to write them "
+            "into a lossy format (overflow)"
+        )
+
+
+def _checked(blocks: Blocks, matrix_enc: str) -> Iterator:
+    for i, comps in blocks:
+        for role, parts in comps.items():
+            for name, w in parts.items():
+                _check_lossy(f"blocks.{i}.{role}.{name}", w, matrix_enc)
+        yield i, comps
+
+
+def _checked_globals(globals_: Callable, embed_enc: str) -> Callable:
+    def wrapped():
+        emb, head, final = globals_()
+        _check_lossy("embeddings", emb, embed_enc)
+        _check_lossy("lm_head", head, embed_enc)
+        return emb, head, final
+
+    return wrapped
+
+
 # --- convert ------------------------------------------------------------------------------------
 
 
@@ -282,8 +321,11 @@ def convert(
     n = source.cfg.num_layers
     total = n + 2 + (n + 1 if verify else 0)
     cb = progress or (lambda done, total, detail: None)
+    matrix_enc, embed_enc = _check_quant(quant, embed_quant)
+    blocks = _checked(_delayed(source.blocks()), matrix_enc)
+    globals_ = _checked_globals(source.globals_, embed_enc)
     write_entity(
-        out_path, source.cfg, _delayed(source.blocks()), source.globals_, source.meta, quant=quant,
+        out_path, source.cfg, blocks, globals_, source.meta, quant=quant,
         embed_quant=embed_quant, force=force, inputs=source.inputs,
         progress=lambda done, _t, detail: cb(done, total, detail),
     )  # fmt: skip
