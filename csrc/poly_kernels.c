@@ -89,33 +89,31 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-/* Dense rows sum exact float products in float64 (as the numba kernels did): decode logits then
- * sit within BLAS's own rounding of the prefill ones (tests/test_hf_parity.py, 1e-5). */
+/* Dense rows (float16/bfloat16/int8 codes; float32 matrices go to BLAS) sum in float32 with
+ * four independent 8-wide accumulators, like BLAS sgemv: the same precision class as the
+ * dequantize + sgemm prefill path, at memory speed. */
 static inline __attribute__((always_inline)) float dense_dot(int kind, const uint8_t *row,
                                                              const float *x, int64_t k) {
     int64_t j = 0;
-    double s = 0.0;
+    float s = 0.0f;
 #if PK_SIMD
-    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
-    for (; j + 16 <= k; j += 16) {
-        __m256 w0 = load8(kind, row, j), w1 = load8(kind, row, j + 8);
-        __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
-        a0 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w0)), _mm256_cvtps_pd(_mm256_castps256_ps128(x0)), a0);
-        a1 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w0, 1)), _mm256_cvtps_pd(_mm256_extractf128_ps(x0, 1)), a1);
-        a2 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w1)), _mm256_cvtps_pd(_mm256_castps256_ps128(x1)), a2);
-        a3 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w1, 1)), _mm256_cvtps_pd(_mm256_extractf128_ps(x1, 1)), a3);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; j + 32 <= k; j += 32) {
+        a0 = _mm256_fmadd_ps(load8(kind, row, j), _mm256_loadu_ps(x + j), a0);
+        a1 = _mm256_fmadd_ps(load8(kind, row, j + 8), _mm256_loadu_ps(x + j + 8), a1);
+        a2 = _mm256_fmadd_ps(load8(kind, row, j + 16), _mm256_loadu_ps(x + j + 16), a2);
+        a3 = _mm256_fmadd_ps(load8(kind, row, j + 24), _mm256_loadu_ps(x + j + 24), a3);
     }
-    __m256d t = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
-    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
-    s = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+    for (; j + 8 <= k; j += 8) a0 = _mm256_fmadd_ps(load8(kind, row, j), _mm256_loadu_ps(x + j), a0);
+    s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #else
-    double acc[8] = {0};
+    float acc[8] = {0};
     for (; j + 8 <= k; j += 8)
-        for (int l = 0; l < 8; l++) acc[l] += (double)load1(kind, row, j + l) * (double)x[j + l];
+        for (int l = 0; l < 8; l++) acc[l] += load1(kind, row, j + l) * x[j + l];
     for (int l = 0; l < 8; l++) s += acc[l];
 #endif
-    for (; j < k; j++) s += (double)load1(kind, row, j) * (double)x[j];
-    return (float)s;
+    for (; j < k; j++) s += load1(kind, row, j) * x[j];
+    return s;
 }
 
 static inline __attribute__((always_inline)) void dense_row(int kind, const mm_args *A, int64_t r) {

