@@ -23,7 +23,9 @@ class PolyError(Exception):
     def __str__(self) -> str:
         where = ""
         if self.path is not None:
-            where = f" [{self.path}" + (f" @ {self.offset}" if self.offset is not None else "") + "]"
+            where = (
+                f" [{self.path}" + (f" @ {self.offset}" if self.offset is not None else "") + "]"
+            )
         return f"{self.message}{where}"
 
 
