@@ -147,7 +147,7 @@ def _f32(block: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndar
 
 
 def _hf_source(path: Path) -> _Source:
-    from entity.hf import _attach_metadata, iter_hf_blocks, open_hf
+    from entity.hf import attach_hf_metadata, iter_hf_blocks, open_hf
     from poly.network import VolumetricNetwork
     from poly.transformer import build_block
 
@@ -158,7 +158,7 @@ def _hf_source(path: Path) -> _Source:
         net.set_layer(0, 0, 0, i, build_block(cfg, allocate=False))
     shell = types.SimpleNamespace(network=net, tokenizer=None, chat_template=None, eos_token_ids=(),
                                   generation_defaults=None, source={"format": "hf", "path": str(path)})  # fmt: skip
-    _attach_metadata(shell, src)
+    attach_hf_metadata(shell, src)
     meta = model_meta(shell, cfg)
     head = next(iter_hf_blocks(src))[1]
 

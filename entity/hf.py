@@ -157,11 +157,11 @@ def load_hf(path: str | Path, *, max_seq_len: int | None = None, dtype: str | No
             _fill_block(tf, index, block)
     if dtype not in (None, "float32"):
         morph_network(tf.network, dtype)
-    _attach_metadata(tf, src)
+    attach_hf_metadata(tf, src)
     return tf
 
 
-def _attach_metadata(tf: Any, src: HFSource) -> None:
+def attach_hf_metadata(tf: Any, src: HFSource) -> None:
     from poly.chat import ChatTemplate
     from poly.sampling import GenOptions
     from poly.tokenizer import Tokenizer
