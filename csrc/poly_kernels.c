@@ -396,6 +396,125 @@ static const mm_fn FNS8[K_COUNT] = {NULL, NULL, NULL, mm8_i8, mm8_loom_q4,
                                     mm8_q4_0, mm8_q4_1, mm8_q8_0, mm8_q4_k, mm8_q6_k};
 static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1, 0, 0, 0, 0, 0, 0};
 
+/* ---- dequantize rows [r0, r1) to float32 (prefill: a block of rows, then BLAS sgemm) ---------
+ * Each value is computed with the same float32 operations, in the same order, as gguf-py's numpy
+ * dequantizers (and poly's numpy decoders), so the result is bitwise equal: contraction into FMA
+ * is switched off here, it would round d * q + m once instead of twice. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+typedef struct {
+    const uint8_t *w; /* stored rows, rb bytes each (Loom Q4: the packed nibbles) */
+    const float *aux; /* int8 row scales / Loom Q4 block scales */
+    float *out;       /* [r1 - r0, k] */
+    int64_t k, rb, r0, r1;
+} dq_args;
+
+static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
+    const int64_t k = A->k;
+    const uint8_t *row = A->w + r * A->rb;
+    switch (kind) {
+    case K_F32: memcpy(dst, row, (size_t)k * 4); return;
+    case K_F16: {
+        int64_t j = 0;
+#if PK_SIMD
+        for (; j + 8 <= k; j += 8) _mm256_storeu_ps(dst + j, load8(K_F16, row, j));
+#endif
+        for (; j < k; j++) dst[j] = h2f(row + 2 * j);
+        return;
+    }
+    case K_BF16:
+        for (int64_t j = 0; j < k; j++) {
+            uint32_t u = (uint32_t)((const uint16_t *)row)[j] << 16;
+            memcpy(dst + j, &u, 4);
+        }
+        return;
+    case K_I8: {
+        const int8_t *c = (const int8_t *)row;
+        const float s = A->aux[r];
+        for (int64_t j = 0; j < k; j++) dst[j] = (float)c[j] * s;
+        return;
+    }
+    case K_LOOM_Q4: { /* blocks of the flat matrix may straddle rows: index elements */
+        const int64_t e0 = r * k;
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t e = e0 + j, b = e >> 5, l = e & 31;
+            const uint8_t byte = A->w[b * 16 + (l >> 1)];
+            const int c = (int)(((l & 1) ? byte >> 4 : byte & 15) ^ 8) - 8;
+            dst[j] = (float)c * A->aux[b];
+        }
+        return;
+    }
+    case K_Q4_0:
+        for (int64_t b = 0; b < k / 32; b++, dst += 32) {
+            const uint8_t *p = row + b * 18 + 2;
+            const float d = h2f(row + b * 18);
+            for (int l = 0; l < 16; l++) {
+                dst[l] = d * (float)((p[l] & 15) - 8);
+                dst[l + 16] = d * (float)((p[l] >> 4) - 8);
+            }
+        }
+        return;
+    case K_Q4_1:
+        for (int64_t b = 0; b < k / 32; b++, dst += 32) {
+            const uint8_t *p = row + b * 20 + 4;
+            const float d = h2f(row + b * 20), m = h2f(row + b * 20 + 2);
+            for (int l = 0; l < 16; l++) {
+                dst[l] = d * (float)(p[l] & 15) + m;
+                dst[l + 16] = d * (float)(p[l] >> 4) + m;
+            }
+        }
+        return;
+    case K_Q8_0:
+        for (int64_t b = 0; b < k / 32; b++, dst += 32) {
+            const int8_t *c = (const int8_t *)(row + b * 34 + 2);
+            const float d = h2f(row + b * 34);
+            for (int l = 0; l < 32; l++) dst[l] = (float)c[l] * d;
+        }
+        return;
+    case K_Q4_K:
+        for (int64_t s = 0; s < k / 256; s++) {
+            const uint8_t *p = row + s * 144;
+            const float d = h2f(p), dmin = h2f(p + 2);
+            for (int j = 0; j < 8; j++, dst += 32) {
+                int sc, mn;
+                k4_scale_min(j, p + 4, &sc, &mn);
+                const float D = d * (float)sc, M = dmin * (float)mn;
+                const uint8_t *qs = p + 16 + 32 * (j / 2);
+                const int sh = 4 * (j & 1);
+                for (int l = 0; l < 32; l++) dst[l] = D * (float)((qs[l] >> sh) & 15) - M;
+            }
+        }
+        return;
+    default: /* K_Q6_K */
+        for (int64_t s = 0; s < k / 256; s++) {
+            const uint8_t *p = row + s * 210;
+            const float d = h2f(p + 208);
+            for (int j = 0; j < 8; j++, dst += 32) {
+                const int h = j / 4, t = j % 4;
+                const uint8_t *ql = p + h * 64 + (t & 1) * 32, *qh = p + 128 + h * 32;
+                const int8_t *sc = (const int8_t *)(p + 192) + 2 * j;
+                const float D0 = d * (float)sc[0], D1 = d * (float)sc[1];
+                for (int l = 0; l < 32; l++) {
+                    const int c = ((ql[l] >> (4 * (t >> 1))) & 15) | (((qh[l] >> (2 * t)) & 3) << 4);
+                    dst[l] = (l < 16 ? D0 : D1) * (float)(c - 32);
+                }
+            }
+        }
+    }
+}
+
+static void dq_rows(int kind, const dq_args *A, int nt) {
+    const int64_t r0 = A->r0, r1 = A->r1, k = A->k;
+    if ((r1 - r0) * k < SERIAL_WORK) nt = 1;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = r0; r < r1; r++) dq_row(kind, A, r, A->out + (r - r0) * k);
+}
+#pragma GCC pop_options
+
 /* ---- Python glue -------------------------------------------------------------------------- */
 
 static int want_len(Py_buffer *v, int64_t want, const char *what) {
@@ -521,6 +640,56 @@ done_x:
     return ret;
 }
 
+/* dequantize(kind, w, aux, m, k, r0, r1, out, threads): rows [r0, r1) of the [m, k] matrix into
+ * out; threads 0 = the set_threads value (1 before a BLAS call: idle OpenMP threads spin and
+ * starve OpenBLAS's threads on a small machine, measured 7 vs 200+ tok/s prefill) */
+static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "dequantize(kind, w, aux, m, k, r0, r1, out, threads)"); return NULL; }
+    long nt = PyLong_AsLong(args[8]);
+    long kind = PyLong_AsLong(args[0]);
+    int64_t m = PyLong_AsLongLong(args[3]), k = PyLong_AsLongLong(args[4]);
+    dq_args A = {0};
+    A.k = k; A.r0 = PyLong_AsLongLong(args[5]); A.r1 = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (kind < 0 || kind >= K_COUNT || m < 0 || k < 1 || nt < 0 || A.r0 < 0 || A.r0 > A.r1 || A.r1 > m) {
+        PyErr_SetString(PyExc_ValueError, "bad kind, shape or row range");
+        return NULL;
+    }
+    if (kind > K_LOOM_Q4 && k % BLOCK_ELEMS[kind]) {
+        PyErr_Format(PyExc_ValueError, "k=%lld is not a multiple of %d", (long long)k, BLOCK_ELEMS[kind]);
+        return NULL;
+    }
+    const int have_aux = args[2] != Py_None;
+    if ((kind == K_I8 || kind == K_LOOM_Q4) && !have_aux) {
+        PyErr_SetString(PyExc_ValueError, "this kind needs its scales");
+        return NULL;
+    }
+    Py_buffer bw = {0}, ba = {0}, bo = {0};
+    PyObject *ret = NULL;
+    if (PyObject_GetBuffer(args[1], &bw, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (have_aux && PyObject_GetBuffer(args[2], &ba, PyBUF_C_CONTIGUOUS) < 0) goto done_w;
+    if (PyObject_GetBuffer(args[7], &bo, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_a;
+    const int64_t nb = (m * k + 31) / 32; /* Loom Q4 blocks of the flat matrix */
+    A.rb = kind == K_LOOM_Q4 ? 0 : (kind <= K_I8 ? k * ELEM_BYTES[kind] : k / BLOCK_ELEMS[kind] * BLOCK_BYTES[kind]);
+    if (want_len(&bo, (A.r1 - A.r0) * k * 4, "out")) goto done_o;
+    if (want_len(&bw, kind == K_LOOM_Q4 ? nb * 16 : m * A.rb, "w")) goto done_o;
+    if (kind == K_I8 && want_len(&ba, m * 4, "row scales")) goto done_o;
+    if (kind == K_LOOM_Q4 && want_len(&ba, nb * 4, "block scales")) goto done_o;
+    A.w = bw.buf; A.aux = have_aux ? ba.buf : NULL; A.out = bo.buf;
+    Py_BEGIN_ALLOW_THREADS
+    dq_rows((int)kind, &A, nt ? (int)nt : g_threads);
+    Py_END_ALLOW_THREADS
+    ret = Py_NewRef(Py_None);
+done_o:
+    PyBuffer_Release(&bo);
+done_a:
+    if (have_aux) PyBuffer_Release(&ba);
+done_w:
+    PyBuffer_Release(&bw);
+    return ret;
+}
+
 static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     (void)self;
     long n = PyLong_AsLong(arg);
@@ -542,6 +711,7 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "out = x @ W.T (see poly.ckernels)"},
+    {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "rows [r0, r1) as float32"},
     {"set_threads", py_set_threads, METH_O, "threads for the parallel row loop"},
     {"info", py_info, METH_NOARGS, "build facts: simd, openmp, threads"},
     {NULL, NULL, 0, NULL},

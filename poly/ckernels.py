@@ -104,6 +104,56 @@ def supports(qt) -> bool:
     return AVAILABLE and _operands(qt) is not None
 
 
+def _deq_operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+    """Like `_operands`, for dequantizing: Loom Q4 blocks may straddle rows here."""
+    if qt.scheme == "q4_0" and hasattr(qt, "packed"):
+        packed, scales = qt.packed, qt.scales
+        if packed.flags.c_contiguous and scales.flags.c_contiguous and scales.dtype == _F32:
+            return LOOM_Q4, packed, scales
+        return None
+    return _operands(qt)
+
+
+def dequantize_supported(qt) -> bool:
+    """True when `dequantize` reads this QTensor's stored form."""
+    return AVAILABLE and _deq_operands(qt) is not None
+
+
+def dequantize(
+    qt, start: int, stop: int, out: np.ndarray | None = None, threads: int = 0
+) -> np.ndarray | None:
+    """Rows [start, stop) of a QTensor as float32 [stop-start, in], written into `out` (a
+    C-contiguous float32 buffer of at least that many rows) or a new array; bitwise equal to
+    the numpy decoders. None when the extension is absent or does not read this stored form.
+    threads: OpenMP threads, 0 = the `set_num_threads` value; use 1 right before a BLAS call
+    (spinning idle OpenMP threads starve OpenBLAS's)."""
+    ops = _deq_operands(qt) if AVAILABLE else None
+    if ops is None:
+        return None
+    m, k = qt.shape
+    start, stop = int(start), int(stop)
+    if not 0 <= start <= stop <= m:
+        raise LayerConfigError(f"row range [{start}, {stop}) outside 0..{m}")
+    n = stop - start
+    if out is None:
+        out = np.empty((n, k), dtype=np.float32)
+    else:
+        if not isinstance(out, np.ndarray) or out.dtype != _F32:
+            raise DTypeError(f"out must be a float32 array, got {getattr(out, 'dtype', out)}")
+        if out.ndim != 2 or out.shape[1] != k or out.shape[0] < n or not out.flags.c_contiguous:
+            raise LayerConfigError(
+                f"out must be C-contiguous float32 [>= {n}, {k}], got {out.shape}"
+            )
+        if not out.flags.writeable:
+            raise LayerConfigError("out must be writable")
+        out = out[:n]  # [n, k], still contiguous
+    kind, w, aux = ops
+    if int(threads) < 0:
+        raise LayerConfigError(f"threads must be >= 0, got {threads}")
+    _c.dequantize(kind, w, aux, m, k, start, stop, out, int(threads))
+    return out
+
+
 def _check_io(x, out, m: int, k: int) -> None:
     for name, a in (("x", x), ("out", out)):
         if not isinstance(a, np.ndarray):

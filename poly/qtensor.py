@@ -16,6 +16,7 @@ import numpy as np
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from poly import ckernels
 from poly.dtypes import DType, Encoded, decode_rows, encode, parse_dtype
 from poly.errors import (
     EntityFormatError,
@@ -40,8 +41,15 @@ class QTensor(ABC):
     def nbytes(self) -> int: ...
 
     @abstractmethod
-    def _rows(self, start: int, stop: int) -> np.ndarray:
-        """float32 [stop-start, in] for a validated row range."""
+    def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
+        """float32 [stop-start, in] for a validated row range (the numpy reference decoder)."""
+
+    def _rows(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop): the C dequantizer when it reads this form (bitwise equal), else numpy."""
+        if start == stop:  # gguf-py cannot dequantize zero blocks
+            return np.empty((0, self.shape[1]), np.float32)
+        got = _c_rows(self, start, stop, out)
+        return self._rows_numpy(start, stop) if got is None else got
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) as float32 [stop-start, in] (may be a read-only view for float32)."""
@@ -72,13 +80,30 @@ class QTensor(ABC):
         return out
 
     def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
-        rows, step = self.shape[0], max(1, int(self.block_rows))
+        rows, k = self.shape
+        step = max(1, min(int(self.block_rows), _TILE_BYTES // (4 * max(1, k))))
+        # one float32 tile reused for every row block when C dequantizes (stays in L2 for sgemm);
+        # one dequantizing thread: spinning OpenMP threads would starve BLAS's
+        buf = np.empty((min(step, rows), k), np.float32) if _c_reads(self) else None
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            res[:, a:b] = x2 @ self._rows(a, b).T  # [n, b-a]
+            w = self._rows(a, b) if buf is None else ckernels.dequantize(self, a, b, buf, threads=1)
+            res[:, a:b] = x2 @ w.T  # [n, b-a]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={self.shape}, scheme={self.scheme!r})"
+
+
+_TILE_BYTES = 512 * 1024  # float32 row-block size of the blocked matmul (cache-sized)
+
+
+def _c_reads(qt: QTensor) -> bool:
+    # float32 arrays are already float32: a view beats a copy
+    return qt.scheme != "float32" and ckernels.dequantize_supported(qt)
+
+
+def _c_rows(qt: QTensor, start: int, stop: int, out: np.ndarray | None) -> np.ndarray | None:
+    return ckernels.dequantize(qt, start, stop, out) if _c_reads(qt) else None
 
 
 def _shape2(shape) -> tuple[int, int]:
@@ -111,7 +136,7 @@ class DenseMatrix(QTensor):
     def nbytes(self) -> int:
         return int(self.array.nbytes)
 
-    def _rows(self, start: int, stop: int) -> np.ndarray:
+    def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
         return self.array[start:stop].astype(np.float32, copy=False)
 
     def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
@@ -143,7 +168,7 @@ class CodedMatrix(QTensor):
     def nbytes(self) -> int:
         return self.encoded.nbytes
 
-    def _rows(self, start: int, stop: int) -> np.ndarray:
+    def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
         return decode_rows(self.encoded, start, stop)
 
 
@@ -207,7 +232,7 @@ class Q4Matrix(QTensor):
     def nbytes(self) -> int:
         return int(self.scales.nbytes + self.packed.nbytes)
 
-    def _rows(self, start: int, stop: int) -> np.ndarray:
+    def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
         n_in = self.shape[1]
         a, e = start * n_in, stop * n_in  # flat element range
         b0, b1 = a // Q4_BLOCK, -(-e // Q4_BLOCK)
@@ -293,7 +318,7 @@ class GGUFMatrix(QTensor):
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
 
-    def _rows(self, start: int, stop: int) -> np.ndarray:
+    def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
         vals = gguf_quants.dequantize(self.raw[start:stop], self.ggml_type)
         return np.asarray(vals, dtype=np.float32).reshape(stop - start, self.shape[1])
 
