@@ -220,3 +220,114 @@ def test_numba_is_not_imported_unless_selected():
     )
     env_run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert env_run.returncode == 0, env_run.stderr
+
+
+# --- C dequantize (prefill tiles) against references we did not write ---------------------------
+
+_GGUF_TYPES = {
+    "gguf_q4_0": GGMLQuantizationType.Q4_0,
+    "gguf_q4_1": GGMLQuantizationType.Q4_1,
+    "gguf_q8_0": GGMLQuantizationType.Q8_0,
+    "gguf_q4_k": GGMLQuantizationType.Q4_K,
+    "gguf_q6_k": GGMLQuantizationType.Q6_K,
+}
+
+
+def _loom_q4_reference(qt: Q4Matrix, a: int, b: int) -> np.ndarray:
+    """Loom Q4 in plain numpy: element e = signed nibble e%32 of block e//32 times its scale."""
+    k = qt.shape[1]
+    e = np.arange(a * k, b * k)
+    byte = qt.packed.reshape(-1)[(e // 32) * 16 + (e % 32) // 2].astype(np.int32)
+    nib = np.where(e % 2 == 1, byte >> 4, byte & 15)
+    code = np.where(nib >= 8, nib - 16, nib).astype(np.float32)
+    return (code * qt.scales[e // 32]).reshape(b - a, k)
+
+
+def _dequant_reference(scheme: str, qt, a: int, b: int) -> np.ndarray:
+    if a == b:  # gguf-py cannot decode zero blocks
+        return np.empty((0, qt.shape[1]), np.float32)
+    if scheme in _GGUF_TYPES:
+        vals = quants.dequantize(qt.raw[a:b], _GGUF_TYPES[scheme])  # gguf-py's numpy decoder
+        return np.asarray(vals, np.float32).reshape(b - a, qt.shape[1])
+    if scheme == "int8":
+        enc = qt.encoded
+        return enc.codes[a:b].astype(np.float32) * enc.scales[a:b, None]
+    if scheme == "q4_0":
+        return _loom_q4_reference(qt, a, b)
+    return qt.array[a:b].astype(np.float32)  # float32/float16/bfloat16 widening is exact
+
+
+@pytest.mark.parametrize("scheme", sorted(MAKERS))
+@pytest.mark.parametrize("threads", (1, 2))
+def test_dequantize_is_bitwise_equal_to_the_reference(scheme, threads):
+    k = 512
+    qt = MAKERS[scheme](_weights(67, k, seed=3))
+    for a, b in ((0, 67), (5, 66), (13, 14), (66, 67), (0, 1), (40, 40)):
+        got = ckernels.dequantize(qt, a, b, threads=threads)
+        assert got is not None and got.shape == (b - a, k) and got.dtype == np.float32
+        ref = _dequant_reference(scheme, qt, a, b)
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("k", (40, 72, 33))  # 32-blocks straddle rows
+def test_dequantize_loom_q4_blocks_across_rows(k):
+    qt = Q4Matrix.quantize(_weights(11, k, seed=k))
+    for a, b in ((0, 11), (3, 8), (10, 11)):
+        got = ckernels.dequantize(qt, a, b)
+        np.testing.assert_array_equal(
+            got.view(np.uint32), _loom_q4_reference(qt, a, b).view(np.uint32)
+        )
+    np.testing.assert_array_equal(qt.dequantize(2, 9), qt._rows_numpy(2, 9))
+
+
+def test_dequantize_writes_into_a_tile_buffer():
+    qt = MAKERS["gguf_q4_1"](_weights(50, 256, seed=4))
+    buf = np.full((32, 256), np.nan, np.float32)
+    got = ckernels.dequantize(qt, 20, 45, buf)
+    assert np.shares_memory(got, buf) and got.shape == (25, 256)
+    np.testing.assert_array_equal(got, _dequant_reference("gguf_q4_1", qt, 20, 45))
+    assert np.isnan(buf[25:]).all()  # rows past the range untouched
+
+
+@pytest.mark.parametrize("scheme", sorted(MAKERS))
+def test_prefill_tiles_match_the_dequantized_product(scheme, monkeypatch):
+    """More than MAX_N input rows: C-dequantized tiles + sgemm == x @ W.T of the reference W."""
+    m, k, n = 300, 256, 40
+    qt = MAKERS[scheme](_weights(m, k, seed=5))
+    monkeypatch.setattr(qtensor, "_TILE_BYTES", 64 * k * 4)  # several tiles, a ragged last one
+    x = np.random.default_rng(6).standard_normal((n, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ _dequant_reference(scheme, qt, 0, m).astype(np.float64).T
+    got = qt.matmul(x)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_dequantize_bad_inputs_raise_typed_errors():
+    qt = MAKERS["gguf_q8_0"](_weights(8, 64, seed=7))
+    with pytest.raises(LayerConfigError):
+        ckernels.dequantize(qt, 3, 2)
+    with pytest.raises(LayerConfigError):
+        ckernels.dequantize(qt, 0, 9)
+    with pytest.raises(DTypeError):
+        ckernels.dequantize(qt, 0, 2, np.empty((2, 64), np.float64))
+    with pytest.raises(LayerConfigError):
+        ckernels.dequantize(qt, 0, 4, np.empty((3, 64), np.float32))
+    with pytest.raises(LayerConfigError):
+        ckernels.dequantize(qt, 0, 2, np.empty((4, 128), np.float32)[:, ::2])
+    with pytest.raises(LayerConfigError):
+        ckernels.dequantize(qt, 0, 2, threads=-1)
+    assert ckernels.dequantize(DenseMatrix(np.ones((2, 3), np.float32)[:, ::2]), 0, 1) is None
+
+
+def test_dequantize_extension_checks_sizes_itself():
+    from poly import _ckernels
+
+    raw = np.zeros((4, 34 * 2), np.uint8)  # Q8_0 [4, 64]
+    out = np.empty((2, 64), np.float32)
+    with pytest.raises(ValueError):
+        _ckernels.dequantize(ckernels.Q8_0, raw[:3], None, 4, 64, 0, 2, out, 0)  # short weights
+    with pytest.raises(ValueError):
+        _ckernels.dequantize(ckernels.Q8_0, raw, None, 4, 64, 0, 3, out, 0)  # short out
+    with pytest.raises(ValueError):
+        _ckernels.dequantize(ckernels.Q8_0, raw, None, 4, 64, 3, 5, out, 0)  # rows past m
+    with pytest.raises(ValueError):
+        _ckernels.dequantize(ckernels.LOOM_Q4, raw, None, 4, 64, 0, 2, out, 0)  # no scales
