@@ -31,6 +31,7 @@ from poly import ckernels
 from poly.errors import UsageError
 
 SMALL_N = 16  # input rows up to which the matvec kernels beat dequantize + sgemm
+C_DENSE_MAX_N = 16  # float32 rows up to which the C kernel beats BLAS (see dense_matmul)
 CHUNK = 16  # output rows decoded per parallel work item
 BACKENDS = ("auto", "numpy", "c", "numba")
 
@@ -305,18 +306,17 @@ def _kernel(adapter: Callable) -> Callable:
 
 
 def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """x [n, k] @ w.T for a float32 w [m, k]: BLAS (measured fastest for float32 on this machine:
-    SmolLM2 f32 decode 37.9 tok/s vs 25.1 with the C kernel and 31.6 with numba), or the numba
-    kernel when that backend is chosen explicitly."""
+    """x [n, k] @ w.T for a float32 w [m, k]. One row: BLAS sgemv (measured fastest: SmolLM2 f32
+    decode 37.9 tok/s vs 25.1 with the C kernel). 2..C_DENSE_MAX_N rows under the C backend:
+    the C kernel, which streams each weight row once for all rows (OpenBLAS packs the whole
+    weight for a small-m sgemm: B=4 lm_head 15 ms vs 5 ms). numba when chosen explicitly."""
     if out is None:
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    chosen = _state["backend"]
-    if (
-        chosen == "numba"
-        and x.shape[0] <= SMALL_N
-        and w.flags.c_contiguous
-        and x.flags.c_contiguous
-    ):
+    chosen, n = _state["backend"], x.shape[0]
+    small = w.flags.c_contiguous and x.flags.c_contiguous
+    if chosen == "c" and 2 <= n <= C_DENSE_MAX_N and small and ckernels.dense_matmul(x, w, out):
+        return out
+    if chosen == "numba" and n <= SMALL_N and small:
         mm_f32(x, w, out)
     else:
         np.matmul(x, w.T, out=out)

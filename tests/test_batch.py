@@ -67,10 +67,12 @@ def test_batched_steps_equal_separate_runs(dtype):
     assert [st[0].length for st in states] == [len(p) + len(steps) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("backend", ["numpy", "numba", "c"])
 def test_backends_agree_on_batched_step(backend):
     if backend == "numba" and not kernels.HAVE_NUMBA:
         pytest.skip("numba not installed")
+    if backend == "c" and not kernels.HAVE_C:
+        pytest.skip("C extension not built")
     tf = _model(seed=1)
     states = [tf.new_state() for _ in PROMPTS]
     forward_batch(tf, PROMPTS, states)
@@ -85,6 +87,28 @@ def test_backends_agree_on_batched_step(backend):
     finally:
         kernels.set_backend()
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("n", [1, 2, 4, 7, 16, 17])
+def test_dense_matmul_matches_float64_formula(backend, n):
+    """Every row count (BLAS for one row and for many, the C kernel in between) against a
+    float64 numpy product; non-contiguous x falls back to BLAS."""
+    if backend == "c" and not kernels.HAVE_C:
+        pytest.skip("C extension not built")
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((300, 129), dtype=np.float32)  # k not a multiple of 8: tail loop
+    x = rng.standard_normal((n, 129), dtype=np.float32)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    kernels.set_backend(backend)
+    try:
+        got = kernels.dense_matmul(x, w)
+        strided = kernels.dense_matmul(np.asfortranarray(x), w, np.empty((n, 300), np.float32))
+    finally:
+        kernels.set_backend()
+    assert got.dtype == np.float32 and got.shape == (n, 300)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(strided, ref, rtol=1e-5, atol=1e-4)
 
 
 def test_model_cache_is_left_alone():
