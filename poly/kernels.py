@@ -351,7 +351,7 @@ def set_backend(name: str | None = None) -> str:
             qtensor.KERNELS[scheme] = _kernel(adapter)
     elif chosen == "c":
         for scheme in ckernels.SCHEMES:
-            if scheme != "float32":  # float32 matrices: one BLAS call (see dense_matmul)
+            if scheme != "float32":  # float32 matrices: dense_matmul (BLAS, or C for 2..16 rows)
                 qtensor.KERNELS[scheme] = ckernels.kernel
     _state["backend"] = chosen
     return chosen
