@@ -11,6 +11,7 @@ from poly import Transformer, TransformerConfig, kernels
 from poly.batch import forward_batch, greedy_batch
 from poly.errors import LayerConfigError
 from poly.morph import morph_network
+from tests.tiny_model import random_transformer
 
 
 def _model(seed: int = 0) -> Transformer:
@@ -23,15 +24,7 @@ def _model(seed: int = 0) -> Transformer:
         num_kv_heads=2,
         max_seq_len=64,
     )
-    tf = Transformer.from_config(cfg)
-    rng = np.random.default_rng(seed)
-    for layer in tf.network.walk():
-        if layer.weights is not None and layer.weights.size:
-            layer.weights.master[:] = rng.standard_normal(layer.weights.size) * 0.2
-    tf.embeddings[...] = rng.standard_normal(tf.embeddings.shape)
-    tf.lm_head[...] = rng.standard_normal(tf.lm_head.shape) * 0.3
-    tf.final_norm = 1.0 + 0.1 * rng.standard_normal(64)
-    return tf
+    return random_transformer(cfg, seed)
 
 
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [42], [7, 7]]

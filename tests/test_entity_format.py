@@ -35,17 +35,8 @@ from poly.errors import (
     OutputPathError,
 )
 
-META = dict(
-    network={"depth": 1},
-    transformer={"architecture": "llama"},
-    quant={"scheme": "f32"},
-    tokenizer='{"model": {}}',
-    tokenizer_config={"bos_token": "<s>"},
-    chat_template="{{ messages }}",
-    generation_config={"temperature": 0.7},
-    eos_token_ids=[2],
-    source={"format": "test"},
-)
+# The same complete header meta as the fuzz corpus's valid .entity files.
+from tests.fuzz.corpus import ENTITY_META as META
 
 
 def _arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
 """Malformed GGUF files: every one gives GGUFFormatError quickly, never another exception type.
 
-The files are written here with ``struct`` (a tiny independent GGUF writer), then corrupted.
+The files are written with ``struct`` (tests/fuzz/corpus.py's tiny independent GGUF writer),
+then corrupted.
 """
 
 from __future__ import annotations
@@ -16,42 +17,21 @@ from hypothesis import strategies as st
 from entity.gguf_reader import GGUFFile
 from poly.errors import GGUFFormatError, UnsupportedError
 
-U8, I32, U32, F32, BOOL, STRING, ARRAY, U64 = 0, 5, 4, 6, 7, 8, 9, 10
-GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8
-
-
-def _str(s: str | bytes) -> bytes:
-    b = s.encode() if isinstance(s, str) else s
-    return struct.pack("<Q", len(b)) + b
-
-
-def _value(vtype: int, value) -> bytes:
-    if vtype == STRING:
-        return _str(value)
-    if vtype == ARRAY:
-        etype, items = value
-        body = b"".join(_value(etype, v) for v in items)
-        return struct.pack("<IQ", etype, len(items)) + body
-    fmt = {U8: "<B", I32: "<i", U32: "<I", F32: "<f", BOOL: "<?", U64: "<Q"}[vtype]
-    return struct.pack(fmt, value)
-
-
-def write_gguf(kvs, tensors, *, alignment=32, version=3, magic=b"GGUF", offsets=None) -> bytes:
-    """kvs: [(key, vtype, value)]; tensors: [(name, ggml_type, gguf_dims, raw_bytes)]."""
-    head = magic + struct.pack("<IQQ", version, len(tensors), len(kvs))
-    head += b"".join(_str(k) + struct.pack("<I", t) + _value(t, v) for k, t, v in kvs)
-    data, rel = b"", []
-    for _, _, _, raw in tensors:
-        data += b"\0" * (-len(data) % alignment)
-        rel.append(len(data))
-        data += raw
-    rel = offsets if offsets is not None else rel
-    for (name, gtype, dims, _), off in zip(tensors, rel):
-        head += _str(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
-        head += struct.pack("<IQ", gtype, off)
-    head += b"\0" * (-len(head) % alignment)
-    return head + data
-
+# One small independent GGUF writer (struct only) serves this file and the fuzz corpus.
+from tests.fuzz.corpus import (
+    ARRAY,
+    BOOL,
+    F32,
+    GGML_F16,
+    GGML_F32,
+    GGML_Q8_0,
+    I32,
+    STRING,
+    U32,
+    U64,
+)
+from tests.fuzz.corpus import gguf_pack as write_gguf
+from tests.fuzz.corpus import gstr as _str
 
 W = np.arange(12, dtype=np.float32).reshape(3, 4) / 7  # numpy (3, 4) -> GGUF dims [4, 3]
 B = np.array([1.5, -2.0, 0.25], dtype=np.float16)

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from poly import Transformer, TransformerConfig
+from poly import TransformerConfig
 from poly.errors import ContextOverflowError, InvalidTokenError
 from poly.sampling import GenOptions
+from tests.tiny_model import random_transformer
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +20,7 @@ def model():
         num_kv_heads=2,
         max_seq_len=64,
     )
-    tf = Transformer.from_config(cfg)
-    rng = np.random.default_rng(0)
-    for layer in tf.network.walk():
-        if layer.weights is not None and layer.weights.size:
-            layer.weights.master[:] = rng.standard_normal(layer.weights.size) * 0.2
-    tf.embeddings[...] = rng.standard_normal(tf.embeddings.shape)
-    tf.lm_head[...] = rng.standard_normal(tf.lm_head.shape) * 0.3
-    tf.final_norm = 1.0 + 0.1 * rng.standard_normal(64)
-    return tf
+    return random_transformer(cfg)
 
 
 def test_logits_are_float32_and_continue_the_cache(model):
