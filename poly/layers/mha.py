@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from poly import layout
-from poly.errors import ContextOverflowError, LayerConfigError
+from poly.errors import ContextOverflowError
 from poly.kernels import dense_matmul
 from poly.ops import linear, rms_norm
 from poly.rope import apply_rope, rope_tables
@@ -188,8 +188,3 @@ def forward_rows(layer, x: np.ndarray, caches: list) -> np.ndarray:
     for b, cache in enumerate(caches):
         attn[b] = _append(layer, cache, p, q[b : b + 1], k[b : b + 1], v[b : b + 1], 0)[0]
     return linear(attn, p.comps["w_o"], p.comps["b_o"])  # [B, d]
-
-
-def validate(layer) -> None:
-    if layer.qk_norm and layer.head_dim <= 0:
-        raise LayerConfigError("q/k norm needs head_dim")
