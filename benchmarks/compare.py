@@ -79,14 +79,46 @@ class PolyEngine:
         return size * new / seconds
 
 
+def _llama_plain_buffers() -> None:
+    """Keep llama.cpp's weights in plain CPU buffers: its "extra" buffer types (AMX / repacked
+    Q4 layouts) crash llama-cpp-python 0.3.36 in llama_decode on this VM (AMX tiles not granted
+    to the guest) for the Q4_1 file. llama-cpp-python has no keyword for it, so the default
+    model params are wrapped."""
+    import llama_cpp
+    import llama_cpp.llama as llama_mod
+
+    if getattr(llama_cpp.llama_model_default_params, "_poly_plain", False):
+        return
+    original = llama_cpp.llama_model_default_params
+
+    def plain():
+        params = original()
+        params.use_extra_bufts = False
+        return params
+
+    plain._poly_plain = True
+    llama_cpp.llama_model_default_params = plain
+    llama_mod.llama_cpp.llama_model_default_params = plain
+
+
 class LlamaEngine:
     def __init__(self, name: str, gguf: Path, threads: int):
         from llama_cpp import Llama
+
+        _llama_plain_buffers()
 
         path = gguf if name == "llama-q4_1" else WORK / f"smollm2-{name.split('-')[1]}.gguf"
         self.llm = Llama(
             model_path=str(path), n_ctx=512, n_threads=threads, n_batch=512, verbose=False
         )
+
+    def last_logits(self) -> np.ndarray:
+        """The last evaluated token's logits, read from the context: `llm.scores` is only
+        filled with logits_all=True (which would make llama.cpp compute every prompt row)."""
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
 
     def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
         llm = self.llm
@@ -96,7 +128,7 @@ class LlamaEngine:
         t1 = time.perf_counter()
         out = []
         for _ in range(new):
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            out.append(int(np.argmax(self.last_logits())))
             llm.eval([out[-1]])
         return t1 - t0, time.perf_counter() - t1, out
 
