@@ -26,13 +26,14 @@ from entity.entity_model import (
     SCHEMES,
     _check_quant,
     _role_shapes,
-    float_components,
     load_entity,
     model_blocks,
     model_meta,
     save_entity,
+    source_components,
     write_entity,
 )
+from entity.native_blocks import NATIVE_TARGETS, check_same_blocks, native_kind
 from poly.errors import ConversionError, IntegrityError, UsageError
 from poly.qtensor import QTensor
 
@@ -222,6 +223,8 @@ _FINITE_MAX = {"float16": float(np.finfo(np.float16).max)}  # others: the float3
 def _check_lossy(name: str, w: Any, enc: str) -> None:
     if enc == "float32" or w is None or len(np.shape(w)) != 2:
         return
+    if enc in NATIVE_TARGETS and native_kind(w):
+        return  # stored bit for bit (entity.native_blocks): nothing hidden, nothing created
     limit = _FINITE_MAX.get(enc, float(np.finfo(np.float32).max))
     n, bad = np.shape(w)[0], 0
     for a in range(0, n, _ROWS):
@@ -263,21 +266,29 @@ def _delayed(blocks: Blocks) -> Iterator:
             time.sleep(delay)
 
 
+def _stat(name: str, ref: Any, got: Any, dst: Path) -> TensorStat:
+    """Native GGUF blocks must be the source's bytes (IntegrityError); others: error stats."""
+    if native_kind(ref) and native_kind(got):
+        check_same_blocks(name, ref, got, str(dst))
+        return TensorStat(name, tuple(ref.shape), 0.0, 0.0)
+    return error_stat(name, ref, got)
+
+
 def _verify(source: _Source, dst: Path, tick: Callable[[str], None]) -> list[TensorStat]:
     out = load_entity(dst, verify=True)
     stats: list[TensorStat] = []
     for i, comps in source.blocks():
         for role in ROLES:
-            got = float_components(getattr(out, role)(i))
+            got = source_components(getattr(out, role)(i))
             for name in _role_shapes(out.config, role):
                 ref = comps[role].get(name)
                 ref = np.zeros(got[name].shape, np.float32) if ref is None else ref  # absent bias
-                stats.append(error_stat(f"blocks.{i}.{role}.{name}", ref, got[name]))
+                stats.append(_stat(f"blocks.{i}.{role}.{name}", ref, got[name], dst))
         tick(f"verified block {i + 1}/{out.config.num_layers}")
     emb, head, final = source.globals_()
-    stats.append(error_stat("embeddings", emb, out.embeddings))
+    stats.append(_stat("embeddings", emb, out.embeddings, dst))
     if head is not None:
-        stats.append(error_stat("lm_head", head, out.lm_head))
+        stats.append(_stat("lm_head", head, out.lm_head, dst))
     stats.append(error_stat("final_norm", final, np.asarray(out.final_norm)))
     _check_meta(source.meta, out, dst)
     return stats
@@ -332,7 +343,11 @@ def convert(
     report = ConvertReport(str(src), str(out_path), quant, source.kind)
     if verify:
         step = iter(range(n + 3, total + 1))
-        report.tensors = _verify(source, out_path, lambda d: cb(next(step, total), total, d))
+        try:
+            report.tensors = _verify(source, out_path, lambda d: cb(next(step, total), total, d))
+        except IntegrityError:  # lost metadata or changed native blocks: no bad file left
+            os.unlink(out_path)
+            raise
         report.verified = True
         if quant == "f32" and not report.exact:
             worst = max(report.tensors, key=lambda t: t.max_abs)

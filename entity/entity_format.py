@@ -31,6 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from entity.atomic import _wrap_os_error, atomic_output, check_output, temp_name
+from entity.native_blocks import check_record
 from poly.errors import (
     EntityFormatError,
     IntegrityError,
@@ -94,6 +95,9 @@ class BlobRecord(BaseModel):
     dtype: str
     shape: list[int]
     checksum: int = Field(ge=0, lt=1 << 32)
+    # GGUF blocks kept native (entity.native_blocks): uint8 [out, row_bytes]; absent otherwise,
+    # so files without native blobs are byte-identical to those of older writers.
+    ggml_type: int | None = None
 
 
 class _Header(BaseModel):
@@ -197,6 +201,11 @@ def _check_layout(blobs: list[BlobRecord], data_start: int, size: int, path: str
             raise _fail(f"blob {b.path!r}: unknown dtype {b.dtype!r}", path)
         if any(d < 0 for d in b.shape) or math.prod(b.shape) * dt.itemsize != b.length:
             raise _fail(f"blob {b.path!r}: length {b.length} != shape {b.shape} x {b.dtype}", path)
+        if b.ggml_type is not None:
+            try:
+                check_record(b.ggml_type, b.dtype, b.shape)
+            except EntityFormatError as exc:
+                raise _fail(f"blob {b.path!r}: {exc.message}", path) from exc
         if b.offset != expect:
             raise _fail(f"blob {b.path!r}: offset {b.offset}, expected {expect}", path, b.offset)
         expect = align(b.offset + b.length)
@@ -357,11 +366,14 @@ class EntityWriter:
         self._names: set[str] = set()
         self._pos = 0
 
-    def add(self, name: str, arr: np.ndarray) -> None:
-        """Append one blob (any dtype of `BLOB_DTYPES`; shape kept)."""
+    def add(self, name: str, arr: np.ndarray, *, ggml_type: int | None = None) -> None:
+        """Append one blob (any dtype of `BLOB_DTYPES`; shape kept). ``ggml_type``: the blob is
+        GGUF block rows, uint8 [out, row_bytes], of that kind (`entity.native_blocks`)."""
         if name in self._names:
             raise EntityFormatError(f"duplicate blob path {name!r}")
         dtype, mv = _blob_bytes(arr)
+        if ggml_type is not None:
+            check_record(ggml_type, dtype, list(np.shape(arr)))  # never write what we cannot read
         pad = align(self._pos) - self._pos
         try:
             self._payload.write(b"\x00" * pad)
@@ -372,6 +384,8 @@ class EntityWriter:
         self._pos += pad
         rec = {"path": name, "offset": self._pos, "length": mv.nbytes, "dtype": dtype}
         rec.update(shape=[int(d) for d in np.shape(arr)], checksum=zlib.crc32(mv))
+        if ggml_type is not None:
+            rec["ggml_type"] = int(ggml_type)
         self._records.append(rec)
         self._names.add(name)
         self._pos += mv.nbytes

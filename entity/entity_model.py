@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from entity.entity_format import EntityFile, EntityWriter, read_prefix
+from entity.native_blocks import NATIVE_TARGETS, get_native, is_native_blob, native_kind, put_native
 from poly import layout
 from poly.config import TransformerConfig
 from poly.dtypes import DType, Encoded
@@ -96,6 +97,8 @@ ENCODINGS: dict[str, tuple[Callable, Callable, Any]] = {
 
 
 def _read_matrix(ef: EntityFile, encoding: str, name: str, shape) -> Any:
+    if is_native_blob(ef, name):  # GGUF blocks kept as they were (any scheme may hold them)
+        return get_native(ef, name, shape)
     _, get, dense = ENCODINGS[encoding]
     value = get(ef, name, shape)
     if dense is not None and (value.dtype != np.dtype(dense) or value.shape != tuple(shape)):
@@ -183,20 +186,41 @@ def float_components(layer) -> dict[str, np.ndarray]:
     return out
 
 
-def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, np.ndarray]]]]:
-    """(i, {role: float32 components}) for each block of a Transformer."""
+def source_components(layer) -> dict[str, Any]:
+    """Like `float_components`, but GGUF block matrices of a native kind stay as they are (the
+    writer keeps them for q4/q8 and dequantizes them for the float schemes)."""
+    out = {}
+    for name, value in layout.components(layer).items():
+        if value is not None:
+            out[name] = value if native_kind(value) else _as_float(value)
+    return out
+
+
+def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, Any]]]]:
+    """(i, {role: components}) for each block: float32 arrays, or native GGUF block matrices."""
     for i in range(tf.config.num_layers):
-        yield i, {role: float_components(_role_layer(tf, i, role)) for role in ROLES}
+        yield i, {role: source_components(_role_layer(tf, i, role)) for role in ROLES}
 
 
 def _as_float(table) -> np.ndarray:
     return table.dequantize() if isinstance(table, QTensor) else np.asarray(table, np.float32)
 
 
+def _put_matrix(out: EntityWriter, w: Any, name: str, enc: str, kept: set[str]) -> None:
+    """One matrix in encoding ``enc``; kept native when it already is GGUF blocks and ``enc``
+    quantizes anyway (re-quantizing would round twice)."""
+    if enc in NATIVE_TARGETS and native_kind(w):
+        kept.add(put_native(w, name, out))
+    else:
+        ENCODINGS[enc][0](_as_float(w), name, out)
+
+
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _write_block(out: EntityWriter, cfg, i: int, comps: dict, matrix_enc: str) -> None:
+def _write_block(
+    out: EntityWriter, cfg, i: int, comps: dict, matrix_enc: str, kept: set[str]
+) -> None:
     for role in ROLES:
         shapes = _role_shapes(cfg, role)
         got = dict(comps.get(role, {}))
@@ -207,11 +231,12 @@ def _write_block(out: EntityWriter, cfg, i: int, comps: dict, matrix_enc: str) -
                 raise LayerConfigError(f"block {i} {role}.{name}: expected shape {shape}")
         base = f"blocks.{i}.{role}"
         if matrix_enc == "float32":  # the whole master, in layout order
-            out.add(base, np.concatenate([np.ravel(got[n]) for n in shapes]).astype(np.float32))
+            master = [np.ravel(_as_float(got[n])) for n in shapes]
+            out.add(base, np.concatenate(master).astype(np.float32))
             continue
         for name, shape in shapes.items():
             if len(shape) == 2:
-                ENCODINGS[matrix_enc][0](got[name], f"{base}.{name}", out)
+                _put_matrix(out, got[name], f"{base}.{name}", matrix_enc, kept)
             else:
                 out.add(f"{base}.{name}", np.asarray(got[name], np.float32))
 
@@ -248,18 +273,21 @@ def write_entity(
     matrix_enc, embed_enc = _check_quant(quant, embed_quant)
     total = cfg.num_layers + 2
     tick = progress or (lambda done, total, detail: None)
+    kept: set[str] = set()  # native GGUF encodings written
     with EntityWriter(path, force=force, inputs=inputs) as out:
         for i, comps in blocks:
-            _write_block(out, cfg, i, comps, matrix_enc)
+            _write_block(out, cfg, i, comps, matrix_enc, kept)
             tick(i + 1, total, f"packed block {i + 1}/{cfg.num_layers}")
         emb, head, final = globals_()
-        ENCODINGS[embed_enc][0](_as_float(emb), "embeddings", out)
+        _put_matrix(out, emb, "embeddings", embed_enc, kept)
         if head is not None:
-            ENCODINGS[embed_enc][0](_as_float(head), "lm_head", out)
+            _put_matrix(out, head, "lm_head", embed_enc, kept)
         out.add("final_norm", np.asarray(final, np.float32))
         tick(total - 1, total, "writing .entity")
         quant_meta = {"scheme": quant, "matrix": matrix_enc, "embeddings": embed_enc,
                       "vectors": "float32", "q4_block": 32}  # fmt: skip
+        if kept:  # only then: other files stay byte-identical to older writers' output
+            quant_meta["native"] = sorted(kept)
         done = out.finish({**meta, "quant": quant_meta})
         tick(total, total, "done")
     return done
@@ -346,7 +374,14 @@ def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
             else _read_vector(ef, f"{base}.{name}", shape[0])
             for name, shape in shapes.items()
         }
-        layer.weights.set_version(matrix_enc, comps)
+        matrices = [comps[n] for n, shape in shapes.items() if len(shape) == 2]
+        layer.weights.set_version(_version_name(matrices, matrix_enc), comps)
+
+
+def _version_name(matrices: list, matrix_enc: str) -> str:
+    """The stored version's name: its matrices' encodings (what `lucy inspect` shows as active),
+    e.g. "q4_0", "gguf_q4_1", or "gguf_q4_1+gguf_q6_k" for a mixed GGUF source."""
+    return "+".join(sorted({native_kind(m) or matrix_enc for m in matrices}))
 
 
 def _attach_meta(tf, ef: EntityFile) -> None:
@@ -367,7 +402,10 @@ def _attach_meta(tf, ef: EntityFile) -> None:
     if gen:
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in gen.items()}
         tf.generation_defaults = GenOptions(**fields)
-    tf.source = dict(ef.meta("source"), entity_path=ef.path, quant=ef.meta("quant")["scheme"])
+    quant = ef.meta("quant")
+    tf.source = dict(ef.meta("source"), entity_path=ef.path, quant=quant["scheme"])
+    if quant.get("native"):
+        tf.source["native_blocks"] = list(quant["native"])
 
 
 def load_entity(
