@@ -52,8 +52,7 @@ def native_kind(value: Any) -> str | None:
 
 def row_bytes(ggml_type: int, n_in: int) -> int:
     """Bytes of one row of ``n_in`` weights (EntityFormatError for a kind or length we refuse)."""
-    if ggml_type not in NATIVE_TYPES:
-        raise EntityFormatError(f"ggml type {ggml_type} is not a native block kind (quant_type)")
+    check_record(ggml_type, "uint8", [0, 0])
     block, type_size = GGML_QUANT_SIZES[_T(ggml_type)]
     if n_in % block:
         raise EntityFormatError(
@@ -65,7 +64,10 @@ def row_bytes(ggml_type: int, n_in: int) -> int:
 def check_record(ggml_type: int, dtype: str, shape: list[int]) -> None:
     """Container-level check of a native blob record: uint8 [out, whole blocks], known kind."""
     if ggml_type not in NATIVE_TYPES:
-        raise EntityFormatError(f"unknown ggml type {ggml_type} (quant_type)")
+        known = ", ".join(n[5:].upper() for n in NATIVE_TYPES.values())
+        raise EntityFormatError(
+            f"ggml type {ggml_type} is not a native block kind ({known}) (quant_type)"
+        )
     type_size = GGML_QUANT_SIZES[_T(ggml_type)][1]
     if dtype != "uint8" or len(shape) != 2 or shape[1] % type_size:
         raise EntityFormatError(
