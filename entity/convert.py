@@ -3,7 +3,8 @@
 HF snapshots are streamed block by block (peak memory ~ one block + the memory-mapped globals);
 other sources are loaded with `entity.load` first. Output goes through `atomic_output`, so an
 interrupted conversion leaves nothing at the destination. ``verify=True`` re-opens the result and
-compares every tensor with the source: exact for f32, error statistics for lossy schemes.
+compares every tensor with the source: exact for f32, bitwise for GGUF blocks kept native
+(`entity.native_blocks`), error statistics for lossy schemes.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Blob names: `blocks.<i>.<role>` (role = attn_norm | attn | mlp_norm | mlp) holds a layer's whole
 float32 master in the f32 scheme (loaded zero-copy as the master itself); the other schemes store
 one blob per component, `blocks.<i>.<role>.<name>` (names of `poly.layout`), with encoded matrices
-split into parts (`.codes`/`.scales` for int8, `.scales`/`.packed` for q4_0). Globals: `embeddings`,
-`lm_head` (absent when tied), `final_norm`. Byte layouts: docs/formats.md.
+split into parts (`.codes`/`.scales` for int8, `.scales`/`.packed` for q4_0), or one blob of GGUF
+block rows when a q4/q8 source matrix already is GGUF blocks (`entity.native_blocks`). Globals:
+`embeddings`, `lm_head` (absent when tied), `final_norm`. Byte layouts: docs/formats.md.
 """
 
 from __future__ import annotations
