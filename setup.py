@@ -44,6 +44,8 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("poly._ckernels", ["csrc/poly_kernels.c"], optional=True)],
+    ext_modules=[
+        Extension("poly._ckernels", ["csrc/poly_kernels.c", "csrc/pk_decode.c"], optional=True)
+    ],
     cmdclass={"build_ext": BuildExt},
 )

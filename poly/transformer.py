@@ -234,7 +234,16 @@ class Transformer(Generic[T]):
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits float32 [V] of the last of the new tokens."""
-        h = self.hidden_states(ids)[-1:]  # [1, H]
+        arr = self._check_ids(ids)
+        if arr.size == 1:  # a decode step: the fused C step when it applies (poly/fused.py)
+            from poly import fused
+
+            p = fused.plan(self)
+            if p is not None:
+                logits = fused.step(self, p, lookup(self._embeddings, arr)[0])  # x [H]
+                if logits is not None:
+                    return logits
+        h = self.hidden_states(arr)[-1:]  # [1, H]
         return linear(h, self._lm_head)[0]
 
     def forward_all(self, ids: Sequence[int]) -> np.ndarray:

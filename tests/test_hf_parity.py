@@ -87,7 +87,8 @@ def test_prefill_in_one_call_equals_token_by_token(checkpoints):
     whole = tf.forward_all(PROMPT)
     tf.reset()
     steps = np.stack([tf.forward([t]) for t in PROMPT])
-    np.testing.assert_allclose(steps, whole, atol=1e-5, rtol=0)
+    # one-token steps run the fused C step (poly/fused.py): its sums are ordered differently
+    np.testing.assert_allclose(steps, whole, atol=5e-5, rtol=0)
 
 
 def test_weights_land_in_the_right_slots(checkpoints):

@@ -1,0 +1,177 @@
+"""The fused decode step: one call into poly._ckernels.decode per generated token.
+
+For a model whose blocks are all the plain pre-norm kind (`transformer.is_plain_block`) and
+whose every matrix is a form the C kernels read (float32 arrays, float16/bfloat16, int8 rows,
+Loom Q4, GGUF blocks), a one-token `Transformer.forward` runs every block, the final norm and
+the LM head inside one OpenMP region (csrc/pk_decode.c). The Python path stays the reference
+and the fallback (tiling, other activations, forms without a C kernel, the numpy backend).
+
+The call's argument tuples are built once per weight version (`_Plan`) and checked again in C.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poly import ckernels, kernels
+from poly.errors import ContextOverflowError
+from poly.layer import Activation
+from poly.ops import ACTIVATIONS
+from poly.rope import rope_tables
+
+_F32 = np.dtype(np.float32)
+
+
+def _mat(w, bias=None) -> tuple | None:
+    """(kind, w, aux, m, k, bias) for the C side, None when no C kernel reads `w`."""
+    if bias is not None and (bias.dtype != _F32 or not bias.flags.c_contiguous):
+        return None
+    if isinstance(w, np.ndarray):
+        if w.dtype != _F32 or w.ndim != 2 or not w.flags.c_contiguous:
+            return None
+        return (ckernels.F32, w, None, w.shape[0], w.shape[1], bias)
+    ops = ckernels._operands(w) if ckernels.AVAILABLE else None
+    if ops is None:
+        return None
+    kind, data, aux = ops
+    return (kind, data, aux, int(w.shape[0]), int(w.shape[1]), bias)
+
+
+def _mats(pairs) -> tuple | None:
+    out = tuple(_mat(w, b) for w, b in pairs)
+    return None if any(m is None for m in out) else out
+
+
+def _layer_key(blk) -> tuple:
+    from poly.layers import mha, swiglu
+    from poly.transformer import ATTN, ATTN_NORM, MLP, MLP_NORM
+
+    subs = blk.sequential_layers
+    norms = []
+    for s in (subs[ATTN_NORM], subs[MLP_NORM]):
+        store = s.weights
+        norms.append((store.active, id(store.master), id(store.versions.get(store.active))))
+    return (*norms, mha._plan_key(subs[ATTN]), swiglu._plan_key(subs[MLP]))
+
+
+def model_key(model) -> tuple:
+    """Changes whenever a weight object, active version, tiling or enabled flag changes."""
+    from poly.transformer import is_plain_block
+
+    fn = model.final_norm_layer.weights
+    parts = [id(model._lm_head), fn.active, id(fn.master), kernels.backend()]
+    for blk in model.network.layers:
+        parts.append((blk.is_disabled, is_plain_block(blk), *_layer_key(blk)))
+    return tuple(parts)
+
+
+def _layer_args(blk) -> tuple | None:
+    """The C tuple of one plain block, or None when some part has no C kernel."""
+    from poly.layers import mha, swiglu
+    from poly.transformer import ATTN, ATTN_NORM, MLP, MLP_NORM, _gamma
+
+    subs = blk.sequential_layers
+    attn, mlp = subs[ATTN], subs[MLP]
+    ap, fp = mha.plan(attn), swiglu.plan(mlp)
+    act = mlp.activation if mlp.activation != Activation.LINEAR else Activation.SILU
+    if act != Activation.SILU or fp.act is not ACTIVATIONS[int(Activation.SILU)]:
+        return None
+    c = ap.comps
+    if ap.w_qkv is not None:
+        qkv = _mats([(ap.w_qkv, ap.b_qkv)])
+    else:
+        qkv = _mats(ap.parts)
+    gu = (
+        _mats([(fp.w_gu, fp.b_gu)])
+        if fp.w_gu is not None
+        else _mats([(fp.comps["w_gate"], fp.comps["b_gate"]), (fp.comps["w_up"], fp.comps["b_up"])])
+    )
+    o = _mat(c["w_o"], c["b_o"])
+    down = _mat(fp.comps["w_down"], fp.comps["b_down"])
+    if qkv is None or gu is None or o is None or down is None:
+        return None
+    cos, sin = rope_tables(
+        attn.head_dim, float(attn.rope_freq_base), attn.rope_scaling, attn.max_seq_len
+    )
+    qn = c["q_norm"] if attn.qk_norm else None
+    kn = c["k_norm"] if attn.qk_norm else None
+    eps = float(attn.rms_norm_eps)
+    norm1, norm2 = subs[ATTN_NORM], subs[MLP_NORM]
+    if float(norm1.rms_norm_eps) != eps or float(norm2.rms_norm_eps) != eps:
+        return None  # one eps per block on the C side
+    return (
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        eps,
+        _gamma(norm1),
+        qn,
+        kn,
+        qkv,
+        cos,
+        sin,
+        o,
+        _gamma(norm2),
+        gu,
+        down,
+    )
+
+
+class _Plan:
+    def __init__(self, model, key: tuple):
+        from poly.transformer import _gamma, is_plain_block
+
+        self.key = key
+        self.ok = False
+        blocks = [b for b in model.network.layers if not b.is_disabled]
+        if not blocks or not all(is_plain_block(b) for b in blocks):
+            return
+        layers = tuple(_layer_args(b) for b in blocks)
+        lm = _mat(model._lm_head)
+        if lm is None or any(a is None for a in layers):
+            return
+        from poly.transformer import ATTN
+
+        self.attn = [b.sequential_layers[ATTN] for b in blocks]
+        self.layers = layers
+        self.head = (_gamma(model.final_norm_layer), float(model.config.rms_norm_eps), lm)
+        self.vocab = lm[3]
+        self.ok = True
+
+
+def plan(model) -> _Plan | None:
+    """The model's cached fused plan, or None when the fused step does not apply."""
+    if kernels.backend() != "c" or not ckernels.AVAILABLE:
+        return None
+    key = model_key(model)
+    cached = getattr(model, "_fused_plan", None)
+    if cached is None or cached.key != key:
+        cached = _Plan(model, key)
+        model._fused_plan = cached
+    return cached if cached.ok else None
+
+
+def step(model, p: _Plan, x: np.ndarray) -> np.ndarray | None:
+    """Logits [V] for one token whose embedding is x [d] (overwritten), appended to every
+    cache; None when the caches are not all at one position (the Python path then runs)."""
+    from poly.layers.mha import _cache
+
+    caches = []
+    pos = None
+    for layer in p.attn:
+        cache = _cache(layer)
+        if pos is None:
+            pos = cache.length
+        if cache.length != pos or pos >= cache.capacity:
+            if cache.length >= cache.capacity:
+                raise ContextOverflowError(
+                    f"context overflow: {cache.length} cached + 1 new token > "
+                    f"max_seq_len {cache.capacity}"
+                )
+            return None  # caches out of step (edited by hand): the Python path handles it
+        caches += (cache.k, cache.v)
+    logits = np.empty(p.vocab, dtype=np.float32)
+    ckernels._c.decode(p.layers, tuple(caches), p.head, x, logits, pos, ckernels.act_q8())
+    for layer in p.attn:
+        layer.state.length = pos + 1
+    return logits

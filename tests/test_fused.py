@@ -1,0 +1,172 @@
+"""The fused C decode step (poly/fused.py, csrc/pk_decode.c) against the Python block path.
+
+Each case runs the same model twice from an empty cache: once with the fused step disabled
+(the numpy/BLAS path, itself checked against transformers in test_hf_parity.py) and once with
+it, over a prompt and several decode steps, and compares every step's logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poly import TransformerConfig, ckernels, fused, kernels, layout
+from poly.errors import ContextOverflowError
+from poly.layer import LayerType
+from tests.test_ckernels import MAKERS
+from tests.tiny_model import random_transformer
+
+pytestmark = pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly._ckernels not built")
+
+PROMPT = [3, 17, 5, 42, 9, 11]
+
+
+@pytest.fixture(autouse=True)
+def c_backend():
+    kernels.set_backend("c")
+    yield
+    ckernels.set_act_q8(False)
+    kernels.set_backend()
+
+
+def _cfg(hidden=64, inter=96, **kw) -> TransformerConfig:
+    base = dict(vocab_size=120, num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=64)
+    base.update(kw)
+    return TransformerConfig(hidden_size=hidden, intermediate_size=inter, **base)
+
+
+def _steps(tf, use_fused: bool, monkeypatch, n: int = 5) -> list[np.ndarray]:
+    with monkeypatch.context() as m:
+        if not use_fused:
+            m.setattr(fused, "plan", lambda model: None)
+        tf.reset()
+        out = [tf.forward(PROMPT)]
+        for i in range(n):
+            out.append(tf.forward([int(np.argmax(out[-1])) if i % 2 else (7 * i + 1) % 120]))
+    return out
+
+
+def _assert_same(tf, monkeypatch, rtol=1e-5):
+    assert fused.plan(tf) is not None, "the fused step should apply to this model"
+    ref, got = _steps(tf, False, monkeypatch), _steps(tf, True, monkeypatch)
+    scale = max(float(np.abs(r).max()) for r in ref)
+    for r, g in zip(ref, got):
+        assert g.dtype == np.float32 and g.shape == r.shape
+        np.testing.assert_allclose(g, r, rtol=0, atol=rtol * scale)
+    assert tf.position == len(PROMPT) + 5
+
+
+def _quantize(tf, scheme: str) -> None:
+    """Every MHA/SwiGLU matrix as a stored version in `scheme` (biases and gammas float32)."""
+    make = MAKERS[scheme]
+    for layer in tf.network.walk():
+        if layer.type not in (LayerType.MHA, LayerType.SWIGLU):
+            continue
+        comps = {}
+        for name, view in layout.views(layer).items():
+            if view is not None and name in layout.MATRIX_COMPONENTS:
+                comps[name] = make(np.ascontiguousarray(view))
+            else:
+                comps[name] = None if view is None else np.array(view, dtype=np.float32)
+        layer.weights.set_version(scheme, comps, activate=True)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # GQA 4/2, untied
+        {"num_kv_heads": 1, "tie_word_embeddings": True},  # MQA, tied
+        {"attention_bias": True, "architecture": "qwen2"},
+        {"qk_norm": True, "head_dim": 24, "architecture": "qwen3"},  # q width 96 != hidden 64
+    ],
+    ids=["gqa", "mqa-tied", "bias", "qk-norm"],
+)
+def test_float32_master_matches_python_path(kw, monkeypatch):
+    tf = random_transformer(_cfg(**kw), seed=1)
+    if kw.get("attention_bias"):
+        rng = np.random.default_rng(5)
+        for i in range(tf.config.num_layers):
+            views = layout.mha(tf.attn(i))
+            for b in (views.b_q, views.b_k, views.b_v, views.b_o):
+                b[...] = rng.standard_normal(b.shape) * 0.3
+    _assert_same(tf, monkeypatch)
+
+
+@pytest.mark.parametrize("scheme", list(MAKERS))
+def test_stored_versions_match_python_path(scheme, monkeypatch):
+    big = scheme.endswith("_k")  # K-quants need rows of 256
+    tf = random_transformer(_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=2)
+    _quantize(tf, scheme)
+    tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
+    # the Python path uses the same stored weights; only summation order differs
+    _assert_same(tf, monkeypatch, rtol=2e-5)
+
+
+@pytest.mark.parametrize("scheme", ["gguf_q4_1", "q4_0", "int8"])
+def test_int8_activations_stay_close(scheme, monkeypatch):
+    tf = random_transformer(_cfg(), seed=3)
+    _quantize(tf, scheme)
+    ref = _steps(tf, False, monkeypatch)
+    ckernels.set_act_q8(True)
+    got = _steps(tf, True, monkeypatch)
+    for r, g in zip(ref, got):
+        assert np.abs(g - r).max() <= 3e-3 * np.abs(r).max()
+
+
+def test_fused_step_is_not_taken_when_it_cannot_apply(monkeypatch):
+    tf = random_transformer(_cfg(), seed=4)
+    assert fused.plan(tf) is not None
+    kernels.set_backend("numpy")
+    assert fused.plan(tf) is None
+    kernels.set_backend("c")
+    tf.enable_tiling(16)  # tiled blocks are not plain: the Python path runs them
+    assert fused.plan(tf) is None
+    tf.disable_tiling()
+    assert fused.plan(tf) is not None
+    tf.lm_head = MAKERS["float32"](np.ascontiguousarray(tf.lm_head)).array[:, ::1]
+    assert fused.plan(tf) is not None
+
+
+def test_plan_follows_weight_changes(monkeypatch):
+    tf = random_transformer(_cfg(), seed=6)
+    before = _steps(tf, True, monkeypatch)
+    _quantize(tf, "int8")  # new active versions: the cached plan must not be reused
+    after = _steps(tf, True, monkeypatch)
+    ref = _steps(tf, False, monkeypatch)
+    np.testing.assert_allclose(after[-1], ref[-1], atol=2e-5 * np.abs(ref[-1]).max())
+    assert np.abs(after[0] - before[0]).max() > 1e-4
+
+
+def test_context_overflow_keeps_the_cache():
+    tf = random_transformer(_cfg(max_seq_len=8), seed=7)
+    tf.forward(list(range(7)))
+    tf.forward([1])  # position 7: the last slot, fused
+    assert tf.position == 8
+    with pytest.raises(ContextOverflowError):
+        tf.forward([2])
+    assert tf.position == 8
+
+
+def test_extension_checks_the_tuples_itself():
+    tf = random_transformer(_cfg(), seed=8)
+    tf.forward([1])
+    p = fused.plan(tf)
+    caches = []
+    for layer in p.attn:
+        caches += (layer.state.k, layer.state.v)
+    x = np.zeros(64, np.float32)
+    logits = np.empty(p.vocab, np.float32)
+    c = ckernels._c
+    with pytest.raises(ValueError):
+        c.decode(p.layers, tuple(caches[:-1]), p.head, x, logits, 1, False)  # a cache missing
+    with pytest.raises(ValueError):
+        c.decode(p.layers, tuple(caches), p.head, x, logits[:-1], 1, False)  # short logits
+    with pytest.raises(ValueError):
+        c.decode(p.layers, tuple(caches), p.head, x, logits, 64, False)  # past the cache
+    with pytest.raises(ValueError):
+        c.decode(p.layers, tuple(caches), p.head, np.zeros(63, np.float32), logits, 1, False)
+    bad = list(p.layers[0])
+    bad[7] = ((ckernels.F32, np.zeros((10, 64), np.float32), None, 10, 64, None),)  # wrong rows
+    with pytest.raises(ValueError):
+        c.decode((tuple(bad), *p.layers[1:]), tuple(caches), p.head, x, logits, 1, False)
+    c.decode(p.layers, tuple(caches), p.head, x, logits, 1, False)  # the good call still works
+    assert np.isfinite(logits).all()
