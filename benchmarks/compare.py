@@ -12,19 +12,22 @@ f32 path.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import os
-import resource
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-import numpy as np
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # as `import poly` does; numpy reads it
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
 ENGINES = (

@@ -35,6 +35,7 @@ typedef struct {
     const int8_t *xq; /* q8 scheme: x as int8 per 32-block, [n, k] */
     const float *dx;  /* q8 scheme: block scales of xq, [n, nb] */
     int64_t n, k, m, rb, nb; /* rb = bytes per stored row, nb = 32-blocks per row */
+    int64_t ldo;             /* out row stride (floats): m, or wider when out is a slice */
 } mm_args;
 
 static inline float h2f(const uint8_t *p) {
@@ -114,7 +115,7 @@ static inline __attribute__((always_inline)) void dense_row(int kind, const mm_a
     const uint8_t *row = A->w + r * A->k * esz;
     const float scale = kind == K_I8 ? A->aux[r] : 1.0f;
     for (int64_t i = 0; i < A->n; i++)
-        A->out[i * A->m + r] = scale * dense_dot(kind, row, A->x + i * A->k, A->k);
+        A->out[i * A->ldo + r] = scale * dense_dot(kind, row, A->x + i * A->k, A->k);
 }
 
 /* ---- 32-element quantized blocks ---------------------------------------------------------- */
@@ -255,7 +256,7 @@ static inline __attribute__((always_inline)) void quant_row(int kind, const mm_a
         }
     }
 #endif
-    for (int64_t i = 0; i < n; i++) A->out[i * A->m + r] = acc[i] + macc[i];
+    for (int64_t i = 0; i < n; i++) A->out[i * A->ldo + r] = acc[i] + macc[i];
 }
 
 #if PK_SIMD
@@ -328,7 +329,7 @@ static inline __attribute__((always_inline)) void quant_row_q8(int kind, const m
             macc[i] += M * A->xs[i * A->nb + b];
         }
     }
-    for (int64_t i = 0; i < n; i++) A->out[i * A->m + r] = hsum(vacc[i]) + macc[i];
+    for (int64_t i = 0; i < n; i++) A->out[i * A->ldo + r] = hsum(vacc[i]) + macc[i];
 }
 #define Q8ROW(KIND, n) quant_row_q8(KIND, A, r, n)
 #else

@@ -214,6 +214,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     long kind = PyLong_AsLong(args[0]);
     mm_args A = {0};
     A.n = PyLong_AsLongLong(args[5]); A.k = PyLong_AsLongLong(args[6]); A.m = PyLong_AsLongLong(args[7]);
+    A.ldo = A.m;
     int q8 = PyObject_IsTrue(args[8]);
     if (q8 < 0 || PyErr_Occurred()) return NULL;
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {

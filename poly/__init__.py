@@ -1,5 +1,14 @@
 """poly: build and run transformer language models on a volumetric layer grid."""
 
+import os as _os
+
+# OpenBLAS worker threads busy-wait 2**28 cycles after each call. A decode step right after a
+# BLAS prefill runs on the OpenMP threads of poly._ckernels, and was measured 2x slower for
+# its first tokens while they spin; 2**12 cycles keeps prefill within noise
+# (docs/performance.md). Read when numpy loads: no effect if it is loaded already, and an
+# explicit setting wins.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")
+
 from poly import layout
 from poly.config import RopeScaling, TransformerConfig
 from poly.dtypes import DType, parse_dtype

@@ -30,11 +30,17 @@ def _one_by_one(model: Any, sequences, states: list) -> np.ndarray:
 
 
 def _batched_step(model: Any, ids: np.ndarray, states: list) -> np.ndarray:
+    from poly import fused
     from poly.layers.embedding import lookup
     from poly.ops import linear, rms_norm
     from poly.transformer import _gamma, run_block
 
     x = lookup(model.embeddings, ids)  # [B, H]
+    p = fused.plan(model)
+    if p is not None:  # one C call for the whole step (poly/fused.py)
+        logits = fused.step_rows(p, x, states)
+        if logits is not None:
+            return logits
     for li, blk in enumerate(model.network.layers):
         caches = [st[li] for st in states]
         x = run_block(blk, x, caches)

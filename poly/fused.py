@@ -123,7 +123,8 @@ class _Plan:
 
         self.key = key
         self.ok = False
-        blocks = [b for b in model.network.layers if not b.is_disabled]
+        self.index = [i for i, b in enumerate(model.network.layers) if not b.is_disabled]
+        blocks = [model.network.layers[i] for i in self.index]
         if not blocks or not all(is_plain_block(b) for b in blocks):
             return
         layers = tuple(_layer_args(b) for b in blocks)
@@ -151,27 +152,59 @@ def plan(model) -> _Plan | None:
     return cached if cached.ok else None
 
 
+def _positions(rows: list[list]) -> tuple[int, ...] | None:
+    """Each row's next position (its caches must agree); None when they do not."""
+    out = []
+    for caches in rows:
+        pos = caches[0].length
+        if any(c.length != pos for c in caches):
+            return None  # caches out of step (edited by hand): the Python path handles it
+        if pos >= caches[0].capacity or any(c.capacity <= pos for c in caches):
+            raise ContextOverflowError(
+                f"context overflow: {pos} cached + 1 new token > max_seq_len {caches[0].capacity}"
+            )
+        out.append(pos)
+    return tuple(out)
+
+
+def _run(p: _Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
+    """x [n, d] (overwritten) with row i continuing the KVCaches rows[i] -> logits [n, V]."""
+    pos = _positions(rows)
+    if pos is None:
+        return None
+    caches = []
+    for li in range(len(p.attn)):  # block-major: (k, v) of row 0, row 1, ...
+        for r in rows:
+            caches += (r[li].k, r[li].v)
+    logits = np.empty((x.shape[0], p.vocab), dtype=np.float32)  # [n, V]
+    ckernels._c.decode(p.layers, tuple(caches), p.head, x, logits, pos, ckernels.act_q8())
+    for r, at in zip(rows, pos):
+        for cache in r:
+            cache.length = at + 1
+    return logits
+
+
 def step(model, p: _Plan, x: np.ndarray) -> np.ndarray | None:
-    """Logits [V] for one token whose embedding is x [d] (overwritten), appended to every
-    cache; None when the caches are not all at one position (the Python path then runs)."""
+    """Logits [V] for one token whose embedding is x [d] (overwritten), appended to the model's
+    own caches; None when they are not all at one position (the Python path then runs)."""
     from poly.layers.mha import _cache
 
-    caches = []
-    pos = None
-    for layer in p.attn:
-        cache = _cache(layer)
-        if pos is None:
-            pos = cache.length
-        if cache.length != pos or pos >= cache.capacity:
-            if cache.length >= cache.capacity:
-                raise ContextOverflowError(
-                    f"context overflow: {cache.length} cached + 1 new token > "
-                    f"max_seq_len {cache.capacity}"
-                )
-            return None  # caches out of step (edited by hand): the Python path handles it
-        caches += (cache.k, cache.v)
-    logits = np.empty(p.vocab, dtype=np.float32)
-    ckernels._c.decode(p.layers, tuple(caches), p.head, x, logits, pos, ckernels.act_q8())
-    for layer in p.attn:
-        layer.state.length = pos + 1
-    return logits
+    logits = _run(p, x.reshape(1, -1), [[_cache(layer) for layer in p.attn]])  # x [1, d]
+    return None if logits is None else logits[0]
+
+
+def step_rows(p: _Plan, x: np.ndarray, states: list[list]) -> np.ndarray | None:
+    """Batched decode: x [B, d] (overwritten), row b continuing states[b] (one KVCache or None
+    per block, created here on first use) -> logits [B, V]; None = use the Python path."""
+    from poly.layers.mha import KVCache
+
+    if not 1 <= x.shape[0] <= ckernels.MAX_N or len(states) != x.shape[0]:
+        return None
+    rows = []
+    for st in states:
+        for li, layer in zip(p.index, p.attn):
+            c = st[li]
+            if c is None or c.capacity != layer.max_seq_len:
+                st[li] = KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim)
+        rows.append([st[li] for li in p.index])
+    return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows)

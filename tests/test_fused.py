@@ -157,16 +157,47 @@ def test_extension_checks_the_tuples_itself():
     logits = np.empty(p.vocab, np.float32)
     c = ckernels._c
     with pytest.raises(ValueError):
-        c.decode(p.layers, tuple(caches[:-1]), p.head, x, logits, 1, False)  # a cache missing
+        c.decode(p.layers, tuple(caches[:-1]), p.head, x, logits, (1,), False)  # a cache missing
     with pytest.raises(ValueError):
-        c.decode(p.layers, tuple(caches), p.head, x, logits[:-1], 1, False)  # short logits
+        c.decode(p.layers, tuple(caches), p.head, x, logits[:-1], (1,), False)  # short logits
     with pytest.raises(ValueError):
-        c.decode(p.layers, tuple(caches), p.head, x, logits, 64, False)  # past the cache
+        c.decode(p.layers, tuple(caches), p.head, x, logits, (64,), False)  # past the cache
     with pytest.raises(ValueError):
-        c.decode(p.layers, tuple(caches), p.head, np.zeros(63, np.float32), logits, 1, False)
+        c.decode(p.layers, tuple(caches), p.head, np.zeros(63, np.float32), logits, (1,), False)
     bad = list(p.layers[0])
     bad[7] = ((ckernels.F32, np.zeros((10, 64), np.float32), None, 10, 64, None),)  # wrong rows
     with pytest.raises(ValueError):
-        c.decode((tuple(bad), *p.layers[1:]), tuple(caches), p.head, x, logits, 1, False)
-    c.decode(p.layers, tuple(caches), p.head, x, logits, 1, False)  # the good call still works
+        c.decode((tuple(bad), *p.layers[1:]), tuple(caches), p.head, x, logits, (1,), False)
+    c.decode(p.layers, tuple(caches), p.head, x, logits, (1,), False)  # the good call still works
     assert np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("scheme", ["float32", "gguf_q4_1", "q4_0"])
+def test_batched_rows_match_each_sequence_alone(scheme, monkeypatch):
+    from poly.batch import forward_batch
+
+    tf = random_transformer(_cfg(), seed=9)
+    if scheme != "float32":
+        _quantize(tf, scheme)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]  # rows at different positions
+    states = [tf.new_state() for _ in prompts]
+    forward_batch(tf, prompts, states)
+    steps = [[20, 21, 22], [30, 31, 32], [40, 41, 42]]
+    got = [forward_batch(tf, [[s[j]] for s in steps], states) for j in range(3)]  # fused rows
+    with monkeypatch.context() as m:
+        m.setattr(fused, "plan", lambda model: None)  # reference: each sequence on its own
+        for b, prompt in enumerate(prompts):
+            tf.reset()
+            tf.forward(prompt)
+            for j in range(3):
+                ref = tf.forward([steps[b][j]])
+                np.testing.assert_allclose(got[j][b], ref, atol=2e-5 * np.abs(ref).max())
+    assert [st[0].length for st in states] == [6, 10, 4]
+
+
+def test_more_rows_than_the_kernel_takes_use_the_python_path():
+    tf = random_transformer(_cfg(), seed=10)
+    p = fused.plan(tf)
+    states = [tf.new_state() for _ in range(ckernels.MAX_N + 1)]
+    x = np.zeros((ckernels.MAX_N + 1, 64), np.float32)
+    assert fused.step_rows(p, x, states) is None
