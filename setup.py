@@ -45,7 +45,11 @@ class BuildExt(build_ext):
 
 setup(
     ext_modules=[
-        Extension("poly._ckernels", ["csrc/poly_kernels.c", "csrc/pk_decode.c"], optional=True)
+        Extension(
+            "poly._ckernels",
+            ["csrc/poly_kernels.c", "csrc/pk_decode.c", "csrc/pk_decode_args.c"],
+            optional=True,
+        )
     ],
     cmdclass={"build_ext": BuildExt},
 )

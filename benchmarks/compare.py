@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # as `import poly` does; numpy reads it
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "24")  # as `import poly` does; numpy reads it
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402

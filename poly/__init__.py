@@ -2,12 +2,12 @@
 
 import os as _os
 
-# OpenBLAS worker threads busy-wait 2**28 cycles after each call. A decode step right after a
-# BLAS prefill runs on the OpenMP threads of poly._ckernels, and was measured 2x slower for
-# its first tokens while they spin; 2**12 cycles keeps prefill within noise
-# (docs/performance.md). Read when numpy loads: no effect if it is loaded already, and an
-# explicit setting wins.
-_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")
+# OpenBLAS worker threads busy-wait 2**28 cycles (~0.1 s) after each call: the decode steps
+# right after a BLAS prefill (on poly._ckernels' OpenMP threads) ran 2x slower while they
+# spun. 2**24 cycles (a few ms) outlasts the gaps between a prefill's GEMMs, so prefill speed
+# is unchanged (docs/performance.md). Read when numpy loads: no effect if numpy is loaded
+# already, and an explicit setting wins.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "24")
 
 from poly import layout
 from poly.config import RopeScaling, TransformerConfig

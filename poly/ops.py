@@ -38,8 +38,12 @@ def rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    # x * sigmoid(x), written to stay float32 and avoid overflow warnings for very negative x
-    return x / (np.float32(1.0) + np.exp(-np.clip(x, -88.0, 88.0)))
+    # x * sigmoid(x), float32, clipped so exp cannot overflow; one buffer, no temporaries
+    t = np.clip(x, np.float32(-88.0), np.float32(88.0))
+    np.negative(t, out=t)
+    np.exp(t, out=t)
+    t += np.float32(1.0)
+    return np.divide(x, t, out=t)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

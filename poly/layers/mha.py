@@ -94,17 +94,20 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int
     """q [n, H, hd] at positions start..start+n-1 over k/v [T, kvh, hd] -> [n, H, hd]."""
     n, heads, hd = q.shape
     kvh, t = k.shape[1], k.shape[0]
-    qg = q.reshape(n, kvh, groups, hd).transpose(1, 2, 0, 3)  # [kvh, g, n, hd]
-    scores = qg @ k.transpose(1, 2, 0)[:, None]  # [kvh, g, n, T]
-    scores *= np.float32(1.0 / np.sqrt(hd))
-    if n > 1:
-        qpos = np.arange(start, start + n)[:, None]
-        scores[..., np.arange(t)[None, :] > qpos] = -np.inf  # causal
+    # scaled q in one contiguous [kvh, g*n, hd] buffer: one GEMM per kv head, no stacked loops
+    qg = np.empty((kvh, groups, n, hd), dtype=np.float32)  # [kvh, g, n, hd]
+    np.multiply(
+        q.reshape(n, kvh, groups, hd).transpose(1, 2, 0, 3), np.float32(1.0 / np.sqrt(hd)), out=qg
+    )
+    scores = qg.reshape(kvh, groups * n, hd) @ k.transpose(1, 2, 0)  # [kvh, g*n, T]
+    scores = scores.reshape(kvh, groups, n, t)  # [kvh, g, n, T]
+    if n > 1:  # causal: query i sees keys 0..start+i
+        scores += np.triu(np.full((n, t), -np.inf, dtype=np.float32), k=start + 1)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores @ v.transpose(1, 0, 2)[:, None]  # [kvh, g, n, hd]
-    return out.transpose(2, 0, 1, 3).reshape(n, heads, hd)  # [n, H, hd]
+    out = scores.reshape(kvh, groups * n, t) @ v.transpose(1, 0, 2)  # [kvh, g*n, hd]
+    return out.reshape(kvh, groups, n, hd).transpose(2, 0, 1, 3).reshape(n, heads, hd)
 
 
 def _attend_tiled(q, k, v, start: int, groups: int, block: int) -> np.ndarray:

@@ -1,0 +1,38 @@
+/* The fused decode step (csrc/pk_decode.c computes, csrc/pk_decode_args.c parses its
+ * Python arguments): records shared by the two. */
+#ifndef PK_DECODE_H
+#define PK_DECODE_H
+#include "pk_kernels.h"
+
+#define MAX_LAYERS 4096
+
+typedef struct {
+    mm_args A; /* w, aux, m, k, rb, nb set; x/out filled per use */
+    int kind;
+    const float *bias;
+} mat_t;
+
+typedef struct {
+    int heads, kvh, hd, nqkv, ngu;
+    float eps;
+    const float *g_attn, *g_q, *g_k, *g_mlp, *cos, *sin;
+    float *kc[MAX_N], *vc[MAX_N];
+    mat_t qkv[3], o, gu[2], down;
+} layer_t;
+
+typedef struct { /* one input vector prepared for every kernel kind */
+    const float *x; float *xs, *xp, *dx; int8_t *xq, *xqp; int64_t k;
+} px_t;
+
+typedef struct {
+    layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int q8, loom;
+    int64_t pos[MAX_N];
+    const float *g_final; float eps_final; mat_t lm; float *x, *logits;
+} step_t;
+
+typedef struct { float *h, *qkv, *att, *tmp, *gu, *hid, *sc; px_t P; } bufs_t;
+
+size_t pk_scratch_floats(const step_t *S, int nt); /* floats of scratch for pk_run_step */
+void pk_run_step(const step_t *S, float *scratch, int nt); /* GIL released by the caller */
+
+#endif /* PK_DECODE_H */

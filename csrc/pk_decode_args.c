@@ -1,0 +1,207 @@
+/* Argument parsing of poly._ckernels.decode (see csrc/pk_decode.c for the call): every buffer
+ * is taken with the buffer protocol, sized against the dims, and held until the call ends. */
+#include "pk_decode.h"
+
+typedef struct {
+    Py_buffer *bufs;
+    int n, cap;
+} holds_t;
+
+static const void *hold(holds_t *H, PyObject *o, int writable, int64_t want, const char *what) {
+    if (o == Py_None) return NULL;
+    if (H->n == H->cap) { PyErr_SetString(PyExc_ValueError, "too many buffers"); return NULL; }
+    Py_buffer *b = &H->bufs[H->n];
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(o, b, flags) < 0) return NULL;
+    H->n++;
+    if (want >= 0 && want_len(b, want, what)) return NULL;
+    return b->buf;
+}
+
+static int as_tuple(PyObject *o, Py_ssize_t n, const char *what) {
+    if (!PyTuple_Check(o) || (n >= 0 && PyTuple_GET_SIZE(o) != n)) {
+        PyErr_Format(PyExc_ValueError, "%s must be a tuple of %zd items", what, n);
+        return -1;
+    }
+    return 0;
+}
+
+/* (kind, w, aux|None, m, k, bias|None) with m rows of k inputs */
+static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
+    if (as_tuple(t, 6, "a matrix")) return -1;
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
+    int64_t tm = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 3)), tk = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 4));
+    if (PyErr_Occurred()) return -1;
+    if (kind < 0 || kind >= K_COUNT || tm != m || tk != k || m < 1 || k < 1) {
+        PyErr_Format(PyExc_ValueError, "matrix kind %ld [%lld, %lld], expected [%lld, %lld]", kind,
+                     (long long)tm, (long long)tk, (long long)m, (long long)k);
+        return -1;
+    }
+    memset(M, 0, sizeof *M);
+    M->kind = (int)kind;
+    M->A.m = m; M->A.k = k; M->A.n = 1;
+    PyObject *ow = PyTuple_GET_ITEM(t, 1), *oa = PyTuple_GET_ITEM(t, 2);
+    if (!(M->A.w = hold(H, ow, 0, -1, "w"))) return -1;
+    Py_buffer *bw = &H->bufs[H->n - 1], *ba = NULL;
+    if ((kind == K_I8 || kind == K_LOOM_Q4) && oa == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "this kind needs its scales");
+        return -1;
+    }
+    if (oa != Py_None) {
+        if (!(M->A.aux = hold(H, oa, 0, -1, "aux"))) return -1;
+        ba = &H->bufs[H->n - 1];
+    }
+    if (check_matrix((int)kind, bw, ba, &M->A)) return -1;
+    if (kind == K_LOOM_Q4 && k % 32) { PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks"); return -1; }
+    PyObject *ob = PyTuple_GET_ITEM(t, 5);
+    if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
+    return 0;
+}
+
+static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, int n, const int64_t *pos,
+                       layer_t *L, int64_t d, int64_t maxpos, int64_t *inter) {
+    if (as_tuple(t, 14, "a layer")) return -1;
+    L->heads = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
+    L->kvh = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 1));
+    L->hd = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 2));
+    L->eps = (float)PyFloat_AsDouble(PyTuple_GET_ITEM(t, 3));
+    if (PyErr_Occurred()) return -1;
+    const int64_t H_ = L->heads, kv = L->kvh, hd = L->hd;
+    if (H_ < 1 || kv < 1 || hd < 2 || hd % 2 || H_ % kv) {
+        PyErr_SetString(PyExc_ValueError, "bad attention dims");
+        return -1;
+    }
+    const int64_t q = H_ * hd, kvd = kv * hd, half = hd / 2;
+    if (!(L->g_attn = hold(H, PyTuple_GET_ITEM(t, 4), 0, d * 4, "attn gamma"))) return -1;
+    PyObject *oq = PyTuple_GET_ITEM(t, 5), *ok = PyTuple_GET_ITEM(t, 6);
+    if (oq != Py_None && !(L->g_q = hold(H, oq, 0, hd * 4, "q gamma"))) return -1;
+    if (ok != Py_None && !(L->g_k = hold(H, ok, 0, hd * 4, "k gamma"))) return -1;
+    PyObject *mq = PyTuple_GET_ITEM(t, 7);
+    if (!PyTuple_Check(mq) || (PyTuple_GET_SIZE(mq) != 1 && PyTuple_GET_SIZE(mq) != 3)) {
+        PyErr_SetString(PyExc_ValueError, "qkv must be 1 or 3 matrices");
+        return -1;
+    }
+    L->nqkv = (int)PyTuple_GET_SIZE(mq);
+    const int64_t rows3[3] = {q, kvd, kvd};
+    for (int i = 0; i < L->nqkv; i++)
+        if (parse_mat(H, PyTuple_GET_ITEM(mq, i), &L->qkv[i], L->nqkv == 1 ? q + 2 * kvd : rows3[i], d)) return -1;
+    const PyObject *oc = PyTuple_GET_ITEM(t, 8);
+    Py_buffer *tb;
+    if (!(L->cos = hold(H, (PyObject *)oc, 0, -1, "cos"))) return -1;
+    tb = &H->bufs[H->n - 1];
+    const int64_t cap = tb->len / (half * 4);
+    if (tb->len % (half * 4) || maxpos >= cap) { PyErr_SetString(PyExc_ValueError, "rope table too short"); return -1; }
+    if (!(L->sin = hold(H, PyTuple_GET_ITEM(t, 9), 0, cap * half * 4, "sin"))) return -1;
+    for (int i = 0; i < n; i++) {
+        PyObject *kc = PyTuple_GET_ITEM(caches, 2 * ((Py_ssize_t)l * n + i));
+        PyObject *vc = PyTuple_GET_ITEM(caches, 2 * ((Py_ssize_t)l * n + i) + 1);
+        if (!(L->kc[i] = (float *)hold(H, kc, 1, -1, "k cache"))) return -1;
+        tb = &H->bufs[H->n - 1];
+        const int64_t T = tb->len / (kvd * 4);
+        if (tb->len % (kvd * 4) || pos[i] >= T) { PyErr_SetString(PyExc_ValueError, "KV cache full or mis-sized"); return -1; }
+        if (!(L->vc[i] = (float *)hold(H, vc, 1, T * kvd * 4, "v cache"))) return -1;
+    }
+    if (parse_mat(H, PyTuple_GET_ITEM(t, 10), &L->o, d, q)) return -1;
+    if (!(L->g_mlp = hold(H, PyTuple_GET_ITEM(t, 11), 0, d * 4, "mlp gamma"))) return -1;
+    PyObject *mg = PyTuple_GET_ITEM(t, 12), *md = PyTuple_GET_ITEM(t, 13);
+    if (!PyTuple_Check(mg) || (PyTuple_GET_SIZE(mg) != 1 && PyTuple_GET_SIZE(mg) != 2) || as_tuple(md, 6, "down")) {
+        PyErr_SetString(PyExc_ValueError, "gate/up must be 1 or 2 matrices");
+        return -1;
+    }
+    L->ngu = (int)PyTuple_GET_SIZE(mg);
+    const int64_t I = PyLong_AsLongLong(PyTuple_GET_ITEM(md, 4));
+    if (PyErr_Occurred() || I < 1) { PyErr_SetString(PyExc_ValueError, "bad intermediate size"); return -1; }
+    for (int i = 0; i < L->ngu; i++)
+        if (parse_mat(H, PyTuple_GET_ITEM(mg, i), &L->gu[i], L->ngu == 1 ? 2 * I : I, d)) return -1;
+    if (parse_mat(H, md, &L->down, d, I)) return -1;
+    if (I > *inter) *inter = I;
+    return 0;
+}
+
+/* ---- Python entry ------------------------------------------------------------------------- */
+
+static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
+    PyObject *layers = args[0], *caches = args[1], *head = args[2];
+    if (!PyTuple_Check(layers) || !PyTuple_Check(caches) || as_tuple(head, 3, "head")) {
+        PyErr_SetString(PyExc_ValueError, "decode(layers, caches, head, x, logits, pos, q8)");
+        return -1;
+    }
+    S->nl = (int)PyTuple_GET_SIZE(layers);
+    if (S->nl > MAX_LAYERS || PyTuple_GET_SIZE(caches) != 2 * (Py_ssize_t)S->nl * S->n) {
+        PyErr_SetString(PyExc_ValueError, "need two caches per layer per row");
+        return -1;
+    }
+    if (!(S->x = (float *)hold(H, args[3], 1, -1, "x"))) return -1;
+    Py_buffer *bx = &H->bufs[H->n - 1];
+    S->d = bx->len / (4 * S->n);
+    if (S->d < 1 || bx->len != S->d * 4 * S->n) { PyErr_SetString(PyExc_ValueError, "x must be float32 [n, d]"); return -1; }
+    for (int l = 0; l < S->nl; l++) {
+        layer_t *L = &S->L[l];
+        if (parse_layer(H, PyTuple_GET_ITEM(layers, l), caches, l, S->n, S->pos, L, S->d, S->maxpos, &S->inter)) return -1;
+        const int64_t q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
+        if (q > S->maxq) S->maxq = q;
+        if (w > S->maxw) S->maxw = w;
+        for (int i = 0; i < L->nqkv; i++) S->loom |= L->qkv[i].kind == K_LOOM_Q4;
+        S->loom |= L->o.kind == K_LOOM_Q4 || L->down.kind == K_LOOM_Q4;
+        for (int i = 0; i < L->ngu; i++) S->loom |= L->gu[i].kind == K_LOOM_Q4;
+    }
+    if (!(S->g_final = hold(H, PyTuple_GET_ITEM(head, 0), 0, S->d * 4, "final gamma"))) return -1;
+    S->eps_final = (float)PyFloat_AsDouble(PyTuple_GET_ITEM(head, 1));
+    if (PyErr_Occurred()) return -1;
+    PyObject *lm = PyTuple_GET_ITEM(head, 2);
+    if (as_tuple(lm, 6, "lm head")) return -1;
+    const int64_t V = PyLong_AsLongLong(PyTuple_GET_ITEM(lm, 3));
+    if (PyErr_Occurred() || parse_mat(H, lm, &S->lm, V, S->d)) return -1;
+    S->loom |= S->lm.kind == K_LOOM_Q4;
+    if (!(S->logits = (float *)hold(H, args[4], 1, V * 4 * S->n, "logits"))) return -1;
+    return 0;
+}
+
+/* pos: a tuple of 1..MAX_N positions >= 0 -> S->n, S->pos, S->maxpos */
+static int parse_pos(PyObject *o, step_t *S) {
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) < 1 || PyTuple_GET_SIZE(o) > MAX_N) {
+        PyErr_Format(PyExc_ValueError, "pos must be a tuple of 1..%d positions", MAX_N);
+        return -1;
+    }
+    S->n = (int)PyTuple_GET_SIZE(o);
+    for (int i = 0; i < S->n; i++) {
+        S->pos[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(o, i));
+        if (PyErr_Occurred()) return -1;
+        if (S->pos[i] < 0) { PyErr_SetString(PyExc_ValueError, "positions must be >= 0"); return -1; }
+        if (S->pos[i] > S->maxpos) S->maxpos = S->pos[i];
+    }
+    return 0;
+}
+
+PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) { PyErr_SetString(PyExc_TypeError, "decode(layers, caches, head, x, logits, pos, q8)"); return NULL; }
+    step_t S = {0};
+    if (parse_pos(args[5], &S)) return NULL;
+    const int q8 = PyObject_IsTrue(args[6]);
+    if (q8 < 0) return NULL;
+    S.q8 = q8 && PK_SIMD;
+    holds_t H = {0};
+    Py_ssize_t nl = PyTuple_Check(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
+    if (nl > MAX_LAYERS) nl = MAX_LAYERS;
+    H.cap = (int)(nl * (32 + 2 * S.n) + 16);
+    H.bufs = calloc((size_t)H.cap, sizeof(Py_buffer));
+    S.L = calloc((size_t)(nl ? nl : 1), sizeof(layer_t));
+    PyObject *ret = NULL;
+    float *scratch = NULL;
+    if (!H.bufs || !S.L) { PyErr_NoMemory(); goto done; }
+    if (parse_all(&H, args, &S)) goto done;
+    const int nt = pk_threads;
+    scratch = malloc(pk_scratch_floats(&S, nt) * 4);
+    if (!scratch) { PyErr_NoMemory(); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    pk_run_step(&S, scratch, nt);
+    Py_END_ALLOW_THREADS
+    ret = Py_NewRef(Py_None);
+done:
+    free(scratch);
+    for (int i = 0; i < H.n; i++) PyBuffer_Release(&H.bufs[i]);
+    free(H.bufs);
+    free(S.L);
+    return ret;
+}
