@@ -53,7 +53,7 @@ RANGE(r8_q6_k, if (A->n == 1) Q8ROW(K_Q6_K, 1); else Q8ROW(K_Q6_K, A->n))
 static const range_fn RF[K_COUNT] = {r_f32, r_f16, r_bf16, r_i8, r_loom, r_q4_0, r_q4_1, r_q8_0, r_q4_k, r_q6_k};
 static const range_fn RF8[K_COUNT] = {NULL, NULL, NULL, r8_i8, r8_loom, r8_q4_0, r8_q4_1, r8_q8_0, r8_q4_k, r8_q6_k};
 
-static void rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n) {
+void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n) {
     double ss = 0.0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
     const float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
@@ -104,7 +104,7 @@ static void rope_append(const layer_t *L, float *qkv, int64_t pos, int i) {
     for (int64_t h = 0; h < L->heads + L->kvh; h++) {
         float *v = qkv + h * hd;
         const float *g = h < L->heads ? L->g_q : L->g_k;
-        if (g) rmsnorm(v, g, L->eps, v, hd);
+        if (g) pk_rmsnorm(v, g, L->eps, v, hd);
         for (int64_t j = 0; j < half; j++) {
             const float x1 = v[j], x2 = v[j + half];
             v[j] = x1 * c[j] - x2 * s[j];
@@ -122,10 +122,8 @@ static void attend(const layer_t *L, const float *q, float *o, float *sc, int64_
     const float *K = L->kc[i] + g * hd, *V = L->vc[i] + g * hd;
     float mx = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t <= pos; t++) {
-        const float *k = K + t * kvd;
-        float s = 0.0f;
-        for (int64_t j = 0; j < hd; j++) s += q[j] * k[j];
-        sc[t] = s * scale;
+        /* the SIMD dot of the matrix kernels: a plain loop is one dependent add chain */
+        sc[t] = dense_dot(K_F32, (const uint8_t *)(K + t * kvd), q, hd) * scale;
         mx = fmaxf(mx, sc[t]);
     }
     for (int64_t t = 0; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
@@ -136,11 +134,10 @@ static void attend(const layer_t *L, const float *q, float *o, float *sc, int64_
     }
 }
 
-
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B) {
-    for (int i = 0; i < S->n; i++) rmsnorm(x + i * S->d, g, eps, B->h + i * S->d, S->d);
+    for (int i = 0; i < S->n; i++) pk_rmsnorm(x + i * S->d, g, eps, B->h + i * S->d, S->d);
     prep(&B->P, B->h, S->n * S->d, S->loom, S->q8);
 }
 

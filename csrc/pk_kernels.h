@@ -424,5 +424,6 @@ static inline int check_matrix(int kind, Py_buffer *bw, Py_buffer *ba, mm_args *
 }
 
 PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *pk_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif /* PK_KERNELS_H */

@@ -324,6 +324,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "out = x @ W.T (see poly.ckernels)"},
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "rows [r0, r1) as float32"},
     {"decode", (PyCFunction)(void (*)(void))pk_py_decode, METH_FASTCALL, "one decode step of a whole model (see csrc/pk_decode.c)"},
+    {"rope", (PyCFunction)(void (*)(void))pk_py_rope, METH_FASTCALL, "rotate [n, heads, hd] in place (HF half split)"},
     {"set_threads", py_set_threads, METH_O, "threads for the parallel row loop"},
     {"info", py_info, METH_NOARGS, "build facts: simd, openmp, threads"},
     {NULL, NULL, 0, NULL},

@@ -47,3 +47,16 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     out[..., :half] = x1 * c - x2 * s
     out[..., half:] = x2 * c + x1 * s
     return out
+
+
+def rope_inplace(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, start: int) -> np.ndarray:
+    """Rotate a C-contiguous float32 x [n, heads, hd] in place for positions start..start+n-1,
+    with the full cos/sin tables [max_len, hd/2]: one pass in C when built, else numpy."""
+    from poly import ckernels
+
+    n, _, hd = x.shape
+    if ckernels.AVAILABLE and x.flags.c_contiguous and x.dtype == np.float32:
+        ckernels._c.rope(x, cos, sin, int(start), n, hd)
+    else:
+        x[...] = apply_rope(x, cos[start : start + n], sin[start : start + n])
+    return x

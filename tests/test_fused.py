@@ -201,3 +201,18 @@ def test_more_rows_than_the_kernel_takes_use_the_python_path():
     states = [tf.new_state() for _ in range(ckernels.MAX_N + 1)]
     x = np.zeros((ckernels.MAX_N + 1, 64), np.float32)
     assert fused.step_rows(p, x, states) is None
+
+
+def test_rope_inplace_equals_numpy_rope():
+    from poly.rope import apply_rope, rope_inplace, rope_tables
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, 3, 16)).astype(np.float32)  # [n, heads, hd]
+    cos, sin = rope_tables(16, 10000.0, None, 32)
+    ref = apply_rope(x, cos[7:12], sin[7:12])
+    got = rope_inplace(x.copy(), cos, sin, 7)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError):
+        ckernels._c.rope(x.copy(), cos, sin, 30, 5, 16)  # positions past the tables
+    with pytest.raises(ValueError):
+        ckernels._c.rope(x.copy(), cos, sin, 0, 5, 15)  # odd head_dim

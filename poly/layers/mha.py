@@ -9,7 +9,7 @@ from poly import layout
 from poly.errors import ContextOverflowError
 from poly.kernels import dense_matmul
 from poly.ops import linear, rms_norm
-from poly.rope import apply_rope, rope_tables
+from poly.rope import rope_inplace, rope_tables
 
 
 class KVCache:
@@ -80,7 +80,8 @@ def _project_qkv(p: _Plan, x: np.ndarray, block_rows: int):
     """x [n, d] -> q [n, q], k [n, kv], v [n, kv] (views of one [n, q+2kv] buffer)."""
     if p.w_qkv is not None and not block_rows:
         qkv = dense_matmul(x, p.w_qkv)  # [n, q+2kv]
-        qkv += p.b_qkv
+        if p.b_qkv.any():  # most checkpoints have no q/k/v bias: skip the pass
+            qkv += p.b_qkv
     else:
         qkv = np.empty((x.shape[0], p.width), dtype=np.float32)  # [n, q+2kv]
         bounds = (0, *p.splits, p.width)
@@ -150,8 +151,9 @@ def _append(layer, cache: KVCache, p: _Plan, q, k, v, tile: int) -> np.ndarray:
         k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
     cos, sin = rope_tables(hd, float(layer.rope_freq_base), layer.rope_scaling, cache.capacity)
     end = start + n
-    q = apply_rope(q, cos[start:end], sin[start:end])
-    cache.k[start:end] = apply_rope(k, cos[start:end], sin[start:end])
+    q = rope_inplace(np.array(q, dtype=np.float32, order="C"), cos, sin, start)  # own copy
+    cache.k[start:end] = k
+    rope_inplace(cache.k[start:end], cos, sin, start)  # the cache rows are contiguous
     cache.v[start:end] = v.reshape(n, kvh, hd)
     if tile:
         attn = _attend_tiled(q, cache.k[:end], cache.v[:end], start, heads // kvh, tile)

@@ -51,7 +51,8 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
     comps = p.comps
     if p.w_gu is not None and not tile:
         gate_up = dense_matmul(x2, p.w_gu)  # [n, 2I]
-        gate_up += p.b_gu
+        if p.b_gu.any():
+            gate_up += p.b_gu
     else:
         gate_up = np.empty((x2.shape[0], 2 * inter), dtype=np.float32)  # [n, 2I]
         gate_up[:, :inter] = linear(x2, comps["w_gate"], comps["b_gate"], tile)
