@@ -196,6 +196,16 @@ def worker(name: str, args) -> None:
 # --- parent ------------------------------------------------------------------------------------
 
 
+def _stale(path: Path) -> bool:
+    """Missing, or older than the conversion code that writes it (formats change)."""
+    import entity
+
+    if not path.is_file():
+        return True
+    newest = max(f.stat().st_mtime for f in Path(entity.__file__).parent.glob("*.py"))
+    return path.stat().st_mtime < newest
+
+
 def prepare(args) -> tuple[dict[str, list[int]], object]:
     """Write the F32/F16 GGUF and .entity copies once; return the token ids of both prompts."""
     import entity
@@ -208,8 +218,10 @@ def prepare(args) -> tuple[dict[str, list[int]], object]:
         if not (WORK / f"smollm2-{kind}.gguf").is_file():
             export(args.gguf, WORK / f"smollm2-{kind}.gguf", kind)
     for quant in ("q4", "q8"):
-        if not (WORK / f"smollm2-{quant}.entity").is_file():
-            entity.convert(args.gguf, str(WORK / f"smollm2-{quant}.entity"), quant=quant)
+        if _stale(WORK / f"smollm2-{quant}.entity"):
+            entity.convert(
+                args.gguf, str(WORK / f"smollm2-{quant}.entity"), quant=quant, force=True
+            )
     model = load_gguf(args.gguf, keep_quantized=True)
     chat = model.prompt_ids([{"role": "user", "content": CHAT_PROMPT}], chat=True)
     return {"chat": list(chat), "p128": prompt_ids(model, 128)}, model.tokenizer
@@ -255,9 +267,9 @@ def measure(args, prompts: dict[str, list[int]]) -> dict:
         except (RuntimeError, OSError) as exc:
             print(f"skip {name}: {exc}", file=sys.stderr)
     alive = []
-    for w in workers:  # warm-up: weights paged in, kernels compiled
+    for w in workers:  # warm-up: weights paged in, kernels compiled, poly's thread count chosen
         try:
-            w.ask({"op": "run", "ids": prompts["chat"][:8], "new": 4})
+            w.ask({"op": "run", "ids": prompts["chat"][:8], "new": 12})
             alive.append(w)
         except RuntimeError as exc:  # e.g. a llama.cpp build that crashes in decode
             print(f"skip {w.name}: {exc}", file=sys.stderr)

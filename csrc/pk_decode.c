@@ -6,7 +6,7 @@
  * threads stay inside one region; row-parallel matrix-vector phases are separated by barriers
  * and the small serial work (norms, RoPE, the KV append) runs on one thread.
  *
- * decode(layers, caches, head, x, logits, pos, q8) for n <= 16 rows (independent sequences, each
+ * decode(layers, caches, head, x, logits, pos, q8[, threads]) for n <= 16 rows (independent sequences, each
  * one new token: batched decode reads every weight row once for all of them)
  *   layers: tuple of per-block tuples
  *     (heads, kv_heads, head_dim, eps, attn_gamma, q_gamma|None, k_gamma|None, qkv_mats,
@@ -18,7 +18,7 @@
  *   head: (final_gamma, eps, lm_mat)
  *   x: float32 [n, d] embeddings of the tokens (overwritten: the residual streams)
  *   logits: float32 [n, V] output; pos: tuple of n positions written (each < its T);
- *   q8: int8 activations.
+ *   q8: int8 activations; threads (optional): OpenMP threads for this call, 0 = set_threads().
  * Every buffer's size is checked against the dims before anything runs (ValueError).
  */
 #include "pk_decode.h"

@@ -175,7 +175,13 @@ static int parse_pos(PyObject *o, step_t *S) {
 
 PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) { PyErr_SetString(PyExc_TypeError, "decode(layers, caches, head, x, logits, pos, q8)"); return NULL; }
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "decode(layers, caches, head, x, logits, pos, q8[, threads])");
+        return NULL;
+    }
+    const long want_nt = nargs == 8 ? PyLong_AsLong(args[7]) : 0; /* 0: set_threads() */
+    if (want_nt == -1 && PyErr_Occurred()) return NULL;
+    if (want_nt < 0 || want_nt > 4096) { PyErr_SetString(PyExc_ValueError, "threads must be 0..4096"); return NULL; }
     step_t S = {0};
     if (parse_pos(args[5], &S)) return NULL;
     const int q8 = PyObject_IsTrue(args[6]);
@@ -191,7 +197,7 @@ PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     float *scratch = NULL;
     if (!H.bufs || !S.L) { PyErr_NoMemory(); goto done; }
     if (parse_all(&H, args, &S)) goto done;
-    const int nt = pk_threads;
+    const int nt = want_nt ? (int)want_nt : pk_threads;
     scratch = malloc(pk_scratch_floats(&S, nt) * 4);
     if (!scratch) { PyErr_NoMemory(); goto done; }
     Py_BEGIN_ALLOW_THREADS

@@ -16,7 +16,7 @@ import numpy as np
 from poly.errors import UsageError
 
 BENCH_TEXT = "Explain in one short paragraph why the sky appears blue during the day. "
-WARMUP_PROMPT, WARMUP_NEW = 8, 4
+WARMUP_PROMPT, WARMUP_NEW = 8, 12  # 12 steps: the decode thread count is chosen (poly.threadtune)
 
 
 def peak_rss_mb() -> float:

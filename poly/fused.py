@@ -11,6 +11,8 @@ The call's argument tuples are built once per weight version (`_Plan`) and check
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from poly import ckernels, kernels
@@ -18,6 +20,7 @@ from poly.errors import ContextOverflowError
 from poly.layer import Activation
 from poly.ops import ACTIVATIONS
 from poly.rope import rope_tables
+from poly.threadtune import ThreadTuner
 
 _F32 = np.dtype(np.float32)
 
@@ -137,6 +140,7 @@ class _Plan:
         self.layers = layers
         self.head = (_gamma(model.final_norm_layer), float(model.config.rms_norm_eps), lm)
         self.vocab = lm[3]
+        self.tuners: dict[int, ThreadTuner] = {}  # decode threads per batch size
         self.ok = True
 
 
@@ -177,7 +181,11 @@ def _run(p: _Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
         for r in rows:
             caches += (r[li].k, r[li].v)
     logits = np.empty((x.shape[0], p.vocab), dtype=np.float32)  # [n, V]
-    ckernels._c.decode(p.layers, tuple(caches), p.head, x, logits, pos, ckernels.act_q8())
+    tuner = p.tuners.setdefault(x.shape[0], ThreadTuner())
+    nt = tuner.threads(kernels.num_threads())
+    t0 = time.perf_counter()
+    ckernels._c.decode(p.layers, tuple(caches), p.head, x, logits, pos, ckernels.act_q8(), nt)
+    tuner.record(nt, time.perf_counter() - t0)
     for r, at in zip(rows, pos):
         for cache in r:
             cache.length = at + 1
