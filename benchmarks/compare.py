@@ -35,6 +35,7 @@ ENGINES = (
     "poly-gguf-q4_1",
     "poly-entity-q4",
     "poly-entity-q8",
+    "poly-entity-f16",
     "llama-f32",
     "llama-f16",
     "llama-q4_1",
@@ -217,7 +218,7 @@ def prepare(args) -> tuple[dict[str, list[int]], object]:
     for kind in ("f32", "f16"):
         if not (WORK / f"smollm2-{kind}.gguf").is_file():
             export(args.gguf, WORK / f"smollm2-{kind}.gguf", kind)
-    for quant in ("q4", "q8"):
+    for quant in ("q4", "q8", "f16"):
         if _stale(WORK / f"smollm2-{quant}.entity"):
             entity.convert(
                 args.gguf, str(WORK / f"smollm2-{quant}.entity"), quant=quant, force=True

@@ -29,10 +29,11 @@ def _mat(w, bias=None) -> tuple | None:
     """(kind, w, aux, m, k, bias) for the C side, None when no C kernel reads `w`."""
     if bias is not None and (bias.dtype != _F32 or not bias.flags.c_contiguous):
         return None
-    if isinstance(w, np.ndarray):
-        if w.dtype != _F32 or w.ndim != 2 or not w.flags.c_contiguous:
+    if isinstance(w, np.ndarray):  # float32 / float16 / bfloat16 arrays are read as they are
+        kind = ckernels._DENSE_KINDS.get(w.dtype.name)
+        if kind is None or w.ndim != 2 or not w.flags.c_contiguous:
             return None
-        return (ckernels.F32, w, None, w.shape[0], w.shape[1], bias)
+        return (kind, w, None, w.shape[0], w.shape[1], bias)
     ops = ckernels._operands(w) if ckernels.AVAILABLE else None
     if ops is None:
         return None

@@ -216,3 +216,25 @@ def test_rope_inplace_equals_numpy_rope():
         ckernels._c.rope(x.copy(), cos, sin, 30, 5, 16)  # positions past the tables
     with pytest.raises(ValueError):
         ckernels._c.rope(x.copy(), cos, sin, 0, 5, 15)  # odd head_dim
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_plain_half_arrays_are_read_directly(dtype, monkeypatch):
+    """.entity f16/bf16 files install plain numpy half arrays (not QTensors) as versions."""
+    import ml_dtypes
+
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    tf = random_transformer(_cfg(), seed=12)
+    for layer in tf.network.walk():
+        if layer.type in (LayerType.MHA, LayerType.SWIGLU):
+            comps = {
+                name: None
+                if view is None
+                else np.ascontiguousarray(view).astype(
+                    np_dtype if name in layout.MATRIX_COMPONENTS else np.float32
+                )
+                for name, view in layout.views(layer).items()
+            }
+            layer.weights.set_version(dtype, comps, activate=True)
+    tf.lm_head = np.ascontiguousarray(tf.lm_head).astype(np_dtype)
+    _assert_same(tf, monkeypatch, rtol=2e-5)
