@@ -27,7 +27,7 @@ _F32 = np.dtype(np.float32)
 
 def _mat(w, bias=None) -> tuple | None:
     """(kind, w, aux, m, k, bias) for the C side, None when no C kernel reads `w`."""
-    if bias is not None and (bias.dtype != _F32 or not bias.flags.c_contiguous):
+    if bias is not None and not _is_f32(bias):
         return None
     if isinstance(w, np.ndarray):  # float32 / float16 / bfloat16 arrays are read as they are
         kind = ckernels._DENSE_KINDS.get(w.dtype.name)
@@ -103,27 +103,22 @@ def _layer_args(blk) -> tuple | None:
     norm1, norm2 = subs[ATTN_NORM], subs[MLP_NORM]
     if float(norm1.rms_norm_eps) != eps or float(norm2.rms_norm_eps) != eps:
         return None  # one eps per block on the C side
-    return (
-        attn.num_heads,
-        attn.num_kv_heads,
-        attn.head_dim,
-        eps,
-        _gamma(norm1),
-        qn,
-        kn,
-        qkv,
-        cos,
-        sin,
-        o,
-        _gamma(norm2),
-        gu,
-        down,
-    )
+    g1, g2 = _gamma(norm1), _gamma(norm2)
+    if not all(_is_f32(v) for v in (g1, g2, qn, kn) if v is not None):
+        return None  # the C side reads vectors as contiguous float32
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, eps)
+    return (*heads, g1, qn, kn, qkv, cos, sin, o, g2, gu, down)
+
+
+def _is_f32(a) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == _F32 and a.flags.c_contiguous
 
 
 class _Plan:
+    """The argument tuples of one model's fused step; `ok` False when the step does not apply."""
+
     def __init__(self, model, key: tuple):
-        from poly.transformer import _gamma, is_plain_block
+        from poly.transformer import ATTN, _gamma, is_plain_block
 
         self.key = key
         self.ok = False
@@ -132,14 +127,12 @@ class _Plan:
         if not blocks or not all(is_plain_block(b) for b in blocks):
             return
         layers = tuple(_layer_args(b) for b in blocks)
-        lm = _mat(model._lm_head)
-        if lm is None or any(a is None for a in layers):
+        lm, final = _mat(model._lm_head), _gamma(model.final_norm_layer)
+        if lm is None or not _is_f32(final) or any(a is None for a in layers):
             return
-        from poly.transformer import ATTN
-
         self.attn = [b.sequential_layers[ATTN] for b in blocks]
         self.layers = layers
-        self.head = (_gamma(model.final_norm_layer), float(model.config.rms_norm_eps), lm)
+        self.head = (final, float(model.config.rms_norm_eps), lm)
         self.vocab = lm[3]
         self.tuners: dict[int, ThreadTuner] = {}  # decode threads per batch size
         self.ok = True
