@@ -238,3 +238,13 @@ def test_plain_half_arrays_are_read_directly(dtype, monkeypatch):
             layer.weights.set_version(dtype, comps, activate=True)
     tf.lm_head = np.ascontiguousarray(tf.lm_head).astype(np_dtype)
     _assert_same(tf, monkeypatch, rtol=2e-5)
+
+
+def test_non_float32_vectors_fall_back_to_the_python_path(monkeypatch):
+    tf = random_transformer(_cfg(), seed=13)
+    norm = tf.attn_norm(1)
+    gamma = np.array(layout.components(norm)["gamma"], dtype=np.float64)  # not what C reads
+    norm.weights.set_version("f64", {"gamma": gamma}, activate=True)
+    assert fused.plan(tf) is None
+    out = tf.forward([1, 2])
+    assert out.dtype == np.float32 and np.isfinite(out).all()
