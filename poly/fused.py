@@ -46,26 +46,21 @@ def _mats(pairs) -> tuple | None:
     return None if any(m is None for m in out) else out
 
 
-def _layer_key(blk) -> tuple:
-    from poly.layers import mha, swiglu
-    from poly.transformer import ATTN, ATTN_NORM, MLP, MLP_NORM
-
-    subs = blk.sequential_layers
-    norms = []
-    for s in (subs[ATTN_NORM], subs[MLP_NORM]):
-        store = s.weights
-        norms.append((store.active, id(store.master), id(store.versions.get(store.active))))
-    return (*norms, mha._plan_key(subs[ATTN]), swiglu._plan_key(subs[MLP]))
-
-
 def model_key(model) -> tuple:
-    """Changes whenever a weight object, active version, tiling or enabled flag changes."""
-    from poly.transformer import is_plain_block
-
+    """Changes whenever a weight object, active version, layer kind, tiling or enabled flag
+    changes: everything the cached plan was built from. One flat pass (runs every token)."""
     fn = model.final_norm_layer.weights
     parts = [id(model._lm_head), fn.active, id(fn.master), kernels.backend()]
     for blk in model.network.layers:
-        parts.append((blk.is_disabled, is_plain_block(blk), *_layer_key(blk)))
+        row = [blk.is_disabled, blk.use_tiling]
+        for sub in blk.sequential_layers:
+            row += (sub.type, sub.is_disabled, sub.use_tiling, sub.skip)
+            store = sub.weights
+            if store is not None and store.size:
+                row += (store.active, id(store.master))
+                if store.active is not None:  # a component swapped in place counts too
+                    row += map(id, store.versions[store.active].values())
+        parts.append(tuple(row))
     return tuple(parts)
 
 
