@@ -134,8 +134,6 @@ static void attend(const layer_t *L, const float *q, float *o, float *sc, int64_
     }
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
-
 static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B) {
     for (int i = 0; i < S->n; i++) pk_rmsnorm(x + i * S->d, g, eps, B->h + i * S->d, S->d);
     prep(&B->P, B->h, S->n * S->d, S->loom, S->q8);
@@ -185,7 +183,7 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
         mat_rows(&L->gu[1], &B->P, gu + I, 2 * I, r0, r1, S->q8, n);
     }
     for (int64_t i = 0; i < n; i++)
-        for (int64_t r = r0; r < r1; r++) B->hid[i * I + r] = silu(gu[i * 2 * I + r]) * gu[i * 2 * I + I + r];
+        silu_mul(gu + i * 2 * I + r0, gu + i * 2 * I + I + r0, B->hid + i * I + r0, r1 - r0);
 #pragma omp barrier
 #pragma omp single
     prep(&B->P, B->hid, n * I, S->loom, S->q8);

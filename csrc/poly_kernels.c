@@ -325,6 +325,7 @@ static PyMethodDef methods[] = {
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "rows [r0, r1) as float32"},
     {"decode", (PyCFunction)(void (*)(void))pk_py_decode, METH_FASTCALL, "one decode step of a whole model (see csrc/pk_decode.c)"},
     {"rope", (PyCFunction)(void (*)(void))pk_py_rope, METH_FASTCALL, "rotate [n, heads, hd] in place (HF half split)"},
+    {"silu_mul", (PyCFunction)(void (*)(void))pk_py_silu_mul, METH_FASTCALL, "out = silu(gate) * up from [n, 2I]"},
     {"set_threads", py_set_threads, METH_O, "threads for the parallel row loop"},
     {"info", py_info, METH_NOARGS, "build facts: simd, openmp, threads"},
     {NULL, NULL, 0, NULL},

@@ -248,3 +248,19 @@ def test_non_float32_vectors_fall_back_to_the_python_path(monkeypatch):
     assert fused.plan(tf) is None
     out = tf.forward([1, 2])
     assert out.dtype == np.float32 and np.isfinite(out).all()
+
+
+def test_silu_mul_matches_numpy_silu():
+    from poly.ops import silu
+
+    rng = np.random.default_rng(14)
+    gu = (rng.standard_normal((4, 2 * 45)) * 12).astype(np.float32)  # odd width: SIMD + tail
+    gu[0, 1], gu[1, 2], gu[2, 3], gu[3, 4] = np.nan, np.inf, -200.0, 200.0
+    out = np.empty((4, 45), np.float32)
+    ckernels._c.silu_mul(gu, out)
+    ref = silu(gu[:, :45]) * gu[:, 45:]
+    assert np.isnan(out[0, 1]) and out[1, 2] == ref[1, 2]
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-6, atol=1e-30)
+    with pytest.raises(ValueError):
+        ckernels._c.silu_mul(gu[:, :80].copy(), out)  # not [n, 2I]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from poly import layout
+from poly import ckernels, layout
 from poly.kernels import dense_matmul
 from poly.layer import Activation
 from poly.ops import ACTIVATIONS, linear
@@ -57,8 +57,15 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
         gate_up = np.empty((x2.shape[0], 2 * inter), dtype=np.float32)  # [n, 2I]
         gate_up[:, :inter] = linear(x2, comps["w_gate"], comps["b_gate"], tile)
         gate_up[:, inter:] = linear(x2, comps["w_up"], comps["b_up"], tile)
-    gate, up = gate_up[:, :inter], gate_up[:, inter:]
-    hidden = p.act(gate)
-    hidden *= up  # [n, I]
+    if (
+        p.act is ACTIVATIONS[int(Activation.SILU)]
+        and ckernels.AVAILABLE
+        and gate_up.flags.c_contiguous
+    ):
+        hidden = np.empty((x2.shape[0], inter), dtype=np.float32)  # [n, I]
+        ckernels._c.silu_mul(gate_up, hidden)  # one pass, vectorized exp
+    else:
+        hidden = p.act(gate_up[:, :inter])
+        hidden *= gate_up[:, inter:]  # [n, I]
     out = linear(hidden, comps["w_down"], comps["b_down"], tile)  # [n, h]
     return out.reshape(-1) if squeeze else out
