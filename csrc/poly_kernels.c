@@ -109,6 +109,13 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
         for (int64_t b = 0; b < k / 32; b++, dst += 32) {
             const uint8_t *p = row + b * 18 + 2;
             const float d = h2f(row + b * 18);
+#if PK_SIMD /* same operations as the scalar loop, 8 lanes: (q - 8) exactly, then one multiply */
+            __m256 v[4];
+            nib16(p, 0, v);
+            for (int l = 0; l < 4; l++)
+                _mm256_storeu_ps(dst + 8 * l, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_sub_ps(v[l], _mm256_set1_ps(8.0f))));
+            continue;
+#endif
             for (int l = 0; l < 16; l++) {
                 dst[l] = d * (float)((p[l] & 15) - 8);
                 dst[l + 16] = d * (float)((p[l] >> 4) - 8);
@@ -119,6 +126,13 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
         for (int64_t b = 0; b < k / 32; b++, dst += 32) {
             const uint8_t *p = row + b * 20 + 4;
             const float d = h2f(row + b * 20), m = h2f(row + b * 20 + 2);
+#if PK_SIMD /* multiply, then add: rounded twice like numpy (contraction is off here) */
+            __m256 v[4];
+            nib16(p, 0, v);
+            for (int l = 0; l < 4; l++)
+                _mm256_storeu_ps(dst + 8 * l, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(d), v[l]), _mm256_set1_ps(m)));
+            continue;
+#endif
             for (int l = 0; l < 16; l++) {
                 dst[l] = d * (float)(p[l] & 15) + m;
                 dst[l + 16] = d * (float)(p[l] >> 4) + m;
@@ -129,6 +143,12 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
         for (int64_t b = 0; b < k / 32; b++, dst += 32) {
             const int8_t *c = (const int8_t *)(row + b * 34 + 2);
             const float d = h2f(row + b * 34);
+#if PK_SIMD
+            __m256 v[4];
+            widen_i8(_mm256_loadu_si256((const __m256i *)c), v);
+            for (int l = 0; l < 4; l++) _mm256_storeu_ps(dst + 8 * l, _mm256_mul_ps(v[l], _mm256_set1_ps(d)));
+            continue;
+#endif
             for (int l = 0; l < 32; l++) dst[l] = (float)c[l] * d;
         }
         return;
