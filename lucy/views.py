@@ -156,17 +156,26 @@ def entity_rows() -> list[ModelRow]:
 
 
 def _entity_info(path: Path) -> dict:
-    """Architecture and quant scheme from a v2 header (blobs are not read); {} if unreadable."""
+    """Architecture, quant scheme and parameter count from a v2 header (blobs are not read);
+    {} if unreadable."""
+    from poly.config import TransformerConfig
+
     try:
         from entity.entity_format import EntityFile
 
-        header = EntityFile(path, verify=False).header
-        return {
-            "architecture": header.transformer.get("architecture"),
-            "dtype": header.quant.get("scheme"),
-        }
+        spec = EntityFile(path, verify=False).header
     except Exception:  # noqa: BLE001 - one unreadable file must not break the listing
         return {}
+    info = {"architecture": spec.transformer.get("architecture"), "dtype": spec.quant.get("scheme")}
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    try:  # a q4 file's blobs are packed bytes: count from the dims, not the blob shapes
+        cfg = TransformerConfig.from_dict(
+            {k: v for k, v in spec.transformer.items() if k in fields}
+        )
+        info["parameters"] = cfg.parameter_count
+    except Exception:  # noqa: BLE001 - an odd header shows "?" here; loading reports it
+        pass
+    return info
 
 
 def list_models() -> list[ModelRow]:

@@ -86,6 +86,16 @@ class TransformerConfig:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def parameter_count(self) -> int:
+        """Weights of the model as HF counts them (q/k/v biases when attention_bias)."""
+        h, q, kv = self.hidden_size, self.query_dim, self.kv_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        block = attn + 3 * h * self.intermediate_size + 2 * h  # + the two norms
+        tables = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return tables + self.num_layers * block + h  # + the final norm
+
     def to_dict(self) -> dict:
         return asdict(self)
 

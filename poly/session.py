@@ -57,7 +57,8 @@ class ChatSession:
     def stats(self) -> dict:
         d = self.last_done
         return {
-            "turns": self.turns,
+            "turns": self.turns,  # completed in this session's life, across resets and drops
+            "turns_in_history": len(self._turns),  # what the next prompt still carries
             "tokens_in_cache": int(self.model.position),
             "last_prefill_tokens": self.last_prefill_tokens,
             "last_prefill_tok_s": d.prefill_tok_s if d else 0.0,

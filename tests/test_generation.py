@@ -334,6 +334,9 @@ def test_session_second_turn_prefills_only_new_tokens():
     assert d2.prefill_tokens == s.last_prefill_tokens and d2.prompt_tokens == len(ids2)
     assert s.history[-1] == {"role": "assistant", "content": "Sure, here."}
     assert s.stats["turns"] == 2 and s.stats["tokens_in_cache"] == m.position
+    assert s.stats["turns_in_history"] == 2
+    assert s.drop_oldest_turns(1) == 1
+    assert s.stats["turns"] == 2 and s.stats["turns_in_history"] == 1
 
 
 def test_session_turns_equal_fresh_generation():

@@ -303,3 +303,12 @@ def test_tokenizer_larger_than_vocab(scratch):
     tok.save(str(scratch / "tokenizer.json"))
     with pytest.raises(IntegrityError, match="token_id_out_of_range"):
         entity.load(scratch)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_parameter_count_equals_transformers(checkpoints, variant):
+    from tests.hf_fixtures import _hf_model
+
+    model = _hf_model(str(checkpoints[variant]))
+    want = sum(p.numel() for p in model.parameters())
+    assert load_hf(checkpoints[variant]).config.parameter_count == want

@@ -263,3 +263,26 @@ def _zero_biases(cfg) -> int:
         cfg.hidden_size + 2 * kv + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size
     )
     return cfg.num_hidden_layers * per_layer
+
+
+def test_models_json_counts_parameters_of_a_q4_entity(world, tmp_path):
+    """q4 blobs are packed bytes: the count comes from the dims and must equal transformers'."""
+    from transformers import LlamaForCausalLM
+
+    import entity
+
+    home = tmp_path / "poly"
+    out = home / "entities" / "tiny-q4.entity"
+    out.parent.mkdir(parents=True)
+    entity.convert(str(world["src"]), str(out), quant="q4")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lucy", "models", "--json"],
+        env={**world["env"], "POLY_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    row = next(r for r in json.loads(proc.stdout) if r["kind"] == "entity")
+    assert row["dtype"] == "q4"
+    assert row["parameters"] == LlamaForCausalLM.from_pretrained(world["src"]).num_parameters()
