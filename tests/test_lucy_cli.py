@@ -166,7 +166,7 @@ def test_convert_refuses_existing_output(world):
 def test_download_without_network(world):
     proc = lucy(world, "download", "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert "no network" in one_error_line(proc)
-    assert proc.returncode == 1
+    assert proc.returncode == 10  # NoNetworkError: its own exit code
     assert EXIT_CODES[proc.returncode]
 
 
