@@ -48,6 +48,7 @@ setup(
         Extension(
             "poly._ckernels",
             ["csrc/poly_kernels.c", "csrc/pk_decode.c", "csrc/pk_decode_args.c"],
+            depends=["csrc/pk_kernels.h", "csrc/pk_vec.h", "csrc/pk_decode.h"],
             optional=True,
         )
     ],

@@ -1,0 +1,63 @@
+/* Vector helpers shared by the kernels: activation layouts for the quantized kernels (Loom
+ * order, int8 codes) and the SwiGLU activation. Included by pk_kernels.h. */
+#ifndef PK_VEC_H
+#define PK_VEC_H
+
+/* x with every 32-block reordered [x0, x2, ..., x30, x1, x3, ..., x31] (Loom nibble order) */
+static inline void loom_order(const float *x, float *dst, int64_t len) {
+    for (int64_t b = 0; b + 32 <= len; b += 32)
+        for (int l = 0; l < 16; l++) { dst[b + l] = x[b + 2 * l]; dst[b + 16 + l] = x[b + 2 * l + 1]; }
+}
+
+/* q8 scheme: x as two int8 codes per element, x ~= dx * (xh + xl / 254) with dx = max|x| / 127
+ * per 32-block: xh = round(x / dx), xl = round((x / dx - xh) * 254). Two integer dot products
+ * give ~15-bit activations (error <= dx / 508 per element) at integer speed. */
+static inline void quantize_x(const float *x, int8_t *xq, float *dx, int64_t nblocks) {
+    for (int64_t i = 0; i < nblocks; i++) {
+        const float *xb = x + i * 32;
+        int8_t *h = xq + i * 64, *lo = h + 32;
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
+        if (!isfinite(amax)) { dx[i] = NAN; memset(h, 0, 64); continue; }
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        dx[i] = d;
+        for (int l = 0; l < 32; l++) {
+            const float v = xb[l] * id, hv = fminf(fmaxf(rintf(v), -127.0f), 127.0f);
+            h[l] = (int8_t)hv;
+            lo[l] = (int8_t)fminf(fmaxf(rintf((v - hv) * XL_SCALE), -127.0f), 127.0f);
+        }
+    }
+}
+
+/* out[j] = silu(g[j]) * u[j] = g / (1 + exp(-g)) * u. exp is Cephes' expf polynomial on 8 lanes
+ * (relative error ~2e-7, the libm's is ~1e-7): a scalar expf per element cost more than the
+ * matrix reads of a 4-bit FFN. NaN in g stays NaN; exp(-g) is clamped so it never overflows. */
+static inline void silu_mul(const float *g, const float *u, float *out, int64_t n) {
+    int64_t j = 0;
+#if PK_SIMD
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), lo), hi);
+        __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), half));
+        x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+        x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+        __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+        y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, one));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+        const __m256 ex = _mm256_mul_ps(y, _mm256_castsi256_ps(e)); /* exp(-g) */
+        __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, ex));
+        s = _mm256_blendv_ps(s, gv, _mm256_cmp_ps(gv, gv, _CMP_UNORD_Q)); /* NaN stays NaN */
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < n; j++) out[j] = g[j] / (1.0f + expf(fminf(-g[j], 88.3762626647949f))) * u[j];
+}
+
+#endif /* PK_VEC_H */
