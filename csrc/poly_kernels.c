@@ -97,6 +97,21 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
     }
     case K_LOOM_Q4: { /* blocks of the flat matrix may straddle rows: index elements */
         const int64_t e0 = r * k;
+#if PK_SIMD
+        if (k % 32 == 0) { /* whole blocks per row: nibbles (low = even element) on 8 lanes */
+            const __m128i m15 = _mm_set1_epi8(15), m8 = _mm_set1_epi8(8);
+            for (int64_t b = e0 >> 5; b < (e0 + k) >> 5; b++, dst += 32) {
+                const __m128i p = _mm_loadu_si128((const __m128i *)(A->w + b * 16));
+                const __m128i lo = _mm_and_si128(p, m15), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m15);
+                const __m128i c0 = _mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(lo, hi), m8), m8);
+                const __m128i c1 = _mm_sub_epi8(_mm_xor_si128(_mm_unpackhi_epi8(lo, hi), m8), m8);
+                __m256 v[4];
+                widen_i8(_mm256_set_m128i(c1, c0), v);
+                for (int l = 0; l < 4; l++) _mm256_storeu_ps(dst + 8 * l, _mm256_mul_ps(v[l], _mm256_set1_ps(A->aux[b])));
+            }
+            return;
+        }
+#endif
         for (int64_t j = 0; j < k; j++) {
             const int64_t e = e0 + j, b = e >> 5, l = e & 31;
             const uint8_t byte = A->w[b * 16 + (l >> 1)];
