@@ -139,12 +139,26 @@ static void norm_prep(const step_t *S, const float *x, const float *g, float eps
     prep(&B->P, B->h, S->n * S->d, S->loom, S->q8);
 }
 
-static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
-    const int64_t d = S->d, n = S->n, q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
-    float *x = S->x;
+/* residual streams x [n, d] += in [n, k] @ M.T: `in` prepared on one thread, then each thread
+ * its own rows of M (each output element written by one thread, so no second barrier) */
+static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const float *in, int64_t k,
+                           int tid, int nt) {
+    const int64_t d = S->d, n = S->n;
     int64_t r0, r1;
 #pragma omp single
-    norm_prep(S, x, L->g_attn, L->eps, B);
+    prep(&B->P, in, n * k, S->loom, S->q8);
+    part(d, tid, nt, &r0, &r1);
+    mat_rows(M, &B->P, B->tmp, d, r0, r1, S->q8, n);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = r0; r < r1; r++) S->x[i * d + r] += B->tmp[i * d + r];
+#pragma omp barrier
+}
+
+static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
+    const int64_t n = S->n, q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
+    int64_t r0, r1;
+#pragma omp single
+    norm_prep(S, S->x, L->g_attn, L->eps, B);
     for (int i = 0, off = 0; i < L->nqkv; off += (int)L->qkv[i].A.m, i++) {
         part(L->qkv[i].A.m, tid, nt, &r0, &r1);
         mat_rows(&L->qkv[i], &B->P, B->qkv + off, w, r0, r1, S->q8, n);
@@ -159,21 +173,15 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
                S->pos[i], i, h);
     }
 #pragma omp barrier
-#pragma omp single
-    prep(&B->P, B->att, n * q, S->loom, S->q8);
-    part(d, tid, nt, &r0, &r1);
-    mat_rows(&L->o, &B->P, B->tmp, d, r0, r1, S->q8, n);
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t r = r0; r < r1; r++) x[i * d + r] += B->tmp[i * d + r];
-#pragma omp barrier
+    add_projection(S, &L->o, B, B->att, q, tid, nt);
 }
 
 static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
-    const int64_t d = S->d, n = S->n, I = L->down.A.k;
-    float *x = S->x, *gu = B->gu;
+    const int64_t n = S->n, I = L->down.A.k;
+    float *gu = B->gu;
     int64_t r0, r1;
 #pragma omp single
-    norm_prep(S, x, L->g_mlp, L->eps, B);
+    norm_prep(S, S->x, L->g_mlp, L->eps, B);
     part(I, tid, nt, &r0, &r1);
     if (L->ngu == 1) {
         mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n);
@@ -185,13 +193,7 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     for (int64_t i = 0; i < n; i++)
         silu_mul(gu + i * 2 * I + r0, gu + i * 2 * I + I + r0, B->hid + i * I + r0, r1 - r0);
 #pragma omp barrier
-#pragma omp single
-    prep(&B->P, B->hid, n * I, S->loom, S->q8);
-    part(d, tid, nt, &r0, &r1);
-    mat_rows(&L->down, &B->P, B->tmp, d, r0, r1, S->q8, n);
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t r = r0; r < r1; r++) x[i * d + r] += B->tmp[i * d + r];
-#pragma omp barrier
+    add_projection(S, &L->down, B, B->hid, I, tid, nt);
 }
 
 /* scratch floats for step S with nt threads (see carve) */

@@ -67,3 +67,14 @@ def _save_snapshot(model, tok, out: Path) -> None:
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+@pytest.fixture
+def c_backend():
+    """The C kernel backend for one test, int8 activations off and the default restored after."""
+    from poly import ckernels, kernels
+
+    kernels.set_backend("c")
+    yield
+    ckernels.set_act_q8(False)
+    kernels.set_backend()

@@ -14,7 +14,10 @@ from poly import ckernels, kernels, qtensor
 from poly.errors import DTypeError, LayerConfigError, UsageError
 from poly.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix
 
-pytestmark = pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly._ckernels not built")
+pytestmark = [
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly._ckernels not built"),
+    pytest.mark.usefixtures("c_backend"),
+]
 
 K_TYPES = {  # GGUF K-quants: (block elements, bytes, byte offsets of the f16 scales)
     GGMLQuantizationType.Q4_K: (256, 144, (0, 2)),
@@ -60,14 +63,6 @@ MAKERS = {
     "gguf_q6_k": _kquant(GGMLQuantizationType.Q6_K),
 }
 QUANTIZED = [s for s in MAKERS if s not in ("float32", "float16", "bfloat16")]
-
-
-@pytest.fixture(autouse=True)
-def c_backend():
-    kernels.set_backend("c")
-    yield
-    ckernels.set_act_q8(False)
-    kernels.set_backend()
 
 
 def _case(scheme, m, n, seed=0):

@@ -15,17 +15,12 @@ from poly.layer import LayerType
 from tests.test_ckernels import MAKERS
 from tests.tiny_model import random_transformer
 
-pytestmark = pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly._ckernels not built")
+pytestmark = [
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly._ckernels not built"),
+    pytest.mark.usefixtures("c_backend"),
+]
 
 PROMPT = [3, 17, 5, 42, 9, 11]
-
-
-@pytest.fixture(autouse=True)
-def c_backend():
-    kernels.set_backend("c")
-    yield
-    ckernels.set_act_q8(False)
-    kernels.set_backend()
 
 
 def _cfg(hidden=64, inter=96, **kw) -> TransformerConfig:
