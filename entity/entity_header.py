@@ -1,0 +1,181 @@
+"""The `.entity` v2 header: the 20-byte prefix, the msgpack header schema and its validation.
+
+Everything here works on bytes already read and on decoded records; `entity_format` opens, maps
+and writes the files (the byte layout is in its docstring and in docs/formats.md). The writer
+decodes its own header with `_decode_header` before writing it, so both sides share one schema.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Literal
+
+import ml_dtypes
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from entity.native_blocks import check_record
+from poly.errors import EntityFormatError
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "ALIGN",
+    "PREFIX",
+    "BLOB_DTYPES",
+    "BlobRecord",
+    "META_KEYS",
+    "align",
+    "read_prefix",
+]
+
+MAGIC = b"ENTITY\x00\x00"
+FORMAT_VERSION = 2
+ALIGN = 64  # cache-line and SIMD friendly; any page-aligned mmap keeps it
+PREFIX = struct.Struct("<8sHHQ")  # magic, version, flags, header length
+MAX_BLOBS = 1 << 20
+_CRC_KEY = "header_crc32"
+_CRC_TAIL = msgpack.packb(_CRC_KEY) + b"\xce"  # key, then uint32 marker, then 4 crc bytes
+
+# Blob dtype names (the lower-case Loom names) -> numpy dtype, little-endian.
+BLOB_DTYPES: dict[str, np.dtype] = {
+    "float64": np.dtype("<f8"),
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "int16": np.dtype("<i2"),
+    "int8": np.dtype("i1"),
+    "uint64": np.dtype("<u8"),
+    "uint32": np.dtype("<u4"),
+    "uint16": np.dtype("<u2"),
+    "uint8": np.dtype("u1"),
+}
+
+
+class BlobRecord(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+    path: str = Field(min_length=1, max_length=512)
+    offset: int = Field(ge=0)
+    length: int = Field(ge=0)
+    dtype: str
+    shape: list[int]
+    checksum: int = Field(ge=0, lt=1 << 32)
+    # GGUF blocks kept native (entity.native_blocks): uint8 [out, row_bytes]; absent otherwise,
+    # so files without native blobs are byte-identical to those of older writers.
+    ggml_type: int | None = None
+
+
+class _Header(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    format_version: Literal[2]
+    network: dict[str, Any]
+    transformer: dict[str, Any]
+    quant: dict[str, Any]
+    blobs: list[BlobRecord] = Field(max_length=MAX_BLOBS)
+    tokenizer: str | None
+    tokenizer_config: dict[str, Any]
+    chat_template: str | None
+    generation_config: dict[str, Any]
+    eos_token_ids: list[int]
+    source: dict[str, Any]
+    header_crc32: int = Field(ge=0, lt=1 << 32)
+
+
+META_KEYS = tuple(k for k in _Header.model_fields if k not in ("format_version", "blobs", _CRC_KEY))
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _fail(msg: str, path: str | None, offset: int | None = None) -> EntityFormatError:
+    return EntityFormatError(msg, path=path, offset=offset)
+
+
+def read_prefix(f, path: str | None = None) -> tuple[int, int, int]:
+    """Read and check the 20-byte prefix: returns (version, flags, header length)."""
+    raw = f.read(PREFIX.size)
+    if len(raw) < PREFIX.size:
+        raise _fail("truncated: file shorter than the 20-byte prefix", path, 0)
+    magic, version, flags, hlen = PREFIX.unpack(raw)
+    if magic != MAGIC:
+        raise _fail("not an .entity file (bad magic)", path, 0)
+    return version, flags, hlen
+
+
+def _no_dups(pairs: list[tuple[Any, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if not isinstance(k, str):
+            raise ValueError("header map key is not a string")
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} not allowed")
+
+
+def _check_finite(obj: Any, where: str = "header") -> None:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise ValueError(f"non-finite number at {where}")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_finite(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_finite(v, f"{where}[{i}]")
+
+
+def _decode_header(raw: bytes, path: str | None) -> _Header:
+    try:
+        obj = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            object_pairs_hook=_no_dups,
+            ext_hook=_reject_ext,
+        )
+        if not isinstance(obj, dict):
+            raise ValueError("header is not a map")
+        _check_finite(obj)
+        return _Header.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise _fail(f"bad header field {loc}: {err['msg']}", path, PREFIX.size) from exc
+    except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
+        raise _fail(f"bad msgpack header: {exc}", path, PREFIX.size) from exc
+
+
+def _check_layout(blobs: list[BlobRecord], data_start: int, size: int, path: str | None) -> None:
+    seen: set[str] = set()
+    expect = data_start
+    for b in sorted(blobs, key=lambda r: r.offset):
+        if b.path in seen:
+            raise _fail(f"duplicate blob path {b.path!r}", path)
+        seen.add(b.path)
+        dt = BLOB_DTYPES.get(b.dtype)
+        if dt is None:
+            raise _fail(f"blob {b.path!r}: unknown dtype {b.dtype!r}", path)
+        if any(d < 0 for d in b.shape) or math.prod(b.shape) * dt.itemsize != b.length:
+            raise _fail(f"blob {b.path!r}: length {b.length} != shape {b.shape} x {b.dtype}", path)
+        if b.ggml_type is not None:
+            try:
+                check_record(b.ggml_type, b.dtype, b.shape)
+            except EntityFormatError as exc:
+                raise _fail(f"blob {b.path!r}: {exc.message}", path) from exc
+        if b.offset != expect:
+            raise _fail(f"blob {b.path!r}: offset {b.offset}, expected {expect}", path, b.offset)
+        expect = align(b.offset + b.length)
+    end = max((b.offset + b.length for b in blobs), default=data_start)
+    if end != size:
+        what = "truncated" if end > size else "trailing bytes after the last blob"
+        raise _fail(f"{what}: data ends at {end}, file size {size}", path, min(end, size))
