@@ -12,7 +12,7 @@ Layout (little-endian; full description in docs/formats.md):
             between them, the file ends exactly at the end of the last blob.
 
 Every blob record carries the crc32 of its bytes. The container knows nothing about transformers:
-`entity_model` decides which blobs and header keys a model needs.
+`entity_model` and `entity_blobs` decide which blobs and header keys a model needs.
 
 This module opens, verifies and maps files (`EntityFile`) and writes them (`EntityWriter`); the
 prefix, the header schema and their checks are in `entity_header`, and the names callers import

@@ -1,11 +1,9 @@
-"""Transformer <-> `.entity` v2: which blobs a model is made of, in which encoding.
+"""Transformer -> `.entity` v2: the header metadata (network and transformer specs), the
+components of each block, and the streaming writer.
 
-Blob names: `blocks.<i>.<role>` (role = attn_norm | attn | mlp_norm | mlp) holds a layer's whole
-float32 master in the f32 scheme (loaded zero-copy as the master itself); the other schemes store
-one blob per component, `blocks.<i>.<role>.<name>` (names of `poly.layout`), with encoded matrices
-split into parts (`.codes`/`.scales` for int8, `.scales`/`.packed` for q4_0), or one blob of GGUF
-block rows when a q4/q8 source matrix already is GGUF blocks (`entity.native_blocks`). Globals:
-`embeddings`, `lm_head` (absent when tied), `final_norm`. Byte layouts: docs/formats.md.
+Which blobs a model is made of, and their encodings: `entity_blobs`. The reader: `entity_load`.
+`load_entity` and the tables and helpers callers import from here (SCHEMES, ROLES, ...) are
+re-exported.
 """
 
 from __future__ import annotations
@@ -16,106 +14,29 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from entity.entity_format import EntityFile, EntityWriter, read_prefix
-from entity.native_blocks import NATIVE_TARGETS, get_native, is_native_blob, native_kind, put_native
+from entity.entity_blobs import (
+    ENCODINGS,
+    ROLES,
+    SCHEMES,
+    _as_float,
+    _check_quant,
+    _put_matrix,
+    _role_layer,
+    _role_shapes,
+)
+from entity.entity_format import EntityWriter
+from entity.entity_load import load_entity
+from entity.native_blocks import native_kind
 from poly import layout
 from poly.config import TransformerConfig
-from poly.dtypes import DType, Encoded
-from poly.errors import EntityFormatError, LayerConfigError, PolyError, UsageError
-from poly.qtensor import CodedMatrix, Q4Matrix, QTensor
+from poly.errors import LayerConfigError
+from poly.qtensor import QTensor
 
 __all__ = ["save_entity", "load_entity", "write_entity", "SCHEMES", "ENCODINGS", "ROLES"]
 
-ROLES = ("attn_norm", "attn", "mlp_norm", "mlp")
-NORM_ROLES = frozenset({"attn_norm", "mlp_norm"})
-# quant scheme -> (matrix encoding, default embeddings/LM-head encoding)
-SCHEMES: dict[str, tuple[str, str]] = {
-    "f32": ("float32", "float32"),
-    "f16": ("float16", "float16"),
-    "bf16": ("bfloat16", "bfloat16"),
-    # 8-bit LM head for the quantized schemes (as llama.cpp's Q4 files do): it is the largest
-    # matrix read per token.
-    "q8": ("int8", "int8"),
-    "q4": ("q4_0", "int8"),
-}
-EMBED_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8": "int8", "q4": "q4_0"}
 Progress = Callable[[int, int, str], None]
-
-
-# --- encodings: how one float32 matrix becomes blobs, and back ------------------------------------
-
-
-def _put_cast(dtype):
-    return lambda w, name, out: out.add(name, np.asarray(w, np.float32).astype(dtype))
-
-
-def _put_int8(w, name, out) -> None:
-    enc = CodedMatrix.encode(w, DType.INT8).encoded  # per-row symmetric scales max|w|/127
-    out.add(f"{name}.codes", enc.codes)
-    out.add(f"{name}.scales", enc.scales.astype(np.float32))
-
-
-def _put_q4(w, name, out) -> None:
-    q = Q4Matrix.quantize(w)
-    out.add(f"{name}.scales", q.scales)
-    out.add(f"{name}.packed", q.packed)
-
-
-def _get_dense(ef: EntityFile, name: str, shape) -> np.ndarray:
-    return ef.array(name)
-
-
-def _get_int8(ef: EntityFile, name: str, shape) -> QTensor:
-    codes, scales = ef.array(f"{name}.codes"), ef.array(f"{name}.scales")
-    if codes.dtype != np.int8 or codes.shape != tuple(shape) or scales.shape != (shape[0],):
-        raise EntityFormatError(f"{name}: int8 parts do not match shape {shape} (dtype_role)")
-    return CodedMatrix(
-        Encoded(DType.INT8, tuple(shape), codes, scales.astype(np.float32, copy=False))
-    )
-
-
-def _get_q4(ef: EntityFile, name: str, shape) -> QTensor:
-    scales, packed = ef.array(f"{name}.scales"), ef.array(f"{name}.packed")
-    if not np.isfinite(scales).all():
-        raise EntityFormatError(f"{name}: non-finite Q4 block scale")
-    try:
-        return Q4Matrix(scales, packed, tuple(shape))
-    except LayerConfigError as exc:
-        raise EntityFormatError(f"{name}: {exc} (block_count)") from exc
-
-
-# encoding -> (writer, reader, numpy dtype of a dense blob or None)
-ENCODINGS: dict[str, tuple[Callable, Callable, Any]] = {
-    "float32": (_put_cast(np.float32), _get_dense, np.float32),
-    "float16": (_put_cast(np.float16), _get_dense, np.float16),
-    "bfloat16": (_put_cast(ml_dtypes.bfloat16), _get_dense, ml_dtypes.bfloat16),
-    "int8": (_put_int8, _get_int8, None),
-    "q4_0": (_put_q4, _get_q4, None),
-}
-
-
-def _read_matrix(ef: EntityFile, encoding: str, name: str, shape) -> Any:
-    if is_native_blob(ef, name):  # GGUF blocks kept as they were (any scheme may hold them)
-        return get_native(ef, name, shape)
-    _, get, dense = ENCODINGS[encoding]
-    value = get(ef, name, shape)
-    if dense is not None and (value.dtype != np.dtype(dense) or value.shape != tuple(shape)):
-        raise EntityFormatError(
-            f"{name}: stored {value.dtype} {value.shape}, header says {encoding} {tuple(shape)} "
-            "(dtype_role)",
-            path=ef.path,
-        )
-    return value
-
-
-def _read_vector(ef: EntityFile, name: str, n: int) -> np.ndarray:
-    v = ef.array(name)
-    if v.dtype != np.float32 or v.shape != (n,):
-        raise EntityFormatError(f"{name}: expected float32 [{n}], got {v.dtype} {v.shape}")
-    return v
 
 
 # --- model description ------------------------------------------------------------------------
@@ -156,25 +77,6 @@ def network_spec(tf) -> dict[str, Any]:
     return {**dims, "layers": [layer_spec(layer) for layer in net.layers]}
 
 
-def _role_layer(tf, i: int, role: str):
-    return getattr(tf, role)(i)
-
-
-def _role_shapes(cfg: TransformerConfig, role: str) -> dict[str, tuple[int, ...]]:
-    """Component shapes per role, in master order (poly.layout field order)."""
-    d, q, kv, inter = cfg.hidden_size, cfg.query_dim, cfg.kv_dim, cfg.intermediate_size
-    if role in NORM_ROLES:
-        return {"gamma": (d,)}
-    if role == "attn":
-        shapes = {"w_q": (q, d), "w_k": (kv, d), "w_v": (kv, d), "w_o": (d, q),
-                  "b_q": (q,), "b_k": (kv,), "b_v": (kv,), "b_o": (d,)}  # fmt: skip
-        if cfg.qk_norm:
-            shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
-        return shapes
-    return {"w_gate": (inter, d), "w_up": (inter, d), "w_down": (d, inter),
-            "b_gate": (inter,), "b_up": (inter,), "b_down": (d,)}  # fmt: skip
-
-
 def float_components(layer) -> dict[str, np.ndarray]:
     """A layer's components as float32 arrays (dequantizing stored versions)."""
     out = {}
@@ -203,19 +105,6 @@ def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, Any]]]]:
         yield i, {role: source_components(_role_layer(tf, i, role)) for role in ROLES}
 
 
-def _as_float(table) -> np.ndarray:
-    return table.dequantize() if isinstance(table, QTensor) else np.asarray(table, np.float32)
-
-
-def _put_matrix(out: EntityWriter, w: Any, name: str, enc: str, kept: set[str]) -> None:
-    """One matrix in encoding ``enc``; kept native when it already is GGUF blocks and ``enc``
-    quantizes anyway (re-quantizing would round twice)."""
-    if enc in NATIVE_TARGETS and native_kind(w):
-        kept.add(put_native(w, name, out))
-    else:
-        ENCODINGS[enc][0](_as_float(w), name, out)
-
-
 # --- writing ----------------------------------------------------------------------------------
 
 
@@ -240,17 +129,6 @@ def _write_block(
                 _put_matrix(out, got[name], f"{base}.{name}", matrix_enc, kept)
             else:
                 out.add(f"{base}.{name}", np.asarray(got[name], np.float32))
-
-
-def _check_quant(quant: str, embed_quant: str | None) -> tuple[str, str]:
-    if quant not in SCHEMES:
-        raise UsageError(f"unknown quant {quant!r}; choose one of {sorted(SCHEMES)}")
-    matrix_enc, embed_enc = SCHEMES[quant]
-    if embed_quant is not None:
-        embed_enc = EMBED_ALIASES.get(embed_quant, embed_quant)
-        if embed_enc not in ENCODINGS:
-            raise UsageError(f"unknown embed_quant {embed_quant!r}")
-    return matrix_enc, embed_enc
 
 
 def write_entity(
@@ -338,116 +216,3 @@ def save_entity(
         model_meta(tf, cfg), quant=quant, embed_quant=embed_quant, force=force, inputs=inputs,
         progress=progress,
     )  # fmt: skip
-
-
-# --- reading ----------------------------------------------------------------------------------
-
-
-def _config(ef: EntityFile, max_seq_len: int | None) -> TransformerConfig:
-    spec = dict(ef.meta("transformer"))
-    spec.pop("tied", None)
-    try:
-        cfg = TransformerConfig.from_dict(spec)
-        if max_seq_len is not None:
-            cfg = dataclasses.replace(cfg, max_seq_len=int(max_seq_len))
-        return cfg
-    except (PolyError, TypeError, ValueError) as exc:
-        raise EntityFormatError(f"bad transformer spec: {exc}", path=ef.path) from exc
-
-
-def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
-    cfg = tf.config
-    for role in ROLES:
-        layer, shapes, base = (
-            _role_layer(tf, i, role),
-            _role_shapes(cfg, role),
-            f"blocks.{i}.{role}",
-        )
-        if matrix_enc == "float32":
-            layer.weights.master = _read_vector(ef, base, layer.weights.size)  # zero-copy master
-            continue
-        if role in NORM_ROLES:
-            layer.weights.master = _read_vector(ef, f"{base}.gamma", cfg.hidden_size)
-            continue
-        comps = {
-            name: _read_matrix(ef, matrix_enc, f"{base}.{name}", shape)
-            if len(shape) == 2
-            else _read_vector(ef, f"{base}.{name}", shape[0])
-            for name, shape in shapes.items()
-        }
-        matrices = [comps[n] for n, shape in shapes.items() if len(shape) == 2]
-        layer.weights.set_version(_version_name(matrices, matrix_enc), comps)
-
-
-def _version_name(matrices: list, matrix_enc: str) -> str:
-    """The stored version's name: its matrices' encodings (what `lucy inspect` shows as active),
-    e.g. "q4_0", "gguf_q4_1", or "gguf_q4_1+gguf_q6_k" for a mixed GGUF source."""
-    return "+".join(sorted({native_kind(m) or matrix_enc for m in matrices}))
-
-
-def _attach_meta(tf, ef: EntityFile) -> None:
-    from poly.chat import ChatTemplate
-    from poly.sampling import GenOptions
-    from poly.tokenizer import Tokenizer
-
-    tok_cfg = ef.meta("tokenizer_config")
-    text = ef.meta("tokenizer")
-    if text is not None:
-        special = {k: tok_cfg.get(k) for k in ("bos_token", "eos_token") if tok_cfg.get(k)}
-        tf.tokenizer = Tokenizer.from_str(text, path=ef.path, **special)
-    source = ef.meta("chat_template")
-    if source is not None:
-        tf.chat_template = ChatTemplate(source, **(tok_cfg.get("template") or {}))
-    tf.eos_token_ids = tuple(ef.meta("eos_token_ids"))
-    gen = ef.meta("generation_config")
-    if gen:
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in gen.items()}
-        tf.generation_defaults = GenOptions(**fields)
-    quant = ef.meta("quant")
-    tf.source = dict(ef.meta("source"), entity_path=ef.path, quant=quant["scheme"])
-    if quant.get("native"):
-        tf.source["native_blocks"] = list(quant["native"])
-
-
-def load_entity(
-    path: str | os.PathLike, *, verify: bool | str = True, max_seq_len: int | None = None
-):
-    """Load a `.entity` (v2, or Loom's v1) as a `poly.Transformer`.
-
-    v2 weights are zero-copy views on one read-only mmap: f32 masters, or f16/bf16/int8/Q4 stored
-    versions (no float32 copy of quantized matrices). ``verify``: see `EntityFile`.
-    """
-    with open(path, "rb") as f:
-        if read_prefix(f, str(path))[0] == 1:
-            from entity.entity_v1 import load_entity_v1
-
-            return load_entity_v1(path, max_seq_len=max_seq_len)
-    from poly.transformer import Transformer
-
-    ef = EntityFile(path, verify=verify)
-    cfg = _config(ef, max_seq_len)
-    quant = ef.meta("quant")
-    matrix_enc, embed_enc = quant.get("matrix"), quant.get("embeddings")
-    if matrix_enc not in ENCODINGS or embed_enc not in ENCODINGS:
-        raise EntityFormatError(f"unknown encodings {matrix_enc!r}/{embed_enc!r}", path=ef.path)
-    tied = bool(ef.meta("transformer").get("tied", cfg.tie_word_embeddings))
-    has_head = any(n == "lm_head" or n.startswith("lm_head.") for n in ef.blobs)
-    if tied == has_head:
-        raise EntityFormatError("tied flag and lm_head blob disagree", path=ef.path)
-    try:
-        tf = Transformer.from_config(cfg, allocate=False)
-        for i in range(cfg.num_layers):
-            _install_block(tf, ef, i, matrix_enc)
-        vh = (cfg.vocab_size, cfg.hidden_size)
-        tf.embeddings = _read_matrix(ef, embed_enc, "embeddings", vh)
-        if not tied:
-            tf.lm_head = _read_matrix(ef, embed_enc, "lm_head", vh)
-        tf.final_norm = _read_vector(ef, "final_norm", cfg.hidden_size)
-        _attach_meta(tf, ef)
-    except EntityFormatError as exc:
-        exc.path = exc.path or ef.path
-        raise
-    except (LayerConfigError, TypeError, ValueError) as exc:
-        raise EntityFormatError(f"inconsistent .entity: {exc}", path=ef.path) from exc
-    tf.entity_file = ef  # keeps the mapping (and its header) reachable
-    return tf

@@ -1,0 +1,162 @@
+"""Which blobs a transformer is made of in a `.entity` v2, and how each one is encoded.
+
+Blob names: `blocks.<i>.<role>` (role = attn_norm | attn | mlp_norm | mlp) holds a layer's whole
+float32 master in the f32 scheme (loaded zero-copy as the master itself); the other schemes store
+one blob per component, `blocks.<i>.<role>.<name>` (names of `poly.layout`), with encoded matrices
+split into parts (`.codes`/`.scales` for int8, `.scales`/`.packed` for q4_0), or one blob of GGUF
+block rows when a q4/q8 source matrix already is GGUF blocks (`entity.native_blocks`). Globals:
+`embeddings`, `lm_head` (absent when tied), `final_norm`. Byte layouts: docs/formats.md.
+
+Shared by the writer (`entity_model`) and the reader (`entity_load`): the role shapes, the quant
+schemes and, per encoding, how a float32 matrix becomes blobs and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from entity.entity_format import EntityFile, EntityWriter
+from entity.native_blocks import NATIVE_TARGETS, get_native, is_native_blob, native_kind, put_native
+from poly.config import TransformerConfig
+from poly.dtypes import DType, Encoded
+from poly.errors import EntityFormatError, LayerConfigError, UsageError
+from poly.qtensor import CodedMatrix, Q4Matrix, QTensor
+
+__all__ = ["SCHEMES", "ENCODINGS", "ROLES", "NORM_ROLES", "EMBED_ALIASES"]
+
+ROLES = ("attn_norm", "attn", "mlp_norm", "mlp")
+NORM_ROLES = frozenset({"attn_norm", "mlp_norm"})
+# quant scheme -> (matrix encoding, default embeddings/LM-head encoding)
+SCHEMES: dict[str, tuple[str, str]] = {
+    "f32": ("float32", "float32"),
+    "f16": ("float16", "float16"),
+    "bf16": ("bfloat16", "bfloat16"),
+    # 8-bit LM head for the quantized schemes (as llama.cpp's Q4 files do): it is the largest
+    # matrix read per token.
+    "q8": ("int8", "int8"),
+    "q4": ("q4_0", "int8"),
+}
+EMBED_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8": "int8", "q4": "q4_0"}
+
+
+# --- encodings: how one float32 matrix becomes blobs, and back ------------------------------------
+
+
+def _put_cast(dtype):
+    return lambda w, name, out: out.add(name, np.asarray(w, np.float32).astype(dtype))
+
+
+def _put_int8(w, name, out) -> None:
+    enc = CodedMatrix.encode(w, DType.INT8).encoded  # per-row symmetric scales max|w|/127
+    out.add(f"{name}.codes", enc.codes)
+    out.add(f"{name}.scales", enc.scales.astype(np.float32))
+
+
+def _put_q4(w, name, out) -> None:
+    q = Q4Matrix.quantize(w)
+    out.add(f"{name}.scales", q.scales)
+    out.add(f"{name}.packed", q.packed)
+
+
+def _get_dense(ef: EntityFile, name: str, shape) -> np.ndarray:
+    return ef.array(name)
+
+
+def _get_int8(ef: EntityFile, name: str, shape) -> QTensor:
+    codes, scales = ef.array(f"{name}.codes"), ef.array(f"{name}.scales")
+    if codes.dtype != np.int8 or codes.shape != tuple(shape) or scales.shape != (shape[0],):
+        raise EntityFormatError(f"{name}: int8 parts do not match shape {shape} (dtype_role)")
+    return CodedMatrix(
+        Encoded(DType.INT8, tuple(shape), codes, scales.astype(np.float32, copy=False))
+    )
+
+
+def _get_q4(ef: EntityFile, name: str, shape) -> QTensor:
+    scales, packed = ef.array(f"{name}.scales"), ef.array(f"{name}.packed")
+    if not np.isfinite(scales).all():
+        raise EntityFormatError(f"{name}: non-finite Q4 block scale")
+    try:
+        return Q4Matrix(scales, packed, tuple(shape))
+    except LayerConfigError as exc:
+        raise EntityFormatError(f"{name}: {exc} (block_count)") from exc
+
+
+# encoding -> (writer, reader, numpy dtype of a dense blob or None)
+ENCODINGS: dict[str, tuple[Callable, Callable, Any]] = {
+    "float32": (_put_cast(np.float32), _get_dense, np.float32),
+    "float16": (_put_cast(np.float16), _get_dense, np.float16),
+    "bfloat16": (_put_cast(ml_dtypes.bfloat16), _get_dense, ml_dtypes.bfloat16),
+    "int8": (_put_int8, _get_int8, None),
+    "q4_0": (_put_q4, _get_q4, None),
+}
+
+
+def _read_matrix(ef: EntityFile, encoding: str, name: str, shape) -> Any:
+    if is_native_blob(ef, name):  # GGUF blocks kept as they were (any scheme may hold them)
+        return get_native(ef, name, shape)
+    _, get, dense = ENCODINGS[encoding]
+    value = get(ef, name, shape)
+    if dense is not None and (value.dtype != np.dtype(dense) or value.shape != tuple(shape)):
+        raise EntityFormatError(
+            f"{name}: stored {value.dtype} {value.shape}, header says {encoding} {tuple(shape)} "
+            "(dtype_role)",
+            path=ef.path,
+        )
+    return value
+
+
+def _read_vector(ef: EntityFile, name: str, n: int) -> np.ndarray:
+    v = ef.array(name)
+    if v.dtype != np.float32 or v.shape != (n,):
+        raise EntityFormatError(f"{name}: expected float32 [{n}], got {v.dtype} {v.shape}")
+    return v
+
+
+def _as_float(table) -> np.ndarray:
+    return table.dequantize() if isinstance(table, QTensor) else np.asarray(table, np.float32)
+
+
+def _put_matrix(out: EntityWriter, w: Any, name: str, enc: str, kept: set[str]) -> None:
+    """One matrix in encoding ``enc``; kept native when it already is GGUF blocks and ``enc``
+    quantizes anyway (re-quantizing would round twice)."""
+    if enc in NATIVE_TARGETS and native_kind(w):
+        kept.add(put_native(w, name, out))
+    else:
+        ENCODINGS[enc][0](_as_float(w), name, out)
+
+
+def _check_quant(quant: str, embed_quant: str | None) -> tuple[str, str]:
+    if quant not in SCHEMES:
+        raise UsageError(f"unknown quant {quant!r}; choose one of {sorted(SCHEMES)}")
+    matrix_enc, embed_enc = SCHEMES[quant]
+    if embed_quant is not None:
+        embed_enc = EMBED_ALIASES.get(embed_quant, embed_quant)
+        if embed_enc not in ENCODINGS:
+            raise UsageError(f"unknown embed_quant {embed_quant!r}")
+    return matrix_enc, embed_enc
+
+
+# --- roles: a block's four layers and the shapes of their components ------------------------------
+
+
+def _role_layer(tf, i: int, role: str):
+    return getattr(tf, role)(i)
+
+
+def _role_shapes(cfg: TransformerConfig, role: str) -> dict[str, tuple[int, ...]]:
+    """Component shapes per role, in master order (poly.layout field order)."""
+    d, q, kv, inter = cfg.hidden_size, cfg.query_dim, cfg.kv_dim, cfg.intermediate_size
+    if role in NORM_ROLES:
+        return {"gamma": (d,)}
+    if role == "attn":
+        shapes = {"w_q": (q, d), "w_k": (kv, d), "w_v": (kv, d), "w_o": (d, q),
+                  "b_q": (q,), "b_k": (kv,), "b_v": (kv,), "b_o": (d,)}  # fmt: skip
+        if cfg.qk_norm:
+            shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+        return shapes
+    return {"w_gate": (inter, d), "w_up": (inter, d), "w_down": (d, inter),
+            "b_gate": (inter,), "b_up": (inter,), "b_down": (d,)}  # fmt: skip

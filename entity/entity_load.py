@@ -1,0 +1,136 @@
+"""`.entity` -> `poly.Transformer`: `load_entity` (v2 here; Loom's v1 files go to `entity_v1`).
+
+Blob names and encodings are `entity_blobs`'; the writer is `entity_model`, which re-exports
+`load_entity` for its callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from entity.entity_blobs import (
+    ENCODINGS,
+    NORM_ROLES,
+    ROLES,
+    _read_matrix,
+    _read_vector,
+    _role_layer,
+    _role_shapes,
+)
+from entity.entity_format import EntityFile, read_prefix
+from entity.native_blocks import native_kind
+from poly.config import TransformerConfig
+from poly.errors import EntityFormatError, LayerConfigError, PolyError
+
+__all__ = ["load_entity"]
+
+
+def _config(ef: EntityFile, max_seq_len: int | None) -> TransformerConfig:
+    spec = dict(ef.meta("transformer"))
+    spec.pop("tied", None)
+    try:
+        cfg = TransformerConfig.from_dict(spec)
+        if max_seq_len is not None:
+            cfg = dataclasses.replace(cfg, max_seq_len=int(max_seq_len))
+        return cfg
+    except (PolyError, TypeError, ValueError) as exc:
+        raise EntityFormatError(f"bad transformer spec: {exc}", path=ef.path) from exc
+
+
+def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
+    cfg = tf.config
+    for role in ROLES:
+        layer, shapes, base = (
+            _role_layer(tf, i, role),
+            _role_shapes(cfg, role),
+            f"blocks.{i}.{role}",
+        )
+        if matrix_enc == "float32":
+            layer.weights.master = _read_vector(ef, base, layer.weights.size)  # zero-copy master
+            continue
+        if role in NORM_ROLES:
+            layer.weights.master = _read_vector(ef, f"{base}.gamma", cfg.hidden_size)
+            continue
+        comps = {
+            name: _read_matrix(ef, matrix_enc, f"{base}.{name}", shape)
+            if len(shape) == 2
+            else _read_vector(ef, f"{base}.{name}", shape[0])
+            for name, shape in shapes.items()
+        }
+        matrices = [comps[n] for n, shape in shapes.items() if len(shape) == 2]
+        layer.weights.set_version(_version_name(matrices, matrix_enc), comps)
+
+
+def _version_name(matrices: list, matrix_enc: str) -> str:
+    """The stored version's name: its matrices' encodings (what `lucy inspect` shows as active),
+    e.g. "q4_0", "gguf_q4_1", or "gguf_q4_1+gguf_q6_k" for a mixed GGUF source."""
+    return "+".join(sorted({native_kind(m) or matrix_enc for m in matrices}))
+
+
+def _attach_meta(tf, ef: EntityFile) -> None:
+    from poly.chat import ChatTemplate
+    from poly.sampling import GenOptions
+    from poly.tokenizer import Tokenizer
+
+    tok_cfg = ef.meta("tokenizer_config")
+    text = ef.meta("tokenizer")
+    if text is not None:
+        special = {k: tok_cfg.get(k) for k in ("bos_token", "eos_token") if tok_cfg.get(k)}
+        tf.tokenizer = Tokenizer.from_str(text, path=ef.path, **special)
+    source = ef.meta("chat_template")
+    if source is not None:
+        tf.chat_template = ChatTemplate(source, **(tok_cfg.get("template") or {}))
+    tf.eos_token_ids = tuple(ef.meta("eos_token_ids"))
+    gen = ef.meta("generation_config")
+    if gen:
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in gen.items()}
+        tf.generation_defaults = GenOptions(**fields)
+    quant = ef.meta("quant")
+    tf.source = dict(ef.meta("source"), entity_path=ef.path, quant=quant["scheme"])
+    if quant.get("native"):
+        tf.source["native_blocks"] = list(quant["native"])
+
+
+def load_entity(
+    path: str | os.PathLike, *, verify: bool | str = True, max_seq_len: int | None = None
+):
+    """Load a `.entity` (v2, or Loom's v1) as a `poly.Transformer`.
+
+    v2 weights are zero-copy views on one read-only mmap: f32 masters, or f16/bf16/int8/Q4 stored
+    versions (no float32 copy of quantized matrices). ``verify``: see `EntityFile`.
+    """
+    with open(path, "rb") as f:
+        if read_prefix(f, str(path))[0] == 1:
+            from entity.entity_v1 import load_entity_v1
+
+            return load_entity_v1(path, max_seq_len=max_seq_len)
+    from poly.transformer import Transformer
+
+    ef = EntityFile(path, verify=verify)
+    cfg = _config(ef, max_seq_len)
+    quant = ef.meta("quant")
+    matrix_enc, embed_enc = quant.get("matrix"), quant.get("embeddings")
+    if matrix_enc not in ENCODINGS or embed_enc not in ENCODINGS:
+        raise EntityFormatError(f"unknown encodings {matrix_enc!r}/{embed_enc!r}", path=ef.path)
+    tied = bool(ef.meta("transformer").get("tied", cfg.tie_word_embeddings))
+    has_head = any(n == "lm_head" or n.startswith("lm_head.") for n in ef.blobs)
+    if tied == has_head:
+        raise EntityFormatError("tied flag and lm_head blob disagree", path=ef.path)
+    try:
+        tf = Transformer.from_config(cfg, allocate=False)
+        for i in range(cfg.num_layers):
+            _install_block(tf, ef, i, matrix_enc)
+        vh = (cfg.vocab_size, cfg.hidden_size)
+        tf.embeddings = _read_matrix(ef, embed_enc, "embeddings", vh)
+        if not tied:
+            tf.lm_head = _read_matrix(ef, embed_enc, "lm_head", vh)
+        tf.final_norm = _read_vector(ef, "final_norm", cfg.hidden_size)
+        _attach_meta(tf, ef)
+    except EntityFormatError as exc:
+        exc.path = exc.path or ef.path
+        raise
+    except (LayerConfigError, TypeError, ValueError) as exc:
+        raise EntityFormatError(f"inconsistent .entity: {exc}", path=ef.path) from exc
+    tf.entity_file = ef  # keeps the mapping (and its header) reachable
+    return tf
