@@ -4,12 +4,12 @@ The result is a frozen pydantic record, :class:`HFModelConfig`, holding only wha
 Every failure is a typed poly error: malformed JSON, wrong types and missing keys are
 ``ConfigError`` naming the key; absurd sizes are ``LimitExceededError``; architectures or
 features we cannot run exactly (gemma, phi3, yarn rope scaling, MLP biases ...) are
-``UnsupportedError`` naming them. No pydantic traceback leaks out.
+``UnsupportedError`` naming them. No pydantic traceback leaks out. The files are read by
+`entity.strict_json.read_json` (callers that import it from here still can).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -17,11 +17,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from entity.hf_names import ARCHITECTURES, REFUSED_REASONS, ArchSpec
-from poly.errors import ConfigError, LimitExceededError, PolyError, UnsupportedError
+from entity.strict_json import read_json
+from poly.errors import ConfigError, LimitExceededError, UnsupportedError
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
-MAX_JSON_BYTES = 4 * 1024 * 1024  # real configs are a few KB
 DEFAULT_CONTEXT = 4096  # KV cache size when the caller gives no max_seq_len
 
 
@@ -210,40 +210,6 @@ def load_hf_config(model_dir: str | Path) -> HFModelConfig:
     gen_path = root / GENERATION_FILE
     generation = read_json(gen_path) if gen_path.is_file() else None
     return _build(config, generation, str(root / CONFIG_FILE))
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ConfigError(f"duplicate_key: {key!r} appears twice")
-        out[key] = value
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise ConfigError(f"json: non-standard constant {name}")
-
-
-def read_json(path: Path, error: type[PolyError] = ConfigError) -> dict[str, Any]:
-    """Strict JSON object reader: size cap, no duplicate keys, no NaN/Infinity."""
-    try:
-        if not path.is_file():
-            raise error(f"missing: {path.name} not found", path=str(path))
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise LimitExceededError(
-                f"{path.name} is larger than {MAX_JSON_BYTES} bytes", path=str(path)
-            )
-        text = path.read_bytes().decode("utf-8")
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except ConfigError as exc:
-        exc.path = exc.path or str(path)
-        raise
-    except (OSError, ValueError, RecursionError) as exc:
-        raise error(f"json: cannot parse {path.name}: {exc}", path=str(path)) from None
-    if not isinstance(data, dict):
-        raise error(f"json: {path.name} is not a JSON object", path=str(path))
-    return data
 
 
 def _validate(model: type[BaseModel], data: Any, source: str | None) -> Any:
