@@ -26,6 +26,7 @@ from poly.sampling import GenOptions
 from poly.session import ChatSession, common_prefix
 from poly.tokenizer import Tokenizer
 from poly.transformer import Transformer
+from tests.tiny_model import random_transformer
 
 GREEDY = GenOptions(temperature=0.0, max_tokens=8)
 IM_START, IM_END = 256, 257
@@ -414,14 +415,8 @@ def make_tiny() -> Transformer:
         vocab_size=258, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, max_seq_len=256, tie_word_embeddings=True,
     )  # fmt: skip
-    m = Transformer.from_config(cfg)
-    rng = np.random.default_rng(0)
-    for i in range(cfg.num_layers):
-        for sub in (m.attn_norm(i), m.attn(i), m.mlp_norm(i), m.mlp(i)):
-            sub.weights.master[:] = rng.standard_normal(sub.weights.master.shape) * 0.2
-        for sub in (m.attn_norm(i), m.mlp_norm(i)):
-            sub.weights.master[:] += 1.0
-    m.embeddings = rng.standard_normal((258, 32)).astype(np.float32)
+    # masters ~N(0, 0.2) with norm gammas ~N(1, 0.2), the tied table ~N(0, 1), final norm 1
+    m = random_transformer(cfg, norm_shift=1.0, head_scale=None, final_norm_scale=None)
     m.tokenizer, m.chat_template = TOK, ChatTemplate.preset("chatml")
     m.eos_token_ids = (IM_END,)
     return m

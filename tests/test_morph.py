@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from poly import DType, LayerType, Transformer, TransformerConfig, VolumetricLayer, morph_layer
+from poly import DType, LayerType, TransformerConfig, VolumetricLayer, morph_layer
 from poly.morph import morph_network
 from poly.qtensor import CodedMatrix
+from tests.tiny_model import random_transformer
 
 # Forward error of a morphed layer relative to max|float32 output| (8 tokens, weights ~N(0, 0.1)).
 FORWARD_BOUND = {
@@ -84,13 +85,17 @@ def test_morph_network_recurses_and_keeps_norms_float32():
         num_heads=4,
         num_kv_heads=2,
     )
-    tf = Transformer.from_config(cfg)
-    rng = np.random.default_rng(2)
-    for layer in tf.network.walk():
-        if layer.weights is not None and layer.weights.master is not None:
-            layer.weights.master[:] = rng.standard_normal(layer.weights.size) * 0.1 + 0.05
-    tf.embeddings[...] = rng.standard_normal(tf.embeddings.shape) * 0.5
-    tf.lm_head[...] = rng.standard_normal(tf.lm_head.shape) * 0.5
+    # the fill the 5% bound below was set with: masters ~N(0.05, 0.1), tables ~N(0, 0.5), final
+    # norm left at 1
+    tf = random_transformer(
+        cfg,
+        seed=2,
+        master_scale=0.1,
+        master_mean=0.05,
+        embed_scale=0.5,
+        head_scale=0.5,
+        final_norm_scale=None,
+    )
     ref = tf.forward_all([1, 2, 3, 4])
     tf.reset()
     morph_network(tf.network, DType.INT8)

@@ -2,17 +2,41 @@
 
 import numpy as np
 
-from poly import Transformer, TransformerConfig
+from poly import LayerType, Transformer, TransformerConfig
 
 
-def random_transformer(cfg: TransformerConfig, seed: int = 0) -> Transformer:
-    """Every layer master ~N(0, 0.2), embeddings ~N(0, 1), LM head ~N(0, 0.3), final norm ~1."""
+def random_transformer(
+    cfg: TransformerConfig,
+    seed: int = 0,
+    *,
+    master_scale: float = 0.2,
+    master_mean: float = 0.0,
+    norm_shift: float = 0.0,
+    embed_scale: float = 1.0,
+    head_scale: float | None = 0.3,
+    final_norm_scale: float | None = 0.1,
+) -> Transformer:
+    """Every layer master ~N(master_mean, master_scale), embeddings ~N(0, embed_scale), LM head
+    ~N(0, head_scale), final norm ~N(1, final_norm_scale); by default ~N(0, 0.2), ~N(0, 1),
+    ~N(0, 0.3), ~1.
+
+    One generator draws them in that order (masters in `network.walk()` order), so a test whose
+    numbers were set with its own fill keeps them by passing that fill's scales. ``norm_shift``
+    is added to the RMSNorm gammas after their draw (1.0: gammas near 1). A None scale skips its
+    draw and keeps `from_config`'s value: the LM head of a tied model is the embeddings table,
+    the final norm is 1.
+    """
     tf = Transformer.from_config(cfg)
     rng = np.random.default_rng(seed)
     for layer in tf.network.walk():
         if layer.weights is not None and layer.weights.size:
-            layer.weights.master[:] = rng.standard_normal(layer.weights.size) * 0.2
-    tf.embeddings[...] = rng.standard_normal(tf.embeddings.shape)
-    tf.lm_head[...] = rng.standard_normal(tf.lm_head.shape) * 0.3
-    tf.final_norm = 1.0 + 0.1 * rng.standard_normal(cfg.hidden_size)
+            master = layer.weights.master
+            master[:] = rng.standard_normal(layer.weights.size) * master_scale + master_mean
+            if norm_shift and layer.type == LayerType.RMSNORM:
+                master[:] += norm_shift  # in float32 after the draw: the rounding tests expect
+    tf.embeddings[...] = rng.standard_normal(tf.embeddings.shape) * embed_scale
+    if head_scale is not None:
+        tf.lm_head[...] = rng.standard_normal(tf.lm_head.shape) * head_scale
+    if final_norm_scale is not None:
+        tf.final_norm = 1.0 + final_norm_scale * rng.standard_normal(cfg.hidden_size)
     return tf
