@@ -19,7 +19,6 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "24")  # as `import poly` does;
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -28,6 +27,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+from lucy.rss import peak_rss_mb  # noqa: E402
 
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
 ENGINES = (
@@ -42,10 +43,6 @@ ENGINES = (
     "hf-f32",
 )
 WORK = Path(os.environ.get("POLY_BENCH_DIR", Path(tempfile.gettempdir()) / "poly-bench"))
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # --- engines (run inside workers) --------------------------------------------------------------

@@ -6,23 +6,17 @@ or on an early EOS; a warm-up pass runs first so lazy initialisation is not time
 
 from __future__ import annotations
 
-import resource
 import statistics
 import sys
 import time
 
 import numpy as np
 
+from lucy.rss import peak_rss_mb
 from poly.errors import UsageError
 
 BENCH_TEXT = "Explain in one short paragraph why the sky appears blue during the day. "
 WARMUP_PROMPT, WARMUP_NEW = 8, 12  # 12 steps: the decode thread count is chosen (poly.threadtune)
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
 def prompt_ids(model, n: int) -> list[int]:
