@@ -17,8 +17,6 @@ import numpy as np
 
 from poly import ckernels, kernels
 from poly.errors import ContextOverflowError
-from poly.layer import Activation
-from poly.ops import ACTIVATIONS
 from poly.rope import rope_tables
 from poly.threadtune import ThreadTuner
 
@@ -72,8 +70,7 @@ def _layer_args(blk) -> tuple | None:
     subs = blk.sequential_layers
     attn, mlp = subs[ATTN], subs[MLP]
     ap, fp = mha.plan(attn), swiglu.plan(mlp)
-    act = mlp.activation if mlp.activation != Activation.LINEAR else Activation.SILU
-    if act != Activation.SILU or fp.act is not ACTIVATIONS[int(Activation.SILU)]:
+    if not fp.silu:
         return None
     c = ap.comps
     if ap.w_qkv is not None:
@@ -152,7 +149,7 @@ def _positions(rows: list[list]) -> tuple[int, ...] | None:
         pos = caches[0].length
         if any(c.length != pos for c in caches):
             return None  # caches out of step (edited by hand): the Python path handles it
-        if pos >= caches[0].capacity or any(c.capacity <= pos for c in caches):
+        if any(c.capacity <= pos for c in caches):
             raise ContextOverflowError(
                 f"context overflow: {pos} cached + 1 new token > max_seq_len {caches[0].capacity}"
             )
@@ -193,15 +190,13 @@ def step(model, p: _Plan, x: np.ndarray) -> np.ndarray | None:
 def step_rows(p: _Plan, x: np.ndarray, states: list[list]) -> np.ndarray | None:
     """Batched decode: x [B, d] (overwritten), row b continuing states[b] (one KVCache or None
     per block, created here on first use) -> logits [B, V]; None = use the Python path."""
-    from poly.layers.mha import KVCache
+    from poly.layers.mha import cache_for
 
     if not 1 <= x.shape[0] <= ckernels.MAX_N or len(states) != x.shape[0]:
         return None
     rows = []
     for st in states:
         for li, layer in zip(p.index, p.attn):
-            c = st[li]
-            if c is None or c.capacity != layer.max_seq_len:
-                st[li] = KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim)
+            st[li] = cache_for(layer, st[li])
         rows.append([st[li] for li in p.index])
     return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows)

@@ -12,8 +12,7 @@ from poly.errors import LayerConfigError
 ALIGN = 64
 
 
-HUGE = 2 << 20  # transparent huge page size on x86-64
-HUGE_MIN = 2 << 20  # arrays from this size on are mapped for huge pages
+HUGE = 2 << 20  # transparent huge page size on x86-64; arrays this large or larger use them
 
 
 def _huge_zeros(nbytes: int) -> np.ndarray | None:
@@ -35,7 +34,7 @@ def aligned_zeros(n: int, dtype=np.float32, align: int = ALIGN) -> np.ndarray:
     pages where the OS offers them, for arrays of 2 MB and more)."""
     itemsize = np.dtype(dtype).itemsize
     nbytes = n * itemsize
-    raw = _huge_zeros(nbytes) if nbytes >= HUGE_MIN and HUGE % align == 0 else None
+    raw = _huge_zeros(nbytes) if nbytes >= HUGE and HUGE % align == 0 else None
     if raw is None:
         raw = np.zeros(nbytes + align, dtype=np.uint8)
         start = (-raw.ctypes.data) % align

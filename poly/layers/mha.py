@@ -31,9 +31,15 @@ class KVCache:
         self.length = max(0, min(self.length, n))
 
 
+def cache_for(layer, cache: KVCache | None) -> KVCache:
+    """`cache` if it fits `layer`, else a new empty one (first use, or max_seq_len changed)."""
+    if cache is None or cache.capacity != layer.max_seq_len:
+        return KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim)
+    return cache
+
+
 def _cache(layer) -> KVCache:
-    if layer.state is None or layer.state.capacity != layer.max_seq_len:
-        layer.state = KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim)
+    layer.state = cache_for(layer, layer.state)
     return layer.state
 
 
@@ -185,9 +191,7 @@ def forward_rows(layer, x: np.ndarray, caches: list) -> np.ndarray:
     """One new token per row of x [B, d], row b continuing its own KVCache caches[b] -> [B, d].
     Projections run once for all rows; attention runs per row on its own cache."""
     p = plan(layer)
-    for i, c in enumerate(caches):
-        if c is None or c.capacity != layer.max_seq_len:
-            caches[i] = KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim)
+    caches[:] = [cache_for(layer, c) for c in caches]
     q, k, v = _project_qkv(p, x, 0)
     attn = np.empty_like(q)  # [B, H*hd]
     for b, cache in enumerate(caches):

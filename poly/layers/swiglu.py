@@ -32,6 +32,7 @@ class _Plan:
             self.b_gu = store.master[3 * h * inter : 3 * h * inter + 2 * inter]
         act = layer.activation if layer.activation != Activation.LINEAR else Activation.SILU
         self.act = ACTIVATIONS[int(act)]
+        self.silu = act == Activation.SILU  # the C passes (silu_mul, the fused step) apply
 
 
 def plan(layer) -> _Plan:
@@ -57,11 +58,7 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
         gate_up = np.empty((x2.shape[0], 2 * inter), dtype=np.float32)  # [n, 2I]
         gate_up[:, :inter] = linear(x2, comps["w_gate"], comps["b_gate"], tile)
         gate_up[:, inter:] = linear(x2, comps["w_up"], comps["b_up"], tile)
-    if (
-        p.act is ACTIVATIONS[int(Activation.SILU)]
-        and ckernels.AVAILABLE
-        and gate_up.flags.c_contiguous
-    ):
+    if p.silu and ckernels.AVAILABLE and gate_up.flags.c_contiguous:
         hidden = np.empty((x2.shape[0], inter), dtype=np.float32)  # [n, I]
         ckernels._c.silu_mul(gate_up, hidden)  # one pass, vectorized exp
     else:
