@@ -351,7 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     report = _run(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        from entity.atomic import atomic_output
+
+        with atomic_output(args.json, force=True) as f:  # temp, fsync, rename: never half a file
+            f.write(json.dumps(report, indent=1).encode())
 
 
 def _run(args) -> dict:
