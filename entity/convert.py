@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +26,7 @@ from entity.entity_model import (
     SCHEMES,
     _check_quant,
     _role_shapes,
+    embed_keep_as,
     load_entity,
     model_blocks,
     model_meta,
@@ -34,7 +34,7 @@ from entity.entity_model import (
     source_components,
     write_entity,
 )
-from entity.native_blocks import NATIVE_TARGETS, check_same_blocks, native_kind
+from entity.native_blocks import below_target, check_same_blocks, keeps_native, native_kind
 from poly.errors import ConversionError, IntegrityError, UsageError
 from poly.qtensor import QTensor
 
@@ -70,6 +70,7 @@ class ConvertReport:
     seconds: float = 0.0
     verified: bool = False
     tensors: list[TensorStat] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # one line each, for the caller to show
 
     @property
     def exact(self) -> bool:
@@ -89,7 +90,8 @@ class ConvertReport:
     def format(self) -> str:
         """The error report as text (the CLI prints it; the 4-bit error report for q4)."""
         lines = [
-            f"{self.src} -> {self.dst} [{self.quant}] {self.bytes} bytes in {self.seconds:.2f}s"
+            f"{self.src} -> {self.dst} [{self.quant}] {self.bytes} bytes in {self.seconds:.2f}s",
+            *self.notes,
         ]
         if self.verified:
             lines.append(f"{'tensor':40s} {'shape':>14s} {'max_abs':>10s} {'rel_rms':>9s}")
@@ -205,15 +207,10 @@ def _open_source(src: str | os.PathLike) -> _Source:
 
 
 def default_output(src: str | os.PathLike, quant: str) -> Path:
-    """$POLY_HOME/entities/<name>-<quant>.entity (name from the HF cache dir or file stem)."""
-    from entity.smollm2 import poly_home
+    """``entities_dir() / entity_filename(src, quant)``: the one `.entity` naming rule."""
+    from entity.paths import entities_dir, entity_filename
 
-    p = Path(os.fspath(src)).expanduser()
-    parts = p.resolve().parts if p.exists() else (str(src).replace("/", "--"),)
-    repo = next((s[len("models--") :] for s in reversed(parts) if s.startswith("models--")), None)
-    name = repo or (p.name if p.is_dir() else p.stem) or "model"
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
-    return poly_home() / "entities" / f"{name}-{quant}.entity"
+    return entities_dir() / entity_filename(src, quant)
 
 
 # --- lossy targets: refuse values they would hide or create (B7-98, llama.cpp#18145) --------------
@@ -221,10 +218,10 @@ def default_output(src: str | os.PathLike, quant: str) -> Path:
 _FINITE_MAX = {"float16": float(np.finfo(np.float16).max)}  # others: the float32 range
 
 
-def _check_lossy(name: str, w: Any, enc: str) -> None:
+def _check_lossy(name: str, w: Any, enc: str, keep_as: str | None = None) -> None:
     if enc == "float32" or w is None or len(np.shape(w)) != 2:
         return
-    if enc in NATIVE_TARGETS and native_kind(w):
+    if keeps_native(keep_as or enc, w):
         return  # stored bit for bit (entity.native_blocks): nothing hidden, nothing created
     limit = _FINITE_MAX.get(enc, float(np.finfo(np.float32).max))
     n, bad = np.shape(w)[0], 0
@@ -238,19 +235,24 @@ def _check_lossy(name: str, w: Any, enc: str) -> None:
         )
 
 
-def _checked(blocks: Blocks, matrix_enc: str) -> Iterator:
+def _checked(blocks: Blocks, matrix_enc: str, lower: set[str]) -> Iterator:
+    """Refuse values a lossy target would hide; collect into ``lower`` the GGUF kinds of source
+    matrices less precise than the target (re-encoded: the file cannot be more precise)."""
     for i, comps in blocks:
         for role, parts in comps.items():
             for name, w in parts.items():
                 _check_lossy(f"blocks.{i}.{role}.{name}", w, matrix_enc)
+                lower.add(below_target(matrix_enc, w) or "")
         yield i, comps
 
 
-def _checked_globals(globals_: Callable, embed_enc: str) -> Callable:
+def _checked_globals(globals_: Callable, embed_enc: str, keep_as: str, lower: set[str]) -> Callable:
     def wrapped():
         emb, head, final = globals_()
-        _check_lossy("embeddings", emb, embed_enc)
-        _check_lossy("lm_head", head, embed_enc)
+        for name, w in (("embeddings", emb), ("lm_head", head)):
+            _check_lossy(name, w, embed_enc, keep_as)
+            if not keeps_native(keep_as, w):
+                lower.add(below_target(embed_enc, w) or "")
         return emb, head, final
 
     return wrapped
@@ -334,14 +336,22 @@ def convert(
     total = n + 2 + (n + 1 if verify else 0)
     cb = progress or (lambda done, total, detail: None)
     matrix_enc, embed_enc = _check_quant(quant, embed_quant)
-    blocks = _checked(_delayed(source.blocks()), matrix_enc)
-    globals_ = _checked_globals(source.globals_, embed_enc)
+    lower: set[str] = set()
+    blocks = _checked(_delayed(source.blocks()), matrix_enc, lower)
+    keep_as = embed_keep_as(quant, embed_quant)
+    globals_ = _checked_globals(source.globals_, embed_enc, keep_as, lower)
     write_entity(
         out_path, source.cfg, blocks, globals_, source.meta, quant=quant,
         embed_quant=embed_quant, force=force, inputs=source.inputs,
         progress=lambda done, _t, detail: cb(done, total, detail),
     )  # fmt: skip
     report = ConvertReport(str(src), str(out_path), quant, source.kind)
+    if lower - {""}:
+        kinds = ", ".join(sorted(lower - {""}))
+        report.notes.append(
+            f"precision cannot exceed the source: the {quant} file holds the values of its "
+            f"{kinds} blocks, re-encoded as {quant}"
+        )
     if verify:
         step = iter(range(n + 3, total + 1))
         try:

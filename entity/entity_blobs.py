@@ -20,13 +20,13 @@ import ml_dtypes
 import numpy as np
 
 from entity.entity_format import EntityFile, EntityWriter
-from entity.native_blocks import NATIVE_TARGETS, get_native, is_native_blob, native_kind, put_native
+from entity.native_blocks import get_native, is_native_blob, keeps_native, put_native
 from poly.config import TransformerConfig
 from poly.dtypes import DType, Encoded
 from poly.errors import EntityFormatError, LayerConfigError, UsageError
 from poly.qtensor import CodedMatrix, Q4Matrix, QTensor
 
-__all__ = ["SCHEMES", "ENCODINGS", "ROLES", "NORM_ROLES", "EMBED_ALIASES"]
+__all__ = ["SCHEMES", "ENCODINGS", "ROLES", "NORM_ROLES", "EMBED_ALIASES", "embed_keep_as"]
 
 ROLES = ("attn_norm", "attn", "mlp_norm", "mlp")
 NORM_ROLES = frozenset({"attn_norm", "mlp_norm"})
@@ -120,13 +120,21 @@ def _as_float(table) -> np.ndarray:
     return table.dequantize() if isinstance(table, QTensor) else np.asarray(table, np.float32)
 
 
-def _put_matrix(out: EntityWriter, w: Any, name: str, enc: str, kept: set[str]) -> None:
-    """One matrix in encoding ``enc``; kept native when it already is GGUF blocks and ``enc``
-    quantizes anyway (re-quantizing would round twice)."""
-    if enc in NATIVE_TARGETS and native_kind(w):
+def _put_matrix(
+    out: EntityWriter, w: Any, name: str, enc: str, kept: set[str], keep_as: str | None = None
+) -> None:
+    """One matrix in encoding ``enc``; kept native when it already is GGUF blocks at least as
+    precise as ``keep_as`` (default ``enc``; re-quantizing would round twice), else encoded."""
+    if keeps_native(keep_as or enc, w):
         kept.add(put_native(w, name, out))
     else:
         ENCODINGS[enc][0](_as_float(w), name, out)
+
+
+def embed_keep_as(quant: str, embed_quant: str | None) -> str:
+    """The encoding whose precision GGUF embedding/LM-head blocks must reach to be kept: the
+    scheme's matrix encoding (a q4 file keeps a Q4_0 head), or the one ``embed_quant`` asks."""
+    return SCHEMES[quant][0] if embed_quant is None else _check_quant(quant, embed_quant)[1]
 
 
 def _check_quant(quant: str, embed_quant: str | None) -> tuple[str, str]:

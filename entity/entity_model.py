@@ -25,6 +25,7 @@ from entity.entity_blobs import (
     _put_matrix,
     _role_layer,
     _role_shapes,
+    embed_keep_as,
 )
 from entity.entity_format import EntityWriter
 from entity.entity_load import load_entity
@@ -158,9 +159,10 @@ def write_entity(
             _write_block(out, cfg, i, comps, matrix_enc, kept)
             tick(i + 1, total, f"packed block {i + 1}/{cfg.num_layers}")
         emb, head, final = globals_()
-        _put_matrix(out, emb, "embeddings", embed_enc, kept)
+        keep_as = embed_keep_as(quant, embed_quant)
+        _put_matrix(out, emb, "embeddings", embed_enc, kept, keep_as)
         if head is not None:
-            _put_matrix(out, head, "lm_head", embed_enc, kept)
+            _put_matrix(out, head, "lm_head", embed_enc, kept, keep_as)
         out.add("final_norm", np.asarray(final, np.float32))
         tick(total - 1, total, "writing .entity")
         quant_meta = {"scheme": quant, "matrix": matrix_enc, "embeddings": embed_enc,

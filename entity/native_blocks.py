@@ -23,6 +23,8 @@ __all__ = [
     "NATIVE_TYPES",
     "NATIVE_TARGETS",
     "native_kind",
+    "keeps_native",
+    "below_target",
     "row_bytes",
     "check_record",
     "put_native",
@@ -36,9 +38,13 @@ _T = GGMLQuantizationType
 NATIVE_TYPES: dict[int, str] = {
     int(t): "gguf_" + t.name.lower() for t in (_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K, _T.Q6_K)
 }
-# Target encodings a native matrix replaces: only the quantizing ones, where the blocks are
-# never worse than a re-bake. f32/f16/bf16 requests still dequantize (asked-for floats).
-NATIVE_TARGETS = frozenset({"q4_0", "int8"})
+# Target encoding -> the native kinds kept in its place: only kinds at least as precise as the
+# target (never worse than a re-bake, and never less than was asked: a q8 request from Q4_1
+# blocks writes int8, see `below_target`). f32/f16/bf16 requests still dequantize.
+NATIVE_TARGETS: dict[str, frozenset[str]] = {
+    "q4_0": frozenset(NATIVE_TYPES.values()),
+    "int8": frozenset({"gguf_q8_0"}),
+}
 
 
 def native_kind(value: Any) -> str | None:
@@ -48,6 +54,28 @@ def native_kind(value: Any) -> str | None:
     if not isinstance(value, GGUFMatrix):
         return None
     return NATIVE_TYPES.get(int(value.ggml_type))
+
+
+def keeps_native(encoding: str, value: Any) -> bool:
+    """True when ``value``'s GGUF blocks go into a blob of ``encoding`` as they are."""
+    kind = native_kind(value)
+    return kind is not None and kind in NATIVE_TARGETS.get(encoding, ())
+
+
+# Bits per weight of each target encoding's values (a GGUF source below it cannot fill them).
+TARGET_BITS = {"q4_0": 4, "int8": 8, "float16": 16, "bfloat16": 16, "float32": 32}
+
+
+def below_target(encoding: str, value: Any) -> str | None:
+    """The GGUF kind (e.g. "Q4_1") of ``value`` when its blocks hold fewer bits per weight than
+    ``encoding`` and are re-encoded into it (the output's precision cannot exceed them)."""
+    from poly.qtensor import GGUFMatrix
+
+    if not isinstance(value, GGUFMatrix) or keeps_native(encoding, value):
+        return None
+    kind = _T(int(value.ggml_type))
+    block, type_size = GGML_QUANT_SIZES[kind]
+    return kind.name if type_size * 8 / block < TARGET_BITS.get(encoding, 0) else None
 
 
 def row_bytes(ggml_type: int, n_in: int) -> int:

@@ -11,6 +11,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from entity.paths import models_dir
 from poly.errors import ModelNotFoundError, NoNetworkError, PolyError
 
 from .gguf_reader import GGUFFile
@@ -24,13 +25,8 @@ CHUNK = 1 << 20
 Progress = Callable[[str, int, int], None]  # (stage, done_bytes, total_bytes)
 
 
-def poly_home() -> Path:
-    """``$POLY_HOME`` or ``~/.cache/poly``."""
-    return Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly")
-
-
 def default_cache_dir() -> Path:
-    return poly_home() / "models"
+    return models_dir()
 
 
 def ensure_smollm2(

@@ -17,7 +17,7 @@ from poly.errors import ModelNotFoundError, NoNetworkError, PolyError, UsageErro
 
 PROG = "lucy"
 QUANTS = ("q4", "q8", "f16", "bf16", "f32")
-DEMO_ENTITY = "SmolLM2-135M-Instruct.q4.entity"
+DEMO_QUANT = "q4"  # the demo file: entity.paths.entity_filename(GGUF, DEMO_QUANT)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,15 +127,15 @@ def convert_with_progress(con, src, dst=None, quant="q4", force=False, verify=Fa
 
 def demo_entity(con) -> Path:
     """SmolLM2 GGUF → q4 .entity in the entity dir, converted once and reused."""
-    from entity.smollm2 import ensure_smollm2
-    from lucy.views import entity_dir
+    from entity.paths import entities_dir, entity_filename
+    from entity.smollm2 import GGUF_NAME, ensure_smollm2
 
-    dst = entity_dir() / DEMO_ENTITY
+    dst = entities_dir() / entity_filename(GGUF_NAME, DEMO_QUANT)
     if not dst.exists():
         gguf = ensure_smollm2()
         dst.parent.mkdir(parents=True, exist_ok=True)
         con.print(f"converting {gguf.name} → {dst} (once)")
-        convert_with_progress(con, gguf, dst, quant="q4")
+        convert_with_progress(con, gguf, dst, quant=DEMO_QUANT)
     return dst
 
 

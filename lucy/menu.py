@@ -219,8 +219,10 @@ class Menu:
 
 
 def entity_path(row: views.ModelRow, quant: str = "q4") -> Path:
-    """`<org>--<name>.<quant>.entity` in the entity dir (Loom's naming plus the quant)."""
-    return views.entity_dir() / f"{row.name.replace('/', '--')}.{quant}.entity"
+    """The `.entity` that convert, demo and the menu write for ``row`` (entity.paths' rule)."""
+    from entity.paths import entities_dir, entity_filename
+
+    return entities_dir() / entity_filename(row.path, quant)
 
 
 def catalogue_table(rows: list[views.ModelRow]):

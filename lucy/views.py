@@ -22,14 +22,6 @@ def make_console(stderr: bool = False):
     return con
 
 
-def poly_home() -> Path:
-    return Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly")
-
-
-def entity_dir() -> Path:
-    return poly_home() / "entities"
-
-
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "?"
@@ -134,7 +126,9 @@ def hf_rows() -> list[ModelRow]:
 
 
 def entity_rows() -> list[ModelRow]:
-    root = entity_dir()
+    from entity.paths import entities_dir
+
+    root = entities_dir()
     files = sorted(root.glob("*.entity")) if root.is_dir() else []
     rows = []
     for f in files:
@@ -219,6 +213,8 @@ def print_convert_report(con, report, seconds: float) -> None:
     out = _field(data, "dst", "output", "path")
     size = _field(data, "size_bytes", "output_bytes", "bytes")
     con.print(f"wrote {clean(str(out))} ({human_bytes(size)}) in {seconds:.1f} s", markup=False)
+    for note in getattr(report, "notes", ()):
+        con.print(f"note: {clean(note)}", markup=False)
     errors = _field(data, "tensors", "q4_errors", "errors")
     if errors:
         con.print(verify_table(errors))

@@ -65,7 +65,7 @@ def _tensor(rng, name: str, shape, kinds) -> tuple:
     return name, int(qtype), list(reversed(shape)), raw
 
 
-def _gguf(path: Path, *, tied: bool = True, kinds=KINDS, layers: int = 2) -> Path:
+def write_tiny_gguf(path: Path, *, tied: bool = True, kinds=KINDS, layers: int = 2) -> Path:
     """A tiny llama (byte vocab, hidden 256) whose matrices are stored in ``kinds``."""
     kvs, f32 = gguf_model_parts(seed=1, tokens=byte_vocab(), hidden=H, layers=layers)
     kvs = [(k, U32, FF) if k == "llama.feed_forward_length" else (k, t, v) for k, t, v in kvs]
@@ -99,7 +99,7 @@ def tiny(tmp_path_factory):
     base = tmp_path_factory.mktemp("native")
     out = {}
     for tied in (True, False):
-        src = _gguf(base / f"m-{tied}.gguf", tied=tied)
+        src = write_tiny_gguf(base / f"m-{tied}.gguf", tied=tied)
         dst = base / f"m-{tied}.entity"
         report = convert(src, dst, quant="q4", verify=True)
         assert report.verified
@@ -142,11 +142,18 @@ def test_forward_equals_the_gguf_direct_path(tiny, tied):
         a, b = ref.forward(nxt), got.forward(nxt)
 
 
-def test_q8_keeps_blocks_and_float_schemes_dequantize(tiny, tmp_path):
+def test_q8_keeps_q8_blocks_only_and_float_schemes_dequantize(tiny, tmp_path):
     src = tiny[True][0]
-    convert(src, tmp_path / "q8.entity", quant="q8")
+    report = convert(src, tmp_path / "q8.entity", quant="q8")
     ef = EntityFile(tmp_path / "q8.entity")
-    assert ef.blobs["blocks.1.mlp.w_gate"].ggml_type == int(T.Q6_K)
+    assert ef.blobs["blocks.1.mlp.w_down"].ggml_type == int(T.Q8_0)  # as precise as asked: kept
+    for name in ("blocks.1.mlp.w_gate", "blocks.1.attn.w_q", "blocks.1.attn.w_k"):  # Q6_K, Q4_*
+        assert name not in ef.blobs and ef.blobs[f"{name}.codes"].dtype == "int8"
+    assert ef.meta("quant")["native"] == ["gguf_q8_0"]
+    assert report.notes == [
+        "precision cannot exceed the source: the q8 file holds the values of its Q4_0, Q4_1, "
+        "Q4_K, Q6_K blocks, re-encoded as q8"
+    ]
     for quant in ("f16", "f32"):
         out = tmp_path / f"{quant}.entity"
         report = convert(src, out, quant=quant, verify=True)
@@ -163,7 +170,9 @@ def test_q8_keeps_blocks_and_float_schemes_dequantize(tiny, tmp_path):
 
 def test_float_and_unsupported_kinds_keep_the_loom_bake(tiny, tmp_path):
     """F32 matrices and kinds without a C kernel (Q5_0) are baked to Loom Q4_0 as before."""
-    src = _gguf(tmp_path / "mixed.gguf", kinds={**KINDS, "ffn_up": T.Q5_0, "attn_v": T.F32})
+    src = write_tiny_gguf(
+        tmp_path / "mixed.gguf", kinds={**KINDS, "ffn_up": T.Q5_0, "attn_v": T.F32}
+    )
     out = tmp_path / "mixed.entity"
     convert(src, out, quant="q4", verify=True)
     ef = EntityFile(out)
@@ -303,3 +312,31 @@ def test_verify_refuses_changed_blocks(tiny, tmp_path, monkeypatch):
     with pytest.raises(IntegrityError, match="embeddings"):
         convert(tiny[True][0], out, quant="q4", verify=True)
     assert not out.exists()
+
+
+def test_q8_from_a_q4_1_source_is_a_real_q8_file(tmp_path):
+    """#13: `--quant q8` from Q4_1 blocks wrote the Q4_1 blocks (q4 size) and verified 0 error."""
+    q41 = {k: T.Q4_1 for k in KINDS}
+    src = write_tiny_gguf(tmp_path / "q41.gguf", kinds=q41)
+    q4 = convert(src, tmp_path / "q4.entity", quant="q4", verify=True)
+    q8 = convert(src, tmp_path / "q8.entity", quant="q8", verify=True)
+    assert q4.notes == [] and q4.exact  # q4 keeps the Q4_1 blocks bit for bit
+    assert q8.notes == [
+        "precision cannot exceed the source: the q8 file holds the values of its Q4_1 blocks, "
+        "re-encoded as q8"
+    ]
+    ef = EntityFile(tmp_path / "q8.entity")
+    assert ef.meta("quant")["scheme"] == "q8" and "native" not in ef.meta("quant")
+    assert all(rec.ggml_type is None for rec in ef.blobs.values())
+    codes = [n for n in ef.blobs if n.endswith(".codes")]
+    assert len(codes) == 7 * 2 + 1  # every matrix of both blocks + the tied embeddings
+    assert q8.bytes > 1.4 * q4.bytes  # 8-bit codes, not the 4.5-bit blocks again
+    # --verify measures the int8 rounding of the Q4_1 values: small, not a false 0
+    assert 0 < q8.max_rel_rms < 0.01
+    ref, got = load_gguf(src, keep_quantized=True), load_entity(tmp_path / "q8.entity")
+    want = ref.attn(0).weights.versions["gguf"]["w_q"].dequantize()
+    have = got.attn(0).weights.versions[got.attn(0).weights.active]["w_q"]
+    assert have.scheme == "int8"
+    np.testing.assert_allclose(
+        have.dequantize(), want, rtol=0, atol=float(np.abs(want).max()) / 127
+    )
