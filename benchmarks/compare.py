@@ -51,7 +51,7 @@ WORK = Path(os.environ.get("POLY_BENCH_DIR", Path(tempfile.gettempdir()) / "poly
 class PolyEngine:
     def __init__(self, name: str, gguf: Path):
         import entity
-        from entity.gguf_load import load_gguf
+        from entity.gguf.loader import load_gguf
 
         if name == "poly-f32":
             self.model = load_gguf(gguf, keep_quantized=False)
@@ -208,7 +208,7 @@ def prepare(args) -> tuple[dict[str, list[int]], object]:
     """Write the F32/F16 GGUF and .entity copies once; return the token ids of both prompts."""
     import entity
     from benchmarks.gguf_export import export
-    from entity.gguf_load import load_gguf
+    from entity.gguf.loader import load_gguf
     from lucy.bench import prompt_ids
 
     WORK.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,14 @@ from typing import BinaryIO
 
 from poly.errors import InsufficientSpaceError, OutputExistsError, OutputPathError, PolyError
 
-__all__ = ["atomic_output", "check_output", "temp_name", "sweep_stale_temps", "TEMP_PATTERN"]
+__all__ = [
+    "atomic_output",
+    "check_output",
+    "temp_name",
+    "sweep_stale_temps",
+    "wrap_os_error",
+    "TEMP_PATTERN",
+]
 
 # `.<name>.tmp-<pid>-<hex>`: recognisable, hidden, and tied to the writing process.
 TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
@@ -101,7 +108,8 @@ def _check_target_unsafe(out: Path, force: bool, inputs: Iterable[str | os.PathL
         raise OutputExistsError("output exists (use force=True / --force)", path=str(out))
 
 
-def _wrap_os_error(exc: OSError, out: Path) -> PolyError:
+def wrap_os_error(exc: OSError, out: Path) -> PolyError:
+    """The typed error of a failed output write (no space, or a bad path)."""
     if exc.errno in _SPACE_ERRNOS:
         return InsufficientSpaceError(
             f"not enough space writing output: {exc.strerror}", path=str(out)
@@ -157,7 +165,7 @@ def atomic_output(
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError as exc:
-        raise _wrap_os_error(exc, out) from exc
+        raise wrap_os_error(exc, out) from exc
     f = os.fdopen(fd, "w+b")
     try:
         try:
@@ -170,11 +178,11 @@ def atomic_output(
         try:
             os.replace(tmp, out)
         except OSError as exc:
-            raise _wrap_os_error(exc, out) from exc
+            raise wrap_os_error(exc, out) from exc
     except OSError as exc:
         _unlink_quiet(tmp)
         if exc.errno in _SPACE_ERRNOS:
-            raise _wrap_os_error(exc, out) from exc
+            raise wrap_os_error(exc, out) from exc
         raise  # e.g. an unreadable source file: not an output problem
     except BaseException:
         _unlink_quiet(tmp)

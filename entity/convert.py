@@ -4,7 +4,7 @@ HF snapshots are streamed block by block (peak memory ~ one block + the memory-m
 other sources are loaded with `entity.load` first. Output goes through `atomic_output`, so an
 interrupted conversion leaves nothing at the destination. ``verify=True`` re-opens the result and
 compares every tensor with the source: exact for f32, bitwise for GGUF blocks kept native
-(`entity.native_blocks`), error statistics for lossy schemes.
+(`entity.dotentity.native_blocks`), error statistics for lossy schemes.
 """
 
 from __future__ import annotations
@@ -20,21 +20,23 @@ from typing import Any
 
 import numpy as np
 
+from entity.arch import ROLES, role_shapes
 from entity.atomic import check_output
-from entity.entity_model import (
-    ROLES,
-    SCHEMES,
-    _check_quant,
-    _role_shapes,
-    embed_keep_as,
-    load_entity,
+from entity.dotentity.blobs import SCHEMES, check_quant, embed_keep_as
+from entity.dotentity.native_blocks import (
+    below_target,
+    check_same_blocks,
+    keeps_native,
+    native_kind,
+)
+from entity.dotentity.read import load_entity
+from entity.dotentity.write import (
     model_blocks,
     model_meta,
     save_entity,
     source_components,
     write_entity,
 )
-from entity.native_blocks import below_target, check_same_blocks, keeps_native, native_kind
 from poly.errors import ConversionError, IntegrityError, UsageError
 from poly.qtensor import QTensor
 
@@ -151,7 +153,7 @@ def _f32(block: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndar
 
 
 def _hf_source(path: Path) -> _Source:
-    from entity.hf import attach_hf_metadata, iter_hf_blocks, open_hf
+    from entity.hf.loader import attach_hf_metadata, iter_hf_blocks, open_hf
     from poly.network import VolumetricNetwork
     from poly.transformer import build_block
 
@@ -183,9 +185,9 @@ def _files(path: Path) -> list[Path]:
 
 
 def _model_source(path: Path) -> _Source:
-    import entity
+    from entity.load import load
 
-    tf = entity.load(path)
+    tf = load(path)
     cfg = tf.config
     final = np.asarray(tf.final_norm, np.float32)
     kind = "entity" if hasattr(tf, "entity_file") else str(tf.source.get("format", "model"))
@@ -200,7 +202,7 @@ def _open_source(src: str | os.PathLike) -> _Source:
     if path.is_dir() and (path / "config.json").is_file():
         return _hf_source(path)
     if not path.exists():
-        from entity.hf_cache import resolve_cached
+        from entity.hf.cache import resolve_cached
 
         return _hf_source(Path(resolve_cached(str(src))))
     return _model_source(path)
@@ -222,7 +224,7 @@ def _check_lossy(name: str, w: Any, enc: str, keep_as: str | None = None) -> Non
     if enc == "float32" or w is None or len(np.shape(w)) != 2:
         return
     if keeps_native(keep_as or enc, w):
-        return  # stored bit for bit (entity.native_blocks): nothing hidden, nothing created
+        return  # stored bit for bit (entity.dotentity.native_blocks): nothing hidden, nothing created
     limit = _FINITE_MAX.get(enc, float(np.finfo(np.float32).max))
     n, bad = np.shape(w)[0], 0
     for a in range(0, n, _ROWS):
@@ -283,7 +285,7 @@ def _verify(source: _Source, dst: Path, tick: Callable[[str], None]) -> list[Ten
     for i, comps in source.blocks():
         for role in ROLES:
             got = source_components(getattr(out, role)(i))
-            for name in _role_shapes(out.config, role):
+            for name in role_shapes(out.config, role):
                 ref = comps[role].get(name)
                 ref = np.zeros(got[name].shape, np.float32) if ref is None else ref  # absent bias
                 stats.append(_stat(f"blocks.{i}.{role}.{name}", ref, got[name], dst))
@@ -306,6 +308,22 @@ def _check_meta(meta: dict, out: Any, dst: Path) -> None:
     for key, value in checks.items():
         if meta[key] != value:
             raise IntegrityError(f"{key} lost in conversion (roundtrip)", path=str(dst))
+
+
+def _verify_into(report: ConvertReport, source: _Source, out: Path, tick: Callable) -> None:
+    """Fill ``report.tensors``; a damaged result (IntegrityError, inexact f32) is removed."""
+    try:
+        report.tensors = _verify(source, out, tick)
+    except IntegrityError:  # lost metadata or changed native blocks: no bad file left
+        os.unlink(out)
+        raise
+    report.verified = True
+    if report.quant == "f32" and not report.exact:
+        worst = max(report.tensors, key=lambda t: t.max_abs)
+        os.unlink(out)
+        raise IntegrityError(
+            f"f32 conversion is not exact: {worst.name} (roundtrip)", path=str(out)
+        )
 
 
 def convert(
@@ -335,7 +353,7 @@ def convert(
     n = source.cfg.num_layers
     total = n + 2 + (n + 1 if verify else 0)
     cb = progress or (lambda done, total, detail: None)
-    matrix_enc, embed_enc = _check_quant(quant, embed_quant)
+    matrix_enc, embed_enc = check_quant(quant, embed_quant)
     lower: set[str] = set()
     blocks = _checked(_delayed(source.blocks()), matrix_enc, lower)
     keep_as = embed_keep_as(quant, embed_quant)
@@ -354,18 +372,7 @@ def convert(
         )
     if verify:
         step = iter(range(n + 3, total + 1))
-        try:
-            report.tensors = _verify(source, out_path, lambda d: cb(next(step, total), total, d))
-        except IntegrityError:  # lost metadata or changed native blocks: no bad file left
-            os.unlink(out_path)
-            raise
-        report.verified = True
-        if quant == "f32" and not report.exact:
-            worst = max(report.tensors, key=lambda t: t.max_abs)
-            os.unlink(out_path)
-            raise IntegrityError(
-                f"f32 conversion is not exact: {worst.name} (roundtrip)", path=str(out_path)
-            )
+        _verify_into(report, source, out_path, lambda d: cb(next(step, total), total, d))
         cb(total, total, "verified")
     report.bytes = out_path.stat().st_size
     report.seconds = time.perf_counter() - start

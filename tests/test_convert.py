@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from entity.convert import DELAY_ENV, convert
-from entity.entity_format import EntityFile
-from entity.entity_model import load_entity
+from entity.dotentity.container import EntityFile
+from entity.dotentity.read import load_entity
 from poly.errors import EntityFormatError, IntegrityError, OutputExistsError, OutputPathError
 from tests.hf_fixtures import hf_logits, make_tiny_checkpoint
 
@@ -200,7 +200,7 @@ def test_q4_smollm2_rss_stays_near_file_size(smollm2_gguf, tmp_path):
     # VmHWM, not getrusage's ru_maxrss: Linux carries the parent's (pytest + torch) high-water
     # mark across fork+exec into ru_maxrss, while VmHWM belongs to the child's own address space.
     code = textwrap.dedent(f"""
-        from entity.entity_model import load_entity
+        from entity.dotentity.read import load_entity
         tf = load_entity({str(out)!r}, max_seq_len=512)
         tf.forward(tf.tokenizer.encode("The sky is"))
         status = open("/proc/self/status").read()

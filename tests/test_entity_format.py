@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from entity.atomic import atomic_output, sweep_stale_temps, temp_name
-from entity.entity_format import (
+from entity.dotentity.container import (
     ALIGN,
     MAGIC,
     PREFIX,
@@ -289,7 +289,7 @@ def test_read_only_directory(tmp_path):
     # root ignores permission bits: import as root, then drop to an unprivileged uid.
     code = textwrap.dedent(f"""
         import os
-        from entity.entity_format import EntityWriter
+        from entity.dotentity.container import EntityWriter
         from poly.errors import OutputPathError
         os.setgid(65534)
         os.setuid(65534)
@@ -322,7 +322,7 @@ def test_disk_full_is_typed_and_leaves_nothing(tmp_path):
         import resource
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         import numpy as np
-        from entity.entity_format import EntityWriter
+        from entity.dotentity.container import EntityWriter
         from poly.errors import InsufficientSpaceError
         try:
             w = EntityWriter({str(tmp_path / "big.entity")!r})

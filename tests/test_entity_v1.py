@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from entity.entity_v1 import read_entity_v1
+from entity.dotentity.v1 import read_entity_v1
 from poly.errors import EntityFormatError
 
 D, HEADS, KV, HD, INTER, VOCAB, LAYERS = 64, 4, 2, 16, 96, 40, 2
@@ -209,7 +209,7 @@ def test_q4_error_is_bounded_by_half_a_step(tmp_path):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((7, 40)).astype(np.float32)  # 280 values: a partial last block
     blob, _ = _q4_blob(w)
-    from entity.entity_v1 import q4_0_decode
+    from entity.dotentity.v1 import q4_0_decode
 
     got = q4_0_decode(blob, w.size).reshape(w.shape)
     flat = np.zeros(9 * 32, np.float32)
@@ -220,7 +220,7 @@ def test_q4_error_is_bounded_by_half_a_step(tmp_path):
 
 def test_v1_transformer_loads(tmp_path):
     pytest.importorskip("poly.transformer")
-    from entity.entity_v1 import load_entity_v1
+    from entity.dotentity.v1 import load_entity_v1
     from poly import layout
 
     path, expected, (emb, head, final) = _build(tmp_path, "q4", tied=False)

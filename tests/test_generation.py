@@ -469,7 +469,7 @@ def test_real_transformer_session_divergent_reply_matches_fresh(tiny):
 
 
 def test_smollm2_session_second_turn_prefills_only_new_tokens(smollm2_gguf):
-    from entity.gguf_load import load_gguf
+    from entity.gguf.loader import load_gguf
 
     model = load_gguf(smollm2_gguf, max_seq_len=256, keep_quantized=False)
     opts = GenOptions(temperature=0.0, max_tokens=2)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from entity.gguf_reader import GGUFFile
+from entity.gguf.reader import GGUFFile
 from poly.errors import GGUFFormatError, UnsupportedError
 
 # One small independent GGUF writer (struct only) serves this file and the fuzz corpus.
@@ -312,7 +312,7 @@ def _write_tiny_gguf(path, arch: str, model) -> None:
 def test_tiny_arch_logits_match_transformers(tmp_path, arch, keep_quantized):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from entity.gguf_load import load_gguf
+    from entity.gguf.loader import load_gguf
 
     cls, extra = ARCH_CONFIGS[arch]
     cfg = getattr(transformers, cls)(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from entity.hf_cache import hub_cache_dir, list_cached_models, resolve_cached
+from entity.hf.cache import hub_cache_dir, list_cached_models, resolve_cached
 from poly.errors import ModelNotFoundError
 from tests.hf_fixtures import make_tiny_checkpoint
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from entity.hf_config import HFModelConfig, load_hf_config
+from entity.hf.config import HFModelConfig, load_hf_config
 from poly.errors import ConfigError, LimitExceededError, PolyError, UnsupportedError
 from tests.hf_fixtures import ARCHS, make_tiny_checkpoint
 

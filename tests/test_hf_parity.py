@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import entity
 from entity.hf import iter_hf_blocks, load_hf
-from entity.hf_config import load_hf_config
+from entity.hf.config import load_hf_config
 from poly import layout
 from poly.errors import (
     ConfigError,

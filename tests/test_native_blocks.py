@@ -1,4 +1,4 @@
-"""GGUF blocks kept native in q4/q8 `.entity` files (entity.native_blocks), on tiny synthetic
+"""GGUF blocks kept native in q4/q8 `.entity` files (entity.dotentity.native_blocks), on tiny synthetic
 GGUF models: bitwise blocks, forward equal to the GGUF direct path, typed errors on damage."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
-import entity.entity_format as entity_format
+import entity.dotentity.container as entity_format
 from entity.convert import convert
-from entity.entity_format import EntityFile, EntityWriter
-from entity.entity_model import load_entity, save_entity
-from entity.gguf_load import load_gguf
-from entity.native_blocks import NATIVE_TYPES
+from entity.dotentity.container import EntityFile, EntityWriter
+from entity.dotentity.native_blocks import NATIVE_TYPES
+from entity.dotentity.read import load_entity
+from entity.dotentity.write import save_entity
+from entity.gguf.loader import load_gguf
 from poly import ckernels, layout
 from poly.errors import EntityFormatError, IntegrityError
 from poly.qtensor import GGUFMatrix

@@ -1,5 +1,5 @@
 """Issue #7 acceptance point 4 on the real model: SmolLM2-135M-Instruct's Q4_1 GGUF converted to a
-q4 `.entity` keeps its blocks (entity.native_blocks), so it runs like the GGUF itself and agrees
+q4 `.entity` keeps its blocks (entity.dotentity.native_blocks), so it runs like the GGUF itself and agrees
 with the float32 path on the chat prompt (re-baked to Loom Q4_0 it agreed on 8/64 tokens)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from entity.convert import convert
-from entity.entity_format import EntityFile
-from entity.entity_model import load_entity
-from entity.gguf_load import load_gguf
+from entity.dotentity.container import EntityFile
+from entity.dotentity.read import load_entity
+from entity.gguf.loader import load_gguf
 from poly.sampling import GenOptions
 
 pytestmark = pytest.mark.real_model

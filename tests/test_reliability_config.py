@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from entity.hf import load_hf
-from entity.hf_config import load_hf_config
+from entity.hf.config import load_hf_config
 from poly.errors import (
     CheckpointError,
     ConfigError,

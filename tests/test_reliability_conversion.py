@@ -20,8 +20,8 @@ import pytest
 
 from entity.atomic import TEMP_PATTERN
 from entity.convert import DELAY_ENV, convert
-from entity.entity_format import EntityFile
-from entity.entity_model import load_entity
+from entity.dotentity.container import EntityFile
+from entity.dotentity.read import load_entity
 from poly.errors import (
     CheckpointError,
     InsufficientSpaceError,
@@ -373,7 +373,7 @@ def test_b7_100_metadata_survives(src, tmp_path):
 
 
 def test_b7_100_gguf_source_lossless(tmp_path):
-    from entity.gguf_load import load_gguf
+    from entity.gguf.loader import load_gguf
     from tests.fuzz.corpus import byte_vocab, gguf_model
 
     g = tmp_path / "m.gguf"

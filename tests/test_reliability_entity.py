@@ -13,8 +13,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from entity.entity_format import _CRC_TAIL, ALIGN, MAGIC, PREFIX, EntityFile, align
-from entity.entity_model import load_entity, save_entity
+from entity.dotentity.container import ALIGN, CRC_TAIL, MAGIC, PREFIX, EntityFile, align
+from entity.dotentity.read import load_entity
+from entity.dotentity.write import save_entity
 from poly.errors import (
     EntityFormatError,
     IntegrityError,
@@ -41,7 +42,7 @@ def _payload(data: bytes = VALID) -> tuple[bytes, int]:
 
 def seal(body: bytes, version: int = 2, flags: int = 0, hlen: int | None = None) -> bytes:
     """Prefix + ``body`` + the header_crc32 entry, checksum correct."""
-    body = body + _CRC_TAIL
+    body = body + CRC_TAIL
     n = len(body) + 4 if hlen is None else hlen
     prefix = PREFIX.pack(MAGIC, version, flags, n)
     return prefix + body + zlib.crc32(prefix + body).to_bytes(4, "big")
@@ -132,7 +133,7 @@ CASES = [
     ("B6-89-hidden-padding", VALID[:-64 - 3] + b"\x01" + VALID[-64 - 2:], PolyError),
     ("B6-90-header-bit", VALID[:30] + bytes([VALID[30] ^ 1]) + VALID[31:], IntegrityError),
     ("B6-90-blob-byte", VALID[:-1] + bytes([VALID[-1] ^ 0xFF]), IntegrityError),
-    ("B6-90-crc-entry", VALID[:20] + VALID[20:].replace(_CRC_TAIL, b"\xa0" * len(_CRC_TAIL), 1), IntegrityError),
+    ("B6-90-crc-entry", VALID[:20] + VALID[20:].replace(CRC_TAIL, b"\xa0" * len(CRC_TAIL), 1), IntegrityError),
 ]  # fmt: skip
 
 
@@ -148,7 +149,7 @@ def test_container_case(tmp_path, data, cls):
 
 def test_b6_80_header_cap_before_reading(tmp_path, monkeypatch):
     # a header length over the cap (but inside the file) is refused before it is read
-    import entity.entity_format as ef_mod
+    import entity.dotentity.container as ef_mod
 
     monkeypatch.setattr(ef_mod, "MAX_HEADER_LEN", 64)
     p = tmp_path / "x.entity"
@@ -189,7 +190,7 @@ def q4_entity(tmp_path_factory):
 
 def _rewrite_blob(src, dst, name: str, fn):
     """Copy ``src`` with blob ``name`` replaced by ``fn(array)`` (record and checksum rebuilt)."""
-    from entity.entity_format import EntityWriter
+    from entity.dotentity.container import EntityWriter
 
     ef = EntityFile(src)
     w = EntityWriter(dst)
@@ -254,7 +255,7 @@ V1_CASES = [
 
 @pytest.mark.parametrize("data", [c[1] for c in V1_CASES], ids=[c[0] for c in V1_CASES])
 def test_v1_case(tmp_path, data):
-    from entity.entity_v1 import read_entity_v1
+    from entity.dotentity.v1 import read_entity_v1
 
     p = tmp_path / "x.entity"
     p.write_bytes(data)

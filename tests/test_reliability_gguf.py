@@ -11,8 +11,8 @@ import struct
 import numpy as np
 import pytest
 
-from entity.gguf_load import load_gguf
-from entity.gguf_reader import GGUFFile
+from entity.gguf.loader import load_gguf
+from entity.gguf.reader import GGUFFile
 from poly.errors import (
     GGUFFormatError,
     PolyError,

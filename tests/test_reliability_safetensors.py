@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-from entity.safetensors_io import SafetensorsFile, open_checkpoint
+from entity.hf.safetensors_io import SafetensorsFile, open_checkpoint
 from poly.errors import (
     CheckpointError,
     IntegrityError,

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from entity.safetensors_io import SafetensorsFile, open_checkpoint
+from entity.hf.safetensors_io import SafetensorsFile, open_checkpoint
 from poly.errors import (
     CheckpointError,
     IntegrityError,

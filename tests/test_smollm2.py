@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from entity.gguf_load import load_gguf
+from entity.gguf.loader import load_gguf
 from poly.sampling import GenOptions
 
 torch = pytest.importorskip("torch")

@@ -137,7 +137,7 @@ ENTITY_ARRAYS = {
 
 
 def entity_write(path: str | os.PathLike, arrays=None, meta=None) -> Path:
-    from entity.entity_format import EntityWriter
+    from entity.dotentity.container import EntityWriter
 
     w = EntityWriter(path)
     for name, arr in (ENTITY_ARRAYS if arrays is None else arrays).items():
@@ -261,7 +261,7 @@ def tiny_model(
     tmp_dir: str | os.PathLike, *, hidden: int = 32, layers: int = 1, max_seq_len: int = 64
 ):
     """A loaded tiny llama (byte vocab 258, random F32 weights) via our own GGUF loader."""
-    from entity.gguf_load import load_gguf
+    from entity.gguf.loader import load_gguf
 
     p = Path(tmp_dir) / f"tiny-{hidden}-{layers}.gguf"
     if not p.exists():

@@ -50,7 +50,7 @@ def _scratch(name: str, data: bytes) -> Path:
 
 
 def _touch_safetensors(data: bytes) -> None:
-    from entity.safetensors_io import SafetensorsFile
+    from entity.hf.safetensors_io import SafetensorsFile
 
     f = SafetensorsFile(_scratch("x.safetensors", data))
     for name in f.names():
@@ -61,13 +61,13 @@ def _touch_safetensors(data: bytes) -> None:
 
 
 def _touch_safetensors_header(data: bytes) -> None:
-    from entity.safetensors_io import parse_header
+    from entity.hf.safetensors_io import parse_header
 
     parse_header(data)
 
 
 def _touch_gguf(data: bytes) -> None:
-    from entity.gguf_reader import GGUFFile
+    from entity.gguf.reader import GGUFFile
 
     gg = GGUFFile(_scratch("x.gguf", data))
     for name in gg.tensors:
@@ -78,14 +78,14 @@ def _touch_gguf(data: bytes) -> None:
 
 
 def _touch_gguf_model(data: bytes) -> None:
-    from entity.gguf_load import load_gguf
+    from entity.gguf.loader import load_gguf
 
     tf = load_gguf(_scratch("m.gguf", data), keep_quantized=True, max_seq_len=16)
     tf.forward([0])
 
 
 def _touch_entity(data: bytes) -> None:
-    from entity.entity_format import EntityFile
+    from entity.dotentity.container import EntityFile
 
     ef = EntityFile(_scratch("x.entity", data))
     for name in ef.blobs:

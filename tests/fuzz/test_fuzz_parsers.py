@@ -139,7 +139,7 @@ def arrays(draw, dtypes):
 def test_safetensors_roundtrip_against_reference_writer(tensors, meta, tmp_path_factory):
     from safetensors.numpy import save
 
-    from entity.safetensors_io import SafetensorsFile
+    from entity.hf.safetensors_io import SafetensorsFile
 
     p = tmp_path_factory.getbasetemp() / "rt.safetensors"
     p.write_bytes(save(tensors, metadata=meta or None))
@@ -176,7 +176,7 @@ keys = st.from_regex(r"[a-z][a-z0-9_]{0,8}(\.[a-z][a-z0-9_]{0,8}){0,2}", fullmat
 def test_gguf_roundtrip_against_gguf_writer(kvs, tensors, tmp_path_factory):
     import gguf
 
-    from entity.gguf_reader import GGUFFile
+    from entity.gguf.reader import GGUFFile
 
     p = tmp_path_factory.getbasetemp() / "rt.gguf"
     w = gguf.GGUFWriter(str(p), "llama")
@@ -207,7 +207,7 @@ def test_gguf_roundtrip_against_gguf_writer(kvs, tensors, tmp_path_factory):
                              ("f4", "f2", "i1", "u1", "i8", "f8", "u2", "i4")]), max_size=5),
        gen=st.dictionaries(names, st.integers() | st.text(max_size=5) | st.booleans(), max_size=3))  # fmt: skip
 def test_entity_roundtrip(blobs, gen, tmp_path_factory):
-    from entity.entity_format import EntityFile
+    from entity.dotentity.container import EntityFile
     from tests.fuzz.corpus import ENTITY_META, entity_write
 
     p = tmp_path_factory.getbasetemp() / "rt.entity"
@@ -226,7 +226,7 @@ def test_entity_roundtrip(blobs, gen, tmp_path_factory):
 @given(data=st.data())
 def test_config_json_random_fields(data, tmp_path_factory):
     """config.json with random JSON values in the fields we read: ConfigError family only."""
-    from entity.hf_config import load_hf_config
+    from entity.hf.config import load_hf_config
     from poly.errors import PolyError
     from tests.test_reliability_config import BASE
 
@@ -283,7 +283,7 @@ def test_safetensors_differential_against_reference(data):
     stricter parser: duplicates, unknown fields; reliability.md §(c) differential tests)."""
     from safetensors.numpy import load as ref_load
 
-    from entity.safetensors_io import SafetensorsFile
+    from entity.hf.safetensors_io import SafetensorsFile
     from tests.fuzz.harness import _scratch
 
     raw = data.draw(edited(SEEDS["safetensors"], tail=True))
@@ -302,7 +302,7 @@ def test_gguf_differential_against_gguf_py(data):
     """Edited GGUF files we accept parse in gguf-py with the same tensors and raw bytes."""
     from gguf import GGUFReader
 
-    from entity.gguf_reader import GGUFFile
+    from entity.gguf.reader import GGUFFile
     from tests.fuzz.harness import _scratch
 
     raw = data.draw(edited(SEEDS["gguf"], tail=True))

@@ -12,11 +12,11 @@ Layout (little-endian; full description in docs/formats.md):
             between them, the file ends exactly at the end of the last blob.
 
 Every blob record carries the crc32 of its bytes. The container knows nothing about transformers:
-`entity_model` and `entity_blobs` decide which blobs and header keys a model needs.
+`write` and `blobs` decide which blobs and header keys a model needs; `read` loads a model.
 
 This module opens, verifies and maps files (`EntityFile`) and writes them (`EntityWriter`); the
-prefix, the header schema and their checks are in `entity_header`, and the names callers import
-from here (MAGIC, PREFIX, read_prefix, ...) are re-exported.
+prefix, the header schema and their checks are in `header` (MAGIC, PREFIX, read_prefix, ... are
+also importable from here, the container's API).
 """
 
 from __future__ import annotations
@@ -30,24 +30,24 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from entity.atomic import _wrap_os_error, atomic_output, check_output, temp_name
-from entity.entity_header import (
-    _CRC_TAIL,
+from entity.atomic import atomic_output, check_output, temp_name, wrap_os_error
+from entity.dotentity.header import (
     ALIGN,
     BLOB_DTYPES,
+    CRC_TAIL,
     FORMAT_VERSION,
     MAGIC,
     META_KEYS,
     PREFIX,
     BlobRecord,
-    _check_layout,
-    _decode_header,
-    _fail,
-    _Header,
+    Header,
     align,
+    check_layout,
+    decode_header,
+    fail,
     read_prefix,
 )
-from entity.native_blocks import check_record
+from entity.dotentity.native_blocks import check_record
 from poly.errors import (
     EntityFormatError,
     IntegrityError,
@@ -65,7 +65,6 @@ __all__ = [
     "EntityWriter",
     "EntityVersionError",
     "read_prefix",
-    "load_entity",
 ]
 
 MAX_HEADER_LEN = 64 << 20  # tokenizer.json of a 150k vocab is ~10 MB
@@ -91,7 +90,7 @@ def _crc_of_range(f, start: int, length: int) -> int:
     while left > 0:
         n = f.readinto(view[: min(left, len(buf))])
         if not n:
-            raise _fail("truncated while verifying", None, start + length - left)
+            raise fail("truncated while verifying", None, start + length - left)
         crc = zlib.crc32(view[:n], crc)
         left -= n
     return crc
@@ -114,7 +113,7 @@ class EntityFile:
         try:
             f = open(self.path, "rb")
         except OSError as exc:
-            raise _fail(f"cannot open: {exc.strerror}", self.path) from exc
+            raise fail(f"cannot open: {exc.strerror}", self.path) from exc
         with f:
             self.size = os.fstat(f.fileno()).st_size
             self.header, self.flags = self._read_header(f)
@@ -125,33 +124,33 @@ class EntityFile:
                     self._verify_record(f, rec)
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
 
-    def _read_header(self, f) -> tuple[_Header, int]:
+    def _read_header(self, f) -> tuple[Header, int]:
         version, flags, hlen = read_prefix(f, self.path)
         if version != FORMAT_VERSION:
             raise EntityVersionError(
-                f"unsupported .entity version {version} (this reader: 1 via entity_v1, 2)",
+                f"unsupported .entity version {version} (this reader: 1 via entity.dotentity.v1, 2)",
                 path=self.path,
                 offset=8,
             )
         if hlen > self.size - PREFIX.size:
-            raise _fail(f"header length {hlen} exceeds the file", self.path, 12)
+            raise fail(f"header length {hlen} exceeds the file", self.path, 12)
         if hlen > MAX_HEADER_LEN:
             raise LimitExceededError(f"header length {hlen} > {MAX_HEADER_LEN}", path=self.path)
         f.seek(0)
         raw = f.read(PREFIX.size + hlen)
-        if hlen < len(_CRC_TAIL) + 4 or raw[-len(_CRC_TAIL) - 4 : -4] != _CRC_TAIL:
+        if hlen < len(CRC_TAIL) + 4 or raw[-len(CRC_TAIL) - 4 : -4] != CRC_TAIL:
             raise IntegrityError("header checksum entry missing or damaged", path=self.path)
         want = int.from_bytes(raw[-4:], "big")  # msgpack uint32 is big-endian
         if zlib.crc32(raw[:-4]) != want:
             raise IntegrityError("header checksum mismatch (file damaged)", path=self.path)
-        header = _decode_header(raw[PREFIX.size :], self.path)
+        header = decode_header(raw[PREFIX.size :], self.path)
         self.header_len = hlen
         self.data_start = align(PREFIX.size + hlen)
-        _check_layout(header.blobs, self.data_start, self.size, self.path)
+        check_layout(header.blobs, self.data_start, self.size, self.path)
         if not header.blobs:  # the writer pads the header to ALIGN even without blobs
             f.seek(PREFIX.size + hlen)
             if f.read(ALIGN).strip(b"\x00"):
-                raise _fail("trailing bytes after the header", self.path, PREFIX.size + hlen)
+                raise fail("trailing bytes after the header", self.path, PREFIX.size + hlen)
         return header, flags
 
     def _check_padding(self, f) -> None:
@@ -162,7 +161,7 @@ class EntityFile:
             if gap:
                 f.seek(pos)
                 if f.read(gap).strip(b"\x00"):
-                    raise _fail("non-zero padding before blob", self.path, pos)
+                    raise fail("non-zero padding before blob", self.path, pos)
             pos = rec.offset + rec.length
 
     def _verify_record(self, f, rec: BlobRecord) -> None:
@@ -180,7 +179,7 @@ class EntityFile:
         """Zero-copy read-only view of blob ``name`` with its dtype and shape."""
         rec = self.blobs.get(name)
         if rec is None:
-            raise _fail(f"blob {name!r} missing", self.path)
+            raise fail(f"blob {name!r} missing", self.path)
         if self._verify == "lazy" and name not in self._checked:
             mv = memoryview(self._mm)[rec.offset : rec.offset + rec.length]
             if zlib.crc32(mv) != rec.checksum:
@@ -231,14 +230,14 @@ class EntityWriter:
         try:
             self._payload = open(self._payload_path, "x+b")
         except OSError as exc:
-            raise _wrap_os_error(exc, self.path) from exc
+            raise wrap_os_error(exc, self.path) from exc
         self._records: list[dict[str, Any]] = []
         self._names: set[str] = set()
         self._pos = 0
 
     def add(self, name: str, arr: np.ndarray, *, ggml_type: int | None = None) -> None:
         """Append one blob (any dtype of `BLOB_DTYPES`; shape kept). ``ggml_type``: the blob is
-        GGUF block rows, uint8 [out, row_bytes], of that kind (`entity.native_blocks`)."""
+        GGUF block rows, uint8 [out, row_bytes], of that kind (`entity.dotentity.native_blocks`)."""
         if name in self._names:
             raise EntityFormatError(f"duplicate blob path {name!r}")
         dtype, mv = _blob_bytes(arr)
@@ -250,7 +249,7 @@ class EntityWriter:
             self._payload.write(mv)
         except OSError as exc:
             self.close()
-            raise _wrap_os_error(exc, self.path) from exc
+            raise wrap_os_error(exc, self.path) from exc
         self._pos += pad
         rec = {"path": name, "offset": self._pos, "length": mv.nbytes, "dtype": dtype}
         rec.update(shape=[int(d) for d in np.shape(arr)], checksum=zlib.crc32(mv))
@@ -266,7 +265,7 @@ class EntityWriter:
         packer = msgpack.Packer(use_bin_type=True)
         body = packer.pack_map_header(len(fields) + 1)
         body += b"".join(packer.pack(k) + packer.pack(v) for k, v in fields.items())
-        body += _CRC_TAIL
+        body += CRC_TAIL
         prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body) + 4)
         crc = zlib.crc32(prefix + body)
         return prefix + body + crc.to_bytes(4, "big")
@@ -292,7 +291,7 @@ class EntityWriter:
             )
         try:
             head = self._header_for(meta)
-            _decode_header(head[PREFIX.size :], str(self.path))  # never write what we cannot read
+            decode_header(head[PREFIX.size :], str(self.path))  # never write what we cannot read
             self._payload.flush()
             size = align(len(head)) + self._pos
             with atomic_output(
@@ -348,10 +347,3 @@ def _copy_all(src, dst, length: int) -> None:
     if copied != length:
         raise EntityFormatError(f"payload copy stopped at {copied} of {length} bytes")
     dst.seek(0, os.SEEK_END)
-
-
-def load_entity(path: str | os.PathLike, **kw: Any):
-    """`entity.entity_model.load_entity` (the model layer; imported lazily, it imports poly)."""
-    from entity.entity_model import load_entity as _load
-
-    return _load(path, **kw)

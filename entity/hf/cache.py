@@ -98,8 +98,8 @@ def list_cached_models(cache_dir: str | Path | None = None) -> list[CachedModel]
 
 def check_snapshot(snapshot: Path) -> tuple[str | None, bool, str]:
     """(model_type, supported, reason) without reading any weights."""
-    from entity.hf_config import CONFIG_FILE, load_hf_config
-    from entity.safetensors_io import INDEX_FILE, PICKLE_FILES
+    from entity.hf.config import CONFIG_FILE, load_hf_config
+    from entity.hf.safetensors_io import INDEX_FILE, PICKLE_FILES
 
     if not (snapshot / CONFIG_FILE).is_file():
         return None, False, "missing config.json"
@@ -117,7 +117,7 @@ def check_snapshot(snapshot: Path) -> tuple[str | None, bool, str]:
 
 
 def _model_type(snapshot: Path) -> str | None:
-    from entity.hf_config import read_json
+    from entity.hf.config import read_json
 
     try:
         value = read_json(snapshot / "config.json").get("model_type")

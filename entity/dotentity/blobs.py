@@ -4,11 +4,10 @@ Blob names: `blocks.<i>.<role>` (role = attn_norm | attn | mlp_norm | mlp) holds
 float32 master in the f32 scheme (loaded zero-copy as the master itself); the other schemes store
 one blob per component, `blocks.<i>.<role>.<name>` (names of `poly.layout`), with encoded matrices
 split into parts (`.codes`/`.scales` for int8, `.scales`/`.packed` for q4_0), or one blob of GGUF
-block rows when a q4/q8 source matrix already is GGUF blocks (`entity.native_blocks`). Globals:
+block rows when a q4/q8 source matrix already is GGUF blocks (`entity.dotentity.native_blocks`). Globals:
 `embeddings`, `lm_head` (absent when tied), `final_norm`. Byte layouts: docs/formats.md.
 
-Shared by the writer (`entity_model`) and the reader (`entity_load`): the role shapes, the quant
-schemes and, per encoding, how a float32 matrix becomes blobs and back.
+Shared by the writer (`write`) and the reader (`read`): the quant schemes and, per encoding, how a float32 matrix becomes blobs and back.
 """
 
 from __future__ import annotations
@@ -19,17 +18,25 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from entity.entity_format import EntityFile, EntityWriter
-from entity.native_blocks import get_native, is_native_blob, keeps_native, put_native
-from poly.config import TransformerConfig
+from entity.dotentity.container import EntityFile, EntityWriter
+from entity.dotentity.native_blocks import get_native, is_native_blob, keeps_native, put_native
 from poly.dtypes import DType, Encoded
 from poly.errors import EntityFormatError, LayerConfigError, UsageError
 from poly.qtensor import CodedMatrix, Q4Matrix, QTensor
 
-__all__ = ["SCHEMES", "ENCODINGS", "ROLES", "NORM_ROLES", "EMBED_ALIASES", "embed_keep_as"]
+__all__ = [
+    "SCHEMES",
+    "ENCODINGS",
+    "EMBED_ALIASES",
+    "embed_keep_as",
+    "check_quant",
+    "put_matrix",
+    "read_matrix",
+    "read_vector",
+    "as_float",
+    "role_layer",
+]
 
-ROLES = ("attn_norm", "attn", "mlp_norm", "mlp")
-NORM_ROLES = frozenset({"attn_norm", "mlp_norm"})
 # quant scheme -> (matrix encoding, default embeddings/LM-head encoding)
 SCHEMES: dict[str, tuple[str, str]] = {
     "f32": ("float32", "float32"),
@@ -95,7 +102,7 @@ ENCODINGS: dict[str, tuple[Callable, Callable, Any]] = {
 }
 
 
-def _read_matrix(ef: EntityFile, encoding: str, name: str, shape) -> Any:
+def read_matrix(ef: EntityFile, encoding: str, name: str, shape) -> Any:
     if is_native_blob(ef, name):  # GGUF blocks kept as they were (any scheme may hold them)
         return get_native(ef, name, shape)
     _, get, dense = ENCODINGS[encoding]
@@ -109,18 +116,18 @@ def _read_matrix(ef: EntityFile, encoding: str, name: str, shape) -> Any:
     return value
 
 
-def _read_vector(ef: EntityFile, name: str, n: int) -> np.ndarray:
+def read_vector(ef: EntityFile, name: str, n: int) -> np.ndarray:
     v = ef.array(name)
     if v.dtype != np.float32 or v.shape != (n,):
         raise EntityFormatError(f"{name}: expected float32 [{n}], got {v.dtype} {v.shape}")
     return v
 
 
-def _as_float(table) -> np.ndarray:
+def as_float(table) -> np.ndarray:
     return table.dequantize() if isinstance(table, QTensor) else np.asarray(table, np.float32)
 
 
-def _put_matrix(
+def put_matrix(
     out: EntityWriter, w: Any, name: str, enc: str, kept: set[str], keep_as: str | None = None
 ) -> None:
     """One matrix in encoding ``enc``; kept native when it already is GGUF blocks at least as
@@ -128,16 +135,16 @@ def _put_matrix(
     if keeps_native(keep_as or enc, w):
         kept.add(put_native(w, name, out))
     else:
-        ENCODINGS[enc][0](_as_float(w), name, out)
+        ENCODINGS[enc][0](as_float(w), name, out)
 
 
 def embed_keep_as(quant: str, embed_quant: str | None) -> str:
     """The encoding whose precision GGUF embedding/LM-head blocks must reach to be kept: the
     scheme's matrix encoding (a q4 file keeps a Q4_0 head), or the one ``embed_quant`` asks."""
-    return SCHEMES[quant][0] if embed_quant is None else _check_quant(quant, embed_quant)[1]
+    return SCHEMES[quant][0] if embed_quant is None else check_quant(quant, embed_quant)[1]
 
 
-def _check_quant(quant: str, embed_quant: str | None) -> tuple[str, str]:
+def check_quant(quant: str, embed_quant: str | None) -> tuple[str, str]:
     if quant not in SCHEMES:
         raise UsageError(f"unknown quant {quant!r}; choose one of {sorted(SCHEMES)}")
     matrix_enc, embed_enc = SCHEMES[quant]
@@ -151,20 +158,5 @@ def _check_quant(quant: str, embed_quant: str | None) -> tuple[str, str]:
 # --- roles: a block's four layers and the shapes of their components ------------------------------
 
 
-def _role_layer(tf, i: int, role: str):
+def role_layer(tf, i: int, role: str):
     return getattr(tf, role)(i)
-
-
-def _role_shapes(cfg: TransformerConfig, role: str) -> dict[str, tuple[int, ...]]:
-    """Component shapes per role, in master order (poly.layout field order)."""
-    d, q, kv, inter = cfg.hidden_size, cfg.query_dim, cfg.kv_dim, cfg.intermediate_size
-    if role in NORM_ROLES:
-        return {"gamma": (d,)}
-    if role == "attn":
-        shapes = {"w_q": (q, d), "w_k": (kv, d), "w_v": (kv, d), "w_o": (d, q),
-                  "b_q": (q,), "b_k": (kv,), "b_v": (kv,), "b_o": (d,)}  # fmt: skip
-        if cfg.qk_norm:
-            shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
-        return shapes
-    return {"w_gate": (inter, d), "w_up": (inter, d), "w_down": (d, inter),
-            "b_gate": (inter,), "b_up": (inter,), "b_down": (d,)}  # fmt: skip

@@ -15,9 +15,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from entity.gguf.reader import T_ARRAY, T_STRING, GGUFFile
 from poly.errors import TokenizerError
-
-from .gguf_reader import T_ARRAY, T_STRING, GGUFFile
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 MAX_VOCAB = 1 << 22  # reliability.md A5: vocab <= 2^22

@@ -1,8 +1,8 @@
 """The `.entity` v2 header: the 20-byte prefix, the msgpack header schema and its validation.
 
-Everything here works on bytes already read and on decoded records; `entity_format` opens, maps
+Everything here works on bytes already read and on decoded records; `container` opens, maps
 and writes the files (the byte layout is in its docstring and in docs/formats.md). The writer
-decodes its own header with `_decode_header` before writing it, so both sides share one schema.
+decodes its own header with `decode_header` before writing it, so both sides share one schema.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from entity.native_blocks import check_record
+from entity.dotentity.native_blocks import check_record
 from poly.errors import EntityFormatError
 
 __all__ = [
@@ -27,8 +27,13 @@ __all__ = [
     "BLOB_DTYPES",
     "BlobRecord",
     "META_KEYS",
+    "CRC_TAIL",
+    "Header",
     "align",
+    "fail",
     "read_prefix",
+    "decode_header",
+    "check_layout",
 ]
 
 MAGIC = b"ENTITY\x00\x00"
@@ -37,7 +42,7 @@ ALIGN = 64  # cache-line and SIMD friendly; any page-aligned mmap keeps it
 PREFIX = struct.Struct("<8sHHQ")  # magic, version, flags, header length
 MAX_BLOBS = 1 << 20
 _CRC_KEY = "header_crc32"
-_CRC_TAIL = msgpack.packb(_CRC_KEY) + b"\xce"  # key, then uint32 marker, then 4 crc bytes
+CRC_TAIL = msgpack.packb(_CRC_KEY) + b"\xce"  # key, then uint32 marker, then 4 crc bytes
 
 # Blob dtype names (the lower-case Loom names) -> numpy dtype, little-endian.
 BLOB_DTYPES: dict[str, np.dtype] = {
@@ -64,12 +69,12 @@ class BlobRecord(BaseModel):
     dtype: str
     shape: list[int]
     checksum: int = Field(ge=0, lt=1 << 32)
-    # GGUF blocks kept native (entity.native_blocks): uint8 [out, row_bytes]; absent otherwise,
+    # GGUF blocks kept native (entity.dotentity.native_blocks): uint8 [out, row_bytes]; absent otherwise,
     # so files without native blobs are byte-identical to those of older writers.
     ggml_type: int | None = None
 
 
-class _Header(BaseModel):
+class Header(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     format_version: Literal[2]
     network: dict[str, Any]
@@ -85,14 +90,15 @@ class _Header(BaseModel):
     header_crc32: int = Field(ge=0, lt=1 << 32)
 
 
-META_KEYS = tuple(k for k in _Header.model_fields if k not in ("format_version", "blobs", _CRC_KEY))
+META_KEYS = tuple(k for k in Header.model_fields if k not in ("format_version", "blobs", _CRC_KEY))
 
 
 def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _fail(msg: str, path: str | None, offset: int | None = None) -> EntityFormatError:
+def fail(msg: str, path: str | None, offset: int | None = None) -> EntityFormatError:
+    """The `EntityFormatError` of a damaged file (to raise)."""
     return EntityFormatError(msg, path=path, offset=offset)
 
 
@@ -100,10 +106,10 @@ def read_prefix(f, path: str | None = None) -> tuple[int, int, int]:
     """Read and check the 20-byte prefix: returns (version, flags, header length)."""
     raw = f.read(PREFIX.size)
     if len(raw) < PREFIX.size:
-        raise _fail("truncated: file shorter than the 20-byte prefix", path, 0)
+        raise fail("truncated: file shorter than the 20-byte prefix", path, 0)
     magic, version, flags, hlen = PREFIX.unpack(raw)
     if magic != MAGIC:
-        raise _fail("not an .entity file (bad magic)", path, 0)
+        raise fail("not an .entity file (bad magic)", path, 0)
     return version, flags, hlen
 
 
@@ -133,7 +139,7 @@ def _check_finite(obj: Any, where: str = "header") -> None:
             _check_finite(v, f"{where}[{i}]")
 
 
-def _decode_header(raw: bytes, path: str | None) -> _Header:
+def decode_header(raw: bytes, path: str | None) -> Header:
     try:
         obj = msgpack.unpackb(
             raw,
@@ -146,36 +152,36 @@ def _decode_header(raw: bytes, path: str | None) -> _Header:
         if not isinstance(obj, dict):
             raise ValueError("header is not a map")
         _check_finite(obj)
-        return _Header.model_validate(obj)
+        return Header.model_validate(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        raise _fail(f"bad header field {loc}: {err['msg']}", path, PREFIX.size) from exc
+        raise fail(f"bad header field {loc}: {err['msg']}", path, PREFIX.size) from exc
     except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
-        raise _fail(f"bad msgpack header: {exc}", path, PREFIX.size) from exc
+        raise fail(f"bad msgpack header: {exc}", path, PREFIX.size) from exc
 
 
-def _check_layout(blobs: list[BlobRecord], data_start: int, size: int, path: str | None) -> None:
+def check_layout(blobs: list[BlobRecord], data_start: int, size: int, path: str | None) -> None:
     seen: set[str] = set()
     expect = data_start
     for b in sorted(blobs, key=lambda r: r.offset):
         if b.path in seen:
-            raise _fail(f"duplicate blob path {b.path!r}", path)
+            raise fail(f"duplicate blob path {b.path!r}", path)
         seen.add(b.path)
         dt = BLOB_DTYPES.get(b.dtype)
         if dt is None:
-            raise _fail(f"blob {b.path!r}: unknown dtype {b.dtype!r}", path)
+            raise fail(f"blob {b.path!r}: unknown dtype {b.dtype!r}", path)
         if any(d < 0 for d in b.shape) or math.prod(b.shape) * dt.itemsize != b.length:
-            raise _fail(f"blob {b.path!r}: length {b.length} != shape {b.shape} x {b.dtype}", path)
+            raise fail(f"blob {b.path!r}: length {b.length} != shape {b.shape} x {b.dtype}", path)
         if b.ggml_type is not None:
             try:
                 check_record(b.ggml_type, b.dtype, b.shape)
             except EntityFormatError as exc:
-                raise _fail(f"blob {b.path!r}: {exc.message}", path) from exc
+                raise fail(f"blob {b.path!r}: {exc.message}", path) from exc
         if b.offset != expect:
-            raise _fail(f"blob {b.path!r}: offset {b.offset}, expected {expect}", path, b.offset)
+            raise fail(f"blob {b.path!r}: offset {b.offset}, expected {expect}", path, b.offset)
         expect = align(b.offset + b.length)
     end = max((b.offset + b.length for b in blobs), default=data_start)
     if end != size:
         what = "truncated" if end > size else "trailing bytes after the last blob"
-        raise _fail(f"{what}: data ends at {end}, file size {size}", path, min(end, size))
+        raise fail(f"{what}: data ends at {end}, file size {size}", path, min(end, size))

@@ -1,9 +1,8 @@
 """Transformer -> `.entity` v2: the header metadata (network and transformer specs), the
 components of each block, and the streaming writer.
 
-Which blobs a model is made of, and their encodings: `entity_blobs`. The reader: `entity_load`.
-`load_entity` and the tables and helpers callers import from here (SCHEMES, ROLES, ...) are
-re-exported.
+Which blobs a model is made of, and their encodings: `blobs`. The reader: `read`; the roles and
+their shapes: `entity.arch`.
 """
 
 from __future__ import annotations
@@ -16,26 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from entity.entity_blobs import (
-    ENCODINGS,
-    ROLES,
-    SCHEMES,
-    _as_float,
-    _check_quant,
-    _put_matrix,
-    _role_layer,
-    _role_shapes,
-    embed_keep_as,
-)
-from entity.entity_format import EntityWriter
-from entity.entity_load import load_entity
-from entity.native_blocks import native_kind
+from entity.arch import ROLES, role_shapes
+from entity.dotentity.blobs import as_float, check_quant, embed_keep_as, put_matrix, role_layer
+from entity.dotentity.container import EntityWriter
+from entity.dotentity.native_blocks import native_kind
 from poly import layout
 from poly.config import TransformerConfig
 from poly.errors import LayerConfigError
 from poly.qtensor import QTensor
 
-__all__ = ["save_entity", "load_entity", "write_entity", "SCHEMES", "ENCODINGS", "ROLES"]
+__all__ = ["save_entity", "write_entity", "model_meta", "model_blocks", "source_components"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -96,14 +85,14 @@ def source_components(layer) -> dict[str, Any]:
     out = {}
     for name, value in layout.components(layer).items():
         if value is not None:
-            out[name] = value if native_kind(value) else _as_float(value)
+            out[name] = value if native_kind(value) else as_float(value)
     return out
 
 
 def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, Any]]]]:
     """(i, {role: components}) for each block: float32 arrays, or native GGUF block matrices."""
     for i in range(tf.config.num_layers):
-        yield i, {role: source_components(_role_layer(tf, i, role)) for role in ROLES}
+        yield i, {role: source_components(role_layer(tf, i, role)) for role in ROLES}
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -113,7 +102,7 @@ def _write_block(
     out: EntityWriter, cfg, i: int, comps: dict, matrix_enc: str, kept: set[str]
 ) -> None:
     for role in ROLES:
-        shapes = _role_shapes(cfg, role)
+        shapes = role_shapes(cfg, role)
         got = dict(comps.get(role, {}))
         for name, shape in shapes.items():
             if name not in got and name.startswith("b_"):  # e.g. HF llama: no biases = zeros
@@ -122,12 +111,12 @@ def _write_block(
                 raise LayerConfigError(f"block {i} {role}.{name}: expected shape {shape}")
         base = f"blocks.{i}.{role}"
         if matrix_enc == "float32":  # the whole master, in layout order
-            master = [np.ravel(_as_float(got[n])) for n in shapes]
+            master = [np.ravel(as_float(got[n])) for n in shapes]
             out.add(base, np.concatenate(master).astype(np.float32))
             continue
         for name, shape in shapes.items():
             if len(shape) == 2:
-                _put_matrix(out, got[name], f"{base}.{name}", matrix_enc, kept)
+                put_matrix(out, got[name], f"{base}.{name}", matrix_enc, kept)
             else:
                 out.add(f"{base}.{name}", np.asarray(got[name], np.float32))
 
@@ -150,7 +139,7 @@ def write_entity(
     ``globals_()`` returns (embeddings, lm_head or None when tied, final_norm); ``meta`` holds the
     header keys other than quant/blobs (network, transformer, tokenizer, ...).
     """
-    matrix_enc, embed_enc = _check_quant(quant, embed_quant)
+    matrix_enc, embed_enc = check_quant(quant, embed_quant)
     total = cfg.num_layers + 2
     tick = progress or (lambda done, total, detail: None)
     kept: set[str] = set()  # native GGUF encodings written
@@ -160,9 +149,9 @@ def write_entity(
             tick(i + 1, total, f"packed block {i + 1}/{cfg.num_layers}")
         emb, head, final = globals_()
         keep_as = embed_keep_as(quant, embed_quant)
-        _put_matrix(out, emb, "embeddings", embed_enc, kept, keep_as)
+        put_matrix(out, emb, "embeddings", embed_enc, kept, keep_as)
         if head is not None:
-            _put_matrix(out, head, "lm_head", embed_enc, kept, keep_as)
+            put_matrix(out, head, "lm_head", embed_enc, kept, keep_as)
         out.add("final_norm", np.asarray(final, np.float32))
         tick(total - 1, total, "writing .entity")
         quant_meta = {"scheme": quant, "matrix": matrix_enc, "embeddings": embed_enc,

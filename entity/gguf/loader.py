@@ -7,13 +7,22 @@ that by reordering whole rows, which works on raw quantized rows too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from entity.arch import (
+    BLOCK_TENSORS,
+    GGUF_ARCHITECTURES,
+    GLOBAL_TENSORS,
+    global_shapes,
+    role_shapes,
+)
+from entity.gguf.reader import GGUFFile
+from entity.gguf.tokenizer import load_gguf_tokenizer
 from poly.errors import (
     GGUFFormatError,
     LayerConfigError,
@@ -22,45 +31,14 @@ from poly.errors import (
     WeightMappingError,
 )
 
-from .gguf_reader import GGUFFile
-from .gguf_tokenizer import load_gguf_tokenizer
-
 MAX_LAYERS = 512  # llama.cpp LLAMA_MAX_LAYERS
 DEFAULT_MAX_SEQ = 2048  # KV caches are preallocated; ask for more with max_seq_len=
 QUANT_VERSION = "gguf"
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    permute_qk: bool  # llama.cpp convert_hf_to_gguf permutes q/k for LlamaModel only
-    qk_norm: bool
-
-
-ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec(permute_qk=True, qk_norm=False),  # also Mistral and SmolLM files
-    "qwen2": ArchSpec(permute_qk=False, qk_norm=False),
-    "qwen3": ArchSpec(permute_qk=False, qk_norm=True),
-}
-
-# blk.{i}.<suffix> -> (Transformer accessor, layout component)
-LAYER_TENSORS: dict[str, tuple[str, str]] = {
-    "attn_norm.weight": ("attn_norm", "gamma"),
-    "attn_q.weight": ("attn", "w_q"),
-    "attn_k.weight": ("attn", "w_k"),
-    "attn_v.weight": ("attn", "w_v"),
-    "attn_output.weight": ("attn", "w_o"),
-    "attn_q.bias": ("attn", "b_q"),
-    "attn_k.bias": ("attn", "b_k"),
-    "attn_v.bias": ("attn", "b_v"),
-    "attn_output.bias": ("attn", "b_o"),
-    "attn_q_norm.weight": ("attn", "q_norm"),
-    "attn_k_norm.weight": ("attn", "k_norm"),
-    "ffn_norm.weight": ("mlp_norm", "gamma"),
-    "ffn_gate.weight": ("mlp", "w_gate"),
-    "ffn_up.weight": ("mlp", "w_up"),
-    "ffn_down.weight": ("mlp", "w_down"),
-}
-GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
+# blk.{i}.<suffix> -> (Transformer accessor, layout component): the `entity.arch` table.
+LAYER_TENSORS: dict[str, tuple[str, str]] = {t.gguf: (t.role, t.component) for t in BLOCK_TENSORS}
+GLOBAL_NAMES = {t.gguf: t.role for t in GLOBAL_TENSORS}
 REQUIRED_LAYER = (
     "attn_norm.weight",
     "attn_q.weight",
@@ -102,9 +80,9 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
     from poly import TransformerConfig
 
     arch = gg.metadata.get("general.architecture")
-    if arch not in ARCHS:
+    if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})",
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})",
             path=gg.path,
         )
     if "rope_freqs.weight" in gg.tensors or f"{arch}.rope.scaling.type" in gg.metadata:
@@ -139,7 +117,7 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
             max_seq_len=max_seq_len or min(context, DEFAULT_MAX_SEQ),
             tie_word_embeddings="output.weight" not in gg.tensors,
             attention_bias="blk.0.attn_q.bias" in gg.tensors,
-            qk_norm=ARCHS[arch].qk_norm,
+            qk_norm=GGUF_ARCHITECTURES[arch].qk_norm,
             architecture=arch,
         )
     except LayerConfigError as exc:
@@ -149,34 +127,18 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
 
 
 def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    h, q, kv, i = cfg.hidden_size, cfg.query_dim, cfg.kv_dim, cfg.intermediate_size
-    return {
-        "attn_norm.weight": (h,),
-        "attn_q.weight": (q, h),
-        "attn_k.weight": (kv, h),
-        "attn_v.weight": (kv, h),
-        "attn_output.weight": (h, q),
-        "attn_q.bias": (q,),
-        "attn_k.bias": (kv,),
-        "attn_v.bias": (kv,),
-        "attn_output.bias": (h,),
-        "attn_q_norm.weight": (cfg.head_dim,),
-        "attn_k_norm.weight": (cfg.head_dim,),
-        "ffn_norm.weight": (h,),
-        "ffn_gate.weight": (i, h),
-        "ffn_up.weight": (i, h),
-        "ffn_down.weight": (h, i),
-    }
+    """blk.{i}.<suffix> -> shape, from poly's layer spec (`entity.arch.role_shapes`)."""
+    shapes = {role: role_shapes(cfg, role) for role in {r for r, _ in LAYER_TENSORS.values()}}
+    with_norms = dataclasses.replace(cfg, qk_norm=True)  # q/k norm names are known for every arch
+    shapes["attn"] = {**role_shapes(with_norms, "attn"), **shapes["attn"]}
+    return {suffix: shapes[role][comp] for suffix, (role, comp) in LAYER_TENSORS.items()}
 
 
 def check_tensors(gg: GGUFFile, cfg) -> None:
     """Every tensor is known, every required one present, every shape right (errors name it)."""
     shapes = _expected_shapes(cfg)
-    globals_ = {
-        "token_embd.weight": (cfg.vocab_size, cfg.hidden_size),
-        "output_norm.weight": (cfg.hidden_size,),
-    }
-    globals_["output.weight"] = globals_["token_embd.weight"]
+    table = global_shapes(cfg)
+    globals_ = {name: table[role] for name, role in GLOBAL_NAMES.items()}
     for name, info in gg.tensors.items():
         m = BLOCK_NAME.fullmatch(name)
         if m and m.group(2) in shapes and int(m.group(1)) < cfg.num_layers:
@@ -208,7 +170,7 @@ def qk_row_order(n_heads: int, head_dim: int) -> np.ndarray:
 class _Loader:
     def __init__(self, gg: GGUFFile, cfg, keep_quantized: bool):
         self.gg, self.cfg, self.keep = gg, cfg, keep_quantized
-        spec = ARCHS[cfg.architecture]
+        spec = GGUF_ARCHITECTURES[cfg.architecture]
         self.orders = {}
         if spec.permute_qk:
             for comp, heads in PERMUTED.items():
@@ -244,10 +206,9 @@ class _Loader:
 
 def _bias_sizes(cfg) -> dict[str, dict[str, int]]:
     """Vectors a stored version must carry even when the file has none (zeros)."""
-    h, q, kv, inter = cfg.hidden_size, cfg.query_dim, cfg.kv_dim, cfg.intermediate_size
     return {
-        "attn": {"b_q": q, "b_k": kv, "b_v": kv, "b_o": h},
-        "mlp": {"b_gate": inter, "b_up": inter, "b_down": h},
+        role: {c: shape[0] for c, shape in role_shapes(cfg, role).items() if c.startswith("b_")}
+        for role in ("attn", "mlp")
     }
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from entity.entity_format import PREFIX, read_prefix
+from entity.arch import ROLES, role_shapes  # ROLES: the 4-layer stride of §1.9
+from entity.dotentity.header import PREFIX, fail, read_prefix
 from poly.config import TransformerConfig
 from poly.dtypes import loom_decode, parse_dtype
 from poly.errors import DTypeError, EntityFormatError, LayerConfigError, LimitExceededError
@@ -26,7 +27,6 @@ from poly.errors import DTypeError, EntityFormatError, LayerConfigError, LimitEx
 __all__ = ["V1Checkpoint", "read_entity_v1", "load_entity_v1", "q4_0_decode"]
 
 MAX_HEADER_LEN = 256 << 20  # Loom's own cap (§4.1)
-ROLES = ("attn_norm", "attn", "mlp_norm", "mlp")  # the 4-layer stride of §1.9
 Q4_KEYS = {
     200: "w_q",
     201: "w_k",
@@ -51,10 +51,6 @@ class V1Checkpoint:
     header: dict = field(repr=False, default_factory=dict)
 
 
-def _fail(msg: str, path: str, offset: int | None = None) -> EntityFormatError:
-    return EntityFormatError(msg, path=path, offset=offset)
-
-
 def _no_dups(pairs):
     out = {}
     for k, v in pairs:
@@ -71,9 +67,9 @@ def _bad_constant(name):
 def _read_header(f, path: str, size: int) -> tuple[dict, int]:
     version, _flags, hlen = read_prefix(f, path)
     if version != 1:
-        raise _fail(f"not a v1 .entity (version {version})", path, 8)
+        raise fail(f"not a v1 .entity (version {version})", path, 8)
     if hlen > size - PREFIX.size:
-        raise _fail(f"header length {hlen} exceeds the file", path, 12)
+        raise fail(f"header length {hlen} exceeds the file", path, 12)
     if hlen > MAX_HEADER_LEN:
         raise LimitExceededError(f"v1 header length {hlen} > 256 MiB", path=path)
     raw = f.read(hlen)
@@ -82,16 +78,16 @@ def _read_header(f, path: str, size: int) -> tuple[dict, int]:
             raw.decode("utf-8"), object_pairs_hook=_no_dups, parse_constant=_bad_constant
         )
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-        raise _fail(f"bad v1 JSON header: {exc}", path, PREFIX.size) from exc
+        raise fail(f"bad v1 JSON header: {exc}", path, PREFIX.size) from exc
     if not isinstance(header, dict) or header.get("format_version") != 1:
-        raise _fail("v1 header must be an object with format_version 1", path, PREFIX.size)
+        raise fail("v1 header must be an object with format_version 1", path, PREFIX.size)
     return header, PREFIX.size + hlen
 
 
 def _int(d: dict, key: str, path: str, default: int | None = None) -> int:
     v = d.get(key, default)
     if type(v) is not int or v < 0:
-        raise _fail(f"v1 header: {key} must be a non-negative integer, got {v!r}", path)
+        raise fail(f"v1 header: {key} must be a non-negative integer, got {v!r}", path)
     return v
 
 
@@ -103,7 +99,7 @@ def _num(d: dict, key: str, default: float) -> float:
 def _config(header: dict, path: str, max_seq_len: int | None) -> TransformerConfig:
     spec = header.get("transformer")
     if not isinstance(spec, dict) or not isinstance(spec.get("dims"), dict):
-        raise _fail("v1 file has no transformer section (network-only checkpoint)", path)
+        raise fail("v1 file has no transformer section (network-only checkpoint)", path)
     dims = spec["dims"]
     heads = _int(dims, "num_heads", path)
     try:
@@ -122,30 +118,30 @@ def _config(header: dict, path: str, max_seq_len: int | None) -> TransformerConf
             architecture="llama",
         )
     except (LayerConfigError, TypeError) as exc:
-        raise _fail(f"v1 transformer dims invalid: {exc}", path) from exc
+        raise fail(f"v1 transformer dims invalid: {exc}", path) from exc
 
 
 def _blob_table(header: dict, data_start: int, size: int, path: str) -> dict[str, dict]:
     blobs = header.get("blobs")
     if not isinstance(blobs, list):
-        raise _fail("v1 header: blobs must be a list", path)
+        raise fail("v1 header: blobs must be a list", path)
     table: dict[str, dict] = {}
     spans = []
     for rec in blobs:
         if not isinstance(rec, dict) or not isinstance(rec.get("path"), str):
-            raise _fail("v1 header: bad blob record", path)
+            raise fail("v1 header: bad blob record", path)
         off, length = _int(rec, "offset", path), _int(rec, "length", path)
         start = data_start + off  # v1 offsets are relative to the payload start
         if start + length > size:
-            raise _fail(f"blob {rec['path']!r} runs past the end of the file", path, start)
+            raise fail(f"blob {rec['path']!r} runs past the end of the file", path, start)
         if rec["path"] in table:
-            raise _fail(f"duplicate blob path {rec['path']!r}", path)
+            raise fail(f"duplicate blob path {rec['path']!r}", path)
         table[rec["path"]] = dict(rec, start=start)
         spans.append((start, start + length, rec["path"]))
     spans.sort()
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
-            raise _fail(f"blobs {a!r} and {b!r} overlap", path, start)
+            raise fail(f"blobs {a!r} and {b!r} overlap", path, start)
     return table
 
 
@@ -153,14 +149,14 @@ def q4_0_decode(raw: bytes | np.ndarray, count: int, path: str = "") -> np.ndarr
     """Decode a Loom Q4_0 blob (§4.6) to float32 [count]."""
     buf = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
     if buf.size < 8:
-        raise _fail("Q4_0 blob shorter than its 8-byte counts", path)
+        raise fail("Q4_0 blob shorter than its 8-byte counts", path)
     n_scales, n_words = (int(x) for x in buf[:8].view("<u4"))
     nblocks = -(-count // Q4_BLOCK)
     if n_scales != nblocks or n_words < 4 * nblocks or buf.size != 8 + 4 * (n_scales + n_words):
-        raise _fail(f"Q4_0 blob counts ({n_scales}, {n_words}) do not fit {count} weights", path)
+        raise fail(f"Q4_0 blob counts ({n_scales}, {n_words}) do not fit {count} weights", path)
     scales = buf[8 : 8 + 4 * n_scales].view("<f4")
     if not np.all(np.isfinite(scales)):
-        raise _fail("Q4_0 blob has a non-finite scale", path)
+        raise fail("Q4_0 blob has a non-finite scale", path)
     packed = buf[8 + 4 * n_scales : 8 + 4 * n_scales + 16 * nblocks].reshape(nblocks, 16)
     # byte k of a block: element 2k in the low nibble, 2k+1 in the high nibble, two's complement
     nib = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(nblocks, Q4_BLOCK)  # [b, 32]
@@ -171,17 +167,8 @@ def q4_0_decode(raw: bytes | np.ndarray, count: int, path: str = "") -> np.ndarr
 
 
 def _loom_spec(cfg: TransformerConfig, role: str) -> list[tuple[str, tuple[int, ...]]]:
-    """Loom's master layout (§1.7) per role: q/k norms are not in the Loom master."""
-    d, q, kv, inter = cfg.hidden_size, cfg.query_dim, cfg.kv_dim, cfg.intermediate_size
-    table = {
-        "attn_norm": [("gamma", (d,))],
-        "mlp_norm": [("gamma", (d,))],
-        "attn": [("w_q", (q, d)), ("w_k", (kv, d)), ("w_v", (kv, d)), ("w_o", (d, q)),
-                 ("b_q", (q,)), ("b_k", (kv,)), ("b_v", (kv,)), ("b_o", (d,))],
-        "mlp": [("w_gate", (inter, d)), ("w_up", (inter, d)), ("w_down", (d, inter)),
-                ("b_gate", (inter,)), ("b_up", (inter,)), ("b_down", (d,))],
-    }  # fmt: skip
-    return table[role]
+    """Loom's master layout (§1.7) per role: poly's, but q/k norms are not in the Loom master."""
+    return list(role_shapes(dataclasses.replace(cfg, qk_norm=False), role).items())
 
 
 def _carve(flat: np.ndarray, spec) -> dict[str, np.ndarray]:
@@ -201,13 +188,13 @@ class _Reader:
         self.f.seek(rec["start"])
         data = self.f.read(rec["length"])
         if len(data) != rec["length"]:
-            raise _fail(f"truncated blob {rec['path']!r}", self.path, rec["start"])
+            raise fail(f"truncated blob {rec['path']!r}", self.path, rec["start"])
         return np.frombuffer(data, dtype=np.uint8)
 
     def decode(self, name: str, count: int) -> np.ndarray:
         rec = self.table.get(name)
         if rec is None:
-            raise _fail(f"blob {name!r} missing", self.path)
+            raise fail(f"blob {name!r} missing", self.path)
         raw, dtype = self.raw(rec), rec.get("dtype", "float32")
         if dtype == "Q4_0":
             return q4_0_decode(raw, count, self.path)
@@ -216,7 +203,7 @@ class _Reader:
         try:
             return loom_decode(raw, parse_dtype(dtype), count, rec.get("scale"))
         except (EntityFormatError, DTypeError) as exc:
-            raise _fail(f"blob {name!r}: {exc}", self.path) from exc
+            raise fail(f"blob {name!r}: {exc}", self.path) from exc
 
     def layer(self, cfg: TransformerConfig, i: int, role: str) -> dict[str, np.ndarray]:
         spec = _loom_spec(cfg, role)
@@ -247,7 +234,7 @@ def read_entity_v1(path: str | os.PathLike, *, max_seq_len: int | None = None) -
     try:
         f = open(path, "rb")
     except OSError as exc:
-        raise _fail(f"cannot open: {exc.strerror}", path) from exc
+        raise fail(f"cannot open: {exc.strerror}", path) from exc
     with f:
         size = os.fstat(f.fileno()).st_size
         header, data_start = _read_header(f, path, size)
@@ -259,7 +246,7 @@ def read_entity_v1(path: str | os.PathLike, *, max_seq_len: int | None = None) -
         ]
         qk = [("q_norm" in blk["attn"]) for blk in blocks]
         if any(qk) and not all(qk):
-            raise _fail("q_norm/k_norm present on some blocks only", path)
+            raise fail("q_norm/k_norm present on some blocks only", path)
         vh = cfg.vocab_size * cfg.hidden_size
         emb = rd.decode("transformer.embeddings", vh).reshape(cfg.vocab_size, cfg.hidden_size)
         head = None

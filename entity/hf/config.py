@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from entity.hf_names import ARCHITECTURES, REFUSED_REASONS, ArchSpec
+from entity.arch import ARCHITECTURES, REFUSED_REASONS, ArchSpec
 from entity.strict_json import read_json
 from poly.errors import ConfigError, LimitExceededError, UnsupportedError
 

@@ -1,7 +1,6 @@
-"""`.entity` -> `poly.Transformer`: `load_entity` (v2 here; Loom's v1 files go to `entity_v1`).
+"""`.entity` -> `poly.Transformer`: `load_entity` (v2 here; Loom's v1 files go to `v1`).
 
-Blob names and encodings are `entity_blobs`'; the writer is `entity_model`, which re-exports
-`load_entity` for its callers.
+Blob names and encodings are `blobs`'; the writer is `write`.
 """
 
 from __future__ import annotations
@@ -9,17 +8,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from entity.entity_blobs import (
-    ENCODINGS,
-    NORM_ROLES,
-    ROLES,
-    _read_matrix,
-    _read_vector,
-    _role_layer,
-    _role_shapes,
-)
-from entity.entity_format import EntityFile, read_prefix
-from entity.native_blocks import native_kind
+from entity.arch import NORM_ROLES, ROLES, role_shapes
+from entity.dotentity.blobs import ENCODINGS, read_matrix, read_vector, role_layer
+from entity.dotentity.container import EntityFile
+from entity.dotentity.header import read_prefix
+from entity.dotentity.native_blocks import native_kind
 from poly.config import TransformerConfig
 from poly.errors import EntityFormatError, LayerConfigError, PolyError
 
@@ -42,20 +35,20 @@ def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
     cfg = tf.config
     for role in ROLES:
         layer, shapes, base = (
-            _role_layer(tf, i, role),
-            _role_shapes(cfg, role),
+            role_layer(tf, i, role),
+            role_shapes(cfg, role),
             f"blocks.{i}.{role}",
         )
         if matrix_enc == "float32":
-            layer.weights.master = _read_vector(ef, base, layer.weights.size)  # zero-copy master
+            layer.weights.master = read_vector(ef, base, layer.weights.size)  # zero-copy master
             continue
         if role in NORM_ROLES:
-            layer.weights.master = _read_vector(ef, f"{base}.gamma", cfg.hidden_size)
+            layer.weights.master = read_vector(ef, f"{base}.gamma", cfg.hidden_size)
             continue
         comps = {
-            name: _read_matrix(ef, matrix_enc, f"{base}.{name}", shape)
+            name: read_matrix(ef, matrix_enc, f"{base}.{name}", shape)
             if len(shape) == 2
-            else _read_vector(ef, f"{base}.{name}", shape[0])
+            else read_vector(ef, f"{base}.{name}", shape[0])
             for name, shape in shapes.items()
         }
         matrices = [comps[n] for n, shape in shapes.items() if len(shape) == 2]
@@ -102,7 +95,7 @@ def load_entity(
     """
     with open(path, "rb") as f:
         if read_prefix(f, str(path))[0] == 1:
-            from entity.entity_v1 import load_entity_v1
+            from entity.dotentity.v1 import load_entity_v1
 
             return load_entity_v1(path, max_seq_len=max_seq_len)
     from poly.transformer import Transformer
@@ -122,10 +115,10 @@ def load_entity(
         for i in range(cfg.num_layers):
             _install_block(tf, ef, i, matrix_enc)
         vh = (cfg.vocab_size, cfg.hidden_size)
-        tf.embeddings = _read_matrix(ef, embed_enc, "embeddings", vh)
+        tf.embeddings = read_matrix(ef, embed_enc, "embeddings", vh)
         if not tied:
-            tf.lm_head = _read_matrix(ef, embed_enc, "lm_head", vh)
-        tf.final_norm = _read_vector(ef, "final_norm", cfg.hidden_size)
+            tf.lm_head = read_matrix(ef, embed_enc, "lm_head", vh)
+        tf.final_norm = read_vector(ef, "final_norm", cfg.hidden_size)
         _attach_meta(tf, ef)
     except EntityFormatError as exc:
         exc.path = exc.path or ef.path
