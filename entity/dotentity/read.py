@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from entity.arch import NORM_ROLES, ROLES, role_shapes
+from entity.arch import NORM_ROLES, ROLES, global_shapes, role_shapes
 from entity.dotentity.blobs import ENCODINGS, read_matrix, read_vector, role_layer
 from entity.dotentity.container import EntityFile
 from entity.dotentity.header import read_prefix
@@ -43,7 +43,7 @@ def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
             layer.weights.master = read_vector(ef, base, layer.weights.size)  # zero-copy master
             continue
         if role in NORM_ROLES:
-            layer.weights.master = read_vector(ef, f"{base}.gamma", cfg.hidden_size)
+            layer.weights.master = read_vector(ef, f"{base}.gamma", shapes["gamma"][0])
             continue
         comps = {
             name: read_matrix(ef, matrix_enc, f"{base}.{name}", shape)
@@ -114,11 +114,11 @@ def load_entity(
         tf = Transformer.from_config(cfg, allocate=False)
         for i in range(cfg.num_layers):
             _install_block(tf, ef, i, matrix_enc)
-        vh = (cfg.vocab_size, cfg.hidden_size)
-        tf.embeddings = read_matrix(ef, embed_enc, "embeddings", vh)
+        table = global_shapes(cfg)
+        tf.embeddings = read_matrix(ef, embed_enc, "embeddings", table["embeddings"])
         if not tied:
-            tf.lm_head = read_matrix(ef, embed_enc, "lm_head", vh)
-        tf.final_norm = read_vector(ef, "final_norm", cfg.hidden_size)
+            tf.lm_head = read_matrix(ef, embed_enc, "lm_head", table["lm_head"])
+        tf.final_norm = read_vector(ef, "final_norm", table["final_norm"][0])
         _attach_meta(tf, ef)
     except EntityFormatError as exc:
         exc.path = exc.path or ef.path

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from entity.arch import ROLES, role_shapes  # ROLES: the 4-layer stride of §1.9
+from entity.arch import ROLES, global_shapes, role_shapes  # ROLES: the 4-layer stride of §1.9
 from entity.dotentity.header import PREFIX, fail, read_prefix
 from poly.config import TransformerConfig
 from poly.dtypes import loom_decode, parse_dtype
@@ -247,11 +247,12 @@ def read_entity_v1(path: str | os.PathLike, *, max_seq_len: int | None = None) -
         qk = [("q_norm" in blk["attn"]) for blk in blocks]
         if any(qk) and not all(qk):
             raise fail("q_norm/k_norm present on some blocks only", path)
-        vh = cfg.vocab_size * cfg.hidden_size
-        emb = rd.decode("transformer.embeddings", vh).reshape(cfg.vocab_size, cfg.hidden_size)
+        table = global_shapes(cfg)
+        vh = math.prod(table["embeddings"])
+        emb = rd.decode("transformer.embeddings", vh).reshape(table["embeddings"])
         head = None
         if "transformer.lm_head" in rd.table:
-            head = rd.decode("transformer.lm_head", vh).reshape(cfg.vocab_size, cfg.hidden_size)
+            head = rd.decode("transformer.lm_head", vh).reshape(table["lm_head"])
         if header["transformer"].get("has_final_norm") or "transformer.final_norm" in rd.table:
             final = rd.decode("transformer.final_norm", cfg.hidden_size)
         else:

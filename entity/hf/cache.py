@@ -117,7 +117,7 @@ def check_snapshot(snapshot: Path) -> tuple[str | None, bool, str]:
 
 
 def _model_type(snapshot: Path) -> str | None:
-    from entity.hf.config import read_json
+    from entity.strict_json import read_json
 
     try:
         value = read_json(snapshot / "config.json").get("model_type")

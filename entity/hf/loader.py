@@ -16,9 +16,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from entity.hf.config import HFModelConfig, load_hf_config, read_json
+from entity.hf.config import HFModelConfig, load_hf_config
 from entity.hf.names import Slot, group_by_block, plan
 from entity.hf.safetensors_io import FLOAT_DTYPES, Checkpoint, open_checkpoint
+from entity.strict_json import read_json
 from poly.errors import (
     CheckpointError,
     ConfigError,
