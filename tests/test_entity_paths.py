@@ -55,8 +55,11 @@ def test_demo_and_convert_name_a_model_alike(monkeypatch, tmp_path):
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.getcwd()}  # fmt: skip
     again = _lucy(env, "convert", str(gguf), "--quant", "q4")  # convert's default output
     assert again.returncode != 0 and str(demo) in again.stderr  # the demo's own file
-    q8 = _lucy(env, "convert", str(gguf), "--quant", "q8")
+    q8 = _lucy(env, "convert", str(gguf), "--quant", "q8", "--verify")
     assert q8.returncode == 0, q8.stderr
+    note = ("note: precision cannot exceed the source: the q8 file holds the values of its Q4_1 "
+            "blocks, re-encoded as q8")  # fmt: skip
+    assert note in q8.stdout.splitlines()  # #13: said in one line, never silently
     listed = _lucy(env, "models", "--json")
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)
