@@ -1,4 +1,4 @@
-"""Declares the optional C kernel extension poly._ckernels; everything else is in pyproject.toml.
+"""Declares the optional C kernel extension poly.runtime._ckernels; everything else is in pyproject.toml.
 
 Flags: -O3 -fopenmp -march=native, or with POLY_PORTABLE_BUILD=1 -mavx2 -mfma -mf16c when the
 compiler accepts them (else plain -O3). optional=True: without a compiler the install still
@@ -46,7 +46,7 @@ class BuildExt(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "poly._ckernels",
+            "poly.runtime._ckernels",
             ["csrc/poly_kernels.c", "csrc/pk_decode.c", "csrc/pk_decode_args.c"],
             depends=["csrc/pk_kernels.h", "csrc/pk_vec.h", "csrc/pk_decode.h"],
             optional=True,

@@ -74,7 +74,7 @@ class PolyEngine:
         return t1 - t0, time.perf_counter() - t1, out
 
     def batch(self, ids: list[int], new: int, size: int) -> float:
-        from poly.batch import greedy_batch
+        from poly.runtime.batch import greedy_batch
 
         _, seconds = greedy_batch(self.model, [ids] * size, new)
         return size * new / seconds
@@ -161,7 +161,7 @@ class HFEngine:
 def _make(name: str, args) -> object:
     gguf = Path(args.gguf)
     if name.startswith("poly"):
-        from poly import kernels
+        from poly.runtime import kernels
 
         kernels.set_num_threads(args.threads)
         return PolyEngine(name, gguf)

@@ -1,4 +1,4 @@
-/* poly._ckernels: out[n, m] = x[n, k] @ W.T for few input rows (decode, batched decode),
+/* poly.runtime._ckernels: out[n, m] = x[n, k] @ W.T for few input rows (decode, batched decode),
  * reading W in its stored form, parallel over output rows with OpenMP.
  *
  * One entry point, matmul(kind, x, out, w, aux, n, k, m): buffers are taken with the buffer

@@ -11,11 +11,9 @@ spec (the single place entity reads them), `global_shapes` the config.
 from __future__ import annotations
 
 import functools
-import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
@@ -122,17 +120,6 @@ GLOBAL_TENSORS: tuple[TensorName, ...] = (
 )
 
 
-class _ShapeProbe:
-    """A layer seen through a zero-stride master: poly's views give the shapes, no memory."""
-
-    def __init__(self, layer, size: int):
-        self._layer = layer
-        self.weights = types.SimpleNamespace(master=np.broadcast_to(np.float32(0), (size,)))
-
-    def __getattr__(self, name: str):
-        return getattr(self._layer, name)
-
-
 @functools.lru_cache(maxsize=64)
 def role_shapes(cfg: TransformerConfig, role: str) -> dict[str, tuple[int, ...]]:
     """Component -> shape of one block role, in master order, from poly's layer spec.
@@ -140,13 +127,9 @@ def role_shapes(cfg: TransformerConfig, role: str) -> dict[str, tuple[int, ...]]
     The one place entity learns weight shapes (HF and GGUF name checks, `.entity` blobs, Loom v1
     masters all call it). Matrices are [out, in] like ``nn.Linear``.
     """
-    from poly import layout
-    from poly.transformer import ATTN, ATTN_NORM, MLP, MLP_NORM, build_block
+    from poly.model.block import param_shapes
 
-    slot = {"attn_norm": ATTN_NORM, "attn": ATTN, "mlp_norm": MLP_NORM, "mlp": MLP}[role]
-    layer = build_block(cfg, allocate=False).sequential_layers[slot]
-    views = layout.views(_ShapeProbe(layer, layout.param_count(layer)))
-    return {name: tuple(v.shape) for name, v in views.items() if v is not None}
+    return param_shapes(cfg)[role]
 
 
 def global_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:

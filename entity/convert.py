@@ -38,7 +38,7 @@ from entity.dotentity.write import (
     write_entity,
 )
 from poly.errors import ConversionError, IntegrityError, UsageError
-from poly.qtensor import QTensor
+from poly.quant.qtensor import QTensor
 
 __all__ = ["convert", "ConvertReport", "TensorStat", "default_output"]
 
@@ -154,8 +154,8 @@ def _f32(block: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndar
 
 def _hf_source(path: Path) -> _Source:
     from entity.hf.loader import attach_hf_metadata, iter_hf_blocks, open_hf
+    from poly.model.block import build_block
     from poly.network import VolumetricNetwork
-    from poly.transformer import build_block
 
     src = open_hf(path)
     cfg = src.config.to_transformer_config(None)

@@ -16,7 +16,10 @@ from lucy.rss import peak_rss_mb
 from poly.errors import UsageError
 
 BENCH_TEXT = "Explain in one short paragraph why the sky appears blue during the day. "
-WARMUP_PROMPT, WARMUP_NEW = 8, 12  # 12 steps: the decode thread count is chosen (poly.threadtune)
+WARMUP_PROMPT, WARMUP_NEW = (
+    8,
+    12,
+)  # 12 steps: the decode thread count is chosen (poly.runtime.threadtune)
 
 
 def prompt_ids(model, n: int) -> list[int]:

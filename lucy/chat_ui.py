@@ -1,4 +1,4 @@
-"""The interactive chat loop over `poly.session.ChatSession`, plus option helpers.
+"""The interactive chat loop over `poly.text.session.ChatSession`, plus option helpers.
 
 Input is read with `sys.stdin.readline` so the loop works the same in a terminal and with piped
 stdin; model text is written raw (control characters stripped) and flushed token by token.
@@ -66,7 +66,7 @@ def sampling_overrides(args, greedy: bool = False) -> dict:
 
 def make_options(base, overrides: dict):
     """`GenOptions` = model defaults (or library defaults) updated by `overrides`, validated."""
-    from poly.sampling import GenOptions
+    from poly.text.sampling import GenOptions
 
     known = options_dict(GenOptions())
     data = dict(known) if base is None else options_dict(base)
@@ -83,7 +83,7 @@ def check_options(overrides: dict) -> None:
 
 def generate_once(model, prompt: str, overrides: dict, chat=False, system=None) -> dict:
     """Generate one completion; returns the JSON-able result of `lucy generate --json`."""
-    from poly.generation import DoneEvent, stream_tokens
+    from poly.text.generation import DoneEvent, stream_tokens
 
     if chat or system is not None:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
@@ -198,7 +198,7 @@ class ChatUI:
                 return
 
     def _stream(self, text: str) -> None:
-        from poly.generation import DoneEvent, TokenEvent
+        from poly.text.generation import DoneEvent, TokenEvent
 
         events = self.session.send(text)
         started = False
@@ -301,7 +301,7 @@ COMMANDS = {
 def run_chat(model, system: str | None = None, overrides: dict | None = None, con=None) -> None:
     """Open a `ChatSession` on `model` and run the loop until /quit, Ctrl-C or EOF."""
     from lucy.views import make_console
-    from poly.session import ChatSession
+    from poly.text.session import ChatSession
 
     con = con or make_console()
     options = make_options(getattr(model, "generation_defaults", None), overrides or {})

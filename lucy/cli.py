@@ -14,9 +14,10 @@ import traceback
 from pathlib import Path
 
 from poly.errors import ModelNotFoundError, NoNetworkError, PolyError, UsageError
+from poly.quant.schemes import CLI_QUANTS
 
 PROG = "lucy"
-QUANTS = ("q4", "q8", "f16", "bf16", "f32")
+QUANTS = CLI_QUANTS  # ("q4", "q8", "f16", "bf16", "f32"): poly.quant.schemes records
 DEMO_QUANT = "q4"  # the demo file: entity.paths.entity_filename(GGUF, DEMO_QUANT)
 
 

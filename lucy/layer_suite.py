@@ -1,7 +1,7 @@
 """Menu [6]: per-layer forward parity of every dtype against float32 (Loom's Lucy suites).
 
 Small random RMSNorm / MHA / SwiGLU layers are morphed to each of the 21 dtypes with
-`poly.morph.morph_layer`, run forward on the same input, and compared with the float32 output.
+`poly.model.morph.morph_layer`, run forward on the same input, and compared with the float32 output.
 Buckets follow Loom's harness (inventory §8).
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poly import layout
 from poly.dtypes import DType
 from poly.layer import LayerType, VolumetricLayer
+from poly.nn import layout
 
 SEQ, D_MODEL, HEADS, KV_HEADS, INTER = 8, 64, 4, 2, 128
 TOL_F32, TOL_OTHER = 1e-5, 1e-3
@@ -83,7 +83,7 @@ def _forward(layer: VolumetricLayer, x: np.ndarray) -> np.ndarray:
 
 
 def _morphed(layer: VolumetricLayer, dtype: DType) -> VolumetricLayer:
-    from poly.morph import morph_layer
+    from poly.model.morph import morph_layer
 
     target = copy.deepcopy(layer)
     result = morph_layer(target, dtype)

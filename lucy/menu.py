@@ -14,6 +14,7 @@ from rich.console import Console
 
 from lucy import chat_ui, cli, views
 from poly.errors import PolyError
+from poly.quant import schemes as quant_schemes
 
 MAIN_MENU = (
     ("1", "Chat with a model from the HF cache"),
@@ -33,19 +34,7 @@ CURATED = (
     "Qwen/Qwen3-0.6B",
 )
 
-QUANT_ALIASES = {
-    "4": "q4",
-    "q4": "q4",
-    "8": "q8",
-    "q8": "q8",
-    "int8": "q8",
-    "16": "f16",
-    "f16": "f16",
-    "bf16": "bf16",
-    "32": "f32",
-    "f32": "f32",
-    "fp32": "f32",
-}
+QUANT_ALIASES = quant_schemes.cli_aliases()  # menu answer -> --quant name
 
 
 class MenuExit(Exception):

@@ -267,7 +267,7 @@ def bench_table(result: dict) -> Table:
 
 def _layer_rows(layer, index: str) -> list[dict]:
     """One row per layer, Sequential children indented by index path."""
-    from poly import layout
+    from poly.nn import layout
 
     kind = getattr(layer.type, "label", str(layer.type))
     weights = getattr(layer, "weights", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -11,7 +12,7 @@ import numpy as np
 from poly.config import RopeScaling
 from poly.dtypes import DType, parse_dtype
 from poly.errors import LayerConfigError
-from poly.weights import WeightStore
+from poly.weights import Generations, WeightStore
 
 
 class LayerType(IntEnum):
@@ -55,6 +56,26 @@ _LAYER_ALIASES = {
 }
 
 
+def add_layer_type(name: str, value: int, label: str | None = None) -> LayerType:
+    """A new LayerType member (a layer kind defined outside poly; see poly.nn.register).
+    Re-adding the same name and id returns the existing member."""
+    key = name.strip().upper()
+    existing = LayerType.__members__.get(key)
+    if existing is not None and int(existing) == int(value):
+        return existing
+    if existing is not None or int(value) in LayerType._value2member_map_:
+        raise LayerConfigError(f"layer type {name!r} or id {value} is taken")
+    member = int.__new__(LayerType, int(value))
+    member._name_, member._value_ = key, int(value)
+    # enum's own tables, so LayerType(value), LayerType[name] and iteration see the new kind
+    LayerType._value2member_map_[int(value)] = member
+    LayerType._member_map_[key] = member
+    LayerType._member_names_.append(key)
+    _LAYER_LABELS[member] = label or name
+    _LAYER_ALIASES[key] = member
+    return member
+
+
 def parse_layer_type(value: Any) -> LayerType:
     """Name, alias or id -> LayerType. Unknown is an error (Loom silently falls back to Dense)."""
     if isinstance(value, LayerType):
@@ -67,6 +88,51 @@ def parse_layer_type(value: Any) -> LayerType:
     if isinstance(value, str) and value.strip().upper() in _LAYER_ALIASES:
         return _LAYER_ALIASES[value.strip().upper()]
     raise LayerConfigError(f"unknown layer type {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What poly knows about one layer kind (filled by poly.nn, one file per kind).
+
+    complete_dims(layer): fill defaulted dimensions, reject contradictory ones.
+    spec(layer): the parameter spec, [(role, shape)] in the order of the flat master.
+    forward(layer, x, skip): the reference forward.
+    views(layer): the named master views (a record with `as_dict()`); None = carve `spec`.
+    matrices: the roles that are matrices (quantized by morph and bakes)."""
+
+    type: LayerType
+    forward: Callable[..., Any]
+    complete_dims: Callable[[Any], None] = lambda layer: None
+    spec: Callable[[Any], list] = lambda layer: []
+    views: Callable[[Any], Any] | None = None
+    matrices: frozenset = frozenset()
+
+
+KINDS: dict[LayerType, LayerKind] = {}
+
+
+def kind_of(layer_type: LayerType) -> LayerKind:
+    kind = KINDS.get(layer_type)
+    if kind is None:
+        raise LayerConfigError(f"no layer kind registered for {layer_type!r}")
+    return kind
+
+
+def param_count(layer: VolumetricLayer) -> int:
+    """Values in the layer's flat master: the sum over its parameter spec."""
+    total = 0
+    for _, shape in kind_of(layer.type).spec(layer):
+        total += int(np.prod(shape, dtype=np.int64))
+    return total
+
+
+def _check_common(layer: VolumetricLayer) -> None:
+    if not (layer.rms_norm_eps > 0 and layer.rope_freq_base > 0):
+        raise LayerConfigError("rms_norm_eps and rope_freq_base must be > 0")
+
+
+# Attributes whose change does not invalidate cached plans (runtime state, bookkeeping).
+_UNPLANNED = frozenset({"state", "z", "y", "x", "l", "allocate"})
 
 
 class Activation(IntEnum):
@@ -86,7 +152,7 @@ class VolumetricLayer:
 
     Dimensions not given are filled from the others (head_dim = d_model / num_heads, ...);
     contradictory ones raise LayerConfigError. The weight store is allocated in the offset
-    layout of SPEC §1 (see poly.layout).
+    layout of SPEC §1 (the kind's parameter spec, see poly.nn).
     """
 
     type: LayerType = LayerType.DENSE
@@ -123,27 +189,29 @@ class VolumetricLayer:
     state: Any = field(default=None, repr=False)  # runtime state (the MHA KV cache)
 
     def __post_init__(self) -> None:
-        from poly import layout  # layout imports this module
-
         self.type = parse_layer_type(self.type)
         self.dtype = parse_dtype(self.dtype)
         self.activation = Activation(self.activation)
         if self.type == LayerType.SWIGLU and self.activation == Activation.LINEAR:
             self.activation = Activation.SILU
-        layout.complete_dims(self)
+        kind_of(self.type).complete_dims(self)
+        _check_common(self)
+        count = param_count(self)
         if self.weights is None:
-            self.weights = WeightStore(layout.param_count(self), allocate=self.allocate)
-        elif self.weights.size != layout.param_count(self):
+            self.weights = WeightStore(count, allocate=self.allocate)
+        elif self.weights.size != count:
             raise LayerConfigError(
-                f"weight store holds {self.weights.size} values, {self.type.label} needs "
-                f"{layout.param_count(self)}"
+                f"weight store holds {self.weights.size} values, {self.type.label} needs {count}"
             )
 
-    def forward(self, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
-        """Run the layer on float32 activations; MHA continues its KV cache."""
-        from poly.layers import dispatch
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name not in _UNPLANNED:
+            Generations.bump()  # kind, flags, dims or sub-layers changed: plans are stale
 
-        return dispatch(self, x, skip)
+    def forward(self, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
+        """Run the layer's reference forward; MHA continues its KV cache."""
+        return kind_of(self.type).forward(self, x, skip)
 
     def reset(self) -> None:
         """Clear runtime state (KV cache), recursively."""

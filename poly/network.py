@@ -8,6 +8,7 @@ import numpy as np
 
 from poly.errors import LayerConfigError
 from poly.layer import Activation, LayerType, VolumetricLayer
+from poly.weights import Generations
 
 
 class VolumetricNetwork:
@@ -56,6 +57,7 @@ class VolumetricNetwork:
     def set_layer(self, z: int, y: int, x: int, l: int, layer: VolumetricLayer) -> None:  # noqa: E741
         layer.z, layer.y, layer.x, layer.l = z, y, x, l
         self.layers[self.index(z, y, x, l)] = layer
+        Generations.bump()
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         for layer in self.layers:

@@ -8,6 +8,7 @@ from functools import lru_cache
 import numpy as np
 
 from poly.config import RopeScaling
+from poly.ops import HOOKS
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -30,12 +31,13 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) ->
 
 @lru_cache(maxsize=16)
 def rope_tables(
-    head_dim: int, theta: float, scaling: RopeScaling | None, max_len: int
+    head_dim: int, theta: float, scaling: RopeScaling | None, max_len: int, dtype=np.float32
 ) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin float32 [max_len, head_dim/2], computed once in float64."""
+    """cos, sin `dtype` (float32, or float64 for the reference path) [max_len, head_dim/2],
+    computed once in float64."""
     inv = inv_frequencies(head_dim, theta, scaling)
     angles = np.arange(max_len, dtype=np.float64)[:, None] * inv[None, :]  # [max_len, hd/2]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -51,12 +53,11 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def rope_inplace(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, start: int) -> np.ndarray:
     """Rotate a C-contiguous float32 x [n, heads, hd] in place for positions start..start+n-1,
-    with the full cos/sin tables [max_len, hd/2]: one pass in C when built, else numpy."""
-    from poly import ckernels
-
+    with the full cos/sin tables [max_len, hd/2]: one pass in C under the C backend, else numpy."""
     n, _, hd = x.shape
-    if ckernels.AVAILABLE and x.flags.c_contiguous and x.dtype == np.float32:
-        ckernels._c.rope(x, cos, sin, int(start), n, hd)
+    fast = HOOKS["rope_inplace"]
+    if fast is not None and x.flags.c_contiguous and x.dtype == np.float32:
+        fast(x, cos, sin, int(start), n, hd)
     else:
         x[...] = apply_rope(x, cos[start : start + n], sin[start : start + n])
     return x

@@ -42,19 +42,121 @@ def aligned_zeros(n: int, dtype=np.float32, align: int = ALIGN) -> np.ndarray:
     return raw.view(dtype)
 
 
+class Generations:
+    """A process-wide change counter: every WeightStore change and every layer/model edit that a
+    cached plan depends on bumps it, so a plan built at generation g is valid while it is g."""
+
+    value = 0
+
+    @classmethod
+    def bump(cls) -> int:
+        cls.value += 1
+        return cls.value
+
+
+class PlanCache:
+    """Plans by name, each valid for the generation it was built at (one compare per lookup)."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self) -> None:
+        self.plans: dict[str, tuple[int, Any]] = {}
+
+    def get(self, name: str, generation: int, build) -> Any:
+        entry = self.plans.get(name)
+        if entry is not None and entry[0] == generation:
+            return entry[1]
+        plan = build()
+        self.plans[name] = (generation, plan)
+        return plan
+
+
+class Version(dict):
+    """One stored representation (component name -> QTensor/array); edits bump its store."""
+
+    def __init__(self, store: WeightStore, components: dict[str, Any]):
+        super().__init__(components)
+        self.store = store
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.store.touch()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self.store.touch()
+
+    def update(self, *args, **kw) -> None:
+        super().update(*args, **kw)
+        self.store.touch()
+
+
+class Versions(dict):
+    """name -> Version; adding, replacing or removing a version bumps the store."""
+
+    def __init__(self, store: WeightStore):
+        super().__init__()
+        self.store = store
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, Version(self.store, value))
+        self.store.touch()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self.store.touch()
+
+    def pop(self, *args):
+        out = super().pop(*args)
+        self.store.touch()
+        return out
+
+
 class WeightStore:
     """`master` is the float32 source of truth in the layer's offset layout (or None when the
     layer was loaded straight into a stored representation). `versions[scheme]` maps component
-    names (poly.layout) to QTensors (matrices) and float32 arrays (vectors); `active` names the
-    version the forward pass reads, None meaning the master."""
+    names (poly.nn specs) to QTensors (matrices) and float32 arrays (vectors); `active` names the
+    version the forward pass reads, None meaning the master.
+
+    `generation` changes whenever the master object, the active version or any component of a
+    version changes; `plans` caches what the forward passes derive from the weights, per
+    generation (poly.nn plans, the fused step's arguments)."""
 
     def __init__(self, size: int, allocate: bool = True):
         if size < 0:
             raise LayerConfigError(f"weight count must be >= 0, got {size}")
         self.size = int(size)
-        self.master: np.ndarray | None = aligned_zeros(self.size) if allocate else None
-        self.versions: dict[str, dict[str, Any]] = {}
-        self.active: str | None = None
+        self.generation = Generations.bump()
+        self.plans = PlanCache()
+        self._master: np.ndarray | None = aligned_zeros(self.size) if allocate else None
+        self.versions: dict[str, dict[str, Any]] = Versions(self)
+        self._active: str | None = None
+
+    def touch(self) -> None:
+        """Record a change (plans built before it are rebuilt on next use)."""
+        self.generation = Generations.bump()
+
+    @property
+    def master(self) -> np.ndarray | None:
+        return self._master
+
+    @master.setter
+    def master(self, value: np.ndarray | None) -> None:
+        self._master = value
+        self.touch()
+
+    @property
+    def active(self) -> str | None:
+        return self._active
+
+    @active.setter
+    def active(self, name: str | None) -> None:
+        self._active = name
+        self.touch()
+
+    def plan(self, name: str, build) -> Any:
+        """The plan `name` of these weights, built by `build()` when missing or stale."""
+        return self.plans.get(name, self.generation, build)
 
     def set_version(
         self,

@@ -72,7 +72,7 @@ def _save_snapshot(model, tok, out: Path) -> None:
 @pytest.fixture
 def c_backend():
     """The C kernel backend for one test, int8 activations off and the default restored after."""
-    from poly import ckernels, kernels
+    from poly.runtime import ckernels, kernels
 
     kernels.set_backend("c")
     yield

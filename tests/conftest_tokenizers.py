@@ -52,7 +52,7 @@ def _smollm2_gguf() -> Path | None:
 
 
 @pytest.fixture(scope="session")
-def _smol_hf_pair(tmp_path_factory):
+def smol_hf_pair(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     gguf = _smollm2_gguf()
     if gguf is None:
@@ -65,13 +65,13 @@ def _smol_hf_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer_dir(_smol_hf_pair) -> Path:
-    return _smol_hf_pair[0]
+def smol_tokenizer_dir(smol_hf_pair) -> Path:
+    return smol_hf_pair[0]
 
 
 @pytest.fixture(scope="session")
-def hf_smol_tokenizer(_smol_hf_pair):
-    return _smol_hf_pair[1]
+def hf_smol_tokenizer(smol_hf_pair):
+    return smol_hf_pair[1]
 
 
 @pytest.fixture(scope="session")

@@ -152,7 +152,7 @@ def set_config_keys(model_dir: str | Path, **changes: Any) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _hf_model(model_dir: str):
+def cached_hf_model(model_dir: str):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -166,7 +166,7 @@ def hf_logits(model_dir: str | Path, ids: list[int]) -> np.ndarray:
     """transformers' float32 logits for every position: float32 [len(ids), vocab]."""
     import torch
 
-    model = _hf_model(str(model_dir))
+    model = cached_hf_model(str(model_dir))
     with torch.no_grad():
         out = model(torch.tensor([ids], dtype=torch.long), use_cache=False)
     return out.logits[0].float().numpy()  # [n, vocab]
@@ -176,7 +176,7 @@ def hf_greedy(model_dir: str | Path, ids: list[int], n: int, use_cache: bool = T
     """The ``n`` new token ids of ``generate(do_sample=False)``; EOS does not stop it."""
     import torch
 
-    model = _hf_model(str(model_dir))
+    model = cached_hf_model(str(model_dir))
     gc = copy.deepcopy(model.generation_config)
     gc.eos_token_id = []  # None would fall back to the model's EOS; [] never stops
     gc.pad_token_id = 0

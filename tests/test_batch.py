@@ -7,10 +7,11 @@ import copy
 import numpy as np
 import pytest
 
-from poly import Transformer, TransformerConfig, kernels
-from poly.batch import forward_batch, greedy_batch
+from poly import Transformer, TransformerConfig
 from poly.errors import LayerConfigError
-from poly.morph import morph_network
+from poly.model.morph import morph_network
+from poly.runtime import kernels
+from poly.runtime.batch import forward_batch, greedy_batch
 from tests.tiny_model import random_transformer
 
 

@@ -1,4 +1,4 @@
-"""poly.chat: rendering equals transformers' apply_chat_template; hostile templates run nothing."""
+"""poly.text.chat: rendering equals transformers' apply_chat_template; hostile templates run nothing."""
 # ruff: noqa: F811  (fixtures imported from tests.conftest_tokenizers are re-bound as arguments)
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from poly.chat import PRESETS, ChatTemplate, TemplateLimitError, messages_from_prompt
 from poly.errors import TemplateError, TemplateSecurityError
-from poly.tokenizer import Tokenizer
+from poly.text.chat import PRESETS, ChatTemplate, TemplateLimitError, messages_from_prompt
+from poly.text.tokenizer import Tokenizer
 from tests.conftest_tokenizers import (  # noqa: F401  (fixtures)
-    _smol_hf_pair,
     hf_smol_tokenizer,
+    smol_hf_pair,
     smol_tokenizer_config,
     smol_tokenizer_dir,
 )

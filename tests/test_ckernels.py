@@ -1,4 +1,4 @@
-"""C kernels (poly.ckernels / poly._ckernels) against the numpy reference x @ dequantize().T."""
+"""C kernels (poly.runtime.ckernels / poly.runtime._ckernels) against the numpy reference x @ dequantize().T."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from poly import ckernels, kernels, qtensor
 from poly.errors import DTypeError, LayerConfigError, UsageError
-from poly.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix
+from poly.quant import qtensor
+from poly.quant.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix
+from poly.runtime import ckernels, kernels
 
 pytestmark = [
-    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly._ckernels not built"),
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime._ckernels not built"),
     pytest.mark.usefixtures("c_backend"),
 ]
 
@@ -55,7 +56,7 @@ MAKERS = {
     "float16": lambda w: DenseMatrix(w.astype(np.float16)),
     "bfloat16": lambda w: DenseMatrix(w.astype(ml_dtypes.bfloat16)),
     "int8": lambda w: CodedMatrix.encode(w, "int8"),
-    "q4_0": Q4Matrix.quantize,
+    "loom_q4": Q4Matrix.quantize,
     "gguf_q4_0": _gguf(GGMLQuantizationType.Q4_0),
     "gguf_q4_1": _gguf(GGMLQuantizationType.Q4_1),
     "gguf_q8_0": _gguf(GGMLQuantizationType.Q8_0),
@@ -161,7 +162,7 @@ def test_bad_inputs_raise_typed_errors():
 
 def test_extension_checks_buffer_sizes_itself():
     """Even a call that skips the Python checks cannot read past a buffer."""
-    from poly import _ckernels
+    _ckernels = ckernels.EXT
 
     w = np.zeros((4, 64), dtype=np.float32)
     out = np.zeros((1, 4), dtype=np.float32)
@@ -209,7 +210,7 @@ def test_threads_drive_openmp():
 
 def test_numba_is_not_imported_unless_selected():
     code = (
-        "import sys, poly.kernels as k, entity, lucy.cli\n"
+        "import sys, poly.runtime.kernels as k, entity, lucy.cli\n"
         "assert k.backend() == 'c', k.backend()\n"
         "assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules\n"
     )
@@ -247,7 +248,7 @@ def _dequant_reference(scheme: str, qt, a: int, b: int) -> np.ndarray:
     if scheme == "int8":
         enc = qt.encoded
         return enc.codes[a:b].astype(np.float32) * enc.scales[a:b, None]
-    if scheme == "q4_0":
+    if scheme == "loom_q4":
         return _loom_q4_reference(qt, a, b)
     return qt.array[a:b].astype(np.float32)  # float32/float16/bfloat16 widening is exact
 
@@ -314,7 +315,7 @@ def test_dequantize_bad_inputs_raise_typed_errors():
 
 
 def test_dequantize_extension_checks_sizes_itself():
-    from poly import _ckernels
+    _ckernels = ckernels.EXT
 
     raw = np.zeros((4, 34 * 2), np.uint8)  # Q8_0 [4, 64]
     out = np.empty((2, 64), np.float32)

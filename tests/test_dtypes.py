@@ -14,11 +14,11 @@ from poly.dtypes import (
     decode_rows,
     encode,
     encode_vector,
-    loom_decode,
     loom_nbytes,
     parse_dtype,
 )
 from poly.errors import DTypeError, EntityFormatError, NumericalError
+from poly.quant.loom_v1 import loom_decode
 
 D = DType
 

@@ -219,9 +219,9 @@ def test_q4_error_is_bounded_by_half_a_step(tmp_path):
 
 
 def test_v1_transformer_loads(tmp_path):
-    pytest.importorskip("poly.transformer")
+    pytest.importorskip("poly.model.transformer")
     from entity.dotentity.v1 import load_entity_v1
-    from poly import layout
+    from poly.nn import layout
 
     path, expected, (emb, head, final) = _build(tmp_path, "q4", tied=False)
     tf = load_entity_v1(path, max_seq_len=64)

@@ -1,4 +1,4 @@
-"""The fused C decode step (poly/fused.py, csrc/pk_decode.c) against the Python block path.
+"""The fused C decode step (poly/runtime/fused.py, csrc/pk_decode.c) against the Python block path.
 
 Each case runs the same model twice from an empty cache: once with the fused step disabled
 (the numpy/BLAS path, itself checked against transformers in test_hf_parity.py) and once with
@@ -9,14 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poly import TransformerConfig, ckernels, fused, kernels, layout
+from poly import TransformerConfig, layout
 from poly.errors import ContextOverflowError
 from poly.layer import LayerType
+from poly.runtime import ckernels, fused, kernels
 from tests.test_ckernels import MAKERS
 from tests.tiny_model import random_transformer
 
 pytestmark = [
-    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly._ckernels not built"),
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime._ckernels not built"),
     pytest.mark.usefixtures("c_backend"),
 ]
 
@@ -96,7 +97,7 @@ def test_stored_versions_match_python_path(scheme, monkeypatch):
     _assert_same(tf, monkeypatch, rtol=2e-5)
 
 
-@pytest.mark.parametrize("scheme", ["gguf_q4_1", "q4_0", "int8"])
+@pytest.mark.parametrize("scheme", ["gguf_q4_1", "loom_q4", "int8"])
 def test_int8_activations_stay_close(scheme, monkeypatch):
     tf = random_transformer(_cfg(), seed=3)
     _quantize(tf, scheme)
@@ -150,7 +151,7 @@ def test_extension_checks_the_tuples_itself():
         caches += (layer.state.k, layer.state.v)
     x = np.zeros(64, np.float32)
     logits = np.empty(p.vocab, np.float32)
-    c = ckernels._c
+    c = ckernels.EXT
     with pytest.raises(ValueError):
         c.decode(p.layers, tuple(caches[:-1]), p.head, x, logits, (1,), False)  # a cache missing
     with pytest.raises(ValueError):
@@ -167,9 +168,9 @@ def test_extension_checks_the_tuples_itself():
     assert np.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("scheme", ["float32", "gguf_q4_1", "q4_0"])
+@pytest.mark.parametrize("scheme", ["float32", "gguf_q4_1", "loom_q4"])
 def test_batched_rows_match_each_sequence_alone(scheme, monkeypatch):
-    from poly.batch import forward_batch
+    from poly.runtime.batch import forward_batch
 
     tf = random_transformer(_cfg(), seed=9)
     if scheme != "float32":
@@ -208,9 +209,9 @@ def test_rope_inplace_equals_numpy_rope():
     got = rope_inplace(x.copy(), cos, sin, 7)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
     with pytest.raises(ValueError):
-        ckernels._c.rope(x.copy(), cos, sin, 30, 5, 16)  # positions past the tables
+        ckernels.EXT.rope(x.copy(), cos, sin, 30, 5, 16)  # positions past the tables
     with pytest.raises(ValueError):
-        ckernels._c.rope(x.copy(), cos, sin, 0, 5, 15)  # odd head_dim
+        ckernels.EXT.rope(x.copy(), cos, sin, 0, 5, 15)  # odd head_dim
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -252,10 +253,10 @@ def test_silu_mul_matches_numpy_silu():
     gu = (rng.standard_normal((4, 2 * 45)) * 12).astype(np.float32)  # odd width: SIMD + tail
     gu[0, 1], gu[1, 2], gu[2, 3], gu[3, 4] = np.nan, np.inf, -200.0, 200.0
     out = np.empty((4, 45), np.float32)
-    ckernels._c.silu_mul(gu, out)
+    ckernels.EXT.silu_mul(gu, out)
     ref = silu(gu[:, :45]) * gu[:, 45:]
     assert np.isnan(out[0, 1]) and out[1, 2] == ref[1, 2]
     finite = np.isfinite(ref)
     np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-6, atol=1e-30)
     with pytest.raises(ValueError):
-        ckernels._c.silu_mul(gu[:, :80].copy(), out)  # not [n, 2I]
+        ckernels.EXT.silu_mul(gu[:, :80].copy(), out)  # not [n, 2I]

@@ -11,7 +11,6 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from poly.chat import ChatTemplate
 from poly.config import TransformerConfig
 from poly.errors import (
     ContextOverflowError,
@@ -21,11 +20,12 @@ from poly.errors import (
     NumericalError,
     SamplingParamsError,
 )
-from poly.generation import DoneEvent, TokenEvent, generate_text, stream_tokens
-from poly.sampling import GenOptions
-from poly.session import ChatSession, common_prefix
-from poly.tokenizer import Tokenizer
-from poly.transformer import Transformer
+from poly.model.transformer import Transformer
+from poly.text.chat import ChatTemplate
+from poly.text.generation import DoneEvent, TokenEvent, generate_text, stream_tokens
+from poly.text.sampling import GenOptions
+from poly.text.session import ChatSession, common_prefix
+from poly.text.tokenizer import Tokenizer
 from tests.tiny_model import random_transformer
 
 GREEDY = GenOptions(temperature=0.0, max_tokens=8)

@@ -111,7 +111,7 @@ def test_list_cached_models(cache):
 
 
 def test_load_model_id_from_cache(cache, monkeypatch):
-    pytest.importorskip("poly.transformer")
+    pytest.importorskip("poly.model.transformer")
     import entity
 
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))

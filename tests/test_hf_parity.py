@@ -16,7 +16,6 @@ from safetensors.numpy import load_file, save_file
 import entity
 from entity.hf import iter_hf_blocks, load_hf
 from entity.hf.config import load_hf_config
-from poly import layout
 from poly.errors import (
     ConfigError,
     EntityFormatError,
@@ -28,6 +27,7 @@ from poly.errors import (
     UnsupportedError,
     WeightMappingError,
 )
+from poly.nn import layout
 from tests.hf_fixtures import (
     ARCHS,
     VOCAB,
@@ -87,7 +87,7 @@ def test_prefill_in_one_call_equals_token_by_token(checkpoints):
     whole = tf.forward_all(PROMPT)
     tf.reset()
     steps = np.stack([tf.forward([t]) for t in PROMPT])
-    # one-token steps run the fused C step (poly/fused.py): its sums are ordered differently
+    # one-token steps run the fused C step (poly/runtime/fused.py): its sums are ordered differently
     np.testing.assert_allclose(steps, whole, atol=5e-5, rtol=0)
 
 
@@ -307,8 +307,8 @@ def test_tokenizer_larger_than_vocab(scratch):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_parameter_count_equals_transformers(checkpoints, variant):
-    from tests.hf_fixtures import _hf_model
+    from tests.hf_fixtures import cached_hf_model
 
-    model = _hf_model(str(checkpoints[variant]))
+    model = cached_hf_model(str(checkpoints[variant]))
     want = sum(p.numel() for p in model.parameters())
     assert load_hf(checkpoints[variant]).config.parameter_count == want

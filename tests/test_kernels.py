@@ -1,4 +1,4 @@
-"""Compiled kernels (poly.kernels) against the numpy reference path x @ dequantize().T."""
+"""Compiled kernels (poly.runtime.kernels) against the numpy reference path x @ dequantize().T."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from poly import kernels, qtensor
 from poly.errors import UsageError
-from poly.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix
+from poly.quant import qtensor
+from poly.quant.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix
+from poly.runtime import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
 
@@ -40,7 +41,7 @@ MAKERS = {
     "float32": DenseMatrix,
     "float16": lambda w: DenseMatrix(w.astype(np.float16)),
     "int8": lambda w: CodedMatrix.encode(w, "int8"),
-    "q4_0": Q4Matrix.quantize,
+    "loom_q4": Q4Matrix.quantize,
     "gguf_q4_0": _gguf(GGMLQuantizationType.Q4_0),
     "gguf_q4_1": _gguf(GGMLQuantizationType.Q4_1),
     "gguf_q8_0": _gguf(GGMLQuantizationType.Q8_0),

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from poly import DType, LayerType, TransformerConfig, VolumetricLayer, morph_layer
-from poly.morph import morph_network
-from poly.qtensor import CodedMatrix
+from poly.model.morph import morph_network
+from poly.quant.qtensor import CodedMatrix
 from tests.tiny_model import random_transformer
 
 # Forward error of a morphed layer relative to max|float32 output| (8 tokens, weights ~N(0, 0.1)).

@@ -22,7 +22,7 @@ from entity.dotentity.write import save_entity
 from entity.gguf.loader import load_gguf
 from poly import ckernels, layout
 from poly.errors import EntityFormatError, IntegrityError
-from poly.qtensor import GGUFMatrix
+from poly.quant.qtensor import GGUFMatrix
 from tests.fuzz.corpus import U32, byte_vocab, gguf_model_parts, gguf_pack
 
 H = FF = 256  # K-quants need rows of whole 256-blocks
@@ -180,7 +180,7 @@ def test_float_and_unsupported_kinds_keep_the_loom_bake(tiny, tmp_path):
     for name in ("blocks.0.mlp.w_up", "blocks.0.attn.w_v"):
         assert name not in ef.blobs and ef.blobs[f"{name}.packed"].ggml_type is None
     tf = load_entity(out)
-    assert tf.mlp(0).weights.active == "gguf_q6_k+gguf_q8_0+q4_0"
+    assert tf.mlp(0).weights.active == "gguf_q6_k+gguf_q8_0+loom_q4"
     assert np.isfinite(tf.forward_all(IDS[:5])).all()
 
 
@@ -210,7 +210,7 @@ def test_float_sources_write_no_native_records(tmp_path):
 
 
 def test_native_kinds_are_the_c_kernel_kinds():
-    assert sorted(NATIVE_TYPES.values()) == sorted(ckernels._GGUF_KINDS)
+    assert sorted(NATIVE_TYPES.values()) == sorted(ckernels.GGUF_KINDS)
 
 
 # --- malformed native records ------------------------------------------------------------------

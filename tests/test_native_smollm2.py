@@ -11,7 +11,7 @@ from entity.convert import convert
 from entity.dotentity.container import EntityFile
 from entity.dotentity.read import load_entity
 from entity.gguf.loader import load_gguf
-from poly.sampling import GenOptions
+from poly.text.sampling import GenOptions
 
 pytestmark = pytest.mark.real_model
 

@@ -1,4 +1,4 @@
-"""poly.qtensor: blocked matmul, row-range dequantize, the Loom Q4_0 bake and GGUF quant blocks."""
+"""poly.quant.qtensor: blocked matmul, row-range dequantize, the Loom Q4_0 bake and GGUF quant blocks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from poly import qtensor
 from poly.dtypes import DType
 from poly.errors import EntityFormatError, GGUFFormatError, LayerConfigError, UnsupportedError
-from poly.qtensor import (
+from poly.quant import qtensor
+from poly.quant.qtensor import (
     CodedMatrix,
     DenseMatrix,
     GGUFMatrix,
@@ -45,7 +45,7 @@ def _all_matrices(w: np.ndarray) -> dict[str, QTensor]:
         "dense_f32": DenseMatrix(w),
         "dense_f16": DenseMatrix(w.astype(np.float16)),
         "dense_bf16": DenseMatrix(w.astype(ml_dtypes.bfloat16)),
-        "q4_0": Q4Matrix.quantize(w),
+        "loom_q4": Q4Matrix.quantize(w),
     }
     mats |= {f"coded_{dt}": CodedMatrix.encode(w, dt) for dt in DType}
     if w.shape[1] % 32 == 0:
@@ -71,7 +71,7 @@ def test_matmul_equals_dequantized_product(shape):
 
 # Elementwise bound on |W_q - W| relative to the row's max|w| (docs/dtypes.md), Q4 per block.
 ELEMENT_BOUND = {"coded_int8": 1 / 254, "coded_int4": 1 / 14, "coded_fp8e4m3": 1 / 28,
-                 "dense_f16": 2**-11, "dense_bf16": 2**-8, "q4_0": 1 / 14,
+                 "dense_f16": 2**-11, "dense_bf16": 2**-8, "loom_q4": 1 / 14,
                  "coded_uint8": 1 / 255, "coded_fp4": 1 / 6, "dense_f32": 0.0}  # fmt: skip
 
 
@@ -265,7 +265,8 @@ def test_encode_matrix_kinds():
     w = _w(8, 64)
     assert isinstance(encode_matrix(w, "float32"), DenseMatrix)
     assert encode_matrix(w, "bf16").scheme == "bfloat16"
-    assert encode_matrix(w, "q4_0").scheme == "q4_0"
+    assert encode_matrix(w, "loom_q4").scheme == "loom_q4"
+    assert encode_matrix(w, "q4_0").scheme == "loom_q4"  # the old name of the Loom bake
     m = encode_matrix(w, DType.INT8)
     assert isinstance(m, CodedMatrix) and m.scheme == "int8"
     assert m.nbytes == w.size + 4 * w.shape[0]  # int8 codes + one float32 scale per row

@@ -219,8 +219,8 @@ def test_b5_78_nan_weights_never_become_tokens(tmp_path):
     # NaN in the weights (a NaN block scale dequantizes to NaN rows): generation raises
     # NumericalError instead of sampling from NaN logits (B8-106), and the model stays usable.
     from poly.errors import NumericalError
-    from poly.generation import generate_text
-    from poly.sampling import GenOptions
+    from poly.text.generation import generate_text
+    from poly.text.sampling import GenOptions
     from tests.fuzz.corpus import gguf_model_parts
 
     kvs, tensors = gguf_model_parts()

@@ -22,9 +22,9 @@ from poly.errors import (
     NumericalError,
     SamplingParamsError,
 )
-from poly.generation import DoneEvent, generate_text, stream_tokens
-from poly.sampling import GenOptions, Sampler
-from poly.session import ChatSession
+from poly.text.generation import DoneEvent, generate_text, stream_tokens
+from poly.text.sampling import GenOptions, Sampler
+from poly.text.session import ChatSession
 from tests.fuzz.corpus import expect_error, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,7 +35,7 @@ CTX = 64
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     # tiny matrices: a parallel kernel pool only spins on this shared 2-core machine
-    from poly import kernels
+    from poly.runtime import kernels
 
     kernels.set_num_threads(1)
     yield

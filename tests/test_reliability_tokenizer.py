@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from poly.chat import ChatTemplate
 from poly.errors import (
     IntegrityError,
     LimitExceededError,
@@ -16,7 +15,8 @@ from poly.errors import (
     TemplateSecurityError,
     TokenizerError,
 )
-from poly.tokenizer import Tokenizer
+from poly.text.chat import ChatTemplate
+from poly.text.tokenizer import Tokenizer
 from tests.fuzz.corpus import expect_error
 from tests.hf_fixtures import build_tokenizer, make_tiny_checkpoint
 
@@ -78,14 +78,14 @@ def test_b4_49_bad_bytes_file(tmp_path):
 
 def test_b4_52_vocab_cap(monkeypatch):
     # the bound is tested with a lowered cap; a real 10^8-entry file is never built
-    import poly.tokenizer as mod
+    import poly.text.tokenizer as mod
 
     monkeypatch.setattr(mod, "MAX_VOCAB", 100)
     expect_error(lambda: Tokenizer.from_str(json.dumps(GOOD)), LimitExceededError, "limit_exceeded")
 
 
 def test_b4_52_file_size_cap(tmp_path, monkeypatch):
-    import poly.tokenizer as mod
+    import poly.text.tokenizer as mod
 
     monkeypatch.setattr(mod, "MAX_TOKENIZER_BYTES", 1000)
     p = tmp_path / "tokenizer.json"

@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 )
 
 from poly.errors import NumericalError, SamplingParamsError
-from poly.sampling import GenOptions, Sampler, no_repeat_ngram_bans
+from poly.text.sampling import GenOptions, Sampler, no_repeat_ngram_bans
 
 V = 64
 

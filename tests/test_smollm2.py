@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from entity.gguf.loader import load_gguf
-from poly.sampling import GenOptions
+from poly.text.sampling import GenOptions
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -118,8 +118,8 @@ def test_config_matches_transformers(hf, f32_model):
 
 def test_weights_equal_transformers_dequantized(hf, f32_model, q_model):
     """Our un-permuted q/k (float and raw-row-reordered quantized) equal transformers' tensors."""
-    from poly import layout
-    from poly.qtensor import GGUFMatrix
+    from poly.nn import layout
+    from poly.quant.qtensor import GGUFMatrix
 
     sd = hf[0].state_dict()
     for i in (0, 17, 29):

@@ -1,9 +1,9 @@
-"""poly.threadtune.ThreadTuner on synthetic step times (the decisions, not the machine)."""
+"""poly.runtime.threadtune.ThreadTuner on synthetic step times (the decisions, not the machine)."""
 
 from __future__ import annotations
 
-from poly import threadtune
-from poly.threadtune import RECHECK, WINDOW, ThreadTuner
+from poly.runtime import threadtune
+from poly.runtime.threadtune import RECHECK, WINDOW, ThreadTuner
 
 
 def _run(tuner: ThreadTuner, cost, steps: int, full: int = 2) -> list[int]:

@@ -1,4 +1,4 @@
-"""poly.tokenizer against transformers (real SmolLM2 tokenizer, and a trained SentencePiece BPE)."""
+"""poly.text.tokenizer against transformers (real SmolLM2 tokenizer, and a trained SentencePiece BPE)."""
 # ruff: noqa: F811  (fixtures imported from tests.conftest_tokenizers are re-bound as arguments)
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poly.errors import InvalidTokenError, LimitExceededError, TokenizerError
-from poly.tokenizer import StreamDecoder, Tokenizer
+from poly.text.tokenizer import StreamDecoder, Tokenizer
 from tests.conftest_tokenizers import (  # noqa: F401  (fixtures)
     SAMPLE_TEXTS,
-    _smol_hf_pair,
     hf_smol_tokenizer,
+    smol_hf_pair,
     smol_tokenizer_dir,
     sp_tokenizers,
 )
@@ -204,7 +204,7 @@ def test_file_errors(tmp_path, monkeypatch):
     bad.write_bytes(b"\xff\xfe{not utf8")
     with pytest.raises(TokenizerError):
         Tokenizer.from_file(bad)
-    monkeypatch.setattr("poly.tokenizer.MAX_TOKENIZER_BYTES", 4)
+    monkeypatch.setattr("poly.text.tokenizer.MAX_TOKENIZER_BYTES", 4)
     with pytest.raises(LimitExceededError):
         Tokenizer.from_file(bad)
 

@@ -5,7 +5,7 @@ import pytest
 
 from poly import TransformerConfig
 from poly.errors import ContextOverflowError, InvalidTokenError
-from poly.sampling import GenOptions
+from poly.text.sampling import GenOptions
 from tests.tiny_model import random_transformer
 
 

@@ -2,7 +2,7 @@
 
 Blob names: `blocks.<i>.<role>` (role = attn_norm | attn | mlp_norm | mlp) holds a layer's whole
 float32 master in the f32 scheme (loaded zero-copy as the master itself); the other schemes store
-one blob per component, `blocks.<i>.<role>.<name>` (names of `poly.layout`), with encoded matrices
+one blob per component, `blocks.<i>.<role>.<name>` (names of `poly.nn.layout`), with encoded matrices
 split into parts (`.codes`/`.scales` for int8, `.scales`/`.packed` for q4_0), or one blob of GGUF
 block rows when a q4/q8 source matrix already is GGUF blocks (`entity.dotentity.native_blocks`). Globals:
 `embeddings`, `lm_head` (absent when tied), `final_norm`. Byte layouts: docs/formats.md.
@@ -22,7 +22,8 @@ from entity.dotentity.container import EntityFile, EntityWriter
 from entity.dotentity.native_blocks import get_native, is_native_blob, keeps_native, put_native
 from poly.dtypes import DType, Encoded
 from poly.errors import EntityFormatError, LayerConfigError, UsageError
-from poly.qtensor import CodedMatrix, Q4Matrix, QTensor
+from poly.quant import schemes as quant_schemes
+from poly.quant.qtensor import CodedMatrix, Q4Matrix, QTensor
 
 __all__ = [
     "SCHEMES",
@@ -37,17 +38,13 @@ __all__ = [
     "role_layer",
 ]
 
-# quant scheme -> (matrix encoding, default embeddings/LM-head encoding)
+# --quant name -> (matrix encoding, default embeddings/LM-head encoding), from the scheme records
+# (poly.quant.schemes): 8-bit LM head for the quantized schemes (as llama.cpp's Q4 files do): it
+# is the largest matrix read per token.
 SCHEMES: dict[str, tuple[str, str]] = {
-    "f32": ("float32", "float32"),
-    "f16": ("float16", "float16"),
-    "bf16": ("bfloat16", "bfloat16"),
-    # 8-bit LM head for the quantized schemes (as llama.cpp's Q4 files do): it is the largest
-    # matrix read per token.
-    "q8": ("int8", "int8"),
-    "q4": ("q4_0", "int8"),
+    r.cli: (r.entity, r.embed) for r in quant_schemes.SCHEMES.values() if r.cli
 }
-EMBED_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8": "int8", "q4": "q4_0"}
+EMBED_ALIASES = {r.cli: r.entity for r in quant_schemes.SCHEMES.values() if r.cli}
 
 
 # --- encodings: how one float32 matrix becomes blobs, and back ------------------------------------
@@ -98,8 +95,10 @@ ENCODINGS: dict[str, tuple[Callable, Callable, Any]] = {
     "float16": (_put_cast(np.float16), _get_dense, np.float16),
     "bfloat16": (_put_cast(ml_dtypes.bfloat16), _get_dense, ml_dtypes.bfloat16),
     "int8": (_put_int8, _get_int8, None),
-    "q4_0": (_put_q4, _get_q4, None),
+    "loom_q4": (_put_q4, _get_q4, None),
 }
+# files written before Loom's bake was named loom_q4 say "q4_0"
+ENCODINGS.update({old: ENCODINGS[new] for old, new in quant_schemes.LEGACY_ENCODINGS.items()})
 
 
 def read_matrix(ef: EntityFile, encoding: str, name: str, shape) -> Any:

@@ -18,6 +18,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from poly.errors import EntityFormatError, IntegrityError
+from poly.quant.schemes import LEGACY_ENCODINGS, SCHEMES
 
 __all__ = [
     "NATIVE_TYPES",
@@ -34,22 +35,23 @@ __all__ = [
 ]
 
 _T = GGMLQuantizationType
-# ggml type id -> encoding name (= GGUFMatrix.scheme, the poly.ckernels kind name)
+# ggml type id -> encoding name (= GGUFMatrix.scheme, the poly.runtime.ckernels kind name)
 NATIVE_TYPES: dict[int, str] = {
-    int(t): "gguf_" + t.name.lower() for t in (_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K, _T.Q6_K)
+    r.ggml_type: r.name for r in SCHEMES.values() if r.ggml_type is not None
 }
 # Target encoding -> the native kinds kept in its place: only kinds at least as precise as the
 # target (never worse than a re-bake, and never less than was asked: a q8 request from Q4_1
 # blocks writes int8, see `below_target`). f32/f16/bf16 requests still dequantize.
 NATIVE_TARGETS: dict[str, frozenset[str]] = {
-    "q4_0": frozenset(NATIVE_TYPES.values()),
+    "loom_q4": frozenset(NATIVE_TYPES.values()),
     "int8": frozenset({"gguf_q8_0"}),
 }
+NATIVE_TARGETS.update({old: NATIVE_TARGETS[new] for old, new in LEGACY_ENCODINGS.items()})
 
 
 def native_kind(value: Any) -> str | None:
     """The encoding name when ``value`` is a GGUFMatrix of a kept kind, else None."""
-    from poly.qtensor import GGUFMatrix
+    from poly.quant.qtensor import GGUFMatrix
 
     if not isinstance(value, GGUFMatrix):
         return None
@@ -63,13 +65,13 @@ def keeps_native(encoding: str, value: Any) -> bool:
 
 
 # Bits per weight of each target encoding's values (a GGUF source below it cannot fill them).
-TARGET_BITS = {"q4_0": 4, "int8": 8, "float16": 16, "bfloat16": 16, "float32": 32}
+TARGET_BITS = {"loom_q4": 4, "q4_0": 4, "int8": 8, "float16": 16, "bfloat16": 16, "float32": 32}
 
 
 def below_target(encoding: str, value: Any) -> str | None:
     """The GGUF kind (e.g. "Q4_1") of ``value`` when its blocks hold fewer bits per weight than
     ``encoding`` and are re-encoded into it (the output's precision cannot exceed them)."""
-    from poly.qtensor import GGUFMatrix
+    from poly.quant.qtensor import GGUFMatrix
 
     if not isinstance(value, GGUFMatrix) or keeps_native(encoding, value):
         return None
@@ -120,7 +122,7 @@ def is_native_blob(ef, name: str) -> bool:
 
 def get_native(ef, name: str, shape) -> Any:
     """The blob as a GGUFMatrix [out, in] (a view on the mapping), checked against ``shape``."""
-    from poly.qtensor import GGUFMatrix
+    from poly.quant.qtensor import GGUFMatrix
 
     rec = ef.blobs[name]
     out_dim, n_in = (int(d) for d in shape)

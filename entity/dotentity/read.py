@@ -57,14 +57,14 @@ def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
 
 def _version_name(matrices: list, matrix_enc: str) -> str:
     """The stored version's name: its matrices' encodings (what `lucy inspect` shows as active),
-    e.g. "q4_0", "gguf_q4_1", or "gguf_q4_1+gguf_q6_k" for a mixed GGUF source."""
+    e.g. "loom_q4", "gguf_q4_1", or "gguf_q4_1+gguf_q6_k" for a mixed GGUF source."""
     return "+".join(sorted({native_kind(m) or matrix_enc for m in matrices}))
 
 
 def _attach_meta(tf, ef: EntityFile) -> None:
-    from poly.chat import ChatTemplate
-    from poly.sampling import GenOptions
-    from poly.tokenizer import Tokenizer
+    from poly.text.chat import ChatTemplate
+    from poly.text.sampling import GenOptions
+    from poly.text.tokenizer import Tokenizer
 
     tok_cfg = ef.meta("tokenizer_config")
     text = ef.meta("tokenizer")
@@ -98,7 +98,7 @@ def load_entity(
             from entity.dotentity.v1 import load_entity_v1
 
             return load_entity_v1(path, max_seq_len=max_seq_len)
-    from poly.transformer import Transformer
+    from poly.model.transformer import Transformer
 
     ef = EntityFile(path, verify=verify)
     cfg = _config(ef, max_seq_len)

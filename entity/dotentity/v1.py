@@ -21,8 +21,9 @@ import numpy as np
 from entity.arch import ROLES, global_shapes, role_shapes  # ROLES: the 4-layer stride of §1.9
 from entity.dotentity.header import PREFIX, fail, read_prefix
 from poly.config import TransformerConfig
-from poly.dtypes import loom_decode, parse_dtype
+from poly.dtypes import parse_dtype
 from poly.errors import DTypeError, EntityFormatError, LayerConfigError, LimitExceededError
+from poly.quant.loom_v1 import loom_decode
 
 __all__ = ["V1Checkpoint", "read_entity_v1", "load_entity_v1", "q4_0_decode"]
 
@@ -265,8 +266,8 @@ def read_entity_v1(path: str | os.PathLike, *, max_seq_len: int | None = None) -
 
 def load_entity_v1(path: str | os.PathLike, *, max_seq_len: int | None = None):
     """Load a Loom v1 `.entity` as a float32 `poly.Transformer` (no tokenizer: v1 has none)."""
-    from poly import layout
-    from poly.transformer import Transformer
+    from poly.model.transformer import Transformer
+    from poly.nn import layout
 
     ck = read_entity_v1(path, max_seq_len=max_seq_len)
     tf = Transformer.from_config(ck.config)

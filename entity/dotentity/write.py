@@ -19,10 +19,10 @@ from entity.arch import ROLES, role_shapes
 from entity.dotentity.blobs import as_float, check_quant, embed_keep_as, put_matrix, role_layer
 from entity.dotentity.container import EntityWriter
 from entity.dotentity.native_blocks import native_kind
-from poly import layout
 from poly.config import TransformerConfig
 from poly.errors import LayerConfigError
-from poly.qtensor import QTensor
+from poly.nn import layout
+from poly.quant.qtensor import QTensor
 
 __all__ = ["save_entity", "write_entity", "model_meta", "model_blocks", "source_components"]
 

@@ -177,7 +177,7 @@ class _Loader:
                 self.orders[comp] = qk_row_order(getattr(cfg, heads), cfg.head_dim)
 
     def matrix(self, name: str, comp: str) -> Any:
-        from poly.qtensor import GGUFMatrix
+        from poly.quant.qtensor import GGUFMatrix
 
         info, order = self.gg.tensors[name], self.orders.get(comp)
         if not self.keep:
@@ -213,7 +213,7 @@ def _bias_sizes(cfg) -> dict[str, dict[str, int]]:
 
 
 def _fill_layer(tf, loader: _Loader, i: int) -> None:
-    from poly import layout
+    from poly.nn import layout
 
     for accessor in ("attn_norm", "mlp_norm"):
         layer = getattr(tf, accessor)(i)

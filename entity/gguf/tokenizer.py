@@ -290,12 +290,12 @@ def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
 
 
 def load_gguf_tokenizer(gg: GGUFFile, fallback_template: str | None = "chatml"):
-    """``(poly.tokenizer.Tokenizer, poly.chat.ChatTemplate | None, GGUFTokenizerSpec)`` for a file.
+    """``(poly.text.tokenizer.Tokenizer, poly.text.chat.ChatTemplate | None, GGUFTokenizerSpec)`` for a file.
 
     Without ``tokenizer.chat_template`` the ``fallback_template`` preset is used (None: no template).
     """
-    from poly.chat import ChatTemplate
-    from poly.tokenizer import Tokenizer as PolyTokenizer
+    from poly.text.chat import ChatTemplate
+    from poly.text.tokenizer import Tokenizer as PolyTokenizer
 
     spec = build_tokenizer(gg)
     bos, eos = spec.token(spec.bos_token_id), spec.token(spec.eos_token_id)

@@ -90,7 +90,7 @@ def iter_hf_blocks(source: str | Path | HFSource) -> Iterator[tuple[int | None, 
     "final_norm": {"value": [H]}, "lm_head": {"value": [V, H]}}`` (no ``lm_head`` when
     tied). A block: ``{"attn_norm": {"gamma"}, "attn": {"w_q", "w_k", "w_v", "w_o",
     ["b_q", "b_k", "b_v", "b_o"], ["q_norm", "k_norm"]}, "mlp_norm": {"gamma"},
-    "mlp": {"w_gate", "w_up", "w_down"}}`` — component names are the ``poly.layout`` views.
+    "mlp": {"w_gate", "w_up", "w_down"}}`` — component names are the ``poly.nn.layout`` views.
     Everything was validated up front, so iteration only fails on I/O.
     """
     src = source if isinstance(source, HFSource) else open_hf(source)
@@ -108,7 +108,7 @@ def _collect(ckpt: Checkpoint, slots: dict[str, Slot]) -> Block:
 
 
 def _fill_block(tf: Any, i: int, block: Block) -> None:
-    from poly import layout
+    from poly.nn import layout
 
     views = {
         "attn_norm": layout.rmsnorm(tf.attn_norm(i)),
@@ -163,9 +163,9 @@ def load_hf(path: str | Path, *, max_seq_len: int | None = None, dtype: str | No
 
 
 def attach_hf_metadata(tf: Any, src: HFSource) -> None:
-    from poly.chat import ChatTemplate
-    from poly.sampling import GenOptions
-    from poly.tokenizer import Tokenizer
+    from poly.text.chat import ChatTemplate
+    from poly.text.sampling import GenOptions
+    from poly.text.tokenizer import Tokenizer
 
     root, cfg = src.path, src.config
     tok_cfg: dict[str, Any] = {}

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="package", autouse=True)
 def _one_kernel_thread():
-    from poly import kernels
+    from poly.runtime import kernels
 
     kernels.set_num_threads(1)
     yield

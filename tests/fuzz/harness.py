@@ -43,7 +43,7 @@ FUZZ_SLOW = settings(FUZZ, max_examples=max(10, EXAMPLES // 3))
 _SCRATCH = Path(tempfile.mkdtemp(prefix="poly-fuzz-"))
 
 
-def _scratch(name: str, data: bytes) -> Path:
+def scratch_file(name: str, data: bytes) -> Path:
     p = _SCRATCH / name
     p.write_bytes(data)
     return p
@@ -52,7 +52,7 @@ def _scratch(name: str, data: bytes) -> Path:
 def _touch_safetensors(data: bytes) -> None:
     from entity.hf.safetensors_io import SafetensorsFile
 
-    f = SafetensorsFile(_scratch("x.safetensors", data))
+    f = SafetensorsFile(scratch_file("x.safetensors", data))
     for name in f.names():
         arr = f.tensor(name)
         np.asarray(arr).sum()
@@ -69,7 +69,7 @@ def _touch_safetensors_header(data: bytes) -> None:
 def _touch_gguf(data: bytes) -> None:
     from entity.gguf.reader import GGUFFile
 
-    gg = GGUFFile(_scratch("x.gguf", data))
+    gg = GGUFFile(scratch_file("x.gguf", data))
     for name in gg.tensors:
         gg.tensor_array(name)
         gg.dequantize(name)
@@ -80,14 +80,14 @@ def _touch_gguf(data: bytes) -> None:
 def _touch_gguf_model(data: bytes) -> None:
     from entity.gguf.loader import load_gguf
 
-    tf = load_gguf(_scratch("m.gguf", data), keep_quantized=True, max_seq_len=16)
+    tf = load_gguf(scratch_file("m.gguf", data), keep_quantized=True, max_seq_len=16)
     tf.forward([0])
 
 
 def _touch_entity(data: bytes) -> None:
     from entity.dotentity.container import EntityFile
 
-    ef = EntityFile(_scratch("x.entity", data))
+    ef = EntityFile(scratch_file("x.entity", data))
     for name in ef.blobs:
         np.asarray(ef.array(name)).sum()
 
@@ -95,7 +95,7 @@ def _touch_entity(data: bytes) -> None:
 def _touch_load(data: bytes) -> None:
     from entity.load import load
 
-    load(_scratch("any.bin", data), max_seq_len=16)
+    load(scratch_file("any.bin", data), max_seq_len=16)
 
 
 TARGETS: dict[str, Callable[[bytes], Any]] = {

@@ -256,7 +256,7 @@ logits_st = hnp.arrays(np.float32, st.integers(2, 64), elements=st.floats(-50, 5
 @given(logits=logits_st, temperature=st.floats(0.05, 3.0), top_k=st.integers(0, 70),
        top_p=st.floats(0.01, 1.0), min_p=st.floats(0.0, 0.99), seed=st.integers(0, 2**32))  # fmt: skip
 def test_sampler_properties(logits, temperature, top_k, top_p, min_p, seed):
-    from poly.sampling import GenOptions, Sampler
+    from poly.text.sampling import GenOptions, Sampler
 
     v = logits.shape[0]
     greedy = Sampler(GenOptions(temperature=0.0), v)
@@ -284,12 +284,12 @@ def test_safetensors_differential_against_reference(data):
     from safetensors.numpy import load as ref_load
 
     from entity.hf.safetensors_io import SafetensorsFile
-    from tests.fuzz.harness import _scratch
+    from tests.fuzz.harness import scratch_file
 
     raw = data.draw(edited(SEEDS["safetensors"], tail=True))
     if run_target("safetensors", raw) is not None:
         return
-    ours = SafetensorsFile(_scratch("x.safetensors", raw))
+    ours = SafetensorsFile(scratch_file("x.safetensors", raw))
     ref = ref_load(raw)
     assert set(ref) == set(ours.names())
     for name, arr in ref.items():
@@ -303,12 +303,12 @@ def test_gguf_differential_against_gguf_py(data):
     from gguf import GGUFReader
 
     from entity.gguf.reader import GGUFFile
-    from tests.fuzz.harness import _scratch
+    from tests.fuzz.harness import scratch_file
 
     raw = data.draw(edited(SEEDS["gguf"], tail=True))
     if run_target("gguf", raw) is not None:
         return
-    p = _scratch("d.gguf", raw)
+    p = scratch_file("d.gguf", raw)
     ours, ref = GGUFFile(p), GGUFReader(str(p))
     assert {t.name for t in ref.tensors} == set(ours.tensors)
     for t in ref.tensors:

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from poly.errors import ContextOverflowError, InvalidTokenError
-from poly.generation import generate_text, stream_tokens
-from poly.sampling import GenOptions
+from poly.text.generation import generate_text, stream_tokens
+from poly.text.sampling import GenOptions
 from tests.fuzz.corpus import tiny_model
 from tests.fuzz.harness import EXAMPLES, FUZZ
 

@@ -14,6 +14,11 @@ from typing import Any
 import numpy as np
 
 from poly.errors import LayerConfigError
+from poly.model.block import is_plain_block, run_block
+from poly.nn import rmsnorm
+from poly.nn.embedding import lookup
+from poly.ops import linear, rms_norm
+from poly.runtime import fused
 
 
 def _one_by_one(model: Any, sequences, states: list) -> np.ndarray:
@@ -30,11 +35,6 @@ def _one_by_one(model: Any, sequences, states: list) -> np.ndarray:
 
 
 def _batched_step(model: Any, ids: np.ndarray, states: list) -> np.ndarray:
-    from poly import fused
-    from poly.layers.embedding import lookup
-    from poly.ops import linear, rms_norm
-    from poly.transformer import _gamma, run_block
-
     x = lookup(model.embeddings, ids)  # [B, H]
     p = fused.plan(model)
     if p is not None:  # one C call for the whole step (poly/fused.py)
@@ -46,7 +46,7 @@ def _batched_step(model: Any, ids: np.ndarray, states: list) -> np.ndarray:
         x = run_block(blk, x, caches)
         for st, cache in zip(states, caches):
             st[li] = cache  # KVCaches created on first use
-    h = rms_norm(x, _gamma(model.final_norm_layer), model.config.rms_norm_eps)
+    h = rms_norm(x, rmsnorm.gamma(model.final_norm_layer), model.config.rms_norm_eps)
     return linear(h, model.lm_head)  # [B, V]
 
 
@@ -55,17 +55,16 @@ def forward_batch(
 ) -> np.ndarray:
     """Logits [B, V]. `states` (from model.new_state()) are updated in place; without them
     every sequence starts at position 0 and the model's own cache is left untouched."""
-    from poly.transformer import is_plain_block
-
     if states is None:
         states = [model.new_state() for _ in sequences]
     if len(states) != len(sequences):
         raise LayerConfigError("forward_batch needs one state per sequence")
-    seqs = [model._check_ids(s) for s in sequences]
+    seqs = [model.check_ids(s) for s in sequences]
     blocks = model.network.layers
     if (
         seqs
         and all(s.size == 1 for s in seqs)
+        and model.activation_dtype == np.float32
         and all(not b.is_disabled and is_plain_block(b) for b in blocks)
     ):
         return _batched_step(model, np.concatenate(seqs), states)

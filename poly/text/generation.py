@@ -24,7 +24,7 @@ from poly.errors import (
     ModelBusyError,
     SamplingParamsError,
 )
-from poly.sampling import GenOptions, Sampler
+from poly.text.sampling import GenOptions, Sampler
 
 STOP_REASONS = frozenset({"eos", "max_tokens", "stop_string", "stopped", "context"})
 
@@ -230,7 +230,7 @@ def _stream_decoder(model):
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         return None
-    from poly.tokenizer import StreamDecoder
+    from poly.text.tokenizer import StreamDecoder
 
     return StreamDecoder(tok)
 

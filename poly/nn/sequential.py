@@ -9,12 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from poly.errors import LayerConfigError
+from poly.layer import LayerKind, LayerType
 
 
 def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
-    from poly.layer import LayerType
-    from poly.layers import dispatch
-
     block_input = x
     outputs: list[np.ndarray] = []
     prev_input = None
@@ -31,6 +29,9 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
             else:
                 raise LayerConfigError(f"residual {i}: bad skip source {sub.skip!r}")
         prev_input = x
-        x = dispatch(sub, x, sub_skip)
+        x = sub.forward(x, sub_skip)
         outputs.append(x)
     return x
+
+
+KIND = LayerKind(LayerType.SEQUENTIAL, forward)

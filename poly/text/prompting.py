@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from poly.errors import GenerationError, InvalidTokenError, TemplateError
+from poly.text.generation import stream_tokens
+from poly.text.sampling import GenOptions
 
 
 def prompt_to_ids(
@@ -35,7 +37,10 @@ def prompt_to_ids(
 
 
 def resolve_options(model: Any, options: Any, overrides: dict) -> Any:
-    from poly.sampling import GenOptions
-
     base = options if options is not None else (model.generation_defaults or GenOptions())
     return base.replace(**overrides) if overrides else base
+
+
+def stream(model: Any, ids: list[int], options: Any, overrides: dict, *, stop: Any = None):
+    """`Transformer.stream` after the prompt is ids: resolve options, then generate."""
+    return stream_tokens(model, ids, resolve_options(model, options, overrides), stop=stop)

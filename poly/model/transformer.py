@@ -7,118 +7,41 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from poly import layout
 from poly.config import TransformerConfig
-from poly.errors import InvalidTokenError, LayerConfigError
+from poly.errors import DTypeError, InvalidTokenError, LayerConfigError
 from poly.layer import LayerType, VolumetricLayer
-from poly.layers.embedding import lookup
+from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, build_block, is_plain_block, run_block
+from poly.model.hooks import need
 from poly.network import VolumetricNetwork
+from poly.nn import rmsnorm
+from poly.nn.embedding import lookup
 from poly.ops import linear, rms_norm
+from poly.weights import Generations
 
 T = TypeVar("T")
-
-# Sub-layer slots of one block: [RMSNorm, MHA, Residual(input), RMSNorm, SwiGLU, Residual(2)].
-ATTN_NORM, ATTN, ATTN_RES, MLP_NORM, MLP, MLP_RES = range(6)
-
-
-def build_block(cfg: TransformerConfig, allocate: bool = True) -> VolumetricLayer:
-    """One pre-norm decoder block as a Sequential layer of six sub-layers."""
-    h = cfg.hidden_size
-    subs = [
-        VolumetricLayer(
-            type=LayerType.RMSNORM, input_height=h, rms_norm_eps=cfg.rms_norm_eps, allocate=allocate
-        ),
-        VolumetricLayer(
-            type=LayerType.MHA,
-            d_model=h,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            query_dim=cfg.query_dim,
-            max_seq_len=cfg.max_seq_len,
-            rope_freq_base=cfg.rope_theta,
-            rope_scaling=cfg.rope_scaling,
-            rms_norm_eps=cfg.rms_norm_eps,
-            qk_norm=cfg.qk_norm,
-            allocate=allocate,
-        ),
-        VolumetricLayer(type=LayerType.RESIDUAL, skip="input"),
-        VolumetricLayer(
-            type=LayerType.RMSNORM, input_height=h, rms_norm_eps=cfg.rms_norm_eps, allocate=allocate
-        ),
-        VolumetricLayer(
-            type=LayerType.SWIGLU,
-            input_height=h,
-            output_height=cfg.intermediate_size,
-            allocate=allocate,
-        ),
-        VolumetricLayer(type=LayerType.RESIDUAL, skip=ATTN_RES),
-    ]
-    return VolumetricLayer(type=LayerType.SEQUENTIAL, sequential_layers=subs)
-
-
-_BLOCK_KINDS = (
-    LayerType.RMSNORM,
-    LayerType.MHA,
-    LayerType.RESIDUAL,
-    LayerType.RMSNORM,
-    LayerType.SWIGLU,
-    LayerType.RESIDUAL,
-)
-
-
-def is_plain_block(blk: VolumetricLayer) -> bool:
-    """The block `build_block` makes, untiled and fully enabled: it can skip generic dispatch."""
-    subs = blk.sequential_layers
-    return (
-        len(subs) == 6
-        and all(
-            s.type == k and not s.is_disabled and not s.use_tiling
-            for s, k in zip(subs, _BLOCK_KINDS)
-        )
-        and subs[ATTN_RES].skip == "input"
-        and subs[MLP_RES].skip == ATTN_RES
-    )
-
-
-def _gamma(norm: VolumetricLayer) -> np.ndarray:
-    """An RMSNorm's gamma, cached per weight object (layout views are re-carved otherwise)."""
-    store = norm.weights
-    key = (store.active, id(store.master), id(store.versions.get(store.active)))
-    cached = getattr(norm, "_gamma_cache", None)
-    if cached is None or cached[0] != key:
-        cached = (key, layout.components(norm)["gamma"])
-        norm._gamma_cache = cached
-    return cached[1]
-
-
-def run_block(blk: VolumetricLayer, x: np.ndarray, caches: list | None = None) -> np.ndarray:
-    """x + attn(norm(x)), then + mlp(norm(.)): the plain block without per-sub-layer dispatch.
-    With `caches` (one KVCache per row of x) every row is a separate sequence's next token."""
-    from poly.layers import mha, swiglu
-
-    subs = blk.sequential_layers
-    norm1, attn, norm2, mlp = subs[ATTN_NORM], subs[ATTN], subs[MLP_NORM], subs[MLP]
-    h = rms_norm(x, _gamma(norm1), norm1.rms_norm_eps)
-    a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches)
-    x = x + a
-    h = rms_norm(x, _gamma(norm2), norm2.rms_norm_eps)
-    x += swiglu.forward(mlp, h)
-    return x
+ACTIVATION_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class Transformer(Generic[T]):
-    """A decoder-only language model on the grid. T is the activation dtype (np.float32)."""
+    """A decoder-only language model on the grid. T is the activation dtype: np.float32 (the
+    default) or np.float64 (the high-precision reference: activations, KV cache and norms in
+    float64, weights upcast; `Transformer[np.float64].from_config(...)` or
+    `model.activation_dtype = np.float64`)."""
+
+    _class_dtype: Any = None
+
+    def __class_getitem__(cls, item: Any) -> type:
+        dt = check_activation_dtype(item)
+        return type(f"Transformer[{dt.name}]", (cls,), {"_class_dtype": dt})
 
     def __init__(
         self,
         config: TransformerConfig,
         network: VolumetricNetwork,
         *,
-        activation_dtype: Any = np.float32,
+        activation_dtype: Any = None,
     ):
-        if np.dtype(activation_dtype) != np.float32:
-            raise LayerConfigError("only float32 activations are implemented")
+        self._dtype = check_activation_dtype(activation_dtype or self._class_dtype or np.float32)
         self.config = config
         self.network = network
         h, v = config.hidden_size, config.vocab_size
@@ -142,8 +65,16 @@ class Transformer(Generic[T]):
         for i in range(config.num_layers):
             net.set_layer(0, 0, 0, i, build_block(config, allocate))
         model = cls(config, net)
-        layout.rmsnorm(model.final_norm_layer).gamma[...] = 1.0
+        rmsnorm.views(model.final_norm_layer).gamma[...] = 1.0
         return model
+
+    @property
+    def activation_dtype(self) -> np.dtype:
+        return self._dtype
+
+    @activation_dtype.setter
+    def activation_dtype(self, value: Any) -> None:
+        self._dtype = check_activation_dtype(value)
 
     # --- parts ---------------------------------------------------------------------------------
     def block(self, i: int) -> VolumetricLayer:
@@ -179,6 +110,7 @@ class Transformer(Generic[T]):
         if self._lm_head is self._embeddings and self.config.tie_word_embeddings:
             self._lm_head = value
         self._embeddings = value
+        Generations.bump()
 
     @property
     def lm_head(self) -> Any:
@@ -188,6 +120,7 @@ class Transformer(Generic[T]):
     def lm_head(self, value: Any) -> None:
         self._check_table("lm_head", value)
         self._lm_head = value
+        Generations.bump()
 
     @property
     def tied(self) -> bool:
@@ -195,11 +128,11 @@ class Transformer(Generic[T]):
 
     @property
     def final_norm(self) -> np.ndarray:
-        return layout.components(self.final_norm_layer)["gamma"]
+        return rmsnorm.gamma(self.final_norm_layer)
 
     @final_norm.setter
     def final_norm(self, value: np.ndarray) -> None:
-        layout.rmsnorm(self.final_norm_layer).gamma[...] = value
+        rmsnorm.views(self.final_norm_layer).gamma[...] = value
 
     # --- running -------------------------------------------------------------------------------
     @property
@@ -217,37 +150,35 @@ class Transformer(Generic[T]):
             if state is not None:
                 state.truncate(n)
 
-    def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
+    def check_ids(self, ids: Sequence[int]) -> np.ndarray:
+        """Token ids as int64 [n]; an empty sequence is an error."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if arr.size == 0:
             raise InvalidTokenError("empty token sequence")
         return arr
 
     def hidden_states(self, ids: Sequence[int]) -> np.ndarray:
-        """Run the blocks on new tokens (continuing the KV cache) -> normed hidden [n, H]."""
-        x = lookup(self._embeddings, self._check_ids(ids))  # [n, H]
+        """Run the blocks on new tokens (continuing the KV cache) -> normed hidden [n, H] in the
+        activation dtype (the reference path: no fused step)."""
+        x = lookup(self._embeddings, self.check_ids(ids), self.activation_dtype)  # [n, H]
         for blk in self.network.layers:
             if blk.is_disabled:
                 continue
             x = run_block(blk, x) if is_plain_block(blk) else blk.forward(x)
-        return rms_norm(x, _gamma(self.final_norm_layer), self.config.rms_norm_eps)
+        final = rmsnorm.gamma(self.final_norm_layer)
+        return rms_norm(x, final, self.config.rms_norm_eps)
+
+    def reference_forward(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits [V] of the last new token by the reference path."""
+        return linear(self.hidden_states(ids)[-1:], self._lm_head)[0]  # [1, H] @ [V, H].T
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
-        """Logits float32 [V] of the last of the new tokens."""
-        arr = self._check_ids(ids)
-        if arr.size == 1:  # a decode step: the fused C step when it applies (poly/fused.py)
-            from poly import fused
-
-            p = fused.plan(self)
-            if p is not None:
-                logits = fused.step(self, p, lookup(self._embeddings, arr)[0])  # x [H]
-                if logits is not None:
-                    return logits
-        h = self.hidden_states(arr)[-1:]  # [1, H]
-        return linear(h, self._lm_head)[0]
+        """Logits [V] (activation dtype) of the last of the new tokens. The runtime decides
+        whether the fused step or the reference path runs (poly/runtime/dispatch.py)."""
+        return need("forward")(self, self.check_ids(ids))
 
     def forward_all(self, ids: Sequence[int]) -> np.ndarray:
-        """Logits float32 [n, V] of every new token."""
+        """Logits [n, V] of every new token."""
         return linear(self.hidden_states(ids), self._lm_head)
 
     def new_state(self) -> list:
@@ -265,9 +196,7 @@ class Transformer(Generic[T]):
         self, sequences: Sequence[Sequence[int]], states: list | None = None
     ) -> np.ndarray:
         """Logits [B, V] for several independent sequences, each continuing its own state."""
-        from poly.batch import forward_batch
-
-        return forward_batch(self, sequences, states)
+        return need("forward_batch")(self, sequences, states)
 
     def enable_tiling(self, tile_size: int = 0) -> None:
         self.network.enable_tiling(tile_size)
@@ -282,9 +211,7 @@ class Transformer(Generic[T]):
     ) -> list[int]:
         """Token ids for a prompt: ids as given, a message list or (chat=True) a string through the
         chat template, or a plain string tokenized as the HF tokenizer would."""
-        from poly.prompting import prompt_to_ids
-
-        return prompt_to_ids(self, prompt, chat=chat, system=system)
+        return need("prompt_ids")(self, prompt, chat=chat, system=system)
 
     def stream(
         self,
@@ -297,11 +224,8 @@ class Transformer(Generic[T]):
         **overrides: Any,
     ) -> Iterator[Any]:
         """Yield TokenEvents then a DoneEvent; starts from a fresh KV cache."""
-        from poly.generation import stream_tokens
-        from poly.prompting import resolve_options
-
         ids = self.prompt_ids(prompt, chat=chat, system=system)
-        return stream_tokens(self, ids, resolve_options(self, options, overrides), stop=stop)
+        return need("stream")(self, ids, options, overrides, stop=stop)
 
     def generate(self, prompt: Any, options: Any = None, **kw: Any) -> Any:
         """Run `stream` to the end and return its DoneEvent (text, tokens, metrics)."""
@@ -325,3 +249,16 @@ class Transformer(Generic[T]):
         report.update(kinds)
         report["final_norm"] = self.final_norm_layer.weights.nbytes()
         return report
+
+
+def check_activation_dtype(dtype: Any) -> np.dtype:
+    """float32 or float64 as np.dtype; DTypeError for anything else."""
+    try:
+        dt = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt not in ACTIVATION_DTYPES:
+        raise DTypeError(
+            f"activation dtype {dtype!r} is not supported (Transformer[T]: float32 or float64)"
+        )
+    return dt

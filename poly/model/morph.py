@@ -8,17 +8,16 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from poly import layout
 from poly.dtypes import DType, decode, encode, parse_dtype
 from poly.layer import LayerType, VolumetricLayer
+from poly.nn import layout
+from poly.quant.qtensor import CodedMatrix
 
 KEEP_FLOAT32 = (LayerType.RMSNORM,)
 
 
 def morph_layer(layer: VolumetricLayer, dtype, *, recursive: bool = True) -> VolumetricLayer:
     """Re-encode `layer` (and its sub-layers) in `dtype`; float32 switches back to the master."""
-    from poly.qtensor import CodedMatrix
-
     dt = parse_dtype(dtype)
     if recursive:
         for sub in layer.sequential_layers:
@@ -35,7 +34,7 @@ def morph_layer(layer: VolumetricLayer, dtype, *, recursive: bool = True) -> Vol
     for name, view in layout.views(layer).items():
         if view is None:
             comps[name] = None
-        elif name in layout.MATRIX_COMPONENTS:
+        elif layout.is_matrix(layer, name):
             comps[name] = CodedMatrix.encode(np.ascontiguousarray(view), dt)
         else:
             comps[name] = decode(encode(np.asarray(view, dtype=np.float32), dt)).astype(np.float32)

@@ -6,7 +6,7 @@ int8 per-row codes, Loom's Q4 bake, GGUF Q4_0/Q4_1/Q8_0 blocks (the C backend al
 GGUF Q4_K/Q6_K). The loop over output rows runs in parallel threads. More than `SMALL_N` input
 rows take the numpy path (dequantize row blocks + BLAS sgemm), which is faster for prefill.
 
-Backends: "numpy" (the reference: `QTensor._matmul`), "c" (poly._ckernels from
+Backends: "numpy" (the reference: `QTensor.matmul_reference`), "c" (poly.runtime._ckernels from
 csrc/poly_kernels.c, see poly/ckernels.py), "numba" (the kernels below, compiled on first
 selection: numba is imported only then), "auto" (c if built, else numba if installed, else
 numpy). Choose with `set_backend()` or the POLY_BACKEND environment variable. Threads:
@@ -24,24 +24,29 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from poly import ckernels
+from poly import ops
 from poly.errors import UsageError
+from poly.quant import qtensor
+from poly.quant.schemes import SCHEMES
+from poly.runtime import ckernels
+from poly.weights import Generations
 
 SMALL_N = 16  # input rows up to which the matvec kernels beat dequantize + sgemm
 C_DENSE_MAX_N = 16  # float32 rows up to which the C kernel beats BLAS (see dense_matmul)
-CHUNK = 16  # output rows decoded per parallel work item
 BACKENDS = ("auto", "numpy", "c", "numba")
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None  # the optional [fast] extra
-HAVE_C = ckernels.AVAILABLE  # poly._ckernels, built at install when a C compiler exists
+HAVE_C = ckernels.AVAILABLE  # poly.runtime._ckernels, built at install when a C compiler exists
 _NUMBA_NAMES = frozenset(
     {"HALF", "mm_f32", "mm_f16", "mm_i8", "mm_q4loom", "mm_gguf_q4", "mm_gguf_q8_0"}
 )
 
 _state = {"backend": "numpy", "threads": 0}
+NUMBA: Any = None  # poly.runtime.numba_kernels once the numba backend was chosen
 
 
 def physical_cores() -> int:
@@ -84,143 +89,6 @@ def backend() -> str:
     return _state["backend"]
 
 
-def _compile_numba() -> None:
-    """Define the numba kernels as module globals (imports numba: ~64 MB, so only on demand)."""
-    global HALF, _dot_rows, mm_f32, mm_f16, mm_i8
-    global _half, _nib_dot, mm_q4loom, mm_gguf_q4, mm_gguf_q8_0
-    from numba import njit, prange
-
-    _FM = {"reassoc", "contract"}
-    _opts = {"parallel": True, "fastmath": _FM, "cache": True, "nogil": True}
-
-    def _half_table() -> np.ndarray:
-        return (
-            np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-        )
-
-    HALF = _half_table()  # float16 bit pattern -> float32, for block scales
-
-    @njit(inline="always", fastmath=_FM)
-    def _dot_rows(vals, x, out, r):
-        # float64 accumulation: the result then sits within BLAS's own rounding of the exact sum
-        n, k = x.shape
-        for i in range(n):
-            acc = 0.0
-            for j in range(k):
-                acc += np.float64(vals[j]) * np.float64(x[i, j])
-            out[i, r] = acc
-
-    @njit(**_opts)
-    def mm_f32(x, w, out):
-        """x [n, k] @ w [m, k].T -> out [n, m], w float32."""
-        m = w.shape[0]
-        for c in prange((m + CHUNK - 1) // CHUNK):
-            for r in range(c * CHUNK, min(m, (c + 1) * CHUNK)):
-                _dot_rows(w[r], x, out, r)
-
-    @njit(**_opts)
-    def mm_f16(x, bits, out):
-        """w stored as float16 bit patterns uint16 [m, k]; exact widening in three passes."""
-        m, k = bits.shape
-        for c in prange((m + CHUNK - 1) // CHUNK):
-            ub = np.empty(k, np.uint32)
-            vals = ub.view(np.float32)
-            for r in range(c * CHUNK, min(m, (c + 1) * CHUNK)):
-                for j in range(k):  # exponent/mantissa moved into float32 position
-                    ub[j] = (np.uint32(bits[r, j]) & np.uint32(0x7FFF)) << np.uint32(13)
-                for j in range(k):  # rebias the exponent by 2**112 (subnormals come out right)
-                    vals[j] *= np.float32(5.192296858534828e33)
-                for j in range(k):  # sign, and inf/nan get the all-ones exponent
-                    h = np.uint32(bits[r, j])
-                    top = np.uint32(0x7F800000) if (h & np.uint32(0x7FFF)) >= 0x7C00 else 0
-                    ub[j] |= ((h & np.uint32(0x8000)) << np.uint32(16)) | np.uint32(top)
-                _dot_rows(vals, x, out, r)
-
-    # Inner block loops take their trip count (16 or 32) as an argument: a compile-time constant
-    # makes LLVM unroll them fully and then fail to vectorize; a runtime count vectorizes.
-
-    @njit(**_opts)
-    def mm_i8(x, codes, scales, out, _bs):
-        """Per-row int8: w[r, j] = codes[r, j] * scales[r]."""
-        n, k = x.shape
-        for r in prange(codes.shape[0]):
-            row = codes[r]
-            for i in range(n):
-                xi = x[i]
-                acc = np.float32(0.0)
-                for j in range(k):
-                    acc += np.float32(row[j]) * xi[j]
-                out[i, r] = acc * scales[r]
-
-    @njit(inline="always")
-    def _half(raw, off, table):
-        return table[np.int32(raw[off]) | (np.int32(raw[off + 1]) << 8)]
-
-    @njit(inline="always")
-    def _nib_dot(q, xl, xh, signed, half):
-        """sum lo(q[j]) * xl[j] + hi(q[j]) * xh[j] over a 16-byte nibble block."""
-        s = np.float32(0.0)
-        for j in range(half):
-            t = np.int32(q[j])
-            lo, hi = t & 15, t >> 4
-            if signed:  # 4-bit two's complement (Loom)
-                lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8
-            s += np.float32(lo) * xl[j] + np.float32(hi) * xh[j]
-        return s
-
-    @njit(**_opts)
-    def mm_q4loom(xp, scales, packed, out, half):
-        """Loom Q4, rows of whole blocks; xp = x with each 32-block reordered [even16, odd16]."""
-        n, k = xp.shape
-        bpr = k // 32
-        for r in prange(out.shape[1]):
-            for i in range(n):
-                acc = np.float32(0.0)
-                for b in range(bpr):
-                    xb = xp[i, b * 32 : b * 32 + 32]
-                    s = _nib_dot(packed[r * bpr + b], xb[:16], xb[16:], True, half)
-                    acc += scales[r * bpr + b] * s
-                out[i, r] = acc
-
-    @njit(**_opts)
-    def mm_gguf_q4(x, xs, raw, table, out, half, bsize, has_min):
-        """GGUF Q4_0 (18-byte blocks: f16 d, (nibble - 8) * d) and Q4_1 (20 bytes: f16 d, f16 m,
-        nibble * d + m); low nibble = element j, high = j + 16. xs [n, nb] = block sums of x."""
-        n, k = x.shape
-        for r in prange(raw.shape[0]):
-            row = raw[r]
-            for i in range(n):
-                acc = np.float32(0.0)
-                for b in range(k // 32):
-                    off = b * bsize
-                    q = row[off + bsize - 16 : off + bsize]
-                    xb = x[i, b * 32 : b * 32 + 32]
-                    s = _nib_dot(q, xb[:16], xb[16:], False, half)
-                    d = _half(row, off, table)
-                    if has_min:
-                        acc += d * s + _half(row, off + 2, table) * xs[i, b]
-                    else:
-                        acc += d * (s - np.float32(8.0) * xs[i, b])
-                out[i, r] = acc
-
-    @njit(**_opts)
-    def mm_gguf_q8_0(x, raw, codes, table, out, full):
-        """GGUF Q8_0 blocks of 34 bytes: f16 d, 32 int8 (codes = raw viewed as int8)."""
-        n, k = x.shape
-        for r in prange(raw.shape[0]):
-            for i in range(n):
-                acc = np.float32(0.0)
-                for b in range(k // 32):
-                    off = b * 34
-                    q = codes[r, off + 2 : off + 34]
-                    xb = x[i, b * 32 : b * 32 + 32]
-                    s = np.float32(0.0)
-                    for j in range(full):
-                        s += np.float32(q[j]) * xb[j]
-                    acc += _half(raw[r], off, table) * s
-                out[i, r] = acc
-
-
 # --- adapters: QTensor -> kernel call; None means "not for this one, use numpy" ---------------
 
 
@@ -229,9 +97,9 @@ def _dense(qt, x, out) -> bool:
     if a is None or not a.flags.c_contiguous:
         return False
     if a.dtype == np.float32:
-        mm_f32(x, a, out)
+        NUMBA.mm_f32(x, a, out)
     elif a.dtype == np.float16:
-        mm_f16(x, a.view(np.uint16), out)
+        NUMBA.mm_f16(x, a.view(np.uint16), out)
     else:
         return False
     return True
@@ -246,7 +114,7 @@ def _int8(qt, x, out) -> bool:
         or enc.scales.dtype != np.float32
     ):
         return False
-    mm_i8(x, enc.codes.reshape(qt.shape), enc.scales.reshape(-1), out, 32)
+    NUMBA.mm_i8(x, enc.codes.reshape(qt.shape), enc.scales.reshape(-1), out, 32)
     return True
 
 
@@ -255,7 +123,7 @@ def _q4loom(qt, x, out) -> bool:
     if k % 32 or not hasattr(qt, "packed"):
         return False  # blocks straddle rows: numpy path
     xp = x.reshape(n, k // 32, 16, 2).transpose(0, 1, 3, 2).reshape(n, k)  # [n, k] even|odd
-    mm_q4loom(np.ascontiguousarray(xp), qt.scales, qt.packed, out, 16)
+    NUMBA.mm_q4loom(np.ascontiguousarray(xp), qt.scales, qt.packed, out, 16)
     return True
 
 
@@ -266,40 +134,44 @@ def _block_sums(x: np.ndarray) -> np.ndarray:
 def _q4_0(qt, x, out) -> bool:
     if not hasattr(qt, "raw"):
         return False
-    mm_gguf_q4(x, _block_sums(x), qt.raw, HALF, out, 16, 18, False)
+    NUMBA.mm_gguf_q4(x, _block_sums(x), qt.raw, NUMBA.HALF, out, 16, 18, False)
     return True
 
 
 def _q4_1(qt, x, out) -> bool:
     if not hasattr(qt, "raw"):
         return False
-    mm_gguf_q4(x, _block_sums(x), qt.raw, HALF, out, 16, 20, True)
+    NUMBA.mm_gguf_q4(x, _block_sums(x), qt.raw, NUMBA.HALF, out, 16, 20, True)
     return True
 
 
 def _q8_0(qt, x, out) -> bool:
     if not hasattr(qt, "raw"):
         return False
-    mm_gguf_q8_0(x, qt.raw, qt.raw.view(np.int8), HALF, out, 32)
+    NUMBA.mm_gguf_q8_0(x, qt.raw, qt.raw.view(np.int8), NUMBA.HALF, out, 32)
     return True
 
 
+# numba adapters by the name a scheme record gives (poly.quant.schemes.QuantScheme.numba)
+ADAPTERS: dict[str, Callable] = {
+    "dense": _dense,
+    "int8": _int8,
+    "loom_q4": _q4loom,
+    "gguf_q4_0": _q4_0,
+    "gguf_q4_1": _q4_1,
+    "gguf_q8_0": _q8_0,
+}
+
+
 def _adapters() -> dict[str, Callable]:
-    return {
-        "float32": _dense,
-        "float16": _dense,
-        "int8": _int8,
-        "q4_0": _q4loom,
-        "gguf_q4_1": _q4_1,
-        "gguf_q4_0": _q4_0,
-        "gguf_q8_0": _q8_0,
-    }
+    """scheme name -> its numba adapter."""
+    return {n: ADAPTERS[r.numba] for n, r in SCHEMES.items() if r.numba is not None}
 
 
 def _kernel(adapter: Callable) -> Callable:
     def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
         if x2.shape[0] > SMALL_N or not adapter(qt, x2, res):
-            qt._matmul(x2, res)
+            qt.matmul_reference(x2, res)
 
     kernel.__name__ = f"numba_{getattr(adapter, '__name__', 'kernel')}"
     return kernel
@@ -317,7 +189,7 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) ->
     if chosen == "c" and 2 <= n <= C_DENSE_MAX_N and small and ckernels.dense_matmul(x, w, out):
         return out
     if chosen == "numba" and n <= SMALL_N and small:
-        mm_f32(x, w, out)
+        NUMBA.mm_f32(x, w, out)
     else:
         np.matmul(x, w.T, out=out)
     return out
@@ -330,36 +202,57 @@ def _resolve(name: str) -> str:
         raise UsageError("backend 'numba' needs the numba package (pip install poly[fast])")
     if name == "c" and not HAVE_C:
         raise UsageError(
-            "backend 'c' needs the compiled extension poly._ckernels (reinstall with gcc)"
+            "backend 'c' needs the compiled extension poly.runtime._ckernels (reinstall with gcc)"
         )
     return name
 
 
 def set_backend(name: str | None = None) -> str:
     """Select "auto" | "numpy" | "c" | "numba" (None: $POLY_BACKEND or "auto"); returns the one used."""
-    from poly import qtensor
-
     name = (name or os.environ.get("POLY_BACKEND") or "auto").strip().lower()
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     chosen = _resolve(name)
-    for scheme in {*_adapters(), *ckernels.SCHEMES}:
+    for scheme in {*_adapters(), *ckernels.C_SCHEMES}:
         qtensor.KERNELS.pop(scheme, None)
     if chosen == "numba":
         _load_numba()
         for scheme, adapter in _adapters().items():
             qtensor.KERNELS[scheme] = _kernel(adapter)
     elif chosen == "c":
-        for scheme in ckernels.SCHEMES:
+        for scheme in ckernels.C_SCHEMES:
             if scheme != "float32":  # float32 matrices: dense_matmul (BLAS, or C for 2..16 rows)
                 qtensor.KERNELS[scheme] = ckernels.kernel
     _state["backend"] = chosen
+    _install_hooks(chosen)
+    Generations.bump()  # cached fused plans depend on the backend
     return chosen
 
 
+def _install_hooks(chosen: str) -> None:
+    """The numeric hooks of poly.ops and poly.quant.qtensor for this backend: pure numpy for
+    "numpy" (no C call at all), the C passes (rope, silu*up, dequantize) where built otherwise."""
+    ops.HOOKS.update(ops.NUMPY_HOOKS)
+    qtensor.DEQUANTIZER.update(supported=None, rows=None)
+    if chosen == "numpy":
+        return
+    ops.HOOKS["dense_matmul"] = dense_matmul
+    if ckernels.AVAILABLE:
+        ops.HOOKS["silu_mul"] = ckernels.silu_mul
+        ops.HOOKS["rope_inplace"] = ckernels.EXT.rope
+        qtensor.DEQUANTIZER.update(
+            supported=ckernels.dequantize_supported, rows=ckernels.dequantize
+        )
+
+
 def _load_numba() -> None:
+    """Import the numba kernels (poly/runtime/numba_kernels.py) as globals of this module."""
     if "mm_f32" not in globals():
-        _compile_numba()
+        global NUMBA
+        from poly.runtime import numba_kernels
+
+        NUMBA = numba_kernels
+        globals().update({name: getattr(numba_kernels, name) for name in _NUMBA_NAMES})
         set_num_threads(_state["threads"] or None)
 
 

@@ -1,12 +1,12 @@
-"""The fused decode step: one call into poly._ckernels.decode per generated token.
+"""The fused decode step: one call into poly.runtime._ckernels.decode per generated token.
 
-For a model whose blocks are all the plain pre-norm kind (`transformer.is_plain_block`) and
+For a model whose blocks are all the plain pre-norm kind (`poly.model.block.is_plain_block`) and
 whose every matrix is a form the C kernels read (float32 arrays, float16/bfloat16, int8 rows,
 Loom Q4, GGUF blocks), a one-token `Transformer.forward` runs every block, the final norm and
 the LM head inside one OpenMP region (csrc/pk_decode.c). The Python path stays the reference
 and the fallback (tiling, other activations, forms without a C kernel, the numpy backend).
 
-The call's argument tuples are built once per weight version (`_Plan`) and checked again in C.
+The call's argument tuples are built once per Generations value (`Plan`) and checked again in C.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import time
 
 import numpy as np
 
-from poly import ckernels, kernels
 from poly.errors import ContextOverflowError
+from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, is_plain_block
+from poly.nn import mha, rmsnorm, swiglu
 from poly.rope import rope_tables
-from poly.threadtune import ThreadTuner
+from poly.runtime import ckernels, kernels
+from poly.runtime.threadtune import ThreadTuner
+from poly.weights import Generations, PlanCache
 
 _F32 = np.dtype(np.float32)
 
@@ -28,11 +31,11 @@ def _mat(w, bias=None) -> tuple | None:
     if bias is not None and not _is_f32(bias):
         return None
     if isinstance(w, np.ndarray):  # float32 / float16 / bfloat16 arrays are read as they are
-        kind = ckernels._DENSE_KINDS.get(w.dtype.name)
+        kind = ckernels.DENSE_KINDS.get(w.dtype.name)
         if kind is None or w.ndim != 2 or not w.flags.c_contiguous:
             return None
         return (kind, w, None, w.shape[0], w.shape[1], bias)
-    ops = ckernels._operands(w) if ckernels.AVAILABLE else None
+    ops = ckernels.operands(w) if ckernels.AVAILABLE else None
     if ops is None:
         return None
     kind, data, aux = ops
@@ -44,29 +47,8 @@ def _mats(pairs) -> tuple | None:
     return None if any(m is None for m in out) else out
 
 
-def model_key(model) -> tuple:
-    """Changes whenever a weight object, active version, layer kind, tiling or enabled flag
-    changes: everything the cached plan was built from. One flat pass (runs every token)."""
-    fn = model.final_norm_layer.weights
-    parts = [id(model._lm_head), fn.active, id(fn.master), kernels.backend()]
-    for blk in model.network.layers:
-        row = [blk.is_disabled, blk.use_tiling]
-        for sub in blk.sequential_layers:
-            row += (sub.type, sub.is_disabled, sub.use_tiling, sub.skip)
-            store = sub.weights
-            if store is not None and store.size:
-                row += (store.active, id(store.master))
-                if store.active is not None:  # a component swapped in place counts too
-                    row += map(id, store.versions[store.active].values())
-        parts.append(tuple(row))
-    return tuple(parts)
-
-
 def _layer_args(blk) -> tuple | None:
     """The C tuple of one plain block, or None when some part has no C kernel."""
-    from poly.layers import mha, swiglu
-    from poly.transformer import ATTN, ATTN_NORM, MLP, MLP_NORM, _gamma
-
     subs = blk.sequential_layers
     attn, mlp = subs[ATTN], subs[MLP]
     ap, fp = mha.plan(attn), swiglu.plan(mlp)
@@ -95,7 +77,7 @@ def _layer_args(blk) -> tuple | None:
     norm1, norm2 = subs[ATTN_NORM], subs[MLP_NORM]
     if float(norm1.rms_norm_eps) != eps or float(norm2.rms_norm_eps) != eps:
         return None  # one eps per block on the C side
-    g1, g2 = _gamma(norm1), _gamma(norm2)
+    g1, g2 = rmsnorm.gamma(norm1), rmsnorm.gamma(norm2)
     if not all(_is_f32(v) for v in (g1, g2, qn, kn) if v is not None):
         return None  # the C side reads vectors as contiguous float32
     heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, eps)
@@ -106,20 +88,17 @@ def _is_f32(a) -> bool:
     return isinstance(a, np.ndarray) and a.dtype == _F32 and a.flags.c_contiguous
 
 
-class _Plan:
+class Plan:
     """The argument tuples of one model's fused step; `ok` False when the step does not apply."""
 
-    def __init__(self, model, key: tuple):
-        from poly.transformer import ATTN, _gamma, is_plain_block
-
-        self.key = key
+    def __init__(self, model):
         self.ok = False
         self.index = [i for i, b in enumerate(model.network.layers) if not b.is_disabled]
         blocks = [model.network.layers[i] for i in self.index]
         if not blocks or not all(is_plain_block(b) for b in blocks):
             return
         layers = tuple(_layer_args(b) for b in blocks)
-        lm, final = _mat(model._lm_head), _gamma(model.final_norm_layer)
+        lm, final = _mat(model.lm_head), rmsnorm.gamma(model.final_norm_layer)
         if lm is None or not _is_f32(final) or any(a is None for a in layers):
             return
         self.attn = [b.sequential_layers[ATTN] for b in blocks]
@@ -130,16 +109,17 @@ class _Plan:
         self.ok = True
 
 
-def plan(model) -> _Plan | None:
-    """The model's cached fused plan, or None when the fused step does not apply."""
+def plan(model) -> Plan | None:
+    """The model's fused plan, or None when the fused step does not apply. Cached per
+    Generations value: any weight, layer, head or backend change since it was built bumps the
+    counter, so the check per token is one integer compare."""
     if kernels.backend() != "c" or not ckernels.AVAILABLE:
         return None
-    key = model_key(model)
-    cached = getattr(model, "_fused_plan", None)
-    if cached is None or cached.key != key:
-        cached = _Plan(model, key)
-        model._fused_plan = cached
-    return cached if cached.ok else None
+    cache = model.__dict__.get("plan_cache")
+    if cache is None:
+        cache = model.plan_cache = PlanCache()
+    got = cache.get("fused", Generations.value, lambda: Plan(model))
+    return got if got.ok else None
 
 
 def _positions(rows: list[list]) -> tuple[int, ...] | None:
@@ -157,7 +137,7 @@ def _positions(rows: list[list]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _run(p: _Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
+def _run(p: Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
     """x [n, d] (overwritten) with row i continuing the KVCaches rows[i] -> logits [n, V]."""
     pos = _positions(rows)
     if pos is None:
@@ -170,7 +150,7 @@ def _run(p: _Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
     tuner = p.tuners.setdefault(x.shape[0], ThreadTuner())
     nt = tuner.threads(kernels.num_threads())
     t0 = time.perf_counter()
-    ckernels._c.decode(p.layers, tuple(caches), p.head, x, logits, pos, ckernels.act_q8(), nt)
+    ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt)
     tuner.record(nt, time.perf_counter() - t0)
     for r, at in zip(rows, pos):
         for cache in r:
@@ -178,25 +158,21 @@ def _run(p: _Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
     return logits
 
 
-def step(model, p: _Plan, x: np.ndarray) -> np.ndarray | None:
+def step(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     """Logits [V] for one token whose embedding is x [d] (overwritten), appended to the model's
     own caches; None when they are not all at one position (the Python path then runs)."""
-    from poly.layers.mha import _cache
-
-    logits = _run(p, x.reshape(1, -1), [[_cache(layer) for layer in p.attn]])  # x [1, d]
+    logits = _run(p, x.reshape(1, -1), [[mha.live_cache(layer) for layer in p.attn]])  # x [1, d]
     return None if logits is None else logits[0]
 
 
-def step_rows(p: _Plan, x: np.ndarray, states: list[list]) -> np.ndarray | None:
+def step_rows(p: Plan, x: np.ndarray, states: list[list]) -> np.ndarray | None:
     """Batched decode: x [B, d] (overwritten), row b continuing states[b] (one KVCache or None
     per block, created here on first use) -> logits [B, V]; None = use the Python path."""
-    from poly.layers.mha import cache_for
-
     if not 1 <= x.shape[0] <= ckernels.MAX_N or len(states) != x.shape[0]:
         return None
     rows = []
     for st in states:
         for li, layer in zip(p.index, p.attn):
-            st[li] = cache_for(layer, st[li])
+            st[li] = mha.cache_for(layer, st[li])
         rows.append([st[li] for li in p.index])
     return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows)

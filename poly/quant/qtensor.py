@@ -16,7 +16,6 @@ import numpy as np
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from poly import ckernels
 from poly.dtypes import DType, Encoded, decode_rows, encode, parse_dtype
 from poly.errors import (
     EntityFormatError,
@@ -27,6 +26,9 @@ from poly.errors import (
 )
 
 KERNELS: dict[str, Callable[[QTensor, np.ndarray, np.ndarray], None]] = {}
+# A compiled dequantizer a backend installs (poly.runtime.kernels): "supported"(qt) -> bool,
+# "rows"(qt, start, stop, out, threads=0) -> float32 rows bitwise equal to the numpy decoders.
+DEQUANTIZER: dict[str, Callable | None] = {"supported": None, "rows": None}
 
 
 class QTensor(ABC):
@@ -76,10 +78,10 @@ class QTensor(ABC):
         if kernel is not None:
             kernel(self, x2, res)
         else:
-            self._matmul(x2, res)
+            self.matmul_reference(x2, res)
         return out
 
-    def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
+    def matmul_reference(self, x2: np.ndarray, res: np.ndarray) -> None:
         rows, k = self.shape
         step = max(1, min(int(self.block_rows), _TILE_BYTES // (4 * max(1, k))))
         # one float32 tile reused for every row block when C dequantizes (stays in L2 for sgemm);
@@ -87,7 +89,7 @@ class QTensor(ABC):
         buf = np.empty((min(step, rows), k), np.float32) if _c_reads(self) else None
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            w = self._rows(a, b) if buf is None else ckernels.dequantize(self, a, b, buf, threads=1)
+            w = self._rows(a, b) if buf is None else DEQUANTIZER["rows"](self, a, b, buf, threads=1)
             res[:, a:b] = x2 @ w.T  # [n, b-a]
 
     def __repr__(self) -> str:
@@ -99,11 +101,12 @@ _TILE_BYTES = 512 * 1024  # float32 row-block size of the blocked matmul (cache-
 
 def _c_reads(qt: QTensor) -> bool:
     # float32 arrays are already float32: a view beats a copy
-    return qt.scheme != "float32" and ckernels.dequantize_supported(qt)
+    supported = DEQUANTIZER["supported"]
+    return supported is not None and qt.scheme != "float32" and supported(qt)
 
 
 def _c_rows(qt: QTensor, start: int, stop: int, out: np.ndarray | None) -> np.ndarray | None:
-    return ckernels.dequantize(qt, start, stop, out) if _c_reads(qt) else None
+    return DEQUANTIZER["rows"](qt, start, stop, out) if _c_reads(qt) else None
 
 
 def _shape2(shape) -> tuple[int, int]:
@@ -139,11 +142,11 @@ class DenseMatrix(QTensor):
     def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
         return self.array[start:stop].astype(np.float32, copy=False)
 
-    def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
+    def matmul_reference(self, x2: np.ndarray, res: np.ndarray) -> None:
         if self.array.dtype == np.float32:
             np.matmul(x2, self.array.T, out=res)  # one BLAS call, no blocking needed
         else:
-            super()._matmul(x2, res)
+            super().matmul_reference(x2, res)
 
 
 # --- any of the 21 dtypes ----------------------------------------------------------------------
@@ -172,7 +175,7 @@ class CodedMatrix(QTensor):
         return decode_rows(self.encoded, start, stop)
 
 
-# --- Loom Q4_0 bake (inventory §2.5, §4.6, Appendix A) -----------------------------------------
+# --- Loom's Q4 bake (scheme loom_q4; Loom calls it Q4_0) (inventory §2.5, §4.6, Appendix A) -----------------------------------------
 
 Q4_BLOCK = 32
 
@@ -197,7 +200,7 @@ def _q4_words(nblocks: int) -> int:
 class Q4Matrix(QTensor):
     """Loom's Q4_0: 32-weight blocks of the row-major matrix, float32 scale max|w|/7, nibbles."""
 
-    scheme = "q4_0"
+    scheme = "loom_q4"
 
     def __init__(self, scales: np.ndarray, packed: np.ndarray, shape):
         self.shape = _shape2(shape)
@@ -336,8 +339,9 @@ def as_qtensor(x) -> QTensor:
 
 
 def encode_matrix(w, dtype: DType | int | str) -> QTensor:
-    """Encode float32 w [out, in] as `dtype` (any of the 21, or "q4_0" for Loom's Q4 bake)."""
-    if isinstance(dtype, str) and dtype.strip().lower() == "q4_0":
+    """Encode float32 w [out, in] as `dtype` (any of the 21, or "loom_q4" for Loom's Q4 bake;
+    its old name "q4_0" is still accepted)."""
+    if isinstance(dtype, str) and dtype.strip().lower() in ("loom_q4", "q4_0"):
         return Q4Matrix.quantize(w)
     dt = parse_dtype(dtype)
     w = np.asarray(w, dtype=np.float32)

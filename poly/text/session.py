@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from poly.errors import GenerationError, PolyError
-from poly.generation import DoneEvent, TokenStream, stream_tokens
-from poly.sampling import GenOptions, Sampler
+from poly.text.generation import DoneEvent, TokenStream, stream_tokens
+from poly.text.sampling import GenOptions, Sampler
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

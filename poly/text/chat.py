@@ -1,4 +1,4 @@
-"""Chat templates: HF Jinja templates rendered in a hardened sandbox (poly.jinja_sandbox),
+"""Chat templates: HF Jinja templates rendered in a hardened sandbox (poly.text.jinja_sandbox),
 plus Loom's five presets."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jinja2.nodes
 import jinja2.utils
 
 from poly.errors import TemplateError, TemplateSecurityError
-from poly.jinja_sandbox import (
+from poly.text.jinja_sandbox import (
     BUDGET,
     MAX_OUTPUT_CHARS,
     MAX_TEMPLATE_CHARS,

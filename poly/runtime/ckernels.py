@@ -1,4 +1,4 @@
-"""The compiled C kernels (poly._ckernels, built from csrc/poly_kernels.c): glue and registration.
+"""The compiled C kernels (poly.runtime._ckernels, built from csrc/poly_kernels.c): glue and registration.
 
 `matmul(qt, x, out)` computes out [n, m] = x [n, k] @ W.T for 1 <= n <= MAX_N input rows,
 reading W in its stored form: float32/float16/bfloat16 arrays, int8 per-row codes, Loom Q4,
@@ -22,28 +22,25 @@ import os
 import numpy as np
 
 from poly.errors import DTypeError, LayerConfigError
+from poly.quant import schemes as qs
+from poly.quant.qtensor import DenseMatrix, GGUFMatrix
 
 try:
-    from poly import _ckernels as _c
+    from poly.runtime import _ckernels as EXT
 
     AVAILABLE = True
 except ImportError:  # pragma: no cover - only on installs without a C compiler
-    _c = None
+    EXT = None
     AVAILABLE = False
 
 MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
 
-# kind ids of csrc/poly_kernels.c
-F32, F16, BF16, I8, LOOM_Q4, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = range(10)
-_DENSE_KINDS = {"float32": F32, "float16": F16, "bfloat16": BF16}
-_GGUF_KINDS = {
-    "gguf_q4_0": Q4_0,
-    "gguf_q4_1": Q4_1,
-    "gguf_q8_0": Q8_0,
-    "gguf_q4_k": Q4_K,
-    "gguf_q6_k": Q6_K,
-}
-_GGUF_BLOCK = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
+# kind ids of csrc/poly_kernels.c, from the scheme records (poly.quant.schemes)
+F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = qs.C_Q4_0, qs.C_Q4_1, qs.C_Q8_0, qs.C_Q4_K, qs.C_Q6_K
+DENSE_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is DenseMatrix}
+GGUF_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is GGUFMatrix}
+GGUF_BLOCK = {r.c_kind: r.block for r in qs.SCHEMES.values() if r.qtensor is GGUFMatrix}
 _F32 = np.dtype(np.float32)
 _opts = {"q8": os.environ.get("POLY_ACT_Q8", "") == "1"}
 
@@ -61,22 +58,22 @@ def act_q8() -> bool:
 
 def info() -> dict:
     """Build facts of the extension: {"simd": 0/1, "openmp": 0/1, "threads": n}, {} if absent."""
-    return _c.info() if AVAILABLE else {}
+    return EXT.info() if AVAILABLE else {}
 
 
 def set_num_threads(n: int) -> int:
     if AVAILABLE:
-        return _c.set_threads(int(n))
+        return EXT.set_threads(int(n))
     return int(n)
 
 
-def _operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+def operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
     """(kind, weight array, aux array) for a QTensor the C kernels read, else None."""
     scheme = qt.scheme
-    if scheme in _DENSE_KINDS:
+    if scheme in DENSE_KINDS:
         a = getattr(qt, "array", None)  # CodedMatrix names its schemes "float16" too
         if a is not None and a.flags.c_contiguous and a.dtype.name == scheme:
-            return _DENSE_KINDS[scheme], a, None
+            return DENSE_KINDS[scheme], a, None
         return None
     if scheme == "int8":
         enc = getattr(qt, "encoded", None)
@@ -86,13 +83,13 @@ def _operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
         if scales.dtype != _F32 or not (codes.flags.c_contiguous and scales.flags.c_contiguous):
             return None
         return I8, codes, scales
-    if scheme == "q4_0":
+    if scheme == "loom_q4":
         if qt.shape[1] % 32 or not hasattr(qt, "packed"):
             return None  # blocks straddle rows: the numpy path handles those
         if not (qt.packed.flags.c_contiguous and qt.scales.flags.c_contiguous):
             return None
         return LOOM_Q4, qt.packed, qt.scales
-    kind = _GGUF_KINDS.get(scheme)
+    kind = GGUF_KINDS.get(scheme)
     raw = getattr(qt, "raw", None)
     if kind is None or raw is None or not raw.flags.c_contiguous:
         return None
@@ -101,22 +98,22 @@ def _operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
 
 def supports(qt) -> bool:
     """True when the C kernels read this QTensor directly."""
-    return AVAILABLE and _operands(qt) is not None
+    return AVAILABLE and operands(qt) is not None
 
 
-def _deq_operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
-    """Like `_operands`, for dequantizing: Loom Q4 blocks may straddle rows here."""
-    if qt.scheme == "q4_0" and hasattr(qt, "packed"):
+def dequant_operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+    """Like `operands`, for dequantizing: Loom Q4 blocks may straddle rows here."""
+    if qt.scheme == "loom_q4" and hasattr(qt, "packed"):
         packed, scales = qt.packed, qt.scales
         if packed.flags.c_contiguous and scales.flags.c_contiguous and scales.dtype == _F32:
             return LOOM_Q4, packed, scales
         return None
-    return _operands(qt)
+    return operands(qt)
 
 
 def dequantize_supported(qt) -> bool:
     """True when `dequantize` reads this QTensor's stored form."""
-    return AVAILABLE and _deq_operands(qt) is not None
+    return AVAILABLE and dequant_operands(qt) is not None
 
 
 def dequantize(
@@ -127,7 +124,7 @@ def dequantize(
     the numpy decoders. None when the extension is absent or does not read this stored form.
     threads: OpenMP threads, 0 = the `set_num_threads` value; use 1 right before a BLAS call
     (spinning idle OpenMP threads starve OpenBLAS's)."""
-    ops = _deq_operands(qt) if AVAILABLE else None
+    ops = dequant_operands(qt) if AVAILABLE else None
     if ops is None:
         return None
     m, k = qt.shape
@@ -150,8 +147,20 @@ def dequantize(
     kind, w, aux = ops
     if int(threads) < 0:
         raise LayerConfigError(f"threads must be >= 0, got {threads}")
-    _c.dequantize(kind, w, aux, m, k, start, stop, out, int(threads))
+    EXT.dequantize(kind, w, aux, m, k, start, stop, out, int(threads))
     return out
+
+
+def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:] in one vectorized pass."""
+    EXT.silu_mul(gate_up, out)
+    return out
+
+
+def decode(layers, caches, head, x, logits, positions, threads: int) -> None:
+    """The fused decode step (csrc/pk_decode.c): every block, the final norm and the LM head
+    for the rows of x [n, d] in one OpenMP region (argument tuples: poly.runtime.fused)."""
+    EXT.decode(layers, caches, head, x, logits, positions, _opts["q8"], threads)
 
 
 def _check_io(x, out, m: int, k: int) -> None:
@@ -172,8 +181,8 @@ def matmul(qt, x: np.ndarray, out: np.ndarray | None = None, q8: bool | None = N
     """out [n, m] = x [n, k] @ W.T with the C kernel for this QTensor's stored form
     (q8: int8 activations, None = the `set_act_q8` setting)."""
     if not AVAILABLE:
-        raise LayerConfigError("the C kernels are not built (poly._ckernels is missing)")
-    ops = _operands(qt)
+        raise LayerConfigError("the C kernels are not built (poly.runtime._ckernels is missing)")
+    ops = operands(qt)
     if ops is None:
         raise LayerConfigError(f"no C kernel reads {qt!r}")
     m, k = qt.shape
@@ -182,7 +191,7 @@ def matmul(qt, x: np.ndarray, out: np.ndarray | None = None, q8: bool | None = N
     _check_io(x, out, m, k)
     kind, w, aux = ops
     q8 = _opts["q8"] if q8 is None else bool(q8)
-    _c.matmul(kind, x, out, w, aux, x.shape[0], k, m, q8)
+    EXT.matmul(kind, x, out, w, aux, x.shape[0], k, m, q8)
     return out
 
 
@@ -193,28 +202,28 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
         return False
     if x.dtype != _F32 or not out.flags.c_contiguous or w.shape[1] != k:
         return False
-    _c.matmul(F32, x, out, w, None, n, k, w.shape[0], False)
+    EXT.matmul(F32, x, out, w, None, n, k, w.shape[0], False)
     return True
 
 
 def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
-    """The `poly.qtensor.KERNELS` entry: C for few rows of a supported form, else numpy.
+    """The `poly.quant.qtensor.KERNELS` entry: C for few rows of a supported form, else numpy.
 
     More than MAX_N rows (prefill) take dequantize + BLAS sgemm: the kernels are tuned for
     matrix-vector work (measured: chunking a 128-token prefill through them is 5x slower)."""
     n = x2.shape[0]
-    ops = _operands(qt) if n <= MAX_N else None
+    ops = operands(qt) if n <= MAX_N else None
     if ops is None:
-        qt._matmul(x2, res)
+        qt.matmul_reference(x2, res)
         return
     kind, w, aux = ops
     m, k = qt.shape[0], qt.shape[1]
     x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    _c.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"])
+    EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"])
     if dst is not res:
         res[...] = dst
 
 
-SCHEMES = ("float32", "float16", "bfloat16", "int8", "q4_0", *_GGUF_KINDS)
+C_SCHEMES = tuple(qs.c_kinds())  # the schemes a C kernel reads

@@ -1,0 +1,25 @@
+"""The one place that chooses between the fused C step and the reference path.
+
+A one-token `Transformer.forward` under the C backend, on float32 activations, runs the fused
+step (poly/runtime/fused.py) when its plan applies; everything else (prompts, tiling, other
+activations, forms without a C kernel, the numpy/numba backends, float64) runs the reference
+path of the model (poly/model/transformer.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poly.nn.embedding import lookup
+from poly.runtime import fused
+
+
+def forward(model, ids: np.ndarray) -> np.ndarray:
+    """Logits [V] of the last of `ids` (int64 [n], checked) for `model`."""
+    if ids.size == 1 and model.activation_dtype == np.float32:
+        p = fused.plan(model)
+        if p is not None:
+            logits = fused.step(model, p, lookup(model.embeddings, ids)[0])  # x [H]
+            if logits is not None:
+                return logits
+    return model.reference_forward(ids)
