@@ -20,9 +20,10 @@ from entity.dotentity.native_blocks import NATIVE_TYPES
 from entity.dotentity.read import load_entity
 from entity.dotentity.write import save_entity
 from entity.gguf.loader import load_gguf
-from poly import ckernels, layout
 from poly.errors import EntityFormatError, IntegrityError
+from poly.nn import layout
 from poly.quant.qtensor import GGUFMatrix
+from poly.runtime import ckernels
 from tests.fuzz.corpus import U32, byte_vocab, gguf_model_parts, gguf_pack
 
 H = FF = 256  # K-quants need rows of whole 256-blocks
