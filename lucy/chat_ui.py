@@ -1,4 +1,4 @@
-"""The interactive chat loop over `poly.text.session.ChatSession`, plus option helpers.
+"""The interactive chat loop over `poly.text.session.ChatSession` (slash commands, streamed replies).
 
 Input is read with `sys.stdin.readline` so the loop works the same in a terminal and with piped
 stdin; model text is written raw (control characters stripped) and flushed token by token.
@@ -6,120 +6,21 @@ stdin; model text is written raw (control characters stripped) and flushed token
 
 from __future__ import annotations
 
-import dataclasses
-import re
 import sys
 
+from lucy.settings import SET_PARSERS, options_in_use, settings_in_use, settings_line
+from lucy.terminal import clean, make_console, read_line
 from poly.errors import ContextOverflowError, PolyError, UsageError
-
-# `/set NAME VALUE` parsers; names are GenOptions fields.
-SET_PARSERS = {"temperature": float, "top_k": int, "top_p": float, "max_tokens": int, "seed": int}
-
-# --greedy: plain argmax, every logit processor switched off (fields absent from GenOptions skipped).
-GREEDY = {
-    "temperature": 0.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram": 0,
-    "banned_tokens": (),
-    "min_tokens": 0,
-    "deterministic": True,
-}
 
 HELP = """commands:
   /reset            forget the conversation (keeps the system message)
   /system TEXT      set the system message (resets the conversation)
   /set NAME VALUE   temperature, top_k, top_p, max_tokens, seed
-  /stats            last prefill, tok/s, tokens in cache
+  /stats            last prefill and decode speed, tokens in cache, settings in use
   /help             this text
   /quit             leave the chat (Ctrl-C or EOF at the prompt too)"""
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
-
-
-def clean(text: str) -> str:
-    """Drop terminal control characters (ESC sequences from model or metadata text)."""
-    return _CONTROL.sub("", text)
-
-
-# --- options ------------------------------------------------------------------------------------
-
-
-def options_dict(opts) -> dict:
-    if dataclasses.is_dataclass(opts):
-        return {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
-    if hasattr(opts, "model_dump"):
-        return opts.model_dump()
-    return dict(vars(opts))
-
-
-def sampling_overrides(args, greedy: bool = False) -> dict:
-    """The sampling flags the user actually gave (None = keep the model's default)."""
-    names = ("temperature", "top_k", "top_p", "seed", "max_tokens")
-    out = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    if greedy:
-        out = {**GREEDY, **{k: v for k, v in out.items() if k != "temperature"}}
-    return out
-
-
-def make_options(base, overrides: dict):
-    """`GenOptions` = model defaults (or library defaults) updated by `overrides`, validated."""
-    from poly.text.sampling import GenOptions
-
-    known = options_dict(GenOptions())
-    data = dict(known) if base is None else options_dict(base)
-    data.update({k: v for k, v in overrides.items() if k in known})
-    return GenOptions(**data)
-
-
-def check_options(overrides: dict) -> None:
-    make_options(None, overrides)  # raises SamplingParamsError on a bad value
-
-
-# --- one-shot generation ------------------------------------------------------------------------
-
-
-def generate_once(model, prompt: str, overrides: dict, chat=False, system=None) -> dict:
-    """Generate one completion; returns the JSON-able result of `lucy generate --json`."""
-    from poly.text.generation import DoneEvent, stream_tokens
-
-    if chat or system is not None:
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        text = model.chat_template.render(messages, add_generation_prompt=True)
-    else:
-        text = prompt
-    ids = list(model.tokenizer.encode(text))
-    options = make_options(getattr(model, "generation_defaults", None), overrides)
-    done, out_ids = None, []
-    for event in stream_tokens(model, ids, options):
-        if isinstance(event, DoneEvent):
-            done = event
-        else:
-            out_ids.append(int(event.token_id))
-    return done_json(done, ids, out_ids)
-
-
-def _count(x) -> int:
-    return len(x) if isinstance(x, (list, tuple)) else int(x)
-
-
-def done_json(done, prompt_ids, out_ids) -> dict:
-    return {
-        "text": done.text,
-        "tokens": out_ids,
-        "prompt_tokens": _count(done.prompt_tokens),
-        "prompt_ids": [int(t) for t in prompt_ids],
-        "prefill_tokens": int(done.prefill_tokens),
-        "prefill_s": float(done.prefill_s),
-        "decode_s": float(done.decode_s),
-        "prefill_tok_s": float(done.prefill_tok_s),
-        "decode_tok_s": float(done.decode_tok_s),
-        "stop_reason": str(done.stop_reason),
-    }
+# --- the loop -----------------------------------------------------------------------------------
 
 
 def footer(done) -> str:
@@ -130,31 +31,19 @@ def footer(done) -> str:
     )
 
 
-# --- input --------------------------------------------------------------------------------------
-
-
-def read_line(con, prompt: str) -> str | None:
-    """Show `prompt` and read one line from stdin; None at EOF."""
-    con.print(prompt, end="", markup=False, highlight=False)
-    con.file.flush()
-    line = sys.stdin.readline()
-    if line == "":
-        con.print()
-        return None
-    return line.rstrip("\r\n")
-
-
-# --- the loop -----------------------------------------------------------------------------------
+def _count(x) -> int:
+    return len(x) if isinstance(x, (list, tuple)) else int(x)
 
 
 class ChatUI:
     """Reads user lines, runs slash commands, streams replies of one `ChatSession`."""
 
-    def __init__(self, session, con, out=None):
+    def __init__(self, session, con, out=None, overrides: dict | None = None):
         self.session = session
         self.con = con
         self.out = out or sys.stdout
         self.last = None  # DoneEvent of the last reply
+        self.overrides = dict(overrides or {})  # flags and /set values: shown as "flag"
 
     def run(self) -> None:
         self.con.print("[dim]chat: /help for commands, /quit to leave[/dim]")
@@ -259,10 +148,12 @@ def _cmd_set(ui: ChatUI, rest: str) -> None:
     except ValueError as exc:
         raise UsageError(f"{name}: {value.strip()!r} is not a valid {parse.__name__}") from exc
     ui.session.set_option(name, parsed)
+    ui.overrides[name] = parsed
     ui.con.print(f"[dim]{name} = {parsed}[/dim]")
 
 
 def _cmd_stats(ui: ChatUI, rest: str) -> None:
+    """Each number once: the last reply's speeds, the cache, then the settings in use."""
     s = ui.session
     cached = getattr(getattr(s, "model", None), "position", None)
     parts = [f"last prefill {getattr(s, 'last_prefill_tokens', None)} tok"]
@@ -270,13 +161,11 @@ def _cmd_stats(ui: ChatUI, rest: str) -> None:
         parts.append(f"prefill {ui.last.prefill_tok_s:.1f} tok/s")
         parts.append(f"decode {ui.last.decode_tok_s:.1f} tok/s")
     parts.append(f"tokens in cache {cached}")
+    parts.append(f"turns {getattr(s, 'turns', 0)}")
     ui.con.print(" · ".join(parts), markup=False)
-    stats = getattr(s, "stats", None)
-    if isinstance(stats, dict) and stats:
-        text = " ".join(
-            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
-        )
-        ui.con.print(clean(text), markup=False, style="dim")
+    model = getattr(s, "model", None)
+    rows = settings_in_use(model, ui.overrides, getattr(s, "options", None))
+    ui.con.print(clean(settings_line(rows)), markup=False, style="dim")
 
 
 def _cmd_help(ui: ChatUI, rest: str) -> None:
@@ -300,10 +189,9 @@ COMMANDS = {
 
 def run_chat(model, system: str | None = None, overrides: dict | None = None, con=None) -> None:
     """Open a `ChatSession` on `model` and run the loop until /quit, Ctrl-C or EOF."""
-    from lucy.views import make_console
     from poly.text.session import ChatSession
 
     con = con or make_console()
-    options = make_options(getattr(model, "generation_defaults", None), overrides or {})
+    options = options_in_use(model, overrides or {})
     session = ChatSession(model, system=system, options=options)
-    ChatUI(session, con).run()
+    ChatUI(session, con, overrides=overrides).run()

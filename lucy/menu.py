@@ -8,16 +8,17 @@ the menu.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from rich.console import Console
 
-from lucy import chat_ui, cli, views
+from lucy import actions, catalogue, views
+from lucy.catalogue import QUANT_ALIASES, ModelRow
+from lucy.chat_ui import run_chat
+from lucy.terminal import clean, human_bytes, make_console, read_line
 from poly.errors import PolyError
-from poly.quant import schemes as quant_schemes
 
 MAIN_MENU = (
-    ("1", "Chat with a model from the HF cache"),
+    ("1", "Chat with a model (.entity files and the HF cache)"),
     ("2", "Convert to .entity and chat"),
     ("3", "Download models"),
     ("4", "Benchmark"),
@@ -34,8 +35,6 @@ CURATED = (
     "Qwen/Qwen3-0.6B",
 )
 
-QUANT_ALIASES = quant_schemes.cli_aliases()  # menu answer -> --quant name
-
 
 class MenuExit(Exception):
     """EOF on stdin: leave the menu cleanly."""
@@ -50,7 +49,7 @@ class Menu:
     def ask(self, prompt: str, default: str, valid=None) -> str:
         """Ask until the answer passes `valid` (a set of strings or a predicate)."""
         while True:
-            line = chat_ui.read_line(self.con, f"{prompt} [{default}]: ")
+            line = read_line(self.con, f"{prompt} [{default}]: ")
             if line is None:
                 raise MenuExit
             answer = line.strip() or default
@@ -59,15 +58,19 @@ class Menu:
             )
             if ok:
                 return answer
-            self.con.print(f"unknown choice {chat_ui.clean(answer)!r}, try again", markup=False)
+            self.con.print(f"unknown choice {clean(answer)!r}, try again", markup=False)
 
     def ask_yes(self, prompt: str, default: bool = False) -> bool:
         answer = self.ask(f"{prompt} (1/0)", "1" if default else "0", {"0", "1", "y", "n"})
         return answer in ("1", "y")
 
-    def pick(self, rows: list[views.ModelRow], title: str) -> views.ModelRow | None:
+    def pick(self, rows: list[ModelRow], title: str) -> ModelRow | None:
         if not rows:
-            self.con.print(f"no models found ({title}); try [3] Download or [7] Demo")
+            self.con.print(
+                f"no models found ({title}: {catalogue.hf_cache_dir()} and "
+                f"{_entities_dir()}); try [3] Download or [7] Demo",
+                markup=False,
+            )
             return None
         self.con.print(views.models_table(rows, title=title))
         valid = {str(i) for i in range(1, len(rows) + 1)}
@@ -96,48 +99,58 @@ class Menu:
                 self._guarded(actions[choice])
         except MenuExit:
             return 0
+        except KeyboardInterrupt:  # Ctrl-C at a menu prompt: leave quietly
+            self.con.print()
+            return 130
 
     def _guarded(self, action) -> None:
         """Library errors and Ctrl-C end the action, never the menu."""
         try:
             action()
         except PolyError as err:
-            self.con.print(f"error: {chat_ui.clean(str(err))}", markup=False)
+            self.con.print(f"error: {clean(str(err))}", markup=False)
         except KeyboardInterrupt:
             self.con.print("\n(cancelled)")
         except Exception as err:  # noqa: BLE001 - a bug in one action must not kill the menu
-            self.con.print(f"error: {type(err).__name__}: {chat_ui.clean(str(err))}", markup=False)
+            self.con.print(f"error: {type(err).__name__}: {clean(str(err))}", markup=False)
 
     def _load(self, path: str):
-        self.con.print(f"loading {chat_ui.clean(path)} …", markup=False)
+        self.con.print(f"loading {clean(path)} …", markup=False)
         t0 = time.perf_counter()
-        model = cli.load_model(path)
+        model = actions.load_model(path)
         self.con.print(f"loaded in {time.perf_counter() - t0:.1f} s", style="dim")
         return model
 
     # --- actions --------------------------------------------------------------------------------
 
     def chat_hf(self) -> None:
-        rows = [r for r in views.hf_rows() if r.supported]
-        row = self.pick(rows, "HF cache")
+        rows = catalogue.entity_rows() + [r for r in catalogue.hf_rows() if r.supported]
+        row = self.pick(rows, "local models")
         if row is not None:
-            chat_ui.run_chat(self._load(row.path), con=self.con)
+            run_chat(self._load(row.path), con=self.con)
 
     def entity_talk(self) -> None:
         """Loom's ENTITY Talk: catalogue, convert some, choose quant, then chat."""
-        hf = [r for r in views.hf_rows() if r.supported]
-        self.con.print(catalogue_table(hf))
-        picks = self._convert_choice(hf)
+        hf = [r for r in catalogue.hf_rows() if r.supported]
+        if hf:
+            self.con.print(views.catalogue_table(hf))
+        else:
+            self.con.print(
+                f"nothing to convert: no supported model in the HF cache "
+                f"({catalogue.hf_cache_dir()}); try [3] Download",
+                markup=False,
+            )
+        picks = self._convert_choice(hf) if hf else []
         if picks:
             quant = QUANT_ALIASES[self.ask("Quant (q4/q8/f16/bf16/f32)", "q4", QUANT_ALIASES)]
             force = self.ask_yes("Force reconvert?", False)
             for row in picks:
                 self._convert_one(row, quant, force)
-        row = self.pick(views.entity_rows(), "entities")
+        row = self.pick(catalogue.entity_rows(), ".entity files")
         if row is not None:
-            chat_ui.run_chat(self._load(row.path), con=self.con)
+            run_chat(self._load(row.path), con=self.con)
 
-    def _convert_choice(self, hf: list[views.ModelRow]) -> list[views.ModelRow]:
+    def _convert_choice(self, hf: list[ModelRow]) -> list[ModelRow]:
         n = len(hf)
 
         def valid(ans: str) -> bool:
@@ -149,20 +162,20 @@ class Menu:
         if ans == "0":
             return []
         if ans == "a":
-            return [r for r in hf if not entity_path(r).exists()]
+            return [r for r in hf if not catalogue.converted(r)]
         return [hf[int(p) - 1] for p in ans.split(",")]
 
-    def _convert_one(self, row: views.ModelRow, quant: str, force: bool) -> None:
-        dst = entity_path(row, quant)
+    def _convert_one(self, row: ModelRow, quant: str, force: bool) -> None:
+        dst = catalogue.entity_path(row, quant)
         dst.parent.mkdir(parents=True, exist_ok=True)
         self.con.print(f"converting {row.name} → {dst.name} [{quant}]", markup=False)
         try:
-            cli.convert_with_progress(self.con, row.path, dst, quant=quant, force=force)
+            actions.convert_with_progress(self.con, row.path, dst, quant=quant, force=force)
         except PolyError as err:
-            self.con.print(f"error: {chat_ui.clean(str(err))}", markup=False)
+            self.con.print(f"error: {clean(str(err))}", markup=False)
             return
         size = dst.stat().st_size
-        self.con.print(f"done: {views.human_bytes(row.size_bytes)} → {views.human_bytes(size)}")
+        self.con.print(f"done: {human_bytes(row.size_bytes)} → {human_bytes(size)}")
 
     def download(self) -> None:
         self.con.print("[0] Download all (sequential)")
@@ -176,13 +189,13 @@ class Menu:
         )
         repos = CURATED if ans == "0" else (CURATED[int(ans) - 1],) if ans in valid else (ans,)
         for repo in repos:
-            path = cli.download(repo)
+            path = actions.download(repo)
             self.con.print(f"downloaded {repo} → {path}", markup=False)
 
     def bench(self) -> None:
         from lucy import bench
 
-        row = self.pick(views.list_models(), "benchmark")
+        row = self.pick(catalogue.list_models(), "benchmark")
         if row is None:
             return
         is_num = str.isdigit
@@ -192,7 +205,7 @@ class Menu:
         self.con.print(views.bench_table({**result, "model": row.name}))
 
     def inspect(self) -> None:
-        row = self.pick(views.list_models(), "inspect")
+        row = self.pick(catalogue.list_models(), "inspect")
         if row is not None:
             views.print_inspect(self.con, views.inspect_data(self._load(row.path)))
 
@@ -203,37 +216,15 @@ class Menu:
         self.con.print(views.layer_suite_table(layer_suite.run_suite()))
 
     def demo(self) -> None:
-        path = cli.demo_entity(self.con)
-        chat_ui.run_chat(self._load(str(path)), con=self.con)
+        path = actions.demo_entity(self.con)
+        run_chat(self._load(str(path)), con=self.con)
 
 
-def entity_path(row: views.ModelRow, quant: str = "q4") -> Path:
-    """The `.entity` that convert, demo and the menu write for ``row`` (entity.paths' rule)."""
-    from entity.paths import entities_dir, entity_filename
+def _entities_dir():
+    from entity.paths import entities_dir
 
-    return entities_dir() / entity_filename(row.path, quant)
-
-
-def catalogue_table(rows: list[views.ModelRow]):
-    """HF model → .entity status and sizes (Loom ENTITY Talk catalogue)."""
-    from rich.table import Table
-
-    table = Table(title="ENTITY catalogue")
-    for col in ("#", "model", "support", ".entity", "HF → .entity"):
-        table.add_column(col)
-    for i, r in enumerate(rows, 1):
-        found = [p for p in (entity_path(r, q) for q in QUANT_ALIASES.values()) if p.exists()]
-        ent = found[0].name if found else "—"
-        size = views.human_bytes(found[0].stat().st_size) if found else "—"
-        table.add_row(
-            str(i),
-            chat_ui.clean(r.name),
-            "yes" if r.supported else r.reason,
-            ent,
-            f"{views.human_bytes(r.size_bytes)} → {size}",
-        )
-    return table
+    return entities_dir()
 
 
 def run_menu() -> int:
-    return Menu(views.make_console()).run()
+    return Menu(make_console()).run()

@@ -1,179 +1,15 @@
-"""What lucy shows: the local model catalogue and rich tables for models, bench, inspect, convert."""
+"""What lucy shows: rich tables for models, the convert catalogue, convert reports, bench,
+inspect and the layer suite. Pure formatting: data comes from lucy.catalogue and the library."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from pathlib import Path
 
 from rich.table import Table
 
-from lucy.chat_ui import clean
-
-
-def make_console(stderr: bool = False):
-    """Rich console; into a pipe it is wide (no truncated tables) and writes no colour codes."""
-    from rich.console import Console
-
-    con = Console(stderr=stderr, highlight=False, soft_wrap=True)
-    if not con.is_terminal and "COLUMNS" not in os.environ:
-        con = Console(stderr=stderr, highlight=False, soft_wrap=True, width=160)
-    return con
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GB"
-
-
-def human_count(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.1f}{suffix}"
-    return str(n)
-
-
-# --- the catalogue ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelRow:
-    """One runnable thing: an HF-cache snapshot or an .entity file."""
-
-    name: str
-    kind: str  # "hf" | "entity"
-    path: str
-    architecture: str | None = None
-    parameters: int | None = None
-    dtype: str | None = None
-    size_bytes: int | None = None
-    supported: bool = True
-    reason: str = ""
-    revision: str | None = None
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _field(rec, *names, default=None):
-    """Read the first present attribute/key among `names` (hf_cache records may be either)."""
-    for name in names:
-        value = rec.get(name) if isinstance(rec, dict) else getattr(rec, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def _snapshot_facts(snapshot: Path) -> tuple[int | None, str | None]:
-    """(parameter count, dtype) from the safetensors headers and config.json, best effort."""
-    from safetensors import safe_open
-
-    params, dtype = 0, None
-    try:
-        cfg = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-    except (OSError, ValueError, AttributeError):
-        pass
-    try:
-        for f in sorted(snapshot.glob("*.safetensors")):
-            with safe_open(str(f), framework="numpy") as st:
-                for key in st.keys():
-                    shape = st.get_slice(key).get_shape()
-                    params += int(_prod(shape))
-    except Exception:  # noqa: BLE001 - a bad file shows as "?" here; loading reports it properly
-        return None, dtype
-    return (params or None), (str(dtype) if dtype else None)
-
-
-def _prod(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
-
-
-def hf_rows() -> list[ModelRow]:
-    from entity.hf.cache import list_cached_models
-
-    rows = []
-    for rec in list_cached_models():
-        snap = Path(str(_field(rec, "snapshot", "snapshot_path", "path")))
-        params, dtype = _snapshot_facts(snap)
-        rows.append(
-            ModelRow(
-                name=str(_field(rec, "repo_id")),
-                kind="hf",
-                path=str(snap),
-                architecture=_field(rec, "architecture"),
-                parameters=params,
-                dtype=dtype,
-                size_bytes=_field(rec, "size_on_disk", "size_bytes", "size"),
-                supported=bool(_field(rec, "supported", default=False)),
-                reason=str(_field(rec, "reason", default="")),
-                revision=_field(rec, "revision", "commit_hash"),
-            )
-        )
-    return rows
-
-
-def entity_rows() -> list[ModelRow]:
-    from entity.paths import entities_dir
-
-    root = entities_dir()
-    files = sorted(root.glob("*.entity")) if root.is_dir() else []
-    rows = []
-    for f in files:
-        info = _entity_info(f)
-        rows.append(
-            ModelRow(
-                name=f.stem,
-                kind="entity",
-                path=str(f),
-                architecture=info.get("architecture"),
-                parameters=info.get("parameters"),
-                dtype=info.get("dtype"),
-                size_bytes=f.stat().st_size,
-                supported=True,
-                reason=".entity",
-            )
-        )
-    return rows
-
-
-def _entity_info(path: Path) -> dict:
-    """Architecture, quant scheme and parameter count from a v2 header (blobs are not read);
-    {} if unreadable."""
-    from poly.config import TransformerConfig
-
-    try:
-        from entity.dotentity.container import EntityFile
-
-        spec = EntityFile(path, verify=False).header
-    except Exception:  # noqa: BLE001 - one unreadable file must not break the listing
-        return {}
-    info = {"architecture": spec.transformer.get("architecture"), "dtype": spec.quant.get("scheme")}
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    try:  # a q4 file's blobs are packed bytes: count from the dims, not the blob shapes
-        cfg = TransformerConfig.from_dict(
-            {k: v for k, v in spec.transformer.items() if k in fields}
-        )
-        info["parameters"] = cfg.parameter_count
-    except Exception:  # noqa: BLE001 - an odd header shows "?" here; loading reports it
-        pass
-    return info
-
-
-def list_models() -> list[ModelRow]:
-    return hf_rows() + entity_rows()
+from lucy.catalogue import ModelRow, converted, first_field
+from lucy.terminal import clean, human_bytes, human_count
 
 
 def models_table(rows: list[ModelRow], title: str = "local models") -> Table:
@@ -195,6 +31,25 @@ def models_table(rows: list[ModelRow], title: str = "local models") -> Table:
     return table
 
 
+def catalogue_table(rows: list[ModelRow]) -> Table:
+    """HF model → .entity status and sizes (Loom ENTITY Talk catalogue)."""
+    table = Table(title="ENTITY catalogue")
+    for col in ("#", "model", "support", ".entity", "HF → .entity"):
+        table.add_column(col)
+    for i, r in enumerate(rows, 1):
+        found = converted(r)
+        ent = ", ".join(p.name for p in found) if found else "—"
+        size = human_bytes(found[0].stat().st_size) if found else "—"
+        table.add_row(
+            str(i),
+            clean(r.name),
+            "yes" if r.supported else clean(r.reason),
+            ent,
+            f"{human_bytes(r.size_bytes)} → {size}",
+        )
+    return table
+
+
 # --- convert ------------------------------------------------------------------------------------
 
 
@@ -210,12 +65,12 @@ def _as_dict(report) -> dict:
 
 def print_convert_report(con, report, seconds: float) -> None:
     data = _as_dict(report)
-    out = _field(data, "dst", "output", "path")
-    size = _field(data, "size_bytes", "output_bytes", "bytes")
+    out = first_field(data, "dst", "output", "path")
+    size = first_field(data, "size_bytes", "output_bytes", "bytes")
     con.print(f"wrote {clean(str(out))} ({human_bytes(size)}) in {seconds:.1f} s", markup=False)
     for note in getattr(report, "notes", ()):
         con.print(f"note: {clean(note)}", markup=False)
-    errors = _field(data, "tensors", "q4_errors", "errors")
+    errors = first_field(data, "tensors", "q4_errors", "errors")
     if errors:
         con.print(verify_table(errors))
 

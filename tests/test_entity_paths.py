@@ -43,14 +43,16 @@ def _lucy(env, *args):
 
 def test_demo_and_convert_name_a_model_alike(monkeypatch, tmp_path):
     """#13: `lucy models` listed the demo's file and convert's file of one model under two names."""
-    from lucy import cli
+    from lucy import actions, terminal
 
     home = tmp_path / "poly"
     (home / "models").mkdir(parents=True)
     gguf = home / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # where the demo keeps it
     write_tiny_gguf(gguf, kinds={k: T.Q4_1 for k in KINDS})
     monkeypatch.setenv("POLY_HOME", str(home))
-    demo = cli.demo_entity(cli.console())  # the GGUF is already in models/: no download
+    demo = actions.demo_entity(
+        terminal.make_console()
+    )  # the GGUF is already in models/: no download
     env = {**os.environ, "POLY_HOME": str(home), "HF_HUB_CACHE": str(tmp_path / "hub"),
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.getcwd()}  # fmt: skip
     again = _lucy(env, "convert", str(gguf), "--quant", "q4")  # convert's default output

@@ -55,11 +55,9 @@ def resolve_cached(
             cache_dir=cache,
             local_files_only=True,
         )
-    except (HFValidationError, LocalEntryNotFoundError, ValueError, OSError) as exc:
+    except (HFValidationError, LocalEntryNotFoundError, ValueError, OSError):
         raise ModelNotFoundError(
-            f"{repo_id!r} is not a local path and not in the HF cache {cache} "
-            f"({type(exc).__name__})",
-            path=str(cache),
+            f"{repo_id!r} is not a local path and not in the HF cache", path=str(cache)
         ) from None
     return Path(path)
 

@@ -1,0 +1,141 @@
+"""What lucy does, shared by the subcommands and the menu: load, convert, download, demo, and
+one streamed generation. No argparse and no menu here; output goes to the console passed in."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from poly.errors import ModelNotFoundError, NoNetworkError, OutputExistsError, UsageError
+
+DEMO_QUANT = "q4"  # the demo file: entity.paths.entity_filename(GGUF, DEMO_QUANT)
+NETWORK_TIMEOUT_S = 3.0  # connect check before a download: no network fails in seconds
+# Safe files only: never pickled *.bin / *.pt weights.
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+
+
+def load_model(spec: str):
+    import entity
+
+    return entity.load(spec)
+
+
+def convert_with_progress(con, src, dst=None, quant="q4", force=False, verify=False):
+    """Run `entity.convert` under a rich progress bar; returns its report."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import entity
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+    )
+    quiet = not con.is_terminal  # no redraws into pipes and logs
+    with Progress(*columns, TimeElapsedColumn(), console=con, transient=True, disable=quiet) as bar:
+        task = bar.add_task(f"converting {Path(str(src)).name}", total=None)
+
+        def progress(done, total, detail=""):
+            bar.update(task, completed=done, total=total, description=f"{detail}"[:40])
+
+        try:
+            return entity.convert(
+                src, dst, quant=quant, force=force, verify=verify, progress=progress
+            )
+        except OutputExistsError as err:  # the library names its keyword; lucy names its flag
+            raise OutputExistsError(
+                "output exists (use --force to overwrite)", path=err.path
+            ) from None
+
+
+def demo_entity(con) -> Path:
+    """SmolLM2 GGUF → q4 .entity in the entity dir, converted once and reused."""
+    from entity.paths import entities_dir, entity_filename
+    from entity.smollm2 import GGUF_NAME, ensure_smollm2
+
+    dst = entities_dir() / entity_filename(GGUF_NAME, DEMO_QUANT)
+    if not dst.exists():
+        gguf = ensure_smollm2()
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        con.print(f"converting {gguf.name} → {dst} (once)")
+        convert_with_progress(con, gguf, dst, quant=DEMO_QUANT)
+    return dst
+
+
+def check_network(repo_id: str) -> None:
+    """One quick connect to the Hub's host; `NoNetworkError` within NETWORK_TIMEOUT_S if none."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise NoNetworkError(
+            f"no network: offline mode (HF_HUB_OFFLINE) so cannot download {repo_id}"
+        )
+    url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=NETWORK_TIMEOUT_S).close()
+    except OSError:
+        raise NoNetworkError(
+            f"no network: cannot reach {url.scheme}://{url.netloc} to download {repo_id}"
+        ) from None
+
+
+def download(repo_id: str) -> Path:
+    """Snapshot a repo into the HF cache; any connection failure is one `NoNetworkError`."""
+    from huggingface_hub import errors as hf
+    from huggingface_hub import snapshot_download
+
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise UsageError(f"not a valid repo id: {repo_id!r} (expected org/name)")
+    check_network(repo_id)
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS))
+    except hf.HFValidationError:
+        raise UsageError(f"not a valid repo id: {repo_id!r}") from None
+    except (hf.RepositoryNotFoundError, hf.RevisionNotFoundError):
+        raise ModelNotFoundError(f"{repo_id} not found on the Hub (or gated)") from None
+    except (hf.LocalEntryNotFoundError, OSError, hf.HfHubHTTPError):
+        raise NoNetworkError(f"no network: cannot download {repo_id}") from None
+
+
+def prompt_ids(model, prompt: str, *, chat: bool, system: str | None) -> list[int]:
+    """The one tokenization of a prompt: `Transformer.prompt_ids` (as `model.generate` does)."""
+    return model.prompt_ids(prompt, chat=chat or system is not None, system=system)
+
+
+def generate(model, prompt: str, overrides: dict, *, chat=False, system=None, on_token=None):
+    """One completion through `model.stream` (the library's prompt and options path); calls
+    `on_token(text)` for each token as it arrives; returns the `lucy generate --json` dict."""
+    from poly.text.generation import DoneEvent
+
+    ids = prompt_ids(model, prompt, chat=chat, system=system)
+    done, out_ids = None, []
+    for event in model.stream(ids, **overrides):
+        if isinstance(event, DoneEvent):
+            done = event
+        else:
+            out_ids.append(int(event.token_id))
+            if on_token is not None:
+                on_token(event.text)
+    return done_json(done, ids, out_ids)
+
+
+def _count(x) -> int:
+    return len(x) if isinstance(x, (list, tuple)) else int(x)
+
+
+def done_json(done, prompt_ids, out_ids) -> dict:
+    return {
+        "text": done.text,
+        "tokens": out_ids,
+        "prompt_tokens": _count(done.prompt_tokens),
+        "prompt_ids": [int(t) for t in prompt_ids],
+        "prefill_tokens": int(done.prefill_tokens),
+        "prefill_s": float(done.prefill_s),
+        "decode_s": float(done.decode_s),
+        "prefill_tok_s": float(done.prefill_tok_s),
+        "decode_tok_s": float(done.decode_tok_s),
+        "stop_reason": str(done.stop_reason),
+    }

@@ -1,0 +1,133 @@
+"""The `lucy` subcommands: each takes the parsed arguments and returns the exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from lucy import actions, settings
+from lucy.terminal import clean, make_console
+from poly.errors import UsageError
+
+
+def _settings_note(model, overrides: dict) -> None:
+    """--verbose: the settings in use and where each came from, on stderr."""
+    rows = settings.settings_in_use(model, overrides)
+    print(clean(settings.settings_line(rows)), file=sys.stderr, flush=True)
+
+
+def cmd_models(args) -> int:
+    from lucy import catalogue, views
+
+    rows = catalogue.list_models()
+    if args.json:
+        print(json.dumps([r.to_json() for r in rows], indent=1))
+    else:
+        make_console().print(views.models_table(rows))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from lucy.chat_ui import run_chat
+
+    overrides = settings.overrides_from_args(args)
+    settings.check_overrides(overrides)  # bad values fail before the (slow) load
+    model = actions.load_model(args.model)
+    if args.verbose:
+        _settings_note(model, overrides)
+    run_chat(model, system=args.system, overrides=overrides)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from lucy import views
+
+    con = make_console()
+    start = time.perf_counter()
+    report = actions.convert_with_progress(
+        con, args.src, args.dst, args.quant, args.force, args.verify
+    )
+    views.print_convert_report(con, report, time.perf_counter() - start)
+    return 0
+
+
+def _write_token(text: str) -> None:
+    sys.stdout.write(clean(text))
+    sys.stdout.flush()
+
+
+def cmd_generate(args) -> int:
+    overrides = settings.overrides_from_args(args, greedy=args.greedy)
+    settings.check_overrides(overrides)
+    model = actions.load_model(args.model)
+    if args.verbose:
+        _settings_note(model, overrides)
+    on_token = None if args.json else _write_token
+    result = actions.generate(
+        model, args.prompt, overrides, chat=args.chat, system=args.system, on_token=on_token
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(flush=True)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from lucy import bench, views
+
+    if args.compare:
+        return bench.run_compare(args.model, runs=args.runs, as_json=args.json)
+    if not args.model:
+        raise UsageError("lucy bench needs a MODEL (or --compare)")
+    result = bench.run_bench(args.model, args.prompt_tokens, args.new_tokens, args.runs)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        make_console().print(views.bench_table(result))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from lucy import views
+
+    data = views.inspect_data(actions.load_model(args.model))
+    if args.json:
+        print(json.dumps(data))
+    else:
+        views.print_inspect(make_console(), data)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from lucy.chat_ui import run_chat
+
+    path = actions.demo_entity(make_console())
+    run_chat(actions.load_model(str(path)))
+    return 0
+
+
+def cmd_download(args) -> int:
+    path = actions.download(args.repo_id)
+    print(f"downloaded {args.repo_id} → {path}")
+    return 0
+
+
+def cmd_menu(args) -> int:
+    from lucy.menu import run_menu
+
+    return run_menu()
+
+
+COMMANDS = {
+    None: cmd_menu,
+    "models": cmd_models,
+    "chat": cmd_chat,
+    "convert": cmd_convert,
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+    "inspect": cmd_inspect,
+    "demo": cmd_demo,
+    "download": cmd_download,
+}

@@ -1,0 +1,60 @@
+"""Terminal helpers: the rich console, control-character cleaning, line input, human sizes."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
+
+
+def make_console(stderr: bool = False):
+    """Rich console; into a pipe it is wide (no truncated tables) and writes no colour codes."""
+    from rich.console import Console
+
+    con = Console(stderr=stderr, highlight=False, soft_wrap=True)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        con = Console(stderr=stderr, highlight=False, soft_wrap=True, width=160)
+    return con
+
+
+def clean(text: str) -> str:
+    """Drop terminal control characters (ESC sequences from model or metadata text)."""
+    return _CONTROL.sub("", text)
+
+
+def one_line(text: str) -> str:
+    """`text` with every run of whitespace (newlines included) as one space."""
+    return " ".join(str(text).split())
+
+
+def read_line(con, prompt: str) -> str | None:
+    """Show `prompt` and read one line from stdin; None at EOF."""
+    con.print(prompt, end="", markup=False, highlight=False)
+    con.file.flush()
+    line = sys.stdin.readline()
+    if line == "":
+        con.print()
+        return None
+    return line.rstrip("\r\n")
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
+
+
+def human_count(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(n)
