@@ -273,7 +273,8 @@ def measure(args, prompts: dict[str, list[int]]) -> dict:
             print(f"skip {w.name}: {exc}", file=sys.stderr)
     workers = alive
     results = {w.name: {"prefill": {}, "decode": {}, "tokens": {}} for w in workers}
-    for _ in range(args.runs):
+    for run in range(args.runs):
+        print(f"run {run + 1}/{args.runs} …", file=sys.stderr, flush=True)  # progress
         for key, ids in prompts.items():
             for w in workers:
                 res = w.ask({"op": "run", "ids": ids, "new": args.new})

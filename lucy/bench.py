@@ -94,9 +94,31 @@ def run_compare(model: str | None, *, runs: int, as_json: bool) -> int:
     root = Path(__file__).resolve().parent.parent
     if not (root / "benchmarks" / "compare.py").is_file():
         raise UsageError("lucy bench --compare needs a source checkout (benchmarks/compare.py)")
+    missing = missing_peers()
+    if missing:
+        raise UsageError(
+            f"lucy bench --compare needs {', '.join(missing)}: pip install 'poly[bench,test]'"
+        )
     cmd = [sys.executable, "-m", "benchmarks.compare", "--runs", str(max(runs, 1))]
     if model:
         cmd += ["--gguf", str(model)]
     if as_json:
         cmd += ["--json", "-"]
+    print(
+        f"running benchmarks/compare.py: poly vs llama.cpp vs transformers, {max(runs, 1)} runs "
+        "(progress below, the table at the end) …",
+        file=sys.stderr,
+        flush=True,
+    )
     return subprocess.run(cmd, cwd=root, check=False).returncode
+
+
+# The peers `lucy bench --compare` measures against: import name -> pip package.
+PEERS = {"llama_cpp": "llama-cpp-python", "transformers": "transformers", "torch": "torch"}
+
+
+def missing_peers() -> list[str]:
+    """The pip names of the peers that are not installed (found without importing them)."""
+    import importlib.util
+
+    return [pkg for mod, pkg in PEERS.items() if importlib.util.find_spec(mod) is None]

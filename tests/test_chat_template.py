@@ -349,10 +349,10 @@ def test_runtime_attacks_raise_security_error(src):
 
 @pytest.mark.parametrize("src", LIMIT_ATTACKS)
 def test_resource_attacks_are_bounded(src):
-    start = time.monotonic()
+    start = time.process_time()
     with pytest.raises(TemplateLimitError):
         ChatTemplate(src).render(messages_from_prompt("hi"))
-    assert time.monotonic() - start < 30  # a guard against hanging the suite, not a speed test
+    assert time.process_time() - start < 30  # a guard against hanging the suite, not a speed test
 
 
 @pytest.mark.parametrize(
