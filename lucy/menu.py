@@ -67,8 +67,8 @@ class Menu:
     def pick(self, rows: list[ModelRow], title: str) -> ModelRow | None:
         if not rows:
             self.con.print(
-                f"no models found ({title}: {catalogue.hf_cache_dir()} and "
-                f"{_entities_dir()}); try [3] Download or [7] Demo",
+                f"no models found in the HF cache ({catalogue.hf_cache_dir()}) or the .entity "
+                f"dir ({_entities_dir()}); try [3] Download or [7] Demo",
                 markup=False,
             )
             return None
