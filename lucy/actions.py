@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -74,12 +75,28 @@ def check_network(repo_id: str) -> None:
         )
     url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
     port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname, port), timeout=NETWORK_TIMEOUT_S).close()
-    except OSError:
+    if not _reachable(url.hostname or "", port):
         raise NoNetworkError(
             f"no network: cannot reach {url.scheme}://{url.netloc} to download {repo_id}"
-        ) from None
+        )
+
+
+def _reachable(host: str, port: int) -> bool:
+    """A TCP connect within NETWORK_TIMEOUT_S, name lookup included (a thread bounds a resolver
+    that would otherwise hang)."""
+    ok: list[bool] = []
+
+    def attempt() -> None:
+        try:
+            socket.create_connection((host, port), timeout=NETWORK_TIMEOUT_S).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(NETWORK_TIMEOUT_S)
+    return bool(ok)
 
 
 def download(repo_id: str) -> Path:
