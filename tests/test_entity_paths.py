@@ -76,12 +76,12 @@ def test_demo_and_convert_name_a_model_alike(monkeypatch, tmp_path):
 def test_menu_catalogue_looks_where_convert_writes(monkeypatch, tmp_path, quant):
     """The menu's `.entity` column and "[a] all missing" check the file `lucy convert` writes."""
     from entity.convert import default_output
-    from lucy import menu, views
+    from lucy import catalogue
 
     monkeypatch.setenv("POLY_HOME", str(tmp_path / "poly"))
     snap = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
-    row = views.ModelRow(name="HuggingFaceTB/SmolLM2-135M", kind="hf", path=str(snap))
+    row = catalogue.ModelRow(name="HuggingFaceTB/SmolLM2-135M", kind="hf", path=str(snap))
     want = tmp_path / "poly" / "entities" / f"HuggingFaceTB--SmolLM2-135M.{quant}.entity"
-    assert menu.entity_path(row, quant) == default_output(snap, quant) == want
+    assert catalogue.entity_path(row, quant) == default_output(snap, quant) == want
     assert default_output("HuggingFaceTB/SmolLM2-135M", quant) == want  # by model id too
