@@ -236,7 +236,7 @@ def test_stats_prints_each_number_once(world):  # noqa: F811
 
     import entity
     from lucy.chat_ui import ChatUI
-    from poly.session import ChatSession
+    from poly.text.session import ChatSession
 
     model = entity.load(str(world["snapshot"]))
     out, log = io.StringIO(), io.StringIO()
