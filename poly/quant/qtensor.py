@@ -284,8 +284,19 @@ class Q4Matrix(QTensor):
 
 # --- raw GGUF quant blocks ---------------------------------------------------------------------
 
+
+def _gguf_dequantizable(qtype: GGMLQuantizationType) -> bool:
+    """True when gguf-py's public `dequantize` decodes `qtype` (one zero block is tried)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    try:
+        gguf_quants.dequantize(np.zeros((1, size), np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
 _GGUF_SUPPORTED = frozenset(
-    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *gguf_quants._type_traits}
+    t for t in GGMLQuantizationType if t in GGML_QUANT_SIZES and _gguf_dequantizable(t)
 )
 
 
