@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,8 +105,29 @@ def _check_target_unsafe(out: Path, force: bool, inputs: Iterable[str | os.PathL
             )
     if out.is_dir():
         raise OutputPathError("output path is a directory", path=str(out))
+    _refuse_special(out)
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputExistsError("output exists (use force=True / --force)", path=str(out))
+
+
+def _refuse_special(out: Path) -> None:
+    """An existing output that is not a regular file (device, FIFO, socket, or a symlink to one)
+    is never replaced, whatever ``force`` says: `os.replace` would turn /dev/null into a file."""
+    try:
+        st = os.stat(out)  # follows symlinks: a link to a device is refused too
+    except FileNotFoundError:
+        return  # absent, or a dangling symlink (replaced only with force)
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise OutputPathError(f"output path is a {kind} (never overwritten)", path=str(out))
+
+
+_KINDS = {
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+}
 
 
 def wrap_os_error(exc: OSError, out: Path) -> PolyError:
