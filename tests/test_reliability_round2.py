@@ -110,3 +110,110 @@ def test_item1_force_never_overwrites_special_files(tiny_src, tmp_path):
         assert stat.S_ISCHR(os.lstat(paths["device"]).st_mode)
     finally:
         s.close()
+
+
+# --- item 2: chat-template bombs are bounded at compile and at render ---------------------------
+
+DEAD_BOMB = "{% if false %}{{ 'x'|center(999999999) }}{% endif %}"
+DEAD_THREE = (
+    "{% if false %}{{ 'x'|center(999999999) }}{{ 'y'|indent(999999999, true) }}"
+    "{{ lipsum(n=300000) }}{% endif %}"
+)
+RENDER_BOMBS = {
+    "lipsum": "{{ lipsum(n=300000) }}",
+    "lipsum-words": "{{ lipsum(n=1, min=10**9, max=10**9) }}",
+    "slice": "{{ [1]|slice(10**7)|list|length }}",
+    "indent": "{{ 'a\nb'|indent(999999999, true) }}",
+    "center": "{{ 'x'|center(999999999) }}",
+    "filter-block": "{% filter center(999999999) %}x{% endfilter %}",
+    "map-center": "{{ ['x']|map('center', 999999999)|list }}",
+    "ljust": "{{ 'x'.ljust(999999999) }}",
+    "zfill": "{{ 'x'.zfill(999999999) }}",
+    "expandtabs": "{{ ('\t' * 1000).expandtabs(9999999) }}",
+    "str-format": "{{ '{:>999999999}'.format(1) }}",
+    "str-format-nested": "{{ '{:>{}}'.format(1, 999999999) }}",
+    "printf": "{{ '%999999999d'|format(1) }}",
+    "replace-filter": "{{ ('a' * 100000)|replace('', 'x' * 2000) }}",
+    "replace-method": "{{ ('a' * 100000).replace('', 'x' * 2000) }}",
+    "tojson-indent": "{{ [[[[1]]]]|tojson(indent=999999999) }}",
+    "batch-fill": "{{ [1]|batch(10**8, 0)|list|length }}",
+    "concat-doubling": "{% set ns = namespace(s='xx') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "plus-doubling": "{% set ns = namespace(s='xx') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+    "join-doubling": "{% set ns = namespace(s=['ab']) %}{% for i in range(40) %}"
+    "{% set ns.s = [ns.s|join, ns.s|join] %}{% endfor %}",
+    "sum-quadratic": "{{ ([[1] * 1000] * 3000)|sum(start=[])|length }}",
+    "wordwrap-long": "{{ ('a' * 3000000)|wordwrap(1) }}",
+}
+_RENDER_ALL = """
+import json, sys
+from poly.chat import ChatTemplate
+from poly.jinja_sandbox import TemplateLimitError
+out = {}
+for name, src in json.loads(sys.stdin.read()).items():
+    try:
+        ChatTemplate(src).render([{"role": "user", "content": "hi"}])
+        out[name] = "rendered"
+    except TemplateLimitError as e:
+        out[name] = "limit: " + str(e)
+print(json.dumps(out))
+"""
+
+
+def test_item2_dead_branch_bomb_is_not_folded_at_compile():
+    from poly.chat import ChatTemplate
+
+    for src in (DEAD_BOMB, DEAD_THREE):
+        assert ChatTemplate(src).render([{"role": "user", "content": "hi"}]) == ""
+    code, out, err, rss = run_child(
+        [sys.executable, "-c", f"from poly.chat import ChatTemplate; ChatTemplate({DEAD_THREE!r})"]
+    )
+    assert code == 0, err
+    assert rss < 300, rss  # was 3.5 GB
+
+
+def test_item2_inspect_and_convert_of_a_gguf_with_a_dead_branch_bomb(tmp_path):
+    from tests.fuzz.corpus import STRING, byte_vocab, gguf_model
+
+    p = tmp_path / "bomb.gguf"
+    tmpl = (STRING, DEAD_THREE + "{{ messages[0]['content'] }}")
+    p.write_bytes(gguf_model({"tokenizer.chat_template": tmpl}, tokens=byte_vocab(), hidden=32))
+    code, out, err, rss = lucy("inspect", p)
+    assert code == 0, err
+    assert rss < 600, rss  # was 3.9 GB / 31 s
+    code, out, err, rss = lucy("convert", p, "-o", tmp_path / "bomb.entity")
+    assert code == 0, err
+    assert rss < 600, rss  # was 4.0 GB / 38.8 s
+
+
+def test_item2_render_bombs_are_bounded():
+    import json
+
+    code, out, err, rss = run_child(
+        [sys.executable, "-c", _RENDER_ALL], stdin=json.dumps(RENDER_BOMBS)
+    )
+    assert code == 0, err
+    results = json.loads(out)
+    assert {k: v.startswith("limit: ") for k, v in results.items()} == dict.fromkeys(
+        RENDER_BOMBS, True
+    ), results
+    assert rss < 800, rss  # each was 0.8-3 GB or 16-40 s; the budget is 32 M chars per render
+
+
+def test_item2_real_templates_still_render_equal_to_jinja():
+    """The hardening changes no output: the family templates are compared to transformers in
+    tests/test_chat_template.py; here filters, tests and `~` are compared to plain Jinja."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from poly.chat import ChatTemplate
+
+    src = (
+        "{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content']|trim ~ "
+        "'<|im_end|>\\n' }}{% if m['content'] is string and loop.last %}{{ m['content']|length }}"
+        "{% endif %}{% endfor %}{{ ('a' ~ 'b')|upper|center(6) }}{{ [1, 2]|sum }}"
+        "{{ 'x{}'.format(3) }}{{ [[1], [2]]|sum(start=[]) }}{{ 'a\\nb'|indent(2, true) }}"
+    )
+    messages = [{"role": "user", "content": " hi "}]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    assert ChatTemplate(src).render(messages) == env.from_string(src).render(messages=messages)

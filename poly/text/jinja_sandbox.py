@@ -9,11 +9,8 @@ time are bounded (CVE-2024-34359 came from an unsandboxed template).
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import json
-import re
-import time
 from datetime import datetime
 from typing import Any
 
@@ -21,55 +18,25 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+import jinja2.visitor
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from poly import jinja_limits
 from poly.errors import TemplateError, TemplateSecurityError
 
-
-class TemplateLimitError(TemplateError):
-    """Rendering exceeded a size, loop or time bound."""
-
-    code = "template_limit"
-
-
+# The limits and the per-render budget live in poly.jinja_limits (re-exported here).
+TemplateLimitError = jinja_limits.TemplateLimitError
+RenderBudget = jinja_limits.RenderBudget
+BUDGET = jinja_limits.BUDGET
 MAX_TEMPLATE_CHARS = 1 << 20  # real templates are < 20 kB
-MAX_OUTPUT_CHARS = 16 << 20
-MAX_LOOP_STEPS = 1_000_000  # summed over every range() of one render
-MAX_RENDER_SECONDS = 10.0
+MAX_OUTPUT_CHARS = jinja_limits.MAX_OUTPUT_CHARS
+MAX_LOOP_STEPS = jinja_limits.MAX_LOOP_STEPS
+MAX_RENDER_SECONDS = jinja_limits.MAX_RENDER_SECONDS
+MAX_ALLOC_UNITS = jinja_limits.MAX_ALLOC_UNITS
 MAX_INT_BITS = 4096
-# printf widths/precisions of 7+ digits, or taken from the arguments (`%*d`).
-_HUGE_FORMAT = re.compile(r"%[-+ #0]*(?:\*|\d{7,})|%[-+ #0]*\d*\.(?:\*|\d{7,})")
-
-# --- the sandboxed environment ---------------------------------------------------------------
-
-
-class RenderBudget:
-    """Per-render counters, charged by every loop iteration and every range()."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
-
-    def tick(self, n: int = 1) -> None:
-        self.steps += n
-        if self.steps > MAX_LOOP_STEPS:
-            raise TemplateLimitError(f"template loops exceed {MAX_LOOP_STEPS} steps")
-        if time.monotonic() > self.deadline:
-            raise TemplateLimitError(f"template rendering exceeded {MAX_RENDER_SECONDS:g} s")
-
-
-BUDGET: contextvars.ContextVar[RenderBudget | None] = contextvars.ContextVar(
-    "poly_chat_budget", default=None
-)
 _GUARD_NAME = "poly_loop_guard"
-
-
-def _budget() -> RenderBudget:
-    budget = BUDGET.get()
-    if budget is None:  # rendering outside ChatTemplate.render (e.g. a test)
-        budget = RenderBudget()
-        BUDGET.set(budget)
-    return budget
+_CONCAT_NAME = "poly_concat"
+_budget = jinja_limits.budget
 
 
 def _bounded_range(*args: int) -> range:
@@ -135,7 +102,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 class _HardenedEnvironment(ImmutableSandboxedEnvironment):
     """Unsafe attribute access raises at once instead of yielding a silent Undefined."""
 
-    intercepted_binops = frozenset(["**", "*", "%"])
+    intercepted_binops = frozenset(["**", "*", "%", "+"])
 
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise jinja2.exceptions.SecurityError(
@@ -151,9 +118,20 @@ class _HardenedEnvironment(ImmutableSandboxedEnvironment):
                 if isinstance(seq, str | list | tuple) and isinstance(n, int):
                     if len(seq) * n > MAX_OUTPUT_CHARS:
                         raise TemplateLimitError("sequence repetition too large")
-        if operator == "%" and isinstance(left, str) and _HUGE_FORMAT.search(left):
+        if operator == "%" and isinstance(left, str) and jinja_limits.HUGE_FORMAT.search(left):
             raise TemplateLimitError("format width or precision too large")
-        return super().call_binop(context, operator, left, right)
+        return jinja_limits.charge(super().call_binop(context, operator, left, right))
+
+    def wrap_str_format(self, value: Any):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:  # `'{:>999999999}'.format(1)`: refused when the method is reached
+            jinja_limits.precheck_method(value, (), {})
+        return wrapped
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's signature
+        jinja_limits.precheck_method(__obj, args, kwargs)
+        _budget().tick(0)
+        return jinja_limits.charge(super().call(__context, __obj, *args, **kwargs))
 
 
 class _AssistantTracker(jinja2.ext.Extension):
@@ -183,6 +161,8 @@ def _build_environment() -> _HardenedEnvironment:
     env.globals["namespace"] = _TemplateNamespace
     env.globals["range"] = _bounded_range
     env.globals[_GUARD_NAME] = _loop_guard
+    env.globals[_CONCAT_NAME] = jinja_limits.concat
+    jinja_limits.harden_environment(env)
     return env
 
 
@@ -203,7 +183,7 @@ def _check_ast(tree: jinja2.nodes.Template) -> None:
             f"chat templates may not use {{% {kind} %}} (line {node.lineno})"
         )
     for node in tree.find_all(jinja2.nodes.Name):
-        if node.name == _GUARD_NAME:
+        if node.name in (_GUARD_NAME, _CONCAT_NAME):
             raise TemplateSecurityError(f"{_GUARD_NAME!r} is a reserved name")
     for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
         name = node.attr if isinstance(node, jinja2.nodes.Getattr) else None
@@ -220,6 +200,16 @@ def _guard_loops(tree: jinja2.nodes.Template) -> None:
     for node in tree.find_all(jinja2.nodes.For):
         guard = jinja2.nodes.Name(_GUARD_NAME, "load", lineno=node.lineno)
         node.iter = jinja2.nodes.Call(guard, [node.iter], [], None, None, lineno=node.lineno)
+    _ConcatGuard().visit(tree)
+
+
+class _ConcatGuard(jinja2.visitor.NodeTransformer):
+    """`a ~ b` becomes `poly_concat(a, b)` (size-charged; Jinja compiles `~` to a plain join)."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Call:  # noqa: N802
+        self.generic_visit(node)
+        fn = jinja2.nodes.Name(_CONCAT_NAME, "load", lineno=node.lineno)
+        return jinja2.nodes.Call(fn, list(node.nodes), [], None, None, lineno=node.lineno)
 
 
 @functools.lru_cache(maxsize=64)
