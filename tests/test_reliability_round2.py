@@ -217,3 +217,70 @@ def test_item2_real_templates_still_render_equal_to_jinja():
     messages = [{"role": "user", "content": " hi "}]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     assert ChatTemplate(src).render(messages) == env.from_string(src).render(messages=messages)
+
+
+# --- item 3: a tokenizer regex panic never escapes ------------------------------------------------
+
+PANIC_REGEXES = [r"(\w+\s?)+$", r"(?:a|a)+$", r"((a)+)+$"]
+PANIC_TEXT = "aaaaaaaaaaaaaaaaaaaaaaaaaaa!"
+
+
+def _split_json(regex: str) -> str:
+    import json
+
+    from tests.hf_fixtures import build_tokenizer
+
+    data = json.loads(build_tokenizer().to_str())
+    data["pre_tokenizer"] = {
+        "type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False
+    }  # fmt: skip
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("regex", PANIC_REGEXES)
+def test_item3_nested_quantifier_check_refuses_the_panicking_shapes(regex):
+    from poly.errors import TokenizerError
+    from poly.tokenizer import Tokenizer
+
+    exc = expect_error(
+        lambda: Tokenizer.from_str(_split_json(regex)), TokenizerError, "bad_tokenizer"
+    )
+    assert "nested quantifier" in str(exc) and "\n" not in str(exc)
+
+
+def test_item3_real_pre_tokenizer_regexes_pass_the_check():
+    from entity import gguf_tokenizer
+    from poly.regex_guard import nested_quantifier
+
+    regexes = [v for v in vars(gguf_tokenizer).values() if isinstance(v, str) and "\\p{" in v]
+    regexes += [
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+        r"(?:\r\n|\n)+",
+    ]  # fmt: skip
+    assert [r for r in regexes if nested_quantifier(r)] == []
+
+
+@pytest.mark.parametrize("regex", PANIC_REGEXES)
+def test_item3_panic_inside_encode_is_a_tokenizer_error(regex):
+    """Past the load check (built through the tokenizers API), the Onig panic is still typed."""
+    import tokenizers
+
+    from poly.errors import TokenizerError
+    from poly.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_tokenizers(tokenizers.Tokenizer.from_str(_split_json(regex)))
+    exc = expect_error(lambda: tok.encode(PANIC_TEXT), TokenizerError, "bad_tokenizer")
+    assert "panic" in str(exc) and "\n" not in str(exc)
+    assert tok.encode("ab") == tok.encode("ab")  # the tokenizer stays usable
+
+
+def test_item3_cli_generate_with_a_panicking_regex_exits_4(tmp_path):
+    from tests.hf_fixtures import make_tiny_checkpoint
+
+    d = make_tiny_checkpoint(tmp_path / "m", "llama")
+    (d / "tokenizer.json").write_text(_split_json(PANIC_REGEXES[0]))
+    code, out, err, rss = lucy("generate", d, "--prompt", PANIC_TEXT, "--max-tokens", "2")
+    assert code == 4, err
+    assert "nested quantifier" in one_error_line(err)

@@ -17,6 +17,7 @@ from typing import Any
 import tokenizers
 
 from poly.errors import InvalidTokenError, LimitExceededError, TokenizerError
+from poly.regex_guard import nested_quantifier
 
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # real tokenizer.json files are < 20 MB
 MAX_VOCAB = 1 << 22
@@ -77,10 +78,19 @@ def _validate_structure(data: Any) -> None:
         raise TokenizerError(f"unk_token {unk!r} is not in the vocabulary")
     for section in ("normalizer", "pre_tokenizer"):
         for pattern in _iter_regex_patterns(data.get(section)):
-            if _NESTED_QUANTIFIER.search(pattern):
+            if _NESTED_QUANTIFIER.search(pattern) or nested_quantifier(pattern):
                 raise TokenizerError(
                     f"{section} regex {pattern!r} has a nested quantifier (catastrophic backtracking)"
                 )
+
+
+def _panic_error(what: str, exc: BaseException) -> BaseException:
+    """A Rust panic inside `tokenizers` (e.g. Oniguruma's retry limit on a backtracking regex)
+    becomes a one-line `TokenizerError`; KeyboardInterrupt and SystemExit pass through."""
+    if type(exc).__name__ != "PanicException":
+        raise exc
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return TokenizerError(f"{what} failed inside the tokenizers library (panic: {first})")
 
 
 class Tokenizer:
@@ -133,6 +143,8 @@ class Tokenizer:
             tk = tokenizers.Tokenizer.from_str(json_text)
         except Exception as e:  # the Rust side raises bare Exception
             raise TokenizerError(f"invalid tokenizer.json: {e}", path=path) from e
+        except BaseException as e:
+            raise _panic_error("loading tokenizer.json", e) from e
         return cls(tk, **{k: special_token_content(v) for k, v in special.items()})
 
     @classmethod
@@ -258,6 +270,8 @@ class Tokenizer:
                 return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as e:
             raise TokenizerError(f"encode failed: {e}") from e
+        except BaseException as e:  # a Rust panic (pyo3 PanicException) is a BaseException
+            raise _panic_error("encode", e) from e
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         ids = self._check_ids(ids)
@@ -266,6 +280,8 @@ class Tokenizer:
                 return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
         except Exception as e:
             raise TokenizerError(f"decode failed: {e}") from e
+        except BaseException as e:
+            raise _panic_error("decode", e) from e
 
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
         # tokenizers silently drops unknown ids; we refuse them instead.
