@@ -8,11 +8,13 @@ named ``.<name>.tmp-<pid>-<hex>`` so a later run can sweep those left behind by 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +28,7 @@ __all__ = [
     "temp_name",
     "sweep_stale_temps",
     "wrap_os_error",
+    "open_locked_temp",
     "TEMP_PATTERN",
 ]
 
@@ -33,6 +36,10 @@ __all__ = [
 TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 _SPACE_MARGIN = 16 << 20  # preflight margin for filesystem metadata
+# A temp file is stale when unlocked and this old (covers the instant between its creation and
+# its flock), or, where the filesystem has no flock, when this old.
+STALE_MIN_AGE_S = 1.0
+STALE_UNLOCKABLE_S = 24 * 3600.0
 
 
 def temp_name(path: str | os.PathLike) -> Path:
@@ -41,29 +48,54 @@ def temp_name(path: str | os.PathLike) -> Path:
     return p.with_name(f".{p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _pid_alive(pid: int) -> bool:
+def open_locked_temp(path: str | os.PathLike) -> int:
+    """Create ``path`` (O_EXCL) and hold an exclusive flock on it for as long as the descriptor
+    stays open: the mark of a live writer that `sweep_stale_temps` never removes, whatever PID
+    namespace or host (NFS) the writer runs on."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass  # a filesystem without locks: the sweep then waits for STALE_UNLOCKABLE_S
+    return fd
+
+
+def _is_stale(path: str, now: float) -> bool:
+    """Old enough and locked by no one (the lock is taken to test it, and dropped at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # exists but not ours, or not a pid: leave it alone
-    return True
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        age = now - st.st_mtime
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live writer holds it
+        except OSError:  # no locking here (ENOLCK, EOPNOTSUPP): only the age can tell
+            return age >= STALE_UNLOCKABLE_S
+        return age >= STALE_MIN_AGE_S
+    finally:
+        os.close(fd)
 
 
 def sweep_stale_temps(directory: str | os.PathLike) -> list[Path]:
-    """Remove our own temp files in ``directory`` whose writing process is dead."""
+    """Remove our temp files in ``directory`` that no live writer holds (see `open_locked_temp`)
+    and that are old enough (`STALE_MIN_AGE_S`; `STALE_UNLOCKABLE_S` where flock is unsupported).
+    """
     removed: list[Path] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return removed
+    now = time.time()
     for entry in entries:
-        m = TEMP_PATTERN.match(entry.name)
-        if m is None or not entry.is_file(follow_symlinks=False):
+        if TEMP_PATTERN.match(entry.name) is None or not entry.is_file(follow_symlinks=False):
             continue
-        pid = int(m.group("pid"))
-        if pid == os.getpid() or _pid_alive(pid):
+        if not _is_stale(entry.path, now):
             continue
         try:
             os.unlink(entry.path)
@@ -185,7 +217,7 @@ def atomic_output(
     _preflight_space(out.parent, expected_size, out)
     tmp = temp_name(out)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_locked_temp(tmp)
     except OSError as exc:
         raise wrap_os_error(exc, out) from exc
     f = os.fdopen(fd, "w+b")
@@ -194,13 +226,13 @@ def atomic_output(
             yield f
             f.flush()
             os.fsync(f.fileno())
+            _check_target(out, force, inputs)  # the world may have changed while we wrote
+            try:
+                os.replace(tmp, out)  # still locked: no sweep can take it before the rename
+            except OSError as exc:
+                raise wrap_os_error(exc, out) from exc
         finally:
             f.close()
-        _check_target(out, force, inputs)  # the world may have changed while we wrote
-        try:
-            os.replace(tmp, out)
-        except OSError as exc:
-            raise wrap_os_error(exc, out) from exc
     except OSError as exc:
         _unlink_quiet(tmp)
         if exc.errno in _SPACE_ERRNOS:

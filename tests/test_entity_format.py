@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import zlib
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from entity.atomic import atomic_output, sweep_stale_temps, temp_name
+from entity.atomic import atomic_output, open_locked_temp, sweep_stale_temps, temp_name
 from entity.dotentity.container import (
     ALIGN,
     MAGIC,
@@ -346,9 +347,14 @@ def test_sweeps_stale_temps_of_dead_processes(tmp_path):
     dead_pid = int(proc.stdout)
     stale = tmp_path / f".m.entity.tmp-{dead_pid}-abcd"
     stale.write_bytes(b"x")
-    live = temp_name(tmp_path / "m.entity")  # ours: this process is alive
-    live.write_bytes(b"y")
+    os.utime(stale, (time.time() - 60, time.time() - 60))  # old enough, and locked by no one
+    live = temp_name(tmp_path / "m.entity")  # ours: a live writer holds its flock
+    fd = open_locked_temp(live)
+    os.utime(live, (time.time() - 60, time.time() - 60))
     other = tmp_path / ".unrelated"
     other.write_bytes(b"z")
-    assert sweep_stale_temps(tmp_path) == [stale]
-    assert live.exists() and other.exists()
+    try:
+        assert sweep_stale_temps(tmp_path) == [stale]
+        assert live.exists() and other.exists()
+    finally:
+        os.close(fd)

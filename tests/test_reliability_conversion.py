@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from entity.atomic import TEMP_PATTERN
+from entity.atomic import STALE_MIN_AGE_S, TEMP_PATTERN
 from entity.convert import DELAY_ENV, convert
 from entity.dotentity.container import EntityFile
 from entity.dotentity.read import load_entity
@@ -233,7 +233,9 @@ def test_acceptance_3_thirty_sigkills(src, tmp_path, reference):
             outcomes["absent"] += 1
     print(outcomes)
     assert sum(outcomes.values()) == 30
-    # The next run in that directory sweeps the temp files the killed writers left behind.
+    # The next run in that directory sweeps the temp files the killed writers left behind
+    # (once they are STALE_MIN_AGE_S old: younger unlocked files may be a writer starting up).
+    time.sleep(STALE_MIN_AGE_S)
     convert(src, outdir / "clean.entity", quant="q4")
     assert _leftovers(outdir) == []
 

@@ -30,7 +30,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from entity.atomic import atomic_output, check_output, temp_name, wrap_os_error
+from entity.atomic import (
+    atomic_output,
+    check_output,
+    open_locked_temp,
+    sweep_stale_temps,
+    temp_name,
+    wrap_os_error,
+)
 from entity.dotentity.header import (
     ALIGN,
     BLOB_DTYPES,
@@ -226,9 +233,11 @@ class EntityWriter:
         self.force = force
         self.inputs = list(inputs)
         check_output(self.path, force=force, inputs=self.inputs)  # fail before any slow work
+        # Temp files of killed writers go first, or a retry on a nearly full disk cannot fit.
+        sweep_stale_temps(self.path.parent)
         self._payload_path = temp_name(self.path.with_name(self.path.name + ".payload"))
         try:
-            self._payload = open(self._payload_path, "x+b")
+            self._payload = os.fdopen(open_locked_temp(self._payload_path), "w+b")
         except OSError as exc:
             raise wrap_os_error(exc, self.path) from exc
         self._records: list[dict[str, Any]] = []
@@ -305,16 +314,17 @@ class EntityWriter:
         return self.path
 
     def close(self) -> None:
-        """Drop the scratch payload (idempotent; called by `finish` and on errors)."""
+        """Drop the scratch payload (idempotent; called by `finish` and on errors). Unlinked
+        before it is closed, so it is never unlocked while it exists."""
+        try:
+            os.unlink(self._payload_path)
+        except OSError:
+            pass
         if not self._payload.closed:
             try:
                 self._payload.close()  # flushing a full disk fails again: the file goes anyway
             except OSError:
                 pass
-        try:
-            os.unlink(self._payload_path)
-        except OSError:
-            pass
 
     def __enter__(self) -> EntityWriter:
         return self
