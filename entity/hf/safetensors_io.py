@@ -279,10 +279,25 @@ def _shard_path(root: Path, shard: Any) -> Path:
         raise _fail("path_escape", f"shard name {shard!r} is not a plain relative name", path=root,
                     cls=CheckpointError)  # fmt: skip
     candidate = (root / shard).resolve()
-    if not candidate.is_relative_to(root.resolve()) or ".." in Path(shard).parts:
+    blobs = _hub_blobs(root)
+    inside = candidate.is_relative_to(root.resolve()) or (
+        blobs is not None and candidate.is_relative_to(blobs)
+    )
+    if not inside or ".." in Path(shard).parts:
         raise _fail("path_escape", f"shard {shard!r} resolves outside the model directory",
                     path=root, cls=CheckpointError)  # fmt: skip
     return root / shard
+
+
+def _hub_blobs(root: Path) -> Path | None:
+    """The `blobs/` dir of the HF cache repo ``root`` is a snapshot of
+    (`models--org--name/snapshots/<rev>`), whose files are symlinks to `../../blobs/<hash>`:
+    the normal place for a shard to resolve to. None outside a cache."""
+    snap = root.resolve()
+    repo = snap.parent.parent
+    if snap.parent.name == "snapshots" and repo.name.startswith("models--"):
+        return repo / "blobs"
+    return None
 
 
 def _open_index(root: Path) -> Checkpoint:
