@@ -25,34 +25,43 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_child(
-    argv: list[str], *, stdin: str = "", env: dict | None = None, timeout: float = 240
+# Peak RSS of a child is its VmHWM (per address space, reset by exec). ru_maxrss is not usable:
+# Linux carries the parent's high-water mark into a forked child across exec.
+_HWM_WRAPPER = """
+import atexit, runpy, sys
+out, args = sys.argv[1], sys.argv[2:]
+def _hwm():
+    with open("/proc/self/status") as f:
+        kb = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+    with open(out, "w") as f:
+        f.write(str(kb))
+atexit.register(_hwm)
+if args[0] == "-m":
+    sys.argv = [args[1], *args[2:]]
+    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = ["-c", *args[2:]]
+    exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+"""
+
+
+def run_py(
+    args: list, *, stdin: str = "", env: dict | None = None, timeout: float = 240
 ) -> tuple[int, str, str, int]:
-    """Run ``argv`` in a child process: (exit code, stdout, stderr, peak RSS in MB of the child)."""
+    """``python *args`` in a child: (exit code, stdout, stderr, peak RSS in MB; -1 if unknown)."""
     full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
-    with tempfile.TemporaryFile("w+") as fin, tempfile.TemporaryFile("w+") as fout:
-        with tempfile.TemporaryFile("w+") as ferr:
-            fin.write(stdin)
-            fin.seek(0)
-            p = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, env=full_env)
-            deadline = time.monotonic() + timeout
-            while True:
-                pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-                if pid:
-                    break
-                if time.monotonic() > deadline:
-                    p.kill()
-                    os.wait4(p.pid, 0)
-                    raise AssertionError(f"{argv} still running after {timeout} s")
-                time.sleep(0.05)
-            p.returncode = os.waitstatus_to_exitcode(status)
-            fout.seek(0)
-            ferr.seek(0)
-            return p.returncode, fout.read(), ferr.read(), usage.ru_maxrss // 1024
+    with tempfile.TemporaryDirectory() as d:
+        hwm = Path(d) / "hwm"
+        argv = [sys.executable, "-c", _HWM_WRAPPER, str(hwm), *map(str, args)]
+        p = subprocess.run(
+            argv, input=stdin, capture_output=True, text=True, env=full_env, timeout=timeout
+        )
+        rss = int(hwm.read_text()) // 1024 if hwm.exists() else -1
+    return p.returncode, p.stdout, p.stderr, rss
 
 
 def lucy(*args, **kw) -> tuple[int, str, str, int]:
-    return run_child([sys.executable, "-m", "lucy", *map(str, args)], **kw)
+    return run_py(["-m", "lucy", *args], **kw)
 
 
 def one_error_line(err: str) -> str:
@@ -166,8 +175,8 @@ def test_item2_dead_branch_bomb_is_not_folded_at_compile():
 
     for src in (DEAD_BOMB, DEAD_THREE):
         assert ChatTemplate(src).render([{"role": "user", "content": "hi"}]) == ""
-    code, out, err, rss = run_child(
-        [sys.executable, "-c", f"from poly.chat import ChatTemplate; ChatTemplate({DEAD_THREE!r})"]
+    code, out, err, rss = run_py(
+        ["-c", f"from poly.chat import ChatTemplate; ChatTemplate({DEAD_THREE!r})"]
     )
     assert code == 0, err
     assert rss < 300, rss  # was 3.5 GB
@@ -190,9 +199,7 @@ def test_item2_inspect_and_convert_of_a_gguf_with_a_dead_branch_bomb(tmp_path):
 def test_item2_render_bombs_are_bounded():
     import json
 
-    code, out, err, rss = run_child(
-        [sys.executable, "-c", _RENDER_ALL], stdin=json.dumps(RENDER_BOMBS)
-    )
+    code, out, err, rss = run_py(["-c", _RENDER_ALL], stdin=json.dumps(RENDER_BOMBS))
     assert code == 0, err
     results = json.loads(out)
     assert {k: v.startswith("limit: ") for k, v in results.items()} == dict.fromkeys(
@@ -249,7 +256,7 @@ def test_item3_nested_quantifier_check_refuses_the_panicking_shapes(regex):
 
 
 def test_item3_real_pre_tokenizer_regexes_pass_the_check():
-    from entity import gguf_tokenizer
+    from entity.gguf import tokenizer as gguf_tokenizer
     from poly.regex_guard import nested_quantifier
 
     regexes = [v for v in vars(gguf_tokenizer).values() if isinstance(v, str) and "\\p{" in v]
@@ -305,7 +312,7 @@ def _killed_during_finish(src: Path, out: Path) -> None:
     if pid == 0:
         import signal
 
-        from entity import entity_format
+        from entity.dotentity import container as entity_format
 
         real = entity_format._copy_all
 
