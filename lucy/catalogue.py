@@ -117,30 +117,36 @@ def entity_rows() -> list[ModelRow]:
                 parameters=info.get("parameters"),
                 dtype=info.get("dtype"),
                 size_bytes=f.stat().st_size,
-                supported=True,
-                reason=".entity",
+                supported="error" not in info,
+                reason=info.get("error", ".entity"),
             )
         )
     return rows
 
 
 def _entity_info(path: Path) -> dict:
-    """Architecture, quant scheme and parameter count from a v2 header (blobs are not read);
-    {} if unreadable."""
+    """Architecture, quant scheme and parameter count from a v2 header, read by
+    `peek_header` (capped, CRC-checked; the blob table and tokenizer are skipped, never built),
+    so a listing stays cheap whatever the files hold. {"error": ...} if the header is bad."""
+    from entity.dotentity.container import EntityVersionError, peek_header
     from poly.config import TransformerConfig
+    from poly.errors import PolyError
 
     try:
-        from entity.dotentity.container import EntityFile
-
-        spec = EntityFile(path, verify=False).header
-    except Exception:  # noqa: BLE001 - one unreadable file must not break the listing
-        return {}
-    info = {"architecture": spec.transformer.get("architecture"), "dtype": spec.quant.get("scheme")}
+        spec = peek_header(path, ("transformer", "quant"))
+    except EntityVersionError:
+        return {}  # a v1 file: loadable through the compatibility reader
+    except PolyError as err:
+        return {"error": err.code}
+    except OSError as err:
+        return {"error": err.strerror or "unreadable"}
+    tr, quant = spec.get("transformer"), spec.get("quant")
+    if not isinstance(tr, dict) or not isinstance(quant, dict):
+        return {"error": "bad_entity"}
+    info = {"architecture": tr.get("architecture"), "dtype": quant.get("scheme")}
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     try:  # a q4 file's blobs are packed bytes: count from the dims, not the blob shapes
-        cfg = TransformerConfig.from_dict(
-            {k: v for k, v in spec.transformer.items() if k in fields}
-        )
+        cfg = TransformerConfig.from_dict({k: v for k, v in tr.items() if k in fields})
         info["parameters"] = cfg.parameter_count
     except Exception:  # noqa: BLE001 - an odd header shows "?" here; loading reports it
         pass

@@ -18,10 +18,12 @@ import pytest
 
 from entity.convert import convert
 from poly.errors import OutputPathError
+from tests.fuzz import harness
 from tests.fuzz.corpus import expect_error
 from tests.hf_fixtures import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
+LONG = harness.EXAMPLES > harness.DEFAULT_EXAMPLES  # the fuzz suite's long mode
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -505,3 +507,69 @@ def test_item8_escapes_outside_the_cache_repo_stay_refused(sharded_cache, tmp_pa
 
         exc = expect_error(lambda: entity.load(snap), CheckpointError)
         assert "resolves outside the model directory" in str(exc)
+
+
+# --- item 5: header size amplification inside the caps -------------------------------------------
+
+# case -> (outcome prefix, peak RSS bound in MB): measured 115-521 MB (docs/security.md table)
+HEADER_CASES = {
+    "entity-v2-empty-arrays": ("EntityFormatError: bad msgpack header: header holds more", 700),
+    "entity-v2-one-string": ("EntityFormatError", 700),
+    "entity-v1-empty-arrays": ("LimitExceededError: v1 header holds up to", 700),
+    "entity-v1-one-string": ("EntityFormatError", 700),
+    "safetensors-empty-arrays": ("LimitExceededError: header_too_large", 700),
+    "gguf-empty-strings-64MiB": ("LimitExceededError: array 'tokenizer.ggml.tokens'", 700),
+}
+SLOW_HEADER_CASES = {
+    "entity-v2-blob-table-at-cap": ("EntityFormatError", 900),
+    "safetensors-tensor-table-at-cap": ("WeightMappingError", 1200),
+    "gguf-token-list-at-cap": ("WeightMappingError", 900),
+}
+
+
+def _open_header_case(name: str, tmp_path: Path) -> tuple[dict, int]:
+    import json
+
+    code, out, err, _ = run_py(["-m", "tests.header_bombs", "build", name, tmp_path])
+    assert code == 0, err
+    code, out, err, rss = run_py(["-m", "tests.header_bombs", "open", out.strip()])
+    assert code == 0, err
+    return json.loads(out), rss
+
+
+@pytest.mark.parametrize("name", list(HEADER_CASES))
+def test_item5_header_at_the_cap_is_bounded(name, tmp_path):
+    result, rss = _open_header_case(name, tmp_path)
+    want, bound = HEADER_CASES[name]
+    assert result["outcome"].startswith(want), result
+    assert 0 < rss < bound, (name, rss)  # were 4.8 GB (v2), 6.7 GB (v1 at 256 MiB), 2.5 GB (st)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LONG, reason="long mode only (POLY_FUZZ_EXAMPLES above the default)")
+@pytest.mark.parametrize("name", list(SLOW_HEADER_CASES))
+def test_item5_largest_accepted_tables_are_bounded(name, tmp_path):
+    result, rss = _open_header_case(name, tmp_path)
+    want, bound = SLOW_HEADER_CASES[name]
+    assert result["outcome"].startswith(want), result
+    assert 0 < rss < bound, (name, rss)
+
+
+def test_item5_lucy_models_does_not_build_huge_headers(tmp_path):
+    """17 MB of empty arrays in entities/ (25 s / 1.3 GB per listing before): refused by the
+    item budget, and the listing only peeks at two header fields."""
+    import json
+
+    from tests.header_bombs import _seal_v2
+
+    ents = tmp_path / "home" / "entities"
+    ents.mkdir(parents=True)
+    inner = b"\xdd" + (1 << 17).to_bytes(4, "big") + b"\x90" * (1 << 17)
+    body = b"\x82" + b"\xa4junk" + b"\xdd" + (130).to_bytes(4, "big") + inner * 130
+    (ents / "bomb.entity").write_bytes(_seal_v2(body))
+    code, out, err, rss = lucy("models", "--json", env={"POLY_HOME": str(tmp_path / "home"),
+                                                        "HF_HUB_CACHE": str(tmp_path / "hub")})  # fmt: skip
+    assert code == 0, err
+    rows = [r for r in json.loads(out) if r["name"] == "bomb"]
+    assert len(rows) == 1 and rows[0]["supported"] is False, rows
+    assert rss < 400, rss

@@ -52,6 +52,7 @@ from entity.dotentity.header import (
     check_layout,
     decode_header,
     fail,
+    peek_fields,
     read_prefix,
 )
 from entity.dotentity.native_blocks import check_record
@@ -132,24 +133,7 @@ class EntityFile:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
 
     def _read_header(self, f) -> tuple[Header, int]:
-        version, flags, hlen = read_prefix(f, self.path)
-        if version != FORMAT_VERSION:
-            raise EntityVersionError(
-                f"unsupported .entity version {version} (this reader: 1 via entity.dotentity.v1, 2)",
-                path=self.path,
-                offset=8,
-            )
-        if hlen > self.size - PREFIX.size:
-            raise fail(f"header length {hlen} exceeds the file", self.path, 12)
-        if hlen > MAX_HEADER_LEN:
-            raise LimitExceededError(f"header length {hlen} > {MAX_HEADER_LEN}", path=self.path)
-        f.seek(0)
-        raw = f.read(PREFIX.size + hlen)
-        if hlen < len(CRC_TAIL) + 4 or raw[-len(CRC_TAIL) - 4 : -4] != CRC_TAIL:
-            raise IntegrityError("header checksum entry missing or damaged", path=self.path)
-        want = int.from_bytes(raw[-4:], "big")  # msgpack uint32 is big-endian
-        if zlib.crc32(raw[:-4]) != want:
-            raise IntegrityError("header checksum mismatch (file damaged)", path=self.path)
+        raw, flags, hlen = read_raw_header(f, self.size, self.path)
         header = decode_header(raw[PREFIX.size :], self.path)
         self.header_len = hlen
         self.data_start = align(PREFIX.size + hlen)
@@ -357,3 +341,36 @@ def _copy_all(src, dst, length: int) -> None:
     if copied != length:
         raise EntityFormatError(f"payload copy stopped at {copied} of {length} bytes")
     dst.seek(0, os.SEEK_END)
+
+
+def read_raw_header(f, size: int, path: str | None) -> tuple[bytes, int, int]:
+    """Prefix + header bytes of a v2 file, length-capped and CRC-checked: (raw, flags, hlen)."""
+    version, flags, hlen = read_prefix(f, path)
+    if version != FORMAT_VERSION:
+        raise EntityVersionError(
+            f"unsupported .entity version {version} (this reader: 1 via entity.dotentity.v1, 2)",
+            path=path,
+            offset=8,
+        )
+    if hlen > size - PREFIX.size:
+        raise fail(f"header length {hlen} exceeds the file", path, 12)
+    if hlen > MAX_HEADER_LEN:
+        raise LimitExceededError(f"header length {hlen} > {MAX_HEADER_LEN}", path=path)
+    f.seek(0)
+    raw = f.read(PREFIX.size + hlen)
+    if hlen < len(CRC_TAIL) + 4 or raw[-len(CRC_TAIL) - 4 : -4] != CRC_TAIL:
+        raise IntegrityError("header checksum entry missing or damaged", path=path)
+    want = int.from_bytes(raw[-4:], "big")  # msgpack uint32 is big-endian
+    if zlib.crc32(raw[:-4]) != want:
+        raise IntegrityError("header checksum mismatch (file damaged)", path=path)
+    return raw, flags, hlen
+
+
+def peek_header(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, Any]:
+    """Only the top-level header fields ``keys`` of a v2 file (for listings): the header is
+    length-capped and CRC-checked, the other fields are skipped without being built (a huge
+    blob table or tokenizer costs no memory). Raises the typed errors of `EntityFile`."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        raw, _, _ = read_raw_header(f, os.fstat(f.fileno()).st_size, path)
+    return peek_fields(raw[PREFIX.size :], keys, path)

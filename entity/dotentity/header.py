@@ -34,13 +34,18 @@ __all__ = [
     "read_prefix",
     "decode_header",
     "check_layout",
+    "peek_fields",
 ]
 
 MAGIC = b"ENTITY\x00\x00"
 FORMAT_VERSION = 2
 ALIGN = 64  # cache-line and SIMD friendly; any page-aligned mmap keeps it
 PREFIX = struct.Struct("<8sHHQ")  # magic, version, flags, header length
-MAX_BLOBS = 1 << 20
+MAX_BLOBS = 1 << 17  # a 671B MoE stored per expert has ~60k tensors
+# Containers plus their elements, summed over the whole header: each costs ~100 bytes of Python
+# objects, so this bounds decoding memory whatever the bytes are (64 MB of one-byte empty arrays
+# was 4.6 GB). A blob record is ~12 items: the blob table at its cap fits.
+MAX_HEADER_ITEMS = 16 * MAX_BLOBS
 _CRC_KEY = "header_crc32"
 CRC_TAIL = msgpack.packb(_CRC_KEY) + b"\xce"  # key, then uint32 marker, then 4 crc bytes
 
@@ -113,6 +118,26 @@ def read_prefix(f, path: str | None = None) -> tuple[int, int, int]:
     return version, flags, hlen
 
 
+class _ItemBudget:
+    """Counts containers and elements as msgpack builds them; refuses past MAX_HEADER_ITEMS."""
+
+    def __init__(self) -> None:
+        self.items = 0
+
+    def charge(self, n: int) -> None:
+        self.items += n + 1
+        if self.items > MAX_HEADER_ITEMS:
+            raise ValueError(f"header holds more than {MAX_HEADER_ITEMS} values")
+
+    def list_hook(self, value: list) -> list:
+        self.charge(len(value))
+        return value
+
+    def pairs_hook(self, pairs: list[tuple[Any, Any]]) -> dict:
+        self.charge(len(pairs))
+        return _no_dups(pairs)
+
+
 def _no_dups(pairs: list[tuple[Any, Any]]) -> dict:
     out: dict = {}
     for k, v in pairs:
@@ -140,14 +165,18 @@ def _check_finite(obj: Any, where: str = "header") -> None:
 
 
 def decode_header(raw: bytes, path: str | None) -> Header:
+    budget = _ItemBudget()
     try:
         obj = msgpack.unpackb(
             raw,
             raw=False,
             strict_map_key=True,
             use_list=True,
-            object_pairs_hook=_no_dups,
+            object_pairs_hook=budget.pairs_hook,
+            list_hook=budget.list_hook,
             ext_hook=_reject_ext,
+            max_array_len=MAX_BLOBS,
+            max_map_len=MAX_BLOBS,
         )
         if not isinstance(obj, dict):
             raise ValueError("header is not a map")
@@ -159,6 +188,29 @@ def decode_header(raw: bytes, path: str | None) -> Header:
         raise fail(f"bad header field {loc}: {err['msg']}", path, PREFIX.size) from exc
     except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
         raise fail(f"bad msgpack header: {exc}", path, PREFIX.size) from exc
+
+
+def peek_fields(raw: bytes, keys: tuple[str, ...], path: str | None) -> dict[str, Any]:
+    """The values of top-level ``keys`` of a msgpack header map; every other value is skipped
+    by msgpack without building it."""
+    budget = _ItemBudget()
+    up = msgpack.Unpacker(
+        raw=False, strict_map_key=True, object_pairs_hook=budget.pairs_hook,
+        list_hook=budget.list_hook, ext_hook=_reject_ext, max_buffer_size=len(raw) + 1,
+        max_array_len=MAX_BLOBS, max_map_len=MAX_BLOBS,
+    )  # fmt: skip
+    up.feed(raw)
+    out: dict[str, Any] = {}
+    try:
+        for _ in range(up.read_map_header()):
+            key = up.unpack()
+            if key in keys and key not in out:
+                out[key] = up.unpack()
+            else:
+                up.skip()
+    except Exception as exc:  # msgpack raises many kinds
+        raise fail(f"bad msgpack header: {exc or type(exc).__name__}", path, PREFIX.size) from exc
+    return out
 
 
 def check_layout(blobs: list[BlobRecord], data_start: int, size: int, path: str | None) -> None:

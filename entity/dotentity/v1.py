@@ -27,7 +27,11 @@ from poly.quant.loom_v1 import loom_decode
 
 __all__ = ["V1Checkpoint", "read_entity_v1", "load_entity_v1", "q4_0_decode"]
 
-MAX_HEADER_LEN = 256 << 20  # Loom's own cap (§4.1)
+MAX_HEADER_LEN = 64 << 20  # Loom allowed 256 MiB (§4.1); real v1 headers are < 1 MiB
+# Upper bound on the values of a JSON header, counted on the bytes before parsing ('[', '{' and
+# ',' outside strings are all of them; inside strings they only over-count): 96 MB of `[],`
+# was 2.6 GB of Python lists. Real v1 headers hold a few thousand values.
+MAX_V1_ITEMS = 1 << 20
 Q4_KEYS = {
     200: "w_q",
     201: "w_k",
@@ -72,8 +76,13 @@ def _read_header(f, path: str, size: int) -> tuple[dict, int]:
     if hlen > size - PREFIX.size:
         raise fail(f"header length {hlen} exceeds the file", path, 12)
     if hlen > MAX_HEADER_LEN:
-        raise LimitExceededError(f"v1 header length {hlen} > 256 MiB", path=path)
+        raise LimitExceededError(f"v1 header length {hlen} > {MAX_HEADER_LEN}", path=path)
     raw = f.read(hlen)
+    items = raw.count(b"[") + raw.count(b"{") + raw.count(b",")
+    if items > MAX_V1_ITEMS:
+        raise LimitExceededError(
+            f"v1 header holds up to {items} values (limit {MAX_V1_ITEMS})", path=path
+        )
     try:
         header = json.loads(
             raw.decode("utf-8"), object_pairs_hook=_no_dups, parse_constant=_bad_constant

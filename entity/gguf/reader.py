@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from poly.errors import GGUFFormatError, ModelNotFoundError, UnsupportedError
+from poly.errors import GGUFFormatError, LimitExceededError, ModelNotFoundError, UnsupportedError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -26,6 +26,9 @@ MAX_TENSOR_NAME = 63  # ggml GGML_MAX_NAME is 64 bytes including the NUL
 MAX_KEY_LEN = 65535  # GGUF spec
 MAX_STRING = 1 << 20  # 1 MiB per ordinary string value
 MAX_ARRAY_ELEMENTS = 1 << 30  # ggml's GGUF_MAX_ARRAY_ELEMENTS
+# String arrays become Python lists (~60 bytes and a parse step per element): token lists and
+# merges of real vocabularies (<= 262k) fit; 60 MB of empty strings was 7.4M elements, 47 s.
+MAX_STRING_ARRAY = 1 << 21
 DEFAULT_ALIGNMENT = 32
 MAX_ALIGNMENT = 1 << 20
 HEADER_BYTES = 24  # magic, version u32, n_tensors u64, n_kv u64
@@ -154,6 +157,10 @@ def _read_array(cur: _Cursor, key: str) -> tuple[Any, int]:
     if n > MAX_ARRAY_ELEMENTS or n * min_size > cur.remaining:
         raise cur.fail(f"array {key!r}: {n} elements do not fit in the file", start)
     if etype == T_STRING:
+        if n > MAX_STRING_ARRAY:
+            raise LimitExceededError(
+                f"array {key!r}: {n} strings (limit {MAX_STRING_ARRAY})", path=cur.path
+            )
         cap = min(cur.remaining, MAX_STRING)
         return [cur.string(f"element of {key!r}", cap) for _ in range(n)], etype
     dtype = SCALAR_TYPES[etype][1]

@@ -39,6 +39,9 @@ from poly.errors import (
 )
 
 MAX_HEADER_BYTES = 100_000_000  # the reference cap (S2)
+# JSON values of a header ('[', '{', ',' counted on the bytes): ~9 per tensor entry, so ~450k
+# tensors; 100 MB of `[],` in __metadata__ was 2.5 GB and 26 s of Python lists.
+MAX_HEADER_ITEMS = 1 << 22
 MAX_NAME_BYTES = 65536
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -138,6 +141,10 @@ def _parse_entry(name: str, entry: Any) -> TensorInfo:
 
 def parse_header(raw: bytes, path: Any = None) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Validate header bytes (without the 8-byte prefix); returns (tensors, metadata)."""
+    items = raw.count(b"[") + raw.count(b"{") + raw.count(b",")  # an upper bound, before parsing
+    if items > MAX_HEADER_ITEMS:
+        raise _fail("header_too_large", f"header holds up to {items} values (limit "
+                    f"{MAX_HEADER_ITEMS})", path=path, cls=LimitExceededError)  # fmt: skip
     try:
         text = raw.decode("utf-8")
         if text.startswith("\ufeff"):
