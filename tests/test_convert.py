@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from entity.atomic import STALE_MIN_AGE_S
 from entity.convert import DELAY_ENV, convert
 from entity.dotentity.container import EntityFile
 from entity.dotentity.read import load_entity
@@ -185,9 +186,11 @@ def test_sigkill_leaves_nothing_or_a_complete_file(tmp_path):
         else:
             outcomes["absent"] += 1
     print(outcomes)
-    # A clean run afterwards sweeps the temp files the killed writers left behind.
+    # A clean run afterwards sweeps the temp files the killed writers left behind (once they
+    # are STALE_MIN_AGE_S old and unlocked).
     if out.exists():
         out.unlink()
+    time.sleep(STALE_MIN_AGE_S)
     convert(src, out, quant="q4")
     assert [p.name for p in out.parent.iterdir()] == ["m.entity"]
 

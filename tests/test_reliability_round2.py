@@ -573,3 +573,48 @@ def test_item5_lucy_models_does_not_build_huge_headers(tmp_path):
     rows = [r for r in json.loads(out) if r["name"] == "bomb"]
     assert len(rows) == 1 and rows[0]["supported"] is False, rows
     assert rss < 400, rss
+
+
+# --- item 6: .entity transformer.max_seq_len is capped like GGUF/HF ------------------------------
+
+
+def _rewrite_meta(src: Path, dst: Path, **transformer) -> Path:
+    """Copy an .entity file through our writer with transformer fields changed."""
+    from entity.dotentity.container import EntityFile, EntityWriter
+    from entity.dotentity.header import META_KEYS
+
+    ef = EntityFile(src)
+    meta = {k: ef.meta(k) for k in META_KEYS}
+    meta["transformer"] = dict(meta["transformer"], **transformer)
+    with EntityWriter(dst) as w:
+        for name, rec in ef.blobs.items():
+            w.add(name, ef.array(name), ggml_type=rec.ggml_type)
+        w.finish(meta)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_entity(tmp_path_factory) -> Path:
+    from entity.dotentity.write import save_entity
+    from tests.fuzz.corpus import tiny_model
+
+    d = tmp_path_factory.mktemp("r2ent")
+    return save_entity(tiny_model(d, hidden=32), d / "m.entity", quant="q4")
+
+
+def test_item6_entity_max_seq_len_is_capped(tiny_entity, tmp_path):
+    import entity
+    from poly.errors import LimitExceededError
+
+    big = _rewrite_meta(tiny_entity, tmp_path / "big.entity", max_seq_len=1 << 22)
+    tf = entity.load(big)
+    assert tf.config.max_seq_len == 4096  # the KV cache default, as for GGUF/HF files
+    assert entity.load(big, max_seq_len=100).config.max_seq_len == 100
+    huge = _rewrite_meta(tiny_entity, tmp_path / "huge.entity", max_seq_len=1 << 40)
+    exc = expect_error(lambda: entity.load(huge), LimitExceededError, "limit_exceeded")
+    assert "max_seq_len" in str(exc)
+    code, out, err, rss = lucy("generate", big, "--prompt", "ab", "--max-tokens", "3")
+    assert code == 0, err
+    assert rss < 600, rss  # was 3.26 GB for 3 tokens
+    code, out, err, rss = lucy("generate", huge, "--prompt", "ab", "--max-tokens", "3")
+    assert code == 4 and "max_seq_len" in one_error_line(err)  # was a raw MemoryError, exit 1

@@ -14,19 +14,30 @@ from entity.dotentity.container import EntityFile
 from entity.dotentity.header import read_prefix
 from entity.dotentity.native_blocks import native_kind
 from poly.config import TransformerConfig
-from poly.errors import EntityFormatError, LayerConfigError, PolyError
+from poly.errors import EntityFormatError, LayerConfigError, LimitExceededError, PolyError
 
 __all__ = ["load_entity"]
+
+
+# As for HF and GGUF: the file's max_seq_len is the model's context; the KV cache (preallocated)
+# defaults to at most DEFAULT_CONTEXT unless the caller asks for more. 2^22 cost 3.26 GB for
+# 3 tokens; 2^40 ended in a raw MemoryError.
+DEFAULT_CONTEXT = 4096
+MAX_CONTEXT = 1 << 24  # the HF max_position_embeddings cap
 
 
 def _config(ef: EntityFile, max_seq_len: int | None) -> TransformerConfig:
     spec = dict(ef.meta("transformer"))
     spec.pop("tied", None)
+    seq = spec.get("max_seq_len")
+    if type(seq) is int and seq > MAX_CONTEXT:
+        raise LimitExceededError(
+            f"transformer.max_seq_len {seq} exceeds {MAX_CONTEXT}", path=ef.path
+        )
     try:
         cfg = TransformerConfig.from_dict(spec)
-        if max_seq_len is not None:
-            cfg = dataclasses.replace(cfg, max_seq_len=int(max_seq_len))
-        return cfg
+        want = min(cfg.max_seq_len, DEFAULT_CONTEXT) if max_seq_len is None else int(max_seq_len)
+        return dataclasses.replace(cfg, max_seq_len=want)
     except (PolyError, TypeError, ValueError) as exc:
         raise EntityFormatError(f"bad transformer spec: {exc}", path=ef.path) from exc
 
