@@ -618,3 +618,82 @@ def test_item6_entity_max_seq_len_is_capped(tiny_entity, tmp_path):
     assert rss < 600, rss  # was 3.26 GB for 3 tokens
     code, out, err, rss = lucy("generate", huge, "--prompt", "ab", "--max-tokens", "3")
     assert code == 4 and "max_seq_len" in one_error_line(err)  # was a raw MemoryError, exit 1
+
+
+# --- item 7: tiny temperature / repetition penalty -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    from tests.fuzz.corpus import byte_vocab, gguf_model
+
+    p = tmp_path_factory.mktemp("r2gguf") / "tiny.gguf"
+    p.write_bytes(gguf_model(tokens=byte_vocab(), hidden=32))
+    return p
+
+
+def test_item7_tiny_temperature_and_penalty_compute_safely():
+    import warnings
+
+    import numpy as np
+
+    from poly.sampling import GenOptions, Sampler
+
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 3, 258).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning either
+        for t in (1e-40, 1e-6, 5e-324):
+            s = Sampler(GenOptions(temperature=t, seed=1), 258)
+            assert s.sample(logits) == int(np.argmax(logits))  # the T -> 0 limit
+        for pen in (1e-40, 1e-30, 1e30):
+            s = Sampler(GenOptions(temperature=0.7, repetition_penalty=pen, seed=1), 258)
+            p = s.probabilities(logits, tokens=list(range(0, 258, 3)))
+            assert np.isfinite(p).all() and abs(p.sum() - 1) < 1e-9
+            s.sample(logits, tokens=list(range(0, 258, 3)))
+        opts = GenOptions(temperature=1e-3, banned_tokens=(5,), top_k=0, top_p=1.0, min_p=0.0)
+        x = Sampler(opts, 258).process(logits)
+        assert x[5] == -np.inf and np.isfinite(np.delete(x, 5)).all()  # masks stay masked
+
+
+def test_item7_cli_generate_with_temperature_1e_40(tiny_gguf):
+    import json
+
+    args = ("generate", tiny_gguf, "--prompt", "ab", "--max-tokens", "4", "--json")
+    code, out, err, _ = lucy(*args, "--temperature", "1e-40")
+    assert code == 0 and err == "", err  # was a bare ValueError and a RuntimeWarning
+    code0, out0, _, _ = lucy(*args, "--temperature", "0")
+    assert code0 == 0 and json.loads(out)["tokens"] == json.loads(out0)["tokens"]  # greedy
+
+
+def test_item7_chat_set_tiny_temperature_keeps_the_chat(tiny_gguf):
+    code, out, err, _ = lucy(
+        "chat",
+        tiny_gguf,
+        "--max-tokens",
+        "3",
+        stdin="/set temperature 1e-40\nhello\nagain\n/stats\n/quit\n",
+    )
+    assert code == 0, err
+    assert "Traceback" not in err and "turns" in out  # /stats ran after both turns
+
+
+def test_item7_failed_turn_is_not_recorded(tmp_path, monkeypatch):
+    from poly.sampling import GenOptions, Sampler
+    from poly.session import ChatSession
+    from tests.fuzz.corpus import tiny_model
+
+    tf = tiny_model(tmp_path, hidden=32)
+    session = ChatSession(tf, options=GenOptions(temperature=0.8, seed=2, max_tokens=3))
+    "".join(e.text for e in session.send("first") if hasattr(e, "text"))
+    assert session.turns == 1
+
+    def broken(self, *a, **k):
+        raise ValueError("a bug outside the typed errors")
+
+    monkeypatch.setattr(Sampler, "sample", broken)
+    with pytest.raises(ValueError):
+        list(session.send("second"))
+    assert session.turns == 1 and [m["content"] for m in session.history] == [
+        "first", session.history[1]["content"]
+    ]  # fmt: skip

@@ -42,6 +42,9 @@ def _ids(name: str, value) -> tuple[int, ...]:
     return tuple(int(t) for t in out)
 
 
+MIN_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
+_F32_MAX = float(np.finfo(np.float32).max)
+
 # (field, check, message): one table instead of an if-chain per field.
 _CHECKS: tuple[tuple[str, object, str], ...] = (
     ("max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
@@ -110,7 +113,9 @@ class GenOptions:
 
     @property
     def greedy(self) -> bool:
-        return self.deterministic or self.temperature == 0.0
+        """Temperatures below MIN_TEMPERATURE sample greedily (vLLM's rule: their limit is the
+        argmax, and dividing by them leaves float range)."""
+        return self.deterministic or self.temperature < MIN_TEMPERATURE
 
     def replace(self, **changes) -> GenOptions:
         """A copy with ``changes`` applied (validated again); unknown names raise."""
@@ -131,9 +136,8 @@ def apply_repetition_penalty(logits: np.ndarray, ids: Sequence[int], penalty: fl
     seen = np.unique(np.asarray(ids, dtype=np.int64))
     seen = seen[seen < logits.shape[0]]
     out = logits.copy()
-    vals = out[seen]
-    p = np.float32(penalty)
-    out[seen] = np.where(vals < 0, vals * p, vals / p)
+    vals = out[seen].astype(np.float64)  # a tiny penalty overflows float32 (1/1e-40)
+    out[seen] = _finite_f32(np.where(vals < 0, vals * penalty, vals / penalty), out[seen])
     return out
 
 
@@ -159,10 +163,18 @@ def no_repeat_ngram_bans(ids: Sequence[int], n: int) -> np.ndarray:
     return np.unique(seq[hits + n - 1])
 
 
+def _finite_f32(scaled: np.ndarray, original: np.ndarray) -> np.ndarray:
+    """float64 results back to float32: finite inputs stay finite (clipped to the float32 range,
+    so a huge quotient cannot become inf and then NaN in the softmax); masked -inf stays -inf."""
+    clipped = np.clip(scaled, -_F32_MAX, _F32_MAX)
+    return np.where(np.isfinite(original), clipped, original).astype(np.float32)
+
+
 def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """Divide by ``temperature`` in float64 (callers treat T < MIN_TEMPERATURE as greedy)."""
     if temperature == 1.0:
         return logits
-    return (logits / np.float32(temperature)).astype(np.float32, copy=False)
+    return _finite_f32(logits.astype(np.float64) / temperature, logits)
 
 
 def apply_top_k(logits: np.ndarray, k: int) -> np.ndarray:
@@ -283,5 +295,7 @@ class Sampler:
             return int(np.argmax(x))  # first maximum, like Loom
         cand = np.flatnonzero(np.isfinite(x))
         cum = np.cumsum(_softmax64(x[cand]))
+        if not (np.isfinite(cum[-1]) and cum[-1] > 0):
+            raise NumericalError("sampling distribution is not finite; refusing to sample")
         i = int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"))
         return int(cand[min(i, len(cand) - 1)])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from poly.errors import GenerationError, PolyError
+from poly.errors import GenerationError
 from poly.text.generation import DoneEvent, TokenStream, stream_tokens
 from poly.text.sampling import GenOptions, Sampler
 
@@ -145,7 +145,7 @@ class ChatSession:
                 if isinstance(event, DoneEvent):
                     self.last_done = event
                 yield event
-        except PolyError:
+        except Exception:  # any error (not only PolyError) fails the turn: it is not recorded
             failed = True
             raise
         finally:
