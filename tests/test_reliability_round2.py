@@ -159,8 +159,8 @@ RENDER_BOMBS = {
 }
 _RENDER_ALL = """
 import json, sys
-from poly.chat import ChatTemplate
-from poly.jinja_sandbox import TemplateLimitError
+from poly.text.chat import ChatTemplate
+from poly.text.jinja_sandbox import TemplateLimitError
 out = {}
 for name, src in json.loads(sys.stdin.read()).items():
     try:
@@ -173,12 +173,12 @@ print(json.dumps(out))
 
 
 def test_item2_dead_branch_bomb_is_not_folded_at_compile():
-    from poly.chat import ChatTemplate
+    from poly.text.chat import ChatTemplate
 
     for src in (DEAD_BOMB, DEAD_THREE):
         assert ChatTemplate(src).render([{"role": "user", "content": "hi"}]) == ""
     code, out, err, rss = run_py(
-        ["-c", f"from poly.chat import ChatTemplate; ChatTemplate({DEAD_THREE!r})"]
+        ["-c", f"from poly.text.chat import ChatTemplate; ChatTemplate({DEAD_THREE!r})"]
     )
     assert code == 0, err
     assert rss < 300, rss  # was 3.5 GB
@@ -215,7 +215,7 @@ def test_item2_real_templates_still_render_equal_to_jinja():
     tests/test_chat_template.py; here filters, tests and `~` are compared to plain Jinja."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from poly.chat import ChatTemplate
+    from poly.text.chat import ChatTemplate
 
     src = (
         "{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content']|trim ~ "
@@ -249,7 +249,7 @@ def _split_json(regex: str) -> str:
 @pytest.mark.parametrize("regex", PANIC_REGEXES)
 def test_item3_nested_quantifier_check_refuses_the_panicking_shapes(regex):
     from poly.errors import TokenizerError
-    from poly.tokenizer import Tokenizer
+    from poly.text.tokenizer import Tokenizer
 
     exc = expect_error(
         lambda: Tokenizer.from_str(_split_json(regex)), TokenizerError, "bad_tokenizer"
@@ -259,7 +259,7 @@ def test_item3_nested_quantifier_check_refuses_the_panicking_shapes(regex):
 
 def test_item3_real_pre_tokenizer_regexes_pass_the_check():
     from entity.gguf import tokenizer as gguf_tokenizer
-    from poly.regex_guard import nested_quantifier
+    from poly.text.regex_guard import nested_quantifier
 
     regexes = [v for v in vars(gguf_tokenizer).values() if isinstance(v, str) and "\\p{" in v]
     regexes += [
@@ -277,7 +277,7 @@ def test_item3_panic_inside_encode_is_a_tokenizer_error(regex):
     import tokenizers
 
     from poly.errors import TokenizerError
-    from poly.tokenizer import Tokenizer
+    from poly.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_tokenizers(tokenizers.Tokenizer.from_str(_split_json(regex)))
     exc = expect_error(lambda: tok.encode(PANIC_TEXT), TokenizerError, "bad_tokenizer")
@@ -637,7 +637,7 @@ def test_item7_tiny_temperature_and_penalty_compute_safely():
 
     import numpy as np
 
-    from poly.sampling import GenOptions, Sampler
+    from poly.text.sampling import GenOptions, Sampler
 
     rng = np.random.default_rng(7)
     logits = rng.normal(0, 3, 258).astype(np.float32)
@@ -679,8 +679,8 @@ def test_item7_chat_set_tiny_temperature_keeps_the_chat(tiny_gguf):
 
 
 def test_item7_failed_turn_is_not_recorded(tmp_path, monkeypatch):
-    from poly.sampling import GenOptions, Sampler
-    from poly.session import ChatSession
+    from poly.text.sampling import GenOptions, Sampler
+    from poly.text.session import ChatSession
     from tests.fuzz.corpus import tiny_model
 
     tf = tiny_model(tmp_path, hidden=32)

@@ -21,10 +21,10 @@ import jinja2.utils
 import jinja2.visitor
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from poly import jinja_limits
 from poly.errors import TemplateError, TemplateSecurityError
+from poly.text import jinja_limits
 
-# The limits and the per-render budget live in poly.jinja_limits (re-exported here).
+# The limits and the per-render budget live in poly.text.jinja_limits (re-exported here).
 TemplateLimitError = jinja_limits.TemplateLimitError
 RenderBudget = jinja_limits.RenderBudget
 BUDGET = jinja_limits.BUDGET

@@ -17,7 +17,7 @@ from typing import Any
 import tokenizers
 
 from poly.errors import InvalidTokenError, LimitExceededError, TokenizerError
-from poly.regex_guard import nested_quantifier
+from poly.text.regex_guard import nested_quantifier
 
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # real tokenizer.json files are < 20 MB
 MAX_VOCAB = 1 << 22
