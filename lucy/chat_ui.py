@@ -38,10 +38,14 @@ def _count(x) -> int:
 class ChatUI:
     """Reads user lines, runs slash commands, streams replies of one `ChatSession`."""
 
-    def __init__(self, session, con, out=None, overrides: dict | None = None):
+    def __init__(self, session, con, out=None, overrides: dict | None = None, on_full="ask"):
+        if on_full not in ON_FULL:
+            raise UsageError(f"on_full must be one of {', '.join(ON_FULL)}, got {on_full!r}")
         self.session = session
         self.con = con
         self.out = out or sys.stdout
+        self.on_full = on_full  # what a full context does: ask, drop-oldest or stop
+        self.exit_code = 0  # 8 when `stop` ended the chat on a full context
         self.last = None  # DoneEvent of the last reply
         self.overrides = dict(overrides or {})  # flags and /set values: shown as "flag"
 
@@ -53,7 +57,7 @@ class ChatUI:
             except KeyboardInterrupt:
                 self.con.print()
                 return
-            if line is None or not self.handle(line.strip()):
+            if line is None or not self.handle(line.strip()) or self.exit_code:
                 return
 
     def handle(self, line: str) -> bool:
@@ -112,20 +116,43 @@ class ChatUI:
                 events.close()
 
     def _offer_drop(self, err) -> bool:
+        """True to retry the message after dropping the oldest turn, per `on_full`."""
         self.con.print(f"context full: {err}", markup=False)
         history = getattr(self.session, "history", None) or []
         if not any(m.get("role") == "user" for m in history):
             self.con.print("no earlier turns to drop: shorten the message", markup=False)
-            return False
-        answer = read_line(self.con, "drop the oldest turn and retry? (1/0) [1]: ")
-        if answer is None or answer.strip() not in ("", "1", "y", "yes"):
-            return False
+            return self._stop()
+        if self.on_full == "stop":
+            return self._stop()
+        if self.on_full == "ask":
+            answer = read_line(self.con, "drop the oldest turn and retry? (1/0) [1]: ")
+            if answer is None or answer.strip() not in ("", "1", "y", "yes"):
+                return False
         try:
             self.session.drop_oldest_turns(1)
         except PolyError as exc:
             self.con.print(f"cannot drop turns: {exc}", markup=False)
             return False
         return True
+
+    def _stop(self) -> bool:
+        if self.on_full == "stop":  # a script must notice: the chat ends with exit code 8
+            self.con.print("message not sent; chat ended (--on-full stop)", markup=False)
+            self.exit_code = 8
+        return False
+
+
+ON_FULL = ("ask", "drop-oldest", "stop")
+
+
+def on_full_policy(choice: str | None, interactive: bool) -> str:
+    """`--on-full`: asking needs a terminal; a piped chat never reads its next line as an answer
+    (default there: stop)."""
+    if choice is None:
+        return "ask" if interactive else "stop"
+    if choice == "ask" and not interactive:
+        raise UsageError("--on-full ask needs an interactive terminal; use drop-oldest or stop")
+    return choice
 
 
 def _cmd_reset(ui: ChatUI, rest: str) -> None:
@@ -187,11 +214,16 @@ COMMANDS = {
 }
 
 
-def run_chat(model, system: str | None = None, overrides: dict | None = None, con=None) -> None:
-    """Open a `ChatSession` on `model` and run the loop until /quit, Ctrl-C or EOF."""
+def run_chat(
+    model, system: str | None = None, overrides: dict | None = None, con=None, on_full="ask"
+) -> int:
+    """Open a `ChatSession` on `model` and run the loop until /quit, Ctrl-C or EOF; the exit
+    code (8 when `on_full="stop"` ended it)."""
     from poly.text.session import ChatSession
 
     con = con or make_console()
     options = options_in_use(model, overrides or {})
     session = ChatSession(model, system=system, options=options)
-    ChatUI(session, con, overrides=overrides).run()
+    ui = ChatUI(session, con, overrides=overrides, on_full=on_full)
+    ui.run()
+    return ui.exit_code

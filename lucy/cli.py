@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="chat with a model")
     p.add_argument("model", help=model_help)
+    p.add_argument(
+        "--on-full",
+        choices=("ask", "drop-oldest", "stop"),
+        default=None,
+        help="when the context is full: ask (terminal default), drop-oldest turns, or stop "
+        "(exit 8; the default for piped stdin)",
+    )
     _add_sampling(p)
 
     p = sub.add_parser("convert", help="convert HF/GGUF to .entity")

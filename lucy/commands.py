@@ -29,15 +29,15 @@ def cmd_models(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from lucy.chat_ui import run_chat
+    from lucy.chat_ui import on_full_policy, run_chat
 
     overrides = settings.overrides_from_args(args)
     settings.check_overrides(overrides)  # bad values fail before the (slow) load
+    on_full = on_full_policy(args.on_full, sys.stdin.isatty())
     model = actions.load_model(args.model)
     if args.verbose:
         _settings_note(model, overrides)
-    run_chat(model, system=args.system, overrides=overrides)
-    return 0
+    return run_chat(model, system=args.system, overrides=overrides, on_full=on_full)
 
 
 def cmd_convert(args) -> int:
@@ -101,11 +101,11 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from lucy.chat_ui import run_chat
+    from lucy.chat_ui import on_full_policy, run_chat
 
     path = actions.demo_entity(make_console())
-    run_chat(actions.load_model(str(path)))
-    return 0
+    on_full = on_full_policy(None, sys.stdin.isatty())
+    return run_chat(actions.load_model(str(path)), on_full=on_full)
 
 
 def cmd_download(args) -> int:

@@ -697,3 +697,36 @@ def test_item7_failed_turn_is_not_recorded(tmp_path, monkeypatch):
     assert session.turns == 1 and [m["content"] for m in session.history] == [
         "first", session.history[1]["content"]
     ]  # fmt: skip
+
+
+# --- item 9: piped chat with a full context ------------------------------------------------------
+
+_MESSAGES = [f"message number {i} is here" for i in range(8)]
+
+
+def _piped_chat(tiny_gguf, *flags) -> tuple[int, str, str]:
+    stdin = "\n".join([*_MESSAGES, "/stats", "/quit"]) + "\n"
+    code, out, err, _ = lucy("chat", tiny_gguf, "--max-tokens", "4", *flags, stdin=stdin)
+    return code, out, err
+
+
+def test_item9_piped_chat_drop_oldest_loses_no_message(tiny_gguf):
+    code, out, err = _piped_chat(tiny_gguf, "--on-full", "drop-oldest")
+    assert code == 0, err
+    assert out.count("bot> ") == len(_MESSAGES)  # every message answered (5 vanished before)
+    assert "context full" in out and "(1/0)" not in out  # dropped, never asked
+    assert "turns" in out  # /stats after the last message still ran
+    assert "truncate" not in out + err
+
+
+def test_item9_piped_chat_default_stops_with_exit_8(tiny_gguf):
+    code, out, err = _piped_chat(tiny_gguf)
+    assert code == 8, (out, err)
+    assert "(1/0)" not in out and "truncate" not in out + err
+    assert "message not sent; chat ended (--on-full stop)" in out
+    assert 0 < out.count("bot> ") < len(_MESSAGES)
+
+
+def test_item9_ask_needs_a_terminal(tiny_gguf):
+    code, out, err = _piped_chat(tiny_gguf, "--on-full", "ask")
+    assert code == 2 and "interactive terminal" in one_error_line(err)

@@ -205,10 +205,12 @@ def _plan_context(n_cached: int, prompt: list[int], options: GenOptions, max_seq
         return prompt, want
     if options.truncate != "none" and room >= 1:
         return prompt, room
-    raise ContextOverflowError(
+    err = ContextOverflowError(
         f"context overflow: {n_cached} cached + {len(prompt)} prompt + {want} max_tokens "
-        f"> max_seq_len {max_seq_len} (set truncate='output' or 'left', or shorten the prompt)"
+        f"> max_seq_len {max_seq_len}"
     )
+    err.needed, err.max_seq_len = n_cached + len(prompt) + want, max_seq_len
+    raise err
 
 
 def _stop_checker(stop) -> tuple[Callable[[], bool], tuple[str, ...]]:
