@@ -6,7 +6,7 @@ import os
 import re
 import sys
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab/newline, DEL, C1
 
 
 def make_console(stderr: bool = False):

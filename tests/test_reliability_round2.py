@@ -730,3 +730,72 @@ def test_item9_piped_chat_default_stops_with_exit_8(tiny_gguf):
 def test_item9_ask_needs_a_terminal(tiny_gguf):
     code, out, err = _piped_chat(tiny_gguf, "--on-full", "ask")
     assert code == 2 and "interactive terminal" in one_error_line(err)
+
+
+# --- item 10: lucy generate strips terminal escape sequences on a terminal -----------------------
+
+ESCAPES = [b"\x1b]0;TITLE\x07", b"\x1b[41m"]
+
+
+def _byte_level(data: bytes) -> str:
+    """GPT-2's bytes -> unicode map (the ByteLevel alphabet), as tokenizers applies it."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    return "".join(table[b] for b in data)
+
+
+@pytest.fixture(scope="module")
+def escape_gguf(tmp_path_factory) -> Path:
+    """A vocabulary whose tokens (all but a, b and the markers) decode to escape sequences."""
+    from tests.fuzz.corpus import byte_vocab, gguf_model
+
+    toks = byte_vocab()
+    for i, t in enumerate(toks[:-2]):
+        if t not in ("a", "b"):
+            toks[i] = _byte_level(ESCAPES[i % 2] + str(i).encode())
+    p = tmp_path_factory.mktemp("r2esc") / "esc.gguf"
+    p.write_bytes(gguf_model(tokens=toks, hidden=32))
+    return p
+
+
+def _generate_on_a_pty(model: Path) -> bytes:
+    import pty
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
+    argv = [sys.executable, "-m", "lucy", "generate", str(model), "--prompt", "ab"]
+    p = subprocess.Popen(
+        [*argv, "--max-tokens", "8"], stdout=slave, stderr=subprocess.PIPE, env=env
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert p.wait(timeout=120) == 0, p.stderr.read()
+    return b"".join(chunks)
+
+
+def test_item10_generate_strips_escapes_on_a_terminal(escape_gguf):
+    code, raw, err, _ = lucy("generate", escape_gguf, "--prompt", "ab", "--max-tokens", "8")
+    assert code == 0, err
+    assert "\x1b" in raw  # the model does emit them (piped output stays raw)
+    shown = _generate_on_a_pty(escape_gguf)
+    assert b"\x1b" not in shown and b"\x07" not in shown, shown
+    assert b"TITLE" in shown  # the text survives, the control bytes do not
+    code, out, err, _ = lucy(
+        "generate", escape_gguf, "--prompt", "ab", "--max-tokens", "8", "--json"
+    )
+    assert code == 0 and "\x1b" not in out and "\\u001b" in out
