@@ -188,15 +188,15 @@ def test_layer_suite_rmsnorm_float16_matches_numpy():
 
 
 def test_context_overflow_offers_to_drop_oldest_turn(world):  # noqa: F811
-    """A turn that does not fit: Lucy offers to drop turn 1, then prefills only past the shared
+    """A turn that does not fit: Lucy drops turn 1 (--on-full drop-oldest), then prefills only past the shared
     template prefix (the cache still holds turn 1's tokens)."""
     from transformers import AutoTokenizer
 
     first = "The quick brown fox jumps over the lazy dog. " * 5
     second = "Hello world! " * 20
-    script = f"{first}\n{second}\n1\n/quit\n"
+    script = f"{first}\n{second}\n/quit\n"  # piped: the policy flag answers, not a line (#18)
     proc = subprocess.run(
-        [sys.executable, "-m", "lucy", "chat", str(world["snapshot"])],
+        [sys.executable, "-m", "lucy", "chat", str(world["snapshot"]), "--on-full", "drop-oldest"],
         input=script,
         env=world["env"],
         capture_output=True,
