@@ -799,3 +799,101 @@ def test_item10_generate_strips_escapes_on_a_terminal(escape_gguf):
         "generate", escape_gguf, "--prompt", "ab", "--max-tokens", "8", "--json"
     )
     assert code == 0 and "\x1b" not in out and "\\u001b" in out
+
+
+# --- item 11: the small ones ----------------------------------------------------------------------
+
+
+def test_item11_out_of_range_eos_in_a_file_exits_4(tiny_entity, tmp_path):
+    import json
+
+    from entity.dotentity.container import EntityFile, EntityWriter
+    from entity.dotentity.header import META_KEYS
+    from tests.hf_fixtures import make_tiny_checkpoint
+
+    ef = EntityFile(tiny_entity)
+    meta = {k: ef.meta(k) for k in META_KEYS}
+    meta["eos_token_ids"] = [99999]
+    bad = tmp_path / "eos.entity"
+    with EntityWriter(bad) as w:
+        for name, rec in ef.blobs.items():
+            w.add(name, ef.array(name), ggml_type=rec.ggml_type)
+        w.finish(meta)
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama")
+    cfg = json.loads((hf / "generation_config.json").read_text())
+    (hf / "generation_config.json").write_text(json.dumps(dict(cfg, eos_token_id=99999)))
+    for model in (bad, hf):
+        code, out, err, _ = lucy("generate", model, "--prompt", "ab", "--max-tokens", "2")
+        assert code == 4, err  # was 2 (usage), found only when generating
+        assert "99999" in one_error_line(err) and "outside" in err
+
+
+def test_item11_msgpack_nesting_depth_10k_has_a_message(tmp_path):
+    from entity.dotentity.container import EntityFile
+    from poly.errors import EntityFormatError
+    from tests.header_bombs import _seal_v2
+
+    p = tmp_path / "deep.entity"
+    p.write_bytes(_seal_v2(b"\x82\xa1x" + b"\x91" * 10_000 + b"\xc0"))
+    exc = expect_error(lambda: EntityFile(p), EntityFormatError, "bad_entity")
+    assert "nesting too deep" in str(exc)  # was "bad msgpack header: " and nothing
+
+
+def test_item11_ctrl_c_during_startup_imports_is_one_line():
+    import signal
+
+    code = "import sys; print('ready', flush=True); import runpy; runpy.run_module('lucy', run_name='__main__')"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-c", code, "models"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.05)  # inside `from lucy.cli import run` (numpy, tokenizers: most of a second)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and one_error_line(err) == "lucy: error: interrupted"
+
+
+def _gguf_kvs_changed(tokens, **changes) -> bytes:
+    from tests.fuzz.corpus import gguf_model_parts, gguf_pack
+
+    kvs, tensors = gguf_model_parts(tokens=tokens, hidden=32)
+    kvs = [(k, *changes[k]) if k in changes else (k, t, v) for k, t, v in kvs]
+    return gguf_pack(kvs, tensors)
+
+
+def test_item11_gguf_token_list_shorter_than_the_embedding_is_refused_at_load(tmp_path):
+    import entity
+    from poly.errors import WeightMappingError
+    from tests.fuzz.corpus import ARRAY, I32, STRING, U32, byte_vocab
+
+    toks = byte_vocab()
+    short = toks[:200] + toks[-2:]  # 202 tokens, 258 embedding rows
+    p = tmp_path / "short.gguf"
+    types = [1] * 200 + [3, 3]
+    p.write_bytes(_gguf_kvs_changed(toks, **{"tokenizer.ggml.tokens": (ARRAY, (STRING, short)),
+                                            "tokenizer.ggml.token_type": (ARRAY, (I32, types)),
+                                            "tokenizer.ggml.eos_token_id": (U32, 201)}))  # fmt: skip
+    exc = expect_error(lambda: entity.load(p), WeightMappingError)
+    assert "202 tokens but token_embd has 258 rows" in str(exc)
+
+
+def test_item11_unknown_pre_and_mislabelled_vocab_are_refused(tmp_path):
+    import entity
+    from poly.errors import TokenizerError, UnsupportedError
+    from tests.fuzz.corpus import STRING, byte_vocab, gguf_model
+
+    toks = byte_vocab()
+    p = tmp_path / "pre.gguf"
+    p.write_bytes(_gguf_kvs_changed(toks, **{"tokenizer.ggml.model": (STRING, "gpt2")}))
+    entity.load(p)  # no pre: GPT-2's split (llama.cpp's default)
+    p.write_bytes(
+        gguf_model({"tokenizer.ggml.pre": (STRING, "mystery-bpe")}, tokens=toks, hidden=32)
+    )
+    exc = expect_error(lambda: entity.load(p), UnsupportedError, "unsupported")
+    assert "tokenizer.ggml.pre 'mystery-bpe'" in str(exc)
+    code, out, err, _ = lucy("inspect", p)
+    assert code == 5 and "mystery-bpe" in one_error_line(err)
+    p.write_bytes(gguf_model({"tokenizer.ggml.model": (STRING, "llama")}, tokens=toks, hidden=32))
+    exc = expect_error(lambda: entity.load(p), TokenizerError, "bad_tokenizer")
+    assert "byte-level" in str(exc)

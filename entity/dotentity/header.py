@@ -164,6 +164,15 @@ def _check_finite(obj: Any, where: str = "header") -> None:
             _check_finite(v, f"{where}[{i}]")
 
 
+def _describe(exc: Exception) -> str:
+    """msgpack's StackError (nesting deeper than its limit) has an empty message."""
+    if str(exc):
+        return str(exc)
+    if isinstance(exc, msgpack.exceptions.StackError):
+        return "nesting too deep"
+    return type(exc).__name__
+
+
 def decode_header(raw: bytes, path: str | None) -> Header:
     budget = _ItemBudget()
     try:
@@ -187,7 +196,7 @@ def decode_header(raw: bytes, path: str | None) -> Header:
         loc = ".".join(str(x) for x in err["loc"])
         raise fail(f"bad header field {loc}: {err['msg']}", path, PREFIX.size) from exc
     except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
-        raise fail(f"bad msgpack header: {exc}", path, PREFIX.size) from exc
+        raise fail(f"bad msgpack header: {_describe(exc)}", path, PREFIX.size) from exc
 
 
 def peek_fields(raw: bytes, keys: tuple[str, ...], path: str | None) -> dict[str, Any]:
@@ -209,7 +218,7 @@ def peek_fields(raw: bytes, keys: tuple[str, ...], path: str | None) -> dict[str
             else:
                 up.skip()
     except Exception as exc:  # msgpack raises many kinds
-        raise fail(f"bad msgpack header: {exc or type(exc).__name__}", path, PREFIX.size) from exc
+        raise fail(f"bad msgpack header: {_describe(exc)}", path, PREFIX.size) from exc
     return out
 
 

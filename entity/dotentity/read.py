@@ -9,6 +9,7 @@ import dataclasses
 import os
 
 from entity.arch import NORM_ROLES, ROLES, global_shapes, role_shapes
+from entity.checks import check_eos_ids
 from entity.dotentity.blobs import ENCODINGS, read_matrix, read_vector, role_layer
 from entity.dotentity.container import EntityFile
 from entity.dotentity.header import read_prefix
@@ -86,6 +87,7 @@ def _attach_meta(tf, ef: EntityFile) -> None:
     if source is not None:
         tf.chat_template = ChatTemplate(source, **(tok_cfg.get("template") or {}))
     tf.eos_token_ids = tuple(ef.meta("eos_token_ids"))
+    check_eos_ids(tf.eos_token_ids, tf.config.vocab_size, path=ef.path, cls=EntityFormatError)
     gen = ef.meta("generation_config")
     if gen:
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in gen.items()}

@@ -21,6 +21,7 @@ from entity.arch import (
     global_shapes,
     role_shapes,
 )
+from entity.checks import check_eos_ids
 from entity.gguf.reader import GGUFFile
 from entity.gguf.tokenizer import load_gguf_tokenizer
 from poly.errors import (
@@ -270,9 +271,9 @@ def load_gguf(
     cfg = gguf_config(gg, max_seq_len)
     check_tensors(gg, cfg)
     tokenizer, template, spec = load_gguf_tokenizer(gg)
-    if tokenizer.vocab_size > cfg.vocab_size:
+    if tokenizer.vocab_size != cfg.vocab_size:  # llama.cpp requires them equal too
         raise WeightMappingError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but token_embd only {cfg.vocab_size} rows",
+            f"tokenizer has {tokenizer.vocab_size} tokens but token_embd has {cfg.vocab_size} rows",
             path=gg.path,
         )
     loader = _Loader(gg, cfg, keep_quantized)
@@ -290,6 +291,7 @@ def load_gguf(
         raise GGUFFormatError(f"cannot load GGUF weights: {exc}", path=gg.path) from None
     tf.tokenizer, tf.chat_template = tokenizer, template
     tf.eos_token_ids = _end_tokens(spec, spec.chat_template)
+    check_eos_ids(tf.eos_token_ids, cfg.vocab_size, path=gg.path, cls=GGUFFormatError)
     tf.source = {
         "format": "gguf",
         "path": str(path),

@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 
 from entity.gguf.reader import T_ARRAY, T_STRING, GGUFFile
-from poly.errors import TokenizerError
+from poly.errors import TokenizerError, UnsupportedError
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 MAX_VOCAB = 1 << 22  # reliability.md A5: vocab <= 2^22
@@ -46,6 +46,33 @@ SPLIT_REGEX: dict[str, str] = {
 DIGIT_SPLIT = frozenset(
     ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 )
+
+# Pre types whose split is plain GPT-2 (ByteLevel's own regex); absent means the same (llama.cpp
+# "default"). Any other name is a tokenization we would silently get wrong: refused.
+GPT2_PRES = frozenset(("default", "gpt-2", "gpt2"))
+
+
+def _check_pre(pre: str | None, path: str) -> None:
+    if pre is None or pre in GPT2_PRES or pre in SPLIT_REGEX or pre in DIGIT_SPLIT:
+        return
+    known = sorted(GPT2_PRES | SPLIT_REGEX.keys() | DIGIT_SPLIT)
+    raise UnsupportedError(
+        f"unsupported tokenizer.ggml.pre {pre!r}: its split rule is unknown here "
+        f"(supported: {', '.join(known)})",
+        path=path,
+    )
+
+
+def _check_spm_spelling(tokens: list[str], path: str) -> None:
+    """A vocabulary labelled `llama` (SentencePiece, `▁` for spaces) that is spelled byte-level
+    (`Ġ`, no `▁`) is a gpt2 vocabulary mislabelled: it would encode every space wrongly."""
+    sample = tokens[: 1 << 16]
+    if any("Ġ" in t for t in sample) and not any("▁" in t for t in sample):
+        raise TokenizerError(
+            "tokenizer.ggml.model is 'llama' (SentencePiece) but the vocabulary is byte-level "
+            "BPE (gpt2 spelling: 'Ġ', no '▁')",
+            path=path,
+        )
 
 
 @dataclass(frozen=True)
@@ -251,6 +278,10 @@ def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
     types = _numeric_array(gg, "tokenizer.ggml.token_type", len(tokens), "iu")
     pre = md.get("tokenizer.ggml.pre")
     pre = pre if isinstance(pre, str) else None
+    if model == "gpt2":
+        _check_pre(pre, gg.path)
+    else:
+        _check_spm_spelling(tokens, gg.path)
     ids = {
         k: _token_id(gg, k, len(tokens)) for k in ("bos", "eos", "unknown", "padding", "eot", "eom")
     }

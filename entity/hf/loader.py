@@ -16,6 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from entity.checks import check_eos_ids
 from entity.hf.config import HFModelConfig, load_hf_config
 from entity.hf.names import Slot, group_by_block, plan
 from entity.hf.safetensors_io import FLOAT_DTYPES, Checkpoint, open_checkpoint
@@ -193,6 +194,7 @@ def attach_hf_metadata(tf: Any, src: HFSource) -> None:
             eos = (tok.eos_token_id,)
     tf.chat_template = ChatTemplate.from_tokenizer_config(tok_cfg)
     tf.eos_token_ids = tuple(eos)
+    check_eos_ids(tf.eos_token_ids, cfg.vocab_size, path=root / "config.json", cls=ConfigError)
     try:
         tf.generation_defaults = GenOptions(
             **cfg.generation.gen_options_kwargs(), eos_tokens=tf.eos_token_ids
