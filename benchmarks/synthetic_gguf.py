@@ -97,7 +97,7 @@ def write(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, shape in shapes:
+    for _name, shape in shapes:
         if len(shape) == 1:
             data = np.ones(shape, dtype=np.float32)
         else:
