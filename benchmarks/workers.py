@@ -145,7 +145,9 @@ class HFEngine(Engine):
     def __init__(self, path: str, threads: int):
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         torch.set_num_threads(threads)
         self.torch, self.past = torch, None
         p = Path(path)
