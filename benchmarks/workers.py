@@ -143,6 +143,7 @@ class HFEngine(Engine):
     """transformers on float32: an HF snapshot directory, or a GGUF file (dequantized)."""
 
     def __init__(self, path: str, threads: int):
+        os.environ.setdefault("TQDM_DISABLE", "1")  # its GGUF loader's bar, on our stderr
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging

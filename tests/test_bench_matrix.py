@@ -152,3 +152,18 @@ def test_render_has_header_and_both_tables():
     assert "CPU: Test CPU (2 logical CPUs); flags: avx2" in text
     assert "read bandwidth 25.0 GB/s" in text
     assert "## smollm2" in text and "Ratios (smollm2):" in text
+
+
+def test_compare_engine_specs_from_the_shared_workers(tmp_path):
+    from benchmarks.compare import ENGINES, WORK, engine_spec
+
+    args = type("A", (), {"threads": 2, "gguf": "m.gguf", "hf_dir": str(tmp_path)})()
+    specs = {name: engine_spec(name, args) for name in ENGINES}
+    assert specs["poly-f32"] == {
+        "threads": 2, "kind": "poly", "path": "m.gguf", "keep_quantized": False,
+    }  # fmt: skip
+    assert specs["poly-gguf-q4_1"]["keep_quantized"] is True
+    assert specs["poly-entity-q8"]["path"] == str(WORK / "smollm2-q8.entity")
+    assert specs["llama-f16"]["path"] == str(WORK / "smollm2-f16.gguf")
+    assert specs["llama-q4_1"]["path"] == "m.gguf"
+    assert specs["hf-f32"] == {"threads": 2, "kind": "hf", "path": str(tmp_path)}
