@@ -6,8 +6,9 @@ llama.cpp's own quantizer (`llama_model_quantize`) making F16 ... Q2_K from it (
 read the same bytes), and our `.entity` f16/q8/q4 converted from the F32 GGUF (run in the cell
 of F16/Q8_0/Q4_0). A cell is one (model, precision): its engines each load in their own worker
 process (benchmarks/workers.py) and answer in turn, round after round (alternating, so load
-drift hits all alike). Per round: prefill of each length from an empty context, then greedy
-decode of `--new` tokens after a context of each length (not timed). Reported per engine:
+drift hits all alike). Measured: prefill of each length from an empty context, then greedy
+decode of `--new` tokens after a context of each length (prefilled once, not timed; each round
+cuts the cache back to it, benchmarks/workers.py `decode`). Reported per engine:
 medians, load time, peak RSS, decode as a fraction of the memory-read ceiling (weight bytes
 per token / read bandwidth measured in the same run) and, on SmolLM2, how many of 64 greedy
 tokens on the chat prompt equal our F32 engine's.
@@ -270,8 +271,8 @@ def run_cell(model: str, precision: str, args, ids: dict, base_tokens: list | No
                 entries[w.name]["error"] = str(exc)
                 workers.remove(w)
     samples: dict = {w.name: {"prefill": {}, "decode": {}} for w in workers}
-    for r in range(args.runs):
-        for kind, key, req in round_ops(args, ids):
+    for kind, key, req in round_ops(args, ids):  # each op: its rounds, engines in turn
+        for r in range(args.runs):
             parts = []
             for w in list(workers):
                 try:

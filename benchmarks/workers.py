@@ -32,12 +32,18 @@ from lucy.rss import peak_rss_mb  # noqa: E402
 
 
 class Engine:
-    """Greedy timing on top of two primitives: `reset()` and `forward(ids) -> last logits`."""
+    """Greedy timing on top of three primitives: `reset()`, `forward(ids) -> last logits` and
+    `truncate(n)` (forget cached positions >= n)."""
+
+    context: list[int] | None = None  # the ids in the cache after the last `decode`
 
     def reset(self) -> None:
         raise NotImplementedError
 
     def forward(self, ids: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def truncate(self, n: int) -> None:
         raise NotImplementedError
 
     def greedy(self, logits, new: int) -> tuple[float, list[int]]:
@@ -50,6 +56,7 @@ class Engine:
 
     def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
         self.reset()
+        self.context = None
         t0 = time.perf_counter()
         logits = self.forward(ids)
         pre = time.perf_counter() - t0
@@ -58,13 +65,23 @@ class Engine:
 
     def prefill(self, ids: list[int]) -> float:
         self.reset()
+        self.context = None
         t0 = time.perf_counter()
         self.forward(ids)
         return time.perf_counter() - t0
 
     def decode(self, ids: list[int], new: int) -> tuple[float, list[int]]:
-        self.reset()
-        return self.greedy(self.forward(ids), new)
+        """`new` greedy steps after the context `ids`. When the cache still holds `ids` (the
+        previous request was the same decode), it is cut back to them and only the last id is
+        fed again, so a long context is prefilled once, not once per round."""
+        if self.context == list(ids):
+            self.truncate(len(ids) - 1)
+            logits = self.forward(list(ids[-1:]))
+        else:
+            self.reset()
+            logits = self.forward(ids)
+        self.context = list(ids)
+        return self.greedy(logits, new)
 
 
 class PolyEngine(Engine):
@@ -81,6 +98,9 @@ class PolyEngine(Engine):
 
     def reset(self) -> None:
         self.model.reset()
+
+    def truncate(self, n: int) -> None:
+        self.model.truncate(n)
 
     def forward(self, ids: list[int]) -> np.ndarray:
         return self.model.forward(ids)
@@ -134,6 +154,9 @@ class LlamaEngine(Engine):
     def reset(self) -> None:
         self.llm.reset()
 
+    def truncate(self, n: int) -> None:
+        self.llm.n_tokens = n  # the next eval removes the cache cells >= n
+
     def forward(self, ids: list[int]) -> np.ndarray:
         self.llm.eval(ids)
         return self.last_logits()
@@ -162,6 +185,13 @@ class HFEngine(Engine):
 
     def reset(self) -> None:
         self.past = None
+
+    def truncate(self, n: int) -> None:
+        drop = self.past.get_seq_length() - n
+        if n == 0:
+            self.past = None
+        elif drop > 0:
+            self.past.crop(-drop)  # transformers 5: a negative count removes that many
 
     def forward(self, ids: list[int]) -> np.ndarray:
         torch = self.torch
