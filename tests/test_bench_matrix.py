@@ -3,6 +3,7 @@ Nothing here times anything or starts an engine."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from benchmarks.matrix import PRECISIONS, QUICK, engine_specs, parse_args, round_ops
@@ -16,6 +17,7 @@ from benchmarks.matrix_report import (
     speed_table,
     stats,
 )
+from benchmarks.workers import Engine
 
 
 def test_defaults_cover_the_issue_matrix():
@@ -167,3 +169,36 @@ def test_compare_engine_specs_from_the_shared_workers(tmp_path):
     assert specs["llama-f16"]["path"] == str(WORK / "smollm2-f16.gguf")
     assert specs["llama-q4_1"]["path"] == "m.gguf"
     assert specs["hf-f32"] == {"threads": 2, "kind": "hf", "path": str(tmp_path)}
+
+
+class FakeEngine(Engine):
+    """Records what Engine asks of its primitives (no model, no timing)."""
+
+    def __init__(self):
+        self.calls, self.cache = [], []
+
+    def reset(self):
+        self.calls.append("reset")
+        self.cache = []
+
+    def truncate(self, n):
+        self.calls.append(f"truncate {n}")
+        self.cache = self.cache[:n]
+
+    def forward(self, ids):
+        self.calls.append(f"forward {len(ids)}")
+        self.cache += list(ids)
+        return np.eye(8)[sum(self.cache) % 8]
+
+
+def test_decode_prefills_a_context_once_then_cuts_back_to_it():
+    e = FakeEngine()
+    first = e.decode([1, 2, 3], 2)[1]
+    assert e.calls == ["reset", "forward 3", "forward 1", "forward 1"]
+    e.calls.clear()
+    assert e.decode([1, 2, 3], 2)[1] == first  # same context: cut back, last id fed again
+    assert e.calls == ["truncate 2", "forward 1", "forward 1", "forward 1"]
+    e.prefill([5])
+    e.calls.clear()
+    e.decode([1, 2, 3], 1)  # a prefill in between: the context is built again
+    assert e.calls == ["reset", "forward 3", "forward 1"]
