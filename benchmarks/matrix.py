@@ -15,6 +15,7 @@ tokens on the chat prompt equal our F32 engine's.
 
     python -m benchmarks.matrix [--runs 5] [--models smollm2 synth1b] [--json out.json]
     python -m benchmarks.matrix --quick          # smoke run: SmolLM2, 1 round, short lengths
+    python -m benchmarks.matrix --prepare        # only write the files (needs no quiet machine)
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
     ap.add_argument("--json", default=None, help="write the report as JSON ('-': stdout only)")
+    ap.add_argument(
+        "--prepare", action="store_true", help="only write the model files of the cells, then exit"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
@@ -322,8 +326,21 @@ def run(args) -> dict:
     return {"machine": machine, "args": vars(args), "prompts": ids, "cells": cells}
 
 
+def prepare(args) -> None:
+    """Write every cell's files (synthetic model, quantized GGUFs, .entity copies) up front: it
+    needs no quiet machine, the measuring run then starts at once."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    for model in args.models:
+        for precision in args.precisions:
+            files = cell_files(model, precision, args.threads)
+            progress(f"{model} {precision}: " + ", ".join(str(f) for f in files.values()))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.prepare:
+        prepare(args)
+        return
     if args.json == "-":  # JSON alone on stdout: the tables go to stderr
         with contextlib.redirect_stdout(sys.stderr):
             report = run(args)
