@@ -116,8 +116,12 @@ def machine_info(args) -> dict:
     try:
         from poly.runtime import ckernels
 
-        isas = getattr(ckernels, "isas", None)
-        info["poly_isa"] = str(isas()) if isas else "single build"
+        isas = getattr(ckernels, "isas", None)  # runtime CPU dispatch (issue 17), when built
+        if isas is None:
+            info["poly_isa"] = "one build (no runtime dispatch)"
+        else:
+            active = ckernels.info().get("isa", "?") if ckernels.AVAILABLE else "none"
+            info["poly_isa"] = f"{active} (builds here: {' '.join(isas())})"
     except ImportError:
         info["poly_isa"] = "no C kernels"
     try:
