@@ -1,7 +1,7 @@
 """Side-by-side decode/prefill speed: poly vs llama.cpp (llama-cpp-python) vs HF transformers.
 
-Every engine lives in its own worker process (so its peak RSS is its own), loads once, warms up,
-then the parent asks the workers for one measured run each in turn, round after round
+Every engine lives in its own worker process (benchmarks/workers.py: its peak RSS is its own),
+loads once, warms up, then the parent asks the workers for one measured run each in turn, round after round
 (alternating engines, so load drifts on a shared machine hit all of them alike). Per run and
 prompt: prefill seconds, then `new` greedy decode steps. Reported: medians, min-max, ratios to
 every peer, peak RSS, the greedy tokens/texts and how many tokens our 4-bit paths share with our
@@ -20,15 +20,11 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
-
-from lucy.rss import peak_rss_mb  # noqa: E402
+from benchmarks.workers import Worker  # noqa: E402
 
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
 ENGINES = (
@@ -45,162 +41,35 @@ ENGINES = (
 WORK = Path(os.environ.get("POLY_BENCH_DIR", Path(tempfile.gettempdir()) / "poly-bench"))
 
 
-# --- engines (run inside workers) --------------------------------------------------------------
+# --- engines (each in its own worker process, benchmarks/workers.py) ---------------------------
 
 
-class PolyEngine:
-    def __init__(self, name: str, gguf: Path):
-        import entity
-        from entity.gguf.loader import load_gguf
-
-        if name == "poly-f32":
-            self.model = load_gguf(gguf, keep_quantized=False)
-        elif name == "poly-gguf-q4_1":
-            self.model = load_gguf(gguf, keep_quantized=True)
-        else:
-            quant = name.rsplit("-", 1)[1]
-            self.model = entity.load(str(WORK / f"smollm2-{quant}.entity"))
-
-    def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
-        m = self.model
-        m.reset()
-        t0 = time.perf_counter()
-        logits = m.forward(ids)
-        t1 = time.perf_counter()
-        out = []
-        for _ in range(new):
-            out.append(int(np.argmax(logits)))
-            logits = m.forward([out[-1]])
-        return t1 - t0, time.perf_counter() - t1, out
-
-    def batch(self, ids: list[int], new: int, size: int) -> float:
-        from poly.runtime.batch import greedy_batch
-
-        _, seconds = greedy_batch(self.model, [ids] * size, new)
-        return size * new / seconds
-
-
-def _llama_plain_buffers() -> None:
-    """Keep llama.cpp's weights in plain CPU buffers: its "extra" buffer types (AMX / repacked
-    Q4 layouts) crash llama-cpp-python 0.3.36 in llama_decode on this VM (AMX tiles not granted
-    to the guest) for the Q4_1 file. llama-cpp-python has no keyword for it, so the default
-    model params are wrapped."""
-    import llama_cpp
-    import llama_cpp.llama as llama_mod
-
-    if getattr(llama_cpp.llama_model_default_params, "_poly_plain", False):
-        return
-    original = llama_cpp.llama_model_default_params
-
-    def plain():
-        params = original()
-        params.use_extra_bufts = False
-        return params
-
-    plain._poly_plain = True
-    llama_cpp.llama_model_default_params = plain
-    llama_mod.llama_cpp.llama_model_default_params = plain
-
-
-class LlamaEngine:
-    def __init__(self, name: str, gguf: Path, threads: int):
-        from llama_cpp import Llama
-
-        _llama_plain_buffers()
-
-        path = gguf if name == "llama-q4_1" else WORK / f"smollm2-{name.split('-')[1]}.gguf"
-        self.llm = Llama(
-            model_path=str(path), n_ctx=512, n_threads=threads, n_batch=512, verbose=False
-        )
-
-    def last_logits(self) -> np.ndarray:
-        """The last evaluated token's logits, read from the context: `llm.scores` is only
-        filled with logits_all=True (which would make llama.cpp compute every prompt row)."""
-        import llama_cpp
-
-        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
-
-    def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
-        llm = self.llm
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        t1 = time.perf_counter()
-        out = []
-        for _ in range(new):
-            out.append(int(np.argmax(self.last_logits())))
-            llm.eval([out[-1]])
-        return t1 - t0, time.perf_counter() - t1, out
-
-
-class HFEngine:
-    def __init__(self, hf_dir: Path, threads: int):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-
-    def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
-        torch = self.torch
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            res = self.model(torch.tensor([ids]), use_cache=True)
-            t1 = time.perf_counter()
-            out = []
-            for _ in range(new):
-                out.append(int(res.logits[0, -1].argmax()))
-                res = self.model(
-                    torch.tensor([[out[-1]]]), past_key_values=res.past_key_values, use_cache=True
-                )
-        return t1 - t0, time.perf_counter() - t1, out
-
-
-def _make(name: str, args) -> object:
-    gguf = Path(args.gguf)
-    if name.startswith("poly"):
-        from poly.runtime import kernels
-
-        kernels.set_num_threads(args.threads)
-        return PolyEngine(name, gguf)
-    if name.startswith("llama"):
-        return LlamaEngine(name, gguf, args.threads)
-    return HFEngine(Path(args.hf_dir), args.threads)
-
-
-def worker(name: str, args) -> None:
-    """Line protocol on stdin/stdout: a JSON request per line, a JSON reply per line."""
-    engine = _make(name, args)
-    reply = sys.stdout
-    sys.stdout = sys.stderr  # anything a library prints must not corrupt the protocol
-    reply.write(json.dumps({"ready": True, "rss_mb": peak_rss_mb()}) + "\n")
-    reply.flush()
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req["op"] == "run":
-            pre, dec, toks = engine.run(req["ids"], req["new"])
-            res = {"prefill_s": pre, "decode_s": dec, "tokens": toks}
-        elif req["op"] == "batch":
-            res = {"tok_s": engine.batch(req["ids"], req["new"], req["size"])}
-        else:
-            break
-        res["rss_mb"] = peak_rss_mb()
-        reply.write(json.dumps(res) + "\n")
-        reply.flush()
+def engine_spec(name: str, args) -> dict:
+    """The worker spec of one of ENGINES."""
+    spec = {"threads": args.threads}
+    if name in ("poly-f32", "poly-gguf-q4_1"):
+        spec.update(kind="poly", path=str(args.gguf), keep_quantized=name != "poly-f32")
+    elif name.startswith("poly-entity-"):
+        spec.update(kind="poly", path=str(WORK / f"smollm2-{name.rsplit('-', 1)[1]}.entity"))
+    elif name == "llama-q4_1":
+        spec.update(kind="llama", path=str(args.gguf), n_ctx=512)
+    elif name.startswith("llama-"):
+        spec.update(kind="llama", path=str(WORK / f"smollm2-{name.split('-')[1]}.gguf"), n_ctx=512)
+    else:
+        spec.update(kind="hf", path=str(args.hf_dir))
+    return spec
 
 
 # --- parent ------------------------------------------------------------------------------------
 
 
-def _stale(path: Path) -> bool:
+def stale(path: Path) -> bool:
     """Missing, or older than the conversion code that writes it (formats change)."""
     import entity
 
     if not path.is_file():
         return True
-    newest = max(f.stat().st_mtime for f in Path(entity.__file__).parent.glob("*.py"))
+    newest = max(f.stat().st_mtime for f in Path(entity.__file__).parent.rglob("*.py"))
     return path.stat().st_mtime < newest
 
 
@@ -216,41 +85,13 @@ def prepare(args) -> tuple[dict[str, list[int]], object]:
         if not (WORK / f"smollm2-{kind}.gguf").is_file():
             export(args.gguf, WORK / f"smollm2-{kind}.gguf", kind)
     for quant in ("q4", "q8", "f16"):
-        if _stale(WORK / f"smollm2-{quant}.entity"):
+        if stale(WORK / f"smollm2-{quant}.entity"):
             entity.convert(
                 args.gguf, str(WORK / f"smollm2-{quant}.entity"), quant=quant, force=True
             )
     model = load_gguf(args.gguf, keep_quantized=True)
     chat = model.prompt_ids([{"role": "user", "content": CHAT_PROMPT}], chat=True)
     return {"chat": list(chat), "p128": prompt_ids(model, 128)}, model.tokenizer
-
-
-class Worker:
-    def __init__(self, name: str, args):
-        cmd = [sys.executable, "-m", "benchmarks.compare", "--worker", name]
-        cmd += ["--gguf", str(args.gguf), "--hf-dir", str(args.hf_dir)]
-        cmd += ["--threads", str(args.threads)]
-        self.name, self.rss = name, 0.0
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
-        )
-        self.rss = self.ask(None)["rss_mb"]
-
-    def ask(self, req: dict | None) -> dict:
-        if req is not None:
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.name} died (exit {self.proc.wait()})")
-        res = json.loads(line)
-        self.rss = max(self.rss, res.get("rss_mb", 0.0))
-        return res
-
-    def close(self) -> None:
-        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-        self.proc.stdin.flush()
-        self.proc.wait(timeout=60)
 
 
 def _stats(xs: list[float]) -> dict:
@@ -261,7 +102,7 @@ def measure(args, prompts: dict[str, list[int]]) -> dict:
     workers = []
     for name in args.engines:
         try:
-            workers.append(Worker(name, args))
+            workers.append(Worker(name, engine_spec(name, args)))
         except (RuntimeError, OSError) as exc:
             print(f"skip {name}: {exc}", file=sys.stderr)
     alive = []
@@ -343,7 +184,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--json", default=None, help="write the report as JSON to this file ('-': stdout only)"
     )
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.json == "-":  # JSON alone on stdout: the table goes to stderr
         with contextlib.redirect_stdout(sys.stderr):
@@ -363,15 +203,12 @@ def _run(args) -> dict:
 
     args.gguf = args.gguf or str(ensure_smollm2())
     args.hf_dir = args.hf_dir or str(Path(args.gguf).parent / "SmolLM2-135M-Instruct-hf")
-    if args.worker:
-        worker(args.worker, args)
-        return {}
     prompts, tokenizer = prepare(args)
     results = measure(args, prompts)
     texts = {n: tokenizer.decode(r["tokens"]["chat"]) for n, r in results.items()}
     report = {
         "machine": {"cpus": os.cpu_count(), "load": os.getloadavg(), "uname": os.uname()[:3]},
-        "args": {k: v for k, v in vars(args).items() if k != "worker"},
+        "args": vars(args),
         "prompts": prompts,
         "results": results,
         "agreement_with_poly_f32_chat": agreement(results),

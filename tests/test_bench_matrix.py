@@ -1,0 +1,204 @@
+"""benchmarks/matrix.py: argument parsing, roofline arithmetic, CPU parsing and the tables.
+Nothing here times anything or starts an engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.matrix import PRECISIONS, QUICK, engine_specs, parse_args, round_ops
+from benchmarks.matrix_report import (
+    ceiling_tok_s,
+    decode_bytes,
+    parse_cpuinfo,
+    ratio_table,
+    render,
+    roofline_fraction,
+    speed_table,
+    stats,
+)
+from benchmarks.workers import Engine
+
+
+def test_defaults_cover_the_issue_matrix():
+    a = parse_args([])
+    assert a.runs == 5 and a.threads == 2 and a.new == 64 and a.agree_new == 64
+    assert a.models == ["smollm2", "synth1b"]
+    assert a.precisions == list(PRECISIONS)
+    assert list(PRECISIONS) == [
+        "F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K",
+    ]  # fmt: skip
+    assert a.prefill == [16, 42, 128, 512] and a.contexts == [0, 1000]
+
+
+def test_llama_ftypes_match_llama_h():
+    import llama_cpp
+
+    for name, ftype in PRECISIONS.items():
+        const = "LLAMA_FTYPE_ALL_F32" if name == "F32" else f"LLAMA_FTYPE_MOSTLY_{name}"
+        assert getattr(llama_cpp, const) == ftype
+
+
+def test_quick_overrides_and_f32_first():
+    a = parse_args(["--quick", "--precisions", "Q4_0", "F32", "--runs", "9"])
+    for key, value in QUICK.items():
+        assert getattr(a, key) == value
+    assert a.precisions == ["F32", "Q4_0"]  # F32 runs first: it is the agreement base
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--runs", "0"], ["--prefill", "0"], ["--contexts", "-1"], ["--precisions", "Q9"]],
+)
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+
+
+def test_engine_specs_per_cell(tmp_path):
+    a = parse_args([])
+    files = {"gguf": tmp_path / "m.gguf", "entity": tmp_path / "m-q4.entity"}
+    specs = engine_specs("smollm2", "Q4_0", files, a)
+    assert list(specs) == ["poly", "poly-entity-q4", "llama"]
+    assert specs["llama"]["path"] == specs["poly"]["path"] == str(files["gguf"])
+    assert specs["llama"]["n_ctx"] >= 512 + 1000 + 64
+    f32 = engine_specs("smollm2", "F32", {"gguf": files["gguf"]}, a)
+    assert list(f32) == ["poly", "llama", "hf"]
+    assert "hf" not in engine_specs(
+        "smollm2", "F32", {"gguf": files["gguf"]}, parse_args(["--no-hf"])
+    )
+
+
+def test_round_ops_lengths():
+    a = parse_args(["--prefill", "3", "5", "--contexts", "0", "4", "--new", "7"])
+    ops = round_ops(a, {"text": list(range(10))})
+    assert [(k, n, len(r["ids"])) for k, n, r in ops] == [
+        ("prefill", 3, 3), ("prefill", 5, 5), ("decode", 0, 1), ("decode", 4, 4),
+    ]  # fmt: skip
+    assert all(r["new"] == 7 for k, _, r in ops if k == "decode")
+
+
+def test_decode_bytes_tied_and_untied():
+    tied = [("token_embd.weight", 1000), ("blk.0.attn_q.weight", 200), ("output_norm.weight", 4)]
+    assert decode_bytes(tied) == 1204  # the table is the LM head: read whole
+    untied = tied + [("output.weight", 900)]
+    assert decode_bytes(untied) == 1104  # one row of the table: not counted
+
+
+def test_roofline_arithmetic():
+    bw, per_token = 20e9, 540_000_000  # SmolLM2 f32: 540 MB per token
+    assert ceiling_tok_s(per_token, bw) == pytest.approx(37.037, rel=1e-4)
+    assert roofline_fraction(30.0, per_token, bw) == pytest.approx(0.81)
+    assert roofline_fraction(ceiling_tok_s(per_token, bw), per_token, bw) == pytest.approx(1.0)
+
+
+def test_parse_cpuinfo():
+    text = (
+        "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse4_2 avx avx2 fma f16c "
+        "avx512f avx512_vnni avx_vnni amx_tile bmi2\n\nprocessor\t: 1\nmodel name\t: other\n"
+    )
+    info = parse_cpuinfo(text)
+    assert info["model"] == "AMD EPYC 9R14"
+    assert info["flags"] == [
+        "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile",
+    ]  # fmt: skip
+    assert parse_cpuinfo("") == {"model": "unknown", "flags": []}
+
+
+def _entry(prefill: dict, decode: dict, **extra) -> dict:
+    e = {
+        "prefill": {str(k): stats([v]) for k, v in prefill.items()},
+        "decode": {str(k): stats([v]) for k, v in decode.items()},
+    }
+    e.update(extra)
+    return e
+
+
+def _report() -> dict:
+    args = vars(parse_args(["--prefill", "16", "--contexts", "0", "1000", "--models", "smollm2"]))
+    poly = _entry({16: 300.0}, {0: 50.0, 1000: 40.0}, bytes_per_token=400_000_000, load_s=0.5)
+    poly.update(rss_mb=700.0, agree=64)
+    llama = _entry({16: 200.0}, {0: 40.0, 1000: 50.0}, bytes_per_token=400_000_000)
+    cells = [
+        {"model": "smollm2", "precision": "F32", "engines": {"poly": poly, "llama": llama}},
+        {"model": "smollm2", "precision": "Q2_K", "engines": {"poly": {"error": "died"}}},
+    ]
+    machine = {
+        "cpu": {"model": "Test CPU", "flags": ["avx2"]},
+        "cpus": 2,
+        "load": [1.0, 2.0, 3.0],
+        "bandwidth": 25e9,
+    }
+    return {"machine": machine, "args": args, "cells": cells}
+
+
+def test_speed_table_rows_and_roofline():
+    r = _report()
+    lines = speed_table(r["cells"], r["args"], 25e9).splitlines()
+    assert lines[0].startswith("| precision | engine | prefill 16 | decode @0 | decode @1000 |")
+    assert lines[2] == "| F32 | poly | 300 | 50.0 | 40.0 | 0.80 | 0.50 | 700 | 64 |"
+    assert lines[3] == "| F32 | llama | 200 | 40.0 | 50.0 | 0.64 | - | - | - |"
+    assert lines[4] == "| Q2_K | poly | failed: died |"
+
+
+def test_ratio_table():
+    r = _report()
+    lines = ratio_table(r["cells"], r["args"]).splitlines()
+    assert lines[2] == "| F32 | poly / llama | 1.50x | 1.25x | 0.80x |"
+    assert len(lines) == 3  # the failed cell has no ratio row
+
+
+def test_render_has_header_and_both_tables():
+    text = render(_report())
+    assert "CPU: Test CPU (2 logical CPUs); flags: avx2" in text
+    assert "read bandwidth 25.0 GB/s" in text
+    assert "## smollm2" in text and "Ratios (smollm2):" in text
+
+
+def test_compare_engine_specs_from_the_shared_workers(tmp_path):
+    from benchmarks.compare import ENGINES, WORK, engine_spec
+
+    args = type("A", (), {"threads": 2, "gguf": "m.gguf", "hf_dir": str(tmp_path)})()
+    specs = {name: engine_spec(name, args) for name in ENGINES}
+    assert specs["poly-f32"] == {
+        "threads": 2, "kind": "poly", "path": "m.gguf", "keep_quantized": False,
+    }  # fmt: skip
+    assert specs["poly-gguf-q4_1"]["keep_quantized"] is True
+    assert specs["poly-entity-q8"]["path"] == str(WORK / "smollm2-q8.entity")
+    assert specs["llama-f16"]["path"] == str(WORK / "smollm2-f16.gguf")
+    assert specs["llama-q4_1"]["path"] == "m.gguf"
+    assert specs["hf-f32"] == {"threads": 2, "kind": "hf", "path": str(tmp_path)}
+
+
+class FakeEngine(Engine):
+    """Records what Engine asks of its primitives (no model, no timing)."""
+
+    def __init__(self):
+        self.calls, self.cache = [], []
+
+    def reset(self):
+        self.calls.append("reset")
+        self.cache = []
+
+    def truncate(self, n):
+        self.calls.append(f"truncate {n}")
+        self.cache = self.cache[:n]
+
+    def forward(self, ids):
+        self.calls.append(f"forward {len(ids)}")
+        self.cache += list(ids)
+        return np.eye(8)[sum(self.cache) % 8]
+
+
+def test_decode_prefills_a_context_once_then_cuts_back_to_it():
+    e = FakeEngine()
+    first = e.decode([1, 2, 3], 2)[1]
+    assert e.calls == ["reset", "forward 3", "forward 1", "forward 1"]
+    e.calls.clear()
+    assert e.decode([1, 2, 3], 2)[1] == first  # same context: cut back, last id fed again
+    assert e.calls == ["truncate 2", "forward 1", "forward 1", "forward 1"]
+    e.prefill([5])
+    e.calls.clear()
+    e.decode([1, 2, 3], 1)  # a prefill in between: the context is built again
+    assert e.calls == ["reset", "forward 3", "forward 1"]
