@@ -1,0 +1,68 @@
+"""KV storage for the scheduler's sequences: one contiguous cache per sequence and layer.
+
+``ContiguousKV`` keeps poly's own ``KVCache`` per sequence (the single-sequence layout), so the
+fused multi-row decode step reads it unchanged. Caches are zero-filled arrays that the OS maps
+lazily: resident memory follows the positions actually written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poly.batch import forward_batch
+
+
+class ContiguousKV:
+    """Per-sequence states from ``model.new_state()``; prefill and decode on them."""
+
+    paged = False
+
+    def __init__(self, model):
+        self.model = model
+        self.live: dict[int, list] = {}  # id(state) -> state, for the metrics
+
+    def new(self) -> list:
+        st = self.model.new_state()
+        self.live[id(st)] = st
+        return st
+
+    def fork(self, state: list, length: int) -> list:
+        """A copy of ``state``'s first ``length`` positions (choices of one prompt)."""
+        from poly.layers.mha import KVCache
+
+        out = []
+        for c in state:
+            if c is None:
+                out.append(None)
+                continue
+            d = KVCache(c.capacity, c.k.shape[1], c.k.shape[2])
+            d.k[:length], d.v[:length] = c.k[:length], c.v[:length]
+            d.length = length
+            out.append(d)
+        self.live[id(out)] = out
+        return out
+
+    def free(self, state: list) -> None:
+        self.live.pop(id(state), None)
+        state[:] = [None] * len(state)
+
+    def prefill(self, state: list, ids: list[int]) -> np.ndarray:
+        """Run ``ids`` after ``state``'s cached positions -> logits [V] of the last one."""
+        m = self.model
+        saved = m.swap_state(state)
+        try:
+            logits = m.forward(ids)
+        finally:
+            state[:] = m.swap_state(saved)
+        return logits
+
+    def decode(self, tokens: list[int], states: list[list]) -> np.ndarray:
+        """One new token per sequence -> logits [B, V] (the fused multi-row step)."""
+        return forward_batch(self.model, [[t] for t in tokens], states)
+
+    def stats(self) -> dict:
+        tokens = 0
+        for st in self.live.values():
+            c = next((c for c in st if c is not None), None)
+            tokens += 0 if c is None else c.length
+        return {"kv_sequences": len(self.live), "kv_tokens": tokens}
