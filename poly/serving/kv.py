@@ -66,3 +66,8 @@ class ContiguousKV:
             c = next((c for c in st if c is not None), None)
             tokens += 0 if c is None else c.length
         return {"kv_sequences": len(self.live), "kv_tokens": tokens}
+
+
+def make_kv(model, *, kv_pages: int | None = None, max_batch: int = 16, ctx: int | None = None):
+    """The scheduler's KV store: contiguous per-sequence caches (``kv_pages`` None)."""
+    return ContiguousKV(model)
