@@ -11,6 +11,8 @@ import pytest
 
 from poly.errors import ContextOverflowError, QueueFullError, SamplingParamsError
 from poly.serving import RequestDone, SamplingParams, Scheduler, TokenOut
+from poly.serving.kv import ContiguousKV
+from poly.serving.paged import PagedKV
 from tests.hf_fixtures import hf_logits, make_tiny_checkpoint
 
 PROMPTS = ["The quick brown fox", "Hello world!", "poly is a local", "Once upon a time there was"]
@@ -58,6 +60,83 @@ def test_greedy_batched_equals_single_sequence(model, max_batch):
         assert c.usage.prompt_tokens == len(h.prompt)
         assert c.usage.completion_tokens == len(ref_ids)
     assert s.idle() and s.kv.stats()["kv_sequences"] == 0
+
+
+def test_contiguous_kv_greedy_equals_single_sequence(model):
+    ids = [_ids(model, p) for p in PROMPTS]
+    refs = [_greedy_ref(model, p, 12)[0] for p in ids]
+    s = Scheduler(model, kv=ContiguousKV(model))
+    hs = [s.submit(p, SamplingParams(max_tokens=12, temperature=0.0, n=2)) for p in ids]
+    _run(s)
+    for h, ref in zip(hs, refs):
+        assert [c.token_ids for c in h.result(0).choices] == [ref, ref]
+    assert s.kv.stats() == {"kv_sequences": 0, "kv_tokens": 0}
+
+
+def test_paged_logits_equal_contiguous_bitwise(model):
+    """One numerics: the paged decode (page tables in the C step, pages of 3 positions so every
+    row crosses pages) gives the contiguous cache's logits exactly."""
+    ids = [_ids(model, p) for p in PROMPTS]
+    p = SamplingParams(max_tokens=20, temperature=0.0, logprobs=5, n=2)
+    out = []
+    for kv in (ContiguousKV(model), PagedKV(model, 200, page_size=3)):
+        s = Scheduler(model, kv=kv)
+        hs = [s.submit(x, p) for x in ids]
+        _run(s)
+        out.append([[(lp.token_id, lp.logprob, lp.top) for c in h.result(0).choices
+                     for lp in c.logprobs] for h in hs])  # fmt: skip
+    assert out[0] == out[1]
+
+
+def test_prefix_reuse_shares_pages_and_keeps_output(model):
+    system = _ids(model, " ".join(PROMPTS * 3))
+    a, b = system + _ids(model, " Hello"), system + _ids(model, " world!")
+    refs = [_greedy_ref(model, x, 8)[0] for x in (a, b)]
+    kv = PagedKV(model, 64, page_size=8)
+    s = Scheduler(model, kv=kv)
+    first = s.submit(a, SamplingParams(max_tokens=8, temperature=0.0))
+    _run(s)
+    second = s.submit(b, SamplingParams(max_tokens=8, temperature=0.0))
+    _run(s)
+    r1, r2 = first.result(0), second.result(0)
+    assert r1.usage.cached_tokens == 0
+    assert r2.usage.cached_tokens == (len(system) // 8) * 8 > 0
+    assert [r1.choices[0].token_ids, r2.choices[0].token_ids] == refs
+    assert s.metrics.prefix_hit_tokens == r2.usage.cached_tokens
+    st = kv.stats()
+    assert st["kv_pages_used"] == 0 and st["kv_pages_cached"] > 0
+
+
+def test_pool_pressure_evicts_lru_and_queues(model):
+    kv = PagedKV(model, 12, page_size=4)  # 48 positions: two requests of 20 at a time
+    s = Scheduler(model, kv=kv)
+    ids = [_ids(model, p)[:6] for p in PROMPTS]
+    refs = [_greedy_ref(model, x, 14)[0] for x in ids]
+    hs = [s.submit(x, SamplingParams(max_tokens=14, temperature=0.0)) for x in ids]
+    peak = 0
+    while s.step():
+        peak = max(peak, kv.pool.used)
+    assert [h.result(0).choices[0].token_ids for h in hs] == refs
+    assert peak <= 12 and kv.pool.used == 0 and kv.pool.reserved == 0
+    with pytest.raises(ContextOverflowError):
+        s.submit(ids[0], SamplingParams(max_tokens=60))
+
+
+def test_memory_follows_live_tokens(model):
+    kv = PagedKV(model, 16 * 20, page_size=16)
+    s = Scheduler(model, kv=kv, max_batch=16)
+    ids = [(_ids(model, " ".join(PROMPTS * 4)) + [5] * 100)[:100] for _ in range(16)]
+    for i, x in enumerate(ids):
+        x[-1] = 10 + i  # 16 different prompts of 100 tokens
+        s.submit(x, SamplingParams(max_tokens=40, temperature=0.0))
+    for _ in range(17):  # one prefill per step: all 16 run after 16 steps
+        s.step()
+    st = kv.stats()
+    assert s.rows == 16 and st["kv_sequences"] == 16
+    assert 16 * 100 <= st["kv_tokens"] <= 16 * 117
+    assert st["kv_pages_used"] * 16 <= 1.2 * st["kv_tokens"]
+    _run(s)
+    assert kv.pool.used == 0
 
 
 def test_requests_join_a_running_batch(model):
@@ -159,7 +238,8 @@ def test_cancel_frees_the_sequence(model):
     events = list(h)
     assert isinstance(events[-1], RequestDone) and events[-1].finish_reasons == ("cancelled",)
     assert sum(isinstance(e, TokenOut) for e in events) == 2
-    assert s.idle() and s.kv.stats() == {"kv_sequences": 0, "kv_tokens": 0}
+    st = s.kv.stats()
+    assert s.idle() and st["kv_sequences"] == 0 and st["kv_pages_used"] == 0
 
 
 def test_rejections(model):

@@ -21,12 +21,16 @@ class ContiguousKV:
         self.model = model
         self.live: dict[int, list] = {}  # id(state) -> state, for the metrics
 
-    def new(self) -> list:
+    def check(self, prompt_len: int, budget: int, n: int) -> None:
+        """Raise when a request could never be admitted (nothing to check here)."""
+
+    def reserve(self, prompt: list[int], budget: int, n: int) -> tuple[list, int]:
+        """A new empty state for ``prompt`` -> (state, 0 tokens reused)."""
         st = self.model.new_state()
         self.live[id(st)] = st
-        return st
+        return st, 0
 
-    def fork(self, state: list, length: int) -> list:
+    def fork(self, state: list, length: int, budget: int = 0) -> list:
         """A copy of ``state``'s first ``length`` positions (choices of one prompt)."""
         from poly.layers.mha import KVCache
 
@@ -42,7 +46,7 @@ class ContiguousKV:
         self.live[id(out)] = out
         return out
 
-    def free(self, state: list) -> None:
+    def free(self, state: list, tokens=None) -> None:
         self.live.pop(id(state), None)
         state[:] = [None] * len(state)
 
@@ -68,6 +72,17 @@ class ContiguousKV:
         return {"kv_sequences": len(self.live), "kv_tokens": tokens}
 
 
-def make_kv(model, *, kv_pages: int | None = None, max_batch: int = 16, ctx: int | None = None):
-    """The scheduler's KV store: contiguous per-sequence caches (``kv_pages`` None)."""
-    return ContiguousKV(model)
+def make_kv(model, *, kv_pages: int | None = None, max_batch: int = 16, ctx: int | None = None,
+            page_size: int = 16, budget_bytes: int = 2 << 30):  # fmt: skip
+    """The scheduler's KV store: a paged pool of ``kv_pages`` pages (default: room for
+    ``max_batch`` full contexts, at most ``budget_bytes``), or contiguous caches (``kv_pages=0``)."""
+    from poly.serving.paged import PagedKV
+
+    if kv_pages == 0:
+        return ContiguousKV(model)
+    if kv_pages is None:
+        ctx = min(ctx or model.config.max_seq_len, model.config.max_seq_len)
+        per_page = sum(2 * page_size * a.num_kv_heads * a.head_dim * 4 for a in
+                       (model.attn(i) for i in range(model.config.num_layers)))  # fmt: skip
+        kv_pages = max(1, min(max_batch * -(-ctx // page_size), budget_bytes // per_page))
+    return PagedKV(model, kv_pages, page_size)

@@ -48,7 +48,7 @@ class Scheduler:
 
     def __init__(self, model, *, max_batch: int = 16, prefill_chunk: int = 512,
                  max_queue: int = 64, max_context: int | None = None, kv=None):  # fmt: skip
-        from poly.serving.kv import ContiguousKV
+        from poly.serving.kv import make_kv
 
         self.model = model
         self.max_batch = max(1, int(max_batch))
@@ -56,7 +56,9 @@ class Scheduler:
         self.max_queue = int(max_queue)
         limit = int(model.config.max_seq_len)
         self.max_context = min(limit, int(max_context)) if max_context else limit
-        self.kv = kv if kv is not None else ContiguousKV(model)
+        if kv is None:
+            kv = make_kv(model, max_batch=self.max_batch, ctx=self.max_context)
+        self.kv = kv
         self.metrics = Metrics()
         self._waiting: deque[tuple[RequestHandle, Callable | None]] = deque()
         self._active: list[_Active] = []
@@ -83,6 +85,7 @@ class Scheduler:
                 f"this model's context is {self.max_context} tokens; the prompt has "
                 f"{len(prompt)} and max_tokens asks for {want} more"
             )
+        self.kv.check(len(prompt), params.max_tokens or room, params.n)
         handle = RequestHandle(rid or f"req-{next(self._ids)}", prompt, params, notify)
         with self._cv:
             if len(self._waiting) >= self.max_queue or self._stop:
@@ -143,15 +146,25 @@ class Scheduler:
                 continue
             if self._active and self.rows + handle.params.n > self.max_batch:
                 return
+            budget = handle.params.max_tokens or (self.max_context - len(handle.prompt))
             try:
-                seqs = self._new_seqs(handle, mask_factory)
+                got = self.kv.reserve(handle.prompt, budget, handle.params.n)
+                if got is None:
+                    return  # the KV pool cannot promise the pages yet: others finish first
+                kv, cached = got
+                try:
+                    seqs = self._new_seqs(handle, mask_factory)
+                except PolyError:
+                    self.kv.free(kv)
+                    raise
             except PolyError as err:
                 self._waiting.popleft()
                 handle.put(RequestFailed(err))
                 continue
             self._waiting.popleft()
-            seqs[0].kv = self.kv.new()
-            self._active.append(_Active(handle, seqs))
+            seqs[0].kv, seqs[0].computed = kv, cached
+            self.metrics.prefix_hit_tokens += cached
+            self._active.append(_Active(handle, seqs, cached))
 
     def _drop_cancelled(self) -> None:
         for a in [a for a in self._active if a.handle.cancelled]:
@@ -185,7 +198,7 @@ class Scheduler:
             return
         a.prefilled = True
         for s in a.seqs[1:]:
-            s.kv, s.computed = self.kv.fork(first.kv, first.computed), first.computed
+            s.kv, s.computed = self.kv.fork(first.kv, first.computed, s.budget), first.computed
         for s in a.seqs:
             self._sample(a, s, logits)
         if all(s.finish_reason for s in a.seqs):
@@ -200,7 +213,7 @@ class Scheduler:
             return
         self.metrics.tokens += 1
         if s.finish_reason and s.kv is not None:
-            self.kv.free(s.kv)
+            self.kv.free(s.kv, s.tokens)
             s.kv = None
         a.handle.put(out)
 
@@ -209,7 +222,7 @@ class Scheduler:
             self._active.remove(a)
         for s in a.seqs:
             if s.kv is not None:
-                self.kv.free(s.kv)
+                self.kv.free(s.kv, s.tokens)
                 s.kv = None
         if a.handle.finished:
             return  # failed earlier
