@@ -23,9 +23,19 @@ from poly.serving import RequestDone, RequestFailed, TokenOut
 
 
 def _render_chat(model, messages, tools) -> list[int]:
-    if model.chat_template is None:
+    tmpl = model.chat_template
+    if tmpl is None:
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     extra = {"tools": tools} if tools else {}
+    if tools and "tools" not in tmpl.source:  # the template cannot show them: a system message
+        note = structured.tools_system_text(tools)
+        if messages and messages[0]["role"] == "system":
+            messages = [
+                {**messages[0], "content": messages[0]["content"] + "\n\n" + note},
+                *messages[1:],
+            ]
+        else:
+            messages = [{"role": "system", "content": note}, *messages]
     text = model.chat_template.render(messages, add_generation_prompt=True, **extra)
     return list(model.tokenizer.encode(text, add_special_tokens=False))
 
@@ -42,7 +52,7 @@ async def chat(state, request: Request):
     parsed = await _prepare(state, request, parse_chat)
     body, model = parsed.body, state.model
     messages = chat_messages(body["messages"])
-    plan = structured.plan(state, body)
+    plan = await run_in_threadpool(structured.plan, state, body)
     try:
         ids = await run_in_threadpool(_render_chat, model, messages, plan.tools)
     except PolyError as err:
@@ -110,12 +120,9 @@ async def _chat_stream(handle, q, head, text, parsed, plan):
                 yield chunk(ev.index, {"content": ev.text}, None, lp)
             if ev.finish_reason is not None:
                 message, finish = plan.message("".join(texts[ev.index]), ev.finish_reason)
-                delta = (
-                    {k: v for k, v in message.items() if k == "tool_calls"} if plan.buffered else {}
-                )
-                if plan.buffered and "tool_calls" not in delta:
-                    delta = {"content": message.get("content") or ""}
-                yield chunk(ev.index, delta, finish)
+                if plan.buffered:
+                    yield chunk(ev.index, _tool_delta(message))
+                yield chunk(ev.index, {}, finish)
         elif isinstance(ev, RequestFailed):
             yield sse(from_poly(ev.error).body())
             break
@@ -123,6 +130,12 @@ async def _chat_stream(handle, q, head, text, parsed, plan):
             if parsed.include_usage:
                 yield sse({**head, "choices": [], "usage": usage_json(ev.usage)})
     yield SSE_DONE
+
+
+def _tool_delta(message: dict) -> dict:
+    if not message.get("tool_calls"):
+        return {"content": message.get("content") or ""}
+    return {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
 
 
 async def completions(state, request: Request):

@@ -9,17 +9,28 @@ with poly's ``Sampler`` (the same processors as single-sequence generation), and
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from poly.sampling import NEG_INF, Sampler
+from poly.sampling import Sampler
 
-# A token mask (structured output): called with logits [V], returns them masked; has
-# ``consume(token_id)`` and a ``finished`` flag (the grammar accepts only the end now).
-Mask = Callable[[np.ndarray], np.ndarray]
+
+# A token mask (structured output, poly.serving.grammar.TokenMask): ``allowed()`` -> bool [V],
+# ``consume(token_id)``, and ``finished`` once the grammar accepts only the end.
+class Mask(Protocol):
+    finished: bool
+
+    def allowed(self) -> np.ndarray: ...
+
+    def consume(self, token_id: int) -> None: ...
+
+
+# Disallowed tokens get this logit, not -inf: the sampler refuses non-finite logits, and
+# exp(-1e30 - max) is exactly 0 in float64, so they are never drawn nor the argmax.
+MASKED = np.float32(-1e30)
 
 
 @dataclass(frozen=True)
@@ -126,11 +137,10 @@ class Sequence:
             x = x.copy()
             x[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * cnt
         if self.mask is not None:
-            x = self.mask(x)
-            if not np.isfinite(x).any():
-                x = np.full_like(logits, NEG_INF)
-                for t in self.sampler.eos_tokens:
-                    x[t] = 0.0  # nothing allowed but the end
+            allowed = self.mask.allowed()
+            if not allowed.any():  # nothing allowed but the end
+                allowed[list(self.sampler.eos_tokens)] = True
+            x = np.where(allowed, x, MASKED).astype(np.float32, copy=False)
         return x
 
     def accept(self, logits: np.ndarray) -> TokenOut:
