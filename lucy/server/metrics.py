@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 _HELP = {
     "requests_total": ("counter", "requests accepted into the queue"),
     "requests_finished_total": ("counter", "requests finished (cancelled included)"),
@@ -15,7 +17,24 @@ _HELP = {
     "queue_length": ("gauge", "requests waiting to join the batch"),
     "batch_rows": ("gauge", "sequences in the running batch"),
     "batch_occupancy": ("gauge", "mean rows per decode call"),
+    "kv_sequences": ("gauge", "sequences holding KV memory"),
+    "kv_tokens": ("gauge", "positions cached by live sequences"),
+    "kv_pages_total": ("gauge", "pages in the KV pool (allocated at start)"),
+    "kv_pages_used": ("gauge", "KV pages referenced by live sequences"),
+    "kv_pages_cached": ("gauge", "unreferenced KV pages kept for prefix reuse (evictable)"),
+    "kv_pages_free": ("gauge", "KV pages never used or evicted"),
+    "kv_page_size": ("gauge", "positions per KV page"),
+    "kv_bytes_used": ("gauge", "bytes of the KV pages in use"),
+    "process_resident_bytes": ("gauge", "resident set size of the server process"),
 }
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def values(s) -> dict:
@@ -36,6 +55,7 @@ def values(s) -> dict:
     }
     for k, v in s.kv.stats().items():
         out[k] = v
+    out["process_resident_bytes"] = _rss()
     return out
 
 
