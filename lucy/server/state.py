@@ -32,6 +32,7 @@ class ServerState:
         self.drain_s = drain_s
         self.created = int(time.time())
         self.draining = False
+        self.grammars = None  # llguidance's tokenizer, built on the first structured request
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:

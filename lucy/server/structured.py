@@ -62,10 +62,9 @@ def grammars(state):
     from poly.serving.grammar import Grammars
 
     with _LOCK:
-        g = getattr(state, "_grammars", None)
-        if g is None:
-            g = state._grammars = Grammars(state.model)
-        return g
+        if state.grammars is None:
+            state.grammars = Grammars(state.model)
+        return state.grammars
 
 
 def _tools(body: dict) -> tuple[list, dict]:
