@@ -7,6 +7,10 @@ OpenAI-compatible server with --url, e.g. llama.cpp's `llama-server --parallel 8
 2. all prompts at once, one thread each: aggregate decode tok/s (tokens after the first, summed,
    over the span from the earliest first token to the last token), TTFT of each;
 3. whether every concurrent text equals its solo text (greedy: it must).
+With --prefix-tokens N: TTFT of a chat request with an N-token system prompt, then of a second
+one sharing it (its KV pages come from the prefix cache), and whether the outputs match a
+cold run. With --memory: 16 concurrent 100-token prompts under `--ctx 8192`, /metrics sampled
+while all 16 run (KV bytes in use vs the live tokens' need, RSS).
 
     python -m benchmarks.serve_bench [MODEL] [--n 8] [--new 64] [--rounds 2] [--json out.json]
     python -m benchmarks.serve_bench --url http://127.0.0.1:8080 --model-name x   # another server
@@ -81,6 +85,61 @@ def measure(client, model: str, n: int, new: int) -> dict:
     }
 
 
+def _ttft(client, model, messages, new=8):
+    t0 = time.perf_counter()
+    s = client.chat.completions.create(model=model, messages=messages, max_tokens=new,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    first, text, usage = None, [], None
+    for c in s:
+        if c.choices and first is None:
+            first = time.perf_counter()
+        if c.choices:
+            text.append(c.choices[0].delta.content or "")
+        usage = c.usage or usage
+    return first - t0, "".join(text), usage
+
+
+def prefix_reuse(client, model, n_tokens: int) -> dict:
+    system = " ".join(f"Rule {i}: answer politely and briefly." for i in range(n_tokens // 8))
+    msgs = [{"role": "system", "content": system}]
+    cold, text_a, ua = _ttft(client, model, msgs + [{"role": "user", "content": "Hi!"}])
+    warm, text_b, ub = _ttft(client, model, msgs + [{"role": "user", "content": "Hello!"}])
+    cached = (ub.prompt_tokens_details.cached_tokens or 0) if ub.prompt_tokens_details else 0
+    return {"prompt_tokens": ub.prompt_tokens, "cached_tokens": cached, "ttft_first_s": cold,
+            "ttft_second_s": warm, "ratio": warm / cold}  # fmt: skip
+
+
+def memory(base: str, client, model: str) -> dict:
+    from tests.serve_helpers import metrics
+
+    prompts = [[1000 + 7 * i + j for j in range(100)] for i in range(16)]  # 100 token ids each
+    seen = {}
+
+    def run(p):
+        return one_stream(client, model, p, 160)
+
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(run, p) for p in prompts]
+        for _ in range(2000):
+            m = metrics(base)
+            if m["poly_kv_sequences"] == 16 and m["poly_kv_tokens"] >= seen.get(
+                "poly_kv_tokens", 0
+            ):
+                seen = m
+            if all(f.done() for f in futures):
+                break
+            time.sleep(0.05)
+    per_token = seen["poly_kv_bytes_used"] / max(
+        seen["poly_kv_pages_used"] * seen["poly_kv_page_size"], 1
+    )
+    need = seen["poly_kv_tokens"] * per_token
+    return {"live_tokens": seen["poly_kv_tokens"], "kv_bytes_used": seen["poly_kv_bytes_used"],
+            "kv_bytes_needed": need, "ratio": seen["poly_kv_bytes_used"] / need,
+            "contiguous_16x8192_bytes": 16 * 8192 * per_token,
+            "rss_mb": seen["poly_process_resident_bytes"] / 2**20}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="model for lucy serve (default: SmolLM2 GGUF)")
@@ -90,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens per request")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefix-tokens", type=int, default=0, help="also measure prefix reuse")
+    ap.add_argument("--memory", action="store_true", help="only the --ctx 8192 memory scenario")
     args = ap.parse_args(argv)
     import openai
 
@@ -107,8 +168,19 @@ def main(argv=None) -> int:
             from entity.smollm2 import ensure_smollm2
 
             args.model = str(ensure_smollm2())
+        name = Path(args.model).name.removesuffix(".gguf").removesuffix(".entity")
+        if args.memory:
+            with running_server(args.model, "--max-batch", "16", "--ctx", "8192") as (base, _):
+                c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=900)
+                print(json.dumps(memory(base, c, name), indent=1))
+            return 0
         with running_server(args.model, "--max-batch", str(max(args.n, 1))) as (base, _):
-            rounds = run(base, Path(args.model).name.removesuffix(".gguf").removesuffix(".entity"))
+            if args.prefix_tokens:
+                c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=900)
+                print(json.dumps(prefix_reuse(c, name, args.prefix_tokens), indent=1))
+            rounds = run(base, name) if args.rounds else []
+    if not rounds:
+        return 0
     best = max(rounds, key=lambda r: r["concurrent_decode_tok_s"])
     summary = {
         "n": args.n,

@@ -9,10 +9,22 @@ are gathered into it, the chunk is run, and the new positions are scattered into
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from poly.errors import ContextOverflowError, GenerationError
 from poly.serving.pages import PagePool, chain_hashes
+
+
+def _pool_array(shape) -> np.ndarray:
+    """Zeros the OS maps on first touch, in 4 KiB pages (no transparent huge pages: a 2 MiB page
+    per layer array would make the resident size jump by 2 MiB x layers x 2 at a time)."""
+    size = int(np.prod(shape)) * 4
+    buf = mmap.mmap(-1, max(size, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype=np.float32, count=size // 4).reshape(shape)
 
 
 class PagedSeq:
@@ -30,20 +42,21 @@ class PagedKV:
 
     paged = True
 
-    def __init__(self, model, n_pages: int, page_size: int = 16, prefix_cache: bool = True):
+    def __init__(self, model, n_pages: int, page_size: int = 16, prefix_cache: bool = True,
+                 cache_bytes: int = 256 << 20):  # fmt: skip
         from poly.errors import LayerConfigError
 
         if n_pages < 1 or page_size < 1:
             raise LayerConfigError("the KV pool needs >= 1 page of >= 1 position")
         self.model = model
-        self.pool = PagePool(n_pages, page_size)
         self.ps = int(page_size)
         self.prefix_cache = prefix_cache
         self.layers = [model.attn(i) for i in range(model.config.num_layers)]
         rows = n_pages * page_size
-        self.k = [np.zeros((rows, a.num_kv_heads, a.head_dim), np.float32) for a in self.layers]
-        self.v = [np.zeros_like(k) for k in self.k]
+        self.k = [_pool_array((rows, a.num_kv_heads, a.head_dim)) for a in self.layers]
+        self.v = [_pool_array(k.shape) for k in self.k]
         self.page_bytes = sum(2 * page_size * k[0].nbytes for k in self.k)
+        self.pool = PagePool(n_pages, page_size, cache_bytes // self.page_bytes)
         self.live: dict[int, PagedSeq] = {}
         self._scratch: list | None = None
         self._owner: tuple[int, int] | None = None  # (id(seq), length) the scratch holds
@@ -205,7 +218,7 @@ class PagedKV:
             "kv_pages_total": pool.n_pages,
             "kv_pages_used": pool.used,
             "kv_pages_cached": len(pool.lru),
-            "kv_pages_free": len(pool.free),
+            "kv_pages_free": pool.free,
             "kv_page_size": self.ps,
             "kv_bytes_used": pool.used * self.page_bytes,
         }
