@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from poly.batch import forward_batch
+from poly.runtime.batch import forward_batch
 
 
 class ContiguousKV:
@@ -32,7 +32,7 @@ class ContiguousKV:
 
     def fork(self, state: list, length: int, budget: int = 0) -> list:
         """A copy of ``state``'s first ``length`` positions (choices of one prompt)."""
-        from poly.layers.mha import KVCache
+        from poly.nn.mha import KVCache
 
         out = []
         for c in state:

@@ -157,7 +157,7 @@ class PagedKV:
     # --- running --------------------------------------------------------------------------------
 
     def _scratch_state(self) -> list:
-        from poly.layers.mha import KVCache
+        from poly.nn.mha import KVCache
 
         if self._scratch is None:
             self._scratch = [
@@ -190,8 +190,8 @@ class PagedKV:
 
     def decode(self, tokens: list[int], seqs: list[PagedSeq]) -> np.ndarray:
         """One new token per sequence -> logits [B, V]: the fused step over page tables."""
-        from poly import fused
-        from poly.layers.embedding import lookup
+        from poly.nn.embedding import lookup
+        from poly.runtime import fused
 
         for s in seqs:
             if s.length >= self.layers[0].max_seq_len:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from poly.errors import SamplingParamsError
-from poly.sampling import GenOptions
+from poly.text.sampling import GenOptions
 
 MAX_N = 16  # choices per request
 MAX_TOP_LOGPROBS = 20

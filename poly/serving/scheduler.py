@@ -23,12 +23,12 @@ from collections import deque
 from collections.abc import Callable
 
 from poly.errors import ContextOverflowError, PolyError, QueueFullError
-from poly.generation import check_prompt, model_lock
-from poly.sampling import Sampler
 from poly.serving.handle import RequestDone, RequestFailed, RequestHandle, Usage
 from poly.serving.metrics import Metrics
 from poly.serving.params import SamplingParams
 from poly.serving.sequence import Sequence
+from poly.text.generation import check_prompt, model_lock
+from poly.text.sampling import Sampler
 
 MAX_ROWS = 16  # rows of one fused decode call (ckernels.MAX_N)
 
@@ -130,7 +130,7 @@ class Scheduler:
             sampler = Sampler(p.gen_options(i, budget), self.model.config.vocab_size, self.eos)
             dec = None
             if tok is not None:
-                from poly.tokenizer import StreamDecoder
+                from poly.text.tokenizer import StreamDecoder
 
                 dec = StreamDecoder(tok)
             mask = mask_factory() if mask_factory is not None else None

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from poly.sampling import Sampler
+from poly.text.sampling import Sampler
 
 
 # A token mask (structured output, poly.serving.grammar.TokenMask): ``allowed()`` -> bool [V],
