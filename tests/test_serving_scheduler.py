@@ -86,6 +86,7 @@ def test_paged_logits_equal_contiguous_bitwise(model):
         out.append([[(lp.token_id, lp.logprob, lp.top) for c in h.result(0).choices
                      for lp in c.logprobs] for h in hs])  # fmt: skip
     assert out[0] == out[1]
+    assert kv.pool.used == 0 and kv.pool.reserved == 0  # forks' promises returned too
 
 
 def test_prefix_reuse_shares_pages_and_keeps_output(model):

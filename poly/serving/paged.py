@@ -34,6 +34,7 @@ class PagedSeq:
         self.pages: list[int] = []
         self.length = 0
         self.reserved = 0  # pages it may still take from the pool's reservation
+        self.extra = 0  # pages promised for the choices forked from it (n > 1)
         self.hashed = 0  # leading pages whose hashes are registered
 
 
@@ -89,6 +90,8 @@ class PagedKV:
             self.pool.retain(page)
         seq.pages, seq.length, seq.hashed = matched, len(matched) * self.ps, len(matched)
         self._promise(seq, self.pages_for(len(prompt) + budget) - len(matched))
+        seq.extra = (n - 1) * (self.pages_for(budget) + 1)
+        self.pool.reserved += seq.extra
         self.live[id(seq)] = seq
         return seq, seq.length
 
@@ -126,7 +129,11 @@ class PagedKV:
         for page in seq.pages[:full]:
             self.pool.retain(page)
         out.pages, out.length, out.hashed = list(seq.pages[:full]), length, min(seq.hashed, full)
-        self._promise(out, self.pages_for(length + budget) - full)
+        need = self.pages_for(length + budget) - full
+        give = min(need, seq.extra)  # promised when the request was admitted
+        seq.extra -= give
+        out.reserved = give
+        self._promise(out, need - give)
         if length % self.ps:
             src, dst = seq.pages[full] * self.ps, self._take(out) * self.ps
             for k, v in zip(self.k, self.v):
@@ -145,8 +152,8 @@ class PagedKV:
                 self.pool.register(page, h)
         for page in seq.pages:
             self.pool.release(page)
-        self.pool.reserved -= seq.reserved
-        seq.pages, seq.reserved, seq.length = [], 0, 0
+        self.pool.reserved -= seq.reserved + seq.extra
+        seq.pages, seq.reserved, seq.extra, seq.length = [], 0, 0, 0
         if self._owner is not None and self._owner[0] == id(seq):
             self._owner = None
 
