@@ -92,8 +92,8 @@ def _ttft(client, model, messages, new=8):
                                        stream_options={"include_usage": True})  # fmt: skip
     first, text, usage = None, [], None
     for c in s:
-        if c.choices and first is None:
-            first = time.perf_counter()
+        if c.choices and c.choices[0].delta.content and first is None:
+            first = time.perf_counter()  # the first token (the first chunk only carries the role)
         if c.choices:
             text.append(c.choices[0].delta.content or "")
         usage = c.usage or usage
