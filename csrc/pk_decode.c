@@ -6,7 +6,7 @@
  * threads stay inside one region; row-parallel matrix-vector phases are separated by barriers
  * and the small serial work (norms, RoPE, the KV append) runs on one thread.
  *
- * decode(layers, caches, head, x, logits, pos, q8[, threads]) for n <= 16 rows (independent sequences, each
+ * decode(layers, caches, head, x, logits, pos, q8[, threads[, paged]]) for n <= 16 rows (independent sequences, each
  * one new token: batched decode reads every weight row once for all of them)
  *   layers: tuple of per-block tuples
  *     (heads, kv_heads, head_dim, eps, attn_gamma, q_gamma|None, k_gamma|None, qkv_mats,
@@ -19,6 +19,9 @@
  *   x: float32 [n, d] embeddings of the tokens (overwritten: the residual streams)
  *   logits: float32 [n, V] output; pos: tuple of n positions written (each < its T);
  *   q8: int8 activations; threads (optional): OpenMP threads for this call, 0 = set_threads().
+ *   paged (optional, None = off): (page_size, tables), tables a tuple of n int32 arrays. Then each
+ *     row's caches are the block's page pools [pages * page_size, kv_heads, head_dim] and position
+ *     t of row i lives at slot tables[i][t / page_size] * page_size + t % page_size.
  * Every buffer's size is checked against the dims before anything runs (ValueError).
  */
 #include "pk_decode.h"
@@ -97,8 +100,13 @@ static inline void part(int64_t m, int tid, int nt, int64_t *r0, int64_t *r1) {
     *r0 = m * tid / nt; *r1 = m * (tid + 1) / nt;
 }
 
+/* the cache slot of position t of row i (its page table, or t itself when contiguous) */
+static inline int64_t slot(const step_t *S, int i, int64_t t) {
+    return S->tab[i] ? (int64_t)S->tab[i][t / S->ps] * S->ps + t % S->ps : t;
+}
+
 /* row i: q/k norm, RoPE (pairs j, j + hd/2) at pos, then k/v appended to its caches */
-static void rope_append(const layer_t *L, float *qkv, int64_t pos, int i) {
+static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t pos, int i) {
     const int64_t hd = L->hd, half = hd / 2, q = (int64_t)L->heads * hd, kvd = (int64_t)L->kvh * hd;
     const float *c = L->cos + pos * half, *s = L->sin + pos * half;
     for (int64_t h = 0; h < L->heads + L->kvh; h++) {
@@ -111,25 +119,27 @@ static void rope_append(const layer_t *L, float *qkv, int64_t pos, int i) {
             v[j + half] = x2 * c[j] + x1 * s[j];
         }
     }
-    memcpy(L->kc[i] + pos * kvd, qkv + q, (size_t)kvd * 4);
-    memcpy(L->vc[i] + pos * kvd, qkv + q + kvd, (size_t)kvd * 4);
+    const int64_t at = slot(S, i, pos);
+    memcpy(L->kc[i] + at * kvd, qkv + q, (size_t)kvd * 4);
+    memcpy(L->vc[i] + at * kvd, qkv + q + kvd, (size_t)kvd * 4);
 }
 
 /* row i, head h: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] */
-static void attend(const layer_t *L, const float *q, float *o, float *sc, int64_t pos, int i, int h) {
+static void attend(const step_t *S, const layer_t *L, const float *q, float *o, float *sc, int64_t pos,
+                   int i, int h) {
     const int64_t hd = L->hd, kvd = (int64_t)L->kvh * hd, g = h / (L->heads / L->kvh);
     const float scale = (float)(1.0 / sqrt((double)hd));
     const float *K = L->kc[i] + g * hd, *V = L->vc[i] + g * hd;
     float mx = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t <= pos; t++) {
         /* the SIMD dot of the matrix kernels: a plain loop is one dependent add chain */
-        sc[t] = dense_dot(K_F32, (const uint8_t *)(K + t * kvd), q, hd) * scale;
+        sc[t] = dense_dot(K_F32, (const uint8_t *)(K + slot(S, i, t) * kvd), q, hd) * scale;
         mx = fmaxf(mx, sc[t]);
     }
     for (int64_t t = 0; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
     for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
     for (int64_t t = 0; t <= pos; t++) {
-        const float p = sc[t] / sum, *v = V + t * kvd;
+        const float p = sc[t] / sum, *v = V + slot(S, i, t) * kvd;
         for (int64_t j = 0; j < hd; j++) o[j] += p * v[j];
     }
 }
@@ -165,11 +175,11 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
     }
 #pragma omp barrier
 #pragma omp single
-    for (int i = 0; i < n; i++) rope_append(L, B->qkv + i * w, S->pos[i], i);
+    for (int i = 0; i < n; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], i);
     part(n * L->heads, tid, nt, &r0, &r1);
     for (int64_t e = r0; e < r1; e++) {
         const int i = (int)(e / L->heads), h = (int)(e % L->heads);
-        attend(L, B->qkv + i * w + h * L->hd, B->att + i * q + h * L->hd, B->sc + tid * (S->maxpos + 1),
+        attend(S, L, B->qkv + i * w + h * L->hd, B->att + i * q + h * L->hd, B->sc + tid * (S->maxpos + 1),
                S->pos[i], i, h);
     }
 #pragma omp barrier

@@ -27,6 +27,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
 typedef struct {
     layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int q8, loom;
     int64_t pos[MAX_N];
+    const int32_t *tab[MAX_N]; int64_t ntab[MAX_N], ps; /* paged KV: page tables (NULL: contiguous) */
     const float *g_final; float eps_final; mat_t lm; float *x, *logits;
 } step_t;
 

@@ -26,6 +26,41 @@ static int as_tuple(PyObject *o, Py_ssize_t n, const char *what) {
     return 0;
 }
 
+/* row i's page table covers its position and names pages in [0, npages) */
+static int check_table(const step_t *S, int i, int64_t npages) {
+    const int64_t need = S->pos[i] / S->ps + 1;
+    if (S->ntab[i] < need) { PyErr_SetString(PyExc_ValueError, "page table too short"); return -1; }
+    for (int64_t j = 0; j < need; j++)
+        if (S->tab[i][j] < 0 || S->tab[i][j] >= npages) {
+            PyErr_SetString(PyExc_ValueError, "page id outside the pool");
+            return -1;
+        }
+    return 0;
+}
+
+/* paged: None or (page_size, (int32 table per row)) -> S->ps, S->tab, S->ntab */
+static int parse_paged(holds_t *H, PyObject *o, step_t *S) {
+    if (o == Py_None) return 0;
+    if (as_tuple(o, 2, "paged")) return -1;
+    S->ps = PyLong_AsLongLong(PyTuple_GET_ITEM(o, 0));
+    if (PyErr_Occurred()) return -1;
+    PyObject *tabs = PyTuple_GET_ITEM(o, 1);
+    if (S->ps < 1 || as_tuple(tabs, S->n, "page tables")) return -1;
+    for (int i = 0; i < S->n; i++) {
+        if (H->n == H->cap) { PyErr_SetString(PyExc_ValueError, "too many buffers"); return -1; }
+        Py_buffer *b = &H->bufs[H->n];
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(tabs, i), b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+        H->n++;
+        S->tab[i] = b->buf;
+        if (b->itemsize != 4 || !b->format || (strcmp(b->format, "i") && strcmp(b->format, "<i") && strcmp(b->format, "=i"))) {
+            PyErr_SetString(PyExc_ValueError, "page tables must be int32 arrays");
+            return -1;
+        }
+        S->ntab[i] = b->len / 4;
+    }
+    return 0;
+}
+
 /* (kind, w, aux|None, m, k, bias|None) with m rows of k inputs */
 static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     if (as_tuple(t, 6, "a matrix")) return -1;
@@ -58,8 +93,9 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     return 0;
 }
 
-static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, int n, const int64_t *pos,
-                       layer_t *L, int64_t d, int64_t maxpos, int64_t *inter) {
+static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, const step_t *S, layer_t *L,
+                       int64_t d, int64_t maxpos, int64_t *inter) {
+    const int n = S->n;
     if (as_tuple(t, 14, "a layer")) return -1;
     L->heads = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
     L->kvh = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 1));
@@ -98,7 +134,11 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, int n, 
         if (!(L->kc[i] = (float *)hold(H, kc, 1, -1, "k cache"))) return -1;
         tb = &H->bufs[H->n - 1];
         const int64_t T = tb->len / (kvd * 4);
-        if (tb->len % (kvd * 4) || pos[i] >= T) { PyErr_SetString(PyExc_ValueError, "KV cache full or mis-sized"); return -1; }
+        if (tb->len % (kvd * 4) || (!S->tab[i] && S->pos[i] >= T) || (S->tab[i] && T % S->ps)) {
+            PyErr_SetString(PyExc_ValueError, "KV cache full or mis-sized");
+            return -1;
+        }
+        if (S->tab[i] && check_table(S, i, T / S->ps)) return -1;
         if (!(L->vc[i] = (float *)hold(H, vc, 1, T * kvd * 4, "v cache"))) return -1;
     }
     if (parse_mat(H, PyTuple_GET_ITEM(t, 10), &L->o, d, q)) return -1;
@@ -137,7 +177,7 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
     if (S->d < 1 || bx->len != S->d * 4 * S->n) { PyErr_SetString(PyExc_ValueError, "x must be float32 [n, d]"); return -1; }
     for (int l = 0; l < S->nl; l++) {
         layer_t *L = &S->L[l];
-        if (parse_layer(H, PyTuple_GET_ITEM(layers, l), caches, l, S->n, S->pos, L, S->d, S->maxpos, &S->inter)) return -1;
+        if (parse_layer(H, PyTuple_GET_ITEM(layers, l), caches, l, S, L, S->d, S->maxpos, &S->inter)) return -1;
         const int64_t q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
         if (q > S->maxq) S->maxq = q;
         if (w > S->maxw) S->maxw = w;
@@ -175,11 +215,11 @@ static int parse_pos(PyObject *o, step_t *S) {
 
 PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7 && nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "decode(layers, caches, head, x, logits, pos, q8[, threads])");
+    if (nargs < 7 || nargs > 9) {
+        PyErr_SetString(PyExc_TypeError, "decode(layers, caches, head, x, logits, pos, q8[, threads[, paged]])");
         return NULL;
     }
-    const long want_nt = nargs == 8 ? PyLong_AsLong(args[7]) : 0; /* 0: set_threads() */
+    const long want_nt = nargs >= 8 ? PyLong_AsLong(args[7]) : 0; /* 0: set_threads() */
     if (want_nt == -1 && PyErr_Occurred()) return NULL;
     if (want_nt < 0 || want_nt > 4096) { PyErr_SetString(PyExc_ValueError, "threads must be 0..4096"); return NULL; }
     step_t S = {0};
@@ -190,12 +230,13 @@ PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     holds_t H = {0};
     Py_ssize_t nl = PyTuple_Check(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
     if (nl > MAX_LAYERS) nl = MAX_LAYERS;
-    H.cap = (int)(nl * (32 + 2 * S.n) + 16);
+    H.cap = (int)(nl * (32 + 2 * S.n) + 16 + S.n);
     H.bufs = calloc((size_t)H.cap, sizeof(Py_buffer));
     S.L = calloc((size_t)(nl ? nl : 1), sizeof(layer_t));
     PyObject *ret = NULL;
     float *scratch = NULL;
     if (!H.bufs || !S.L) { PyErr_NoMemory(); goto done; }
+    if (nargs == 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
     const int nt = want_nt ? (int)want_nt : pk_threads;
     scratch = malloc(pk_scratch_floats(&S, nt) * 4);

@@ -161,6 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("download", help="download a model into the HF cache")
     p.add_argument("repo_id", help="HF repo id, org/name")
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the serve extra)")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--max-batch", dest="max_batch", type=int, default=16,
+                   help="sequences decoded together")  # fmt: skip
+    p.add_argument("--ctx", type=int, default=None, help="context per sequence, tokens")
+    p.add_argument("--kv-pages", dest="kv_pages", type=int, default=None,
+                   help="pages of 16 positions in the KV pool (0: contiguous caches)")  # fmt: skip
+    p.add_argument("--api-key", dest="api_key", default=None, help="required bearer token")
+    p.add_argument("--max-queue", dest="max_queue", type=int, default=64,
+                   help="waiting requests before 429")  # fmt: skip
+    p.add_argument("--log-level", dest="log_level", default="warning", help="uvicorn's log level")
     return parser
 
 

@@ -114,6 +114,12 @@ def cmd_download(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from lucy.server.run import serve
+
+    return serve(args, actions.load_model)
+
+
 def cmd_menu(args) -> int:
     from lucy.menu import run_menu
 
@@ -130,4 +136,5 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "demo": cmd_demo,
     "download": cmd_download,
+    "serve": cmd_serve,
 }

@@ -175,6 +175,12 @@ class ModelBusyError(GenerationError):
     code = "model_busy"
 
 
+class QueueFullError(GenerationError):
+    """The serving scheduler's queue is full: retry later (HTTP 429/503)."""
+
+    code = "queue_full"
+
+
 class SamplingParamsError(PolyError, ValueError):
     code = "bad_sampling_params"
     exit_code = 2

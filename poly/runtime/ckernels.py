@@ -157,10 +157,14 @@ def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def decode(layers, caches, head, x, logits, positions, threads: int) -> None:
+def decode(layers, caches, head, x, logits, positions, threads: int, paged=None) -> None:
     """The fused decode step (csrc/pk_decode.c): every block, the final norm and the LM head
-    for the rows of x [n, d] in one OpenMP region (argument tuples: poly.runtime.fused)."""
-    EXT.decode(layers, caches, head, x, logits, positions, _opts["q8"], threads)
+    for the rows of x [n, d] in one OpenMP region (argument tuples: poly.runtime.fused).
+    ``paged`` = (page_size, int32 page table per row): caches are page pools (poly.serving)."""
+    if paged is None:
+        EXT.decode(layers, caches, head, x, logits, positions, _opts["q8"], threads)
+    else:
+        EXT.decode(layers, caches, head, x, logits, positions, _opts["q8"], threads, paged)
 
 
 def _check_io(x, out, m: int, k: int) -> None:

@@ -176,3 +176,20 @@ def step_rows(p: Plan, x: np.ndarray, states: list[list]) -> np.ndarray | None:
             st[li] = mha.cache_for(layer, st[li])
         rows.append([st[li] for li in p.index])
     return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows)
+
+
+def step_paged(p: Plan, x: np.ndarray, pools: list, pos: tuple, tables: tuple, page_size: int):
+    """Batched decode over a paged KV pool -> logits [n, V]. x [n, d] (overwritten); pools[j] the
+    (k, v) arrays [pages * page_size, kv_heads, head_dim] of enabled block p.index[j]; row i writes
+    position pos[i] and reads its earlier ones through its int32 page table tables[i]."""
+    n = x.shape[0]
+    caches = []
+    for k, v in pools:
+        caches += (k, v) * n
+    logits = np.empty((n, p.vocab), dtype=np.float32)  # [n, V]
+    tuner = p.tuners.setdefault(n, ThreadTuner())
+    nt = tuner.threads(kernels.num_threads())
+    t0 = time.perf_counter()
+    ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt, (page_size, tables))
+    tuner.record(nt, time.perf_counter() - t0)
+    return logits

@@ -1,0 +1,88 @@
+"""The FastAPI app of ``lucy serve``: OpenAI-compatible routes over one ``Scheduler``.
+
+HTTP handlers only parse, submit and relay: the scheduler's own thread owns the model. Each
+request's events come back through ``loop.call_soon_threadsafe`` into an asyncio queue; a stream
+whose client disconnects cancels its request (freed at the scheduler's next step).
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lucy.server import routes
+from lucy.server.errors import ApiError, bad_request
+from lucy.server.metrics import prometheus_text
+from lucy.server.state import ServerState
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.scheduler.start()
+        yield
+        state.draining = True
+        await run_in_threadpool(state.scheduler.shutdown, state.drain_s)
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(err.status_code, str(err.detail), kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError):
+        return _error_response(bad_request("invalid request"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception):
+        return _error_response(ApiError(500, "internal server error", "server_error"))
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        state.check_auth(request)
+        return PlainTextResponse(
+            prometheus_text(state.scheduler), media_type="text/plain; version=0.0.4"
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.check_auth(request)
+        card = {
+            "id": state.model_id,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "poly",
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await routes.chat(state, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await routes.completions(state, request)
+
+    return app

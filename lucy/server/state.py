@@ -1,0 +1,92 @@
+"""What every ``lucy serve`` handler shares: the scheduler, the model's names, the API key."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+
+from fastapi import Request
+
+from lucy.server.errors import ApiError, bad_request, from_poly
+from poly.errors import PolyError
+from poly.serving import Scheduler
+
+MAX_BODY = 4 << 20  # bytes; larger bodies get 413
+DRAIN_LIMIT = 64 << 20  # a too-large body is read and dropped up to this size
+
+
+class ServerState:
+    """What every handler needs: the scheduler, the served model's names, the key."""
+
+    def __init__(self, scheduler: Scheduler, model_id: str, aliases=(), api_key: str | None = None,
+                 max_body: int = MAX_BODY, drain_s: float = 30.0):  # fmt: skip
+        self.scheduler = scheduler
+        self.model = scheduler.model
+        self.model_id = model_id
+        self.aliases = {model_id, *aliases}
+        self.api_key = api_key
+        self.max_body = max_body
+        self.drain_s = drain_s
+        self.created = int(time.time())
+        self.draining = False
+        self.grammars = None  # llguidance's tokenizer, built on the first structured request
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        want = f"Bearer {self.api_key}"
+        if not hmac.compare_digest(got.encode(), want.encode()):
+            raise ApiError(401, "invalid or missing API key", "authentication_error", None,
+                           "invalid_api_key")  # fmt: skip
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.aliases:
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves "
+                           f"'{self.model_id}'", "invalid_request_error", "model",
+                           "model_not_found")  # fmt: skip
+
+    async def read_json(self, request: Request):
+        chunks, total, too_big = [], 0, False
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.max_body:
+            too_big = True
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > self.max_body:
+                too_big, chunks = True, []
+            if too_big and total > DRAIN_LIMIT:
+                break  # past this, the client sees the connection close instead of the 413
+            if not too_big:
+                chunks.append(chunk)
+        if too_big:  # read (and dropped) so that the client gets to read the answer
+            raise ApiError(
+                413, f"request body exceeds {self.max_body} bytes", code="body_too_large"
+            )
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise bad_request(f"the body is not valid JSON: {err}", code="invalid_json") from None
+
+    def submit(self, ids, params, mask_factory=None):
+        """(handle, asyncio queue of its events)."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", "server_error", None, "unavailable")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def notify(ev) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+
+        try:
+            handle = self.scheduler.submit(ids, params, mask_factory=mask_factory, notify=notify,
+                                           rid=uuid.uuid4().hex[:24])  # fmt: skip
+        except PolyError as err:
+            raise from_poly(err) from None
+        return handle, q

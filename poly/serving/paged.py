@@ -1,0 +1,231 @@
+"""Paged KV storage for the scheduler: a fixed pool allocated at start, pages taken as sequences
+grow and given back when they end, prefix pages shared between requests.
+
+Decode runs the fused C step with a page table per row (``fused.step_paged``): it computes
+exactly what the contiguous step computes, only the cache addresses differ. Prefill runs poly's
+own multi-token path on one reusable contiguous scratch state: the sequence's cached positions
+are gathered into it, the chunk is run, and the new positions are scattered into pages.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from poly.errors import ContextOverflowError, GenerationError
+from poly.serving.pages import PagePool, chain_hashes
+
+
+def _pool_array(shape) -> np.ndarray:
+    """Zeros the OS maps on first touch, in 4 KiB pages (no transparent huge pages: a 2 MiB page
+    per layer array would make the resident size jump by 2 MiB x layers x 2 at a time)."""
+    size = int(np.prod(shape)) * 4
+    buf = mmap.mmap(-1, max(size, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype=np.float32, count=size // 4).reshape(shape)
+
+
+class PagedSeq:
+    """One sequence's KV: its pages, in order, and how many positions they hold."""
+
+    def __init__(self):
+        self.pages: list[int] = []
+        self.length = 0
+        self.reserved = 0  # pages it may still take from the pool's reservation
+        self.extra = 0  # pages promised for the choices forked from it (n > 1)
+        self.hashed = 0  # leading pages whose hashes are registered
+
+
+class PagedKV:
+    """The pool and the operations the scheduler needs (see ``ContiguousKV``)."""
+
+    paged = True
+
+    def __init__(self, model, n_pages: int, page_size: int = 16, prefix_cache: bool = True,
+                 cache_bytes: int = 256 << 20):  # fmt: skip
+        from poly.errors import LayerConfigError
+
+        if n_pages < 1 or page_size < 1:
+            raise LayerConfigError("the KV pool needs >= 1 page of >= 1 position")
+        self.model = model
+        self.ps = int(page_size)
+        self.prefix_cache = prefix_cache
+        self.layers = [model.attn(i) for i in range(model.config.num_layers)]
+        rows = n_pages * page_size
+        self.k = [_pool_array((rows, a.num_kv_heads, a.head_dim)) for a in self.layers]
+        self.v = [_pool_array(k.shape) for k in self.k]
+        self.page_bytes = sum(2 * page_size * k[0].nbytes for k in self.k)
+        self.pool = PagePool(n_pages, page_size, cache_bytes // self.page_bytes)
+        self.live: dict[int, PagedSeq] = {}
+        self._scratch: list | None = None
+        self._owner: tuple[int, int] | None = None  # (id(seq), length) the scratch holds
+
+    # --- admission --------------------------------------------------------------------------------
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.ps)
+
+    def check(self, prompt_len: int, budget: int, n: int) -> None:
+        """ContextOverflowError when the whole pool could not hold the request."""
+        need = self.pages_for(prompt_len + budget) + (n - 1) * (self.pages_for(budget) + 1)
+        if need > self.pool.n_pages:
+            raise ContextOverflowError(
+                f"the request needs {need} KV pages of {self.ps} positions; the pool has "
+                f"{self.pool.n_pages} (lower max_tokens or n, or start with more --kv-pages)"
+            )
+
+    def reserve(self, prompt: list[int], budget: int, n: int) -> tuple[PagedSeq, int] | None:
+        """A sequence for ``prompt`` with pages promised for the prompt and ``n`` choices of
+        ``budget`` tokens, its prefix taken from the cache -> (seq, cached tokens); None when the
+        pool cannot promise that many pages now."""
+        seq = PagedSeq()
+        matched = self._match(prompt) if self.prefix_cache else []
+        need = self.pages_for(len(prompt) + budget) - len(matched)
+        need += (n - 1) * (self.pages_for(budget) + 1)
+        if need > self.pool.available:
+            return None
+        for page in matched:
+            self.pool.retain(page)
+        seq.pages, seq.length, seq.hashed = matched, len(matched) * self.ps, len(matched)
+        self._promise(seq, self.pages_for(len(prompt) + budget) - len(matched))
+        seq.extra = (n - 1) * (self.pages_for(budget) + 1)
+        self.pool.reserved += seq.extra
+        self.live[id(seq)] = seq
+        return seq, seq.length
+
+    def _promise(self, seq: PagedSeq, pages: int) -> None:
+        seq.reserved += pages
+        self.pool.reserved += pages
+
+    def _match(self, prompt: list[int]) -> list[int]:
+        out = []
+        for h in chain_hashes(prompt[: len(prompt) - 1], self.ps):  # >= 1 token left to run
+            page = self.pool.lookup(h)
+            if page is None:
+                break
+            out.append(page)
+        return out
+
+    # --- pages --------------------------------------------------------------------------------------
+
+    def _take(self, seq: PagedSeq) -> int:
+        page = self.pool.alloc()
+        if seq.reserved > 0:
+            seq.reserved -= 1
+            self.pool.reserved -= 1
+        seq.pages.append(page)
+        return page
+
+    def _room(self, seq: PagedSeq, upto: int) -> None:
+        while len(seq.pages) * self.ps < upto:
+            self._take(seq)
+
+    def fork(self, seq: PagedSeq, length: int, budget: int) -> PagedSeq:
+        """Choice 2..n of a prompt: full pages shared, the partial last page copied."""
+        out = PagedSeq()
+        full = length // self.ps
+        for page in seq.pages[:full]:
+            self.pool.retain(page)
+        out.pages, out.length, out.hashed = list(seq.pages[:full]), length, min(seq.hashed, full)
+        need = self.pages_for(length + budget) - full
+        give = min(need, seq.extra)  # promised when the request was admitted
+        seq.extra -= give
+        out.reserved = give
+        self._promise(out, need - give)
+        if length % self.ps:
+            src, dst = seq.pages[full] * self.ps, self._take(out) * self.ps
+            for k, v in zip(self.k, self.v):
+                k[dst : dst + self.ps] = k[src : src + self.ps]
+                v[dst : dst + self.ps] = v[src : src + self.ps]
+        self.live[id(out)] = out
+        return out
+
+    def free(self, seq: PagedSeq, tokens: list[int] | None = None) -> None:
+        """Give the pages back; full pages of ``tokens`` stay in the prefix cache."""
+        if self.live.pop(id(seq), None) is None:
+            return
+        if self.prefix_cache and tokens is not None:
+            hashes = chain_hashes(tokens[: seq.length], self.ps)
+            for page, h in list(zip(seq.pages, hashes))[seq.hashed :]:
+                self.pool.register(page, h)
+        for page in seq.pages:
+            self.pool.release(page)
+        self.pool.reserved -= seq.reserved + seq.extra
+        seq.pages, seq.reserved, seq.extra, seq.length = [], 0, 0, 0
+        if self._owner is not None and self._owner[0] == id(seq):
+            self._owner = None
+
+    def _slots(self, seq: PagedSeq, start: int, stop: int) -> np.ndarray:
+        t = np.arange(start, stop)
+        return np.asarray(seq.pages, dtype=np.int64)[t // self.ps] * self.ps + t % self.ps
+
+    # --- running --------------------------------------------------------------------------------
+
+    def _scratch_state(self) -> list:
+        from poly.nn.mha import KVCache
+
+        if self._scratch is None:
+            self._scratch = [
+                KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim) for a in self.layers
+            ]
+        return self._scratch
+
+    def prefill(self, seq: PagedSeq, ids: list[int]) -> np.ndarray:
+        """Run ``ids`` after the cached positions -> logits [V] of the last one."""
+        m, st = self.model, self._scratch_state()
+        n0 = seq.length
+        if self._owner != (id(seq), n0):  # gather the cached positions into the scratch
+            slots = self._slots(seq, 0, n0)
+            for c, k, v in zip(st, self.k, self.v):
+                c.k[:n0], c.v[:n0] = k[slots], v[slots]
+        for c in st:
+            c.length = n0
+        saved = m.swap_state(st)
+        try:
+            logits = m.forward(ids)
+        finally:
+            st[:] = m.swap_state(saved)
+        n1 = n0 + len(ids)
+        self._room(seq, n1)
+        slots = self._slots(seq, n0, n1)
+        for c, k, v in zip(st, self.k, self.v):
+            k[slots], v[slots] = c.k[n0:n1], c.v[n0:n1]
+        seq.length, self._owner = n1, (id(seq), n1)
+        return logits
+
+    def decode(self, tokens: list[int], seqs: list[PagedSeq]) -> np.ndarray:
+        """One new token per sequence -> logits [B, V]: the fused step over page tables."""
+        from poly.nn.embedding import lookup
+        from poly.runtime import fused
+
+        for s in seqs:
+            if s.length >= self.layers[0].max_seq_len:
+                raise GenerationError("context overflow in the paged KV cache")
+            self._room(s, s.length + 1)
+        p = fused.plan(self.model)
+        if p is None:  # no C step for this model: one row at a time through the scratch
+            return np.stack([self.prefill(s, [t]) for s, t in zip(seqs, tokens)])
+        x = np.ascontiguousarray(lookup(self.model.embeddings, np.asarray(tokens)), np.float32)
+        pools = [(self.k[i], self.v[i]) for i in p.index]
+        tables = tuple(np.asarray(s.pages, dtype=np.int32) for s in seqs)
+        pos = tuple(s.length for s in seqs)
+        logits = fused.step_paged(p, x, pools, pos, tables, self.ps)
+        for s in seqs:
+            s.length += 1
+        return logits
+
+    def stats(self) -> dict:
+        pool = self.pool
+        tokens = sum(s.length for s in self.live.values())
+        return {
+            "kv_sequences": len(self.live),
+            "kv_tokens": tokens,
+            "kv_pages_total": pool.n_pages,
+            "kv_pages_used": pool.used,
+            "kv_pages_cached": len(pool.lru),
+            "kv_pages_free": pool.free,
+            "kv_page_size": self.ps,
+            "kv_bytes_used": pool.used * self.page_bytes,
+        }
