@@ -8,9 +8,9 @@
     blocks.<i>.mlp.shared[.<view>]        the shared expert, same rules
 
 Each expert is its own blob(s), so a reader maps one expert without touching the others (the
-expert cache of `entity.dotentity.experts` pages them in and out). The flat component names used by
-the HF importer and `model_blocks` are ``router``, ``shared_gate``, ``experts.<e>.<view>`` and
-``shared.<view>``.
+pager of `attach_pager`, `poly.runtime.expert_cache`, pages them in and out). The flat component
+names used by the HF importer and `model_blocks` are ``router``, ``shared_gate``,
+``experts.<e>.<view>`` and ``shared.<view>``.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def install_moe(layer, ef: EntityFile, i: int, enc: str) -> None:
 
 def attach_pager(tf, ef: EntityFile, max_resident: int) -> None:
     """Put the model's MoE experts under an LRU budget of ``max_resident`` resident experts:
-    each MoE layer reports expert uses to one `poly.runtime.expert_cache.ExpertPager` (``tf.expert_pager``)
-    that knows every expert's byte ranges in the file."""
+    each MoE layer reports expert uses to one `poly.runtime.expert_cache.ExpertPager`
+    (``tf.expert_pager``) that knows every expert's byte ranges in the file."""
     from poly.layer import LayerType
     from poly.runtime.expert_cache import ExpertPager
 

@@ -18,8 +18,9 @@ Forward, per token: logits = x @ router.T (float32), weights = softmax(logits) o
 sigmoid(logits), the top_k largest taken by a stable descending sort (on exact ties the lower
 expert id wins), renormalised over the k when ``norm_topk_prob``; out = sum_k w_k * expert_k(x)
 [+ sigmoid(shared_gate . x) * shared(x)]. Tokens are grouped by expert: one matrix product per
-used expert (a decode step touches only its k experts). An expert cache
-(``layer.expert_cache``, see entity's expert residency) is told about every expert used.
+used expert (a decode step touches only its k experts). An expert cache set on the layer
+(``layer.expert_cache``, a `poly.runtime.expert_cache.ExpertHandle` when experts are paged
+under a memory budget) is told about every expert used, before it runs.
 """
 
 from __future__ import annotations
