@@ -96,7 +96,8 @@ def load(path_or_model_id: str | os.PathLike, **kw: Any) -> Any:
         kw.pop("max_resident_experts", None)
     elif not (target.is_file() and _magic(target) == b"ENTITY\x00\x00"):
         raise UsageError(
-            "max_resident_experts needs a .entity file (experts paged from its mapping)"
+            "an expert budget (--max-experts, max_resident_experts) needs a .entity file "
+            "(experts are paged from its mapping; convert first)"
         )
     if target.exists():
         if target.is_dir():
