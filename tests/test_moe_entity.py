@@ -68,13 +68,17 @@ def test_quantized_experts_are_close(ckpts, quant, rel, top1, tmp_path):
     assert {e.weights.active for e in back.mlp(0).sequential_layers} == {kind}
 
 
-def test_q8_greedy_follows_transformers(ckpts, tmp_path):
-    out = save_entity(entity.load(ckpts["qwen3_moe"]), tmp_path / "m.q8.entity", quant="q8")
-    want = hf_greedy(ckpts["qwen3_moe"], PROMPT, N_NEW)
+@pytest.mark.parametrize("arch,tied", [("qwen3_moe", True), ("qwen2_moe", False)])
+def test_q8_greedy_follows_transformers(arch, tied, tmp_path):
+    # 0.15-scale weights (as the GGUF tests): with 0.2, per-row int8 rounding flips MoE routing
+    # on a few steps (qwen3_moe: 30/32); measured here 32/32 for both.
+    src = make_tiny_checkpoint(tmp_path / arch, arch, tied=tied, seed=52,
+                               config_overrides={"initializer_range": 0.15})  # fmt: skip
+    out = save_entity(entity.load(src), tmp_path / "m.q8.entity", quant="q8")
+    want = hf_greedy(src, PROMPT, N_NEW)
     # teacher-forced along transformers' greedy path: top-1 per step (one flip must not cascade)
     logits = entity.load(out).forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
-    agree = int((logits.argmax(-1) == np.array(want)).sum())
-    assert agree >= 28, agree  # measured 30/32 (per-row int8 on a d = 64 model)
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
 
 
 def _rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | None = None):
