@@ -10,6 +10,7 @@ spec (the single place entity reads them), `global_shapes` the config.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -64,9 +65,21 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(causal_lm_class="Qwen3ForCausalLM", bias_rule="flag", qk_norm=True,
                       default_head_dim=128, default_max_positions=32768,
                       sliding="use_sliding_window"),
+    # Mixture of experts: the FFN tensor names and config keys are entity.hf.moe's and
+    # entity.gguf.moe's (per-expert names); the rest of the block is the table below.
+    "mixtral": ArchSpec(causal_lm_class="MixtralForCausalLM", bias_rule="none", qk_norm=False,
+                        default_head_dim=None, default_max_positions=131072,
+                        sliding="sliding_window", permute_qk=True),
+    "qwen2_moe": ArchSpec(causal_lm_class="Qwen2MoeForCausalLM", bias_rule="qkv", qk_norm=False,
+                          default_head_dim=None, default_max_positions=32768,
+                          sliding="use_sliding_window"),
+    "qwen3_moe": ArchSpec(causal_lm_class="Qwen3MoeForCausalLM", bias_rule="flag", qk_norm=True,
+                          default_head_dim=None, default_max_positions=32768,
+                          sliding="use_sliding_window"),
 }  # fmt: skip
-# GGUF `general.architecture` -> the family (Mistral and SmolLM files say "llama").
+# GGUF `general.architecture` -> the family (Mistral, SmolLM and Mixtral files say "llama").
 GGUF_ARCHITECTURES: dict[str, ArchSpec] = {k: ARCHITECTURES[k] for k in ("llama", "qwen2", "qwen3")}
+GGUF_ARCHITECTURES.update(qwen2moe=ARCHITECTURES["qwen2_moe"], qwen3moe=ARCHITECTURES["qwen3_moe"])
 
 # Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
 REFUSED_REASONS: dict[str, str] = {
@@ -76,9 +89,7 @@ REFUSED_REASONS: dict[str, str] = {
     "phi": "uses LayerNorm, partial rotary and a parallel block",
     "phi3": "stores fused qkv_proj / gate_up_proj and may use longrope",
     "gpt2": "uses fused c_attn, LayerNorm and learned positions",
-    "mixtral": "mixture of experts (not in the dense importer)",
-    "qwen2_moe": "mixture of experts (not in the dense importer)",
-    "qwen3_moe": "mixture of experts (not in the dense importer)",
+    "olmoe": "needs q/k RMSNorm over all heads at once (not per head)",
 }
 
 ROLES = ("attn_norm", "attn", "mlp_norm", "mlp")
@@ -129,7 +140,9 @@ def role_shapes(cfg: TransformerConfig, role: str) -> dict[str, tuple[int, ...]]
     """
     from poly.model.block import param_shapes
 
-    return param_shapes(cfg)[role]
+    # "mlp" is the dense SwiGLU (of an MoE model's dense layers): the sparse FFN's names and
+    # shapes are entity.hf.moe's, entity.gguf.moe's and entity.dotentity.moe's.
+    return param_shapes(dataclasses.replace(cfg, moe=None))[role]
 
 
 def global_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:

@@ -23,6 +23,7 @@ import numpy as np
 from entity.arch import ROLES, role_shapes
 from entity.atomic import check_output
 from entity.dotentity.blobs import SCHEMES, check_quant, embed_keep_as
+from entity.dotentity.moe import moe_components
 from entity.dotentity.native_blocks import (
     below_target,
     check_same_blocks,
@@ -38,6 +39,7 @@ from entity.dotentity.write import (
     write_entity,
 )
 from poly.errors import ConversionError, IntegrityError, UsageError
+from poly.layer import LayerType
 from poly.quant.qtensor import QTensor
 
 __all__ = ["convert", "ConvertReport", "TensorStat", "default_output"]
@@ -161,7 +163,7 @@ def _hf_source(path: Path) -> _Source:
     cfg = src.config.to_transformer_config(None)
     net = VolumetricNetwork(1, 1, 1, cfg.num_layers)
     for i in range(cfg.num_layers):
-        net.set_layer(0, 0, 0, i, build_block(cfg, allocate=False))
+        net.set_layer(0, 0, 0, i, build_block(cfg, allocate=False, index=i))
     shell = types.SimpleNamespace(network=net, tokenizer=None, chat_template=None, eos_token_ids=(),
                                   generation_defaults=None, source={"format": "hf", "path": str(path)})  # fmt: skip
     attach_hf_metadata(shell, src)
@@ -284,8 +286,14 @@ def _verify(source: _Source, dst: Path, tick: Callable[[str], None]) -> list[Ten
     stats: list[TensorStat] = []
     for i, comps in source.blocks():
         for role in ROLES:
-            got = source_components(getattr(out, role)(i))
-            for name in role_shapes(out.config, role):
+            layer = getattr(out, role)(i)
+            if layer.type == LayerType.MOE:  # router, shared_gate, experts.<e>.<view>, ...
+                got = moe_components(layer, source_components)
+                names = list(got)
+            else:
+                got = source_components(layer)
+                names = list(role_shapes(out.config, role))
+            for name in names:
                 ref = comps[role].get(name)
                 ref = np.zeros(got[name].shape, np.float32) if ref is None else ref  # absent bias
                 stats.append(_stat(f"blocks.{i}.{role}.{name}", ref, got[name], dst))

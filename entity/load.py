@@ -14,7 +14,13 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from poly.errors import CheckpointError, FormatError, ModelNotFoundError, UnsafeFormatError
+from poly.errors import (
+    CheckpointError,
+    FormatError,
+    ModelNotFoundError,
+    UnsafeFormatError,
+    UsageError,
+)
 
 # magic prefix -> (module, function) of the loader for that format.
 MAGIC_LOADERS: dict[bytes, tuple[str, str]] = {
@@ -69,14 +75,30 @@ def _load_file(path: Path, **kw: Any) -> Any:
     )
 
 
+def _magic(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(8)
+    except OSError:
+        return b""
+
+
 def load(path_or_model_id: str | os.PathLike, **kw: Any) -> Any:
     """Load any supported checkpoint as a ``poly.Transformer``.
 
     Accepts an HF snapshot dir, a ``.gguf`` or ``.entity`` file (by content), or an HF model id
     found in the local cache (``revision=`` picks a snapshot, default ``refs/main``). Other
-    keyword arguments (``max_seq_len``, ``dtype`` ...) go to the format's loader.
+    keyword arguments (``max_seq_len``, ``dtype`` ...) go to the format's loader;
+    ``max_resident_experts=N`` (a `.entity` MoE model) keeps at most N experts resident.
     """
     target = Path(os.fspath(path_or_model_id)).expanduser()
+    if kw.get("max_resident_experts") is None:
+        kw.pop("max_resident_experts", None)
+    elif not (target.is_file() and _magic(target) == b"ENTITY\x00\x00"):
+        raise UsageError(
+            "an expert budget (--max-experts, max_resident_experts) needs a .entity file "
+            "(experts are paged from its mapping; convert first)"
+        )
     if target.exists():
         if target.is_dir():
             if not (target / "config.json").is_file():

@@ -17,10 +17,12 @@ NETWORK_TIMEOUT_S = 3.0  # connect check before a download: no network fails in 
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
-def load_model(spec: str):
+def load_model(spec: str, max_experts: int | None = None):
+    """Any checkpoint via `entity.load`; ``max_experts`` pages an MoE `.entity`'s experts under
+    that resident budget."""
     import entity
 
-    return entity.load(spec)
+    return entity.load(spec, max_resident_experts=max_experts)
 
 
 def convert_with_progress(con, src, dst=None, quant="q4", force=False, verify=False):
@@ -155,4 +157,5 @@ def done_json(done, prompt_ids, out_ids) -> dict:
         "prefill_tok_s": float(done.prefill_tok_s),
         "decode_tok_s": float(done.decode_tok_s),
         "stop_reason": str(done.stop_reason),
+        **({"experts": done.experts} if getattr(done, "experts", None) else {}),
     }

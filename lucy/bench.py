@@ -73,15 +73,26 @@ def bench_model(model, prompt_tokens: int = 64, new_tokens: int = 32, runs: int 
     }
 
 
-def run_bench(spec: str, prompt_tokens: int = 64, new_tokens: int = 32, runs: int = 3) -> dict:
-    """Load `spec` through `entity.load` (timed), then `bench_model`."""
+def run_bench(
+    spec: str,
+    prompt_tokens: int = 64,
+    new_tokens: int = 32,
+    runs: int = 3,
+    *,
+    max_experts: int | None = None,
+) -> dict:
+    """Load `spec` through `entity.load` (timed), then `bench_model`; an MoE model under a
+    ``max_experts`` budget adds its expert-cache report ("experts")."""
     import entity
 
     _check(prompt_tokens, new_tokens, runs, None)
     t0 = time.perf_counter()
-    model = entity.load(spec)
+    model = entity.load(spec, max_resident_experts=max_experts)
     load_s = time.perf_counter() - t0
     result = bench_model(model, prompt_tokens, new_tokens, runs)
+    pager = getattr(model, "expert_pager", None)
+    if pager is not None:
+        result["experts"] = pager.report()
     return {"model": str(spec), "load_s": load_s, **result}
 
 

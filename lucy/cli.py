@@ -78,6 +78,11 @@ def _looks_like_flag(arg: str) -> bool:
 # --- parser -------------------------------------------------------------------------------------
 
 
+def _add_max_experts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-experts", dest="max_experts", type=int, default=None,
+                   help="MoE .entity: keep at most N experts resident (LRU, paged from the file)")  # fmt: skip
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system message (turns on the chat template)")
     p.add_argument(
@@ -121,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(exit 8; the default for piped stdin)",
     )
     _add_sampling(p)
+    _add_max_experts(p)
 
     p = sub.add_parser("convert", help="convert HF/GGUF to .entity")
     p.add_argument("src", help="HF model dir, .gguf file or cached HF model id")
@@ -138,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="pure argmax, no logit processors")
     p.add_argument("--json", action="store_true", help="one JSON object at the end, no streaming")
     _add_sampling(p)
+    _add_max_experts(p)
 
     p = sub.add_parser("bench", help="prefill/decode tok/s and peak RSS")
     p.add_argument("model", nargs="?", help="model to measure (with --compare: a .gguf, optional)")
@@ -152,10 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to decode per run")  # fmt: skip
     p.add_argument("--runs", type=int, default=3, help="timed runs (the median is shown)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    _add_max_experts(p)
 
     p = sub.add_parser("inspect", help="grid, layers, dtypes, memory")
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    _add_max_experts(p)
 
     sub.add_parser("demo", help="SmolLM2-135M: convert once to .entity, then chat")
 

@@ -34,7 +34,7 @@ def cmd_chat(args) -> int:
     overrides = settings.overrides_from_args(args)
     settings.check_overrides(overrides)  # bad values fail before the (slow) load
     on_full = on_full_policy(args.on_full, sys.stdin.isatty())
-    model = actions.load_model(args.model)
+    model = actions.load_model(args.model, args.max_experts)
     if args.verbose:
         _settings_note(model, overrides)
     return run_chat(model, system=args.system, overrides=overrides, on_full=on_full)
@@ -60,7 +60,7 @@ def _write_token(text: str) -> None:
 def cmd_generate(args) -> int:
     overrides = settings.overrides_from_args(args, greedy=args.greedy)
     settings.check_overrides(overrides)
-    model = actions.load_model(args.model)
+    model = actions.load_model(args.model, args.max_experts)
     if args.verbose:
         _settings_note(model, overrides)
     on_token = None if args.json else _write_token
@@ -81,7 +81,9 @@ def cmd_bench(args) -> int:
         return bench.run_compare(args.model, runs=args.runs, as_json=args.json)
     if not args.model:
         raise UsageError("lucy bench needs a MODEL (or --compare)")
-    result = bench.run_bench(args.model, args.prompt_tokens, args.new_tokens, args.runs)
+    result = bench.run_bench(
+        args.model, args.prompt_tokens, args.new_tokens, args.runs, max_experts=args.max_experts
+    )
     if args.json:
         print(json.dumps(result))
     else:
@@ -92,7 +94,7 @@ def cmd_bench(args) -> int:
 def cmd_inspect(args) -> int:
     from lucy import views
 
-    data = views.inspect_data(actions.load_model(args.model))
+    data = views.inspect_data(actions.load_model(args.model, args.max_experts))
     if args.json:
         print(json.dumps(data))
     else:

@@ -135,9 +135,31 @@ def _layer_rows(layer, index: str) -> list[dict]:
         "bytes": int(weights.nbytes()) if weights is not None else 0,
     }
     rows = [row]
+    if getattr(layer, "moe", None) is not None:  # experts: one summary row, see "experts"
+        subs = layer.sequential_layers
+        row["params"] += sum(int(layout.param_count(s)) for s in subs)
+        row["bytes"] += sum(int(s.weights.nbytes()) for s in subs)
+        row["active"] = ",".join(sorted({str(s.weights.active or "float32") for s in subs}))
+        return rows
     for j, child in enumerate(getattr(layer, "sequential_layers", None) or []):
         rows += _layer_rows(child, f"{index}.{j}")
     return rows
+
+
+def _experts_data(model) -> dict | None:
+    """MoE layers: experts, top-k, gating, shared expert; the resident budget when paged."""
+    moe_layers = []
+    for layer in model.network.walk():
+        cfg = getattr(layer, "moe", None)
+        if cfg is not None:
+            moe_layers.append({"layer": len(moe_layers), "experts": cfg.num_experts,
+                               "top_k": cfg.top_k, "gating": cfg.gating,
+                               "norm_topk_prob": cfg.norm_topk_prob,
+                               "shared_width": cfg.shared_intermediate_size})  # fmt: skip
+    if not moe_layers:
+        return None
+    pager = getattr(model, "expert_pager", None)
+    return {"layers": moe_layers, "budget": None if pager is None else pager.report()}
 
 
 def inspect_data(model) -> dict:
@@ -159,6 +181,7 @@ def inspect_data(model) -> dict:
         "dtypes": sorted({row["dtype"] for row in layers}),
         "memory": memory,
         "source": json.loads(json.dumps(source, default=str)),
+        **({"experts": experts} if (experts := _experts_data(model)) else {}),
     }
 
 
@@ -187,6 +210,8 @@ def print_inspect(con, data: dict) -> None:
             human_bytes(row["bytes"]),
         )
     con.print(layers)
+    if data.get("experts"):
+        _print_experts(con, data["experts"])
     if data["memory"]:
         mem = Table(title="memory by component")
         mem.add_column("component")
@@ -194,6 +219,23 @@ def print_inspect(con, data: dict) -> None:
         for k, v in data["memory"].items():
             mem.add_row(clean(k), human_bytes(v))
         con.print(mem)
+
+
+def _print_experts(con, experts: dict) -> None:
+    t = Table(title="mixture of experts")
+    for col in ("layer", "experts", "top_k", "gating", "norm_topk_prob", "shared_width"):
+        t.add_column(col)
+    for row in experts["layers"]:
+        t.add_row(*(str(row[c]) for c in ("layer", "experts", "top_k", "gating",
+                                           "norm_topk_prob", "shared_width")))  # fmt: skip
+    con.print(t)
+    b = experts["budget"]
+    if b is None:
+        con.print("experts: all resident (no --max-experts budget)")
+    else:
+        con.print(f"experts: at most {b['max_resident']} of {b['experts']} resident "
+                  f"({b['resident']} now, {human_bytes(b['resident_bytes'])}); hits {b['hits']}, "
+                  f"misses {b['misses']}, read {human_bytes(b['bytes_read'])}")  # fmt: skip
 
 
 # --- layer suite --------------------------------------------------------------------------------

@@ -29,6 +29,50 @@ class RopeScaling:
             raise LayerConfigError("rope scaling needs original_max_position_embeddings > 0")
 
 
+GATINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts FFN (poly.nn.moe): a float32 router [E x d] picks `top_k` of
+    `num_experts` SwiGLU experts of width `expert_intermediate_size` per token; `gating` turns
+    router logits into weights, renormalised over the chosen k when `norm_topk_prob`.
+    `shared_intermediate_size` > 0 adds an always-on SwiGLU expert scaled by sigmoid(w_sg . x)
+    (Qwen2-MoE). Layers listed in `dense_layers` keep the dense SwiGLU of the model."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    gating: str = "softmax"
+    norm_topk_prob: bool = True
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive("num_experts", self.num_experts)
+        _positive("top_k", self.top_k)
+        _positive("expert_intermediate_size", self.expert_intermediate_size)
+        if self.top_k > self.num_experts:
+            raise LayerConfigError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.gating not in GATINGS:
+            raise LayerConfigError(f"gating {self.gating!r} is not one of {', '.join(GATINGS)}")
+        if not isinstance(self.shared_intermediate_size, int) or self.shared_intermediate_size < 0:
+            raise LayerConfigError("shared_intermediate_size must be an integer >= 0")
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+
+    @classmethod
+    def coerce(cls, value) -> MoEConfig | None:
+        """None, a MoEConfig or its dict form (as stored in a .entity header)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            try:
+                return cls(**value)
+            except TypeError as exc:
+                raise LayerConfigError(f"bad moe config: {exc}") from None
+        raise LayerConfigError(f"bad moe config {value!r}")
+
+
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise LayerConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -51,6 +95,7 @@ class TransformerConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     architecture: str = "llama"
+    moe: MoEConfig | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +122,7 @@ class TransformerConfig:
                 raise LayerConfigError(f"{name} must be a positive finite number, got {value!r}")
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        object.__setattr__(self, "moe", MoEConfig.coerce(self.moe))
 
     @property
     def query_dim(self) -> int:
@@ -92,9 +138,17 @@ class TransformerConfig:
         h, q, kv = self.hidden_size, self.query_dim, self.kv_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
-        block = attn + 3 * h * self.intermediate_size + 2 * h  # + the two norms
+        dense = attn + 3 * h * self.intermediate_size + 2 * h  # + the two norms
+        total = self.num_layers * dense
+        moe = self.moe
+        if moe is not None:
+            sparse = self.num_layers - len(set(moe.dense_layers) & set(range(self.num_layers)))
+            ffn = moe.num_experts * (3 * h * moe.expert_intermediate_size + h)  # + router rows
+            if moe.shared_intermediate_size:
+                ffn += 3 * h * moe.shared_intermediate_size + h  # + its gate
+            total += sparse * (ffn - 3 * h * self.intermediate_size)
         tables = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return tables + self.num_layers * block + h  # + the final norm
+        return tables + total + h  # + the final norm
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from poly.config import RopeScaling
+from poly.config import MoEConfig, RopeScaling
 from poly.dtypes import DType, parse_dtype
 from poly.errors import LayerConfigError
 from poly.weights import Generations, WeightStore
@@ -25,6 +25,7 @@ class LayerType(IntEnum):
     EMBEDDING = 13
     SEQUENTIAL = 17
     RESIDUAL = 18
+    MOE = 20  # new kind (Loom's ids stop at 19, Metacognition)
 
     @property
     def label(self) -> str:
@@ -42,6 +43,7 @@ _LAYER_LABELS = {
     LayerType.EMBEDDING: "Embedding",
     LayerType.SEQUENTIAL: "Sequential",
     LayerType.RESIDUAL: "Residual",
+    LayerType.MOE: "MoE",
 }
 _LAYER_ALIASES = {
     "DENSE": LayerType.DENSE,
@@ -53,6 +55,8 @@ _LAYER_ALIASES = {
     "EMBEDDING": LayerType.EMBEDDING,
     "SEQUENTIAL": LayerType.SEQUENTIAL,
     "RESIDUAL": LayerType.RESIDUAL,
+    "MOE": LayerType.MOE,
+    "MIXTUREOFEXPERTS": LayerType.MOE,
 }
 
 
@@ -172,6 +176,7 @@ class VolumetricLayer:
     qk_norm: bool = False
     vocab_size: int = 0
     embedding_dim: int = 0
+    moe: MoEConfig | None = None  # MoE: experts, top-k, gating (poly.nn.moe)
     skip: str | int | None = None  # Residual: "input" (block input) or a sub-layer index
     sequential_layers: list[VolumetricLayer] = field(default_factory=list)
     is_disabled: bool = False

@@ -36,7 +36,37 @@ _ARCH_CONFIG: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+    # Mixture of experts (tests/test_moe_hf.py).
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "head_dim": 24,
+        },
+    ),
 }
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build_tokenizer():

@@ -160,6 +160,11 @@ class EntityFile:
             raise IntegrityError(f"checksum mismatch in blob {rec.path!r}", path=self.path)
         self._checked.add(rec.path)
 
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The read-only mapping the blob arrays are views on (madvise target)."""
+        return self._mm
+
     def __contains__(self, name: str) -> bool:
         return name in self.blobs
 

@@ -13,6 +13,7 @@ from entity.checks import check_eos_ids
 from entity.dotentity.blobs import ENCODINGS, read_matrix, read_vector, role_layer
 from entity.dotentity.container import EntityFile
 from entity.dotentity.header import read_prefix
+from entity.dotentity.moe import attach_pager, install_moe, is_sparse
 from entity.dotentity.native_blocks import native_kind
 from poly.config import TransformerConfig
 from poly.errors import EntityFormatError, LayerConfigError, LimitExceededError, PolyError
@@ -46,6 +47,9 @@ def _config(ef: EntityFile, max_seq_len: int | None) -> TransformerConfig:
 def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
     cfg = tf.config
     for role in ROLES:
+        if role == "mlp" and is_sparse(cfg, i):
+            install_moe(tf.mlp(i), ef, i, matrix_enc)
+            continue
         layer, shapes, base = (
             role_layer(tf, i, role),
             role_shapes(cfg, role),
@@ -99,12 +103,18 @@ def _attach_meta(tf, ef: EntityFile) -> None:
 
 
 def load_entity(
-    path: str | os.PathLike, *, verify: bool | str = True, max_seq_len: int | None = None
+    path: str | os.PathLike,
+    *,
+    verify: bool | str = True,
+    max_seq_len: int | None = None,
+    max_resident_experts: int | None = None,
 ):
     """Load a `.entity` (v2, or Loom's v1) as a `poly.Transformer`.
 
     v2 weights are zero-copy views on one read-only mmap: f32 masters, or f16/bf16/int8/Q4 stored
     versions (no float32 copy of quantized matrices). ``verify``: see `EntityFile`.
+    ``max_resident_experts``: MoE experts stay on the mapping, at most that many resident (LRU,
+    see `poly.runtime.expert_cache`); stats in ``tf.expert_pager.report()``.
     """
     with open(path, "rb") as f:
         if read_prefix(f, str(path))[0] == 1:
@@ -139,4 +149,6 @@ def load_entity(
     except (LayerConfigError, TypeError, ValueError) as exc:
         raise EntityFormatError(f"inconsistent .entity: {exc}", path=ef.path) from exc
     tf.entity_file = ef  # keeps the mapping (and its header) reachable
+    if max_resident_experts is not None:
+        attach_pager(tf, ef, max_resident_experts)
     return tf

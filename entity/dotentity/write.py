@@ -18,9 +18,11 @@ import numpy as np
 from entity.arch import ROLES, role_shapes
 from entity.dotentity.blobs import as_float, check_quant, embed_keep_as, put_matrix, role_layer
 from entity.dotentity.container import EntityWriter
+from entity.dotentity.moe import is_sparse, moe_components, write_moe
 from entity.dotentity.native_blocks import native_kind
 from poly.config import TransformerConfig
 from poly.errors import LayerConfigError
+from poly.layer import LayerType
 from poly.nn import layout
 from poly.quant.qtensor import QTensor
 
@@ -92,7 +94,16 @@ def source_components(layer) -> dict[str, Any]:
 def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, Any]]]]:
     """(i, {role: components}) for each block: float32 arrays, or native GGUF block matrices."""
     for i in range(tf.config.num_layers):
-        yield i, {role: source_components(role_layer(tf, i, role)) for role in ROLES}
+        layers = {role: role_layer(tf, i, role) for role in ROLES}
+        yield (
+            i,
+            {
+                role: moe_components(layer, source_components)
+                if layer.type == LayerType.MOE
+                else source_components(layer)
+                for role, layer in layers.items()
+            },
+        )
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -102,6 +113,9 @@ def _write_block(
     out: EntityWriter, cfg, i: int, comps: dict, matrix_enc: str, kept: set[str]
 ) -> None:
     for role in ROLES:
+        if role == "mlp" and is_sparse(cfg, i):
+            write_moe(out, cfg, i, dict(comps.get(role, {})), matrix_enc, kept)
+            continue
         shapes = role_shapes(cfg, role)
         got = dict(comps.get(role, {}))
         for name, shape in shapes.items():

@@ -22,6 +22,9 @@ from entity.arch import (
     role_shapes,
 )
 from entity.checks import check_eos_ids
+from entity.gguf.moe import fill_moe, moe_config
+from entity.gguf.moe import required as moe_required
+from entity.gguf.moe import tensor_shape as moe_tensor_shape
 from entity.gguf.reader import GGUFFile
 from entity.gguf.tokenizer import load_gguf_tokenizer
 from poly.errors import (
@@ -104,11 +107,13 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
     if layers > MAX_LAYERS:
         raise GGUFFormatError(f"{arch}.block_count {layers} exceeds {MAX_LAYERS}", path=gg.path)
     context = _meta_int(gg, f"{arch}.context_length", DEFAULT_MAX_SEQ)
+    ffn = _meta_int(gg, f"{arch}.feed_forward_length")
     try:
         return TransformerConfig(
+            moe=moe_config(gg, arch, layers, ffn),
             vocab_size=gg.tensors["token_embd.weight"].shape[0],
             hidden_size=hidden,
-            intermediate_size=_meta_int(gg, f"{arch}.feed_forward_length"),
+            intermediate_size=ffn,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=_meta_int(gg, f"{arch}.attention.head_count_kv", heads),
@@ -142,7 +147,10 @@ def check_tensors(gg: GGUFFile, cfg) -> None:
     globals_ = {name: table[role] for name, role in GLOBAL_NAMES.items()}
     for name, info in gg.tensors.items():
         m = BLOCK_NAME.fullmatch(name)
-        if m and m.group(2) in shapes and int(m.group(1)) < cfg.num_layers:
+        moe_shape = m and moe_tensor_shape(cfg, m.group(2), gg.path)
+        if m and moe_shape and int(m.group(1)) < cfg.num_layers:
+            want = moe_shape
+        elif m and m.group(2) in shapes and int(m.group(1)) < cfg.num_layers:
             want = shapes[m.group(2)]
         elif name in globals_:
             want = globals_[name]
@@ -152,12 +160,27 @@ def check_tensors(gg: GGUFFile, cfg) -> None:
             raise WeightMappingError(
                 f"tensor {name!r} has shape {info.shape}, expected {want}", path=gg.path
             )
-    required = [f"blk.{i}.{s}" for i in range(cfg.num_layers) for s in REQUIRED_LAYER]
+    required = [
+        f"blk.{i}.{s}"
+        for i in range(cfg.num_layers)
+        for s in REQUIRED_LAYER
+        if not (_sparse(cfg, i) and s.startswith(("ffn_gate", "ffn_up", "ffn_down")))
+    ]
+    required += [
+        n
+        for i in range(cfg.num_layers)
+        if _sparse(cfg, i)
+        for n in moe_required(cfg, i, gg.tensors)
+    ]
     if cfg.qk_norm:
         required += [f"blk.{i}.attn_{c}_norm.weight" for i in range(cfg.num_layers) for c in "qk"]
     for name in ("output_norm.weight", *required):
         if name not in gg.tensors:
             raise WeightMappingError(f"missing tensor {name!r}", path=gg.path)
+
+
+def _sparse(cfg, i: int) -> bool:
+    return cfg.moe is not None and i not in cfg.moe.dense_layers
 
 
 def qk_row_order(n_heads: int, head_dim: int) -> np.ndarray:
@@ -223,6 +246,9 @@ def _fill_layer(tf, loader: _Loader, i: int) -> None:
     biases = _bias_sizes(loader.cfg)
     for accessor in ("attn", "mlp"):
         layer = getattr(tf, accessor)(i)
+        if accessor == "mlp" and _sparse(loader.cfg, i):
+            fill_moe(layer, loader, i)
+            continue
         comps = loader.components(i, accessor)
         if loader.keep:
             full = {k: np.zeros(n, dtype=np.float32) for k, n in biases[accessor].items()}

@@ -10,6 +10,7 @@ features we cannot run exactly (gemma, phi3, yarn rope scaling, MLP biases ...) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from entity.arch import ARCHITECTURES, REFUSED_REASONS, ArchSpec
+from entity.hf.moe import moe_config
 from entity.strict_json import read_json
 from poly.errors import ConfigError, LimitExceededError, UnsupportedError
 
@@ -48,7 +50,7 @@ TokenIds = int | list[int] | None
 class _RawConfig(BaseModel):
     """config.json keys as written by transformers 4.x and 5.x (types checked strictly)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     model_type: str
     architectures: list[str] | None = None
     vocab_size: int
@@ -150,6 +152,7 @@ class HFModelConfig(BaseModel):
     eos_token_ids: tuple[int, ...]  # config.json ∪ generation_config.json, in first-seen order
     dtype: str | None
     generation: HFGeneration
+    moe: dict | None = None  # poly.config.MoEConfig fields (entity.hf.moe), None when dense
 
     @property
     def arch(self) -> ArchSpec:
@@ -200,6 +203,7 @@ class HFModelConfig(BaseModel):
             attention_bias=self.qkv_bias or self.o_bias,
             qk_norm=self.qk_norm,
             architecture=self.model_type,
+            moe=self.moe,
         )
 
 
@@ -339,7 +343,9 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
             )
     _check_generation(gen, gen_source)
     biased = {"flag": raw.attention_bias, "qkv": True, "none": False}[arch.bias_rule]
+    moe = moe_config(raw, raw.num_hidden_layers, source)
     return HFModelConfig(
+        moe=None if moe is None else dataclasses.asdict(moe),
         model_type=raw.model_type,
         architectures=tuple(raw.architectures or ()),
         vocab_size=raw.vocab_size,

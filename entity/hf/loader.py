@@ -115,7 +115,7 @@ def _fill_block(tf: Any, i: int, block: Block) -> None:
         "attn_norm": layout.rmsnorm(tf.attn_norm(i)),
         "attn": layout.mha(tf.attn(i)),
         "mlp_norm": layout.rmsnorm(tf.mlp_norm(i)),
-        "mlp": layout.swiglu(tf.mlp(i)),
+        "mlp": _ffn_targets(tf.mlp(i)),
     }
     for part, comps in block.items():
         for comp, arr in comps.items():
@@ -126,6 +126,17 @@ def _fill_block(tf: Any, i: int, block: Block) -> None:
                     f"block {i} {part}.{comp}: layout slot {got}, tensor {arr.shape}"
                 )
             dst[...] = arr  # widens F16/BF16 to the float32 master in place
+
+
+def _ffn_targets(layer):
+    from poly import layout
+    from poly.layer import LayerType
+
+    if layer.type == LayerType.MOE:
+        from entity.hf.moe import MoETargets
+
+        return MoETargets(layer)
+    return layout.swiglu(layer)
 
 
 def _fill_globals(tf: Any, parts: Block, table_dtype: Any) -> None:

@@ -67,14 +67,23 @@ def _wanted(cfg: Any, component: str) -> bool:
 
 def expected_tensors(cfg: Any) -> dict[str, Slot]:
     """Every tensor the config requires, in block order then globals."""
+    from entity.hf.moe import block_tensors
+
     tcfg = cfg.to_transformer_config()
-    shapes = {role: arch.role_shapes(tcfg, role) for role in arch.ROLES}
+    moe = tcfg.moe
+    shapes = {role: arch.role_shapes(tcfg, role) for role in arch.ROLES}  # "mlp": the dense FFN
     globals_ = arch.global_shapes(tcfg)
     out: dict[str, Slot] = {}
     for i in range(cfg.num_layers):
+        sparse = moe is not None and i not in moe.dense_layers
         for suffix, (part, comp) in BLOCK_TENSORS.items():
-            if _wanted(cfg, comp):
+            if _wanted(cfg, comp) and not (sparse and part == "mlp"):
                 out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, shapes[part][comp])
+        if sparse:
+            for suffix, (part, comp, shape) in block_tensors(
+                cfg.model_type, moe, cfg.hidden_size
+            ).items():
+                out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, shape)
     for name, part in GLOBAL_TENSORS.items():
         if _wanted(cfg, part):
             out[name] = Slot(None, part, "value", globals_[part])

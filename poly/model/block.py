@@ -16,8 +16,23 @@ ATTN_NORM, ATTN, ATTN_RES, MLP_NORM, MLP, MLP_RES = range(6)
 SLOT_NAMES = {ATTN_NORM: "attn_norm", ATTN: "attn", MLP_NORM: "mlp_norm", MLP: "mlp"}
 
 
-def build_block(cfg: TransformerConfig, allocate: bool = True) -> VolumetricLayer:
-    """One pre-norm decoder block as a Sequential layer of six sub-layers."""
+def _mlp(cfg: TransformerConfig, allocate: bool, index: int) -> VolumetricLayer:
+    """The block's FFN: a SwiGLU, or an MoE layer (poly.nn.moe) in the sparse layers."""
+    if cfg.moe is not None and index not in cfg.moe.dense_layers:
+        return VolumetricLayer(
+            type=LayerType.MOE, input_height=cfg.hidden_size, moe=cfg.moe, allocate=allocate
+        )
+    return VolumetricLayer(
+        type=LayerType.SWIGLU,
+        input_height=cfg.hidden_size,
+        output_height=cfg.intermediate_size,
+        allocate=allocate,
+    )
+
+
+def build_block(cfg: TransformerConfig, allocate: bool = True, index: int = 0) -> VolumetricLayer:
+    """One pre-norm decoder block as a Sequential layer of six sub-layers (block `index`: its FFN
+    is an MoE layer when the config has experts and `index` is not one of its dense layers)."""
     h, eps = cfg.hidden_size, cfg.rms_norm_eps
     subs = [
         VolumetricLayer(
@@ -41,12 +56,7 @@ def build_block(cfg: TransformerConfig, allocate: bool = True) -> VolumetricLaye
         VolumetricLayer(
             type=LayerType.RMSNORM, input_height=h, rms_norm_eps=eps, allocate=allocate
         ),
-        VolumetricLayer(
-            type=LayerType.SWIGLU,
-            input_height=h,
-            output_height=cfg.intermediate_size,
-            allocate=allocate,
-        ),
+        _mlp(cfg, allocate, index),
         VolumetricLayer(type=LayerType.RESIDUAL, skip=ATTN_RES),
     ]
     return VolumetricLayer(type=LayerType.SEQUENTIAL, sequential_layers=subs)

@@ -13,7 +13,7 @@ from poly.layer import LayerType, VolumetricLayer
 from poly.nn import layout
 from poly.quant.qtensor import CodedMatrix
 
-KEEP_FLOAT32 = (LayerType.RMSNORM,)
+KEEP_FLOAT32 = (LayerType.RMSNORM, LayerType.MOE)  # MoE: its own master is the router
 
 
 def morph_layer(layer: VolumetricLayer, dtype, *, recursive: bool = True) -> VolumetricLayer:
@@ -23,6 +23,8 @@ def morph_layer(layer: VolumetricLayer, dtype, *, recursive: bool = True) -> Vol
         for sub in layer.sequential_layers:
             morph_layer(sub, dt)
     store = layer.weights
+    if layer.type == LayerType.MOE:  # the experts were morphed above; the router stays float32
+        return layer
     if store is None or store.size == 0:
         layer.dtype = dt
         return layer

@@ -63,7 +63,7 @@ class Transformer(Generic[T]):
         """Zero-filled model; allocate=False leaves layer masters empty for quantized loads."""
         net = VolumetricNetwork(1, 1, 1, config.num_layers)
         for i in range(config.num_layers):
-            net.set_layer(0, 0, 0, i, build_block(config, allocate))
+            net.set_layer(0, 0, 0, i, build_block(config, allocate, i))
         model = cls(config, net)
         rmsnorm.views(model.final_norm_layer).gamma[...] = 1.0
         return model

@@ -47,6 +47,9 @@ class DoneEvent:
     prefill_tok_s: float
     decode_tok_s: float
     stop_reason: str
+    experts: dict | None = (
+        None  # MoE expert residency (poly.runtime.expert_cache report) when paged
+    )
 
 
 # --- the per-model lock ---------------------------------------------------------------------------
@@ -344,8 +347,14 @@ class _Run:
             prefill_tok_s=len(self.prompt) / (t1 - t0) if t1 > t0 else 0.0,
             decode_tok_s=n_gen / (t2 - t1) if n_gen and t2 > t1 else 0.0,
             stop_reason=reason,
+            experts=_expert_report(self.model),
         )
         yield state.done
+
+
+def _expert_report(model) -> dict | None:
+    pager = getattr(model, "expert_pager", None)
+    return None if pager is None else pager.report()
 
 
 def generate_text(model, prompt_ids: Sequence[int], options: GenOptions | None = None, **kw):

@@ -1,0 +1,160 @@
+"""Mixture-of-experts GGUF files as llama.cpp's converter writes them (Mixtral as arch ``llama``,
+``qwen2moe``, ``qwen3moe``).
+
+Metadata: ``{arch}.expert_count`` (E), ``expert_used_count`` (top-k), ``expert_feed_forward_length``
+(expert width; Mixtral files use ``feed_forward_length``), ``expert_shared_feed_forward_length``,
+optional ``expert_weights_norm`` and ``expert_gating_func`` (1 softmax, 2 sigmoid). When the norm
+key is absent the flag llama.cpp hard-codes per model file applies (llama/Mixtral and qwen3moe
+renormalise the top-k weights, qwen2moe does not).
+
+Tensors per sparse block (numpy shapes; ggml lists dims fastest-first):
+``ffn_gate_inp`` [E, d] (router), ``ffn_{gate,up}_exps`` [E, I, d], ``ffn_down_exps`` [E, d, I]
+(expert e is the slab [e], kept in its quantized blocks and mapped, not copied), the shared
+expert ``ffn_{gate,up,down}_shexp`` and its gate ``ffn_gate_inp_shexp`` [1, d]; or the legacy
+per-expert ``ffn_{gate,up,down}.<e>.weight``. A block without ``ffn_gate_inp`` is dense.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from poly.config import MoEConfig
+from poly.errors import GGUFFormatError, LayerConfigError, UnsupportedError
+
+MAX_EXPERTS = 512  # llama.cpp LLAMA_MAX_EXPERTS
+NORM_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+GATING = {0: "softmax", 1: "softmax", 2: "sigmoid"}  # 0 = key absent (llama.cpp's default)
+LEGACY = re.compile(r"ffn_(gate|up|down)\.(\d{1,4})\.weight")
+STACKED = {"ffn_gate_exps.weight": "w_gate", "ffn_up_exps.weight": "w_up",
+           "ffn_down_exps.weight": "w_down"}  # fmt: skip
+SHARED = {"ffn_gate_shexp.weight": "w_gate", "ffn_up_shexp.weight": "w_up",
+          "ffn_down_shexp.weight": "w_down"}  # fmt: skip
+_VIEW = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
+
+
+def _int(gg, key: str, default: int | None = None) -> int | None:
+    value = gg.metadata.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GGUFFormatError(
+            f"metadata {key} must be an integer >= 0, got {value!r}", path=gg.path
+        )
+    return value
+
+
+def moe_config(gg, arch: str, layers: int, ffn: int) -> MoEConfig | None:
+    """The MoEConfig of a GGUF file, None when it has no experts."""
+    n = _int(gg, f"{arch}.expert_count", 0)
+    if not n:
+        return None
+    k = _int(gg, f"{arch}.expert_used_count", 0)
+    if n > MAX_EXPERTS:
+        raise GGUFFormatError(f"{arch}.expert_count {n} exceeds {MAX_EXPERTS}", path=gg.path)
+    if not 1 <= k <= n:
+        raise GGUFFormatError(
+            f"{arch}.expert_used_count {k} is outside [1, expert_count {n}] (top_k > E)",
+            path=gg.path,
+        )
+    func = _int(gg, f"{arch}.expert_gating_func", 0)
+    if func not in GATING:
+        raise UnsupportedError(f"{arch}.expert_gating_func {func} is not supported", path=gg.path)
+    norm = gg.metadata.get(f"{arch}.expert_weights_norm", NORM_DEFAULT.get(arch, True))
+    shared = 0
+    if "blk.0.ffn_gate_shexp.weight" in gg.tensors:
+        shared = _int(gg, f"{arch}.expert_shared_feed_forward_length", 0) or 0
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in gg.tensors)
+    try:
+        width = _int(gg, f"{arch}.expert_feed_forward_length", 0) or ffn
+        return MoEConfig(n, k, width, GATING[func], bool(norm), shared, dense)
+    except LayerConfigError as exc:
+        raise GGUFFormatError(f"inconsistent MoE metadata: {exc.message}", path=gg.path) from None
+
+
+def tensor_shape(cfg, suffix: str, path: str) -> tuple[int, ...] | None:
+    """Expected numpy shape of an MoE block tensor (None: not an MoE tensor)."""
+    moe, d = cfg.moe, cfg.hidden_size
+    if moe is None:
+        return None
+    n, width, ws = moe.num_experts, moe.expert_intermediate_size, moe.shared_intermediate_size
+    if suffix in STACKED:
+        return (n, d, width) if suffix.startswith("ffn_down") else (n, width, d)
+    if suffix == "ffn_gate_inp.weight":
+        return (n, d)
+    if ws and suffix in SHARED:
+        return (d, ws) if suffix.startswith("ffn_down") else (ws, d)
+    if ws and suffix == "ffn_gate_inp_shexp.weight":
+        return (1, d)
+    m = LEGACY.fullmatch(suffix)
+    if m:
+        if int(m.group(2)) >= n:
+            raise GGUFFormatError(
+                f"expert index {m.group(2)} in blk.*.{suffix} is out of range (expert_count {n})",
+                path=path,
+            )
+        return (d, width) if m.group(1) == "down" else (width, d)
+    return None
+
+
+def required(cfg, i: int, names) -> list[str]:
+    """The tensors sparse block i must have (stacked experts, or every legacy per-expert one)."""
+    moe, base = cfg.moe, f"blk.{i}."
+    out = [base + "ffn_gate_inp.weight"]
+    if base + "ffn_gate_exps.weight" in names or base + "ffn_gate.0.weight" not in names:
+        out += [base + s for s in STACKED]
+    else:
+        out += [f"{base}ffn_{p}.{e}.weight" for e in range(moe.num_experts) for p in _VIEW]
+    if moe.shared_intermediate_size:
+        out += [base + s for s in (*SHARED, "ffn_gate_inp_shexp.weight")]
+    return out
+
+
+def _expert(loader, i: int, e: int, view: str) -> Any:
+    """Expert e's matrix: a slab of the stacked tensor (or its legacy tensor)."""
+    from poly.quant.qtensor import GGUFMatrix
+
+    gg, name = loader.gg, f"blk.{i}.ffn_{view[2:]}_exps.weight"
+    if name not in gg.tensors:
+        return loader.matrix(f"blk.{i}.ffn_{view[2:]}.{e}.weight", "expert")
+    info = gg.tensors[name]
+    if not loader.keep:
+        return gg.dequantize(name, rows=slice(e, e + 1))[0]  # [rows, cols]
+    raw = gg.tensor_bytes(name)[e]  # [rows, row_bytes], a view on the mapping
+    return GGUFMatrix(raw, info.ggml_type, info.shape[1:])
+
+
+def fill_moe(layer, loader, i: int) -> None:
+    """Sparse block i's MoE layer: float32 router (+ shared gate), experts from their slabs."""
+    from poly.nn import layout
+    from poly.nn import moe as moe_kind
+
+    gg = loader.gg
+    layer.weights.ensure_master()
+    views = moe_kind.views(layer)
+    views.router[...] = gg.dequantize(f"blk.{i}.ffn_gate_inp.weight")
+    subs = list(moe_kind.experts(layer))
+    sources: list[dict[str, Any]] = [
+        {view: _expert(loader, i, e, view) for view in _VIEW.values()} for e in range(len(subs))
+    ]
+    shared = moe_kind.shared_expert(layer)
+    if shared is not None:
+        views.shared_gate[...] = gg.dequantize(f"blk.{i}.ffn_gate_inp_shexp.weight").reshape(1, -1)
+        subs.append(shared)
+        sources.append({v: loader.matrix(f"blk.{i}.{s}", "shexp") for s, v in SHARED.items()})
+    for sub, comps in zip(subs, sources):
+        if loader.keep:
+            zeros = {
+                "b_gate": sub.output_height,
+                "b_up": sub.output_height,
+                "b_down": sub.input_height,
+            }
+            full = {k: np.zeros(n, np.float32) for k, n in zeros.items()}
+            sub.weights.set_version("gguf", {**full, **comps}, activate=True)
+        else:
+            sub.weights.ensure_master()
+            sw = layout.swiglu(sub)
+            for view, value in comps.items():
+                getattr(sw, view)[...] = value

@@ -1,0 +1,97 @@
+"""Mixture-of-experts rows of the HF tables: config keys -> ``poly.config.MoEConfig`` and the
+per-block tensor names of Mixtral, Qwen2-MoE and Qwen3-MoE -> (part, component, shape).
+
+Components of the ``mlp`` part of a sparse block: ``router`` [E, d], ``shared_gate`` [1, d],
+``experts.<e>.<w_gate|w_up|w_down>`` and ``shared.<w_gate|w_up|w_down>`` (SwiGLU views of the
+expert sub-layers, see poly.nn.moe).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from poly.config import MoEConfig
+from poly.errors import ConfigError, LayerConfigError
+
+# model_type -> (module prefix, {poly SwiGLU view: HF projection name})
+_NAMES: dict[str, tuple[str, dict[str, str]]] = {
+    "mixtral": ("block_sparse_moe.", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}),
+    "qwen2_moe": ("mlp.", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
+    "qwen3_moe": ("mlp.", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
+}
+MOE_TYPES = frozenset(_NAMES)
+# Qwen's proj names for the shared expert and the dense (mlp_only) layers.
+_QWEN = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+def moe_config(raw: Any, num_layers: int, source: str | None) -> MoEConfig | None:
+    """The MoEConfig of a parsed config.json (`raw` has the extra keys), None for dense types."""
+    mt = raw.model_type
+    if mt not in MOE_TYPES:
+        return None
+    extra = raw.model_extra or {}
+    # transformers 5 writes num_local_experts for every family (num_experts is an alias).
+    n = extra.get("num_local_experts", extra.get("num_experts"))
+    k = extra.get("num_experts_per_tok")
+    width = raw.intermediate_size if mt == "mixtral" else extra.get("moe_intermediate_size")
+    shared = extra.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
+    norm = True if mt == "mixtral" else extra.get("norm_topk_prob", mt == "qwen3_moe")
+    step = extra.get("decoder_sparse_step", 1)
+    only = extra.get("mlp_only_layers") or []
+    for key, value in (("num_experts", n), ("num_experts_per_tok", k), ("moe_intermediate_size", width),
+                       ("decoder_sparse_step", step)):  # fmt: skip
+        if type(value) is not int or value <= 0:
+            raise ConfigError(f"{key}: must be a positive int, got {value!r}", path=source)
+    if type(shared) is not int or type(norm) is not bool or not isinstance(only, list):
+        raise ConfigError("shared_expert_intermediate_size / norm_topk_prob / mlp_only_layers: "
+                          "bad type", path=source)  # fmt: skip
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    try:
+        return MoEConfig(n, k, width, "softmax", norm, shared, dense)
+    except LayerConfigError as exc:
+        raise ConfigError(str(exc), path=source) from None
+
+
+def block_tensors(
+    model_type: str, moe: MoEConfig, hidden: int
+) -> dict[str, tuple[str, str, tuple]]:
+    """suffix -> (part, component, shape) of one sparse block's FFN tensors."""
+    prefix, proj = _NAMES[model_type]
+    d, width = hidden, moe.expert_intermediate_size
+    out: dict[str, tuple[str, str, tuple]] = {
+        f"{prefix}gate.weight": ("mlp", "router", (moe.num_experts, d))
+    }
+    for e in range(moe.num_experts):
+        for view, name in proj.items():
+            shape = (d, width) if view == "w_down" else (width, d)
+            out[f"{prefix}experts.{e}.{name}.weight"] = ("mlp", f"experts.{e}.{view}", shape)
+    if moe.shared_intermediate_size:
+        ws = moe.shared_intermediate_size
+        for view, name in _QWEN.items():
+            shape = (d, ws) if view == "w_down" else (ws, d)
+            out[f"{prefix}shared_expert.{name}.weight"] = ("mlp", f"shared.{view}", shape)
+        out[f"{prefix}shared_expert_gate.weight"] = ("mlp", "shared_gate", (1, d))
+    return out
+
+
+class MoETargets:
+    """The float32 destinations of an MoE layer's components, by component name (the HF
+    importer writes ``getattr(targets, component)[...] = tensor``)."""
+
+    def __init__(self, layer):
+        from poly.nn import layout, moe
+
+        self._views = dict(moe.views(layer).as_dict())
+        for e, expert in enumerate(moe.experts(layer)):
+            for name, view in layout.swiglu(expert).as_dict().items():
+                self._views[f"experts.{e}.{name}"] = view
+        shared = moe.shared_expert(layer)
+        if shared is not None:
+            for name, view in layout.swiglu(shared).as_dict().items():
+                self._views[f"shared.{name}"] = view
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["_views"][name]
+        except KeyError:
+            raise AttributeError(name) from None
