@@ -146,7 +146,7 @@ static inline void k4_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
     else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
-static inline void dec_scalar(int kind, const mm_args *A, int64_t r, int64_t b, float *q, float *D, float *M,
+static inline __attribute__((always_inline)) void dec_scalar(int kind, const mm_args *A, int64_t r, int64_t b, float *q, float *D, float *M,
                               pq_cache *pc) {
     const uint8_t *row = A->w + r * A->rb;
     switch (kind) {
@@ -207,7 +207,7 @@ static inline void nib16(const uint8_t *p, uint8_t x, __m256 v[4]) { /* lows 0..
     widen_u8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m)), v);
 }
 
-static inline void dec_simd(int kind, const mm_args *A, int64_t r, int64_t b, __m256 v[4], float *D, float *M,
+static inline __attribute__((always_inline)) void dec_simd(int kind, const mm_args *A, int64_t r, int64_t b, __m256 v[4], float *D, float *M,
                             pq_cache *pc) {
     const uint8_t *row = A->w + r * A->rb;
     switch (kind) {

@@ -38,7 +38,7 @@ static inline void pq_same(pq_sc *s, float d, float m, int has_m) {
 }
 
 /* Scales of sub-block b (32 elements) of a row; returns the byte pointer of its super-block. */
-static inline const uint8_t *pq_scales_one(int kind, const uint8_t *row, int64_t b, pq_sc *s) {
+static inline __attribute__((always_inline)) const uint8_t *pq_scales_one(int kind, const uint8_t *row, int64_t b, pq_sc *s) {
     const int j = (int)(b & 7);
     switch (kind) {
     case K_Q5_0: { const uint8_t *p = row + b * 22; pq_same(s, h2f(p), 0.0f, 0); return p; }
@@ -118,7 +118,7 @@ static inline void pq_fill(int kind, const uint8_t *row, int64_t b0, const uint8
     for (int j = 0; j < 8; j++) pq_scales_one(kind, row, b0 + j, &pc->s[j]);
 }
 
-static inline const uint8_t *pq_scales(int kind, const uint8_t *row, int64_t b, pq_sc *s, pq_cache *pc) {
+static inline __attribute__((always_inline)) const uint8_t *pq_scales(int kind, const uint8_t *row, int64_t b, pq_sc *s, pq_cache *pc) {
     if (!pq_super(kind)) return pq_scales_one(kind, row, b, s);
     const uint8_t *p = row + (b >> 3) * BLOCK_BYTES[kind];
     if (pc->p != p) pq_fill(kind, row, b & ~(int64_t)7, p, pc);
@@ -190,7 +190,7 @@ static inline __m256i pq_lut(__m256i nib) {
 }
 
 /* The same codes as pq_codes_scalar, on 32 lanes. */
-static inline __m256i pq_codes_simd(int kind, const uint8_t *p, int64_t b) {
+static inline __attribute__((always_inline)) __m256i pq_codes_simd(int kind, const uint8_t *p, int64_t b) {
     const int j = (int)(b & 7);
     switch (kind) {
     case K_Q5_0: return _mm256_sub_epi8(_mm256_or_si256(pq_nib32(p + 6), pq_bit4(p + 2)), _mm256_set1_epi8(16));
@@ -225,7 +225,7 @@ static inline void pq_widen(__m256i b, __m256 v[4]) { /* 32 int8 -> 4 x 8 floats
 #endif
 
 /* Matmul decoder (float path): the 32 values of sub-block b themselves (D = 1, M = 0). */
-static inline void pq_dec_scalar(int kind, const uint8_t *row, int64_t b, float *q, pq_cache *pc) {
+static inline __attribute__((always_inline)) void pq_dec_scalar(int kind, const uint8_t *row, int64_t b, float *q, pq_cache *pc) {
     pq_sc s;
     int8_t c[32];
     const uint8_t *p = pq_scales(kind, row, b, &s, pc);
@@ -239,7 +239,7 @@ static inline int pq_uniform(int kind) { return kind != K_Q2_K && kind != K_Q3_K
 #if PK_SIMD
 /* Matmul decoder (float path): the codes with D, M when the sub-block is uniform, else the values
  * themselves (D = 1, M = 0). */
-static inline void pq_dec_simd(int kind, const uint8_t *row, int64_t b, __m256 v[4], float *D, float *M,
+static inline __attribute__((always_inline)) void pq_dec_simd(int kind, const uint8_t *row, int64_t b, __m256 v[4], float *D, float *M,
                                pq_cache *pc) {
     pq_sc s;
     const uint8_t *p = pq_scales(kind, row, b, &s, pc);
@@ -254,7 +254,7 @@ static inline void pq_dec_simd(int kind, const uint8_t *row, int64_t b, __m256 v
 #if PK_SIMD
 /* int8-activation path: codes of sub-block b with D, M (uniform kinds) or per-half scales in
  * `lane` (lanes 0-3 = elements 0-15) and, for Q2_K, per-half offsets m2; sgn: signed codes. */
-static inline __m256i pq_q8_codes(int kind, const uint8_t *row, int64_t b, float *D, float *M, int *sgn,
+static inline __attribute__((always_inline)) __m256i pq_q8_codes(int kind, const uint8_t *row, int64_t b, float *D, float *M, int *sgn,
                                   __m256 *lane, float *m2, pq_cache *pc) {
     pq_sc s;
     const uint8_t *p = pq_scales(kind, row, b, &s, pc);
