@@ -1,7 +1,13 @@
 """Declares the optional C kernel extension poly.runtime._ckernels; everything else is in pyproject.toml.
 
-Flags: -O3 -fopenmp -march=native, or with POLY_PORTABLE_BUILD=1 -mavx2 -mfma -mf16c when the
-compiler accepts them (else plain -O3). optional=True: without a compiler the install still
+The kernels are compiled once per instruction set into the one extension, and csrc/pk_module.c
+picks the build the running CPU supports at import (cpuid), so a wheel built on one machine runs
+on another without SIGILL (POLY_ISA=base|avx2|avx512 caps the choice):
+  base    csrc/pk_isa_base.c    -O3 (plain C loops; any CPU)
+  avx2    csrc/pk_isa_avx2.c    -mavx2 -mfma -mf16c
+  avx512  csrc/pk_isa_avx512.c  AVX-512 F/BW/DQ/VL/VNNI + AVX2/FMA/F16C
+A build whose flags the compiler refuses (older compilers, other architectures) is left out.
+OpenMP (-fopenmp) when the compiler has it. optional=True: without a compiler the install still
 succeeds and poly falls back to the numba or numpy backend.
 """
 
@@ -14,6 +20,22 @@ from setuptools.command.build_ext import build_ext
 
 SIMD_SRC = "#include <immintrin.h>\nint main(void){return _mm256_cvtss_f32(_mm256_setzero_ps());}\n"
 OMP_SRC = "#include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n"
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
+ISAS = {"base": [], "avx2": AVX2, "avx512": AVX512}  # name -> flags (csrc/pk_isa_<name>.c)
+KERNEL_SOURCES = [
+    "csrc/poly_kernels.c",
+    "csrc/pk_decode.c",
+    "csrc/pk_decode_args.c",
+    "csrc/pk_kernels.h",
+    "csrc/pk_quants.h",
+    "csrc/pk_q8.h",
+    "csrc/pk_attn.h",
+    "csrc/pk_avx512.h",
+    "csrc/pk_vec.h",
+    "csrc/pk_decode.h",
+    "csrc/pk_unity.h",
+]
 
 
 def _accepts(compiler: list[str], flags: list[str], src: str = SIMD_SRC) -> bool:
@@ -31,15 +53,23 @@ def _accepts(compiler: list[str], flags: list[str], src: str = SIMD_SRC) -> bool
 class BuildExt(build_ext):
     def build_extensions(self):
         cc = list(getattr(self.compiler, "compiler_so", None) or ["cc"])[:1]
-        if os.environ.get("POLY_PORTABLE_BUILD") == "1":
-            simd = ["-mavx2", "-mfma", "-mf16c"]
-            arch = simd if _accepts(cc, simd) else []
-        else:
-            arch = ["-march=native"] if _accepts(cc, ["-march=native"]) else []
         omp = ["-fopenmp"] if _accepts(cc, ["-fopenmp"], OMP_SRC) else []
+        isas = {n: f for n, f in ISAS.items() if n == "base" or _accepts(cc, f)}
         for ext in self.extensions:
-            ext.extra_compile_args = ["-O3", *arch, *omp]
+            ext.extra_compile_args = ["-O3", *omp]
             ext.extra_link_args = [*omp]
+            ext.define_macros = [(f"PK_HAVE_{n.upper()}", "1") for n in isas if n != "base"]
+            ext.extra_objects = [
+                obj
+                for name, flags in isas.items()
+                for obj in self.compiler.compile(
+                    [f"csrc/pk_isa_{name}.c"],
+                    output_dir=self.build_temp,
+                    include_dirs=["csrc"],
+                    extra_postargs=["-O3", *flags, *omp],
+                    depends=KERNEL_SOURCES,
+                )
+            ]
         super().build_extensions()
 
 
@@ -47,8 +77,8 @@ setup(
     ext_modules=[
         Extension(
             "poly.runtime._ckernels",
-            ["csrc/poly_kernels.c", "csrc/pk_decode.c", "csrc/pk_decode_args.c"],
-            depends=["csrc/pk_kernels.h", "csrc/pk_vec.h", "csrc/pk_decode.h"],
+            ["csrc/pk_module.c"],
+            depends=[*KERNEL_SOURCES, *(f"csrc/pk_isa_{n}.c" for n in ISAS)],
             optional=True,
         )
     ],

@@ -46,6 +46,13 @@ RANGE(r_q4_1, if (A->n == 1) quant_row(K_Q4_1, A, r, 1); else quant_row(K_Q4_1, 
 RANGE(r_q8_0, if (A->n == 1) quant_row(K_Q8_0, A, r, 1); else quant_row(K_Q8_0, A, r, A->n))
 RANGE(r_q4_k, if (A->n == 1) quant_row(K_Q4_K, A, r, 1); else quant_row(K_Q4_K, A, r, A->n))
 RANGE(r_q6_k, if (A->n == 1) quant_row(K_Q6_K, A, r, 1); else quant_row(K_Q6_K, A, r, A->n))
+RANGE(r_q5_0, if (A->n == 1) quant_row(K_Q5_0, A, r, 1); else quant_row(K_Q5_0, A, r, A->n))
+RANGE(r_q5_1, if (A->n == 1) quant_row(K_Q5_1, A, r, 1); else quant_row(K_Q5_1, A, r, A->n))
+RANGE(r_q2_k, if (A->n == 1) quant_row(K_Q2_K, A, r, 1); else quant_row(K_Q2_K, A, r, A->n))
+RANGE(r_q3_k, if (A->n == 1) quant_row(K_Q3_K, A, r, 1); else quant_row(K_Q3_K, A, r, A->n))
+RANGE(r_q5_k, if (A->n == 1) quant_row(K_Q5_K, A, r, 1); else quant_row(K_Q5_K, A, r, A->n))
+RANGE(r_iq4_nl, if (A->n == 1) quant_row(K_IQ4_NL, A, r, 1); else quant_row(K_IQ4_NL, A, r, A->n))
+RANGE(r_iq4_xs, if (A->n == 1) quant_row(K_IQ4_XS, A, r, 1); else quant_row(K_IQ4_XS, A, r, A->n))
 RANGE(r8_i8, if (A->n == 1) Q8ROW(K_I8, 1); else Q8ROW(K_I8, A->n))
 RANGE(r8_loom, if (A->n == 1) Q8ROW(K_LOOM_Q4, 1); else Q8ROW(K_LOOM_Q4, A->n))
 RANGE(r8_q4_0, if (A->n == 1) Q8ROW(K_Q4_0, 1); else Q8ROW(K_Q4_0, A->n))
@@ -53,10 +60,20 @@ RANGE(r8_q4_1, if (A->n == 1) Q8ROW(K_Q4_1, 1); else Q8ROW(K_Q4_1, A->n))
 RANGE(r8_q8_0, if (A->n == 1) Q8ROW(K_Q8_0, 1); else Q8ROW(K_Q8_0, A->n))
 RANGE(r8_q4_k, if (A->n == 1) Q8ROW(K_Q4_K, 1); else Q8ROW(K_Q4_K, A->n))
 RANGE(r8_q6_k, if (A->n == 1) Q8ROW(K_Q6_K, 1); else Q8ROW(K_Q6_K, A->n))
-static const range_fn RF[K_COUNT] = {r_f32, r_f16, r_bf16, r_i8, r_loom, r_q4_0, r_q4_1, r_q8_0, r_q4_k, r_q6_k};
-static const range_fn RF8[K_COUNT] = {NULL, NULL, NULL, r8_i8, r8_loom, r8_q4_0, r8_q4_1, r8_q8_0, r8_q4_k, r8_q6_k};
+static const range_fn RF[K_COUNT] = {r_f32, r_f16, r_bf16, r_i8, r_loom, r_q4_0, r_q4_1, r_q8_0, r_q4_k,
+                                     r_q6_k, r_q5_0, r_q5_1, r_q2_k, r_q3_k, r_q5_k, r_iq4_nl, r_iq4_xs};
+RANGE(r8_q5_0, if (A->n == 1) Q8ROW(K_Q5_0, 1); else Q8ROW(K_Q5_0, A->n))
+RANGE(r8_q5_1, if (A->n == 1) Q8ROW(K_Q5_1, 1); else Q8ROW(K_Q5_1, A->n))
+RANGE(r8_q2_k, if (A->n == 1) Q8ROW(K_Q2_K, 1); else Q8ROW(K_Q2_K, A->n))
+RANGE(r8_q3_k, if (A->n == 1) Q8ROW(K_Q3_K, 1); else Q8ROW(K_Q3_K, A->n))
+RANGE(r8_q5_k, if (A->n == 1) Q8ROW(K_Q5_K, 1); else Q8ROW(K_Q5_K, A->n))
+RANGE(r8_iq4_nl, if (A->n == 1) Q8ROW(K_IQ4_NL, 1); else Q8ROW(K_IQ4_NL, A->n))
+RANGE(r8_iq4_xs, if (A->n == 1) Q8ROW(K_IQ4_XS, 1); else Q8ROW(K_IQ4_XS, A->n))
+static const range_fn RF8[K_COUNT] = {NULL,    NULL,    NULL,    r8_i8,   r8_loom,  r8_q4_0,
+                                      r8_q4_1, r8_q8_0, r8_q4_k, r8_q6_k, r8_q5_0,  r8_q5_1,
+                                      r8_q2_k, r8_q3_k, r8_q5_k, r8_iq4_nl, r8_iq4_xs};
 
-void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n) {
+static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n) {
     double ss = 0.0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
     const float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
@@ -89,7 +106,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.n = n; A.out = out; A.ldo = ldo;
     A.x = loom ? P->xp : P->x; A.xs = P->xs;
     A.xq = loom ? P->xqp : P->xq; A.dx = P->dx;
-    const int use8 = q8 && PK_SIMD && (M->kind > K_I8 || (M->kind == K_I8 && A.k % 32 == 0));
+    const int use8 = q8 && PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0);
     (use8 ? RF8 : RF)[M->kind](&A, r0, r1);
     if (M->bias)
         for (int64_t i = 0; i < n; i++)
@@ -124,8 +141,10 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
     memcpy(L->vc[i] + at * kvd, qkv + q + kvd, (size_t)kvd * 4);
 }
 
-/* row i, head h: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] */
-static void attend(const step_t *S, const layer_t *L, const float *q, float *o, float *sc, int64_t pos,
+#include "pk_attn.h"
+
+/* row i, head h, a paged row (server KV pool): the positions live in its pages; scalar loops */
+static void attend_paged(const step_t *S, const layer_t *L, const float *q, float *o, float *sc, int64_t pos,
                    int i, int h) {
     const int64_t hd = L->hd, kvd = (int64_t)L->kvh * hd, g = h / (L->heads / L->kvh);
     const float scale = (float)(1.0 / sqrt((double)hd));
@@ -142,6 +161,13 @@ static void attend(const step_t *S, const layer_t *L, const float *q, float *o, 
         const float p = sc[t] / sum, *v = V + slot(S, i, t) * kvd;
         for (int64_t j = 0; j < hd; j++) o[j] += p * v[j];
     }
+}
+
+/* contiguous rows take the 8-lane attention of pk_attn.h; paged rows the slot-mapped loop */
+static inline void attend_any(const step_t *S, const layer_t *L, const float *q, float *o, float *sc,
+                              int64_t pos, int i, int h) {
+    if (S->tab[i]) attend_paged(S, L, q, o, sc, pos, i, h);
+    else attend(L, q, o, sc, pos, i, h);
 }
 
 static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B) {
@@ -179,7 +205,7 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
     part(n * L->heads, tid, nt, &r0, &r1);
     for (int64_t e = r0; e < r1; e++) {
         const int i = (int)(e / L->heads), h = (int)(e % L->heads);
-        attend(S, L, B->qkv + i * w + h * L->hd, B->att + i * q + h * L->hd, B->sc + tid * (S->maxpos + 1),
+        attend_any(S, L, B->qkv + i * w + h * L->hd, B->att + i * q + h * L->hd, B->sc + tid * (S->maxpos + 1),
                S->pos[i], i, h);
     }
 #pragma omp barrier
@@ -207,7 +233,7 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
 }
 
 /* scratch floats for step S with nt threads (see carve) */
-size_t pk_scratch_floats(const step_t *S, int nt) {
+static size_t pk_scratch_floats(const step_t *S, int nt) {
     const int64_t n = S->n, kmax = S->maxw > S->inter ? S->maxw : S->inter;
     return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter + 3 * kmax) + (S->maxpos + 1) * nt + 64);
 }
@@ -223,7 +249,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->P.xqp = B->P.xq + 2 * n * kmax;
 }
 
-void pk_run_step(const step_t *S, float *scratch, int nt) {
+static void pk_run_step(const step_t *S, float *scratch, int nt) {
     bufs_t B;
     carve(S, scratch, nt, &B);
 #pragma omp parallel num_threads(nt)

@@ -33,8 +33,8 @@ typedef struct {
 
 typedef struct { float *h, *qkv, *att, *tmp, *gu, *hid, *sc; px_t P; } bufs_t;
 
-void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n); /* one row */
-size_t pk_scratch_floats(const step_t *S, int nt); /* floats of scratch for pk_run_step */
-void pk_run_step(const step_t *S, float *scratch, int nt); /* GIL released by the caller */
+static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n); /* one row */
+static size_t pk_scratch_floats(const step_t *S, int nt); /* floats of scratch for pk_run_step */
+static void pk_run_step(const step_t *S, float *scratch, int nt); /* GIL released by the caller */
 
 #endif /* PK_DECODE_H */

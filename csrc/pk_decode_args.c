@@ -213,7 +213,7 @@ static int parse_pos(PyObject *o, step_t *S) {
     return 0;
 }
 
-PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs < 7 || nargs > 9) {
         PyErr_SetString(PyExc_TypeError, "decode(layers, caches, head, x, logits, pos, q8[, threads[, paged]])");
@@ -256,7 +256,7 @@ done:
 /* ---- serial row helpers for the prefill path (no OpenMP: they run between BLAS calls) ----- */
 
 /* rope(x, cos, sin, start): x float32 [n, heads, hd] rotated in place at positions start.. */
-PyObject *pk_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *pk_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "rope(x, cos, sin, start, n, hd)"); return NULL; }
     const int64_t start = PyLong_AsLongLong(args[3]), n = PyLong_AsLongLong(args[4]), hd = PyLong_AsLongLong(args[5]);
@@ -299,7 +299,7 @@ done_x:
 
 
 /* silu_mul(gate_up, out): gate_up float32 [n, 2I] (gate | up per row) -> out [n, I] */
-PyObject *pk_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *pk_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "silu_mul(gate_up, out)"); return NULL; }
     Py_buffer bg = {0}, bo = {0};

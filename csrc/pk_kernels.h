@@ -12,6 +12,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+/* Every function is static: csrc/pk_unity.h compiles these sources once per instruction set
+ * (csrc/pk_isa_*.c, flags in setup.py) and csrc/pk_module.c picks one at import (cpuid). */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PK_SIMD 1
@@ -19,9 +21,14 @@
 #define PK_SIMD 0
 #endif
 
-enum { K_F32, K_F16, K_BF16, K_I8, K_LOOM_Q4, K_Q4_0, K_Q4_1, K_Q8_0, K_Q4_K, K_Q6_K, K_COUNT };
+enum { K_F32, K_F16, K_BF16, K_I8, K_LOOM_Q4, K_Q4_0, K_Q4_1, K_Q8_0, K_Q4_K, K_Q6_K,
+       K_Q5_0, K_Q5_1, K_Q2_K, K_Q3_K, K_Q5_K, K_IQ4_NL, K_IQ4_XS, K_COUNT };
 
-extern int pk_threads; /* set_threads(); defined in poly_kernels.c */
+/* bytes per 32-block (quantized kinds; block size 256 for K-quants) and element size (dense) */
+static const int BLOCK_BYTES[K_COUNT] = {0, 0, 0, 0, 16, 18, 20, 34, 144, 210, 22, 24, 84, 110, 176, 18, 136};
+static const int BLOCK_ELEMS[K_COUNT] = {1, 1, 1, 1, 32, 32, 32, 32, 256, 256, 32, 32, 256, 256, 256, 32, 256};
+static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1};
+static int pk_threads; /* set_threads(); defined in poly_kernels.c (one unity build per ISA) */
 #define MAX_N 16
 #define XL_SCALE 254.0f /* q8 scheme: residual code step, dx / 254 */
 #define SERIAL_WORK 65536 /* below this many weights one thread is faster than waking others */
@@ -50,6 +57,9 @@ static inline float h2f(const uint8_t *p) {
     float r; memcpy(&r, &u, 4); return r;
 #endif
 }
+
+#include "pk_quants.h"
+#include "pk_avx512.h"
 
 /* ---- dense rows (any k): float32, float16, bfloat16, int8 codes x row scale ------------- */
 
@@ -91,6 +101,9 @@ static inline __attribute__((always_inline)) float dense_dot(int kind, const uin
     int64_t j = 0;
     float s = 0.0f;
 #if PK_SIMD
+#if PK_AVX512
+    s = dense_dot512(kind, row, x, k, &j);
+#endif
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (; j + 32 <= k; j += 32) {
         a0 = _mm256_fmadd_ps(load8(kind, row, j), _mm256_loadu_ps(x + j), a0);
@@ -99,7 +112,7 @@ static inline __attribute__((always_inline)) float dense_dot(int kind, const uin
         a3 = _mm256_fmadd_ps(load8(kind, row, j + 24), _mm256_loadu_ps(x + j + 24), a3);
     }
     for (; j + 8 <= k; j += 8) a0 = _mm256_fmadd_ps(load8(kind, row, j), _mm256_loadu_ps(x + j), a0);
-    s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    s += hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #else
     float acc[8] = {0};
     for (; j + 8 <= k; j += 8)
@@ -133,7 +146,8 @@ static inline void k4_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
     else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
-static inline void dec_scalar(int kind, const mm_args *A, int64_t r, int64_t b, float *q, float *D, float *M) {
+static inline __attribute__((always_inline)) void dec_scalar(int kind, const mm_args *A, int64_t r, int64_t b, float *q, float *D, float *M,
+                              pq_cache *pc) {
     const uint8_t *row = A->w + r * A->rb;
     switch (kind) {
     case K_LOOM_Q4: /* nibble ^ 8 = code + 8; x is reordered so lows then highs line up */
@@ -155,7 +169,7 @@ static inline void dec_scalar(int kind, const mm_args *A, int64_t r, int64_t b, 
         for (int l = 0; l < 32; l++) q[l] = (float)((qs[l] >> sh) & 15);
         *D = h2f(p) * (float)sc; *M = -h2f(p + 2) * (float)mn; return;
     }
-    default: { /* K_Q6_K: 16-element scale groups, folded into q */
+    case K_Q6_K: { /* 16-element scale groups, folded into q */
         const uint8_t *p = row + (b / 8) * 210;
         int j = (int)(b % 8), h = j / 4, t = j % 4;
         const uint8_t *ql = p + h * 64 + (t & 1) * 32, *qh = p + 128 + h * 32;
@@ -166,6 +180,7 @@ static inline void dec_scalar(int kind, const mm_args *A, int64_t r, int64_t b, 
         }
         *D = h2f(p + 208); *M = 0.0f; return;
     }
+    default: pq_dec_scalar(kind, row, b, q, pc); *D = 1.0f; *M = 0.0f; return;
     }
 }
 
@@ -192,7 +207,8 @@ static inline void nib16(const uint8_t *p, uint8_t x, __m256 v[4]) { /* lows 0..
     widen_u8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m)), v);
 }
 
-static inline void dec_simd(int kind, const mm_args *A, int64_t r, int64_t b, __m256 v[4], float *D, float *M) {
+static inline __attribute__((always_inline)) void dec_simd(int kind, const mm_args *A, int64_t r, int64_t b, __m256 v[4], float *D, float *M,
+                            pq_cache *pc) {
     const uint8_t *row = A->w + r * A->rb;
     switch (kind) {
     case K_LOOM_Q4:
@@ -211,11 +227,7 @@ static inline void dec_simd(int kind, const mm_args *A, int64_t r, int64_t b, __
         widen_u8(_mm256_and_si256(q, _mm256_set1_epi8(15)), v);
         *D = h2f(p) * (float)sc; *M = -h2f(p + 2) * (float)mn; return;
     }
-    default: {
-        float q[32];
-        dec_scalar(kind, A, r, b, q, D, M);
-        for (int l = 0; l < 4; l++) v[l] = _mm256_loadu_ps(q + 8 * l);
-    }
+    default: pq_dec_simd(kind, row, b, v, D, M, pc); return;
     }
 }
 #endif
@@ -223,14 +235,18 @@ static inline void dec_simd(int kind, const mm_args *A, int64_t r, int64_t b, __
 /* One output row: decode each block once, dot it with every input row. */
 static inline __attribute__((always_inline)) void quant_row(int kind, const mm_args *A, int64_t r, int64_t n) {
     float acc[MAX_N], macc[MAX_N];
+    pq_cache pc = {NULL}; /* K-quant scales, once per super-block */
+    (void)pc;
     for (int64_t i = 0; i < n; i++) acc[i] = macc[i] = 0.0f;
-#if PK_SIMD
+#if PK_AVX512
+    quant_row512(kind, A, r, n, acc, macc);
+#elif PK_SIMD
     __m256 vacc[MAX_N];
     for (int64_t i = 0; i < n; i++) vacc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < A->nb; b++) {
         __m256 v[4];
         float D, M;
-        dec_simd(kind, A, r, b, v, &D, &M);
+        dec_simd(kind, A, r, b, v, &D, &M, &pc);
         const __m256 vd = _mm256_set1_ps(D);
         for (int64_t i = 0; i < n; i++) {
             const float *xb = A->x + i * A->k + b * 32;
@@ -246,7 +262,7 @@ static inline __attribute__((always_inline)) void quant_row(int kind, const mm_a
 #else
     for (int64_t b = 0; b < A->nb; b++) {
         float q[32], D, M;
-        dec_scalar(kind, A, r, b, q, &D, &M);
+        dec_scalar(kind, A, r, b, q, &D, &M, &pc);
         for (int64_t i = 0; i < n; i++) {
             const float *xb = A->x + i * A->k + b * 32;
             float s[8] = {0};
@@ -259,82 +275,7 @@ static inline __attribute__((always_inline)) void quant_row(int kind, const mm_a
     for (int64_t i = 0; i < n; i++) A->out[i * A->ldo + r] = acc[i] + macc[i];
 }
 
-#if PK_SIMD
-/* q8 scheme: integer dot products of the stored codes with the int8 activation codes
- * (like llama.cpp's q8 activations, plus a residual code): exact int32 sums, * D * dx per block. */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) { /* 8 int32 sums of 4 u8*s8 products */
-#ifdef __AVXVNNI__
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline __m256i dot_s8s8(__m256i q, __m256i s) {
-    return dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(s, q));
-}
-
-static inline __m256i nib16_i(const uint8_t *p, uint8_t x) {
-    __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)x));
-    __m128i m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-}
-
-static inline __attribute__((always_inline)) void quant_row_q8(int kind, const mm_args *A, int64_t r, int64_t n) {
-    const uint8_t *row = A->w + r * A->rb;
-    __m256 vacc[MAX_N];
-    float macc[MAX_N];
-    for (int64_t i = 0; i < n; i++) { vacc[i] = _mm256_setzero_ps(); macc[i] = 0.0f; }
-    for (int64_t b = 0; b < A->nb; b++) {
-        __m256i q;
-        float D, M = 0.0f;
-        int sgn = 0;
-        __m256 lane = _mm256_set1_ps(1.0f);
-        switch (kind) {
-        case K_LOOM_Q4: q = nib16_i(A->w + (r * A->nb + b) * 16, 0x88); D = A->aux[r * A->nb + b]; M = -8.0f * D; break;
-        case K_Q4_0: q = nib16_i(row + b * 18 + 2, 0); D = h2f(row + b * 18); M = -8.0f * D; break;
-        case K_Q4_1: q = nib16_i(row + b * 20 + 4, 0); D = h2f(row + b * 20); M = h2f(row + b * 20 + 2); break;
-        case K_Q8_0: q = _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)); D = h2f(row + b * 34); sgn = 1; break;
-        case K_I8: q = _mm256_loadu_si256((const __m256i *)(A->w + r * A->k + b * 32)); D = A->aux[r]; sgn = 1; break;
-        case K_Q4_K: {
-            const uint8_t *p = row + (b / 8) * 144, *qs = p + 16 + 32 * ((b % 8) / 2);
-            int sc, mn;
-            k4_scale_min((int)(b % 8), p + 4, &sc, &mn);
-            q = _mm256_loadu_si256((const __m256i *)qs);
-            if (b & 1) q = _mm256_srli_epi16(q, 4);
-            q = _mm256_and_si256(q, _mm256_set1_epi8(15));
-            D = h2f(p) * (float)sc; M = -h2f(p + 2) * (float)mn;
-            break;
-        }
-        default: { /* Q6_K: (6-bit code - 32) signed, two 16-element scale groups per lane half */
-            const uint8_t *p = row + (b / 8) * 210;
-            int j = (int)(b % 8), h = j / 4, t = j % 4;
-            __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (t & 1) * 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
-            ql = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t >> 1)), _mm256_set1_epi8(15));
-            qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
-            q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
-            const int8_t *sc = (const int8_t *)(p + 192) + h * 8 + 2 * t;
-            lane = _mm256_set_m128(_mm_set1_ps((float)sc[1]), _mm_set1_ps((float)sc[0]));
-            D = h2f(p + 208); sgn = 1;
-        }
-        }
-        for (int64_t i = 0; i < n; i++) {
-            const int8_t *xb = A->xq + (i * A->nb + b) * 64; /* [32 high codes, 32 low codes] */
-            __m256i xh = _mm256_loadu_si256((const __m256i *)xb), xl = _mm256_loadu_si256((const __m256i *)(xb + 32));
-            __m256i ih = sgn ? dot_s8s8(q, xh) : dot_u8s8(q, xh), il = sgn ? dot_s8s8(q, xl) : dot_u8s8(q, xl);
-            __m256 s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(1.0f / XL_SCALE), _mm256_cvtepi32_ps(ih));
-            if (kind == K_Q6_K) s = _mm256_mul_ps(s, lane);
-            vacc[i] = _mm256_fmadd_ps(_mm256_set1_ps(D * A->dx[i * A->nb + b]), s, vacc[i]);
-            macc[i] += M * A->xs[i * A->nb + b];
-        }
-    }
-    for (int64_t i = 0; i < n; i++) A->out[i * A->ldo + r] = hsum(vacc[i]) + macc[i];
-}
-#define Q8ROW(KIND, n) quant_row_q8(KIND, A, r, n)
-#else
-#define Q8ROW(KIND, n) quant_row(KIND, A, r, n)
-#endif
+#include "pk_q8.h"
 
 /* Rows are streamed once: ask for a row a few ahead so its cache-line misses overlap the
  * decoding of this one (the hardware prefetcher alone left the 4-bit kernels at ~4 GB/s). */
@@ -365,10 +306,6 @@ static inline void prefetch_row(const mm_args *A, int64_t r) {
     for (int64_t o = lo & ~(int64_t)63; o < hi; o += 64) prefetch_line((const char *)A->w + o);
 }
 
-/* bytes per 32-block (quantized kinds; block size 256 for K-quants) and element size (dense) */
-static const int BLOCK_BYTES[K_COUNT] = {0, 0, 0, 0, 16, 18, 20, 34, 144, 210};
-static const int BLOCK_ELEMS[K_COUNT] = {1, 1, 1, 1, 32, 32, 32, 32, 256, 256};
-static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1, 0, 0, 0, 0, 0, 0};
 
 static inline int want_len(Py_buffer *v, int64_t want, const char *what) {
     if (v->len != want) {
@@ -400,8 +337,8 @@ static inline int check_matrix(int kind, Py_buffer *bw, Py_buffer *ba, mm_args *
 
 #include "pk_vec.h"
 
-PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *pk_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *pk_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *pk_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *pk_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif /* PK_KERNELS_H */

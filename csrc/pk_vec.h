@@ -29,29 +29,38 @@ static inline void quantize_x(const float *x, int8_t *xq, float *dx, int64_t nbl
     }
 }
 
+#if PK_SIMD
+/* exp(x) on 8 lanes: Cephes' expf polynomial (relative error ~2e-7), x clamped to +-88.38 so it
+ * never overflows (exp(-inf) -> ~0, not NaN; NaN lanes give garbage: callers handle NaN). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), half));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, one));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
 /* out[j] = silu(g[j]) * u[j] = g / (1 + exp(-g)) * u. exp is Cephes' expf polynomial on 8 lanes
  * (relative error ~2e-7, the libm's is ~1e-7): a scalar expf per element cost more than the
  * matrix reads of a 4-bit FFN. NaN in g stays NaN; exp(-g) is clamped so it never overflows. */
 static inline void silu_mul(const float *g, const float *u, float *out, int64_t n) {
     int64_t j = 0;
 #if PK_SIMD
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.0f);
     for (; j + 8 <= n; j += 8) {
         const __m256 gv = _mm256_loadu_ps(g + j);
-        __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), lo), hi);
-        __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), half));
-        x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-        x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-        __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-        y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, one));
-        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-        const __m256 ex = _mm256_mul_ps(y, _mm256_castsi256_ps(e)); /* exp(-g) */
+        const __m256 ex = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)); /* exp(-g) */
         __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, ex));
         s = _mm256_blendv_ps(s, gv, _mm256_cmp_ps(gv, gv, _CMP_UNORD_Q)); /* NaN stays NaN */
         _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));

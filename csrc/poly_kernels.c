@@ -12,7 +12,7 @@
  */
 #include "pk_kernels.h"
 
-int pk_threads = 1;
+static int pk_threads = 1;
 
 /* The row loop, instantiated per kind so the decoders inline with a constant `kind`. */
 #define ROWS(NAME, BODY)                                                                     \
@@ -39,6 +39,13 @@ QUANT(mm_q4_1, K_Q4_1)
 QUANT(mm_q8_0, K_Q8_0)
 QUANT(mm_q4_k, K_Q4_K)
 QUANT(mm_q6_k, K_Q6_K)
+QUANT(mm_q5_0, K_Q5_0)
+QUANT(mm_q5_1, K_Q5_1)
+QUANT(mm_q2_k, K_Q2_K)
+QUANT(mm_q3_k, K_Q3_K)
+QUANT(mm_q5_k, K_Q5_K)
+QUANT(mm_iq4_nl, K_IQ4_NL)
+QUANT(mm_iq4_xs, K_IQ4_XS)
 QUANT8(mm8_i8, K_I8)
 QUANT8(mm8_loom_q4, K_LOOM_Q4)
 QUANT8(mm8_q4_0, K_Q4_0)
@@ -46,12 +53,21 @@ QUANT8(mm8_q4_1, K_Q4_1)
 QUANT8(mm8_q8_0, K_Q8_0)
 QUANT8(mm8_q4_k, K_Q4_K)
 QUANT8(mm8_q6_k, K_Q6_K)
+QUANT8(mm8_q5_0, K_Q5_0)
+QUANT8(mm8_q5_1, K_Q5_1)
+QUANT8(mm8_q2_k, K_Q2_K)
+QUANT8(mm8_q3_k, K_Q3_K)
+QUANT8(mm8_q5_k, K_Q5_K)
+QUANT8(mm8_iq4_nl, K_IQ4_NL)
+QUANT8(mm8_iq4_xs, K_IQ4_XS)
 
 typedef void (*mm_fn)(const mm_args *, int);
-static const mm_fn FNS[K_COUNT] = {mm_f32, mm_f16, mm_bf16, mm_i8, mm_loom_q4,
-                                   mm_q4_0, mm_q4_1, mm_q8_0, mm_q4_k, mm_q6_k};
-static const mm_fn FNS8[K_COUNT] = {NULL, NULL, NULL, mm8_i8, mm8_loom_q4,
-                                    mm8_q4_0, mm8_q4_1, mm8_q8_0, mm8_q4_k, mm8_q6_k};
+static const mm_fn FNS[K_COUNT] = {mm_f32, mm_f16, mm_bf16, mm_i8, mm_loom_q4, mm_q4_0,
+                                   mm_q4_1, mm_q8_0, mm_q4_k, mm_q6_k, mm_q5_0, mm_q5_1,
+                                   mm_q2_k, mm_q3_k, mm_q5_k, mm_iq4_nl, mm_iq4_xs};
+static const mm_fn FNS8[K_COUNT] = {NULL, NULL, NULL, mm8_i8, mm8_loom_q4, mm8_q4_0,
+                                    mm8_q4_1, mm8_q8_0, mm8_q4_k, mm8_q6_k, mm8_q5_0, mm8_q5_1,
+                                    mm8_q2_k, mm8_q3_k, mm8_q5_k, mm8_iq4_nl, mm8_iq4_xs};
 
 /* ---- dequantize rows [r0, r1) to float32 (prefill: a block of rows, then BLAS sgemm) ---------
  * Each value is computed with the same float32 operations, in the same order, as gguf-py's numpy
@@ -73,6 +89,7 @@ typedef struct {
 static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
     const int64_t k = A->k;
     const uint8_t *row = A->w + r * A->rb;
+    if (pq_kind(kind) && PK_SIMD) { pq_dq_row(kind, row, k, dst); return; }
     switch (kind) {
     case K_F32: memcpy(dst, row, (size_t)k * 4); return;
     case K_F16: {
@@ -167,7 +184,7 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
             for (int l = 0; l < 32; l++) dst[l] = (float)c[l] * d;
         }
         return;
-    case K_Q4_K:
+    case K_Q4_K: /* (the SIMD build dequantizes K-quants with pq_dq_row) */
         for (int64_t s = 0; s < k / 256; s++) {
             const uint8_t *p = row + s * 144;
             const float d = h2f(p), dmin = h2f(p + 2);
@@ -181,7 +198,7 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
             }
         }
         return;
-    default: /* K_Q6_K */
+    case K_Q6_K:
         for (int64_t s = 0; s < k / 256; s++) {
             const uint8_t *p = row + s * 210;
             const float d = h2f(p + 208);
@@ -196,6 +213,8 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
                 }
             }
         }
+        return;
+    default: pq_dq_row(kind, row, k, dst);
     }
 }
 
@@ -218,7 +237,7 @@ static int run(int kind, mm_args *A, int nt, int q8) {
     float *scratch = NULL;
     if (kind == K_I8 && q8 && PK_SIMD && A->k % 32 == 0) A->nb = A->k / 32;
     else if (kind <= K_I8) q8 = 0;
-    if (!PK_SIMD) q8 = 0;
+    if (!PK_SIMD || !FNS8[kind]) q8 = 0; /* kinds without an int8 kernel: the float path */
     if (kind > K_I8 || q8) {
         const int64_t nk = A->n * A->k, nbs = A->n * A->nb;
         scratch = malloc((size_t)(2 * nbs + nk) * 4 + 2 * nk + 64);
@@ -356,7 +375,7 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "out = x @ W.T (see poly.ckernels)"},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "out = x @ W.T (see poly.runtime.ckernels)"},
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "rows [r0, r1) as float32"},
     {"decode", (PyCFunction)(void (*)(void))pk_py_decode, METH_FASTCALL, "one decode step of a whole model (see csrc/pk_decode.c)"},
     {"rope", (PyCFunction)(void (*)(void))pk_py_rope, METH_FASTCALL, "rotate [n, heads, hd] in place (HF half split)"},
@@ -368,4 +387,5 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ckernels", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__ckernels(void) { return PyModule_Create(&moddef); }
+/* This instruction set's module (PK_MAKER names it: pk_make_avx2, ...; see csrc/pk_module.c). */
+PyObject *PK_MAKER(void) { return PyModule_Create(&moddef); }

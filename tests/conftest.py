@@ -78,3 +78,22 @@ def c_backend():
     yield
     ckernels.set_act_q8(False)
     kernels.set_backend()
+
+
+def _isas() -> tuple[str, ...]:
+    from poly.runtime import ckernels
+
+    return ckernels.isas() or ("none",)
+
+
+@pytest.fixture(params=_isas())
+def each_isa(request):
+    """Every instruction-set build of the C kernels this machine runs (base, avx2, avx512), one
+    test run each; the build chosen at import is restored after."""
+    from poly.runtime import ckernels
+
+    if request.param == "none":
+        pytest.skip("poly.runtime._ckernels not built")
+    old = ckernels.use_isa(request.param)
+    yield request.param
+    ckernels.use_isa(old)

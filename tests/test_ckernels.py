@@ -20,9 +20,15 @@ pytestmark = [
     pytest.mark.usefixtures("c_backend"),
 ]
 
-K_TYPES = {  # GGUF K-quants: (block elements, bytes, byte offsets of the f16 scales)
-    GGMLQuantizationType.Q4_K: (256, 144, (0, 2)),
-    GGMLQuantizationType.Q6_K: (256, 210, (208,)),
+_T = GGMLQuantizationType
+K_TYPES = {  # types gguf-py cannot quantize: (block elements, bytes, byte offsets of the f16 scales)
+    _T.Q2_K: (256, 84, (80, 82)),
+    _T.Q3_K: (256, 110, (108,)),
+    _T.Q4_K: (256, 144, (0, 2)),
+    _T.Q5_K: (256, 176, (0, 2)),
+    _T.Q6_K: (256, 210, (208,)),
+    _T.IQ4_NL: (32, 18, (0,)),
+    _T.IQ4_XS: (256, 136, (0,)),
 }
 
 
@@ -35,8 +41,12 @@ def _gguf(kind):
     return lambda w: GGUFMatrix(quants.quantize(w, kind), kind, w.shape)
 
 
+def _gguf_dense(dtype, kind):
+    return lambda w: GGUFMatrix(w.astype(dtype).view(np.uint8), kind, w.shape)
+
+
 def _kquant(kind):
-    """Random K-quant blocks (gguf-py cannot quantize these) with sane f16 super-block scales."""
+    """Random blocks (gguf-py cannot quantize these kinds) with sane f16 super-block scales."""
 
     def make(w):
         m, k = w.shape
@@ -60,14 +70,26 @@ MAKERS = {
     "gguf_q4_0": _gguf(GGMLQuantizationType.Q4_0),
     "gguf_q4_1": _gguf(GGMLQuantizationType.Q4_1),
     "gguf_q8_0": _gguf(GGMLQuantizationType.Q8_0),
-    "gguf_q4_k": _kquant(GGMLQuantizationType.Q4_K),
-    "gguf_q6_k": _kquant(GGMLQuantizationType.Q6_K),
+    "gguf_q5_0": _gguf(_T.Q5_0),
+    "gguf_q5_1": _gguf(_T.Q5_1),
+    **{"gguf_" + t.name.lower(): _kquant(t) for t in K_TYPES},
+    "gguf_f32": _gguf_dense(np.float32, _T.F32),
+    "gguf_f16": _gguf_dense(np.float16, _T.F16),
+    "gguf_bf16": _gguf_dense(ml_dtypes.bfloat16, _T.BF16),
 }
-QUANTIZED = [s for s in MAKERS if s not in ("float32", "float16", "bfloat16")]
+FLOATS = ("float32", "float16", "bfloat16", "gguf_f32", "gguf_f16", "gguf_bf16")
+QUANTIZED = [s for s in MAKERS if s not in FLOATS]
+
+
+def block_of(scheme: str) -> int:
+    """Elements per block of a stored form (rows must be a multiple)."""
+    if not scheme.startswith("gguf_"):
+        return 32
+    return quants.GGML_QUANT_SIZES[_T[scheme[5:].upper()]][0]
 
 
 def _case(scheme, m, n, seed=0):
-    k = 512 if scheme.endswith("_k") else 96  # K-quants need multiples of 256
+    k = 512 if block_of(scheme) == 256 else 96  # K-quants need multiples of 256
     qt = MAKERS[scheme](_weights(m, k, seed=m * 7 + n + seed))
     x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
     ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T  # [n, m]
@@ -220,13 +242,7 @@ def test_numba_is_not_imported_unless_selected():
 
 # --- C dequantize (prefill tiles) against references we did not write ---------------------------
 
-_GGUF_TYPES = {
-    "gguf_q4_0": GGMLQuantizationType.Q4_0,
-    "gguf_q4_1": GGMLQuantizationType.Q4_1,
-    "gguf_q8_0": GGMLQuantizationType.Q8_0,
-    "gguf_q4_k": GGMLQuantizationType.Q4_K,
-    "gguf_q6_k": GGMLQuantizationType.Q6_K,
-}
+_GGUF_TYPES = {s: _T[s[5:].upper()] for s in MAKERS if s.startswith("gguf_")}
 
 
 def _loom_q4_reference(qt: Q4Matrix, a: int, b: int) -> np.ndarray:

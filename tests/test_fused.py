@@ -13,7 +13,7 @@ from poly import TransformerConfig, layout
 from poly.errors import ContextOverflowError
 from poly.layer import LayerType
 from poly.runtime import ckernels, fused, kernels
-from tests.test_ckernels import MAKERS
+from tests.test_ckernels import MAKERS, block_of
 from tests.tiny_model import random_transformer
 
 pytestmark = [
@@ -88,8 +88,8 @@ def test_float32_master_matches_python_path(kw, monkeypatch):
 
 
 @pytest.mark.parametrize("scheme", list(MAKERS))
-def test_stored_versions_match_python_path(scheme, monkeypatch):
-    big = scheme.endswith("_k")  # K-quants need rows of 256
+def test_stored_versions_match_python_path(scheme, monkeypatch, each_isa):
+    big = block_of(scheme) == 256  # K-quants need rows of 256
     tf = random_transformer(_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=2)
     _quantize(tf, scheme)
     tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
@@ -97,7 +97,9 @@ def test_stored_versions_match_python_path(scheme, monkeypatch):
     _assert_same(tf, monkeypatch, rtol=2e-5)
 
 
-@pytest.mark.parametrize("scheme", ["gguf_q4_1", "loom_q4", "int8"])
+@pytest.mark.parametrize(
+    "scheme", ["gguf_q4_1", "loom_q4", "int8", "gguf_q5_0", "gguf_q5_1", "gguf_iq4_nl"]
+)
 def test_int8_activations_stay_close(scheme, monkeypatch):
     tf = random_transformer(_cfg(), seed=3)
     _quantize(tf, scheme)
@@ -260,3 +262,23 @@ def test_silu_mul_matches_numpy_silu():
     np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-6, atol=1e-30)
     with pytest.raises(ValueError):
         ckernels.EXT.silu_mul(gu[:, :80].copy(), out)  # not [n, 2I]
+
+
+@pytest.mark.parametrize("head_dim", (64, 128, 24))  # the unrolled widths, and the scalar loop
+def test_long_context_attention_matches_python_path(head_dim, monkeypatch, each_isa):
+    cfg = _cfg(
+        hidden=128, inter=96, num_heads=2, num_kv_heads=1, head_dim=head_dim, max_seq_len=400
+    )
+    tf = random_transformer(cfg, seed=11)
+    assert fused.plan(tf) is not None
+    prompt = [(7 * i + 3) % 120 for i in range(300)]
+    out = {}
+    for use_fused in (False, True):
+        with monkeypatch.context() as m:
+            if not use_fused:
+                m.setattr(fused, "plan", lambda model: None)
+            tf.reset()
+            tf.forward(prompt)
+            out[use_fused] = [tf.forward([(5 * i + 1) % 120]) for i in range(3)]
+    for r, g in zip(out[False], out[True]):
+        np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * np.abs(r).max())

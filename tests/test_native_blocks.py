@@ -28,7 +28,7 @@ from tests.fuzz.corpus import U32, byte_vocab, gguf_model_parts, gguf_pack
 
 H = FF = 256  # K-quants need rows of whole 256-blocks
 IDS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 101, 32, 115, 107]
-# one kind per matrix, all kept native; ffn_up is Q5_0 (no C kernel: dequantized and baked)
+# one kind per matrix, all kept native (kinds without a C kernel, e.g. TQ2_0, are baked)
 KINDS = {
     "attn_q": T.Q4_0,
     "attn_k": T.Q4_1,
@@ -171,9 +171,9 @@ def test_q8_keeps_q8_blocks_only_and_float_schemes_dequantize(tiny, tmp_path):
 
 
 def test_float_and_unsupported_kinds_keep_the_loom_bake(tiny, tmp_path):
-    """F32 matrices and kinds without a C kernel (Q5_0) are baked to Loom Q4_0 as before."""
+    """F32 matrices and kinds without a C kernel (TQ2_0) are baked to Loom Q4_0 as before."""
     src = write_tiny_gguf(
-        tmp_path / "mixed.gguf", kinds={**KINDS, "ffn_up": T.Q5_0, "attn_v": T.F32}
+        tmp_path / "mixed.gguf", kinds={**KINDS, "ffn_up": T.TQ2_0, "attn_v": T.F32}
     )
     out = tmp_path / "mixed.entity"
     convert(src, out, quant="q4", verify=True)
@@ -183,6 +183,17 @@ def test_float_and_unsupported_kinds_keep_the_loom_bake(tiny, tmp_path):
     tf = load_entity(out)
     assert tf.mlp(0).weights.active == "gguf_q6_k+gguf_q8_0+loom_q4"
     assert np.isfinite(tf.forward_all(IDS[:5])).all()
+
+
+def test_every_kind_with_a_c_kernel_is_kept(tmp_path):
+    """Q5_0 / Q5_1 blocks (C kernels since round 2) stay native in a q4 .entity, like Q4_K."""
+    src = write_tiny_gguf(tmp_path / "q5.gguf", kinds={**KINDS, "ffn_up": T.Q5_0, "attn_k": T.Q5_1})
+    out = tmp_path / "q5.entity"
+    convert(src, out, quant="q4", verify=True)
+    ef = EntityFile(out)
+    assert ef.blobs["blocks.0.mlp.w_up"].ggml_type == int(T.Q5_0)
+    assert ef.blobs["blocks.0.attn.w_k"].ggml_type == int(T.Q5_1)
+    assert np.isfinite(load_entity(out).forward_all(IDS[:5])).all()
 
 
 def test_entity_and_save_paths_keep_the_blocks(tiny, tmp_path):
@@ -211,7 +222,12 @@ def test_float_sources_write_no_native_records(tmp_path):
 
 
 def test_native_kinds_are_the_c_kernel_kinds():
-    assert sorted(NATIVE_TYPES.values()) == sorted(ckernels.GGUF_KINDS)
+    """Every GGUF block kind a C kernel reads (the float GGUF types are not blocks)."""
+    from poly.quant import schemes
+
+    blocks = [n for n in ckernels.GGUF_KINDS if schemes.get(n).block > 1]
+    assert sorted(NATIVE_TYPES.values()) == sorted(blocks)
+    assert {"gguf_q5_0", "gguf_iq4_xs", "gguf_q2_k"} <= set(blocks)
 
 
 # --- malformed native records ------------------------------------------------------------------
@@ -237,7 +253,7 @@ WQ = "blocks.0.attn.w_q"  # Q4_0, [256, 256] -> uint8 [256, 144]
 SHORT = "size_mismatch"
 CASES = {  # case -> (changes, the error's reason tag)
     "unknown type id": ({WQ: lambda a, t: (a, 99)}, "quant_type"),
-    "kind without a C kernel (Q5_0)": ({WQ: lambda a, t: (a, int(T.Q5_0))}, "quant_type"),
+    "kind without a C kernel (TQ2_0)": ({WQ: lambda a, t: (a, int(T.TQ2_0))}, "quant_type"),
     "blocks of another size (Q8_0)": ({WQ: lambda a, t: (a, int(T.Q8_0))}, SHORT),
     "rows of another kind (Q4_1)": ({WQ: lambda a, t: (a[:, :140], int(T.Q4_1))}, SHORT),
     "rows one block short": ({WQ: lambda a, t: (a[:, :-18], t)}, SHORT),

@@ -36,8 +36,8 @@ __all__ = [
 
 _T = GGMLQuantizationType
 # ggml type id -> encoding name (= GGUFMatrix.scheme, the poly.runtime.ckernels kind name)
-NATIVE_TYPES: dict[int, str] = {
-    r.ggml_type: r.name for r in SCHEMES.values() if r.ggml_type is not None
+NATIVE_TYPES: dict[int, str] = {  # block kinds only (float GGUF tensors are not quantized blocks)
+    r.ggml_type: r.name for r in SCHEMES.values() if r.ggml_type is not None and r.block > 1
 }
 # Target encoding -> the native kinds kept in its place: only kinds at least as precise as the
 # target (never worse than a re-bake, and never less than was asked: a q8 request from Q4_1

@@ -332,6 +332,14 @@ class GGUFMatrix(QTensor):
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
 
+    def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
+        if (
+            self.ggml_type == GGMLQuantizationType.F32
+        ):  # the stored rows are the matrix: one BLAS call
+            np.matmul(x2, self.raw.view(np.float32).T, out=res)
+        else:
+            super()._matmul(x2, res)
+
     def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
         vals = gguf_quants.dequantize(self.raw[start:stop], self.ggml_type)
         return np.asarray(vals, dtype=np.float32).reshape(stop - start, self.shape[1])

@@ -23,8 +23,9 @@ from poly.dtypes import DType
 from poly.errors import UsageError
 from poly.quant.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix, QTensor
 
-# kind ids of csrc/poly_kernels.c (the C side's `kind` argument)
+# kind ids of csrc/pk_kernels.h (the C side's `kind` argument)
 C_F32, C_F16, C_BF16, C_I8, C_LOOM_Q4, C_Q4_0, C_Q4_1, C_Q8_0, C_Q4_K, C_Q6_K = range(10)
+C_Q5_0, C_Q5_1, C_Q2_K, C_Q3_K, C_Q5_K, C_IQ4_NL, C_IQ4_XS = range(10, 17)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,18 @@ _RECORDS = (
     _gguf(_T.Q8_0, C_Q8_0, "gguf_q8_0"),
     _gguf(_T.Q4_K, C_Q4_K, None),
     _gguf(_T.Q6_K, C_Q6_K, None),
+    # the rest of what llama.cpp's quantizer writes for its presets: C kernels only
+    _gguf(_T.Q5_0, C_Q5_0, None),
+    _gguf(_T.Q5_1, C_Q5_1, None),
+    _gguf(_T.Q2_K, C_Q2_K, None),
+    _gguf(_T.Q3_K, C_Q3_K, None),
+    _gguf(_T.Q5_K, C_Q5_K, None),
+    _gguf(_T.IQ4_NL, C_IQ4_NL, None),
+    _gguf(_T.IQ4_XS, C_IQ4_XS, None),
+    # float GGUF tensors (GGUFMatrix views on the file) read by the dense kernels
+    _gguf(_T.F32, C_F32, None),
+    _gguf(_T.F16, C_F16, None),
+    _gguf(_T.BF16, C_BF16, None),
 )  # fmt: skip
 
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in _RECORDS}

@@ -2,8 +2,12 @@
 
 `matmul(qt, x, out)` computes out [n, m] = x [n, k] @ W.T for 1 <= n <= MAX_N input rows,
 reading W in its stored form: float32/float16/bfloat16 arrays, int8 per-row codes, Loom Q4,
-GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K. Sums are float32 (AVX2/FMA when the build had them), parallel
-over output rows with OpenMP. Inputs are validated here (poly errors); the C side re-checks
+GGUF F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K..Q6_K, IQ4_NL/IQ4_XS (`GGUF_TYPE_KINDS`).
+Sums are float32, parallel over output rows with OpenMP.
+
+One extension holds a build of the kernels per instruction set ("base" C, "avx2": AVX2 + FMA +
+F16C, "avx512": AVX-512 F/BW/DQ/VL/VNNI); csrc/pk_module.c picks the best the CPU runs at import
+(cpuid), POLY_ISA=base|avx2|avx512 caps it; `isas()`, `use_isa(name)`, `info()["isa"]`. Inputs are validated here (poly errors); the C side re-checks
 buffer sizes, so a bad call can never read out of bounds.
 
 Scheme flag `set_act_q8(True)` (or POLY_ACT_Q8=1): the 4/8-bit kinds and int8 take x as two
@@ -21,7 +25,7 @@ import os
 
 import numpy as np
 
-from poly.errors import DTypeError, LayerConfigError
+from poly.errors import DTypeError, LayerConfigError, UsageError
 from poly.quant import schemes as qs
 from poly.quant.qtensor import DenseMatrix, GGUFMatrix
 
@@ -32,6 +36,7 @@ try:
 except ImportError:  # pragma: no cover - only on installs without a C compiler
     EXT = None
     AVAILABLE = False
+_MAIN = EXT  # the build chosen at import
 
 MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
 
@@ -41,6 +46,12 @@ Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = qs.C_Q4_0, qs.C_Q4_1, qs.C_Q8_0, qs.C_Q4_K, qs.C_
 DENSE_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is DenseMatrix}
 GGUF_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is GGUFMatrix}
 GGUF_BLOCK = {r.c_kind: r.block for r in qs.SCHEMES.values() if r.qtensor is GGUFMatrix}
+# GGUF (ggml) tensor type id -> the C kind that reads its stored bytes (decode and dequantize)
+GGUF_TYPE_KINDS = {
+    r.ggml_type: r.c_kind
+    for r in qs.SCHEMES.values()
+    if r.ggml_type is not None and r.c_kind is not None
+}
 _F32 = np.dtype(np.float32)
 _opts = {"q8": os.environ.get("POLY_ACT_Q8", "") == "1"}
 
@@ -57,8 +68,29 @@ def act_q8() -> bool:
 
 
 def info() -> dict:
-    """Build facts of the extension: {"simd": 0/1, "openmp": 0/1, "threads": n}, {} if absent."""
-    return EXT.info() if AVAILABLE else {}
+    """Facts of the extension: {"simd": 0/1, "openmp": 0/1, "threads": n, "isa": the build in
+    use, "isas": the builds this CPU runs}, {} if absent."""
+    if not AVAILABLE:
+        return {}
+    return {**EXT.info(), "isa": EXT.ISA, "isas": isas()}
+
+
+def isas() -> tuple[str, ...]:
+    """The instruction-set builds of the kernels this CPU runs (best last); () without them."""
+    return tuple(_MAIN.ISAS) if AVAILABLE else ()
+
+
+def use_isa(name: str) -> str:
+    """Run the `name` build of the kernels from now on (tests, benchmarks); returns the previous
+    one. UsageError when this CPU cannot run it. The thread count carries over."""
+    global EXT
+    if name not in isas():
+        raise UsageError(f"no {name!r} build of the C kernels runs here (have {isas()})")
+    old, threads = EXT.ISA, EXT.info()["threads"]
+    if name != old:
+        EXT = _MAIN if name == _MAIN.ISA else _MAIN.variant(name)
+        EXT.set_threads(threads)
+    return old
 
 
 def set_num_threads(n: int) -> int:

@@ -1,0 +1,87 @@
+/* 16-lane float kernels for the avx512 build (csrc/pk_isa_avx512.c): the same block decoders,
+ * codes widened to 16 floats per instruction, so a 32-element block costs half the conversions
+ * and FMAs of the 8-lane path. Included by pk_kernels.h; empty in the other builds. */
+#ifndef PK_AVX512_H
+#define PK_AVX512_H
+#if PK_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PK_AVX512 1
+
+static inline __m512 pk_widen16(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)); }
+
+/* block b of row r as 2 x 16 floats v (codes, or values when D = 1, M = 0): value = D * v + M */
+static inline __attribute__((always_inline)) void dec512(int kind, const mm_args *A, int64_t r, int64_t b, __m512 v[2],
+                                                         float *D, float *M, pq_cache *pc) {
+    const uint8_t *row = A->w + r * A->rb;
+    __m256i c;
+    switch (kind) {
+    case K_LOOM_Q4: /* nibble ^ 8 = code + 8 */
+        c = _mm256_xor_si256(pq_nib32(A->w + (r * A->nb + b) * 16), _mm256_set1_epi8(8));
+        *D = A->aux[r * A->nb + b]; *M = -8.0f * *D; break;
+    case K_Q4_0: c = pq_nib32(row + b * 18 + 2); *D = h2f(row + b * 18); *M = -8.0f * *D; break;
+    case K_Q4_1: c = pq_nib32(row + b * 20 + 4); *D = h2f(row + b * 20); *M = h2f(row + b * 20 + 2); break;
+    case K_Q8_0: c = pq_ld(row + b * 34 + 2); *D = h2f(row + b * 34); *M = 0.0f; break;
+    default: { /* the pq kinds (Q4_K, Q6_K and the round-2 GGUF kinds): int8 codes, half scales */
+        pq_sc s;
+        const uint8_t *p = pq_scales(kind, row, b, &s, pc);
+        c = pq_codes_simd(kind, p, b);
+        v[0] = pk_widen16(_mm256_castsi256_si128(c));
+        v[1] = pk_widen16(_mm256_extracti128_si256(c, 1));
+        if (pq_uniform(kind)) { *D = s.d[0]; *M = s.m[0]; return; }
+        v[0] = _mm512_fmadd_ps(v[0], _mm512_set1_ps(s.d[0]), _mm512_set1_ps(s.m[0]));
+        v[1] = _mm512_fmadd_ps(v[1], _mm512_set1_ps(s.d[1]), _mm512_set1_ps(s.m[1]));
+        *D = 1.0f; *M = 0.0f;
+        return;
+    }
+    }
+    v[0] = pk_widen16(_mm256_castsi256_si128(c)); /* codes fit int8 for every kind */
+    v[1] = pk_widen16(_mm256_extracti128_si256(c, 1));
+}
+
+/* quant_row on 16 lanes: sums into acc[i] (block terms) and macc[i] (offset terms) */
+static inline __attribute__((always_inline)) void quant_row512(int kind, const mm_args *A, int64_t r, int64_t n,
+                                                               float *acc, float *macc) {
+    __m512 vacc[MAX_N];
+    pq_cache pc = {NULL};
+    for (int64_t i = 0; i < n; i++) vacc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < A->nb; b++) {
+        __m512 v[2];
+        float D, M;
+        dec512(kind, A, r, b, v, &D, &M, &pc);
+        const __m512 vd = _mm512_set1_ps(D);
+        for (int64_t i = 0; i < n; i++) {
+            const float *xb = A->x + i * A->k + b * 32;
+            const __m512 s = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(v[0], _mm512_loadu_ps(xb)));
+            vacc[i] = _mm512_fmadd_ps(vd, s, vacc[i]);
+            macc[i] += M * A->xs[i * A->nb + b];
+        }
+    }
+    for (int64_t i = 0; i < n; i++) acc[i] = _mm512_reduce_add_ps(vacc[i]);
+}
+
+/* 16 weights of a dense row as floats */
+static inline __m512 load16(int kind, const uint8_t *row, int64_t j) {
+    switch (kind) {
+    case K_F32: return _mm512_loadu_ps((const float *)row + j);
+    case K_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * j)));
+    case K_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * j))), 16));
+    default: return pk_widen16(_mm_loadu_si128((const __m128i *)(row + j)));
+    }
+}
+
+/* dense_dot's 16-lane main loop: j advances over the whole 64-element chunks */
+static inline __attribute__((always_inline)) float dense_dot512(int kind, const uint8_t *row, const float *x, int64_t k,
+                                                                int64_t *j) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; *j + 64 <= k; *j += 64) {
+        a0 = _mm512_fmadd_ps(load16(kind, row, *j), _mm512_loadu_ps(x + *j), a0);
+        a1 = _mm512_fmadd_ps(load16(kind, row, *j + 16), _mm512_loadu_ps(x + *j + 16), a1);
+        a2 = _mm512_fmadd_ps(load16(kind, row, *j + 32), _mm512_loadu_ps(x + *j + 32), a2);
+        a3 = _mm512_fmadd_ps(load16(kind, row, *j + 48), _mm512_loadu_ps(x + *j + 48), a3);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#else
+#define PK_AVX512 0
+#endif
+#endif /* PK_AVX512_H */
