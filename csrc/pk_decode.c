@@ -143,32 +143,6 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
 
 #include "pk_attn.h"
 
-/* row i, head h, a paged row (server KV pool): the positions live in its pages; scalar loops */
-static void attend_paged(const step_t *S, const layer_t *L, const float *q, float *o, float *sc, int64_t pos,
-                   int i, int h) {
-    const int64_t hd = L->hd, kvd = (int64_t)L->kvh * hd, g = h / (L->heads / L->kvh);
-    const float scale = (float)(1.0 / sqrt((double)hd));
-    const float *K = L->kc[i] + g * hd, *V = L->vc[i] + g * hd;
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t <= pos; t++) {
-        /* the SIMD dot of the matrix kernels: a plain loop is one dependent add chain */
-        sc[t] = dense_dot(K_F32, (const uint8_t *)(K + slot(S, i, t) * kvd), q, hd) * scale;
-        mx = fmaxf(mx, sc[t]);
-    }
-    for (int64_t t = 0; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
-    for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-    for (int64_t t = 0; t <= pos; t++) {
-        const float p = sc[t] / sum, *v = V + slot(S, i, t) * kvd;
-        for (int64_t j = 0; j < hd; j++) o[j] += p * v[j];
-    }
-}
-
-/* contiguous rows take the 8-lane attention of pk_attn.h; paged rows the slot-mapped loop */
-static inline void attend_any(const step_t *S, const layer_t *L, const float *q, float *o, float *sc,
-                              int64_t pos, int i, int h) {
-    if (S->tab[i]) attend_paged(S, L, q, o, sc, pos, i, h);
-    else attend(L, q, o, sc, pos, i, h);
-}
 
 static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B) {
     for (int i = 0; i < S->n; i++) pk_rmsnorm(x + i * S->d, g, eps, B->h + i * S->d, S->d);
@@ -205,7 +179,7 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
     part(n * L->heads, tid, nt, &r0, &r1);
     for (int64_t e = r0; e < r1; e++) {
         const int i = (int)(e / L->heads), h = (int)(e % L->heads);
-        attend_any(S, L, B->qkv + i * w + h * L->hd, B->att + i * q + h * L->hd, B->sc + tid * (S->maxpos + 1),
+        attend(S, L, B->qkv + i * w + h * L->hd, B->att + i * q + h * L->hd, B->sc + tid * (S->maxpos + 1),
                S->pos[i], i, h);
     }
 #pragma omp barrier
