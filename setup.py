@@ -1,4 +1,4 @@
-"""Declares the optional C kernel extension poly.runtime._ckernels; everything else is in pyproject.toml.
+"""Declares the optional C kernel extension poly.runtime.native.ckernels; everything else is in pyproject.toml.
 
 The kernels are compiled once per instruction set into the one extension, and csrc/pk_module.c
 picks the build the running CPU supports at import (cpuid), so a wheel built on one machine runs
@@ -76,7 +76,7 @@ class BuildExt(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "poly.runtime._ckernels",
+            "poly.runtime.native.ckernels",
             ["csrc/pk_module.c"],
             depends=[*KERNEL_SOURCES, *(f"csrc/pk_isa_{n}.c" for n in ISAS)],
             optional=True,

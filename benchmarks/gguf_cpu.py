@@ -45,9 +45,9 @@ def _poly(path: Path, ids: list[int], new: int):
 def _llama(path: Path, ids: list[int], new: int):
     import llama_cpp
 
-    from benchmarks.compare import _llama_plain_buffers
+    from benchmarks.workers import llama_plain_buffers
 
-    _llama_plain_buffers()
+    llama_plain_buffers()
     llm = llama_cpp.Llama(
         model_path=str(path), n_ctx=len(ids) + new + 8, n_threads=1, n_threads_batch=1,
         n_batch=512, verbose=False,

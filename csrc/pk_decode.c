@@ -1,4 +1,4 @@
-/* poly.runtime._ckernels.decode: one whole decode step (every pre-norm block, final norm, LM head) for
+/* poly.runtime.native.ckernels.decode: one whole decode step (every pre-norm block, final norm, LM head) for
  * one new token, in one OpenMP parallel region.
  *
  * Why: per token the Python path makes ~15 kernel calls per block (each a parallel region and a

@@ -1,4 +1,4 @@
-/* Argument parsing of poly.runtime._ckernels.decode (see csrc/pk_decode.c for the call): every buffer
+/* Argument parsing of poly.runtime.native.ckernels.decode (see csrc/pk_decode.c for the call): every buffer
  * is taken with the buffer protocol, sized against the dims, and held until the call ends. */
 #include "pk_decode.h"
 

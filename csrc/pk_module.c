@@ -1,4 +1,4 @@
-/* poly.runtime._ckernels: picks, at import, the build of the kernels for this CPU.
+/* poly.runtime.native.ckernels: picks, at import, the build of the kernels for this CPU.
  *
  * setup.py compiles the kernels once per instruction set (csrc/pk_isa_base.c: plain C;
  * pk_isa_avx2.c: AVX2 + FMA + F16C; pk_isa_avx512.c: AVX-512 F/BW/DQ/VL/VNNI) into one
@@ -97,7 +97,7 @@ static PyMethodDef extra[] = {
     {NULL, NULL, 0, NULL},
 };
 
-PyMODINIT_FUNC PyInit__ckernels(void) {
+PyMODINIT_FUNC PyInit_ckernels(void) {
     const int isa = chosen();
     int n = 0;
     for (int i = 0; i < ISA_N; i++) n += usable(i);

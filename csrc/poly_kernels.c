@@ -1,4 +1,4 @@
-/* poly.runtime._ckernels: out[n, m] = x[n, k] @ W.T for few input rows (decode, batched decode),
+/* poly.runtime.native.ckernels: out[n, m] = x[n, k] @ W.T for few input rows (decode, batched decode),
  * reading W in its stored form, parallel over output rows with OpenMP.
  *
  * One entry point, matmul(kind, x, out, w, aux, n, k, m): buffers are taken with the buffer
@@ -385,7 +385,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ckernels", NULL, -1, methods};
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "ckernels", NULL, -1, methods};
 
 /* This instruction set's module (PK_MAKER names it: pk_make_avx2, ...; see csrc/pk_module.c). */
 PyObject *PK_MAKER(void) { return PyModule_Create(&moddef); }

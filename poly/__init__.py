@@ -3,7 +3,7 @@
 import os as _os
 
 # OpenBLAS worker threads busy-wait 2**28 cycles (~0.1 s) after each call: the decode steps
-# right after a BLAS prefill (on poly.runtime._ckernels' OpenMP threads) ran 2x slower while they
+# right after a BLAS prefill (on poly.runtime.native.ckernels' OpenMP threads) ran 2x slower while they
 # spun. 2**24 cycles (a few ms) outlasts the gaps between a prefill's GEMMs, so prefill speed
 # is unchanged (docs/performance.md). Read when numpy loads: no effect if numpy is loaded
 # already, and an explicit setting wins.

@@ -93,7 +93,7 @@ def each_isa(request):
     from poly.runtime import ckernels
 
     if request.param == "none":
-        pytest.skip("poly.runtime._ckernels not built")
+        pytest.skip("poly.runtime.native.ckernels not built")
     old = ckernels.use_isa(request.param)
     yield request.param
     ckernels.use_isa(old)

@@ -18,7 +18,7 @@ import msgpack
 MiB = 1 << 20
 
 
-def _seal_v2(body: bytes) -> bytes:
+def seal_v2(body: bytes) -> bytes:
     from entity.dotentity.header import CRC_TAIL, MAGIC, PREFIX
 
     body = body + CRC_TAIL
@@ -29,12 +29,12 @@ def _seal_v2(body: bytes) -> bytes:
 def _v2_empty_arrays(cap: int) -> bytes:
     inner = b"\xdd" + struct.pack(">I", 1 << 17) + b"\x90" * (1 << 17)  # 128k empty arrays
     n = (cap - 64) // len(inner)
-    return _seal_v2(b"\x82" + msgpack.packb("junk") + b"\xdd" + struct.pack(">I", n) + inner * n)
+    return seal_v2(b"\x82" + msgpack.packb("junk") + b"\xdd" + struct.pack(">I", n) + inner * n)
 
 
 def _v2_string(cap: int) -> bytes:
     s = "x" * (cap - 64)
-    return _seal_v2(b"\x82" + msgpack.packb("tokenizer") + msgpack.packb(s))
+    return seal_v2(b"\x82" + msgpack.packb("tokenizer") + msgpack.packb(s))
 
 
 def _v2_blob_table(cap: int) -> bytes:
@@ -42,7 +42,7 @@ def _v2_blob_table(cap: int) -> bytes:
 
     rec = {"path": "", "offset": 0, "length": 4, "dtype": "float32", "shape": [1], "checksum": 0}
     blobs = [dict(rec, path=f"layers.{i}.w", offset=64 * i) for i in range(MAX_BLOBS)]
-    return _seal_v2(b"\x83" + msgpack.packb("format_version") + b"\x02"
+    return seal_v2(b"\x83" + msgpack.packb("format_version") + b"\x02"
                     + msgpack.packb("blobs") + msgpack.packb(blobs))  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""C kernels (poly.runtime.ckernels / poly.runtime._ckernels) against the numpy reference x @ dequantize().T."""
+"""C kernels (poly.runtime.ckernels / poly.runtime.native.ckernels) against the numpy reference x @ dequantize().T."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from poly.quant.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix
 from poly.runtime import ckernels, kernels
 
 pytestmark = [
-    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime._ckernels not built"),
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime.native.ckernels not built"),
     pytest.mark.usefixtures("c_backend"),
 ]
 

@@ -17,7 +17,7 @@ from tests.test_ckernels import MAKERS, block_of
 from tests.tiny_model import random_transformer
 
 pytestmark = [
-    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime._ckernels not built"),
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime.native.ckernels not built"),
     pytest.mark.usefixtures("c_backend"),
 ]
 

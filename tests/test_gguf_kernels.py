@@ -15,7 +15,7 @@ from poly.quant.qtensor import GGUFMatrix
 from poly.runtime import ckernels
 
 pytestmark = [
-    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime._ckernels not built"),
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime.native.ckernels not built"),
     pytest.mark.usefixtures("c_backend"),
 ]
 

@@ -71,13 +71,13 @@ def test_item5_lucy_models_does_not_build_huge_headers(tmp_path):
     item budget, and the listing only peeks at two header fields."""
     import json
 
-    from tests.header_bombs import _seal_v2
+    from tests.header_bombs import seal_v2
 
     ents = tmp_path / "home" / "entities"
     ents.mkdir(parents=True)
     inner = b"\xdd" + (1 << 17).to_bytes(4, "big") + b"\x90" * (1 << 17)
     body = b"\x82" + b"\xa4junk" + b"\xdd" + (130).to_bytes(4, "big") + inner * 130
-    (ents / "bomb.entity").write_bytes(_seal_v2(body))
+    (ents / "bomb.entity").write_bytes(seal_v2(body))
     code, out, err, rss = lucy("models", "--json", env={"POLY_HOME": str(tmp_path / "home"),
                                                         "HF_HUB_CACHE": str(tmp_path / "hub")})  # fmt: skip
     assert code == 0, err
@@ -160,10 +160,10 @@ def test_item11_out_of_range_eos_in_a_file_exits_4(tiny_entity, tmp_path):
 def test_item11_msgpack_nesting_depth_10k_has_a_message(tmp_path):
     from entity.dotentity.container import EntityFile
     from poly.errors import EntityFormatError
-    from tests.header_bombs import _seal_v2
+    from tests.header_bombs import seal_v2
 
     p = tmp_path / "deep.entity"
-    p.write_bytes(_seal_v2(b"\x82\xa1x" + b"\x91" * 10_000 + b"\xc0"))
+    p.write_bytes(seal_v2(b"\x82\xa1x" + b"\x91" * 10_000 + b"\xc0"))
     exc = expect_error(lambda: EntityFile(p), EntityFormatError, "bad_entity")
     assert "nesting too deep" in str(exc)  # was "bad msgpack header: " and nothing
 

@@ -1,4 +1,4 @@
-"""The compiled C kernels (poly.runtime._ckernels, built from csrc/poly_kernels.c): glue and registration.
+"""The compiled C kernels (poly.runtime.native.ckernels, built from csrc/poly_kernels.c): glue and registration.
 
 `matmul(qt, x, out)` computes out [n, m] = x [n, k] @ W.T for 1 <= n <= MAX_N input rows,
 reading W in its stored form: float32/float16/bfloat16 arrays, int8 per-row codes, Loom Q4,
@@ -30,7 +30,7 @@ from poly.quant import schemes as qs
 from poly.quant.qtensor import DenseMatrix, GGUFMatrix
 
 try:
-    from poly.runtime import _ckernels as EXT
+    from poly.runtime.native import ckernels as EXT
 
     AVAILABLE = True
 except ImportError:  # pragma: no cover - only on installs without a C compiler
@@ -217,7 +217,9 @@ def matmul(qt, x: np.ndarray, out: np.ndarray | None = None, q8: bool | None = N
     """out [n, m] = x [n, k] @ W.T with the C kernel for this QTensor's stored form
     (q8: int8 activations, None = the `set_act_q8` setting)."""
     if not AVAILABLE:
-        raise LayerConfigError("the C kernels are not built (poly.runtime._ckernels is missing)")
+        raise LayerConfigError(
+            "the C kernels are not built (poly.runtime.native.ckernels is missing)"
+        )
     ops = operands(qt)
     if ops is None:
         raise LayerConfigError(f"no C kernel reads {qt!r}")

@@ -1,4 +1,4 @@
-"""The fused decode step: one call into poly.runtime._ckernels.decode per generated token.
+"""The fused decode step: one call into poly.runtime.native.ckernels.decode per generated token.
 
 For a model whose blocks are all the plain pre-norm kind (`poly.model.block.is_plain_block`) and
 whose every matrix is a form the C kernels read (float32 arrays, float16/bfloat16, int8 rows,

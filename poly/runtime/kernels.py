@@ -6,7 +6,7 @@ int8 per-row codes, Loom's Q4 bake, GGUF Q4_0/Q4_1/Q8_0 blocks (the C backend al
 GGUF Q4_K/Q6_K). The loop over output rows runs in parallel threads. More than `SMALL_N` input
 rows take the numpy path (dequantize row blocks + BLAS sgemm), which is faster for prefill.
 
-Backends: "numpy" (the reference: `QTensor.matmul_reference`), "c" (poly.runtime._ckernels from
+Backends: "numpy" (the reference: `QTensor.matmul_reference`), "c" (poly.runtime.native.ckernels from
 csrc/poly_kernels.c, see poly/ckernels.py), "numba" (the kernels below, compiled on first
 selection: numba is imported only then), "auto" (c if built, else numba if installed, else
 numpy). Choose with `set_backend()` or the POLY_BACKEND environment variable. Threads:
@@ -40,7 +40,9 @@ C_DENSE_MAX_N = 16  # float32 rows up to which the C kernel beats BLAS (see dens
 BACKENDS = ("auto", "numpy", "c", "numba")
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None  # the optional [fast] extra
-HAVE_C = ckernels.AVAILABLE  # poly.runtime._ckernels, built at install when a C compiler exists
+HAVE_C = (
+    ckernels.AVAILABLE
+)  # poly.runtime.native.ckernels, built at install when a C compiler exists
 _NUMBA_NAMES = frozenset(
     {"HALF", "mm_f32", "mm_f16", "mm_i8", "mm_q4loom", "mm_gguf_q4", "mm_gguf_q8_0"}
 )
@@ -202,7 +204,7 @@ def _resolve(name: str) -> str:
         raise UsageError("backend 'numba' needs the numba package (pip install poly[fast])")
     if name == "c" and not HAVE_C:
         raise UsageError(
-            "backend 'c' needs the compiled extension poly.runtime._ckernels (reinstall with gcc)"
+            "backend 'c' needs the compiled extension poly.runtime.native.ckernels (reinstall with gcc)"
         )
     return name
 

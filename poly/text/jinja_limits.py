@@ -25,7 +25,6 @@ from typing import Any
 import jinja2
 import jinja2.filters
 import jinja2.utils
-from jinja2.utils import _PassArg
 
 from poly.errors import TemplateError
 
@@ -183,18 +182,19 @@ def _safe_sum(iterable: Any, start: Any = 0) -> Any:
 
 
 def _wrap(name: str, func: Callable, is_filter: bool) -> Callable:
-    kind = _PassArg.from_obj(func)
+    # what jinja2.pass_context / pass_eval_context / pass_environment marked the callable with
+    kind = getattr(getattr(func, "jinja_pass_arg", None), "name", None)
 
     @jinja2.pass_context
     def limited(context, *args, **kwargs):
         budget().tick(0)  # the time limit
         if is_filter and args:
             _precheck_filter(name, args[0], args[1:], kwargs)
-        if kind is _PassArg.context:
+        if kind == "context":
             result = func(context, *args, **kwargs)
-        elif kind is _PassArg.eval_context:
+        elif kind == "eval_context":
             result = func(context.eval_ctx, *args, **kwargs)
-        elif kind is _PassArg.environment:
+        elif kind == "environment":
             result = func(context.environment, *args, **kwargs)
         else:
             result = func(*args, **kwargs)
