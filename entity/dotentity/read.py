@@ -78,8 +78,9 @@ def _version_name(matrices: list, matrix_enc: str) -> str:
 
 
 def _attach_meta(tf, ef: EntityFile) -> None:
+    from poly.errors import SamplingParamsError
     from poly.text.chat import ChatTemplate
-    from poly.text.sampling import GenOptions
+    from poly.text.gendefaults import GenerationDefaults
     from poly.text.tokenizer import Tokenizer
 
     tok_cfg = ef.meta("tokenizer_config")
@@ -92,10 +93,10 @@ def _attach_meta(tf, ef: EntityFile) -> None:
         tf.chat_template = ChatTemplate(source, **(tok_cfg.get("template") or {}))
     tf.eos_token_ids = tuple(ef.meta("eos_token_ids"))
     check_eos_ids(tf.eos_token_ids, tf.config.vocab_size, path=ef.path, cls=EntityFormatError)
-    gen = ef.meta("generation_config")
-    if gen:
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in gen.items()}
-        tf.generation_defaults = GenOptions(**fields)
+    try:  # files without settings (GGUF sources, older writers' {}) run with the fallback
+        tf.generation_defaults = GenerationDefaults.from_file(ef.meta("generation_config"))
+    except SamplingParamsError as exc:
+        raise EntityFormatError(f"bad generation_config: {exc.message}", path=ef.path) from exc
     quant = ef.meta("quant")
     tf.source = dict(ef.meta("source"), entity_path=ef.path, quant=quant["scheme"])
     if quant.get("native"):

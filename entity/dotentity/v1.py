@@ -24,6 +24,7 @@ from poly.config import TransformerConfig
 from poly.dtypes import parse_dtype
 from poly.errors import DTypeError, EntityFormatError, LayerConfigError, LimitExceededError
 from poly.quant.loom_v1 import loom_decode
+from poly.text.gendefaults import GenerationDefaults
 
 __all__ = ["V1Checkpoint", "read_entity_v1", "load_entity_v1", "q4_0_decode"]
 
@@ -293,6 +294,7 @@ def load_entity_v1(path: str | os.PathLike, *, max_seq_len: int | None = None):
     tf.embeddings = ck.embeddings
     tf.lm_head = ck.embeddings if ck.lm_head is None else ck.lm_head
     tf.final_norm = ck.final_norm
+    tf.generation_defaults = GenerationDefaults()  # v1 files carry no generation settings
     tf.source = {"format": "entity-v1", "path": str(path), "weight_dtype": _wd(ck.header)}
     return tf
 

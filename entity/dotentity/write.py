@@ -197,7 +197,7 @@ def model_meta(tf, cfg: TransformerConfig | None = None) -> dict[str, Any]:
         "tokenizer": None if tok is None else tok.to_str(),
         "tokenizer_config": tok_cfg,
         "chat_template": None if tmpl is None else tmpl.source,
-        "generation_config": {} if gen is None else _plain(dataclasses.asdict(gen)),
+        "generation_config": _plain(dict(getattr(gen, "settings", None) or {})),
         "eos_token_ids": [int(t) for t in tf.eos_token_ids],
         "source": _plain(dict(tf.source or {})),
     }

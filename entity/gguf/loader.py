@@ -34,6 +34,7 @@ from poly.errors import (
     UnsupportedError,
     WeightMappingError,
 )
+from poly.text.gendefaults import GenerationDefaults
 
 MAX_LAYERS = 512  # llama.cpp LLAMA_MAX_LAYERS
 DEFAULT_MAX_SEQ = 2048  # KV caches are preallocated; ask for more with max_seq_len=
@@ -318,6 +319,7 @@ def load_gguf(
     tf.tokenizer, tf.chat_template = tokenizer, template
     tf.eos_token_ids = _end_tokens(spec, spec.chat_template)
     check_eos_ids(tf.eos_token_ids, cfg.vocab_size, path=gg.path, cls=GGUFFormatError)
+    tf.generation_defaults = GenerationDefaults()  # GGUF carries no generation settings
     tf.source = {
         "format": "gguf",
         "path": str(path),

@@ -176,7 +176,7 @@ def load_hf(path: str | Path, *, max_seq_len: int | None = None, dtype: str | No
 
 def attach_hf_metadata(tf: Any, src: HFSource) -> None:
     from poly.text.chat import ChatTemplate
-    from poly.text.sampling import GenOptions
+    from poly.text.gendefaults import GenerationDefaults
     from poly.text.tokenizer import Tokenizer
 
     root, cfg = src.path, src.config
@@ -207,9 +207,7 @@ def attach_hf_metadata(tf: Any, src: HFSource) -> None:
     tf.eos_token_ids = tuple(eos)
     check_eos_ids(tf.eos_token_ids, cfg.vocab_size, path=root / "config.json", cls=ConfigError)
     try:
-        tf.generation_defaults = GenOptions(
-            **cfg.generation.gen_options_kwargs(), eos_tokens=tf.eos_token_ids
-        )
+        tf.generation_defaults = GenerationDefaults.from_file(cfg.generation.gen_options_kwargs())
     except SamplingParamsError as exc:
         raise ConfigError(f"generation_config.json: {exc}", path=str(root)) from None
     tf.source = {

@@ -24,6 +24,7 @@ from poly.errors import (
     ModelBusyError,
     SamplingParamsError,
 )
+from poly.text.gendefaults import defaults_of
 from poly.text.sampling import GenOptions, Sampler
 
 STOP_REASONS = frozenset({"eos", "max_tokens", "stop_string", "stopped", "context"})
@@ -262,7 +263,7 @@ def stream_tokens(
     if options is None:
         options = sampler.options if sampler is not None else None
     if options is None:
-        options = getattr(model, "generation_defaults", None) or GenOptions()
+        options = defaults_of(model).options  # the model file's settings, else the fallback
     cfg = model.config
     prompt = check_prompt(prompt_ids, cfg.vocab_size)
     history = None if start_fresh or history is None else [int(t) for t in history]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from poly.errors import GenerationError, InvalidTokenError, TemplateError
+from poly.text.gendefaults import resolve
 from poly.text.generation import stream_tokens
-from poly.text.sampling import GenOptions
 
 
 def prompt_to_ids(
@@ -37,8 +37,8 @@ def prompt_to_ids(
 
 
 def resolve_options(model: Any, options: Any, overrides: dict) -> Any:
-    base = options if options is not None else (model.generation_defaults or GenOptions())
-    return base.replace(**overrides) if overrides else base
+    """``overrides`` > ``options`` or the model file's settings > the fallback (gendefaults)."""
+    return resolve(model, options, overrides).options
 
 
 def stream(model: Any, ids: list[int], options: Any, overrides: dict, *, stop: Any = None):

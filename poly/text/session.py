@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from poly.errors import GenerationError
+from poly.text.gendefaults import resolve
 from poly.text.generation import DoneEvent, TokenStream, stream_tokens
 from poly.text.sampling import GenOptions, Sampler
 
@@ -28,9 +29,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class ChatSession:
     """A conversation with ``model``; the session owns the model's KV cache while it is used."""
 
-    def __init__(self, model, *, system: str | None = None, options: GenOptions | None = None):
+    def __init__(
+        self,
+        model,
+        *,
+        system: str | None = None,
+        options: GenOptions | None = None,
+        label: str = "argument",
+        **overrides,
+    ):
+        """Options: ``overrides`` (e.g. ``temperature=0.2``) > ``options`` or the model file's
+        settings > the fallback (`poly.text.gendefaults.resolve`; ``label`` names the explicit ones
+        in `resolved.origins`)."""
         self.model = model
-        self.options = options or getattr(model, "generation_defaults", None) or GenOptions()
+        self.resolved = resolve(model, options, overrides, label=label)
+        self.options = self.resolved.options
         self._system = system
         self._turns: list[tuple[str, str]] = []  # (user, assistant) pairs
         self._cache_ids: list[int] = []  # token ids in the model's KV cache, in order
@@ -80,7 +93,8 @@ class ChatSession:
 
     def set_option(self, name: str, value) -> None:
         """Change one generation option (validated); the random stream continues unless ``seed``."""
-        self.options = self.options.replace(**{name: value})
+        self.resolved = self.resolved.replace("/set", **{name: value})
+        self.options = self.resolved.options
         old, self._sampler = self._sampler, None
         if old is not None and name != "seed":
             self._sampler = self._new_sampler()

@@ -1,0 +1,142 @@
+"""Generation settings that travel with the model, and the one rule that resolves them.
+
+A model file may carry its own generation settings (HF ``generation_config.json``; the
+``generation_config`` header field of a `.entity`). Loaders attach them to the model as
+``model.generation_defaults``, a `GenerationDefaults` record: the settings the file names
+(`GenOptions` field names) and where the record came from, ``"model file"`` or ``"fallback"``.
+
+Every caller (``model.generate``/``stream``, `ChatSession`, ``lucy chat``/``generate``, the menu,
+the server) resolves the options it runs with through `resolve`, with one rule per field:
+
+    explicit flag / argument  >  the model file's setting  >  FALLBACK (``GenOptions()``)
+
+The fallback is ``GenOptions()``'s field defaults (temperature 0.7, top_k 40, top_p 1.0,
+max_tokens 256; docs/generation.md). `Resolved.origins` names, per field, which of the three
+supplied the value, for ``lucy ... --verbose`` and the chat's ``/stats``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from poly.errors import SamplingParamsError
+from poly.text.sampling import GenOptions
+
+__all__ = [
+    "MODEL_FILE",
+    "FALLBACK",
+    "SHOWN",
+    "GenerationDefaults",
+    "Resolved",
+    "defaults_of",
+    "resolve",
+]
+
+MODEL_FILE = "model file"
+FALLBACK = "fallback"
+# The settings shown by --verbose and /stats, in this order.
+SHOWN = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens", "seed")
+# Fields a model file may set: per-request ones (seed, stop, eos ids, banned ids) are not its own.
+_FILE_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "repetition_window",
+        "no_repeat_ngram",
+        "penalize_prompt",
+    }
+)
+_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(GenOptions) if f.init)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A model's own generation settings (``settings``: GenOptions names, validated) and their
+    ``source``: ``"model file"`` when the file carries settings, else ``"fallback"``."""
+
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    source: str = FALLBACK
+
+    def __post_init__(self) -> None:
+        settings = dict(self.settings)
+        unknown = sorted(set(settings) - _FILE_FIELDS)
+        if unknown:
+            raise SamplingParamsError(f"not a model generation setting: {', '.join(unknown)}")
+        GenOptions(**settings)  # validates every value (SamplingParamsError)
+        object.__setattr__(self, "settings", settings)
+        if self.source not in (MODEL_FILE, FALLBACK):
+            raise SamplingParamsError(f"generation defaults source {self.source!r} is unknown")
+
+    @classmethod
+    def from_file(cls, settings: Mapping[str, Any] | None) -> GenerationDefaults:
+        """The record of a model file's settings: ``"model file"`` if it names any, else the
+        fallback. Keys this version does not know, and per-request fields that older writers
+        stored (seed, stop, eos_tokens ...), are ignored so every file keeps loading."""
+        known = {k: v for k, v in (settings or {}).items() if k in _FILE_FIELDS}
+        known = {k: tuple(v) if isinstance(v, list) else v for k, v in known.items()}
+        return cls(known, MODEL_FILE if known else FALLBACK)
+
+    @property
+    def options(self) -> GenOptions:
+        """The options a caller with no explicit settings runs with."""
+        return GenOptions(**self.settings)
+
+    def origin(self, name: str) -> str:
+        return MODEL_FILE if name in self.settings else FALLBACK
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The options in use and, per field, where the value came from."""
+
+    options: GenOptions
+    origins: Mapping[str, str]
+
+    def shown(self) -> list[tuple[str, Any, str]]:
+        """(name, value, origin) of the settings --verbose and /stats print (`SHOWN`)."""
+        return [(n, getattr(self.options, n), self.origins[n]) for n in SHOWN]
+
+    def replace(self, label: str, **changes: Any) -> Resolved:
+        """Apply explicit ``changes`` (validated) labelled ``label`` (e.g. "/set")."""
+        options = self.options.replace(**changes)
+        return Resolved(options, {**self.origins, **dict.fromkeys(changes, label)})
+
+
+def defaults_of(model: Any) -> GenerationDefaults:
+    """``model.generation_defaults``, or the fallback record for a model without one."""
+    found = getattr(model, "generation_defaults", None)
+    return found if isinstance(found, GenerationDefaults) else GenerationDefaults()
+
+
+def resolve(
+    model: Any,
+    options: GenOptions | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    label: str = "argument",
+) -> Resolved:
+    """The options to run with: ``overrides`` (explicit, origin ``label``: "argument" in the
+    library, "flag" in lucy) over the model file's settings over the fallback.
+
+    A whole ``options`` object is explicit in every field (it replaces the model's defaults);
+    ``overrides`` still apply on top of it.
+    """
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - _OPTION_FIELDS)
+    if unknown:
+        raise SamplingParamsError(f"unknown generation option {unknown[0]!r}")
+    if options is not None:
+        base, origins = options, dict.fromkeys(_OPTION_FIELDS, label)
+    else:
+        d = defaults_of(model)
+        base, origins = d.options, {n: d.origin(n) for n in _OPTION_FIELDS}
+    resolved = base.replace(**overrides) if overrides else base
+    return Resolved(resolved, {**origins, **dict.fromkeys(overrides, label)})

@@ -1,0 +1,134 @@
+"""Generation settings travel with the model (#13): HF generation_config.json -> .entity header
+-> ``model.generation_defaults``; one rule everywhere: explicit > model file > fallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+
+import entity
+from entity.dotentity.container import EntityFile
+from entity.dotentity.write import model_blocks, model_meta, write_entity
+from poly.errors import EntityFormatError, SamplingParamsError, UsageError
+from poly.text.gendefaults import FALLBACK, MODEL_FILE, GenerationDefaults, defaults_of, resolve
+from poly.text.sampling import GenOptions
+from tests.hf_fixtures import make_tiny_checkpoint
+from tests.test_native_blocks import KINDS, write_tiny_gguf
+
+SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+            "repetition_penalty": 1.1, "max_new_tokens": 50}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    sampled = make_tiny_checkpoint(root / "sampled", "llama", generation=SAMPLING)
+    greedy = make_tiny_checkpoint(root / "greedy", "llama")  # HF: no do_sample = greedy
+    bare = make_tiny_checkpoint(root / "bare", "llama")
+    (bare / "generation_config.json").unlink()
+    return {"sampled": sampled, "greedy": greedy, "bare": bare}
+
+
+def _hf_config(path):
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(path))
+
+
+def test_hf_generation_config_as_transformers_reads_it(hf_dirs):
+    ref = _hf_config(hf_dirs["sampled"])
+    d = entity.load(hf_dirs["sampled"]).generation_defaults
+    assert d.source == MODEL_FILE
+    o = d.options
+    assert (o.temperature, o.top_p, o.top_k) == (ref.temperature, ref.top_p, ref.top_k)
+    assert (o.repetition_penalty, o.max_tokens) == (ref.repetition_penalty, ref.max_new_tokens)
+    assert ref.do_sample and not o.greedy
+
+
+def test_hf_without_do_sample_is_greedy_from_the_model_file(hf_dirs):
+    assert not _hf_config(hf_dirs["greedy"]).do_sample
+    d = entity.load(hf_dirs["greedy"]).generation_defaults
+    assert d.source == MODEL_FILE and d.options.greedy
+    assert d.origin("temperature") == MODEL_FILE and d.origin("top_k") == FALLBACK
+
+
+def test_hf_without_generation_config_uses_the_fallback(hf_dirs):
+    d = entity.load(hf_dirs["bare"]).generation_defaults
+    assert d.source == FALLBACK and d.settings == {} and d.options == GenOptions()
+
+
+@pytest.mark.parametrize("name", ["sampled", "greedy", "bare"])
+def test_settings_survive_conversion(hf_dirs, tmp_path, name):
+    out = tmp_path / "m.entity"
+    entity.convert(hf_dirs[name], out, quant="f32", verify=True)
+    assert entity.load(out).generation_defaults == entity.load(hf_dirs[name]).generation_defaults
+    # only the model's own settings are stored, under GenOptions names
+    stored = EntityFile(out).meta("generation_config")
+    assert stored == dict(entity.load(hf_dirs[name]).generation_defaults.settings)
+
+
+def test_gguf_has_none_and_convert_can_add_them(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    write_tiny_gguf(gguf, kinds={k: T.Q8_0 for k in KINDS})
+    assert entity.load(gguf).generation_defaults == GenerationDefaults()
+    plain, greedy = tmp_path / "plain.entity", tmp_path / "greedy.entity"
+    entity.convert(gguf, plain, quant="q8")
+    assert entity.load(plain).generation_defaults.source == FALLBACK
+    entity.convert(gguf, greedy, quant="q8", generation={"temperature": 0.0}, verify=True)
+    d = entity.load(greedy).generation_defaults
+    assert (d.source, dict(d.settings)) == (MODEL_FILE, {"temperature": 0.0})
+    with pytest.raises(UsageError, match="temperature"):
+        entity.convert(gguf, tmp_path / "bad.entity", generation={"temperature": -1})
+    with pytest.raises(UsageError, match="seed"):
+        entity.convert(gguf, tmp_path / "bad.entity", generation={"seed": 3})
+
+
+def _write_with(tf, out, gen):
+    """The model as an .entity whose header holds ``gen`` as its generation_config."""
+    import numpy as np
+
+    meta = dict(model_meta(tf), generation_config=gen)
+    final = np.asarray(tf.final_norm, np.float32)
+    glob = lambda: (tf.embeddings, None if tf.tied else tf.lm_head, final)  # noqa: E731
+    write_entity(out, tf.config, model_blocks(tf), glob, meta, quant="f32")
+
+
+def test_older_files_keep_loading(hf_dirs, tmp_path):
+    """Older writers stored every GenOptions field (seed None, lists for tuples) or {}."""
+    tf = entity.load(hf_dirs["sampled"])
+    full = json.loads(json.dumps({**GenOptions().__dict__, "temperature": 0.6, "top_k": 20}))
+    cases = {"full": (full, MODEL_FILE), "empty": ({}, FALLBACK),
+             "newer": ({"temperature": 0.3, "typical_p": 0.5}, MODEL_FILE)}  # fmt: skip
+    for name, (gen, source) in cases.items():
+        out = tmp_path / f"{name}.entity"
+        _write_with(tf, out, gen)
+        d = entity.load(out).generation_defaults
+        assert d.source == source, name
+        assert d.options.temperature == gen.get("temperature", GenOptions().temperature)
+    bad = tmp_path / "bad.entity"
+    _write_with(tf, bad, {"top_p": 2.0})
+    with pytest.raises(EntityFormatError, match="generation_config.*top_p"):
+        entity.load(bad)
+
+
+def test_the_one_rule():
+    class M:
+        generation_defaults = GenerationDefaults({"temperature": 0.0, "max_tokens": 64}, MODEL_FILE)
+
+    r = resolve(M(), overrides={"max_tokens": 8, "seed": 3}, label="flag")
+    assert (r.options.temperature, r.options.max_tokens, r.options.seed) == (0.0, 8, 3)
+    assert r.origins["temperature"] == MODEL_FILE
+    assert r.origins["max_tokens"] == r.origins["seed"] == "flag"
+    assert r.origins["top_k"] == FALLBACK and r.options.top_k == GenOptions().top_k
+    shown = {n: (v, o) for n, v, o in r.shown()}
+    assert shown["temperature"] == (0.0, MODEL_FILE) and shown["seed"] == (3, "flag")
+    # a whole options object is explicit in every field
+    whole = resolve(M(), GenOptions(temperature=0.5))
+    assert whole.options.temperature == 0.5 and set(whole.origins.values()) == {"argument"}
+    # a model without a record (built in memory) runs with the fallback
+    assert defaults_of(object()) == GenerationDefaults()
+    assert resolve(object()).options == GenOptions()
+    with pytest.raises(SamplingParamsError, match="tempreature"):
+        resolve(M(), overrides={"tempreature": 1.0})
