@@ -25,7 +25,9 @@ def load_model(spec: str, max_experts: int | None = None):
     return entity.load(spec, max_resident_experts=max_experts)
 
 
-def convert_with_progress(con, src, dst=None, quant="q4", force=False, verify=False):
+def convert_with_progress(
+    con, src, dst=None, quant="q4", force=False, verify=False, generation=None
+):
     """Run `entity.convert` under a rich progress bar; returns its report."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -45,8 +47,9 @@ def convert_with_progress(con, src, dst=None, quant="q4", force=False, verify=Fa
 
         try:
             return entity.convert(
-                src, dst, quant=quant, force=force, verify=verify, progress=progress
-            )
+                src, dst, quant=quant, force=force, verify=verify, progress=progress,
+                generation=generation,
+            )  # fmt: skip
         except OutputExistsError as err:  # the library names its keyword; lucy names its flag
             raise OutputExistsError(
                 "output exists (use --force to overwrite)", path=err.path
@@ -54,16 +57,20 @@ def convert_with_progress(con, src, dst=None, quant="q4", force=False, verify=Fa
 
 
 def demo_entity(con) -> Path:
-    """SmolLM2 GGUF → q4 .entity in the entity dir, converted once and reused."""
+    """SmolLM2 GGUF → q4 .entity in the entity dir carrying the demo's generation settings
+    (entity.smollm2.DEMO_GENERATION), converted once and reused (a demo file from an older
+    version, without them, is converted again)."""
     from entity.paths import entities_dir, entity_filename
-    from entity.smollm2 import GGUF_NAME, ensure_smollm2
+    from entity.smollm2 import DEMO_GENERATION, GGUF_NAME, ensure_smollm2, has_demo_generation
 
     dst = entities_dir() / entity_filename(GGUF_NAME, DEMO_QUANT)
-    if not dst.exists():
+    if not dst.exists() or not has_demo_generation(dst):
         gguf = ensure_smollm2()
         dst.parent.mkdir(parents=True, exist_ok=True)
         con.print(f"converting {gguf.name} → {dst} (once)")
-        convert_with_progress(con, gguf, dst, quant=DEMO_QUANT)
+        convert_with_progress(
+            con, gguf, dst, quant=DEMO_QUANT, force=dst.exists(), generation=DEMO_GENERATION
+        )
     return dst
 
 
