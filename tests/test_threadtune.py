@@ -1,9 +1,29 @@
-"""poly.runtime.threadtune.ThreadTuner on synthetic step times (the decisions, not the machine)."""
+"""poly.runtime.threadtune's decode and prefill tuners on synthetic step times (the decisions, not the
+machine): `others_running` is replaced, so the machine's real load never decides."""
 
 from __future__ import annotations
 
+import pytest
+
 from poly.runtime import threadtune
-from poly.runtime.threadtune import RECHECK, WINDOW, ThreadTuner
+from poly.runtime.threadtune import (
+    PREFILL_TRIAL,
+    RECHECK,
+    WINDOW,
+    PrefillTuner,
+    Shared,
+    ThreadTuner,
+)
+
+LOAD = {"others": 0}  # runnable threads of other processes, as the tuners see it
+REAL_OTHERS_RUNNING = threadtune.others_running
+
+
+@pytest.fixture(autouse=True)
+def fake_load(monkeypatch):
+    LOAD["others"] = 0
+    monkeypatch.setattr(threadtune, "others_running", lambda: LOAD["others"])
+    monkeypatch.setattr(threadtune, "cores", lambda: 2)
 
 
 def _run(tuner: ThreadTuner, cost, steps: int, full: int = 2) -> list[int]:
@@ -59,3 +79,69 @@ def test_switch_off_and_thread_change(monkeypatch):
     assert tuner.threads(4) == 4 and tuner.full == 4  # a new setting starts over
     assert _run(tuner, lambda t, i: 0.01, 5, full=1) == [1] * 5
     assert threadtune.MAX_RECHECK >= RECHECK
+
+
+def _prefill(tuner: PrefillTuner, cost, blocks: int = 30, full: int = 2) -> list[int]:
+    """One prefill of `blocks` blocks where a block on t threads takes cost(t, i) seconds."""
+    pace, used = tuner.begin(full), []
+    for i in range(blocks):
+        t = pace.threads(i)
+        used.append(t)
+        pace.record(i, t, cost(t, i))
+    pace.end()
+    return used
+
+
+def test_prefill_on_a_quiet_machine_uses_all_threads_after_a_short_trial():
+    shared = Shared()
+    tuner = PrefillTuner(shared)
+    used = _prefill(tuner, lambda t, i: 0.005 if t == 2 else 0.008)
+    assert used[:PREFILL_TRIAL] == [1, 2, 1, 2] and used[PREFILL_TRIAL:] == [2] * 26
+    assert tuner.current == 2 and shared.advice(2) == 2
+    assert ThreadTuner(shared=shared).threads(2) == 2
+
+
+def test_prefill_with_the_cores_taken_runs_on_fewer_threads_and_tells_the_decode_step():
+    shared = Shared()
+    tuner = PrefillTuner(shared)
+    LOAD["others"] = 1  # one core busy: two threads would share it
+    assert _prefill(tuner, lambda t, i: 0.5 if t == 2 else 0.02) == [1] * 30
+    assert shared.advice(2) == 1
+    decode = ThreadTuner(shared=shared)
+    assert [decode.threads(2) for _ in range(3)] == [1, 1, 1]  # no slow first window
+    LOAD["others"] = 0  # the load is gone: the next prefill measures again
+    used = _prefill(tuner, lambda t, i: 0.005 if t == 2 else 0.008)
+    assert used[PREFILL_TRIAL:] == [2] * 26 and shared.advice(2) == 2
+
+
+def test_prefill_trial_stops_at_the_first_slow_full_block():
+    """Load the snapshot missed: one slow block, then the rest on fewer threads."""
+    used = _prefill(PrefillTuner(), lambda t, i: 2.0 if t == 2 else 0.02)
+    assert used == [1, 2] + [1] * 28
+
+
+def test_prefill_shorter_than_the_trial_and_switch_off(monkeypatch):
+    tuner = PrefillTuner()
+    assert _prefill(tuner, lambda t, i: 0.005 if t == 2 else 0.008, blocks=2) == [1, 2]
+    assert tuner.current == 2
+    assert _prefill(PrefillTuner(), lambda t, i: 0.01, full=1) == [1] * 30
+    monkeypatch.setenv("POLY_ADAPTIVE_THREADS", "0")
+    LOAD["others"] = 5
+    assert _prefill(PrefillTuner(), lambda t, i: 0.5 if t == 2 else 0.01) == [2] * 30
+
+
+def test_decode_recheck_waits_while_the_cores_are_taken():
+    tuner = ThreadTuner()
+    used = _run(tuner, lambda t, i: 0.5 if t == 2 else 0.014, 2 * WINDOW)
+    assert used[-1] == 1
+    LOAD["others"] = 1
+    used = _run(tuner, lambda t, i: 0.5 if t == 2 else 0.014, 4 * RECHECK)
+    assert used == [1] * (4 * RECHECK)  # no retry (and no slow step) while there is no room
+    LOAD["others"] = 0
+    used = _run(tuner, lambda t, i: 0.006 if t == 2 else 0.014, 2 * RECHECK)
+    assert used[-10:] == [2] * 10
+
+
+def test_others_running_reads_the_machine():
+    n = REAL_OTHERS_RUNNING()
+    assert n is None or n >= 0

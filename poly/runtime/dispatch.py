@@ -3,7 +3,8 @@
 A one-token `Transformer.forward` under the C backend, on float32 activations, runs the fused
 step (poly/runtime/fused.py) when its plan applies; everything else (prompts, tiling, other
 activations, forms without a C kernel, the numpy/numba backends, float64) runs the reference
-path of the model (poly/model/transformer.py).
+path of the model (poly/model/transformer.py), whose blocks run on the thread count the prefill
+tuner picks (poly/runtime/prefill.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from poly.nn.embedding import lookup
-from poly.runtime import fused
+from poly.runtime import fused, prefill
 
 
 def forward(model, ids: np.ndarray) -> np.ndarray:
@@ -22,4 +23,5 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
             logits = fused.step(model, p, lookup(model.embeddings, ids)[0])  # x [H]
             if logits is not None:
                 return logits
-    return model.reference_forward(ids)
+    with prefill.pacing(model) as pace:  # threads per block, adapted to the machine's load
+        return model.reference_forward(ids, pace)

@@ -20,7 +20,7 @@ from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, is_plain_block
 from poly.nn import mha, rmsnorm, swiglu
 from poly.rope import rope_tables
 from poly.runtime import ckernels, kernels
-from poly.runtime.threadtune import ThreadTuner
+from poly.runtime.threadtune import SHARED, ThreadTuner
 from poly.weights import Generations, PlanCache
 
 _F32 = np.dtype(np.float32)
@@ -147,7 +147,7 @@ def _run(p: Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
         for r in rows:
             caches += (r[li].k, r[li].v)
     logits = np.empty((x.shape[0], p.vocab), dtype=np.float32)  # [n, V]
-    tuner = p.tuners.setdefault(x.shape[0], ThreadTuner())
+    tuner = p.tuners.setdefault(x.shape[0], ThreadTuner(shared=SHARED))
     nt = tuner.threads(kernels.num_threads())
     t0 = time.perf_counter()
     ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt)

@@ -86,6 +86,25 @@ def num_threads() -> int:
     return _state["threads"]
 
 
+_BLAS: list = []  # threadpoolctl's BLAS controllers, found once
+
+
+def use_threads(n: int) -> None:
+    """Run the next C passes and BLAS calls on `n` threads without changing the configured
+    count (`num_threads`); cheap enough to call per block (the prefill tuner does)."""
+    ckernels.set_num_threads(n)
+    if not _BLAS:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _BLAS.extend(ThreadpoolController().select(user_api="blas").lib_controllers)
+        except ImportError:
+            _BLAS.append(None)  # without threadpoolctl BLAS keeps its own count
+    for lib in _BLAS:
+        if lib is not None:
+            lib.set_num_threads(n)
+
+
 def backend() -> str:
     """The backend now in force ("numpy" or "numba")."""
     return _state["backend"]

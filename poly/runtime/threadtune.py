@@ -13,6 +13,12 @@ busy process, 2 threads took 300-900 ms per SmolLM2 Q4_1 step and 1 thread 14 ms
 
 On a quiet machine this costs one window of slower steps per model and batch size.
 POLY_ADAPTIVE_THREADS=0 turns it off (every step then uses the configured count).
+
+A prefill (BLAS sgemm on dequantized tiles, C passes) suffers the same way: on this machine
+under load a 47-token SmolLM2 prompt took 5-30 s with 2 BLAS threads and 0.7-1.0 s with one.
+`PrefillTuner` picks the count per block: every block of a prefill does the same work, so their
+times compare (see its docstring). Both tuners share what they found (`Shared`): a decode that
+follows a prefill which found fewer threads faster starts on fewer threads, and vice versa.
 """
 
 from __future__ import annotations
@@ -27,22 +33,45 @@ RECHECK = 64  # steps on fewer threads before trying all threads again
 MAX_RECHECK = 1024
 
 
+def adaptive() -> bool:
+    return os.environ.get("POLY_ADAPTIVE_THREADS", "1") != "0"
+
+
+class Shared:
+    """The latest finding of any tuner: with `full` configured threads, `threads` were faster."""
+
+    def __init__(self) -> None:
+        self.full = self.threads = 0
+
+    def found(self, full: int, threads: int) -> None:
+        self.full, self.threads = full, threads
+
+    def advice(self, full: int) -> int:
+        return self.threads if self.full == full and 0 < self.threads < full else full
+
+
+SHARED = Shared()  # the process-wide one (the fused step and the prefill use it)
+
+
 class ThreadTuner:
     """One per model plan and batch size: `threads(full)` before a step, `record()` after."""
 
-    def __init__(self, full: int = 0) -> None:
+    def __init__(self, full: int = 0, shared: Shared | None = None) -> None:
         self.full = self.current = full
+        self.shared = shared
         self.best: dict[int, float] = {}
         self.recent: list[float] = []
         self.trial: tuple[int, list[float]] | None = None
         self.calibrated = False
         self.wait = self.recheck = RECHECK
+        if shared is not None and full > 1 and shared.advice(full) < full:
+            self.current, self.calibrated = shared.advice(full), True  # a prefill found load
 
     def threads(self, full: int) -> int:
-        if os.environ.get("POLY_ADAPTIVE_THREADS", "1") == "0" or full <= 1:
+        if not adaptive() or full <= 1:
             return full
         if full != self.full:  # first step, or the thread setting changed: start over
-            self.__init__(full)
+            self.__init__(full, self.shared)
         return self.trial[0] if self.trial is not None else self.current
 
     def record(self, threads: int, seconds: float) -> None:
@@ -62,8 +91,10 @@ class ThreadTuner:
             self.trial = (threads - 1, [])
         elif threads < self.full:
             self.wait -= 1
-            if self.wait <= 0:
+            if self.wait <= 0 and room_for(self.full):
                 self.trial = (self.full, [])
+            elif self.wait <= 0:  # other processes still hold the cores: no slow try
+                self.wait = self.recheck
 
     def _record_trial(self, seconds: float) -> None:
         threads, times = self.trial
@@ -82,7 +113,103 @@ class ThreadTuner:
         if ours < GAIN * base:
             self.current, self.recent = threads, []
             self.wait = self.recheck = RECHECK
+            if self.shared is not None:
+                self.shared.found(self.full, threads)
         elif retry:
             self.recheck = self.wait = min(2 * self.recheck, MAX_RECHECK)
         else:  # fewer threads are not faster: the slowdown is the work (longer context)
             self.best[self.current] = base
+
+
+def others_running() -> int | None:
+    """Runnable threads on the machine that are not this process's (Linux: procs_running in
+    /proc/stat minus our own threads in state R); None where /proc is not readable."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            running = int(f.read().split(b"procs_running", 1)[1].split()[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+            own += stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R"
+        return max(0, running - own)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def room_for(threads: int) -> bool:
+    """Whether `threads` threads would each find a free core now (unknown: assume yes). A trial
+    on all threads while other processes hold the cores costs ~0.3-3 s per block here."""
+    others = others_running()
+    return others is None or others + threads <= cores()
+
+
+class PrefillTuner:
+    """Threads for the blocks of one model's prefills: `full` or `full - 1` (`low`).
+
+    When other processes leave no room for `full` threads (`room_for`), the prefill runs on
+    low. Otherwise its blocks, which all do the same work (so their times compare), start with
+    a trial: blocks 0-3 alternate low and full (low first: cheap), and the faster count runs the
+    rest; a full block `SLOW` times slower than a low one ends the trial at once. The decision
+    is shared (`Shared`) with the decode step's tuner. Use: `pace = tuner.begin(full)`, then
+    `pace.threads(i)` before block i, `pace.record(i, threads, seconds)` after it, `pace.end()`.
+    """
+
+    def __init__(self, shared: Shared | None = None) -> None:
+        self.shared = shared
+        self.current = 0  # the last decision (0: none yet)
+
+    def begin(self, full: int) -> PrefillPace:
+        return PrefillPace(self, full)
+
+    def decided(self, full: int, threads: int) -> None:
+        self.current = threads
+        if self.shared is not None:
+            self.shared.found(full, threads)
+
+
+PREFILL_TRIAL = 4  # blocks: low, full, low, full
+
+
+class PrefillPace:
+    """The thread count of each block of one prefill (see `PrefillTuner`)."""
+
+    def __init__(self, tuner: PrefillTuner, full: int) -> None:
+        self.tuner, self.full, self.low = tuner, full, max(1, full - 1)
+        self.times: dict[int, list[float]] = {self.low: [], full: []}
+        self.trial, self.chosen = False, full
+        if adaptive() and full > 1:
+            if room_for(full):
+                self.trial = True
+            else:
+                self._decide(self.low)
+
+    def threads(self, i: int) -> int:
+        if self.trial and i < PREFILL_TRIAL:
+            return self.low if i % 2 == 0 else self.full
+        return self.chosen
+
+    def record(self, i: int, threads: int, seconds: float) -> None:
+        if not self.trial or threads not in self.times:
+            return
+        self.times[threads].append(seconds)
+        lows = self.times[self.low]
+        if threads == self.full and lows and seconds > SLOW * min(lows):
+            self._decide(self.low)  # loaded after all: no more full blocks in this prefill
+        elif i + 1 >= PREFILL_TRIAL:
+            self.end()
+
+    def _decide(self, threads: int) -> None:
+        self.trial, self.chosen = False, threads
+        self.tuner.decided(self.full, threads)
+
+    def end(self) -> None:
+        """Decide on what the trial measured (a prefill may have fewer blocks than the trial)."""
+        lows, fulls = self.times[self.low], self.times[self.full]
+        if self.trial and lows and fulls:
+            faster = sum(fulls) / len(fulls) < sum(lows) / len(lows)
+            self._decide(self.full if faster else self.low)

@@ -1,0 +1,45 @@
+"""Prefill threads that follow the machine's load: one `PrefillTuner` per model.
+
+`pacing(model)` wraps a multi-token forward: before each block it sets the C and BLAS thread
+count the tuner picked (`poly.kernels.use_threads`), after it records the block's time; at the
+end the configured count is back in force.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from poly.runtime import kernels
+from poly.runtime.threadtune import SHARED, PrefillPace, PrefillTuner
+
+
+class _Pacer:
+    def __init__(self, pace: PrefillPace) -> None:
+        self.pace, self.active, self.t0, self.n = pace, kernels.num_threads(), 0.0, 0
+
+    def before(self, i: int) -> None:
+        n = self.pace.threads(i)
+        if n != self.active:
+            kernels.use_threads(n)
+            self.active = n
+        self.t0, self.n = time.perf_counter(), n
+
+    def after(self, i: int) -> None:
+        self.pace.record(i, self.n, time.perf_counter() - self.t0)
+
+
+@contextmanager
+def pacing(model) -> Iterator[_Pacer]:
+    full = kernels.num_threads()
+    tuner = getattr(model, "_prefill_tuner", None)
+    if tuner is None:
+        tuner = model._prefill_tuner = PrefillTuner(SHARED)
+    pacer = _Pacer(tuner.begin(full))
+    try:
+        yield pacer
+    finally:
+        pacer.pace.end()
+        if pacer.active != full:
+            kernels.use_threads(full)
