@@ -23,5 +23,7 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
             logits = fused.step(model, p, lookup(model.embeddings, ids)[0])  # x [H]
             if logits is not None:
                 return logits
+    if ids.size == 1:  # a decode step off the fused path: no per-block trial
+        return model.reference_forward(ids)
     with prefill.pacing(model) as pace:  # threads per block, adapted to the machine's load
         return model.reference_forward(ids, pace)
