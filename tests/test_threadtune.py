@@ -145,3 +145,48 @@ def test_decode_recheck_waits_while_the_cores_are_taken():
 def test_others_running_reads_the_machine():
     n = REAL_OTHERS_RUNNING()
     assert n is None or n >= 0
+
+
+@pytest.mark.parametrize("others", [0, 1])
+def test_prefill_pacing_keeps_the_numbers_and_restores_the_threads(monkeypatch, others):
+    """A prompt through the paced blocks gives the logits of the unpaced reference path (bitwise:
+    the thread count only splits the work), and the configured count is back afterwards."""
+    import numpy as np
+
+    from poly import TransformerConfig
+    from poly.runtime import kernels
+    from tests.tiny_model import random_transformer
+
+    cfg = TransformerConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_layers=6,
+                            num_heads=4, num_kv_heads=2, max_seq_len=64)  # fmt: skip
+    tf = random_transformer(cfg, seed=3)
+    ids = list(range(5, 45))  # 40 rows: the BLAS path
+    ref = tf.reference_forward(ids)
+    monkeypatch.setattr(kernels, "num_threads", lambda: 2)
+    LOAD["others"] = others
+    tf.reset()
+    used = []
+    monkeypatch.setattr(kernels, "use_threads", lambda n: used.append(n))
+    got = tf.forward(ids)
+    np.testing.assert_array_equal(got, ref)
+    assert used[-1] == 2  # the configured count is in force again
+    assert used[0] == 1 and (others == 0) == (2 in used[:-1])  # busy: never all threads
+    assert tf.prefill_tuner.current in ((1,) if others else (1, 2))
+
+
+def test_use_threads_sets_blas_and_c_without_changing_the_setting():
+    from threadpoolctl import threadpool_info
+
+    from poly.runtime import ckernels, kernels
+
+    full = kernels.num_threads()
+    try:
+        for n in (1, 3):
+            kernels.use_threads(n)
+            blas = {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+            assert blas == {n}
+            if ckernels.AVAILABLE:
+                assert ckernels.info()["threads"] == n
+            assert kernels.num_threads() == full
+    finally:
+        kernels.use_threads(full)

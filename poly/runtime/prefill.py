@@ -33,9 +33,9 @@ class _Pacer:
 @contextmanager
 def pacing(model) -> Iterator[_Pacer]:
     full = kernels.num_threads()
-    tuner = getattr(model, "_prefill_tuner", None)
+    tuner = getattr(model, "prefill_tuner", None)
     if tuner is None:
-        tuner = model._prefill_tuner = PrefillTuner(SHARED)
+        tuner = model.prefill_tuner = PrefillTuner(SHARED)
     pacer = _Pacer(tuner.begin(full))
     try:
         yield pacer
