@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from lucy.settings import SET_PARSERS, options_in_use, settings_in_use, settings_line
+from lucy.settings import SET_PARSERS, settings_in_use, settings_line
 from lucy.terminal import clean, make_console, read_line
 from poly.errors import ContextOverflowError, PolyError, UsageError
 
@@ -191,7 +191,7 @@ def _cmd_stats(ui: ChatUI, rest: str) -> None:
     parts.append(f"turns {getattr(s, 'turns', 0)}")
     ui.con.print(" · ".join(parts), markup=False)
     model = getattr(s, "model", None)
-    rows = settings_in_use(model, ui.overrides, getattr(s, "options", None))
+    rows = settings_in_use(model, ui.overrides)
     ui.con.print(clean(settings_line(rows)), markup=False, style="dim")
 
 
@@ -222,8 +222,7 @@ def run_chat(
     from poly.text.session import ChatSession
 
     con = con or make_console()
-    options = options_in_use(model, overrides or {})
-    session = ChatSession(model, system=system, options=options)
+    session = ChatSession(model, system=system, label="flag", **(overrides or {}))
     ui = ChatUI(session, con, overrides=overrides, on_full=on_full)
     ui.run()
     return ui.exit_code

@@ -1,6 +1,6 @@
 """Generation settings as lucy sees them: the flags the user gave, and where each value in use
-came from. Defaults are never resolved here: `poly.text.prompting.resolve_options` is the one rule
-(model file's settings, else the library fallback, then the flags on top)."""
+came from. Defaults are never resolved here: `poly.text.gendefaults.resolve` is the one rule
+(flags > the model file's settings > the library fallback)."""
 
 from __future__ import annotations
 
@@ -66,23 +66,21 @@ def check_overrides(overrides: dict) -> None:
 
 def options_in_use(model, overrides: dict):
     """The `GenOptions` a generation on `model` with these flags runs with (poly's one rule)."""
-    from poly.text.prompting import resolve_options
-
-    return resolve_options(model, None, overrides)
+    return resolved_settings(model, overrides).options
 
 
-def settings_in_use(model, overrides: dict, options=None) -> list[tuple[str, object, str]]:
+def resolved_settings(model, overrides: dict):
+    """`poly.text.gendefaults.resolve` with the flags labelled "flag": the options and, per
+    field, "flag", "model file" or "fallback"."""
+    from poly.text.gendefaults import resolve
+
+    return resolve(model, None, overrides, label=FROM_FLAG)
+
+
+def settings_in_use(model, overrides: dict) -> list[tuple[str, object, str]]:
     """(field, value, source) for the sampling settings shown by --verbose and /stats;
-    source is "flag", "model file" or "fallback"."""
-    options = options if options is not None else options_in_use(model, overrides)
-    from_model = getattr(model, "generation_defaults", None) is not None
-    rows = []
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens"):
-        if not hasattr(options, name):
-            continue
-        source = FROM_FLAG if name in overrides else FROM_MODEL if from_model else FROM_FALLBACK
-        rows.append((name, getattr(options, name), source))
-    return rows
+    source is "flag", "model file" or "fallback" (poly.text.gendefaults.SHOWN, in order)."""
+    return resolved_settings(model, overrides).shown()
 
 
 def settings_line(rows: list[tuple[str, object, str]]) -> str:

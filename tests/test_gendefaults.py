@@ -132,3 +132,55 @@ def test_the_one_rule():
     assert resolve(object()).options == GenOptions()
     with pytest.raises(SamplingParamsError, match="tempreature"):
         resolve(M(), overrides={"tempreature": 1.0})
+
+
+def test_lucy_verbose_names_where_each_setting_came_from(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    gguf, ent = tmp_path / "m.gguf", tmp_path / "m.entity"
+    write_tiny_gguf(gguf, kinds={k: T.Q8_0 for k in KINDS})
+    entity.convert(gguf, ent, quant="q8", generation={"temperature": 0.0, "max_tokens": 64})
+    env = {**os.environ, "POLY_HOME": str(tmp_path / "home")}
+
+    def settings_line(path, *flags):
+        proc = subprocess.run(
+            [sys.executable, "-m", "lucy", "generate", str(path), "--prompt", "hi", "--verbose",
+             *flags], env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return [ln for ln in proc.stderr.splitlines() if ln.startswith("settings: ")]
+
+    assert settings_line(ent, "--max-tokens", "3") == [
+        "settings: temperature=0.0 (model file) · top_k=40 (fallback) · top_p=1.0 (fallback) · "
+        "min_p=0.0 (fallback) · repetition_penalty=1.0 (fallback) · max_tokens=3 (flag) · "
+        "seed=None (fallback)"
+    ]
+    assert settings_line(gguf, "--max-tokens", "3", "--seed", "5") == [
+        "settings: temperature=0.7 (fallback) · top_k=40 (fallback) · top_p=1.0 (fallback) · "
+        "min_p=0.0 (fallback) · repetition_penalty=1.0 (fallback) · max_tokens=3 (flag) · "
+        "seed=5 (flag)"
+    ]
+
+
+def test_library_and_session_follow_the_model_file(tmp_path):
+    from poly.text.prompting import resolve_options
+    from poly.text.session import ChatSession
+
+    gguf, ent = tmp_path / "m.gguf", tmp_path / "m.entity"
+    write_tiny_gguf(gguf, kinds={k: T.Q8_0 for k in KINDS})
+    entity.convert(gguf, ent, quant="q8", generation={"temperature": 0.0, "max_tokens": 5})
+    model = entity.load(ent)
+    opts = resolve_options(model, None, {"seed": 1})  # what model.generate/stream run with
+    assert (opts.temperature, opts.max_tokens, opts.seed) == (0.0, 5, 1)
+    runs = {tuple(model.generate([1, 2, 3], seed=s).tokens) for s in range(4)}
+    assert len(runs) == 1 and len(next(iter(runs))) <= 5  # greedy, the file's max_tokens
+    session = ChatSession(model, top_k=7)
+    assert session.options.temperature == 0.0 and session.options.top_k == 7
+    assert session.resolved.origins["temperature"] == MODEL_FILE
+    assert session.resolved.origins["top_k"] == "argument"
+    session.set_option("temperature", 0.5)
+    assert session.resolved.origins["temperature"] == "/set" and session.options.temperature == 0.5
+    plain = ChatSession(entity.load(gguf))
+    assert plain.options == GenOptions() and plain.resolved.origins["temperature"] == FALLBACK
