@@ -41,6 +41,7 @@ from entity.dotentity.write import (
 from poly.errors import ConversionError, IntegrityError, UsageError
 from poly.layer import LayerType
 from poly.quant.qtensor import QTensor
+from poly.text.gendefaults import GenerationDefaults
 
 __all__ = ["convert", "ConvertReport", "TensorStat", "default_output"]
 
@@ -265,17 +266,6 @@ def _checked_globals(globals_: Callable, embed_enc: str, keep_as: str, lower: se
 # --- convert ------------------------------------------------------------------------------------
 
 
-def _settings(generation: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Validated generation settings to store (UsageError names a bad one)."""
-    from poly.errors import SamplingParamsError
-    from poly.text.gendefaults import GenerationDefaults
-
-    try:
-        return dict(GenerationDefaults(dict(generation or {})).settings)
-    except SamplingParamsError as exc:
-        raise UsageError(f"generation settings: {exc.message}") from None
-
-
 def _delayed(blocks: Blocks) -> Iterator:
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     for item in blocks:
@@ -359,8 +349,7 @@ def convert(
 ) -> ConvertReport:
     """Convert ``src`` (HF dir or cached id, .gguf, .entity) to a `.entity` at ``dst``.
 
-    ``generation``: generation settings (`GenOptions` names) the file carries, over the source's
-    own (HF ``generation_config.json``; GGUF has none): see `poly.text.gendefaults`.
+    ``generation``: settings the file carries over the source's own (`poly.text.gendefaults`).
 
     ``progress(done, total, detail)`` is called after every block. With ``verify`` the output is
     re-opened (checksums verified) and compared tensor by tensor with the source; a lossless (f32)
@@ -373,11 +362,10 @@ def convert(
         out_path.parent.mkdir(parents=True, exist_ok=True)
     check_output(out_path, force=force)  # fail fast, before reading a big source
     start = time.perf_counter()
-    settings = _settings(generation)
+    settings = dict(GenerationDefaults(dict(generation or {})).settings)  # SamplingParamsError
     source = _open_source(src)
     if settings:
-        gen = {**source.meta["generation_config"], **settings}
-        source.meta = {**source.meta, "generation_config": gen}
+        source.meta["generation_config"] = {**source.meta["generation_config"], **settings}
     n = source.cfg.num_layers
     total = n + 2 + (n + 1 if verify else 0)
     cb = progress or (lambda done, total, detail: None)

@@ -11,7 +11,7 @@ from gguf.constants import GGMLQuantizationType as T
 import entity
 from entity.dotentity.container import EntityFile
 from entity.dotentity.write import model_blocks, model_meta, write_entity
-from poly.errors import EntityFormatError, SamplingParamsError, UsageError
+from poly.errors import EntityFormatError, SamplingParamsError
 from poly.text.gendefaults import FALLBACK, MODEL_FILE, GenerationDefaults, defaults_of, resolve
 from poly.text.sampling import GenOptions
 from tests.hf_fixtures import make_tiny_checkpoint
@@ -79,9 +79,9 @@ def test_gguf_has_none_and_convert_can_add_them(tmp_path):
     entity.convert(gguf, greedy, quant="q8", generation={"temperature": 0.0}, verify=True)
     d = entity.load(greedy).generation_defaults
     assert (d.source, dict(d.settings)) == (MODEL_FILE, {"temperature": 0.0})
-    with pytest.raises(UsageError, match="temperature"):
+    with pytest.raises(SamplingParamsError, match="temperature"):
         entity.convert(gguf, tmp_path / "bad.entity", generation={"temperature": -1})
-    with pytest.raises(UsageError, match="seed"):
+    with pytest.raises(SamplingParamsError, match="seed"):
         entity.convert(gguf, tmp_path / "bad.entity", generation={"seed": 3})
 
 
