@@ -91,8 +91,10 @@ _BLAS: list = []  # threadpoolctl's BLAS controllers, found once
 
 def use_threads(n: int) -> None:
     """Run the next C passes and BLAS calls on `n` threads without changing the configured
-    count (`num_threads`); cheap enough to call per block (the prefill tuner does)."""
-    ckernels.set_num_threads(n)
+    count (`num_threads`); cheap enough to call per block (the prefill tuner does). The C
+    count only under the C backend (the numpy backend reaches no C function)."""
+    if _state["backend"] == "c":
+        ckernels.set_num_threads(n)
     if not _BLAS:
         try:
             from threadpoolctl import ThreadpoolController
