@@ -190,3 +190,12 @@ def test_use_threads_sets_blas_and_c_without_changing_the_setting():
             assert kernels.num_threads() == full
     finally:
         kernels.use_threads(full)
+
+
+def test_decode_started_on_fewer_threads_looks_for_room_after_one_window():
+    """A prefill's finding may be a moment's load: the decode checks again after a window."""
+    shared = Shared()
+    shared.found(2, 1)
+    used = _run(ThreadTuner(shared=shared), lambda t, i: 0.006 if t == 2 else 0.014, 4 * WINDOW)
+    assert used[:WINDOW] == [1] * WINDOW and used[-WINDOW:] == [2] * WINDOW
+    assert shared.advice(2) == 2

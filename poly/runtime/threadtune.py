@@ -65,7 +65,8 @@ class ThreadTuner:
         self.calibrated = False
         self.wait = self.recheck = RECHECK
         if shared is not None and full > 1 and shared.advice(full) < full:
-            self.current, self.calibrated = shared.advice(full), True  # a prefill found load
+            # a prefill found load: start on fewer threads, look for room again after a window
+            self.current, self.calibrated, self.wait = shared.advice(full), True, WINDOW
 
     def threads(self, full: int) -> int:
         if not adaptive() or full <= 1:
@@ -121,9 +122,15 @@ class ThreadTuner:
             self.best[self.current] = base
 
 
-def others_running() -> int | None:
+def others_running(samples: int = 3) -> int | None:
     """Runnable threads on the machine that are not this process's (Linux: procs_running in
-    /proc/stat minus our own threads in state R); None where /proc is not readable."""
+    /proc/stat minus our own threads in state R), the least of `samples` reads (a task that
+    runs for a moment is not load); None where /proc is not readable."""
+    seen = [_others_once() for _ in range(samples)]
+    return None if None in seen else min(seen)
+
+
+def _others_once() -> int | None:
     try:
         with open("/proc/stat", "rb") as f:
             running = int(f.read().split(b"procs_running", 1)[1].split()[0])
