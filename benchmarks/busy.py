@@ -59,11 +59,11 @@ def demo_model() -> Path:
     return path
 
 
-def one_run(model: Path, new: int, prompt: str) -> dict:
+def one_run(model: Path, new: int, prompt: str, env: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "lucy", "generate", str(model), "--prompt", prompt, "--chat",
            "--max-tokens", str(new), "--json"]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"lucy generate failed: {proc.stderr.strip()}")
@@ -73,9 +73,9 @@ def one_run(model: Path, new: int, prompt: str) -> dict:
             "stop_reason": out["stop_reason"]}  # fmt: skip
 
 
-def series(model: Path, runs: int, new: int, prompt: str) -> dict:
-    one_run(model, new, prompt)  # warm-up: page cache, imports
-    rows = [one_run(model, new, prompt) for _ in range(runs)]
+def series(model: Path, runs: int, new: int, prompt: str, env: dict | None = None) -> dict:
+    one_run(model, new, prompt, env)  # warm-up: page cache, imports
+    rows = [one_run(model, new, prompt, env) for _ in range(runs)]
     med = {k: statistics.median(r[k] for r in rows) for k in ("wall_s", "prefill_s", "decode_s")}
     return {"median": med, "runs": rows, "load_after": load_average()}
 
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default=PROMPT, help="chat prompt")
     ap.add_argument("--busy-limit", type=float, default=900.0, help="competitor's max seconds")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--fixed", action="store_true",
+                    help="also run busy with POLY_ADAPTIVE_THREADS=0 (the configured threads)")  # fmt: skip
     args = ap.parse_args(argv)
     model = args.model or demo_model()
     report = {**cpu_facts(), "model": str(model), "new": args.new, "prompt": args.prompt,
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         time.sleep(0.5)  # the competitor is running
         report["busy"] = series(model, args.runs, args.new, args.prompt)
+        if args.fixed:
+            fixed = {**os.environ, "POLY_ADAPTIVE_THREADS": "0"}
+            report["busy-fixed"] = series(model, args.runs, args.new, args.prompt, fixed)
     finally:
         spinner.kill()
         spinner.wait()
@@ -106,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     report["ratio"] = b["wall_s"] / q["wall_s"]
     print(f"{report['cpu']} ({report['cores']} cores; {' '.join(report['flags'])})")
     print(f"load average before: {report['load_before']}")
-    for name in ("quiet", "busy"):
+    for name in [k for k in ("quiet", "busy", "busy-fixed") if k in report]:
         m, r0 = report[name]["median"], report[name]["runs"][0]
-        print(f"{name:5s}: {m['wall_s']:.2f} s wall (prefill {m['prefill_s']:.2f} s, decode "
+        print(f"{name:10s}: {m['wall_s']:.2f} s wall (prefill {m['prefill_s']:.2f} s, decode "
               f"{m['decode_s']:.2f} s; {r0['prompt_tokens']} prompt + {r0['tokens']} new tokens, "
               f"{r0['stop_reason']}); load after {report[name]['load_after']}")  # fmt: skip
     print(f"busy / quiet: {report['ratio']:.2f}x (target <= 2x)")
