@@ -2,7 +2,7 @@
 with no sampling flags answers "What is the capital of France?" with "Paris" on >= 18 of 20
 seeds, through the menu's chat, `lucy generate` and the library, because the file carries the
 demo's generation settings (entity.smollm2.DEMO_GENERATION) and all three resolve them the
-same way (poly.gendefaults)."""
+same way (poly.text.gendefaults)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Prefill threads that follow the machine's load: one `PrefillTuner` per model.
 
 `pacing(model)` wraps a multi-token forward: before each block it sets the C and BLAS thread
-count the tuner picked (`poly.kernels.use_threads`), after it records the block's time; at the
+count the tuner picked (`poly.runtime.kernels.use_threads`), after it records the block's time; at the
 end the configured count is back in force.
 """
 
