@@ -184,7 +184,8 @@ def test_use_threads_sets_blas_and_c_without_changing_the_setting():
         for n in (1, 3):
             kernels.use_threads(n)
             infos = [i for i in threadpool_info() if i["user_api"] == "blas"]
-            blas = {i["num_threads"] for i in infos if "numpy" in i["filepath"]}  # numpy's own
+            ours = [i for i in infos if "numpy" in i["filepath"]] or infos  # numpy's own
+            blas = {i["num_threads"] for i in ours}
             assert blas == {n}
             if kernels.backend() == "c":
                 assert ckernels.info()["threads"] == n
