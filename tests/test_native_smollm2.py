@@ -53,7 +53,10 @@ def test_greedy_agrees_with_float32(smollm2_gguf, q4_entity):
     assert agree >= 60
 
 
-def test_logits_equal_the_gguf_quantized_path(smollm2_gguf, q4_entity):
+def test_logits_equal_the_gguf_quantized_path(smollm2_gguf, q4_entity, monkeypatch):
+    # the busy-machine tuner may give the two prefills different BLAS thread counts (another
+    # summation order, ~4e-5 apart): this test compares the weights, not the tuner
+    monkeypatch.setenv("POLY_ADAPTIVE_THREADS", "0")
     gguf = load_gguf(smollm2_gguf, keep_quantized=True, max_seq_len=512)
     ours = load_entity(q4_entity, max_seq_len=512)
     ids = gguf.prompt_ids(CHAT, chat=True)

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from entity.arch import ARCHITECTURES, REFUSED_REASONS, ArchSpec
+from entity.hf.generation import HFGeneration, RawGeneration, check_generation
 from entity.hf.moe import moe_config
 from entity.strict_json import read_json
 from poly.errors import ConfigError, LimitExceededError, UnsupportedError
@@ -41,9 +42,6 @@ LIMITS: dict[str, int] = {
     "head_dim": 1024,
     "max_position_embeddings": 1 << 24,
 }
-# transformers' sampling defaults used when do_sample is true and a knob is absent.
-HF_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
 TokenIds = int | list[int] | None
 
 
@@ -77,20 +75,6 @@ class _RawConfig(BaseModel):
     dtype: str | None = None
 
 
-class _RawGeneration(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-    do_sample: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    max_new_tokens: int | None = None
-    bos_token_id: TokenIds = None
-    eos_token_id: TokenIds = None
-
-
 class HFRopeScaling(BaseModel):
     """Llama-3 frequency scaling (the only rope_scaling type supported)."""
 
@@ -99,43 +83,6 @@ class HFRopeScaling(BaseModel):
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
-
-
-class HFGeneration(BaseModel):
-    """generation_config.json, reduced to what poly's sampler understands. ``present`` is false
-    when the snapshot has no such file (the model then runs with poly's documented fallback)."""
-
-    model_config = ConfigDict(frozen=True)
-    present: bool = True
-    do_sample: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    max_new_tokens: int | None = None
-
-    def gen_options_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``poly.GenOptions`` as transformers reads the file: do_sample
-        false (its default) is greedy; {} when there is no file."""
-        out: dict[str, Any] = {}
-        if not self.present:
-            return out
-        renamed = {"repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-                   "no_repeat_ngram_size": "no_repeat_ngram"}  # fmt: skip
-        for key, name in renamed.items():
-            if getattr(self, key) is not None:
-                out[name] = getattr(self, key)
-        if not self.do_sample:
-            out["temperature"] = 0.0
-            return out
-        for key, default in HF_SAMPLING_DEFAULTS.items():
-            value = getattr(self, key)
-            out[key] = default if value is None else value
-        if self.min_p is not None:
-            out["min_p"] = self.min_p
-        return out
 
 
 class HFModelConfig(BaseModel):
@@ -330,7 +277,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
     raw: _RawConfig = _validate(_RawConfig, config, source)
     arch = _check_features(raw, source)
     gen_source = None if source is None else str(Path(source).with_name(GENERATION_FILE))
-    gen: _RawGeneration = _validate(_RawGeneration, generation or {}, gen_source)
+    gen: RawGeneration = _validate(RawGeneration, generation or {}, gen_source)
     kv_heads = raw.num_key_value_heads or raw.num_attention_heads
     if raw.head_dim is not None:
         head_dim = raw.head_dim
@@ -353,7 +300,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
             raise ConfigError(
                 f"special_token_id: {tid} is outside [0, {raw.vocab_size})", path=source
             )
-    _check_generation(gen, gen_source)
+    check_generation(gen, gen_source)
     biased = {"flag": raw.attention_bias, "qkv": True, "none": False}[arch.bias_rule]
     moe = moe_config(raw, raw.num_hidden_layers, source)
     return HFModelConfig(
@@ -388,19 +335,3 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
 
 def _union(*groups: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(t for group in groups for t in group))
-
-
-def _check_generation(gen: _RawGeneration, source: str | None) -> None:
-    # Same rules as the sampling parameters of the CLI (reliability B3 #48).
-    checks = {
-        "temperature": gen.temperature is None or 0 <= gen.temperature,
-        "top_k": gen.top_k is None or gen.top_k >= 0,
-        "top_p": gen.top_p is None or 0 < gen.top_p <= 1,
-        "min_p": gen.min_p is None or 0 <= gen.min_p < 1,
-        "no_repeat_ngram_size": gen.no_repeat_ngram_size is None or gen.no_repeat_ngram_size >= 0,
-        "repetition_penalty": gen.repetition_penalty is None or gen.repetition_penalty > 0,
-        "max_new_tokens": gen.max_new_tokens is None or gen.max_new_tokens >= 1,
-    }
-    for key, ok in checks.items():
-        if not ok:
-            raise ConfigError(f"{key}: invalid value {getattr(gen, key)!r}", path=source)

@@ -1,0 +1,80 @@
+"""generation_config.json: the raw file record, its checks, and what poly's sampler takes from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from poly.errors import ConfigError
+
+# transformers' sampling defaults used when do_sample is true and a knob is absent.
+HF_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+TokenIds = int | list[int] | None
+
+
+class RawGeneration(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    max_new_tokens: int | None = None
+    bos_token_id: TokenIds = None
+    eos_token_id: TokenIds = None
+
+
+class HFGeneration(BaseModel):
+    """generation_config.json, reduced to what poly's sampler understands. ``present`` is false
+    when the snapshot has no such file (the model then runs with poly's documented fallback)."""
+
+    model_config = ConfigDict(frozen=True)
+    present: bool = True
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    max_new_tokens: int | None = None
+
+    def gen_options_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``poly.GenOptions`` as transformers reads the file: do_sample
+        false (its default) is greedy; {} when there is no file."""
+        out: dict[str, Any] = {}
+        if not self.present:
+            return out
+        renamed = {"repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+                   "no_repeat_ngram_size": "no_repeat_ngram"}  # fmt: skip
+        for key, name in renamed.items():
+            if getattr(self, key) is not None:
+                out[name] = getattr(self, key)
+        if not self.do_sample:
+            out["temperature"] = 0.0
+            return out
+        for key, default in HF_SAMPLING_DEFAULTS.items():
+            value = getattr(self, key)
+            out[key] = default if value is None else value
+        if self.min_p is not None:
+            out["min_p"] = self.min_p
+        return out
+
+
+def check_generation(gen: RawGeneration, source: str | None) -> None:
+    # Same rules as the sampling parameters of the CLI (reliability B3 #48).
+    checks = {
+        "temperature": gen.temperature is None or 0 <= gen.temperature,
+        "top_k": gen.top_k is None or gen.top_k >= 0,
+        "top_p": gen.top_p is None or 0 < gen.top_p <= 1,
+        "min_p": gen.min_p is None or 0 <= gen.min_p < 1,
+        "no_repeat_ngram_size": gen.no_repeat_ngram_size is None or gen.no_repeat_ngram_size >= 0,
+        "repetition_penalty": gen.repetition_penalty is None or gen.repetition_penalty > 0,
+        "max_new_tokens": gen.max_new_tokens is None or gen.max_new_tokens >= 1,
+    }
+    for key, ok in checks.items():
+        if not ok:
+            raise ConfigError(f"{key}: invalid value {getattr(gen, key)!r}", path=source)
