@@ -19,6 +19,10 @@
  *   x: float32 [n, d] embeddings of the tokens (overwritten: the residual streams)
  *   logits: float32 [n, V] output; pos: tuple of n positions written (each < its T);
  *   q8: int8 activations; threads (optional): OpenMP threads for this call, 0 = set_threads().
+ *   reduce (optional, 10th, tensor parallel): (red, fn), red float32 [n, d]: the O and down
+ *     projections write their partial sums to red, fn() is called (it must sum red over the
+ *     ranks in place), then red is added to the residual streams. A row-parallel bias belongs
+ *     to one rank only.
  *   paged (optional, None = off): (page_size, tables), tables a tuple of n int32 arrays. Then each
  *     row's caches are the block's page pools [pages * page_size, kv_heads, head_dim] and position
  *     t of row i lives at slot tables[i][t / page_size] * page_size + t % page_size.
@@ -151,16 +155,36 @@ static void norm_prep(const step_t *S, const float *x, const float *g, float eps
 
 /* residual streams x [n, d] += in [n, k] @ M.T: `in` prepared on one thread, then each thread
  * its own rows of M (each output element written by one thread, so no second barrier) */
+/* red_fn() with the GIL (the master thread is the caller, whose thread state is saved) */
+static void reduce_call(step_t *S) {
+    if (S->red_err) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = PyObject_CallNoArgs(S->red_fn);
+    if (r == NULL) {
+        S->red_err = 1;
+        PyErr_Fetch(&S->et, &S->ev, &S->etb);
+    }
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+}
+
 static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const float *in, int64_t k,
                            int tid, int nt) {
     const int64_t d = S->d, n = S->n;
+    float *out = S->red ? S->red : B->tmp;
     int64_t r0, r1;
 #pragma omp single
     prep(&B->P, in, n * k, S->loom, S->q8);
     part(d, tid, nt, &r0, &r1);
-    mat_rows(M, &B->P, B->tmp, d, r0, r1, S->q8, n);
+    mat_rows(M, &B->P, out, d, r0, r1, S->q8, n);
+    if (S->red) { /* all partial rows written, summed over the ranks on the calling thread */
+#pragma omp barrier
+#pragma omp master
+        reduce_call((step_t *)S);
+#pragma omp barrier
+    }
     for (int64_t i = 0; i < n; i++)
-        for (int64_t r = r0; r < r1; r++) S->x[i * d + r] += B->tmp[i * d + r];
+        for (int64_t r = r0; r < r1; r++) S->x[i * d + r] += out[i * d + r];
 #pragma omp barrier
 }
 

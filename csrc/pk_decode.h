@@ -29,6 +29,10 @@ typedef struct {
     int64_t pos[MAX_N];
     const int32_t *tab[MAX_N]; int64_t ntab[MAX_N], ps; /* paged KV: page tables (NULL: contiguous) */
     const float *g_final; float eps_final; mat_t lm; float *x, *logits;
+    /* tensor parallel (optional): each row-parallel projection's partial sums [n, d] go to
+     * `red`, then `red_fn()` (Python, e.g. an MPI all-reduce of `red` in place) runs on the
+     * calling thread with the GIL, before they are added to x; the first error stops the calls */
+    float *red; PyObject *red_fn; int red_err; PyObject *et, *ev, *etb;
 } step_t;
 
 typedef struct { float *h, *qkv, *att, *tmp, *gu, *hid, *sc; px_t P; } bufs_t;

@@ -213,10 +213,20 @@ static int parse_pos(PyObject *o, step_t *S) {
     return 0;
 }
 
+/* reduce = (red float32 [n, d] writable, fn callable) */
+static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
+    if (as_tuple(o, 2, "reduce")) return -1;
+    PyObject *fn = PyTuple_GET_ITEM(o, 1);
+    if (!PyCallable_Check(fn)) { PyErr_SetString(PyExc_TypeError, "reduce fn must be callable"); return -1; }
+    if (!(S->red = (float *)hold(H, PyTuple_GET_ITEM(o, 0), 1, S->n * S->d * 4, "reduce buffer"))) return -1;
+    S->red_fn = fn; /* borrowed: the caller's tuple holds it for the call */
+    return 0;
+}
+
 static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs < 7 || nargs > 9) {
-        PyErr_SetString(PyExc_TypeError, "decode(layers, caches, head, x, logits, pos, q8[, threads[, paged]])");
+    if (nargs < 7 || nargs > 10) {
+        PyErr_SetString(PyExc_TypeError, "decode(layers, caches, head, x, logits, pos, q8[, threads[, paged[, reduce]]])");
         return NULL;
     }
     const long want_nt = nargs >= 8 ? PyLong_AsLong(args[7]) : 0; /* 0: set_threads() */
@@ -236,15 +246,17 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *ret = NULL;
     float *scratch = NULL;
     if (!H.bufs || !S.L) { PyErr_NoMemory(); goto done; }
-    if (nargs == 9 && parse_paged(&H, args[8], &S)) goto done;
+    if (nargs >= 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
+    if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
     const int nt = want_nt ? (int)want_nt : pk_threads;
     scratch = malloc(pk_scratch_floats(&S, nt) * 4);
     if (!scratch) { PyErr_NoMemory(); goto done; }
     Py_BEGIN_ALLOW_THREADS
     pk_run_step(&S, scratch, nt);
     Py_END_ALLOW_THREADS
-    ret = Py_NewRef(Py_None);
+    if (S.red_err) PyErr_Restore(S.et, S.ev, S.etb); /* the first error of reduce's fn */
+    else ret = Py_NewRef(Py_None);
 done:
     free(scratch);
     for (int i = 0; i < H.n; i++) PyBuffer_Release(&H.bufs[i]);

@@ -83,14 +83,25 @@ def _magic(path: Path) -> bytes:
         return b""
 
 
-def load(path_or_model_id: str | os.PathLike, **kw: Any) -> Any:
+def load(path_or_model_id: str | os.PathLike, *, tp: Any = None, **kw: Any) -> Any:
     """Load any supported checkpoint as a ``poly.Transformer``.
 
     Accepts an HF snapshot dir, a ``.gguf`` or ``.entity`` file (by content), or an HF model id
     found in the local cache (``revision=`` picks a snapshot, default ``refs/main``). Other
     keyword arguments (``max_seq_len``, ``dtype`` ...) go to the format's loader;
     ``max_resident_experts=N`` (a `.entity` MoE model) keeps at most N experts resident.
+    ``tp``: a ``poly.runtime.comm`` communicator; the model comes back as this rank's tensor
+    parallel shard (``poly.runtime.tp.shard``; memory-mapped sources are read for it only).
     """
+    model = _load(path_or_model_id, **kw)
+    if tp is None:
+        return model
+    from poly.runtime.tp import shard
+
+    return shard(model, tp)
+
+
+def _load(path_or_model_id: str | os.PathLike, **kw: Any) -> Any:
     target = Path(os.fspath(path_or_model_id)).expanduser()
     if kw.get("max_resident_experts") is None:
         kw.pop("max_resident_experts", None)

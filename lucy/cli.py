@@ -107,6 +107,16 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tp(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallel over N MPI ranks (mpiexec -n N python -m mpi4py -m lucy ...)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Run, convert and inspect local LLMs (no args: menu).")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -126,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(exit 8; the default for piped stdin)",
     )
     _add_sampling(p)
+    _add_tp(p)
     _add_max_experts(p)
 
     p = sub.add_parser("convert", help="convert HF/GGUF to .entity")
@@ -144,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="pure argmax, no logit processors")
     p.add_argument("--json", action="store_true", help="one JSON object at the end, no streaming")
     _add_sampling(p)
+    _add_tp(p)
     _add_max_experts(p)
 
     p = sub.add_parser("bench", help="prefill/decode tok/s and peak RSS")
@@ -159,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to decode per run")  # fmt: skip
     p.add_argument("--runs", type=int, default=3, help="timed runs (the median is shown)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    _add_tp(p)
     _add_max_experts(p)
 
     p = sub.add_parser("inspect", help="grid, layers, dtypes, memory")

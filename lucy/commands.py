@@ -34,10 +34,23 @@ def cmd_chat(args) -> int:
     overrides = settings.overrides_from_args(args)
     settings.check_overrides(overrides)  # bad values fail before the (slow) load
     on_full = on_full_policy(args.on_full, sys.stdin.isatty())
-    model = actions.load_model(args.model, args.max_experts)
-    if args.verbose:
-        _settings_note(model, overrides)
-    return run_chat(model, system=args.system, overrides=overrides, on_full=on_full)
+
+    def body(model, info) -> int:
+        if args.verbose:
+            _settings_note(model, overrides)
+        return run_chat(model, system=args.system, overrides=overrides, on_full=on_full)
+
+    return _run(args, body)
+
+
+def _run(args, body) -> int:
+    """`body(model, info)` on the loaded model; with --tp on rank 0 of the MPI job, each rank
+    holding its shard (lucy/tp_cli.py)."""
+    if getattr(args, "tp", None) is not None:
+        from lucy import tp_cli
+
+        return tp_cli.run(args.tp, args.model, body)
+    return body(actions.load_model(args.model, args.max_experts), {})
 
 
 def cmd_convert(args) -> int:
@@ -60,18 +73,21 @@ def _write_token(text: str) -> None:
 def cmd_generate(args) -> int:
     overrides = settings.overrides_from_args(args, greedy=args.greedy)
     settings.check_overrides(overrides)
-    model = actions.load_model(args.model, args.max_experts)
-    if args.verbose:
-        _settings_note(model, overrides)
-    on_token = None if args.json else _write_token
-    result = actions.generate(
-        model, args.prompt, overrides, chat=args.chat, system=args.system, on_token=on_token
-    )
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(flush=True)
-    return 0
+
+    def body(model, info) -> int:
+        if args.verbose:
+            _settings_note(model, overrides)
+        on_token = None if args.json else _write_token
+        result = actions.generate(
+            model, args.prompt, overrides, chat=args.chat, system=args.system, on_token=on_token
+        )
+        if args.json:
+            print(json.dumps({**result, **info}))
+        else:
+            print(flush=True)
+        return 0
+
+    return _run(args, body)
 
 
 def cmd_bench(args) -> int:
@@ -81,6 +97,20 @@ def cmd_bench(args) -> int:
         return bench.run_compare(args.model, runs=args.runs, as_json=args.json)
     if not args.model:
         raise UsageError("lucy bench needs a MODEL (or --compare)")
+    if args.tp is not None:
+        from lucy import tp_cli
+
+        def body(model, info) -> int:
+            res = bench.bench_model(model, args.prompt_tokens, args.new_tokens, args.runs)
+            res = {"model": str(args.model), **info, **res}
+            res.update(tp_cli.bench_extras(model, args.new_tokens))
+            if args.json:
+                print(json.dumps(res))
+            else:
+                make_console().print(views.bench_table(res))
+            return 0
+
+        return tp_cli.run(args.tp, args.model, body)
     result = bench.run_bench(
         args.model, args.prompt_tokens, args.new_tokens, args.runs, max_experts=args.max_experts
     )

@@ -42,6 +42,13 @@ class LayerConfigError(PolyError, ValueError):
     exit_code = 2
 
 
+class TensorParallelError(LayerConfigError):
+    """A model cannot be split over the asked number of ranks (heads, blocks), or the ranks
+    disagree (world size, model)."""
+
+    code = "tensor_parallel"
+
+
 class UsageError(PolyError, ValueError):
     """A bad argument given to the CLI or the menu."""
 

@@ -189,14 +189,21 @@ def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def decode(layers, caches, head, x, logits, positions, threads: int, paged=None) -> None:
+def decode(
+    layers, caches, head, x, logits, positions, threads: int, paged=None, reduce=None
+) -> None:
     """The fused decode step (csrc/pk_decode.c): every block, the final norm and the LM head
     for the rows of x [n, d] in one OpenMP region (argument tuples: poly.runtime.fused).
-    ``paged`` = (page_size, int32 page table per row): caches are page pools (poly.serving)."""
-    if paged is None:
-        EXT.decode(layers, caches, head, x, logits, positions, _opts["q8"], threads)
+    ``paged`` = (page_size, int32 page table per row): caches are page pools (poly.serving).
+    ``reduce`` (tensor parallel) = (buf float32 [n, d], fn): fn() sums buf over the ranks in
+    place; it runs after the O and the down projection of every block."""
+    args = (layers, caches, head, x, logits, positions, _opts["q8"], threads)
+    if reduce is not None:
+        EXT.decode(*args, paged, reduce)
+    elif paged is None:
+        EXT.decode(*args)
     else:
-        EXT.decode(layers, caches, head, x, logits, positions, _opts["q8"], threads, paged)
+        EXT.decode(*args, paged)
 
 
 def _check_io(x, out, m: int, k: int) -> None:

@@ -137,7 +137,7 @@ def _positions(rows: list[list]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _run(p: Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
+def _run(p: Plan, x: np.ndarray, rows: list[list], reduce=None) -> np.ndarray | None:
     """x [n, d] (overwritten) with row i continuing the KVCaches rows[i] -> logits [n, V]."""
     pos = _positions(rows)
     if pos is None:
@@ -150,7 +150,11 @@ def _run(p: Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
     tuner = p.tuners.setdefault(x.shape[0], ThreadTuner(shared=SHARED))
     nt = tuner.threads(kernels.num_threads())
     t0 = time.perf_counter()
-    ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt)
+    hook = None
+    if reduce is not None:  # tensor parallel: reduce(buf) sums [n, d] over the ranks in place
+        buf = np.empty_like(x)  # [n, d]
+        hook = (buf, lambda: reduce(buf))
+    ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt, None, hook)
     tuner.record(nt, time.perf_counter() - t0)
     for r, at in zip(rows, pos):
         for cache in r:
@@ -158,14 +162,15 @@ def _run(p: Plan, x: np.ndarray, rows: list[list]) -> np.ndarray | None:
     return logits
 
 
-def step(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
+def step(model, p: Plan, x: np.ndarray, reduce=None) -> np.ndarray | None:
     """Logits [V] for one token whose embedding is x [d] (overwritten), appended to the model's
     own caches; None when they are not all at one position (the Python path then runs)."""
-    logits = _run(p, x.reshape(1, -1), [[mha.live_cache(layer) for layer in p.attn]])  # x [1, d]
+    caches = [[mha.live_cache(layer) for layer in p.attn]]
+    logits = _run(p, x.reshape(1, -1), caches, reduce)  # x [1, d]
     return None if logits is None else logits[0]
 
 
-def step_rows(p: Plan, x: np.ndarray, states: list[list]) -> np.ndarray | None:
+def step_rows(p: Plan, x: np.ndarray, states: list[list], reduce=None) -> np.ndarray | None:
     """Batched decode: x [B, d] (overwritten), row b continuing states[b] (one KVCache or None
     per block, created here on first use) -> logits [B, V]; None = use the Python path."""
     if not 1 <= x.shape[0] <= ckernels.MAX_N or len(states) != x.shape[0]:
@@ -175,7 +180,7 @@ def step_rows(p: Plan, x: np.ndarray, states: list[list]) -> np.ndarray | None:
         for li, layer in zip(p.index, p.attn):
             st[li] = mha.cache_for(layer, st[li])
         rows.append([st[li] for li in p.index])
-    return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows)
+    return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows, reduce)
 
 
 def step_paged(p: Plan, x: np.ndarray, pools: list, pos: tuple, tables: tuple, page_size: int):

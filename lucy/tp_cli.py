@@ -1,0 +1,116 @@
+"""`--tp N` of `lucy generate|chat|bench`: the command runs on rank 0 of an MPI job, on its
+tensor-parallel shard, while the other ranks follow (poly.runtime.lockstep).
+
+    mpiexec -n 2 python -m mpi4py -m lucy generate MODEL --tp 2 --prompt "..."
+
+Every rank loads its own shard; rank 0 reads the input, tokenizes, samples and prints. An error
+on any rank is one line naming the rank, and its non-zero exit ends the whole job (mpi4py turns
+it into MPI_Abort).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from poly.errors import PolyError, TensorParallelError, UsageError
+
+LAUNCH = "mpiexec -n {n} python -m mpi4py -m lucy ... --tp {n}"
+
+
+def world_of(n: int):
+    """The MPI world as a communicator, checked against --tp (one-line UsageError)."""
+    if n < 1:
+        raise UsageError(f"--tp must be >= 1, got {n}")
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        if n == 1:
+            from poly.runtime.comm import SingleProcess
+
+            return SingleProcess()
+        raise UsageError("--tp needs mpi4py and an MPI: pip install 'poly[mpi]'") from None
+    from poly.runtime.comm import world
+
+    comm = world()
+    if comm.size != n:
+        if comm.rank:  # every rank fails alike: rank 0's line is the one shown
+            import sys
+
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+        raise UsageError(
+            f"--tp {n} does not match the MPI world of {comm.size} process(es); "
+            f"launch: {LAUNCH.format(n=n)}"
+        )
+    return comm
+
+
+def set_rank_threads(comm) -> int:
+    """Each rank's share of this machine's cores (POLY_NUM_THREADS wins)."""
+    from poly.runtime import kernels
+
+    if os.environ.get("POLY_NUM_THREADS"):
+        return kernels.set_num_threads()
+    return kernels.set_num_threads(max(1, kernels.physical_cores() // comm.local_size()))
+
+
+def _rank_error(comm, err: BaseException) -> PolyError:
+    where = f"rank {comm.rank} of {comm.size}"
+    if isinstance(err, PolyError):
+        err.message = f"{where}: {err.message}"
+        err.args = (err.message,)
+        return err
+    out = TensorParallelError(f"{where}: {type(err).__name__}: {err}")
+    out.exit_code = 1
+    return out
+
+
+def run(tp: int, spec: str, body: Callable[[Any, dict], int]) -> int:
+    """Load `spec` sharded over the world; rank 0 runs `body(model, info)`, the others follow.
+    info: load_s, tp, threads."""
+    import entity
+    from poly.runtime import lockstep
+
+    comm = world_of(tp)
+    try:
+        threads = set_rank_threads(comm)
+        t0 = time.perf_counter()
+        model = entity.load(spec, tp=comm)
+        info = {"load_s": time.perf_counter() - t0, "tp": comm.size, "threads": threads}
+        if comm.rank != 0:
+            lockstep.follow(model)
+            return 0
+        code = body(lockstep.lead(model), info)
+        lockstep.finish(model)
+        return code
+    except (PolyError, Exception) as err:
+        if comm.size == 1:
+            raise
+        raise _rank_error(comm, err) from err
+
+
+def bench_extras(model, new_tokens: int) -> dict:
+    """Per-rank peak RSS, and the collectives' time per decoded token (a short greedy run),
+    plus the bare latency of one all-reduce of the model width."""
+    import numpy as np
+
+    comm = getattr(model, "comm", None)
+    if comm is None:
+        return {"tp": 1}
+    out: dict = {"tp": comm.size, "peak_rss_mb_per_rank": model.rank_values()}
+    model.reset()
+    logits = model.forward([1, 2, 3, 4])
+    comm.stats.reset()
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        logits = model.forward([int(np.argmax(logits))])
+    dt = time.perf_counter() - t0
+    st = comm.stats
+    out["decode_ms_per_token"] = 1e3 * dt / new_tokens
+    out["allreduce_ms_per_token"] = 1e3 * st.reduce_s / new_tokens
+    out["allreduces_per_token"] = st.reduces / new_tokens
+    out["gather_ms_per_token"] = 1e3 * st.gather_s / new_tokens
+    model.reset()
+    return out
