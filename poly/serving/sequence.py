@@ -9,12 +9,12 @@ with poly's ``Sampler`` (the same processors as single-sequence generation), and
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from poly.text.generation import StopText
 from poly.text.sampling import Sampler
 
 
@@ -49,38 +49,6 @@ class TokenOut:
     text: str
     logprob: TokenLogprob | None
     finish_reason: str | None  # set on the sequence's last token
-
-
-class StopText:
-    """Releases text as it completes, holding back any tail that could start a stop string."""
-
-    def __init__(self, stops: Seq[str]):
-        self.stops = tuple(stops)
-        self.held = ""
-        self.hit = False
-
-    def _holdback(self, buf: str) -> int:
-        longest = max((len(s) for s in self.stops), default=1) - 1
-        for k in range(min(len(buf), longest), 0, -1):
-            if any(s.startswith(buf[-k:]) for s in self.stops):
-                return k
-        return 0
-
-    def push(self, piece: str) -> str:
-        if not self.stops:
-            return piece
-        buf = self.held + piece
-        cuts = [p for p in (buf.find(s) for s in self.stops) if p >= 0]
-        if cuts:
-            self.hit, self.held = True, ""
-            return buf[: min(cuts)]
-        keep = self._holdback(buf)
-        self.held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep]
-
-    def flush(self) -> str:
-        out, self.held = ("" if self.hit else self.held), ""
-        return out
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

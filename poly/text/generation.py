@@ -143,7 +143,7 @@ class TokenStream(Iterator):
 # --- stop strings ---------------------------------------------------------------------------------
 
 
-class _StopText:
+class StopText:
     """Releases text as it completes, holding back any tail that could start a stop string."""
 
     def __init__(self, stops: Sequence[str]):
@@ -174,6 +174,11 @@ class _StopText:
         out = self.push(tail)
         if not self.hit:
             out, self.held = out + self.held, ""
+        return out
+
+    def flush(self) -> str:
+        """The held-back tail once the sequence ends (nothing after a stop string matched)."""
+        out, self.held = ("" if self.hit else self.held), ""
         return out
 
 
@@ -313,7 +318,7 @@ class _Run:
         tokens = list(self.history or ()) + self.prompt  # what the penalties look at
         n_prompt = len(tokens)
         eos = set(sampler.eos_tokens)
-        decoder, text = _stream_decoder(self.model), _StopText(stops)
+        decoder, text = _stream_decoder(self.model), StopText(stops)
         reason = "context" if self.context_limited else "max_tokens"
         for i in range(self.budget):
             if should_stop():
