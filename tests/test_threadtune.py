@@ -114,6 +114,38 @@ def test_prefill_with_the_cores_taken_runs_on_fewer_threads_and_tells_the_decode
     assert used[PREFILL_TRIAL:] == [2] * 26 and shared.advice(2) == 2
 
 
+def test_prefill_after_full_was_faster_skips_the_trial_and_watches_for_load():
+    """A second prefill runs every block on all threads (no trial: the trial's slow blocks cost
+    ~3 % of a short prompt); one slow block is noise, two in a row mean load: fewer threads."""
+    shared = Shared()
+    tuner = PrefillTuner(shared)
+    quiet = lambda t, i: 0.005 if t == 2 else 0.008  # noqa: E731
+    _prefill(tuner, quiet)
+    assert _prefill(tuner, quiet) == [2] * 30
+    blip = lambda t, i: 0.05 if (t, i) == (2, 7) else quiet(t, i)  # noqa: E731
+    assert _prefill(tuner, blip) == [2] * 30
+    load = lambda t, i: 0.05 if t == 2 and i >= 10 else quiet(t, i)  # noqa: E731
+    assert _prefill(tuner, load) == [2] * 12 + [1] * 18
+    assert tuner.current == 1 and shared.advice(2) == 1
+    used = _prefill(tuner, quiet)  # after a low decision, the next prefill measures again
+    assert used[:PREFILL_TRIAL] == [1, 2, 1, 2] and used[PREFILL_TRIAL:] == [2] * 26
+
+
+def test_prefill_watch_compares_time_per_token():
+    """A longer prompt takes longer per block but not per token: no switch."""
+    tuner = PrefillTuner()
+    pace = tuner.begin(2, tokens=10)
+    for i in range(30):
+        pace.record(i, pace.threads(i), 0.01 if pace.threads(i) == 2 else 0.016)
+    pace.end()
+    pace = tuner.begin(2, tokens=40)  # 4x the tokens, 4x the time per block
+    used = []
+    for i in range(30):
+        used.append(pace.threads(i))
+        pace.record(i, used[-1], 0.04)
+    assert used == [2] * 30
+
+
 def test_prefill_trial_stops_at_the_first_slow_full_block():
     """Load the snapshot missed: one slow block, then the rest on fewer threads."""
     used = _prefill(PrefillTuner(), lambda t, i: 2.0 if t == 2 else 0.02)

@@ -25,5 +25,7 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
                 return logits
     if ids.size == 1:  # a decode step off the fused path: no per-block trial
         return model.reference_forward(ids)
-    with prefill.pacing(model) as pace:  # threads per block, adapted to the machine's load
+    with prefill.pacing(
+        model, ids.size
+    ) as pace:  # threads per block, adapted to the machine's load
         return model.reference_forward(ids, pace)

@@ -1,6 +1,6 @@
 """Prefill threads that follow the machine's load: one `PrefillTuner` per model.
 
-`pacing(model)` wraps a multi-token forward: before each block it sets the C and BLAS thread
+`pacing(model, tokens)` wraps a multi-token forward: before each block it sets the C and BLAS thread
 count the tuner picked (`poly.runtime.kernels.use_threads`), after it records the block's time; at the
 end the configured count is back in force.
 """
@@ -31,12 +31,12 @@ class _Pacer:
 
 
 @contextmanager
-def pacing(model) -> Iterator[_Pacer]:
+def pacing(model, tokens: int = 1) -> Iterator[_Pacer]:
     full = kernels.num_threads()
     tuner = getattr(model, "prefill_tuner", None)
     if tuner is None:
         tuner = model.prefill_tuner = PrefillTuner(SHARED)
-    pacer = _Pacer(tuner.begin(full))
+    pacer = _Pacer(tuner.begin(full, tokens))
     try:
         yield pacer
     finally:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 
 WINDOW = 4  # steps per measurement
 SLOW = 1.5  # slowdown against the best window that starts a trial
 GAIN = 0.9  # a trial count is kept when its window is at least 10 % faster
 RECHECK = 64  # steps on fewer threads before trying all threads again
 MAX_RECHECK = 1024
+GAP = 0.0005  # seconds between reads of the run queue
 
 
 def adaptive() -> bool:
@@ -124,24 +126,41 @@ class ThreadTuner:
 
 def others_running(samples: int = 3) -> int | None:
     """Runnable threads on the machine that are not this process's (Linux: procs_running in
-    /proc/stat minus our own threads in state R), the least of `samples` reads (a task that
-    runs for a moment is not load); None where /proc is not readable."""
-    seen = [_others_once() for _ in range(samples)]
-    return None if None in seen else min(seen)
+    /proc/stat minus our own threads in state R), the least of up to `samples` reads `GAP` s
+    apart (a kernel thread that runs for a moment is not load); None where /proc is not
+    readable. A quiet machine costs one read."""
+    least = _others_once()
+    for _ in range(samples - 1):
+        if not least:
+            break
+        time.sleep(GAP)
+        seen = _others_once()
+        least = None if seen is None else min(least, seen)
+    return least
 
 
 def _others_once() -> int | None:
     try:
+        before = _own_running()
         with open("/proc/stat", "rb") as f:
             running = int(f.read().split(b"procs_running", 1)[1].split()[0])
-        own = 0
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-            own += stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R"
-        return max(0, running - own)
+        # our BLAS threads spin for a few ms after a GEMM, then sleep: one counted in
+        # procs_running may be asleep by the next read, so take our larger count
+        return max(0, running - max(before, _own_running()))
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _own_running() -> int:
+    own = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except FileNotFoundError:  # a thread that ended between listdir and open
+            continue
+        own += stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R"
+    return own
 
 
 def cores() -> int:
@@ -159,19 +178,24 @@ class PrefillTuner:
     """Threads for the blocks of one model's prefills: `full` or `full - 1` (`low`).
 
     When other processes leave no room for `full` threads (`room_for`), the prefill runs on
-    low. Otherwise its blocks, which all do the same work (so their times compare), start with
-    a trial: blocks 0-3 alternate low and full (low first: cheap), and the faster count runs the
-    rest; a full block `SLOW` times slower than a low one ends the trial at once. The decision
-    is shared (`Shared`) with the decode step's tuner. Use: `pace = tuner.begin(full)`, then
-    `pace.threads(i)` before block i, `pace.record(i, threads, seconds)` after it, `pace.end()`.
+    low. Otherwise the first prefill (and any after one that ran on low) starts with a trial:
+    its blocks, which all do the same work (so their times compare), alternate low and full
+    for blocks 0-3 (low first: cheap) and the faster count runs the rest; a full block `SLOW`
+    times slower than a low one ends the trial at once. Once full was found faster, later
+    prefills skip the trial and run on full while a block's time per token stays within
+    `SLOW` of the best seen (`WATCH_SLOW` slower blocks in a row mean load the snapshot missed: low for the rest).
+    The decision is shared (`Shared`) with the decode step's tuner. Use:
+    `pace = tuner.begin(full, tokens)`, then `pace.threads(i)` before block i,
+    `pace.record(i, threads, seconds)` after it, `pace.end()`.
     """
 
     def __init__(self, shared: Shared | None = None) -> None:
         self.shared = shared
         self.current = 0  # the last decision (0: none yet)
+        self.per_token = 0.0  # the best seconds per token of a full block (0: none yet)
 
-    def begin(self, full: int) -> PrefillPace:
-        return PrefillPace(self, full)
+    def begin(self, full: int, tokens: int = 1) -> PrefillPace:
+        return PrefillPace(self, full, max(1, tokens))
 
     def decided(self, full: int, threads: int) -> None:
         self.current = threads
@@ -180,20 +204,23 @@ class PrefillTuner:
 
 
 PREFILL_TRIAL = 4  # blocks: low, full, low, full
+WATCH_SLOW = 2  # consecutive slow full blocks that mean load (one can be an interrupt)
 
 
 class PrefillPace:
     """The thread count of each block of one prefill (see `PrefillTuner`)."""
 
-    def __init__(self, tuner: PrefillTuner, full: int) -> None:
-        self.tuner, self.full, self.low = tuner, full, max(1, full - 1)
+    def __init__(self, tuner: PrefillTuner, full: int, tokens: int = 1) -> None:
+        self.tuner, self.full, self.low, self.tokens = tuner, full, max(1, full - 1), tokens
         self.times: dict[int, list[float]] = {self.low: [], full: []}
-        self.trial, self.chosen = False, full
+        self.trial, self.watch, self.chosen, self.slow = False, False, full, 0
         if adaptive() and full > 1:
-            if room_for(full):
-                self.trial = True
-            else:
+            if not room_for(full):
                 self._decide(self.low)
+            elif tuner.current == full and tuner.per_token > 0:
+                self.watch = True  # full was faster before: no trial, watch for load
+            else:
+                self.trial = True
 
     def threads(self, i: int) -> int:
         if self.trial and i < PREFILL_TRIAL:
@@ -201,6 +228,8 @@ class PrefillPace:
         return self.chosen
 
     def record(self, i: int, threads: int, seconds: float) -> None:
+        if threads == self.full and threads > 1:
+            self._full_block(seconds)
         if not self.trial or threads not in self.times:
             return
         self.times[threads].append(seconds)
@@ -209,6 +238,16 @@ class PrefillPace:
             self._decide(self.low)  # loaded after all: no more full blocks in this prefill
         elif i + 1 >= PREFILL_TRIAL:
             self.end()
+
+    def _full_block(self, seconds: float) -> None:
+        tuner, per_token = self.tuner, seconds / self.tokens
+        slow = self.watch and tuner.per_token > 0 and per_token > SLOW * tuner.per_token
+        self.slow = self.slow + 1 if slow else 0
+        if self.slow >= WATCH_SLOW:  # slower than ever seen on full threads: load appeared
+            self.watch = False
+            self._decide(self.low)
+        elif tuner.per_token == 0 or per_token < tuner.per_token:
+            tuner.per_token = per_token
 
     def _decide(self, threads: int) -> None:
         self.trial, self.chosen = False, threads
