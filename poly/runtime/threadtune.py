@@ -180,10 +180,10 @@ class PrefillTuner:
     When other processes leave no room for `full` threads (`room_for`), the prefill runs on
     low. Otherwise the first prefill (and any after one that ran on low) starts with a trial:
     its blocks, which all do the same work (so their times compare), alternate low and full
-    for blocks 0-3 (low first: cheap) and the faster count runs the rest; a full block `SLOW`
-    times slower than a low one ends the trial at once. Once full was found faster, later
+    for blocks 0-3 (low first: cheap) and the faster count runs the rest; a full block
+    `PREFILL_SLOW` times slower than a low one ends the trial at once. Once full was found faster, later
     prefills skip the trial and run on full while a block's time per token stays within
-    `SLOW` of the best seen (`WATCH_SLOW` slower blocks in a row mean load the snapshot missed: low for the rest).
+    `PREFILL_SLOW` of the best seen (`WATCH_SLOW` slower blocks in a row mean load the snapshot missed: low for the rest).
     The decision is shared (`Shared`) with the decode step's tuner. Use:
     `pace = tuner.begin(full, tokens)`, then `pace.threads(i)` before block i,
     `pace.record(i, threads, seconds)` after it, `pace.end()`.
@@ -205,6 +205,9 @@ class PrefillTuner:
 
 PREFILL_TRIAL = 4  # blocks: low, full, low, full
 WATCH_SLOW = 2  # consecutive slow full blocks that mean load (one can be an interrupt)
+# A block slower than this many times the reference means load. Load costs 10-100x here (two
+# BLAS threads wait at every barrier for a core); noise after a decode step reached 2.5x.
+PREFILL_SLOW = 4.0
 
 
 class PrefillPace:
@@ -234,14 +237,14 @@ class PrefillPace:
             return
         self.times[threads].append(seconds)
         lows = self.times[self.low]
-        if threads == self.full and lows and seconds > SLOW * min(lows):
+        if threads == self.full and lows and seconds > PREFILL_SLOW * min(lows):
             self._decide(self.low)  # loaded after all: no more full blocks in this prefill
         elif i + 1 >= PREFILL_TRIAL:
             self.end()
 
     def _full_block(self, seconds: float) -> None:
         tuner, per_token = self.tuner, seconds / self.tokens
-        slow = self.watch and tuner.per_token > 0 and per_token > SLOW * tuner.per_token
+        slow = self.watch and tuner.per_token > 0 and per_token > PREFILL_SLOW * tuner.per_token
         self.slow = self.slow + 1 if slow else 0
         if self.slow >= WATCH_SLOW:  # slower than ever seen on full threads: load appeared
             self.watch = False
