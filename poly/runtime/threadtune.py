@@ -32,7 +32,7 @@ SLOW = 1.5  # slowdown against the best window that starts a trial
 GAIN = 0.9  # a trial count is kept when its window is at least 10 % faster
 RECHECK = 64  # steps on fewer threads before trying all threads again
 MAX_RECHECK = 1024
-GAP = 0.0005  # seconds between reads of the run queue
+GAP = 0.001  # seconds between reads of the run queue
 
 
 def adaptive() -> bool:
@@ -124,11 +124,12 @@ class ThreadTuner:
             self.best[self.current] = base
 
 
-def others_running(samples: int = 3) -> int | None:
+def others_running(samples: int = 12) -> int | None:
     """Runnable threads on the machine that are not this process's (Linux: procs_running in
     /proc/stat minus our own threads in state R), the least of up to `samples` reads `GAP` s
-    apart (a kernel thread that runs for a moment is not load); None where /proc is not
-    readable. A quiet machine costs one read."""
+    apart: a kernel thread that runs for a moment is not load, nor a peer's thread pool that
+    spins 5-7 ms after its work (llama.cpp's, measured). None where /proc is not readable. A
+    quiet machine costs one read, a loaded one `samples * GAP` seconds."""
     least = _others_once()
     for _ in range(samples - 1):
         if not least:
