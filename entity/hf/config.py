@@ -18,7 +18,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from entity.arch import ARCHITECTURES, REFUSED_REASONS, ArchSpec
-from entity.hf.generation import HFGeneration, RawGeneration, check_generation
+from entity.hf.generation import (
+    HFGeneration,
+    RawGeneration,
+    SamplingKnobs,
+    check_generation,
+)
 from entity.hf.moe import moe_config
 from entity.strict_json import read_json
 from poly.errors import ConfigError, LimitExceededError, UnsupportedError
@@ -328,7 +333,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
         dtype=raw.dtype or raw.torch_dtype,
         generation=HFGeneration(
             present=generation is not None,
-            **gen.model_dump(exclude={"bos_token_id", "eos_token_id"}),
+            **gen.model_dump(include=set(SamplingKnobs.model_fields)),
         ),
     )
 

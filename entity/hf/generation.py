@@ -13,8 +13,9 @@ HF_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_k": 50, "top_
 TokenIds = int | list[int] | None
 
 
-class RawGeneration(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+class SamplingKnobs(BaseModel):
+    """The generation_config.json fields poly's sampler understands (one list for both records)."""
+
     do_sample: bool = False
     temperature: float | None = None
     top_k: int | None = None
@@ -23,24 +24,22 @@ class RawGeneration(BaseModel):
     repetition_penalty: float | None = None
     no_repeat_ngram_size: int | None = None
     max_new_tokens: int | None = None
+
+
+class RawGeneration(SamplingKnobs):
+    """The file as read: strict types, unknown keys ignored, plus the token ids it may name."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     bos_token_id: TokenIds = None
     eos_token_id: TokenIds = None
 
 
-class HFGeneration(BaseModel):
+class HFGeneration(SamplingKnobs):
     """generation_config.json, reduced to what poly's sampler understands. ``present`` is false
     when the snapshot has no such file (the model then runs with poly's documented fallback)."""
 
     model_config = ConfigDict(frozen=True)
     present: bool = True
-    do_sample: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    max_new_tokens: int | None = None
 
     def gen_options_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``poly.GenOptions`` as transformers reads the file: do_sample
