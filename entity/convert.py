@@ -9,12 +9,11 @@ compares every tensor with the source: exact for f32, bitwise for GGUF blocks ke
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from entity.arch import ROLES, role_shapes
 from entity.atomic import check_output
+from entity.convert_report import ROW_CHUNK, ConvertReport, TensorStat, error_stat, float_rows
 from entity.dotentity.blobs import SCHEMES, check_quant, embed_keep_as
 from entity.dotentity.moe import moe_components
 from entity.dotentity.native_blocks import (
@@ -40,98 +40,13 @@ from entity.dotentity.write import (
 )
 from poly.errors import ConversionError, IntegrityError, UsageError
 from poly.layer import LayerType
-from poly.quant.qtensor import QTensor
 from poly.text.gendefaults import GenerationDefaults
 
 __all__ = ["convert", "ConvertReport", "TensorStat", "default_output"]
 
 DELAY_ENV = "POLY_CONVERT_BLOCK_DELAY"  # test hook: seconds to sleep after each block
-_ROWS = 4096  # row chunk of the error statistics (bounded float64 temporaries)
 Progress = Callable[[int, int, str], None]
 Blocks = Iterable[tuple[int, dict[str, dict[str, np.ndarray]]]]
-
-
-@dataclass(frozen=True)
-class TensorStat:
-    """Reconstruction error of one tensor: max |a-b| and RMS(a-b)/RMS(a)."""
-
-    name: str
-    shape: tuple[int, ...]
-    max_abs: float
-    rel_rms: float
-
-    @property
-    def exact(self) -> bool:
-        return self.max_abs == 0.0
-
-
-@dataclass
-class ConvertReport:
-    src: str
-    dst: str
-    quant: str
-    source_format: str
-    bytes: int = 0
-    seconds: float = 0.0
-    verified: bool = False
-    tensors: list[TensorStat] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # one line each, for the caller to show
-
-    @property
-    def exact(self) -> bool:
-        return self.verified and all(t.exact for t in self.tensors)
-
-    @property
-    def max_abs(self) -> float:
-        return max((t.max_abs for t in self.tensors), default=0.0)
-
-    @property
-    def max_rel_rms(self) -> float:
-        return max((t.rel_rms for t in self.tensors), default=0.0)
-
-    def matrices(self) -> list[TensorStat]:
-        return [t for t in self.tensors if len(t.shape) == 2]
-
-    def format(self) -> str:
-        """The error report as text (the CLI prints it; the 4-bit error report for q4)."""
-        lines = [
-            f"{self.src} -> {self.dst} [{self.quant}] {self.bytes} bytes in {self.seconds:.2f}s",
-            *self.notes,
-        ]
-        if self.verified:
-            lines.append(f"{'tensor':40s} {'shape':>14s} {'max_abs':>10s} {'rel_rms':>9s}")
-            for t in self.matrices():
-                shape = "x".join(map(str, t.shape))
-                lines.append(f"{t.name:40s} {shape:>14s} {t.max_abs:10.3g} {t.rel_rms:9.3%}")
-            lines.append(f"worst max_abs {self.max_abs:.4g}, worst rel_rms {self.max_rel_rms:.3%}")
-        return "\n".join(lines)
-
-
-def _rows(x: Any, a: int, b: int) -> np.ndarray:
-    if isinstance(x, QTensor):
-        return x.dequantize(a, b).astype(np.float64)
-    return np.asarray(x[a:b], dtype=np.float64)
-
-
-def error_stat(name: str, ref: Any, got: Any) -> TensorStat:
-    """Compare two tensors (arrays or QTensors) row block by row block."""
-    shape = tuple(ref.shape)
-    if tuple(got.shape) != shape:
-        raise IntegrityError(f"{name}: shape {tuple(got.shape)} != source {shape} (roundtrip)")
-    if len(shape) == 1:
-        ref, got, rows = np.asarray(ref)[None], np.asarray(got)[None], 1  # [1, n]
-    else:
-        rows = shape[0]
-    max_abs, sq_err, sq_ref = 0.0, 0.0, 0.0
-    for a in range(0, rows, _ROWS):
-        r, g = _rows(ref, a, min(rows, a + _ROWS)), _rows(got, a, min(rows, a + _ROWS))
-        diff = r - g
-        if diff.size:
-            max_abs = max(max_abs, float(np.max(np.abs(diff))))
-        sq_err += float(np.sum(diff * diff))
-        sq_ref += float(np.sum(r * r))
-    rel = math.sqrt(sq_err / sq_ref) if sq_ref > 0 else (0.0 if sq_err == 0 else math.inf)
-    return TensorStat(name, shape, max_abs, rel)
 
 
 # --- sources ------------------------------------------------------------------------------------
@@ -230,8 +145,8 @@ def _check_lossy(name: str, w: Any, enc: str, keep_as: str | None = None) -> Non
         return  # stored bit for bit (entity.dotentity.native_blocks): nothing hidden, nothing created
     limit = _FINITE_MAX.get(enc, float(np.finfo(np.float32).max))
     n, bad = np.shape(w)[0], 0
-    for a in range(0, n, _ROWS):
-        rows = np.asarray(_rows(w, a, min(a + _ROWS, n)), np.float32)
+    for a in range(0, n, ROW_CHUNK):
+        rows = np.asarray(float_rows(w, a, min(a + ROW_CHUNK, n)), np.float32)
         bad += rows.size - int(np.count_nonzero(np.abs(rows) <= limit))  # NaN compares False
     if bad:
         raise ConversionError(
