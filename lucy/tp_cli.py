@@ -75,7 +75,7 @@ def run(tp: int, spec: str, body: Callable[[Any, dict], int]) -> int:
     try:
         threads = set_rank_threads(comm)
         t0 = time.perf_counter()
-        model = entity.load(spec, tp=comm)
+        model = entity.load(spec, tp=comm, lockstep=True)
         info = {"load_s": time.perf_counter() - t0, "tp": comm.size, "threads": threads}
         if comm.rank != 0:
             lockstep.follow(model)

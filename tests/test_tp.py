@@ -278,3 +278,21 @@ def test_hung_rank_ends_through_mpiexec_timeout(tmp_path, tiny_specs):
     code, out = _ends_within(proc, pids, 8 + 10 - (time.monotonic() - t0))
     assert code != 0
     assert "APPLICATION TIMED OUT, TIMEOUT = 8s" in out
+
+
+def test_lockstep_followers_load_no_tokenizer(smol_f32):
+    """Driven from rank 0 (lockstep=True), a follower skips the tokenizer and chat template; rank
+    0 and the SPMD default (every rank may tokenize) keep them. One rank of a world of one: the
+    model itself comes back, so no mpiexec is needed."""
+    import types
+
+    import entity
+
+    follower = types.SimpleNamespace(rank=1, size=1)
+    lean = entity.load(smol_f32, tp=follower, lockstep=True)
+    assert lean.tokenizer is None and lean.chat_template is None
+    assert entity.load(smol_f32, tp=follower).tokenizer is not None  # SPMD: keeps it
+    lead = entity.load(smol_f32, tp=types.SimpleNamespace(rank=0, size=1), lockstep=True)
+    assert lead.tokenizer is not None and lead.chat_template is not None
+    ids = [1, 2, 3, 4]
+    np.testing.assert_array_equal(lean.forward(ids), lead.forward(ids))

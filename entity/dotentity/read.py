@@ -77,18 +77,18 @@ def _version_name(matrices: list, matrix_enc: str) -> str:
     return "+".join(sorted({native_kind(m) or matrix_enc for m in matrices}))
 
 
-def _attach_meta(tf, ef: EntityFile) -> None:
+def _attach_meta(tf, ef: EntityFile, text: bool = True) -> None:
     from poly.errors import SamplingParamsError
     from poly.text.chat import ChatTemplate
     from poly.text.gendefaults import GenerationDefaults
     from poly.text.tokenizer import Tokenizer
 
     tok_cfg = ef.meta("tokenizer_config")
-    text = ef.meta("tokenizer")
-    if text is not None:
+    vocab = ef.meta("tokenizer") if text else None
+    if vocab is not None:
         special = {k: tok_cfg.get(k) for k in ("bos_token", "eos_token") if tok_cfg.get(k)}
-        tf.tokenizer = Tokenizer.from_str(text, path=ef.path, **special)
-    source = ef.meta("chat_template")
+        tf.tokenizer = Tokenizer.from_str(vocab, path=ef.path, **special)
+    source = ef.meta("chat_template") if text else None
     if source is not None:
         tf.chat_template = ChatTemplate(source, **(tok_cfg.get("template") or {}))
     tf.eos_token_ids = tuple(ef.meta("eos_token_ids"))
@@ -109,13 +109,15 @@ def load_entity(
     verify: bool | str = True,
     max_seq_len: int | None = None,
     max_resident_experts: int | None = None,
+    text: bool = True,
 ):
     """Load a `.entity` (v2, or Loom's v1) as a `poly.Transformer`.
 
     v2 weights are zero-copy views on one read-only mmap: f32 masters, or f16/bf16/int8/Q4 stored
     versions (no float32 copy of quantized matrices). ``verify``: see `EntityFile`.
     ``max_resident_experts``: MoE experts stay on the mapping, at most that many resident (LRU,
-    see `poly.runtime.expert_cache`); stats in ``tf.expert_pager.report()``.
+    see `poly.runtime.expert_cache`); stats in ``tf.expert_pager.report()``. ``text=False``
+    leaves out the tokenizer and chat template (a tensor-parallel follower rank never tokenizes).
     """
     with open(path, "rb") as f:
         if read_prefix(f, str(path))[0] == 1:
@@ -143,7 +145,7 @@ def load_entity(
         if not tied:
             tf.lm_head = read_matrix(ef, embed_enc, "lm_head", table["lm_head"])
         tf.final_norm = read_vector(ef, "final_norm", table["final_norm"][0])
-        _attach_meta(tf, ef)
+        _attach_meta(tf, ef, text)
     except EntityFormatError as exc:
         exc.path = exc.path or ef.path
         raise
