@@ -184,3 +184,33 @@ def test_library_and_session_follow_the_model_file(tmp_path):
     assert session.resolved.origins["temperature"] == "/set" and session.options.temperature == 0.5
     plain = ChatSession(entity.load(gguf))
     assert plain.options == GenOptions() and plain.resolved.origins["temperature"] == FALLBACK
+
+
+@pytest.mark.parametrize("name", ["sampled", "greedy", "bare"])
+def test_server_requests_default_to_what_lucy_generate_runs_with(hf_dirs, name):
+    """A request that leaves the sampling knobs out gets the settings `lucy generate --verbose`
+    reports for the same model (model file > fallback); a request's own fields still win."""
+    import os
+    import subprocess
+    import sys
+
+    from lucy.server.protocol import model_defaults, parse_chat
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "lucy", "generate", str(hf_dirs[name]), "--prompt", "hi",
+         "--verbose", "--max-tokens", "2"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "POLY_HOME": str(hf_dirs[name].parent / "home")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("settings: "))
+    cli = dict(part.split(" (")[0].split("=") for part in line[len("settings: ") :].split(" · "))
+    model = entity.load(hf_dirs[name])
+    params = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, model_defaults(model))
+    params = params.params
+    for knob in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        assert float(cli[knob]) == float(getattr(params, knob)), knob
+    file_max = model.generation_defaults.settings.get("max_tokens")
+    assert params.max_tokens == file_max  # None (to the context end) unless the file sets it
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.3, "top_k": 3}
+    explicit = parse_chat(body, model_defaults(model)).params
+    assert (explicit.temperature, explicit.top_k) == (1.3, 3)

@@ -8,6 +8,7 @@ from typing import Any
 from lucy.server.errors import bad_request
 from poly.errors import SamplingParamsError
 from poly.serving import SamplingParams
+from poly.text.gendefaults import MODEL_FILE, resolve
 
 _NUM = (int, float)
 # field -> (accepted types, SamplingParams name or None when handled elsewhere)
@@ -55,6 +56,22 @@ class Parsed:
     body: dict = field(default_factory=dict)
 
 
+# The knobs a request that leaves them out takes from the model (as `lucy generate` does).
+_DEFAULTED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def model_defaults(model: Any) -> dict[str, Any]:
+    """SamplingParams defaults of `model` by the one rule of `poly.text.gendefaults.resolve`
+    (the model file's generation settings over poly's fallback, as `lucy generate` runs with).
+    max_tokens only when the model file sets it: otherwise a request runs to the context end,
+    as OpenAI's API does."""
+    resolved = resolve(model)
+    out = {name: getattr(resolved.options, name) for name in _DEFAULTED}
+    if resolved.origins["max_tokens"] == MODEL_FILE:
+        out["max_tokens"] = resolved.options.max_tokens
+    return out
+
+
 def _check_types(body: dict, table: dict) -> None:
     for name, value in body.items():
         spec = table.get(name)
@@ -69,12 +86,14 @@ def _check_types(body: dict, table: dict) -> None:
             raise bad_request(f"'{name}' must be {want}, got {type(value).__name__}", name)
 
 
-def parse_common(body: Any, extra: dict, logprobs: int | None) -> Parsed:
+def parse_common(
+    body: Any, extra: dict, logprobs: int | None, defaults: dict | None = None
+) -> Parsed:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     table = {**_FIELDS, **extra}
     _check_types(body, table)
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = dict(defaults or {})
     for name, (_, target) in _FIELDS.items():
         if target is not None and body.get(name) is not None:
             kw[target] = body[name]
@@ -100,7 +119,7 @@ def parse_common(body: Any, extra: dict, logprobs: int | None) -> Parsed:
     )
 
 
-def parse_chat(body: Any) -> Parsed:
+def parse_chat(body: Any, defaults: dict | None = None) -> Parsed:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     _check_types(body, {**_FIELDS, **_CHAT})
@@ -109,13 +128,13 @@ def parse_chat(body: Any) -> Parsed:
         k = body.get("top_logprobs") or 0
     elif body.get("top_logprobs"):
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    parsed = parse_common(body, _CHAT, k)
+    parsed = parse_common(body, _CHAT, k, defaults)
     if not body.get("messages"):
         raise bad_request("'messages' must be a non-empty list", "messages")
     return parsed
 
 
-def parse_completion(body: Any) -> Parsed:
+def parse_completion(body: Any, defaults: dict | None = None) -> Parsed:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     _check_types(body, {**_FIELDS, **_COMPLETION})
@@ -123,7 +142,7 @@ def parse_completion(body: Any) -> Parsed:
         raise bad_request("'echo' is not supported", "echo")
     if "prompt" not in body or body["prompt"] in ("", []):
         raise bad_request("'prompt' is required and must not be empty", "prompt")
-    return parse_common(body, _COMPLETION, body.get("logprobs"))
+    return parse_common(body, _COMPLETION, body.get("logprobs"), defaults)
 
 
 def message_text(content: Any, i: int) -> str:

@@ -43,7 +43,7 @@ def _render_chat(model, messages, tools) -> list[int]:
 async def _prepare(state, request: Request, parse):
     state.check_auth(request)
     body = await state.read_json(request)
-    parsed = parse(body)
+    parsed = parse(body, state.defaults)
     state.check_model(parsed.model)
     return parsed
 

@@ -11,6 +11,7 @@ import uuid
 from fastapi import Request
 
 from lucy.server.errors import ApiError, bad_request, from_poly
+from lucy.server.protocol import model_defaults
 from poly.errors import PolyError
 from poly.serving import Scheduler
 
@@ -33,6 +34,7 @@ class ServerState:
         self.created = int(time.time())
         self.draining = False
         self.grammars = None  # llguidance's tokenizer, built on the first structured request
+        self.defaults = model_defaults(self.model)  # what a request leaves out (gendefaults)
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
