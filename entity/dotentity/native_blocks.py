@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from poly.errors import EntityFormatError, IntegrityError
+from poly.quant.ggml import QUANT_SIZES, GGMLType
 from poly.quant.schemes import LEGACY_ENCODINGS, SCHEMES
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
     "check_same_blocks",
 ]
 
-_T = GGMLQuantizationType
+_T = GGMLType
 # ggml type id -> encoding name (= GGUFMatrix.scheme, the poly.runtime.ckernels kind name)
 NATIVE_TYPES: dict[int, str] = {  # block kinds only (float GGUF tensors are not quantized blocks)
     r.ggml_type: r.name for r in SCHEMES.values() if r.ggml_type is not None and r.block > 1
@@ -76,14 +76,14 @@ def below_target(encoding: str, value: Any) -> str | None:
     if not isinstance(value, GGUFMatrix) or keeps_native(encoding, value):
         return None
     kind = _T(int(value.ggml_type))
-    block, type_size = GGML_QUANT_SIZES[kind]
+    block, type_size = QUANT_SIZES[kind]
     return kind.name if type_size * 8 / block < TARGET_BITS.get(encoding, 0) else None
 
 
 def row_bytes(ggml_type: int, n_in: int) -> int:
     """Bytes of one row of ``n_in`` weights (EntityFormatError for a kind or length we refuse)."""
     check_record(ggml_type, "uint8", [0, 0])
-    block, type_size = GGML_QUANT_SIZES[_T(ggml_type)]
+    block, type_size = QUANT_SIZES[_T(ggml_type)]
     if n_in % block:
         raise EntityFormatError(
             f"row length {n_in} is not a multiple of the {NATIVE_TYPES[ggml_type]} block {block}"
@@ -98,7 +98,7 @@ def check_record(ggml_type: int, dtype: str, shape: list[int]) -> None:
         raise EntityFormatError(
             f"ggml type {ggml_type} is not a native block kind ({known}) (quant_type)"
         )
-    type_size = GGML_QUANT_SIZES[_T(ggml_type)][1]
+    type_size = QUANT_SIZES[_T(ggml_type)][1]
     if dtype != "uint8" or len(shape) != 2 or shape[1] % type_size:
         raise EntityFormatError(
             f"{NATIVE_TYPES[ggml_type]} blob must be uint8 [out, k × {type_size}], "

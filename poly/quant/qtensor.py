@@ -7,14 +7,13 @@ re-materialized in float32. A compiled backend can take over a scheme by registe
 
 from __future__ import annotations
 
+import functools
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
-from gguf import quants as gguf_quants
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from poly.dtypes import DType, Encoded, decode_rows, encode, parse_dtype
 from poly.errors import (
@@ -24,6 +23,7 @@ from poly.errors import (
     NumericalError,
     UnsupportedError,
 )
+from poly.quant.ggml import QUANT_SIZES, GGMLType
 
 KERNELS: dict[str, Callable[[QTensor, np.ndarray, np.ndarray], None]] = {}
 # A compiled dequantizer a backend installs (poly.runtime.kernels): "supported"(qt) -> bool,
@@ -285,19 +285,22 @@ class Q4Matrix(QTensor):
 # --- raw GGUF quant blocks ---------------------------------------------------------------------
 
 
-def _gguf_dequantizable(qtype: GGMLQuantizationType) -> bool:
+def _gguf_dequantizable(qtype: GGMLType) -> bool:
     """True when gguf-py's public `dequantize` decodes `qtype` (one zero block is tried)."""
-    block, size = GGML_QUANT_SIZES[qtype]
+    from gguf import quants  # only when a GGUF block matrix is made: its import costs ~5 MB
+
+    block, size = QUANT_SIZES[qtype]
     try:
-        gguf_quants.dequantize(np.zeros((1, size), np.uint8), qtype)
+        quants.dequantize(np.zeros((1, size), np.uint8), qtype)
     except (NotImplementedError, ValueError, TypeError, KeyError):
         return False
     return True
 
 
-_GGUF_SUPPORTED = frozenset(
-    t for t in GGMLQuantizationType if t in GGML_QUANT_SIZES and _gguf_dequantizable(t)
-)
+@functools.cache
+def gguf_supported() -> frozenset[GGMLType]:
+    """The GGML types gguf-py dequantizes (asked once, on the first GGUF block matrix)."""
+    return frozenset(t for t in GGMLType if t in QUANT_SIZES and _gguf_dequantizable(t))
 
 
 class GGUFMatrix(QTensor):
@@ -305,13 +308,13 @@ class GGUFMatrix(QTensor):
 
     def __init__(self, raw: np.ndarray, ggml_type: int, shape):
         try:
-            qtype = GGMLQuantizationType(int(ggml_type))
+            qtype = GGMLType(int(ggml_type))
         except ValueError as exc:
             raise GGUFFormatError(f"unknown ggml tensor type {ggml_type} (tensor_type)") from exc
-        if qtype not in _GGUF_SUPPORTED:
+        if qtype not in gguf_supported():
             raise UnsupportedError(f"ggml type {qtype.name} cannot be dequantized (quant_type)")
         self.shape = _shape2(shape)
-        block, type_size = GGML_QUANT_SIZES[qtype]
+        block, type_size = QUANT_SIZES[qtype]
         if self.shape[1] % block:
             raise GGUFFormatError(
                 f"row length {self.shape[1]} is not a multiple of the {qtype.name} block {block} "
@@ -333,15 +336,15 @@ class GGUFMatrix(QTensor):
         return int(self.raw.nbytes)
 
     def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
-        if (
-            self.ggml_type == GGMLQuantizationType.F32
-        ):  # the stored rows are the matrix: one BLAS call
+        if self.ggml_type == GGMLType.F32:  # the stored rows are the matrix: one BLAS call
             np.matmul(x2, self.raw.view(np.float32).T, out=res)
         else:
             super()._matmul(x2, res)
 
     def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
-        vals = gguf_quants.dequantize(self.raw[start:stop], self.ggml_type)
+        from gguf import quants
+
+        vals = quants.dequantize(self.raw[start:stop], self.ggml_type)
         return np.asarray(vals, dtype=np.float32).reshape(stop - start, self.shape[1])
 
 

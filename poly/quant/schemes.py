@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from poly.dtypes import DType
 from poly.errors import UsageError
+from poly.quant.ggml import QUANT_SIZES, GGMLType
 from poly.quant.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix, QTensor
 
 # kind ids of csrc/pk_kernels.h (the C side's `kind` argument)
@@ -55,14 +55,14 @@ def _cast(dtype) -> Callable[[np.ndarray], QTensor]:
     return lambda w: DenseMatrix(np.ascontiguousarray(np.asarray(w, np.float32).astype(dtype)))
 
 
-def _gguf(t: GGMLQuantizationType, c_kind: int, numba: str | None) -> QuantScheme:
-    block, size = GGML_QUANT_SIZES[t]
+def _gguf(t: GGMLType, c_kind: int, numba: str | None) -> QuantScheme:
+    block, size = QUANT_SIZES[t]
     return QuantScheme(
         "gguf_" + t.name.lower(), GGUFMatrix, block, size, None, c_kind, numba, ggml_type=int(t)
     )
 
 
-_T = GGMLQuantizationType
+_T = GGMLType
 _RECORDS = (
     QuantScheme(
         "float32", DenseMatrix, 1, 4, _cast(np.float32), C_F32, "dense", "float32", "f32",

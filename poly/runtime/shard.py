@@ -104,9 +104,9 @@ def col_grain(w: Any) -> int:
     from poly.quant.qtensor import CodedMatrix, GGUFMatrix, Q4Matrix
 
     if isinstance(w, GGUFMatrix):
-        from gguf.constants import GGML_QUANT_SIZES
+        from poly.quant.ggml import QUANT_SIZES
 
-        return int(GGML_QUANT_SIZES[w.ggml_type][0])
+        return int(QUANT_SIZES[w.ggml_type][0])
     if isinstance(w, Q4Matrix):
         return 32
     if isinstance(w, CodedMatrix):
