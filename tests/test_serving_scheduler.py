@@ -264,3 +264,30 @@ def test_thread_loop_and_shutdown(model):
     h = s.submit(ids, SamplingParams(max_tokens=6, temperature=0.0))
     assert h.result(60).choices[0].token_ids == ref
     s.shutdown(drain=5)
+
+
+@pytest.mark.parametrize("kv_kind", ["paged", "contiguous"])
+def test_waiting_prompts_prefill_in_one_pass_with_transformers_logits(model, ckpt, kv_kind):
+    """Four prompts submitted together run as one prefill pass (rows of all four in each
+    matmul); every first token's log-probabilities match transformers' on that prompt alone."""
+    ids = [_ids(model, p) for p in PROMPTS]
+    kv = PagedKV(model, 200, page_size=3) if kv_kind == "paged" else ContiguousKV(model)
+    s = Scheduler(model, kv=kv)
+    passes = []
+    many = kv.prefill_many
+    kv.prefill_many = lambda seqs, chunks: passes.append(len(chunks)) or many(seqs, chunks)
+    hs = [s.submit(x, SamplingParams(max_tokens=2, temperature=0.0, logprobs=3)) for x in ids]
+    _run(s)
+    assert passes == [len(PROMPTS)]
+    for h, x in zip(hs, ids):
+        ch = h.result(0).choices[0]
+        ref = hf_logits(ckpt, x + ch.token_ids[:1])[len(x) - 1 :]  # [2, V]
+        for lp, row in zip(ch.logprobs, ref):
+            row = row.astype(np.float64) - np.log(np.exp(row.astype(np.float64)).sum())
+            assert lp.token_id == int(np.argmax(row))
+            np.testing.assert_allclose([v for _, v in lp.top], np.sort(row)[::-1][:3], atol=1e-4)
+    off = Scheduler(model, batch_prefill=False)
+    off.kv.prefill_many = lambda *a: pytest.fail("batch_prefill=False ran a multi-prompt pass")
+    hs = [off.submit(x, SamplingParams(max_tokens=1, temperature=0.0)) for x in ids]
+    _run(off)
+    assert all(h.result(0).choices[0].token_ids for h in hs)

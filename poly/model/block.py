@@ -97,13 +97,16 @@ def is_plain_block(blk: VolumetricLayer) -> bool:
     )
 
 
-def run_block(blk: VolumetricLayer, x: np.ndarray, caches: list | None = None) -> np.ndarray:
+def run_block(
+    blk: VolumetricLayer, x: np.ndarray, caches: list | None = None, bounds=None
+) -> np.ndarray:
     """x + attn(norm(x)), then + mlp(norm(.)): the plain block without per-sub-layer dispatch.
-    With `caches` (one KVCache per row of x) every row is a separate sequence's next token."""
+    With `caches` the rows are several sequences: segment b (rows `bounds[b]`, default row b)
+    continues caches[b] (`mha.forward_rows`)."""
     subs = blk.sequential_layers
     norm1, attn, norm2, mlp = subs[ATTN_NORM], subs[ATTN], subs[MLP_NORM], subs[MLP]
     h = rms_norm(x, rmsnorm.gamma(norm1), norm1.rms_norm_eps)
-    a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches)
+    a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches, bounds)
     x = x + a
     h = rms_norm(x, rmsnorm.gamma(norm2), norm2.rms_norm_eps)
     x += swiglu.forward(mlp, h)

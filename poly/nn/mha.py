@@ -257,17 +257,20 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
     return out.reshape(-1) if squeeze else out
 
 
-def forward_rows(layer, x: np.ndarray, caches: list) -> np.ndarray:
-    """One new token per row of x [B, d], row b continuing its own KVCache caches[b] -> [B, d].
-    Projections run once for all rows; attention runs per row on its own cache."""
+def forward_rows(layer, x: np.ndarray, caches: list, bounds=None) -> np.ndarray:
+    """Rows of x [N, d] from several sequences, segment b = rows bounds[b] = (start, stop)
+    continuing its own KVCache caches[b] (default: one row each) -> [N, d]. Projections run
+    once for all rows; attention runs per segment on its own cache."""
     p = plan(layer)
     dt = np.float64 if x.dtype == np.float64 else np.float32
     caches[:] = [cache_for(layer, c, dt) for c in caches]
+    if bounds is None:
+        bounds = [(b, b + 1) for b in range(len(caches))]
     q, k, v = _project_qkv(p, x, 0)
-    attn = np.empty_like(q)  # [B, H*hd]
-    for b, cache in enumerate(caches):
-        attn[b] = _append(layer, cache, p, q[b : b + 1], k[b : b + 1], v[b : b + 1], 0)[0]
-    return linear(attn, p.comps["w_o"], p.comps["b_o"])  # [B, d]
+    attn = np.empty_like(q)  # [N, H*hd]
+    for (a, b), cache in zip(bounds, caches):
+        attn[a:b] = _append(layer, cache, p, q[a:b], k[a:b], v[a:b], 0)
+    return linear(attn, p.comps["w_o"], p.comps["b_o"])  # [N, d]
 
 
 KIND = LayerKind(LayerType.MHA, forward, complete_dims, spec, views, matrices=MATRICES)

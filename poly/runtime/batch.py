@@ -1,8 +1,10 @@
 """Several independent sequences through one model, each with its own KV state.
 
-When every sequence brings exactly one new token (a decode step) and the blocks are plain, the
-step is one pass: embeddings, projections, FFN and LM head run as [B, d] matmuls, attention runs
-per sequence on its own cache. Otherwise (prompts of different lengths) sequences run one by one.
+When the blocks are plain, the sequences run as one pass: embeddings, projections, FFN and LM
+head run as one matmul over all their new rows, attention runs per sequence on its own cache.
+One new token each (a decode step) goes through the fused C step when it applies; prompts of any
+lengths (a server's waiting requests) share one pass over the weights, which for quantized
+matrices is one dequantization instead of one per prompt. Other models run one by one.
 """
 
 from __future__ import annotations
@@ -41,11 +43,24 @@ def _batched_step(model: Any, ids: np.ndarray, states: list) -> np.ndarray:
         logits = fused.step_rows(p, x, states)
         if logits is not None:
             return logits
+    return _blocks(model, x, states, None)
+
+
+def _segments(model: Any, seqs: list[np.ndarray], states: list) -> np.ndarray:
+    """Prompts of any lengths in one pass -> logits [B, V] of each one's last row."""
+    stops = np.cumsum([s.size for s in seqs])
+    bounds = [(int(b - s.size), int(b)) for s, b in zip(seqs, stops)]
+    x = lookup(model.embeddings, np.concatenate(seqs))  # [N, H]
+    return _blocks(model, x, states, bounds, stops - 1)
+
+
+def _blocks(model: Any, x: np.ndarray, states: list, bounds, last=None) -> np.ndarray:
     for li, blk in enumerate(model.network.layers):
         caches = [st[li] for st in states]
-        x = run_block(blk, x, caches)
+        x = run_block(blk, x, caches, bounds)
         for st, cache in zip(states, caches):
             st[li] = cache  # KVCaches created on first use
+    x = x if last is None else x[last]  # [B, H]
     h = rms_norm(x, rmsnorm.gamma(model.final_norm_layer), model.config.rms_norm_eps)
     return linear(h, model.lm_head)  # [B, V]
 
@@ -61,14 +76,15 @@ def forward_batch(
         raise LayerConfigError("forward_batch needs one state per sequence")
     seqs = [model.check_ids(s) for s in sequences]
     blocks = model.network.layers
-    if (
+    if not (
         seqs
-        and all(s.size == 1 for s in seqs)
         and model.activation_dtype == np.float32
         and all(not b.is_disabled and is_plain_block(b) for b in blocks)
     ):
+        return _one_by_one(model, seqs, states)
+    if all(s.size == 1 for s in seqs):
         return _batched_step(model, np.concatenate(seqs), states)
-    return _one_by_one(model, seqs, states)
+    return _segments(model, seqs, states)
 
 
 def greedy_batch(

@@ -60,6 +60,10 @@ class ContiguousKV:
             state[:] = m.swap_state(saved)
         return logits
 
+    def prefill_many(self, states: list[list], chunks: list[list[int]]) -> np.ndarray:
+        """Several prompts' next chunks in one pass -> logits [B, V] of each one's last token."""
+        return forward_batch(self.model, chunks, states)
+
     def decode(self, tokens: list[int], states: list[list]) -> np.ndarray:
         """One new token per sequence -> logits [B, V] (the fused multi-row step)."""
         return forward_batch(self.model, [[t] for t in tokens], states)

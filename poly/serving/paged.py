@@ -60,6 +60,7 @@ class PagedKV:
         self.pool = PagePool(n_pages, page_size, cache_bytes // self.page_bytes)
         self.live: dict[int, PagedSeq] = {}
         self._scratch: list | None = None
+        self._scratches: list[list] = []  # prefill_many: one scratch cache per prompt
         self._owner: tuple[int, int] | None = None  # (id(seq), length) the scratch holds
 
     # --- admission --------------------------------------------------------------------------------
@@ -193,6 +194,32 @@ class PagedKV:
         for c, k, v in zip(st, self.k, self.v):
             k[slots], v[slots] = c.k[n0:n1], c.v[n0:n1]
         seq.length, self._owner = n1, (id(seq), n1)
+        return logits
+
+    def prefill_many(self, seqs: list[PagedSeq], chunks: list[list[int]]) -> np.ndarray:
+        """Several prompts' next chunks in one pass -> logits [B, V]: each sequence's cached
+        positions gathered into a scratch cache of its own, the new ones scattered back."""
+        from poly.nn.mha import KVCache
+        from poly.runtime.batch import forward_batch
+
+        while len(self._scratches) < len(seqs):
+            self._scratches.append(
+                [KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim) for a in self.layers]
+            )
+        states = self._scratches[: len(seqs)]
+        for seq, st in zip(seqs, states):
+            n0 = seq.length
+            slots = self._slots(seq, 0, n0)
+            for c, k, v in zip(st, self.k, self.v):
+                c.k[:n0], c.v[:n0], c.length = k[slots], v[slots], n0
+        logits = forward_batch(self.model, chunks, [list(st) for st in states])
+        for seq, st, ids in zip(seqs, states, chunks):
+            n0, n1 = seq.length, seq.length + len(ids)
+            self._room(seq, n1)
+            slots = self._slots(seq, n0, n1)
+            for c, k, v in zip(st, self.k, self.v):
+                k[slots], v[slots] = c.k[n0:n1], c.v[n0:n1]
+            seq.length = n1
         return logits
 
     def decode(self, tokens: list[int], seqs: list[PagedSeq]) -> np.ndarray:

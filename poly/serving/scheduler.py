@@ -5,12 +5,19 @@ Each ``step()``:
 2. drops cancelled requests (their KV is freed at once);
 3. runs one decode token for every generating sequence through the fused multi-row step
    (``forward_batch``, up to ``ckernels.MAX_N`` rows per call);
-4. runs one prefill chunk (``prefill_chunk`` tokens) of the oldest request still prefilling, so a
-   long prompt delays the others' next token by at most one chunk. When its prompt is done, the
-   last position's logits give every choice its first token (choices 2..n fork the prompt's KV).
+4. runs one prefill chunk (``prefill_chunk`` tokens) of the oldest request still prefilling and,
+   within the same token budget, the whole prompts of the requests after it, in one pass over
+   the weights (``batch_prefill``; `poly.runtime.batch.forward_batch`), so a long prompt delays
+   the others' next token by at most one chunk and a burst of short prompts costs one pass.
+   When a prompt is done, the last position's logits give every choice its first token
+   (choices 2..n fork the prompt's KV).
 
 A sequence's greedy output equals single-sequence generation token for token whenever its
-prompt fits one chunk (the multi-row decode step computes each row exactly as the one-row step).
+prompt fits one chunk and was prefilled alone (the multi-row decode step computes each row
+exactly as the one-row step); prompts prefilled together share matmuls over all their rows,
+whose float32 rounding differs from a one-prompt pass in the last bits (~1e-6 relative), which
+can change a greedy choice only at an exact near-tie. ``batch_prefill=False`` keeps one prompt
+per pass.
 Drive it by hand (``step()``) or on its own thread (``start()`` / ``shutdown()``).
 """
 
@@ -47,12 +54,14 @@ class Scheduler:
     """Batches requests on ``model``; ``submit`` is thread-safe, ``step`` runs on one thread."""
 
     def __init__(self, model, *, max_batch: int = 16, prefill_chunk: int = 512,
-                 max_queue: int = 64, max_context: int | None = None, kv=None):  # fmt: skip
+                 max_queue: int = 64, max_context: int | None = None, kv=None,
+                 batch_prefill: bool = True):  # fmt: skip
         from poly.serving.kv import make_kv
 
         self.model = model
         self.max_batch = max(1, int(max_batch))
         self.prefill_chunk = max(1, int(prefill_chunk))
+        self.batch_prefill = bool(batch_prefill)
         self.max_queue = int(max_queue)
         limit = int(model.config.max_seq_len)
         self.max_context = min(limit, int(max_context)) if max_context else limit
@@ -184,16 +193,38 @@ class Scheduler:
             self._finish(a)
 
     def _prefill(self) -> None:
-        a = next((a for a in self._active if not a.prefilled), None)
-        if a is None:
+        group = self._prefill_group()
+        if not group:
             return
-        first = a.seqs[0]
-        start = first.computed
-        chunk = first.tokens[start : start + self.prefill_chunk]
         t0 = time.perf_counter()
-        logits = self.kv.prefill(first.kv, chunk)
-        self.metrics.prefill(len(chunk), time.perf_counter() - t0)
-        first.computed = start + len(chunk)
+        chunks = [a.seqs[0].tokens[a.seqs[0].computed : a.seqs[0].computed + n] for a, n in group]
+        if len(group) == 1:
+            logits = [self.kv.prefill(group[0][0].seqs[0].kv, chunks[0])]
+        else:  # one pass over the weights for every waiting prompt
+            logits = self.kv.prefill_many([a.seqs[0].kv for a, _ in group], chunks)
+        self.metrics.prefill(sum(n for _, n in group), time.perf_counter() - t0)
+        for (a, n), row in zip(group, logits):
+            self._prefilled(a, n, row)
+
+    def _prefill_group(self) -> list[tuple[_Active, int]]:
+        """The oldest prompt still prefilling (its next chunk), then, while `prefill_chunk`
+        tokens last, the whole remaining prompts of the next ones (`batch_prefill`)."""
+        group, budget = [], self.prefill_chunk
+        for a in self._active:
+            if a.prefilled:
+                continue
+            left = a.seqs[0].n_prompt - a.seqs[0].computed
+            if group and (left > budget or not self.batch_prefill):
+                break
+            group.append((a, min(left, budget)))
+            budget -= group[-1][1]
+            if budget <= 0:
+                break
+        return group
+
+    def _prefilled(self, a: _Active, n: int, logits) -> None:
+        first = a.seqs[0]
+        first.computed += n
         if first.computed < first.n_prompt:
             return
         a.prefilled = True
