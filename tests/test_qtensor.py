@@ -284,3 +284,21 @@ def test_registered_kernel_is_used(monkeypatch):
     x = _x(3, 16)
     np.testing.assert_array_equal(m.matmul(x), x @ m.dequantize().T)
     assert calls == [(3, 16)]
+
+
+def test_gguf_f32_prefill_is_one_blas_call_on_the_stored_rows():
+    """A GGUF F32 tensor multiplies straight from its stored rows (numpy's own x @ W.T, bit for
+    bit) for any row count; it was copied tile by tile through the dequantizer before."""
+    from poly.quant.ggml import GGMLType
+    from poly.quant.qtensor import GGUFMatrix
+
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((96, 64)).astype(np.float32)
+    g = GGUFMatrix(w.view(np.uint8).reshape(-1), GGMLType.F32, w.shape)
+    for n in (1, 5, 42):
+        x = rng.standard_normal((n, 64)).astype(np.float32)
+        want = x @ w.T
+        np.testing.assert_allclose(g.matmul(x), want, rtol=1e-6, atol=1e-5)
+        res = np.empty((n, 96), np.float32)
+        g.matmul_reference(x, res)
+        np.testing.assert_array_equal(res, want)

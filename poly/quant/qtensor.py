@@ -335,11 +335,11 @@ class GGUFMatrix(QTensor):
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
 
-    def _matmul(self, x2: np.ndarray, res: np.ndarray) -> None:
+    def matmul_reference(self, x2: np.ndarray, res: np.ndarray) -> None:
         if self.ggml_type == GGMLType.F32:  # the stored rows are the matrix: one BLAS call
-            np.matmul(x2, self.raw.view(np.float32).T, out=res)
+            np.matmul(x2, self.raw.view(np.float32).T, out=res)  # (a tiled copy cost ~20 %)
         else:
-            super()._matmul(x2, res)
+            super().matmul_reference(x2, res)
 
     def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
         from gguf import quants
