@@ -291,3 +291,23 @@ def test_waiting_prompts_prefill_in_one_pass_with_transformers_logits(model, ckp
     hs = [off.submit(x, SamplingParams(max_tokens=1, temperature=0.0)) for x in ids]
     _run(off)
     assert all(h.result(0).choices[0].token_ids for h in hs)
+
+
+def test_scratch_pages_of_a_batched_prefill_are_given_back(model, monkeypatch):
+    """After a multi-prompt pass the KV lives in the pool's pages only: every scratch cache
+    array is released (`release_pages`), and a released reservation reads as zeros again."""
+    import poly.nn.mha as mha
+
+    big = mha.lazy_zeros((4096, 2, 64), np.float32)  # 2 MB: a mapping of its own
+    big[:] = 1.0
+    mha.release_pages(big)
+    assert not big.any()
+    released = []
+    monkeypatch.setattr(mha, "release_pages", lambda arr: released.append(id(arr)))
+    kv = PagedKV(model, 200, page_size=3)
+    s = Scheduler(model, kv=kv)
+    hs = [s.submit(_ids(model, p), SamplingParams(max_tokens=1, temperature=0.0)) for p in PROMPTS]
+    _run(s)
+    assert all(h.result(0).choices[0].token_ids for h in hs)
+    arrays = {id(a) for st in kv._scratches for c in st for a in (c.k, c.v)}
+    assert len(kv._scratches) == len(PROMPTS) and arrays <= set(released)

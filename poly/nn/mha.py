@@ -87,6 +87,15 @@ def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=dtype).reshape(shape)
 
 
+def release_pages(a: np.ndarray) -> None:
+    """Give the pages of a `lazy_zeros` array back (they read as zeros again); others: no-op."""
+    base = a.base
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        base.madvise(mmap.MADV_DONTNEED)
+
+
 class KVCache:
     """Keys/values for positions [0, length), reserved for max_seq_len (no ring wrap); a page
     of the reservation costs memory once a position on it is written (`lazy_zeros`)."""

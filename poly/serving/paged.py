@@ -199,7 +199,7 @@ class PagedKV:
     def prefill_many(self, seqs: list[PagedSeq], chunks: list[list[int]]) -> np.ndarray:
         """Several prompts' next chunks in one pass -> logits [B, V]: each sequence's cached
         positions gathered into a scratch cache of its own, the new ones scattered back."""
-        from poly.nn.mha import KVCache
+        from poly.nn.mha import KVCache, release_pages
         from poly.runtime.batch import forward_batch
 
         while len(self._scratches) < len(seqs):
@@ -219,6 +219,7 @@ class PagedKV:
             slots = self._slots(seq, n0, n1)
             for c, k, v in zip(st, self.k, self.v):
                 k[slots], v[slots] = c.k[n0:n1], c.v[n0:n1]
+                release_pages(c.k), release_pages(c.v)  # the pages hold the KV: no second copy
             seq.length = n1
         return logits
 
