@@ -31,6 +31,8 @@ KERNEL_SOURCES = [
     "csrc/pk_quants.h",
     "csrc/pk_q8.h",
     "csrc/pk_attn.h",
+    "csrc/pk_moe.h",
+    "csrc/pk_moe_args.h",
     "csrc/pk_avx512.h",
     "csrc/pk_vec.h",
     "csrc/pk_decode.h",

@@ -230,21 +230,34 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     add_projection(S, &L->down, B, B->hid, I, tid, nt);
 }
 
-/* scratch floats for step S with nt threads (see carve) */
+#include "pk_moe.h"
+
+/* scratch floats for step S with nt threads (see carve); the prepared-input pools cover the
+ * MoE's gathered rows too */
 static size_t pk_scratch_floats(const step_t *S, int nt) {
     const int64_t n = S->n, kmax = S->maxw > S->inter ? S->maxw : S->inter;
-    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter + 3 * kmax) + (S->maxpos + 1) * nt + 64);
+    const int64_t R = S->mrows > n ? S->mrows : n, kp = kmax > S->d ? kmax : S->d;
+    const int64_t moe = S->mrows ? n * S->mE + 2 * S->mE + 2 * R + R * (2 * S->d + 3 * S->inter)
+                                       + (S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 16 : 0;
+    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + (S->maxpos + 1) * nt + moe + 64);
 }
 
 static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     const int64_t n = S->n, kmax = S->maxw > S->inter ? S->maxw : S->inter;
+    const int64_t R = S->mrows > n ? S->mrows : n, kp = kmax > S->d ? kmax : S->d;
+    B->slots = (slot_t *)f; /* malloc'd: aligned for slot_t; the floats after stay 64-byte aligned */
+    f += S->mrows ? ((S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 15) & ~(int64_t)15 : 0;
     B->h = f; B->qkv = B->h + n * S->d; B->att = B->qkv + n * S->maxw; B->tmp = B->att + n * S->maxq;
     B->gu = B->tmp + n * S->d; B->hid = B->gu + 2 * n * S->inter; B->sc = B->hid + n * S->inter;
     B->P.xs = B->sc + (S->maxpos + 1) * nt;
-    B->P.dx = B->P.xs + n * kmax / 32 + 1;
-    B->P.xp = B->P.dx + n * kmax / 32 + 1;
-    B->P.xq = (int8_t *)(B->P.xp + n * kmax);
-    B->P.xqp = B->P.xq + 2 * n * kmax;
+    B->P.dx = B->P.xs + R * kp / 32 + 1;
+    B->P.xp = B->P.dx + R * kp / 32 + 1;
+    B->P.xq = (int8_t *)(B->P.xp + R * kp);
+    B->P.xqp = B->P.xq + 2 * R * kp;
+    float *m = B->P.xp + 2 * R * kp; /* after xq and xqp (4 * R * kp bytes) */
+    B->rl = m; B->prob = B->rl + n * S->mE; B->aw = B->prob + 2 * S->mE;
+    B->arow = (int32_t *)(B->aw + R); B->mx = (float *)(B->arow + R);
+    B->my = B->mx + R * S->d; B->mgu = B->my + R * S->d; B->mhid = B->mgu + 2 * R * S->inter;
 }
 
 static void pk_run_step(const step_t *S, float *scratch, int nt) {
@@ -260,7 +273,8 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
         int64_t r0, r1;
         for (int l = 0; l < S->nl; l++) {
             block_attn(S, &S->L[l], &B, tid, nth);
-            block_ffn(S, &S->L[l], &B, tid, nth);
+            if (S->L[l].moe) block_moe(S, &S->L[l], &B, tid, nth);
+            else block_ffn(S, &S->L[l], &B, tid, nth);
         }
 #pragma omp single
         norm_prep(S, S->x, S->g_final, S->eps_final, &B);

@@ -12,13 +12,26 @@ typedef struct {
     const float *bias;
 } mat_t;
 
+typedef struct { /* one SwiGLU expert: gate/up as (w_gate_up,) or (w_gate, w_up), then down */
+    int ngu; int64_t I; mat_t gu[2], down;
+} expert_t;
+
+typedef struct { /* an MoE FFN (csrc/pk_moe.h): router [E, d] float32, experts, optional shared */
+    int E, k, sig, norm, nex;  /* nex = E, + 1 with a shared expert (index E) */
+    mat_t router; const float *sgate; /* shared expert's gate [d] or NULL */
+    expert_t *ex; int32_t *chosen;    /* chosen: [n, k] expert ids written per call, or NULL */
+} moe_t;
+
 typedef struct {
     int heads, kvh, hd, nqkv, ngu;
     float eps;
     const float *g_attn, *g_q, *g_k, *g_mlp, *cos, *sin;
     float *kc[MAX_N], *vc[MAX_N];
     mat_t qkv[3], o, gu[2], down;
+    moe_t *moe; /* NULL: the dense FFN gu/down */
 } layer_t;
+
+typedef struct { int e; int64_t row0, cnt, goff, hoff; } slot_t; /* expert e's gathered rows */
 
 typedef struct { /* one input vector prepared for every kernel kind */
     const float *x; float *xs, *xp, *dx; int8_t *xq, *xqp; int64_t k;
@@ -26,6 +39,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
 
 typedef struct {
     layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int q8, loom;
+    int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
     int64_t pos[MAX_N];
     const int32_t *tab[MAX_N]; int64_t ntab[MAX_N], ps; /* paged KV: page tables (NULL: contiguous) */
     const float *g_final; float eps_final; mat_t lm; float *x, *logits;
@@ -35,7 +49,12 @@ typedef struct {
     float *red; PyObject *red_fn; int red_err; PyObject *et, *ev, *etb;
 } step_t;
 
-typedef struct { float *h, *qkv, *att, *tmp, *gu, *hid, *sc; px_t P; } bufs_t;
+typedef struct {
+    float *h, *qkv, *att, *tmp, *gu, *hid, *sc; px_t P;
+    /* MoE: router logits [n, E], gathered rows [R, d], their weights and source rows, the
+     * experts' gate|up [R, 2I], hidden [R, I] and outputs [R, d], slots by expert id */
+    float *rl, *mx, *aw, *mgu, *mhid, *my, *prob; int32_t *arow; slot_t *slots; int nslots;
+} bufs_t;
 
 static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n); /* one row */
 static size_t pk_scratch_floats(const step_t *S, int nt); /* floats of scratch for pk_run_step */

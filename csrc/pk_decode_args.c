@@ -93,10 +93,32 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     return 0;
 }
 
-static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, const step_t *S, layer_t *L,
+/* gate/up (1 or 2 matrices) and down of a SwiGLU with d inputs; *inter = max(*inter, I) */
+static int parse_ffn(holds_t *H, PyObject *mg, PyObject *md, int *ngu, mat_t *gu, mat_t *down, int64_t d,
+                     int64_t *inter) {
+    if (!PyTuple_Check(mg) || (PyTuple_GET_SIZE(mg) != 1 && PyTuple_GET_SIZE(mg) != 2) || as_tuple(md, 6, "down")) {
+        PyErr_SetString(PyExc_ValueError, "gate/up must be 1 or 2 matrices");
+        return -1;
+    }
+    *ngu = (int)PyTuple_GET_SIZE(mg);
+    const int64_t I = PyLong_AsLongLong(PyTuple_GET_ITEM(md, 4));
+    if (PyErr_Occurred() || I < 1) { PyErr_SetString(PyExc_ValueError, "bad intermediate size"); return -1; }
+    for (int i = 0; i < *ngu; i++)
+        if (parse_mat(H, PyTuple_GET_ITEM(mg, i), &gu[i], *ngu == 1 ? 2 * I : I, d)) return -1;
+    if (parse_mat(H, md, down, d, I)) return -1;
+    if (I > *inter) *inter = I;
+    return 0;
+}
+
+#include "pk_moe_args.h"
+
+static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t *S, layer_t *L,
                        int64_t d, int64_t maxpos, int64_t *inter) {
     const int n = S->n;
-    if (as_tuple(t, 14, "a layer")) return -1;
+    if (!PyTuple_Check(t) || (PyTuple_GET_SIZE(t) != 14 && PyTuple_GET_SIZE(t) != 15)) {
+        PyErr_SetString(PyExc_ValueError, "a layer must be a tuple of 14 or 15 items");
+        return -1;
+    }
     L->heads = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
     L->kvh = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 1));
     L->hd = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 2));
@@ -143,19 +165,9 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, const s
     }
     if (parse_mat(H, PyTuple_GET_ITEM(t, 10), &L->o, d, q)) return -1;
     if (!(L->g_mlp = hold(H, PyTuple_GET_ITEM(t, 11), 0, d * 4, "mlp gamma"))) return -1;
-    PyObject *mg = PyTuple_GET_ITEM(t, 12), *md = PyTuple_GET_ITEM(t, 13);
-    if (!PyTuple_Check(mg) || (PyTuple_GET_SIZE(mg) != 1 && PyTuple_GET_SIZE(mg) != 2) || as_tuple(md, 6, "down")) {
-        PyErr_SetString(PyExc_ValueError, "gate/up must be 1 or 2 matrices");
-        return -1;
-    }
-    L->ngu = (int)PyTuple_GET_SIZE(mg);
-    const int64_t I = PyLong_AsLongLong(PyTuple_GET_ITEM(md, 4));
-    if (PyErr_Occurred() || I < 1) { PyErr_SetString(PyExc_ValueError, "bad intermediate size"); return -1; }
-    for (int i = 0; i < L->ngu; i++)
-        if (parse_mat(H, PyTuple_GET_ITEM(mg, i), &L->gu[i], L->ngu == 1 ? 2 * I : I, d)) return -1;
-    if (parse_mat(H, md, &L->down, d, I)) return -1;
-    if (I > *inter) *inter = I;
-    return 0;
+    PyObject *om = PyTuple_GET_SIZE(t) == 15 ? PyTuple_GET_ITEM(t, 14) : Py_None;
+    if (om != Py_None) return parse_moe(H, om, S, L, d, inter);
+    return parse_ffn(H, PyTuple_GET_ITEM(t, 12), PyTuple_GET_ITEM(t, 13), &L->ngu, L->gu, &L->down, d, inter);
 }
 
 /* ---- Python entry ------------------------------------------------------------------------- */
@@ -184,6 +196,7 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
         for (int i = 0; i < L->nqkv; i++) S->loom |= L->qkv[i].kind == K_LOOM_Q4;
         S->loom |= L->o.kind == K_LOOM_Q4 || L->down.kind == K_LOOM_Q4;
         for (int i = 0; i < L->ngu; i++) S->loom |= L->gu[i].kind == K_LOOM_Q4;
+        if (L->moe) S->loom |= moe_loom(L->moe);
     }
     if (!(S->g_final = hold(H, PyTuple_GET_ITEM(head, 0), 0, S->d * 4, "final gamma"))) return -1;
     S->eps_final = (float)PyFloat_AsDouble(PyTuple_GET_ITEM(head, 1));
@@ -240,7 +253,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     holds_t H = {0};
     Py_ssize_t nl = PyTuple_Check(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
     if (nl > MAX_LAYERS) nl = MAX_LAYERS;
-    H.cap = (int)(nl * (32 + 2 * S.n) + 16 + S.n);
+    H.cap = (int)(nl * (32 + 2 * S.n) + 16 + S.n + moe_holds(args[0], nl));
     H.bufs = calloc((size_t)H.cap, sizeof(Py_buffer));
     S.L = calloc((size_t)(nl ? nl : 1), sizeof(layer_t));
     PyObject *ret = NULL;
@@ -249,6 +262,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (nargs >= 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
     if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
+    if (S.red && S.mrows) { PyErr_SetString(PyExc_ValueError, "MoE layers take no reduce"); goto done; }
     const int nt = want_nt ? (int)want_nt : pk_threads;
     scratch = malloc(pk_scratch_floats(&S, nt) * 4);
     if (!scratch) { PyErr_NoMemory(); goto done; }
@@ -261,6 +275,8 @@ done:
     free(scratch);
     for (int i = 0; i < H.n; i++) PyBuffer_Release(&H.bufs[i]);
     free(H.bufs);
+    for (Py_ssize_t l = 0; S.L && l < nl; l++)
+        if (S.L[l].moe) { free(S.L[l].moe->ex); free(S.L[l].moe); }
     free(S.L);
     return ret;
 }

@@ -7,7 +7,7 @@ import numpy as np
 
 from poly.config import TransformerConfig
 from poly.layer import LayerType, VolumetricLayer
-from poly.nn import mha, rmsnorm, swiglu
+from poly.nn import mha, moe, rmsnorm, swiglu
 from poly.nn.layout import spec
 from poly.ops import rms_norm
 
@@ -83,14 +83,20 @@ _BLOCK_KINDS = (
 )
 
 
+_FFN_FORWARD = {LayerType.SWIGLU: swiglu.forward, LayerType.MOE: moe.forward}
+
+
 def is_plain_block(blk: VolumetricLayer) -> bool:
-    """The block `build_block` makes, untiled and fully enabled: it can skip generic dispatch."""
+    """The block `build_block` makes, untiled and fully enabled: it can skip generic dispatch.
+    Its FFN is a SwiGLU or an MoE layer."""
     subs = blk.sequential_layers
     return (
         len(subs) == 6
         and all(
-            s.type == k and not s.is_disabled and not s.use_tiling
-            for s, k in zip(subs, _BLOCK_KINDS)
+            (s.type == k or (i == MLP and s.type == LayerType.MOE))
+            and not s.is_disabled
+            and not s.use_tiling
+            for i, (s, k) in enumerate(zip(subs, _BLOCK_KINDS))
         )
         and subs[ATTN_RES].skip == "input"
         and subs[MLP_RES].skip == ATTN_RES
@@ -109,5 +115,5 @@ def run_block(
     a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches, bounds)
     x = x + a
     h = rms_norm(x, rmsnorm.gamma(norm2), norm2.rms_norm_eps)
-    x += swiglu.forward(mlp, h)
+    x += _FFN_FORWARD[mlp.type](mlp, h)
     return x

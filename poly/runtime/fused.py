@@ -16,8 +16,9 @@ import time
 import numpy as np
 
 from poly.errors import ContextOverflowError
+from poly.layer import LayerType
 from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, is_plain_block
-from poly.nn import mha, rmsnorm, swiglu
+from poly.nn import mha, moe, rmsnorm, swiglu
 from poly.rope import rope_tables
 from poly.runtime import ckernels, kernels
 from poly.runtime.threadtune import SHARED, ThreadTuner
@@ -47,26 +48,50 @@ def _mats(pairs) -> tuple | None:
     return None if any(m is None for m in out) else out
 
 
-def _layer_args(blk) -> tuple | None:
-    """The C tuple of one plain block, or None when some part has no C kernel."""
-    subs = blk.sequential_layers
-    attn, mlp = subs[ATTN], subs[MLP]
-    ap, fp = mha.plan(attn), swiglu.plan(mlp)
+def _ffn_args(mlp) -> tuple | None:
+    """(gate_up_mats, down_mat) of a SwiGLU for the C side, or None."""
+    if mlp.is_disabled or mlp.use_tiling:
+        return None
+    fp = swiglu.plan(mlp)
     if not fp.silu:
         return None
-    c = ap.comps
-    if ap.w_qkv is not None:
-        qkv = _mats([(ap.w_qkv, ap.b_qkv)])
-    else:
-        qkv = _mats(ap.parts)
     gu = (
         _mats([(fp.w_gu, fp.b_gu)])
         if fp.w_gu is not None
         else _mats([(fp.comps["w_gate"], fp.comps["b_gate"]), (fp.comps["w_up"], fp.comps["b_up"])])
     )
-    o = _mat(c["w_o"], c["b_o"])
     down = _mat(fp.comps["w_down"], fp.comps["b_down"])
-    if qkv is None or gu is None or o is None or down is None:
+    return None if gu is None or down is None else (gu, down)
+
+
+def _moe_args(mlp) -> tuple | None:
+    """The C record of an MoE layer (csrc/pk_moe_args.h), or None: (E, top_k, sigmoid,
+    norm_topk_prob, router, shared_gate, experts, chosen [MAX_N, top_k] int32)."""
+    cfg = mlp.moe
+    v = moe.views(mlp)
+    router = _mat(np.ascontiguousarray(v.router, dtype=np.float32))
+    experts = tuple(_ffn_args(sub) for sub in mlp.sequential_layers)
+    if cfg.top_k > 64 or router is None or any(a is None for a in experts):
+        return None
+    gate = None if v.shared_gate is None else v.shared_gate.reshape(-1)  # [1, d] -> [d]
+    chosen = np.zeros((ckernels.MAX_N, cfg.top_k), dtype=np.int32)
+    sig = cfg.gating == "sigmoid"
+    return (cfg.num_experts, cfg.top_k, sig, cfg.norm_topk_prob, router, gate, experts, chosen)
+
+
+def _layer_args(blk) -> tuple | None:
+    """The C tuple of one plain block, or None when some part has no C kernel."""
+    subs = blk.sequential_layers
+    attn, mlp = subs[ATTN], subs[MLP]
+    ap = mha.plan(attn)
+    c = ap.comps
+    if ap.w_qkv is not None:
+        qkv = _mats([(ap.w_qkv, ap.b_qkv)])
+    else:
+        qkv = _mats(ap.parts)
+    ffn = _moe_args(mlp) if mlp.type == LayerType.MOE else _ffn_args(mlp)
+    o = _mat(c["w_o"], c["b_o"])
+    if qkv is None or ffn is None or o is None:
         return None
     cos, sin = rope_tables(
         attn.head_dim, float(attn.rope_freq_base), attn.rope_scaling, attn.max_seq_len
@@ -81,7 +106,9 @@ def _layer_args(blk) -> tuple | None:
     if not all(_is_f32(v) for v in (g1, g2, qn, kn) if v is not None):
         return None  # the C side reads vectors as contiguous float32
     heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, eps)
-    return (*heads, g1, qn, kn, qkv, cos, sin, o, g2, gu, down)
+    if mlp.type == LayerType.MOE:  # gate/up and down are the 15th item's experts
+        return (*heads, g1, qn, kn, qkv, cos, sin, o, g2, None, None, ffn)
+    return (*heads, g1, qn, kn, qkv, cos, sin, o, g2, *ffn)
 
 
 def _is_f32(a) -> bool:
@@ -102,6 +129,10 @@ class Plan:
         if lm is None or not _is_f32(final) or any(a is None for a in layers):
             return
         self.attn = [b.sequential_layers[ATTN] for b in blocks]
+        # MoE layers and their `chosen` arrays: the experts each call used, for the pager
+        self.moe = [
+            (b.sequential_layers[MLP], a[14][7]) for b, a in zip(blocks, layers) if len(a) == 15
+        ]
         self.layers = layers
         self.head = (final, float(model.config.rms_norm_eps), lm)
         self.vocab = lm[3]
@@ -120,6 +151,16 @@ def plan(model) -> Plan | None:
         cache = model.plan_cache = PlanCache()
     got = cache.get("fused", Generations.value, lambda: Plan(model))
     return got if got.ok else None
+
+
+def _report_experts(p: Plan, n: int) -> None:
+    """Tell each paged MoE layer's expert cache the experts the step used (ascending id, like
+    the reference forward), so its stats and its resident budget follow the C path too."""
+    for layer, chosen in p.moe:
+        cache = getattr(layer, "expert_cache", None)
+        if cache is not None:
+            for e in np.unique(chosen[:n]):
+                cache.use(int(e))
 
 
 def _positions(rows: list[list]) -> tuple[int, ...] | None:
@@ -156,6 +197,7 @@ def _run(p: Plan, x: np.ndarray, rows: list[list], reduce=None) -> np.ndarray | 
         hook = (buf, lambda: reduce(buf))
     ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt, None, hook)
     tuner.record(nt, time.perf_counter() - t0)
+    _report_experts(p, x.shape[0])
     for r, at in zip(rows, pos):
         for cache in r:
             cache.length = at + 1
@@ -197,4 +239,5 @@ def step_paged(p: Plan, x: np.ndarray, pools: list, pos: tuple, tables: tuple, p
     t0 = time.perf_counter()
     ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt, (page_size, tables))
     tuner.record(nt, time.perf_counter() - t0)
+    _report_experts(p, n)
     return logits

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from poly.errors import TensorParallelError
+from poly.layer import LayerType
 from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, build_block, is_plain_block
 from poly.model.transformer import Transformer
 from poly.network import VolumetricNetwork
@@ -316,6 +317,8 @@ def shard(model: Transformer, comm: Any) -> Transformer:
         raise TensorParallelError(
             f"tensor parallelism needs plain decoder blocks; block {bad[0]} is not (tiling?)"
         )
+    if any(b.sequential_layers[MLP].type == LayerType.MOE for b in model.blocks()):
+        raise TensorParallelError("tensor parallelism does not split MoE layers yet")
     cfg = model.config
     split = make_split(cfg, comm.size, comm.rank, _inter_grain(model))
     local = dataclasses.replace(
