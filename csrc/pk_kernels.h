@@ -338,6 +338,7 @@ static inline int check_matrix(int kind, Py_buffer *bw, Py_buffer *ba, mm_args *
 #include "pk_vec.h"
 
 static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *pk_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *pk_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 

@@ -8,5 +8,6 @@
 #include <Python.h>
 PyObject *PK_MAKER(void);
 #include "poly_kernels.c"
+#include "pk_gemm.h"
 #include "pk_decode.c"
 #include "pk_decode_args.c"

@@ -32,7 +32,7 @@ K_TYPES = {  # types gguf-py cannot quantize: (block elements, bytes, byte offse
 }
 
 
-def _weights(m: int, k: int, seed: int) -> np.ndarray:
+def random_weights(m: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((m, k)) * rng.uniform(0.01, 2.0, (m, 1))).astype(np.float32)
 
@@ -90,7 +90,7 @@ def block_of(scheme: str) -> int:
 
 def _case(scheme, m, n, seed=0):
     k = 512 if block_of(scheme) == 256 else 96  # K-quants need multiples of 256
-    qt = MAKERS[scheme](_weights(m, k, seed=m * 7 + n + seed))
+    qt = MAKERS[scheme](random_weights(m, k, seed=m * 7 + n + seed))
     x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
     ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T  # [n, m]
     return qt, x, ref
@@ -144,18 +144,18 @@ def test_float16_and_bfloat16_widening_is_exact():
 
 @pytest.mark.parametrize("q8", (False, True))
 def test_nan_propagates(q8):
-    qt = MAKERS["gguf_q8_0"](_weights(5, 64, seed=4))
+    qt = MAKERS["gguf_q8_0"](random_weights(5, 64, seed=4))
     x = np.ones((1, 64), dtype=np.float32)
     x[0, 7] = np.nan
     assert np.isnan(ckernels.matmul(qt, x, q8=q8)).all()
-    w = _weights(5, 64, seed=4)
+    w = random_weights(5, 64, seed=4)
     w[2, 10] = np.nan
     got = ckernels.matmul(DenseMatrix(w), np.ones((1, 64), dtype=np.float32))
     assert np.isnan(got[0, 2]) and np.isfinite(np.delete(got[0], 2)).all()
 
 
 def test_dense_matmul_odd_k_and_many_rows():
-    w = _weights(77, 101, seed=6)
+    w = random_weights(77, 101, seed=6)
     for n in (1, 3, 16, 40):  # 40 > MAX_N: BLAS
         x = np.random.default_rng(n).standard_normal((n, 101)).astype(np.float32)
         ref = x.astype(np.float64) @ w.astype(np.float64).T
@@ -164,7 +164,7 @@ def test_dense_matmul_odd_k_and_many_rows():
 
 
 def test_bad_inputs_raise_typed_errors():
-    qt = MAKERS["gguf_q4_1"](_weights(8, 64, seed=1))
+    qt = MAKERS["gguf_q4_1"](random_weights(8, 64, seed=1))
     x = np.ones((2, 64), dtype=np.float32)
     with pytest.raises(DTypeError):
         ckernels.matmul(qt, x.astype(np.float64))
@@ -179,7 +179,9 @@ def test_bad_inputs_raise_typed_errors():
     with pytest.raises(LayerConfigError):
         ckernels.matmul(qt, x, out=np.empty((2, 16), dtype=np.float32)[:, ::2])
     with pytest.raises(LayerConfigError):
-        ckernels.matmul(Q4Matrix.quantize(_weights(3, 40, seed=2)), np.ones((1, 40), np.float32))
+        ckernels.matmul(
+            Q4Matrix.quantize(random_weights(3, 40, seed=2)), np.ones((1, 40), np.float32)
+        )
 
 
 def test_extension_checks_buffer_sizes_itself():
@@ -201,7 +203,7 @@ def test_extension_checks_buffer_sizes_itself():
 
 
 def test_non_contiguous_weights_take_the_numpy_path():
-    w = _weights(20, 64, seed=8)
+    w = random_weights(20, 64, seed=8)
     qt = DenseMatrix(np.asfortranarray(w))
     assert not ckernels.supports(qt)
     x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
@@ -273,7 +275,7 @@ def _dequant_reference(scheme: str, qt, a: int, b: int) -> np.ndarray:
 @pytest.mark.parametrize("threads", (1, 2))
 def test_dequantize_is_bitwise_equal_to_the_reference(scheme, threads):
     k = 512
-    qt = MAKERS[scheme](_weights(67, k, seed=3))
+    qt = MAKERS[scheme](random_weights(67, k, seed=3))
     for a, b in ((0, 67), (5, 66), (13, 14), (66, 67), (0, 1), (40, 40)):
         got = ckernels.dequantize(qt, a, b, threads=threads)
         assert got is not None and got.shape == (b - a, k) and got.dtype == np.float32
@@ -283,7 +285,7 @@ def test_dequantize_is_bitwise_equal_to_the_reference(scheme, threads):
 
 @pytest.mark.parametrize("k", (40, 72, 33))  # 32-blocks straddle rows
 def test_dequantize_loom_q4_blocks_across_rows(k):
-    qt = Q4Matrix.quantize(_weights(11, k, seed=k))
+    qt = Q4Matrix.quantize(random_weights(11, k, seed=k))
     for a, b in ((0, 11), (3, 8), (10, 11)):
         got = ckernels.dequantize(qt, a, b)
         np.testing.assert_array_equal(
@@ -293,7 +295,7 @@ def test_dequantize_loom_q4_blocks_across_rows(k):
 
 
 def test_dequantize_writes_into_a_tile_buffer():
-    qt = MAKERS["gguf_q4_1"](_weights(50, 256, seed=4))
+    qt = MAKERS["gguf_q4_1"](random_weights(50, 256, seed=4))
     buf = np.full((32, 256), np.nan, np.float32)
     got = ckernels.dequantize(qt, 20, 45, buf)
     assert np.shares_memory(got, buf) and got.shape == (25, 256)
@@ -305,7 +307,7 @@ def test_dequantize_writes_into_a_tile_buffer():
 def test_prefill_tiles_match_the_dequantized_product(scheme, monkeypatch):
     """More than MAX_N input rows: C-dequantized tiles + sgemm == x @ W.T of the reference W."""
     m, k, n = 300, 256, 40
-    qt = MAKERS[scheme](_weights(m, k, seed=5))
+    qt = MAKERS[scheme](random_weights(m, k, seed=5))
     monkeypatch.setattr(qtensor, "_TILE_BYTES", 64 * k * 4)  # several tiles, a ragged last one
     x = np.random.default_rng(6).standard_normal((n, k)).astype(np.float32)
     ref = x.astype(np.float64) @ _dequant_reference(scheme, qt, 0, m).astype(np.float64).T
@@ -314,7 +316,7 @@ def test_prefill_tiles_match_the_dequantized_product(scheme, monkeypatch):
 
 
 def test_dequantize_bad_inputs_raise_typed_errors():
-    qt = MAKERS["gguf_q8_0"](_weights(8, 64, seed=7))
+    qt = MAKERS["gguf_q8_0"](random_weights(8, 64, seed=7))
     with pytest.raises(LayerConfigError):
         ckernels.dequantize(qt, 3, 2)
     with pytest.raises(LayerConfigError):

@@ -33,6 +33,7 @@ from poly.config import MoEConfig
 from poly.errors import LayerConfigError
 from poly.layer import LayerKind, LayerType, VolumetricLayer
 from poly.nn.spec import Spec, carve
+from poly.ops import dense_matmul
 
 
 @dataclass
@@ -139,7 +140,7 @@ def route(
 def router_logits(layer, x2: np.ndarray) -> np.ndarray:
     """x2 [n, d] -> float32 logits [n, E]."""
     router = views(layer).router  # [E, d]
-    return np.asarray(x2, np.float32) @ router.T
+    return dense_matmul(np.ascontiguousarray(x2, dtype=np.float32), router)  # [n, E]
 
 
 # --- forward ----------------------------------------------------------------------------------

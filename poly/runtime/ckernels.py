@@ -251,13 +251,21 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
     return True
 
 
-def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
-    """The `poly.quant.qtensor.KERNELS` entry: C for few rows of a supported form, else numpy.
+def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads: int = 0) -> None:
+    """out [n, m] = x [n, k] @ W.T for any n with csrc/pk_gemm.h (the stored form `kind`, not
+    Loom Q4): OpenMP panels of dequantized rows, no BLAS (so no OpenMP/OpenBLAS thread fight)."""
+    n, k = x.shape
+    EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], int(threads))
 
-    More than MAX_N rows (prefill) take dequantize + BLAS sgemm: the kernels are tuned for
-    matrix-vector work (measured: chunking a 128-token prefill through them is 5x slower)."""
+
+def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
+    """The `poly.quant.qtensor.KERNELS` entry: C for a supported form, else numpy.
+
+    Up to MAX_N rows the matrix-vector kernels (each weight row streamed once); more rows
+    (prefill) the register-tiled `gemm` (1.5-1.8x OpenBLAS sgemm on SmolLM2's shapes, and no
+    dequantized copy); forms without a C reader: dequantize + BLAS."""
     n = x2.shape[0]
-    ops = operands(qt) if n <= MAX_N else None
+    ops = operands(qt)
     if ops is None:
         qt.matmul_reference(x2, res)
         return
@@ -266,7 +274,10 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"])
+    if n > MAX_N:
+        EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0)
+    else:
+        EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"])
     if dst is not res:
         res[...] = dst
 

@@ -1,0 +1,185 @@
+/* gemm(kind, x, out, w, aux, n, k, m, threads): out [n, m] = x [n, k] @ W.T for any number of
+ * input rows and any stored form the dequantizer reads (prefill). Included by pk_unity.h after
+ * poly_kernels.c (it uses dq_row).
+ *
+ * Why not dequantize + BLAS sgemm: on a 2-core machine the OpenMP threads of the C kernels spin
+ * after each region while OpenBLAS's threads run (and the other way round), measured as up to
+ * 40 % of an MoE prefill; and the dequantized tile makes a round trip through memory. Here one
+ * OpenMP region does everything: each thread takes panels of GR weight rows, dequantizes them
+ * (bitwise like the numpy decoders), packs them k-major in chunks of KC (P[kk][GR], in L2),
+ * and a register tile of GT tokens x GR rows accumulates with FMA over the chunk. */
+#ifndef PK_GEMM_H
+#define PK_GEMM_H
+
+#if PK_AVX512
+typedef __m512 gv;
+#define GL 16
+#define GV_ZERO() _mm512_setzero_ps()
+#define GV_LOAD(p) _mm512_loadu_ps(p)
+#define GV_BCAST(p) _mm512_set1_ps(*(p))
+#define GV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GV_STORE(p, v) _mm512_storeu_ps(p, v)
+#elif PK_SIMD
+typedef __m256 gv;
+#define GL 8
+#define GV_ZERO() _mm256_setzero_ps()
+#define GV_LOAD(p) _mm256_loadu_ps(p)
+#define GV_BCAST(p) _mm256_broadcast_ss(p)
+#define GV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define GV_STORE(p, v) _mm256_storeu_ps(p, v)
+#else
+typedef struct { float v[4]; } gv; /* portable build: plain loops over 4 lanes */
+#define GL 4
+static inline gv gv_zero(void) { gv r = {{0}}; return r; }
+static inline gv gv_load(const float *p) { gv r; for (int l = 0; l < 4; l++) r.v[l] = p[l]; return r; }
+static inline gv gv_bcast(const float *p) { gv r; for (int l = 0; l < 4; l++) r.v[l] = *p; return r; }
+static inline gv gv_fma(gv a, gv b, gv c) { for (int l = 0; l < 4; l++) c.v[l] += a.v[l] * b.v[l]; return c; }
+static inline void gv_store(float *p, gv v) { for (int l = 0; l < 4; l++) p[l] = v.v[l]; }
+#define GV_ZERO() gv_zero()
+#define GV_LOAD(p) gv_load(p)
+#define GV_BCAST(p) gv_bcast(p)
+#define GV_FMA(a, b, c) gv_fma(a, b, c)
+#define GV_STORE(p, v) gv_store(p, v)
+#endif
+
+#define GR (2 * GL) /* weight rows per panel: two vectors */
+#if PK_AVX512
+#define GT 12 /* tokens per register tile: 24 of the 32 vector registers accumulate */
+#else
+#define GT 6 /* 12 of the 16 */
+#endif
+#define KC 512      /* k per packed chunk: GR * KC floats (32 KiB on AVX-512) */
+
+/* out[i, 0..rows) (+)= sum over kk < kc of x[i, kk] * P[kk][r] for i < NT (a constant) */
+static inline __attribute__((always_inline)) void gemm_tile(const float *P, const float *x, int64_t ldx, int64_t kc,
+                                                            float *out, int64_t ldo, int64_t rows, int add, const int NT) {
+    gv a0[GT], a1[GT];
+    for (int i = 0; i < NT; i++) a0[i] = a1[i] = GV_ZERO();
+    for (int64_t kk = 0; kk < kc; kk++) {
+        const gv w0 = GV_LOAD(P + kk * GR), w1 = GV_LOAD(P + kk * GR + GL);
+        for (int i = 0; i < NT; i++) {
+            const gv b = GV_BCAST(x + i * ldx + kk);
+            a0[i] = GV_FMA(b, w0, a0[i]);
+            a1[i] = GV_FMA(b, w1, a1[i]);
+        }
+    }
+    for (int i = 0; i < NT; i++) {
+        float t[GR];
+        GV_STORE(t, a0[i]);
+        GV_STORE(t + GL, a1[i]);
+        float *o = out + i * ldo;
+        if (add)
+            for (int64_t r = 0; r < rows; r++) o[r] += t[r];
+        else
+            for (int64_t r = 0; r < rows; r++) o[r] = t[r];
+    }
+}
+
+/* every token of x against one packed chunk, GT tokens at a time (the rest with a smaller tile) */
+static void gemm_chunk(const float *P, const float *x, int64_t n, int64_t ldx, int64_t kc, float *out, int64_t ldo,
+                       int64_t rows, int add) {
+    int64_t i = 0;
+    for (; i + GT <= n; i += GT) gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, GT);
+    switch (n - i) {
+#if GT > 6
+    case 11: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 11); break;
+    case 10: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 10); break;
+    case 9: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 9); break;
+    case 8: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 8); break;
+    case 7: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 7); break;
+    case 6: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 6); break;
+#endif
+    case 5: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 5); break;
+    case 4: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 4); break;
+    case 3: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 3); break;
+    case 2: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 2); break;
+    case 1: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 1); break;
+    default: break;
+    }
+}
+
+/* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk
+ * packed k-major (zero rows past the end) and multiplied into out[:, r0..] */
+static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
+                       int64_t rows, float *tmp, float *P) {
+    const int64_t k = D->k;
+    for (int64_t r = 0; r < rows; r++) dq_row(kind, D, r0 + r, tmp + r * k);
+    for (int64_t c0 = 0; c0 < k; c0 += KC) {
+        const int64_t kc = k - c0 < KC ? k - c0 : KC;
+        if (rows < GR) memset(P, 0, (size_t)(kc * GR) * 4);
+        for (int64_t kk = 0; kk < kc; kk++)
+            for (int64_t r = 0; r < rows; r++) P[kk * GR + r] = tmp[r * k + c0 + kk];
+        gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0);
+    }
+}
+
+/* the whole product on nt threads; -1 when a thread's buffers cannot be allocated */
+static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt) {
+    const int64_t k = D->k, panels = (m + GR - 1) / GR;
+    if (panels < nt) nt = (int)(panels > 0 ? panels : 1);
+    int failed = 0;
+#pragma omp parallel num_threads(nt) reduction(| : failed)
+    {
+        float *tmp = malloc((size_t)(GR * k + GR * KC + 16) * 4);
+        if (!tmp) failed = 1;
+        float *P = tmp ? (float *)(((uintptr_t)(tmp + GR * k) + 63) & ~(uintptr_t)63) : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!tmp) continue;
+            const int64_t r0 = p * GR, rows = m - r0 < GR ? m - r0 : GR;
+            gemm_panel(kind, D, x, n, out, m, r0, rows, tmp, P);
+        }
+        free(tmp);
+    }
+    return failed ? -1 : 0;
+}
+
+/* gemm(kind, x, out, w, aux, n, k, m, threads): shapes and byte sizes checked like dequantize's */
+static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "gemm(kind, x, out, w, aux, n, k, m, threads)"); return NULL; }
+    const long kind = PyLong_AsLong(args[0]), nt = PyLong_AsLong(args[8]);
+    const int64_t n = PyLong_AsLongLong(args[5]), k = PyLong_AsLongLong(args[6]), m = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (kind < 0 || kind >= K_COUNT || n < 1 || k < 1 || m < 1 || nt < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad kind, shape or threads");
+        return NULL;
+    }
+    const int scaled = kind == K_I8 || kind == K_LOOM_Q4; /* the kinds with a scales array */
+    if (scaled != (args[4] != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "int8 rows and Loom Q4 need their scales; other kinds take none");
+        return NULL;
+    }
+    if (kind == K_LOOM_Q4 && k % 32) {
+        PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks");
+        return NULL;
+    }
+    Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0};
+    PyObject *ret = NULL;
+    mm_args A = {0};
+    A.n = n; A.k = k; A.m = m;
+    if (PyObject_GetBuffer(args[1], &bx, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[2], &bo, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_x;
+    if (PyObject_GetBuffer(args[3], &bw, PyBUF_C_CONTIGUOUS) < 0) goto done_o;
+    if (scaled && PyObject_GetBuffer(args[4], &ba, PyBUF_C_CONTIGUOUS) < 0) goto done_w;
+    if (check_sizes((int)kind, &bx, &bo, &bw, scaled ? &ba : NULL, &A) < 0) goto done_a;
+    dq_args D = {0};
+    D.w = bw.buf; D.aux = scaled ? ba.buf : NULL; D.k = k; D.rb = A.rb; D.r0 = 0; D.r1 = m;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = gemm_run((int)kind, &D, bx.buf, n, bo.buf, m, nt ? (int)nt : pk_threads);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) PyErr_NoMemory();
+    else ret = Py_NewRef(Py_None);
+done_a:
+    if (scaled) PyBuffer_Release(&ba);
+done_w:
+    PyBuffer_Release(&bw);
+done_o:
+    PyBuffer_Release(&bo);
+done_x:
+    PyBuffer_Release(&bx);
+    return ret;
+}
+
+#endif /* PK_GEMM_H */

@@ -1,0 +1,98 @@
+"""The prefill product `gemm` (csrc/pk_gemm.h) on every instruction-set build: x @ W.T against
+float64 numpy on the reference dequantization (gguf-py's quantizer and decoders for the GGUF
+kinds), over ragged row panels, token tails of every tile size and k split into several packed
+chunks; and the thread policy that keeps BLAS from waiting on spinning OpenMP workers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poly.runtime import ckernels, kernels
+from tests.test_ckernels import MAKERS, block_of, random_weights
+
+pytestmark = [
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime.native.ckernels not built"),
+    pytest.mark.usefixtures("c_backend"),
+]
+
+
+def _check(qt, n: int, threads: int = 0) -> None:
+    m, k = qt.shape
+    kind, w, aux = ckernels.operands(qt)
+    x = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32)
+    out = np.full((n, m), np.nan, dtype=np.float32)
+    ckernels.gemm(kind, w, aux, x, out, threads)
+    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T  # [n, m]
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("scheme", sorted(MAKERS))
+def test_gemm_matches_the_dequantized_product(scheme, each_isa):
+    k = 1280 if block_of(scheme) == 256 else 1120  # > one packed chunk, a ragged last chunk
+    qt = MAKERS[scheme](random_weights(75, k, seed=3))  # 75 rows: two full panels and a ragged one
+    _check(qt, 29)  # token tiles of 12 / 6 and a tail
+
+
+@pytest.mark.parametrize("n", [1, 5, 6, 7, 11, 12, 13, 17, 24, 100])
+def test_gemm_every_token_tail(n, each_isa):
+    _check(MAKERS["gguf_q8_0"](random_weights(40, 96, seed=n)), n)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gemm_thread_counts_agree(threads):
+    qt = MAKERS["gguf_q4_1"](random_weights(130, 256, seed=1))
+    _check(qt, 33, threads)
+
+
+def test_prefill_products_route_through_gemm(monkeypatch):
+    calls = []
+    real = ckernels.EXT
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            return (lambda *a: (calls.append(name), fn(*a))[1]) if name == "gemm" else fn
+
+    monkeypatch.setattr(ckernels, "EXT", Spy())
+    qt = MAKERS["gguf_q4_0"](random_weights(64, 128, seed=2))
+    x = np.random.default_rng(0).standard_normal((40, 128)).astype(np.float32)
+    qt.matmul(x)  # a quantized matrix, 40 rows
+    kernels.dense_matmul(x, random_weights(64, 128, seed=4))  # a float32 array, 40 rows
+    qt.matmul(x[:8])  # 8 rows: the matrix-vector kernel
+    assert calls == ["gemm", "gemm"]
+
+
+def test_gemm_bad_inputs_raise():
+    qt = MAKERS["gguf_q8_0"](random_weights(8, 64, seed=0))
+    kind, w, aux = ckernels.operands(qt)
+    x = np.zeros((3, 64), np.float32)
+    with pytest.raises(ValueError):
+        ckernels.EXT.gemm(kind, x, np.zeros((3, 8), np.float32), w[:-1], None, 3, 64, 8, 0)
+    with pytest.raises(ValueError):
+        ckernels.EXT.gemm(kind, x, np.zeros((3, 7), np.float32), w, None, 3, 64, 8, 0)
+    with pytest.raises(ValueError):
+        ckernels.EXT.gemm(
+            kind, x, np.zeros((3, 8), np.float32), w, np.ones(8, np.float32), 3, 64, 8, 0
+        )
+    with pytest.raises(ValueError):
+        ckernels.EXT.gemm(99, x, np.zeros((3, 8), np.float32), w, None, 3, 64, 8, 0)
+
+
+def test_blas_runs_one_thread_under_the_c_backend():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas() -> set[int]:  # numpy's BLAS (torch, loaded later by other tests, has its own)
+        info = threadpoolctl.threadpool_info()
+        return {
+            i["num_threads"] for i in info if i["user_api"] == "blas" and "numpy" in i["filepath"]
+        }
+
+    n = kernels.num_threads()
+    kernels.set_backend("c")
+    assert kernels.blas_threads(n) == 1 and blas() <= {1}
+    kernels.set_backend("numpy")
+    try:
+        assert kernels.blas_threads(n) == n and blas() <= {n}
+    finally:
+        kernels.set_backend("c")
