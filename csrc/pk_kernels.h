@@ -339,6 +339,7 @@ static inline int check_matrix(int kind, Py_buffer *bw, Py_buffer *ba, mm_args *
 
 static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *pk_py_softmax_causal(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *pk_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *pk_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 

@@ -378,6 +378,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "out = x @ W.T (see poly.runtime.ckernels)"},
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "rows [r0, r1) as float32"},
     {"gemm", (PyCFunction)(void (*)(void))pk_py_gemm, METH_FASTCALL, "out = x @ W.T, any rows (csrc/pk_gemm.h)"},
+    {"softmax_causal", (PyCFunction)(void (*)(void))pk_py_softmax_causal, METH_FASTCALL, "prefill attention weights in place"},
     {"decode", (PyCFunction)(void (*)(void))pk_py_decode, METH_FASTCALL, "one decode step of a whole model (see csrc/pk_decode.c)"},
     {"rope", (PyCFunction)(void (*)(void))pk_py_rope, METH_FASTCALL, "rotate [n, heads, hd] in place (HF half split)"},
     {"silu_mul", (PyCFunction)(void (*)(void))pk_py_silu_mul, METH_FASTCALL, "out = silu(gate) * up from [n, 2I]"},

@@ -32,6 +32,9 @@ HOOKS: dict[str, Callable] = {
     "dense_matmul": numpy_dense_matmul,
     "silu_mul": numpy_silu_mul,
     "rope_inplace": None,  # poly.rope's numpy rotation unless a backend installs one
+    # prefill attention (q [n, H, hd], k/v [T, kvh, hd], start, groups) -> [n, H, hd] or None
+    # (None: poly.nn.mha's numpy path runs)
+    "attend": None,
 }
 NUMPY_HOOKS = dict(HOOKS)
 

@@ -96,3 +96,44 @@ def test_blas_runs_one_thread_under_the_c_backend():
         assert kernels.blas_threads(n) == n and blas() <= {n}
     finally:
         kernels.set_backend("c")
+
+
+@pytest.mark.parametrize("n,start,groups", [(96, 0, 3), (100, 37, 1), (130, 5, 2)])
+def test_c_prefill_attention_matches_numpy(n, start, groups, each_isa, monkeypatch):
+    from poly import ops
+    from poly.nn import mha
+
+    rng = np.random.default_rng(n)
+    kvh, hd = 2, 64
+    t = start + n
+    q = rng.standard_normal((n, kvh * groups, hd)).astype(np.float32)
+    k = rng.standard_normal((t, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((t, kvh, hd)).astype(np.float32)
+    got = ckernels.attend(q, k, v, start, groups)
+    assert got is not None and got.shape == q.shape
+    monkeypatch.setitem(ops.HOOKS, "attend", None)
+    ref = mha._attend(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), start, groups
+    )
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5)
+
+
+def test_small_attention_stays_on_numpy():
+    q = np.zeros((4, 2, 64), np.float32)
+    k = np.zeros((4, 1, 64), np.float32)
+    assert ckernels.attend(q, k, k, 0, 2) is None  # below ATTEND_MIN queries x keys
+    assert (
+        ckernels.attend(
+            np.zeros((200, 2, 64)), np.zeros((200, 1, 64)), np.zeros((200, 1, 64)), 0, 2
+        )
+        is None
+    )
+
+
+def test_softmax_causal_bad_inputs_raise():
+    with pytest.raises(ValueError):
+        ckernels.EXT.softmax_causal(np.zeros((5, 8), np.float32), 2, 0, 0)  # 5 rows, n = 2
+    with pytest.raises(ValueError):
+        ckernels.EXT.softmax_causal(np.zeros((4, 8), np.float32), 4, 6, 0)  # start + n > T
+    with pytest.raises((ValueError, TypeError, BufferError)):
+        ckernels.EXT.softmax_causal(np.zeros((4, 8), np.float32)[:, ::2], 4, 0, 0)

@@ -12,7 +12,7 @@ import numpy as np
 from poly.errors import ContextOverflowError, LayerConfigError
 from poly.layer import LayerKind, LayerType
 from poly.nn.spec import Spec, carve, span
-from poly.ops import dense_matmul, linear, rms_norm
+from poly.ops import HOOKS, dense_matmul, linear, rms_norm
 from poly.rope import rope_inplace, rope_tables
 
 MATRICES = frozenset({"w_q", "w_k", "w_v", "w_o"})
@@ -176,6 +176,10 @@ def _project_qkv(p: Plan, x: np.ndarray, block_rows: int):
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int) -> np.ndarray:
     """q [n, H, hd] at positions start..start+n-1 over k/v [T, kvh, hd] -> [n, H, hd]."""
+    hook = HOOKS["attend"]
+    got = None if hook is None else hook(q, k, v, start, groups)
+    if got is not None:
+        return got
     n, heads, hd = q.shape
     kvh, t = k.shape[1], k.shape[0]
     # scaled q in one contiguous [kvh, g*n, hd] buffer: one GEMM per kv head, no stacked loops

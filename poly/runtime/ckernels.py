@@ -258,6 +258,33 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
     EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], int(threads))
 
 
+ATTEND_MIN = 8192  # queries x keys below which numpy's attention is as fast
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int):
+    """Prefill attention (the `poly.ops.HOOKS["attend"]` entry): q [n, H, hd] at positions
+    start.. over k/v [T, kvh, hd] -> [n, H, hd], or None for small or non-float32 cases. Per kv
+    head: scores = gemm(q_g, K_h), `softmax_causal` in place, out = gemm(P, V_h.T), all on the
+    OpenMP threads (numpy's version is single-threaded BLAS plus five passes of numpy)."""
+    n, heads, hd = q.shape
+    t, kvh = k.shape[0], k.shape[1]
+    if n * t < ATTEND_MIN or not all(a.dtype == _F32 for a in (q, k, v)):
+        return None
+    gn = groups * n
+    qg = np.empty((kvh, groups, n, hd), dtype=np.float32)  # [kvh, g, n, hd]
+    np.multiply(q.reshape(n, kvh, groups, hd).transpose(1, 2, 0, 3), np.float32(hd**-0.5), out=qg)
+    qg = qg.reshape(kvh, gn, hd)  # [kvh, g*n, hd]
+    out = np.empty((kvh, gn, hd), dtype=np.float32)  # [kvh, g*n, hd]
+    scores = np.empty((gn, t), dtype=np.float32)  # [g*n, T]
+    for h in range(kvh):
+        kh = np.ascontiguousarray(k[:, h, :])  # [T, hd]
+        EXT.gemm(F32, qg[h], scores, kh, None, gn, hd, t, 0)
+        EXT.softmax_causal(scores, n, start, 0)
+        vt = np.ascontiguousarray(v[:, h, :].T)  # [hd, T]
+        EXT.gemm(F32, scores, out[h], vt, None, gn, t, hd, 0)
+    return out.reshape(kvh, groups, n, hd).transpose(2, 0, 1, 3).reshape(n, heads, hd)
+
+
 def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     """The `poly.quant.qtensor.KERNELS` entry: C for a supported form, else numpy.
 

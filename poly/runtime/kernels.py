@@ -292,6 +292,7 @@ def _install_hooks(chosen: str) -> None:
     if ckernels.AVAILABLE:
         ops.HOOKS["silu_mul"] = ckernels.silu_mul
         ops.HOOKS["rope_inplace"] = ckernels.EXT.rope
+        ops.HOOKS["attend"] = ckernels.attend
         qtensor.DEQUANTIZER.update(
             supported=ckernels.dequantize_supported, rows=ckernels.dequantize
         )
