@@ -42,7 +42,7 @@ typedef struct {
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
     int64_t pos[MAX_N];
     const int32_t *tab[MAX_N]; int64_t ntab[MAX_N], ps; /* paged KV: page tables (NULL: contiguous) */
-    const float *g_final; float eps_final; mat_t lm; float *x, *logits;
+    const float *g_final; float eps_final; mat_t lm; float *x, *logits; int last; /* last: logits of row n-1 only */
     /* tensor parallel (optional): each row-parallel projection's partial sums [n, d] go to
      * `red`, then `red_fn()` (Python, e.g. an MPI all-reduce of `red` in place) runs on the
      * calling thread with the GIL, before they are added to x; the first error stops the calls */

@@ -206,7 +206,10 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
     const int64_t V = PyLong_AsLongLong(PyTuple_GET_ITEM(lm, 3));
     if (PyErr_Occurred() || parse_mat(H, lm, &S->lm, V, S->d)) return -1;
     S->loom |= S->lm.kind == K_LOOM_Q4;
-    if (!(S->logits = (float *)hold(H, args[4], 1, V * 4 * S->n, "logits"))) return -1;
+    if (!(S->logits = (float *)hold(H, args[4], 1, -1, "logits"))) return -1;
+    const Py_ssize_t got = H->bufs[H->n - 1].len;
+    S->last = S->n > 1 && got == V * 4;
+    if (!S->last && want_len(&H->bufs[H->n - 1], V * 4 * S->n, "logits")) return -1;
     return 0;
 }
 

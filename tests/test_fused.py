@@ -282,3 +282,35 @@ def test_long_context_attention_matches_python_path(head_dim, monkeypatch, each_
             out[use_fused] = [tf.forward([(5 * i + 1) % 120]) for i in range(3)]
     for r, g in zip(out[False], out[True]):
         np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * np.abs(r).max())
+
+
+def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
+    tf = random_transformer(_cfg(), seed=4)
+    calls = []
+    real = ckernels.decode
+
+    def spy(layers, caches, head, x, logits, pos, *rest):
+        calls.append((x.shape[0], logits.shape, pos))
+        return real(layers, caches, head, x, logits, pos, *rest)
+
+    monkeypatch.setattr(ckernels, "decode", spy)
+    tf.reset()
+    got = tf.forward(PROMPT)
+    assert calls == [(6, (1, 120), (0, 1, 2, 3, 4, 5))]  # 6 rows at positions 0..5, 1 logits row
+    tf.forward(list(range(1, 11)))  # 10 more rows continue the same caches
+    assert calls[-1] == (10, (1, 120), tuple(range(6, 16)))
+    assert tf.position == 16
+    tf.forward(list(range(20, 37)))  # 17 tokens: the reference path
+    assert len(calls) == 2 and tf.position == 33
+    monkeypatch.setattr(fused, "plan", lambda model: None)
+    tf.reset()
+    np.testing.assert_allclose(got, tf.forward(PROMPT), rtol=0, atol=1e-5 * np.abs(got).max())
+
+
+def test_a_fused_prompt_past_the_context_is_refused():
+    tf = random_transformer(_cfg(max_seq_len=8), seed=4)
+    tf.reset()
+    tf.forward(PROMPT)
+    with pytest.raises(ContextOverflowError, match="6 cached \\+ 3 new tokens > max_seq_len 8"):
+        tf.forward([1, 2, 3])
+    assert tf.position == 6  # nothing written

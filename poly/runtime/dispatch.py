@@ -1,7 +1,8 @@
 """The one place that chooses between the fused C step and the reference path.
 
 A one-token `Transformer.forward` under the C backend, on float32 activations, runs the fused
-step (poly/runtime/fused.py) when its plan applies; everything else (prompts, tiling, other
+step (poly/runtime/fused.py) when its plan applies, and so does a prompt of up to 16 tokens (its
+tokens as the step's rows, sharing each block's cache); everything else (prompts, tiling, other
 activations, forms without a C kernel, the numpy/numba backends, float64) runs the reference
 path of the model (poly/model/transformer.py), whose blocks run on the thread count the prefill
 tuner picks (poly/runtime/prefill.py).
@@ -14,6 +15,11 @@ import numpy as np
 from poly.nn.embedding import lookup
 from poly.runtime import fused, prefill
 
+# prompts of up to this many tokens run as the rows of one fused step (csrc/pk_decode.c):
+# SmolLM2 16 tokens Q8_0 34 -> 20 ms, F32 55 -> 37 ms; longer ones take the reference path,
+# whose products run in the C gemm
+FUSED_PREFILL_MAX = 16  # = the C step's MAX_N; 2 calls of 16 were slower than gemm at 32
+
 
 def forward(model, ids: np.ndarray) -> np.ndarray:
     """Logits [V] of the last of `ids` (int64 [n], checked) for `model`."""
@@ -21,6 +27,13 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
         p = fused.plan(model)
         if p is not None:
             logits = fused.step(model, p, lookup(model.embeddings, ids)[0])  # x [H]
+            if logits is not None:
+                return logits
+    if 1 < ids.size <= FUSED_PREFILL_MAX and model.activation_dtype == np.float32:
+        p = fused.plan(model)
+        if p is not None:  # a short prompt: its tokens are the rows of fused calls
+            x = np.ascontiguousarray(lookup(model.embeddings, ids), dtype=np.float32)  # [n, H]
+            logits = fused.prefill(model, p, x)
             if logits is not None:
                 return logits
     if ids.size == 1:  # a decode step off the fused path: no per-block trial

@@ -212,6 +212,35 @@ def step(model, p: Plan, x: np.ndarray, reduce=None) -> np.ndarray | None:
     return None if logits is None else logits[0]
 
 
+def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
+    """Logits [V] of the last of a short prompt: x [n, d] (overwritten, 2 <= n <= MAX_N) the
+    embeddings of n new tokens continuing the model's own caches, run as n rows of one fused
+    call that share each block's cache (row i at position start + i). No Python per block and
+    the LM head for the last row only; None when the caches are not at one position."""
+    n = x.shape[0]
+    if any(getattr(layer, "expert_cache", None) is not None for layer, _ in p.moe):
+        return None  # paged experts: the grouped path reports each before use (the budget holds)
+    caches = [mha.live_cache(layer) for layer in p.attn]
+    start = caches[0].length
+    if any(c.length != start for c in caches):
+        return None
+    if any(c.capacity < start + n for c in caches):
+        raise ContextOverflowError(
+            f"context overflow: {start} cached + {n} new tokens > max_seq_len {caches[0].capacity}"
+        )
+    pairs = []
+    for c in caches:
+        pairs += (c.k, c.v) * n  # every row of block li reads and writes the same cache
+    logits = np.empty((1, p.vocab), dtype=np.float32)  # [1, V]: the last row's only
+    nt = SHARED.advice(kernels.num_threads())  # what the tuners found, no trial of its own
+    pos = tuple(range(start, start + n))
+    ckernels.decode(p.layers, tuple(pairs), p.head, x, logits, pos, nt, None, None)
+    _report_experts(p, n)
+    for c in caches:
+        c.length = start + n
+    return logits[0]
+
+
 def step_rows(p: Plan, x: np.ndarray, states: list[list], reduce=None) -> np.ndarray | None:
     """Batched decode: x [B, d] (overwritten), row b continuing states[b] (one KVCache or None
     per block, created here on first use) -> logits [B, V]; None = use the Python path."""
