@@ -98,6 +98,41 @@ static void gemm_chunk(const float *P, const float *x, int64_t n, int64_t ldx, i
     }
 }
 
+#if PK_SIMD
+/* 8 rows of 8 floats (src, row stride lds) stored transposed: dst[j * ldd + i] = src[i * lds + j] */
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#endif
+
+/* P[kk][r] = src[r * lds + kk] for kk < kc, r < rows (rows past them zero): k-major panel */
+static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, float *P) {
+    int64_t kk = 0;
+#if PK_SIMD
+    if (rows == GR) /* whole 8 x 8 blocks on 8 lanes: ~0.4 instructions an element, not 2 */
+        for (; kk + 8 <= kc; kk += 8)
+            for (int64_t r = 0; r < GR; r += 8) transpose8(src + r * lds + kk, lds, P + kk * GR + r, GR);
+#endif
+    if (rows < GR) memset(P, 0, (size_t)(kc * GR) * 4);
+    for (; kk < kc; kk++)
+        for (int64_t r = 0; r < rows; r++) P[kk * GR + r] = src[r * lds + kk];
+}
+
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk
  * packed k-major (zero rows past the end) and multiplied into out[:, r0..] */
 static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
@@ -106,9 +141,7 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, fl
     for (int64_t r = 0; r < rows; r++) dq_row(kind, D, r0 + r, tmp + r * k);
     for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = k - c0 < KC ? k - c0 : KC;
-        if (rows < GR) memset(P, 0, (size_t)(kc * GR) * 4);
-        for (int64_t kk = 0; kk < kc; kk++)
-            for (int64_t r = 0; r < rows; r++) P[kk * GR + r] = tmp[r * k + c0 + kk];
+        gemm_pack(tmp + c0, k, rows, kc, P);
         gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0);
     }
 }
