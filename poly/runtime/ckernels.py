@@ -258,6 +258,7 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
     EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], int(threads))
 
 
+GEMM_ROWS = 8  # rows from which `gemm` beats the row kernels (csrc/pk_decode.c uses the same)
 ATTEND_MIN = 8192  # queries x keys below which numpy's attention is as fast
 
 
@@ -288,9 +289,9 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int)
 def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     """The `poly.quant.qtensor.KERNELS` entry: C for a supported form, else numpy.
 
-    Up to MAX_N rows the matrix-vector kernels (each weight row streamed once); more rows
-    (prefill) the register-tiled `gemm` (1.5-1.8x OpenBLAS sgemm on SmolLM2's shapes, and no
-    dequantized copy); forms without a C reader: dequantize + BLAS."""
+    Below GEMM_ROWS rows the matrix-vector kernels (each weight row streamed once); from there
+    the register-tiled `gemm` (1.5-1.8x OpenBLAS sgemm on SmolLM2's shapes, no dequantized copy;
+    at 8-16 rows 1.1-1.6x the row kernels); forms without a C reader: dequantize + BLAS."""
     n = x2.shape[0]
     ops = operands(qt)
     if ops is None:
@@ -301,7 +302,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    if n > MAX_N:
+    if n >= GEMM_ROWS:
         EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0)
     else:
         EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"])
