@@ -343,3 +343,31 @@ def test_tiny_arch_logits_match_transformers(tmp_path, arch, keep_quantized):
     tf.reset()  # and token by token through the KV cache
     steps = np.stack([tf.forward([t]) for t in ids])
     np.testing.assert_allclose(steps, ref, atol=1e-4, rtol=0)
+
+
+def test_f32_matrices_kept_as_stored_leave_the_file_mapping(tmp_path):
+    """keep_quantized float32 tensors are copied to aligned (huge-page) memory, not read from
+    the mapping's 4 KB pages every token; the logits do not change."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from entity.gguf.loader import load_gguf
+    from poly.nn import swiglu
+
+    cls, extra = ARCH_CONFIGS["qwen2"]
+    cfg = getattr(transformers, cls)(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, **extra)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    path = tmp_path / "q.gguf"
+    _write_tiny_gguf(path, "qwen2", model)
+    kept, dense = load_gguf(path, keep_quantized=True), load_gguf(path, keep_quantized=False)
+    raw = swiglu.components(kept.mlp(0))["w_down"].raw
+
+    def bases(a):
+        while a is not None:
+            yield a
+            a = a.base
+
+    assert not any(isinstance(b, np.memmap) for b in bases(raw))
+    ids = [3, 17, 42, 5]
+    np.testing.assert_allclose(kept.forward_all(ids), dense.forward_all(ids), atol=1e-5, rtol=0)
