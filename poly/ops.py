@@ -35,6 +35,8 @@ HOOKS: dict[str, Callable] = {
     # prefill attention (q [n, H, hd], k/v [T, kvh, hd], start, groups) -> [n, H, hd] or None
     # (None: poly.nn.mha's numpy path runs)
     "attend": None,
+    # one MoE expert (a SwiGLU layer) on its gathered rows x [n, d] -> [n, d] or None
+    "expert": None,
 }
 NUMPY_HOOKS = dict(HOOKS)
 

@@ -88,3 +88,31 @@ def test_expert_pager_sees_the_experts_of_the_c_step(files):
     assert c_stats == py_stats and c_stats["resident"] == 3
     assert c_stats["hits"] + c_stats["misses"] >= len(STEPS) * 2 * 3  # top-3 in 2 layers per step
     np.testing.assert_allclose(c_logits, py_logits, atol=2e-5 * np.abs(py_logits).max(), rtol=0)
+
+
+@pytest.mark.skipif(not kernels.HAVE_C, reason="needs the C extension")
+@pytest.mark.parametrize("name", ["f32", "q8", "q4"])
+def test_expert_fast_path_equals_the_swiglu_forward(files, name):
+    from poly.runtime import experts
+
+    tf = entity.load(files[name])
+    sub = tf.mlp(0).sequential_layers[3]
+    for n in (1, 5, 8, 21):  # row kernels below GEMM_ROWS, gemm from there
+        x = np.random.default_rng(n).standard_normal((n, 128)).astype(np.float32)
+        got, ref = experts.run(sub, x), sub.forward(x)
+        assert got is not None and got.shape == (n, 128)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.skipif(not kernels.HAVE_C, reason="needs the C extension")
+def test_expert_fast_path_declines_a_biased_expert(files):
+    from poly.nn import layout
+    from poly.runtime import experts
+
+    tf = entity.load(files["qwen2_moe"])  # from safetensors: writable masters
+    sub = tf.mlp(0).sequential_layers[0]
+    x = np.ones((3, tf.config.hidden_size), np.float32)
+    assert experts.run(sub, x) is not None
+    layout.swiglu(sub).b_down[...] = 0.5
+    sub.weights.touch()  # an in-place edit is announced (poly.weights)
+    assert experts.run(sub, x) is None  # sub.forward adds the bias

@@ -33,7 +33,7 @@ from poly.config import MoEConfig
 from poly.errors import LayerConfigError
 from poly.layer import LayerKind, LayerType, VolumetricLayer
 from poly.nn.spec import Spec, carve
-from poly.ops import dense_matmul
+from poly.ops import HOOKS, dense_matmul
 
 
 @dataclass
@@ -159,6 +159,7 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
     counts = np.bincount(flat, minlength=cfg.num_experts)
     cache = getattr(layer, "expert_cache", None)
     subs = layer.sequential_layers
+    fast = HOOKS["expert"]  # the C backend's per-expert path (poly/runtime/experts.py)
     start = 0
     for e in np.flatnonzero(counts):  # ascending expert id, like transformers' index_add_
         pairs = order[start : start + counts[e]]
@@ -166,7 +167,10 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
         rows, slots = pairs // k, pairs % k  # a token picks an expert at most once
         if cache is not None:
             cache.use(int(e))
-        y = subs[e].forward(x2[rows] if len(rows) < len(x2) else x2)  # [m, d]
+        xe = x2[rows] if len(rows) < len(x2) else x2  # [m, d]
+        y = None if fast is None else fast(subs[e], xe)
+        if y is None:
+            y = subs[e].forward(xe)  # [m, d]
         out[rows] += y * w[rows, slots][:, None]
     shared = shared_expert(layer)
     if shared is not None:
