@@ -103,6 +103,15 @@ static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
     }
 }
 
+/* P's buffers seen from element `off` on, with input x (rows of k, k % 32 == 0 for the block
+ * kinds, so `off` is a whole number of blocks) */
+static px_t px_view(const px_t *P, const float *x, int64_t off) {
+    px_t V = *P;
+    V.x = x; V.xs = P->xs + off / 32; V.dx = P->dx + off / 32; V.xp = P->xp + off;
+    V.xq = P->xq + 2 * off; V.xqp = P->xqp + 2 * off;
+    return V;
+}
+
 /* from this many rows a product runs as gemm panels: measured on SmolLM2's Q8_0/Q4_0/Q5_0
  * gate (1536 x 576), 8 rows 108-126 us vs 117-137 with the row kernels, 16 rows 139-173 vs 227-275 */
 #define GEMM_ROWS 8
@@ -127,6 +136,12 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0};
         for (int64_t rp = r0; rp < r1; rp += GR)
             gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk);
+    } else if (n > MAX_N) { /* the row kernels keep MAX_N accumulators: pieces of MAX_N rows */
+        for (int64_t c = 0; c < n; c += MAX_N) {
+            const px_t V = px_view(P, P->x + c * A.k, c * A.k);
+            mat_rows(M, &V, out + c * ldo, ldo, r0, r1, q8, n - c < MAX_N ? n - c : MAX_N);
+        }
+        return; /* each piece added its bias */
     } else
         (use8 ? RF8 : RF)[M->kind](&A, r0, r1);
     if (M->bias)

@@ -5,6 +5,8 @@
 #include "pk_kernels.h"
 
 #define MAX_LAYERS 4096
+#define STEP_MAX 64 /* rows of one step: sequences, or a prompt's tokens (products of more than
+                     * MAX_N rows run as gemm panels, or in MAX_N-row pieces) */
 
 typedef struct {
     mm_args A; /* w, aux, m, k, rb, nb set; x/out filled per use */
@@ -26,7 +28,7 @@ typedef struct {
     int heads, kvh, hd, nqkv, ngu;
     float eps;
     const float *g_attn, *g_q, *g_k, *g_mlp, *cos, *sin;
-    float *kc[MAX_N], *vc[MAX_N];
+    float *kc[STEP_MAX], *vc[STEP_MAX];
     mat_t qkv[3], o, gu[2], down;
     moe_t *moe; /* NULL: the dense FFN gu/down */
 } layer_t;
@@ -41,8 +43,8 @@ typedef struct { /* one input vector prepared for every kernel kind */
 typedef struct {
     layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int q8, loom;
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
-    int64_t pos[MAX_N];
-    const int32_t *tab[MAX_N]; int64_t ntab[MAX_N], ps; /* paged KV: page tables (NULL: contiguous) */
+    int64_t pos[STEP_MAX];
+    const int32_t *tab[STEP_MAX]; int64_t ntab[STEP_MAX], ps; /* paged KV: page tables (NULL: contiguous) */
     const float *g_final; float eps_final; mat_t lm; float *x, *logits; int last; /* last: logits of row n-1 only */
     /* tensor parallel (optional): each row-parallel projection's partial sums [n, d] go to
      * `red`, then `red_fn()` (Python, e.g. an MPI all-reduce of `red` in place) runs on the

@@ -213,10 +213,10 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
     return 0;
 }
 
-/* pos: a tuple of 1..MAX_N positions >= 0 -> S->n, S->pos, S->maxpos */
+/* pos: a tuple of 1..STEP_MAX positions >= 0 -> S->n, S->pos, S->maxpos */
 static int parse_pos(PyObject *o, step_t *S) {
-    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) < 1 || PyTuple_GET_SIZE(o) > MAX_N) {
-        PyErr_Format(PyExc_ValueError, "pos must be a tuple of 1..%d positions", MAX_N);
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) < 1 || PyTuple_GET_SIZE(o) > STEP_MAX) {
+        PyErr_Format(PyExc_ValueError, "pos must be a tuple of 1..%d positions", STEP_MAX);
         return -1;
     }
     S->n = (int)PyTuple_GET_SIZE(o);

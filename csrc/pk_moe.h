@@ -10,15 +10,6 @@
 #ifndef PK_MOE_H
 #define PK_MOE_H
 
-/* P's buffers seen from element `off` on, with input x (rows of k, k % 32 == 0 for the block
- * kinds, so `off` is a whole number of blocks) */
-static px_t px_view(const px_t *P, const float *x, int64_t off) {
-    px_t V = *P;
-    V.x = x; V.xs = P->xs + off / 32; V.dx = P->dx + off / 32; V.xp = P->xp + off;
-    V.xq = P->xq + 2 * off; V.xqp = P->xqp + 2 * off;
-    return V;
-}
-
 /* scores of one row's E router logits (softmax like numpy's: max subtracted, then normalised) */
 static void gate_scores(const moe_t *M, const float *lg, float *p) {
     if (M->sig) {
@@ -57,8 +48,8 @@ static float dot_f32(const float *a, const float *b, int64_t n) {
 static void moe_route(const step_t *S, const moe_t *M, bufs_t *B) {
     const int n = S->n, k = M->k;
     const int64_t d = S->d;
-    int32_t ids[MAX_N * 64], *cnt = (int32_t *)B->prob + M->E; /* k <= 64 checked at parse */
-    float w[MAX_N * 64];
+    int32_t ids[STEP_MAX * 64], *cnt = (int32_t *)B->prob + M->E; /* k <= 64 checked at parse */
+    float w[STEP_MAX * 64];
     for (int e = 0; e < M->E; e++) cnt[e] = 0;
     for (int i = 0; i < n; i++) {
         gate_scores(M, B->rl + (int64_t)i * M->E, B->prob);

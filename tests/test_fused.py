@@ -197,12 +197,26 @@ def test_batched_rows_match_each_sequence_alone(scheme, monkeypatch):
     assert [st[0].length for st in states] == [6, 10, 4]
 
 
-def test_more_rows_than_the_kernel_takes_use_the_python_path():
+def test_more_rows_than_the_step_takes_use_the_python_path():
     tf = random_transformer(_cfg(), seed=10)
     p = fused.plan(tf)
-    states = [tf.new_state() for _ in range(ckernels.MAX_N + 1)]
-    x = np.zeros((ckernels.MAX_N + 1, 64), np.float32)
+    states = [tf.new_state() for _ in range(ckernels.STEP_ROWS + 1)]
+    x = np.zeros((ckernels.STEP_ROWS + 1, 64), np.float32)
     assert fused.step_rows(p, x, states) is None
+
+
+def test_batched_rows_past_the_row_kernels_equal_each_row_alone(monkeypatch):
+    """17 and 40 sequences in one step: the products run as gemm panels (or, with int8
+    activations, in pieces of MAX_N rows); every row equals its own one-row step."""
+    tf = random_transformer(_cfg(), seed=12)
+    p = fused.plan(tf)
+    for n in (ckernels.MAX_N + 1, 40):
+        x0 = np.random.default_rng(n).standard_normal((n, 64)).astype(np.float32)
+        rows = fused.step_rows(p, x0.copy(), [tf.new_state() for _ in range(n)])
+        assert rows is not None and rows.shape == (n, 120)
+        for i in (0, n // 2, n - 1):
+            alone = fused.step_rows(p, x0[i : i + 1].copy(), [tf.new_state()])
+            np.testing.assert_allclose(rows[i], alone[0], rtol=0, atol=2e-5 * np.abs(alone).max())
 
 
 def test_rope_inplace_equals_numpy_rope():
@@ -289,7 +303,7 @@ def test_long_context_attention_matches_python_path(head_dim, monkeypatch, each_
 
 
 def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
-    tf = random_transformer(_cfg(), seed=4)
+    tf = random_transformer(_cfg(max_seq_len=128), seed=4)
     calls = []
     real = ckernels.decode
 
@@ -304,8 +318,10 @@ def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
     tf.forward(list(range(1, 11)))  # 10 more rows continue the same caches
     assert calls[-1] == (10, (1, 120), tuple(range(6, 16)))
     assert tf.position == 16
-    tf.forward(list(range(20, 37)))  # 17 tokens: the reference path
-    assert len(calls) == 2 and tf.position == 33
+    tf.forward(list(range(20, 37)))  # 17 tokens: still one call (up to STEP_ROWS)
+    assert calls[-1] == (17, (1, 120), tuple(range(16, 33)))
+    tf.forward([5] * 65)  # 65 tokens: the reference path
+    assert len(calls) == 3 and tf.position == 98
     monkeypatch.setattr(fused, "plan", lambda model: None)
     tf.reset()
     np.testing.assert_allclose(got, tf.forward(PROMPT), rtol=0, atol=1e-5 * np.abs(got).max())
@@ -318,3 +334,20 @@ def test_a_fused_prompt_past_the_context_is_refused():
     with pytest.raises(ContextOverflowError, match="6 cached \\+ 3 new tokens > max_seq_len 8"):
         tf.forward([1, 2, 3])
     assert tf.position == 6  # nothing written
+
+
+def test_int8_activation_rows_past_max_n_run_in_pieces():
+    tf = random_transformer(_cfg(hidden=128, inter=192), seed=13)
+    _quantize(tf, "gguf_q8_0")
+    p = fused.plan(tf)
+    old = ckernels.act_q8()
+    ckernels.set_act_q8(True)  # no gemm panels: the row kernels, MAX_N rows at a time
+    try:
+        n = ckernels.MAX_N + 5
+        x0 = np.random.default_rng(3).standard_normal((n, 128)).astype(np.float32)
+        rows = fused.step_rows(p, x0.copy(), [tf.new_state() for _ in range(n)])
+        for i in (0, ckernels.MAX_N, n - 1):
+            alone = fused.step_rows(p, x0[i : i + 1].copy(), [tf.new_state()])
+            np.testing.assert_allclose(rows[i], alone[0], rtol=0, atol=1e-6 * np.abs(alone).max())
+    finally:
+        ckernels.set_act_q8(old)

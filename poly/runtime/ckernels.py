@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - only on installs without a C compiler
 _MAIN = EXT  # the build chosen at import
 
 MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
+STEP_ROWS = 64  # rows of one fused step (csrc/pk_decode.h STEP_MAX)
 
 # kind ids of csrc/poly_kernels.c, from the scheme records (poly.quant.schemes)
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4

@@ -1,7 +1,7 @@
 """The one place that chooses between the fused C step and the reference path.
 
 A one-token `Transformer.forward` under the C backend, on float32 activations, runs the fused
-step (poly/runtime/fused.py) when its plan applies, and so does a prompt of up to 16 tokens (its
+step (poly/runtime/fused.py) when its plan applies, and so does a prompt of up to 64 tokens (its
 tokens as the step's rows, sharing each block's cache); everything else (prompts, tiling, other
 activations, forms without a C kernel, the numpy/numba backends, float64) runs the reference
 path of the model (poly/model/transformer.py), whose blocks run on the thread count the prefill
@@ -16,9 +16,9 @@ from poly.nn.embedding import lookup
 from poly.runtime import fused, prefill
 
 # prompts of up to this many tokens run as the rows of one fused step (csrc/pk_decode.c):
-# SmolLM2 16 tokens Q8_0 34 -> 20 ms, F32 55 -> 37 ms; longer ones take the reference path,
-# whose products run in the C gemm
-FUSED_PREFILL_MAX = 16  # = the C step's MAX_N; 2 calls of 16 were slower than gemm at 32
+# SmolLM2 16 tokens Q8_0 34 -> 20 ms, F32 55 -> 37 ms; 24-64 tokens 15-20 % faster than the
+# reference path, whose products run in the C gemm (it takes longer prompts)
+FUSED_PREFILL_MAX = 64  # = ckernels.STEP_ROWS; 2 calls of 64 were slower than gemm at 96-128
 
 
 def forward(model, ids: np.ndarray) -> np.ndarray:

@@ -66,7 +66,7 @@ def _ffn_args(mlp) -> tuple | None:
 
 def _moe_args(mlp) -> tuple | None:
     """The C record of an MoE layer (csrc/pk_moe_args.h), or None: (E, top_k, sigmoid,
-    norm_topk_prob, router, shared_gate, experts, chosen [MAX_N, top_k] int32)."""
+    norm_topk_prob, router, shared_gate, experts, chosen [STEP_ROWS, top_k] int32)."""
     cfg = mlp.moe
     v = moe.views(mlp)
     router = _mat(np.ascontiguousarray(v.router, dtype=np.float32))
@@ -74,7 +74,7 @@ def _moe_args(mlp) -> tuple | None:
     if cfg.top_k > 64 or router is None or any(a is None for a in experts):
         return None
     gate = None if v.shared_gate is None else v.shared_gate.reshape(-1)  # [1, d] -> [d]
-    chosen = np.zeros((ckernels.MAX_N, cfg.top_k), dtype=np.int32)
+    chosen = np.zeros((ckernels.STEP_ROWS, cfg.top_k), dtype=np.int32)
     sig = cfg.gating == "sigmoid"
     return (cfg.num_experts, cfg.top_k, sig, cfg.norm_topk_prob, router, gate, experts, chosen)
 
@@ -213,7 +213,7 @@ def step(model, p: Plan, x: np.ndarray, reduce=None) -> np.ndarray | None:
 
 
 def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
-    """Logits [V] of the last of a short prompt: x [n, d] (overwritten, 2 <= n <= MAX_N) the
+    """Logits [V] of the last of a short prompt: x [n, d] (overwritten, 2 <= n <= STEP_ROWS) the
     embeddings of n new tokens continuing the model's own caches, run as n rows of one fused
     call that share each block's cache (row i at position start + i). No Python per block and
     the LM head for the last row only; None when the caches are not at one position."""
@@ -244,7 +244,7 @@ def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
 def step_rows(p: Plan, x: np.ndarray, states: list[list], reduce=None) -> np.ndarray | None:
     """Batched decode: x [B, d] (overwritten), row b continuing states[b] (one KVCache or None
     per block, created here on first use) -> logits [B, V]; None = use the Python path."""
-    if not 1 <= x.shape[0] <= ckernels.MAX_N or len(states) != x.shape[0]:
+    if not 1 <= x.shape[0] <= ckernels.STEP_ROWS or len(states) != x.shape[0]:
         return None
     rows = []
     for st in states:
