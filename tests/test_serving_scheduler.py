@@ -305,6 +305,7 @@ def test_scratch_pages_of_a_batched_prefill_are_given_back(model, monkeypatch):
     released = []
     monkeypatch.setattr(mha, "release_pages", lambda arr: released.append(id(arr)))
     kv = PagedKV(model, 200, page_size=3)
+    monkeypatch.setattr(kv, "_prefill_rows", lambda seqs, chunks: None)  # the scratch path
     s = Scheduler(model, kv=kv)
     hs = [s.submit(_ids(model, p), SamplingParams(max_tokens=1, temperature=0.0)) for p in PROMPTS]
     _run(s)

@@ -20,7 +20,7 @@ from poly.model.block import is_plain_block, run_block
 from poly.nn import rmsnorm
 from poly.nn.embedding import lookup
 from poly.ops import linear, rms_norm
-from poly.runtime import fused
+from poly.runtime import ckernels, fused
 
 
 def _one_by_one(model: Any, sequences, states: list) -> np.ndarray:
@@ -84,6 +84,13 @@ def forward_batch(
         return _one_by_one(model, seqs, states)
     if all(s.size == 1 for s in seqs):
         return _batched_step(model, np.concatenate(seqs), states)
+    total = sum(s.size for s in seqs)
+    p = fused.plan(model) if total <= ckernels.STEP_ROWS else None
+    if p is not None:  # few tokens in all: every prompt's tokens are rows of one fused call
+        x = lookup(model.embeddings, np.concatenate(seqs))  # [N, H]
+        logits = fused.prompt_rows(p, x, states, [s.size for s in seqs])
+        if logits is not None:
+            return logits[np.cumsum([s.size for s in seqs]) - 1]  # [B, V]
     return _segments(model, seqs, states)
 
 

@@ -178,11 +178,18 @@ def _positions(rows: list[list]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _run(p: Plan, x: np.ndarray, rows: list[list], reduce=None) -> np.ndarray | None:
-    """x [n, d] (overwritten) with row i continuing the KVCaches rows[i] -> logits [n, V]."""
-    pos = _positions(rows)
+def _run(p: Plan, x: np.ndarray, rows: list[list], reduce=None, pos=None) -> np.ndarray | None:
+    """x [n, d] (overwritten) with row i continuing the KVCaches rows[i] -> logits [n, V].
+    `pos` (optional): each row's position, for rows that share caches (a prompt's tokens, in
+    ascending order); by default each row's caches' length."""
     if pos is None:
-        return None
+        pos = _positions(rows)
+        if pos is None:
+            return None
+    elif any(c.capacity <= at for r, at in zip(rows, pos) for c in r):
+        raise ContextOverflowError(
+            f"context overflow: position {max(pos)} >= max_seq_len {rows[0][0].capacity}"
+        )
     caches = []
     for li in range(len(p.attn)):  # block-major: (k, v) of row 0, row 1, ...
         for r in rows:
@@ -252,6 +259,24 @@ def step_rows(p: Plan, x: np.ndarray, states: list[list], reduce=None) -> np.nda
             st[li] = mha.cache_for(layer, st[li])
         rows.append([st[li] for li in p.index])
     return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows, reduce)
+
+
+def prompt_rows(p: Plan, x: np.ndarray, states: list[list], lengths: list[int]):
+    """Several prompts in one call: x [n, d] (overwritten) the embeddings of every prompt's new
+    tokens in order, prompt b (lengths[b] tokens, n = sum <= STEP_ROWS) continuing states[b]
+    (one KVCache or None per block, created here) -> logits [n, V] of every row; None when a
+    state's caches are not at one position (the reference path then runs)."""
+    rows, pos = [], []
+    for st, n in zip(states, lengths):
+        for li, layer in zip(p.index, p.attn):
+            st[li] = mha.cache_for(layer, st[li])
+        caches = [st[li] for li in p.index]
+        start = caches[0].length
+        if any(c.length != start for c in caches):
+            return None
+        rows += [caches] * n
+        pos += range(start, start + n)
+    return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows, pos=tuple(pos))
 
 
 def step_paged(p: Plan, x: np.ndarray, pools: list, pos: tuple, tables: tuple, page_size: int):

@@ -196,11 +196,50 @@ class PagedKV:
         seq.length, self._owner = n1, (id(seq), n1)
         return logits
 
+    def _prefill_rows(self, seqs: list[PagedSeq], chunks: list[list[int]]) -> np.ndarray | None:
+        """Prompts' chunks (at most STEP_ROWS tokens in all) as the rows of one fused paged
+        step -> logits [B, V] of each chunk's last token; None when the step does not apply.
+        Row (b, i) writes position seqs[b].length + i into its pages before any row attends, and
+        reads its earlier positions through its page table: no gather, scatter or Python per
+        block (8 cached-prefix prompts of 1-9 new tokens: 67 ms through the reference path)."""
+        from poly.nn.embedding import lookup
+        from poly.runtime import ckernels, fused
+
+        total = sum(len(c) for c in chunks)
+        p = fused.plan(self.model)
+        if p is None or not 0 < total <= ckernels.STEP_ROWS:
+            return None
+        for s, ids in zip(seqs, chunks):
+            if s.length + len(ids) > self.layers[0].max_seq_len:
+                raise GenerationError("context overflow in the paged KV cache")
+            self._room(s, s.length + len(ids))
+        tables = [np.asarray(s.pages, dtype=np.int32) for s in seqs]
+        rows = [
+            (b, s.length + i)
+            for b, (s, ids) in enumerate(zip(seqs, chunks))
+            for i in range(len(ids))
+        ]
+        ids = np.asarray([t for c in chunks for t in c])
+        x = np.ascontiguousarray(lookup(self.model.embeddings, ids), np.float32)  # [total, H]
+        pools = [(self.k[i], self.v[i]) for i in p.index]
+        pos, tabs = tuple(r[1] for r in rows), tuple(tables[r[0]] for r in rows)
+        logits = fused.step_paged(p, x, pools, pos, tabs, self.ps)  # [total, V]
+        last = np.cumsum([len(c) for c in chunks]) - 1
+        for s, c in zip(seqs, chunks):
+            s.length += len(c)
+        self._owner = None  # the scratch no longer mirrors any sequence
+        return logits[last]
+
     def prefill_many(self, seqs: list[PagedSeq], chunks: list[list[int]]) -> np.ndarray:
-        """Several prompts' next chunks in one pass -> logits [B, V]: each sequence's cached
-        positions gathered into a scratch cache of its own, the new ones scattered back."""
+        """Several prompts' next chunks in one pass -> logits [B, V]: up to STEP_ROWS tokens as
+        the rows of one fused step; more: each sequence's cached positions gathered into a
+        scratch cache of its own, the new ones scattered back."""
         from poly.nn.mha import KVCache, release_pages
         from poly.runtime.batch import forward_batch
+
+        got = self._prefill_rows(seqs, chunks)
+        if got is not None:
+            return got
 
         while len(self._scratches) < len(seqs):
             self._scratches.append(
