@@ -54,6 +54,9 @@ ENTITY_IN = {"F16": "f16", "Q8_0": "q8", "Q4_0": "q4"}  # .entity quant run in t
 AGREE_IN = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M")  # 8-bit and 4-bit cells (and the f32 base)
 MODELS = ("smollm2", "synth1b")
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
+# seconds before each request: OpenMP and ggml worker threads spin for a while after their
+# work, and the next engine's short prefill would share the cores with them
+SETTLE = 0.05
 QUICK = {"runs": 1, "new": 8, "prefill": [16, 42], "contexts": [0, 128], "models": ["smollm2"]}
 WORK = Path(os.environ.get("POLY_BENCH_DIR", "/tmp/poly-bench"))
 
@@ -283,7 +286,9 @@ def run_cell(model: str, precision: str, args, ids: dict, base_tokens: list | No
     for kind, key, req in round_ops(args, ids):  # each op: its rounds, engines in turn
         for r in range(args.runs):
             parts = []
-            for w in list(workers):
+            turn = workers[r % len(workers) :] + workers[: r % len(workers)] if workers else []
+            for w in turn:  # the order rotates: no engine always follows the same one
+                time.sleep(SETTLE)  # the previous engine's spinning threads go to sleep first
                 try:
                     res = w.ask(req)
                 except RuntimeError as exc:
