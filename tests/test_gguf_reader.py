@@ -346,7 +346,7 @@ def test_tiny_arch_logits_match_transformers(tmp_path, arch, keep_quantized):
 
 
 def test_f32_matrices_kept_as_stored_leave_the_file_mapping(tmp_path):
-    """keep_quantized float32 tensors are copied to aligned (huge-page) memory, not read from
+    """keep_quantized float tensors are copied to aligned (huge-page) memory, not read from
     the mapping's 4 KB pages every token; the logits do not change."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")

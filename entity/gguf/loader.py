@@ -211,7 +211,7 @@ class _Loader:
         raw = self.gg.tensor_bytes(name)  # [out, row_bytes]
         if order is not None:
             raw = np.ascontiguousarray(raw[order])  # whole quantized rows reordered
-        elif info.ggml_type == GGML_F32:
+        elif info.ggml_type in FLOAT_TYPES:
             raw = _on_huge_pages(raw)
         return GGUFMatrix(raw, info.ggml_type, info.shape)
 
@@ -231,7 +231,7 @@ class _Loader:
         return out
 
 
-GGML_F32 = 0  # ggml type id of float32
+FLOAT_TYPES = (0, 1, 30)  # ggml type ids of float32, float16, bfloat16
 
 
 def _on_huge_pages(raw: np.ndarray) -> np.ndarray:
