@@ -190,9 +190,9 @@ def test_prefill_pacing_keeps_the_numbers_and_restores_the_threads(monkeypatch, 
     from tests.tiny_model import random_transformer
 
     cfg = TransformerConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_layers=6,
-                            num_heads=4, num_kv_heads=2, max_seq_len=64)  # fmt: skip
+                            num_heads=4, num_kv_heads=2, max_seq_len=128)  # fmt: skip
     tf = random_transformer(cfg, seed=3)
-    ids = list(range(5, 45))  # 40 rows: the BLAS path
+    ids = list(range(5, 75))  # 70 rows: past the fused prompt rows, the paced reference path
     ref = tf.reference_forward(ids)
     monkeypatch.setattr(kernels, "num_threads", lambda: 2)
     LOAD["others"] = others
