@@ -37,25 +37,57 @@ static inline __attribute__((always_inline)) void dec512(int kind, const mm_args
     v[1] = pk_widen16(_mm256_extracti128_si256(c, 1));
 }
 
-/* quant_row on 16 lanes: sums into acc[i] (block terms) and macc[i] (offset terms) */
-static inline __attribute__((always_inline)) void quant_row512(int kind, const mm_args *A, int64_t r, int64_t n,
-                                                               float *acc, float *macc) {
-    __m512 vacc[MAX_N];
+/* quant_row on 16 lanes for the nn input rows from c on. nn is a constant after inlining, so
+ * the unrolled loops keep every accumulator in a register (a runtime count left them in memory:
+ * 2 rows cost twice one). One row sums D * (codes . x) + M * sum(x) per block; several rows
+ * share each dequantized block (D * codes + M) and spend two FMAs each on it. */
+/* block b of row r dequantized: D * codes + M as 2 x 16 floats */
+static inline __attribute__((always_inline)) void deq512(int kind, const mm_args *A, int64_t r, int64_t b, __m512 w[2],
+                                                         pq_cache *pc) {
+    __m512 v[2];
+    float D, M;
+    dec512(kind, A, r, b, v, &D, &M, pc);
+    const __m512 vd = _mm512_set1_ps(D), vm = _mm512_set1_ps(M);
+    w[0] = _mm512_fmadd_ps(v[0], vd, vm);
+    w[1] = _mm512_fmadd_ps(v[1], vd, vm);
+}
+
+static inline __attribute__((always_inline)) void quant_tile512(int kind, const mm_args *A, int64_t r, int64_t c,
+                                                                const int nn) {
+    __m512 a0[ROW_TILE], a1[ROW_TILE];
     pq_cache pc = {NULL};
-    for (int64_t i = 0; i < n; i++) vacc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < A->nb; b++) {
-        __m512 v[2];
-        float D, M;
-        dec512(kind, A, r, b, v, &D, &M, &pc);
-        const __m512 vd = _mm512_set1_ps(D);
-        for (int64_t i = 0; i < n; i++) {
-            const float *xb = A->x + i * A->k + b * 32;
+    if (nn == 1) {
+        float macc = 0.0f;
+        a0[0] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < A->nb; b++) {
+            __m512 v[2];
+            float D, M;
+            dec512(kind, A, r, b, v, &D, &M, &pc);
+            const float *xb = A->x + c * A->k + b * 32;
             const __m512 s = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(v[0], _mm512_loadu_ps(xb)));
-            vacc[i] = _mm512_fmadd_ps(vd, s, vacc[i]);
-            macc[i] += M * A->xs[i * A->nb + b];
+            a0[0] = _mm512_fmadd_ps(_mm512_set1_ps(D), s, a0[0]);
+            macc += M * A->xs[c * A->nb + b];
         }
+        A->out[c * A->ldo + r] = _mm512_reduce_add_ps(a0[0]) + macc;
+        return;
     }
-    for (int64_t i = 0; i < n; i++) acc[i] = _mm512_reduce_add_ps(vacc[i]);
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    __m512 w[2], wn[2];
+    deq512(kind, A, r, 0, w, &pc);
+    wn[0] = w[0]; wn[1] = w[1];
+    for (int64_t b = 0; b < A->nb; b++) {
+        if (b + 1 < A->nb) deq512(kind, A, r, b + 1, wn, &pc); /* next block's decode overlaps these FMAs */
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) {
+            const float *xb = A->x + (c + i) * A->k + b * 32;
+            a0[i] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), a0[i]);
+            a1[i] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), a1[i]);
+        }
+        w[0] = wn[0]; w[1] = wn[1];
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
 }
 
 /* 16 weights of a dense row as floats */

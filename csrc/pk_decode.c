@@ -112,9 +112,11 @@ static px_t px_view(const px_t *P, const float *x, int64_t off) {
     return V;
 }
 
-/* from this many rows a product runs as gemm panels: measured on SmolLM2's Q8_0/Q4_0/Q5_0
- * gate (1536 x 576), 8 rows 108-126 us vs 117-137 with the row kernels, 16 rows 139-173 vs 227-275 */
+/* from this many rows a product runs as gemm panels. Measured on SmolLM2's shapes: dense rows
+ * (f32/f16) at 8 rows 80-90 us vs 97-125 with the row kernels; the quantized kinds' register
+ * tiles at 8 rows 47-81 us vs 83-98, even at 12, behind at 16 (141-179 vs 109-126) */
 #define GEMM_ROWS 8
+#define GEMM_ROWS_QUANT 12
 
 /* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo */
 static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1,
@@ -126,7 +128,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.x = loom ? P->xp : P->x; A.xs = P->xs;
     A.xq = loom ? P->xqp : P->xq; A.dx = P->dx;
     const int use8 = q8 && PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0);
-    if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
+    if (n >= (M->kind <= K_I8 ? GEMM_ROWS : GEMM_ROWS_QUANT) && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
 #ifdef _OPENMP
         float *tmp = P->gbuf + omp_get_thread_num() * P->gstride;
 #else

@@ -30,6 +30,13 @@ static const int BLOCK_ELEMS[K_COUNT] = {1, 1, 1, 1, 32, 32, 32, 32, 256, 256, 3
 static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1};
 static int pk_threads; /* set_threads(); defined in poly_kernels.c (one unity build per ISA) */
 #define MAX_N 16
+#ifndef ROW_TILE
+#if defined(__AVX512F__)
+#define ROW_TILE 8 /* input rows per register tile of the quantized row kernels */
+#else
+#define ROW_TILE 4
+#endif
+#endif
 #define XL_SCALE 254.0f /* q8 scheme: residual code step, dx / 254 */
 #define SERIAL_WORK 65536 /* below this many weights one thread is faster than waking others */
 
@@ -232,34 +239,63 @@ static inline __attribute__((always_inline)) void dec_simd(int kind, const mm_ar
 }
 #endif
 
-/* One output row: decode each block once, dot it with every input row. */
-static inline __attribute__((always_inline)) void quant_row(int kind, const mm_args *A, int64_t r, int64_t n) {
-    float acc[MAX_N], macc[MAX_N];
-    pq_cache pc = {NULL}; /* K-quant scales, once per super-block */
-    (void)pc;
-    for (int64_t i = 0; i < n; i++) acc[i] = macc[i] = 0.0f;
-#if PK_AVX512
-    quant_row512(kind, A, r, n, acc, macc);
-#elif PK_SIMD
-    __m256 vacc[MAX_N];
-    for (int64_t i = 0; i < n; i++) vacc[i] = _mm256_setzero_ps();
+#if PK_SIMD && !PK_AVX512
+/* quant_row's 8-lane tile: the nn input rows from c on (see quant_tile512) */
+static inline __attribute__((always_inline)) void quant_tile(int kind, const mm_args *A, int64_t r, int64_t c,
+                                                             const int nn) {
+    __m256 a0[ROW_TILE], a1[ROW_TILE];
+    float macc = 0.0f;
+    pq_cache pc = {NULL};
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) a0[i] = a1[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < A->nb; b++) {
         __m256 v[4];
         float D, M;
         dec_simd(kind, A, r, b, v, &D, &M, &pc);
         const __m256 vd = _mm256_set1_ps(D);
-        for (int64_t i = 0; i < n; i++) {
-            const float *xb = A->x + i * A->k + b * 32;
+        if (nn == 1) {
+            const float *xb = A->x + c * A->k + b * 32;
             __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
             s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), s);
             s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), s);
             s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), s);
-            vacc[i] = _mm256_fmadd_ps(vd, s, vacc[i]);
-            macc[i] += M * A->xs[i * A->nb + b];
+            a0[0] = _mm256_fmadd_ps(vd, s, a0[0]);
+            macc += M * A->xs[c * A->nb + b];
+            continue;
+        }
+        const __m256 vm = _mm256_set1_ps(M);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) v[q] = _mm256_fmadd_ps(v[q], vd, vm);
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) {
+            const float *xb = A->x + (c + i) * A->k + b * 32;
+            a0[i] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), a0[i]);
+            a1[i] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), a1[i]);
+            a0[i] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), a0[i]);
+            a1[i] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), a1[i]);
         }
     }
-    for (int64_t i = 0; i < n; i++) acc[i] = hsum(vacc[i]);
+    if (nn == 1) { A->out[c * A->ldo + r] = hsum(a0[0]) + macc; return; }
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = hsum(_mm256_add_ps(a0[i], a1[i]));
+}
+#elif PK_AVX512
+#define quant_tile quant_tile512
+#endif
+
+/* One output row: decode each block once, dot it with every input row (SIMD: in tiles of
+ * ROW_TILE rows, then 4, 2, 1, each tile re-decoding the row). */
+static inline __attribute__((always_inline)) void quant_row(int kind, const mm_args *A, int64_t r, int64_t n) {
+#if PK_SIMD
+    int64_t c = 0;
+    for (; c + ROW_TILE <= n; c += ROW_TILE) quant_tile(kind, A, r, c, ROW_TILE);
+    if (ROW_TILE > 4 && n - c >= 4) { quant_tile(kind, A, r, c, 4); c += 4; }
+    if (n - c >= 2) { quant_tile(kind, A, r, c, 2); c += 2; }
+    if (n - c >= 1) quant_tile(kind, A, r, c, 1);
 #else
+    float acc[MAX_N], macc[MAX_N];
+    pq_cache pc = {NULL}; /* K-quant scales, once per super-block */
+    for (int64_t i = 0; i < n; i++) acc[i] = macc[i] = 0.0f;
     for (int64_t b = 0; b < A->nb; b++) {
         float q[32], D, M;
         dec_scalar(kind, A, r, b, q, &D, &M, &pc);
@@ -271,9 +307,10 @@ static inline __attribute__((always_inline)) void quant_row(int kind, const mm_a
             macc[i] += M * A->xs[i * A->nb + b];
         }
     }
-#endif
     for (int64_t i = 0; i < n; i++) A->out[i * A->ldo + r] = acc[i] + macc[i];
+#endif
 }
+
 
 #include "pk_q8.h"
 

@@ -259,7 +259,15 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
     EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], int(threads))
 
 
-GEMM_ROWS = 8  # rows from which `gemm` beats the row kernels (csrc/pk_decode.c uses the same)
+GEMM_ROWS = 8  # rows from which `gemm` beats the dense row kernels (as in csrc/pk_decode.c)
+GEMM_ROWS_QUANT = 12  # ... and the quantized kinds' register tiles (csrc/pk_decode.c)
+
+
+def gemm_rows(kind: int) -> int:
+    """Rows from which `gemm` takes a product of this stored form."""
+    return GEMM_ROWS if kind in (F32, F16, BF16, I8) else GEMM_ROWS_QUANT
+
+
 ATTEND_MIN = 8192  # queries x keys below which numpy's attention is as fast
 
 
@@ -303,7 +311,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    if n >= GEMM_ROWS:
+    if n >= gemm_rows(kind):
         EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0)
     else:
         EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"])
