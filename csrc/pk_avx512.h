@@ -77,7 +77,11 @@ static inline __attribute__((always_inline)) void quant_tile512(int kind, const 
     deq512(kind, A, r, 0, w, &pc);
     wn[0] = w[0]; wn[1] = w[1];
     for (int64_t b = 0; b < A->nb; b++) {
+#ifdef PK_NODEC
+        wn[0] = _mm512_set1_ps((float)b); wn[1] = _mm512_set1_ps((float)r);
+#else
         if (b + 1 < A->nb) deq512(kind, A, r, b + 1, wn, &pc); /* next block's decode overlaps these FMAs */
+#endif
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {
             const float *xb = A->x + (c + i) * A->k + b * 32;

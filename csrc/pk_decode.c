@@ -112,11 +112,12 @@ static px_t px_view(const px_t *P, const float *x, int64_t off) {
     return V;
 }
 
-/* from this many rows a product runs as gemm panels. Measured on SmolLM2's shapes: dense rows
- * (f32/f16) at 8 rows 80-90 us vs 97-125 with the row kernels; the quantized kinds' register
- * tiles at 8 rows 47-81 us vs 83-98, even at 12, behind at 16 (141-179 vs 109-126) */
+/* from this many rows a product runs as gemm panels. Measured on SmolLM2's shapes (x 64-byte
+ * aligned): dense rows (f32/f16) at 8 rows 80-90 us vs 69-125 with the row kernels; the
+ * quantized kinds' register tiles win up to MAX_N (Q4_1 [1536 x 576] 16 rows 86 vs 138 us, the
+ * 8-row step 8.8 ms vs 21.5), so they never take gemm below it */
 #define GEMM_ROWS 8
-#define GEMM_ROWS_QUANT 12
+#define GEMM_ROWS_QUANT (MAX_N + 1)
 
 /* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo */
 static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1,
@@ -280,30 +281,37 @@ static size_t pk_scratch_floats(const step_t *S, int nt) {
     const int64_t R = S->mrows > n ? S->mrows : n, kp = kmax > S->d ? kmax : S->d;
     const int64_t moe = S->mrows ? n * S->mE + 2 * S->mE + 2 * R + R * (2 * S->d + 3 * S->inter)
                                        + (S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 16 : 0;
-    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + (S->maxpos + 1) * nt + moe + 64
+    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + (S->maxpos + 1) * nt + moe + 64 + 24 * 16 /* take()'s padding */
                     + (R >= GEMM_ROWS ? nt * gemm_stride(S) : 0));
+}
+
+/* the next buffer of `floats` from *f, 64-byte aligned (the scratch is; see pk_scratch_floats) */
+static float *take(float **f, int64_t floats) {
+    float *p = *f;
+    *f = p + ((floats + 15) & ~(int64_t)15);
+    return p;
 }
 
 static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     const int64_t n = S->n, kmax = S->maxw > S->inter ? S->maxw : S->inter;
     const int64_t R = S->mrows > n ? S->mrows : n, kp = kmax > S->d ? kmax : S->d;
-    B->slots = (slot_t *)f; /* malloc'd: aligned for slot_t; the floats after stay 64-byte aligned */
+    B->slots = (slot_t *)f; /* the floats after stay 64-byte aligned */
     f += S->mrows ? ((S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 15) & ~(int64_t)15 : 0;
-    B->h = f; B->qkv = B->h + n * S->d; B->att = B->qkv + n * S->maxw; B->tmp = B->att + n * S->maxq;
-    B->gu = B->tmp + n * S->d; B->hid = B->gu + 2 * n * S->inter; B->sc = B->hid + n * S->inter;
-    B->P.xs = B->sc + (S->maxpos + 1) * nt;
-    B->P.dx = B->P.xs + R * kp / 32 + 1;
-    B->P.xp = B->P.dx + R * kp / 32 + 1;
-    B->P.xq = (int8_t *)(B->P.xp + R * kp);
-    B->P.xqp = B->P.xq + 2 * R * kp;
-    float *m = B->P.xp + 2 * R * kp; /* after xq and xqp (4 * R * kp bytes) */
-    B->rl = m; B->prob = B->rl + n * S->mE; B->aw = B->prob + 2 * S->mE;
-    B->arow = (int32_t *)(B->aw + R); B->mx = (float *)(B->arow + R);
-    B->my = B->mx + R * S->d; B->mgu = B->my + R * S->d; B->mhid = B->mgu + 2 * R * S->inter;
+    B->h = take(&f, n * S->d); B->qkv = take(&f, n * S->maxw); B->att = take(&f, n * S->maxq);
+    B->tmp = take(&f, n * S->d); B->gu = take(&f, 2 * n * S->inter); B->hid = take(&f, n * S->inter);
+    B->sc = take(&f, (S->maxpos + 1) * nt);
+    B->P.xs = take(&f, R * kp / 32 + 1);
+    B->P.dx = take(&f, R * kp / 32 + 1);
+    B->P.xp = take(&f, R * kp);
+    B->P.xq = (int8_t *)take(&f, R * kp / 2);
+    B->P.xqp = (int8_t *)take(&f, R * kp / 2);
+    float *m = f;
+    B->rl = take(&f, n * S->mE); B->prob = take(&f, 2 * S->mE); B->aw = take(&f, R);
+    B->arow = (int32_t *)take(&f, R); B->mx = take(&f, R * S->d);
+    B->my = take(&f, R * S->d); B->mgu = take(&f, 2 * R * S->inter); B->mhid = take(&f, R * S->inter);
     B->P.gbuf = NULL;
     if (R >= GEMM_ROWS) {
-        const float *end = S->mrows ? B->mhid + R * S->inter : m; /* the MoE region only with MoE */
-        B->P.gbuf = (float *)(((uintptr_t)end + 63) & ~(uintptr_t)63);
+        B->P.gbuf = S->mrows ? f : m; /* the MoE region only with MoE */
         B->P.gstride = gemm_stride(S);
     }
 }

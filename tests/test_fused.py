@@ -96,9 +96,12 @@ def test_stored_versions_match_python_path(scheme, monkeypatch, each_isa):
     tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
     # the Python path uses the same stored weights; only summation order differs
     _assert_same(tf, monkeypatch, rtol=2e-5)
-    # 13 rows in one fused call: its products run as gemm panels (GEMM_ROWS), which sum each
-    # output in one chain over k (~5e-7 relative per product, vs ~1e-7); 3 random layers amplify
+    # 13 rows in one fused call: register tiles of 8 + 4 + 1 rows for the quantized kinds, gemm
+    # panels for the dense ones, which sum each output in one chain over k (~5e-7 relative per
+    # product, vs ~1e-7); 3 random layers amplify
     _assert_same(tf, monkeypatch, rtol=1e-4, prompt=[*PROMPT, 8, 1, 2, 60, 33, 7, 19])
+    # 20 rows: past MAX_N, every kind's products run as gemm panels
+    _assert_same(tf, monkeypatch, rtol=1e-4, prompt=[*PROMPT, *PROMPT, *PROMPT, 8, 1])
 
 
 @pytest.mark.parametrize(

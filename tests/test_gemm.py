@@ -59,8 +59,8 @@ def test_prefill_products_route_through_gemm(monkeypatch):
     x = np.random.default_rng(0).standard_normal((40, 128)).astype(np.float32)
     qt.matmul(x)  # a quantized matrix, 40 rows
     kernels.dense_matmul(x, random_weights(64, 128, seed=4))  # a float32 array, 40 rows
-    qt.matmul(x[:12])  # 12 rows (GEMM_ROWS_QUANT): gemm
-    qt.matmul(x[:11])  # 11 rows: the row kernels' register tiles
+    qt.matmul(x[:17])  # 17 rows (GEMM_ROWS_QUANT): gemm
+    qt.matmul(x[:16])  # 16 rows: the row kernels' register tiles
     assert calls == ["gemm", "gemm", "gemm"]
 
 

@@ -51,6 +51,7 @@ def _product(ops: tuple, x: np.ndarray, out: np.ndarray) -> None:
     if n >= ckernels.gemm_rows(kind):
         ckernels.EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], 0)
     else:
+        x = ckernels.aligned(x) if n > 1 else x
         ckernels.EXT.matmul(kind, x, out, w, aux, n, k, out.shape[1], ckernels.act_q8())
 
 
