@@ -107,6 +107,12 @@ def test_non_finite_logits_raise(bad):
             Sampler(opts, V).sample(x)
 
 
+def test_huge_finite_logits_are_not_refused():
+    x = np.full(V, 3e38, dtype=np.float32)  # finite, but their sum overflows
+    x[3] = 3.3e38
+    assert Sampler(GenOptions(temperature=0.0), V).sample(x) == 3
+
+
 def test_everything_masked_raises():
     opts = GenOptions(banned_tokens=tuple(range(V)), seed=0)
     with pytest.raises(NumericalError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 
@@ -17,6 +18,33 @@ from poly.serving import Scheduler
 
 MAX_BODY = 4 << 20  # bytes; larger bodies get 413
 DRAIN_LIMIT = 64 << 20  # a too-large body is read and dropped up to this size
+
+
+class Mailbox:
+    """Scheduler-thread events into the event loop's queues, one loop wake-up per burst: a
+    decode step yields a token for each of its rows, and `call_soon_threadsafe` per token wrote
+    the loop's self-pipe once each (6 % of the scheduler thread at 8 streams, in py-spy)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list = []
+
+    def post(self, q: asyncio.Queue, ev) -> None:
+        with self._lock:
+            self._pending.append((q, ev))
+            if len(self._pending) > 1:
+                return  # a drain is already scheduled
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for q, ev in pending:
+            q.put_nowait(ev)
 
 
 class ServerState:
@@ -35,6 +63,7 @@ class ServerState:
         self.draining = False
         self.grammars = None  # llguidance's tokenizer, built on the first structured request
         self.defaults = model_defaults(self.model)  # what a request leaves out (gendefaults)
+        self._mailbox: Mailbox | None = None
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -78,13 +107,13 @@ class ServerState:
         if self.draining:
             raise ApiError(503, "the server is shutting down", "server_error", None, "unavailable")
         loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
         q: asyncio.Queue = asyncio.Queue()
+        box = self._mailbox
 
         def notify(ev) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, ev)
-            except RuntimeError:  # the loop is closed: nobody listens any more
-                pass
+            box.post(q, ev)
 
         try:
             handle = self.scheduler.submit(ids, params, mask_factory=mask_factory, notify=notify,

@@ -218,6 +218,10 @@ def apply_min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def check_finite(logits: np.ndarray, step: int | None = None) -> None:
+    # a NaN or Inf anywhere makes the sum NaN/Inf: one pass without a boolean temporary (in
+    # float64 finite float32 logits cannot overflow; wider inputs fall to the exact check)
+    if np.isfinite(np.sum(logits, dtype=np.float64)):
+        return
     if not np.isfinite(logits).all():
         bad = int(np.count_nonzero(~np.isfinite(logits)))
         where = "" if step is None else f" at step {step}"
@@ -268,8 +272,9 @@ class Sampler:
             banned += self.eos_tokens  # suppress EOS until min_tokens (Loom accepts it early)
         x = apply_mask(x, banned)
         ngram_ctx = tokens if o.penalize_prompt else tokens[n_prompt:]
-        x = apply_mask(x, no_repeat_ngram_bans(ngram_ctx, o.no_repeat_ngram))
-        if not np.isfinite(x).any():
+        ngrams = no_repeat_ngram_bans(ngram_ctx, o.no_repeat_ngram)
+        x = apply_mask(x, ngrams)
+        if (banned or len(ngrams)) and not np.isfinite(x).any():
             raise NumericalError("every token is masked (banned, EOS or n-gram); nothing to sample")
         if o.greedy:
             return x
