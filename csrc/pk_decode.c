@@ -18,7 +18,8 @@
  *   head: (final_gamma, eps, lm_mat)
  *   x: float32 [n, d] embeddings of the tokens (overwritten: the residual streams)
  *   logits: float32 [n, V] output, or [1, V]: the last row's only (a prompt's rows sharing one
- *     cache, pos start..start+n-1: each row writes its k/v before any row attends);
+ *     cache, pos start..start+n-1: each row writes its k/v before any row attends), or
+ *     (logits [k, V], rows): the logits of those k ascending rows only (prompts' last rows);
  *   pos: tuple of n positions written (each < its T);
  *   q8: int8 activations; threads (optional): OpenMP threads for this call, 0 = set_threads().
  *   reduce (optional, 10th, tensor parallel): (red, fn), red float32 [n, d]: the O and down
@@ -333,11 +334,12 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
             else block_ffn(S, &S->L[l], &B, tid, nth);
         }
 #pragma omp single
-        if (S->last) { /* a prompt's rows: the logits of its last row only */
-            pk_rmsnorm(S->x + (S->n - 1) * S->d, S->g_final, S->eps_final, B.h, S->d);
-            prep(&B.P, B.h, S->d, S->loom, S->q8);
+        if (S->nsel < S->n) { /* prompts' rows: the logits of each prompt's last row only */
+            for (int j = 0; j < S->nsel; j++)
+                pk_rmsnorm(S->x + S->sel[j] * S->d, S->g_final, S->eps_final, B.h + j * S->d, S->d);
+            prep(&B.P, B.h, S->nsel * S->d, S->loom, S->q8);
         } else norm_prep(S, S->x, S->g_final, S->eps_final, &B);
         part(S->lm.A.m, tid, nth, &r0, &r1);
-        mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->last ? 1 : S->n);
+        mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->nsel);
     }
 }

@@ -45,7 +45,8 @@ typedef struct {
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
     int64_t pos[STEP_MAX];
     const int32_t *tab[STEP_MAX]; int64_t ntab[STEP_MAX], ps; /* paged KV: page tables (NULL: contiguous) */
-    const float *g_final; float eps_final; mat_t lm; float *x, *logits; int last; /* last: logits of row n-1 only */
+    const float *g_final; float eps_final; mat_t lm; float *x, *logits;
+    int nsel; int32_t sel[STEP_MAX]; /* logits of these rows only (ascending), nsel <= n */
     /* tensor parallel (optional): each row-parallel projection's partial sums [n, d] go to
      * `red`, then `red_fn()` (Python, e.g. an MPI all-reduce of `red` in place) runs on the
      * calling thread with the GIL, before they are added to x; the first error stops the calls */

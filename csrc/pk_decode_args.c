@@ -170,6 +170,27 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t 
     return parse_ffn(H, PyTuple_GET_ITEM(t, 12), PyTuple_GET_ITEM(t, 13), &L->ngu, L->gu, &L->down, d, inter);
 }
 
+
+/* rows: a tuple of 1..n ascending row indices -> S->nsel, S->sel */
+static int parse_sel(PyObject *o, step_t *S) {
+    const Py_ssize_t k = PyTuple_Check(o) ? PyTuple_GET_SIZE(o) : 0;
+    if (k < 1 || k > S->n) {
+        PyErr_Format(PyExc_ValueError, "logits rows must be a tuple of 1..%d row indices", S->n);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        const long r = PyLong_AsLong(PyTuple_GET_ITEM(o, j));
+        if (r == -1 && PyErr_Occurred()) return -1;
+        if (r < 0 || r >= S->n || (j && r <= S->sel[j - 1])) {
+            PyErr_SetString(PyExc_ValueError, "logits rows must ascend within 0..n-1");
+            return -1;
+        }
+        S->sel[j] = (int32_t)r;
+    }
+    S->nsel = (int)k;
+    return 0;
+}
+
 /* ---- Python entry ------------------------------------------------------------------------- */
 
 static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
@@ -206,11 +227,17 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
     const int64_t V = PyLong_AsLongLong(PyTuple_GET_ITEM(lm, 3));
     if (PyErr_Occurred() || parse_mat(H, lm, &S->lm, V, S->d)) return -1;
     S->loom |= S->lm.kind == K_LOOM_Q4;
-    if (!(S->logits = (float *)hold(H, args[4], 1, -1, "logits"))) return -1;
+    PyObject *lo = args[4];
+    S->nsel = S->n;
+    for (int i = 0; i < S->n; i++) S->sel[i] = i;
+    if (PyTuple_Check(lo)) { /* (logits [k, V], rows): the logits of those k ascending rows */
+        if (as_tuple(lo, 2, "logits") || parse_sel(PyTuple_GET_ITEM(lo, 1), S)) return -1;
+        lo = PyTuple_GET_ITEM(lo, 0);
+    }
+    if (!(S->logits = (float *)hold(H, lo, 1, -1, "logits"))) return -1;
     const Py_ssize_t got = H->bufs[H->n - 1].len;
-    S->last = S->n > 1 && got == V * 4;
-    if (!S->last && want_len(&H->bufs[H->n - 1], V * 4 * S->n, "logits")) return -1;
-    return 0;
+    if (S->nsel == S->n && S->n > 1 && got == V * 4) { S->nsel = 1; S->sel[0] = S->n - 1; } /* last row only */
+    return want_len(&H->bufs[H->n - 1], V * 4 * S->nsel, "logits");
 }
 
 /* pos: a tuple of 1..STEP_MAX positions >= 0 -> S->n, S->pos, S->maxpos */

@@ -222,6 +222,31 @@ def test_batched_rows_past_the_row_kernels_equal_each_row_alone(monkeypatch):
             np.testing.assert_allclose(rows[i], alone[0], rtol=0, atol=2e-5 * np.abs(alone).max())
 
 
+def test_prompt_rows_compute_each_prompts_last_row_only(monkeypatch):
+    """Prompts of 3, 1 and 5 tokens in one call: the LM head runs for their last rows only (the
+    logits argument is (logits [3, V], rows)), and each equals the prompt run alone."""
+    tf = random_transformer(_cfg(), seed=13)
+    p = fused.plan(tf)
+    x0 = np.random.default_rng(3).standard_normal((9, 64)).astype(np.float32)
+    seen = []
+    real = ckernels.decode
+    monkeypatch.setattr(ckernels, "decode", lambda *a: (seen.append(a), real(*a))[1])
+    got = fused.prompt_rows(p, x0.copy(), [tf.new_state() for _ in range(3)], [3, 1, 5])
+    assert got.shape == (3, 120) and seen[0][4][1] == (2, 3, 8)
+    for b, (lo, hi) in enumerate([(0, 3), (3, 4), (4, 9)]):
+        alone = fused.prompt_rows(p, x0[lo:hi].copy(), [tf.new_state()], [hi - lo])
+        np.testing.assert_allclose(got[b], alone[0], rtol=0, atol=2e-5 * np.abs(alone).max())
+    args = list(seen[0])
+    for rows in ((3, 2), (0, 9), (), (-1,)):  # not ascending, past n, empty, negative
+        args[3] = x0.copy()
+        args[4] = (np.empty((max(len(rows), 1), 120), np.float32), rows)
+        with pytest.raises(ValueError):
+            real(*args)
+    args[4] = (np.empty((3, 120), np.float32), (0, 1))  # 2 rows into a 3-row buffer
+    with pytest.raises(ValueError):
+        real(*args)
+
+
 def test_rope_inplace_equals_numpy_rope():
     from poly.rope import apply_rope, rope_inplace, rope_tables
 

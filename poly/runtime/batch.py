@@ -88,9 +88,9 @@ def forward_batch(
     p = fused.plan(model) if total <= ckernels.STEP_ROWS else None
     if p is not None:  # few tokens in all: every prompt's tokens are rows of one fused call
         x = lookup(model.embeddings, np.concatenate(seqs))  # [N, H]
-        logits = fused.prompt_rows(p, x, states, [s.size for s in seqs])
+        logits = fused.prompt_rows(p, x, states, [s.size for s in seqs])  # [B, V]
         if logits is not None:
-            return logits[np.cumsum([s.size for s in seqs]) - 1]  # [B, V]
+            return logits
     return _segments(model, seqs, states)
 
 

@@ -178,10 +178,13 @@ def _positions(rows: list[list]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _run(p: Plan, x: np.ndarray, rows: list[list], reduce=None, pos=None) -> np.ndarray | None:
+def _run(
+    p: Plan, x: np.ndarray, rows: list[list], reduce=None, pos=None, out_rows=None
+) -> np.ndarray | None:
     """x [n, d] (overwritten) with row i continuing the KVCaches rows[i] -> logits [n, V].
     `pos` (optional): each row's position, for rows that share caches (a prompt's tokens, in
-    ascending order); by default each row's caches' length."""
+    ascending order); by default each row's caches' length. `out_rows` (optional, ascending):
+    the logits of those rows only, [len(out_rows), V]."""
     if pos is None:
         pos = _positions(rows)
         if pos is None:
@@ -194,7 +197,7 @@ def _run(p: Plan, x: np.ndarray, rows: list[list], reduce=None, pos=None) -> np.
     for li in range(len(p.attn)):  # block-major: (k, v) of row 0, row 1, ...
         for r in rows:
             caches += (r[li].k, r[li].v)
-    logits = np.empty((x.shape[0], p.vocab), dtype=np.float32)  # [n, V]
+    logits, out = _logits(p, x.shape[0], out_rows)
     tuner = p.tuners.setdefault(x.shape[0], ThreadTuner(shared=SHARED))
     nt = tuner.threads(kernels.num_threads())
     t0 = time.perf_counter()
@@ -202,13 +205,22 @@ def _run(p: Plan, x: np.ndarray, rows: list[list], reduce=None, pos=None) -> np.
     if reduce is not None:  # tensor parallel: reduce(buf) sums [n, d] over the ranks in place
         buf = np.empty_like(x)  # [n, d]
         hook = (buf, lambda: reduce(buf))
-    ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt, None, hook)
+    ckernels.decode(p.layers, tuple(caches), p.head, x, out, pos, nt, None, hook)
     tuner.record(nt, time.perf_counter() - t0)
     _report_experts(p, x.shape[0])
     for r, at in zip(rows, pos):
         for cache in r:
             cache.length = at + 1
     return logits
+
+
+def _logits(p: Plan, n: int, out_rows) -> tuple[np.ndarray, object]:
+    """The logits array [k, V] of a call over n rows, and the C call's logits argument."""
+    if out_rows is None:
+        logits = np.empty((n, p.vocab), dtype=np.float32)  # [n, V]
+        return logits, logits
+    logits = np.empty((len(out_rows), p.vocab), dtype=np.float32)  # [k, V]
+    return logits, (logits, tuple(int(r) for r in out_rows))
 
 
 def step(model, p: Plan, x: np.ndarray, reduce=None) -> np.ndarray | None:
@@ -264,8 +276,9 @@ def step_rows(p: Plan, x: np.ndarray, states: list[list], reduce=None) -> np.nda
 def prompt_rows(p: Plan, x: np.ndarray, states: list[list], lengths: list[int]):
     """Several prompts in one call: x [n, d] (overwritten) the embeddings of every prompt's new
     tokens in order, prompt b (lengths[b] tokens, n = sum <= STEP_ROWS) continuing states[b]
-    (one KVCache or None per block, created here) -> logits [n, V] of every row; None when a
-    state's caches are not at one position (the reference path then runs)."""
+    (one KVCache or None per block, created here) -> logits [B, V] of each prompt's last row
+    (the LM head runs for those rows only); None when a state's caches are not at one position
+    (the reference path then runs)."""
     rows, pos = [], []
     for st, n in zip(states, lengths):
         for li, layer in zip(p.index, p.attn):
@@ -276,22 +289,26 @@ def prompt_rows(p: Plan, x: np.ndarray, states: list[list], lengths: list[int]):
             return None
         rows += [caches] * n
         pos += range(start, start + n)
-    return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows, pos=tuple(pos))
+    last = np.cumsum(lengths) - 1
+    return _run(p, np.ascontiguousarray(x, dtype=np.float32), rows, pos=tuple(pos), out_rows=last)
 
 
-def step_paged(p: Plan, x: np.ndarray, pools: list, pos: tuple, tables: tuple, page_size: int):
-    """Batched decode over a paged KV pool -> logits [n, V]. x [n, d] (overwritten); pools[j] the
-    (k, v) arrays [pages * page_size, kv_heads, head_dim] of enabled block p.index[j]; row i writes
-    position pos[i] and reads its earlier ones through its int32 page table tables[i]."""
+def step_paged(
+    p: Plan, x: np.ndarray, pools: list, pos: tuple, tables: tuple, page_size: int, out_rows=None
+):
+    """Batched decode over a paged KV pool -> logits [n, V] (or of `out_rows` only). x [n, d]
+    (overwritten); pools[j] the (k, v) arrays [pages * page_size, kv_heads, head_dim] of enabled
+    block p.index[j]; row i writes position pos[i] and reads its earlier ones through its int32
+    page table tables[i]."""
     n = x.shape[0]
     caches = []
     for k, v in pools:
         caches += (k, v) * n
-    logits = np.empty((n, p.vocab), dtype=np.float32)  # [n, V]
+    logits, out = _logits(p, n, out_rows)
     tuner = p.tuners.setdefault(n, ThreadTuner())
     nt = tuner.threads(kernels.num_threads())
     t0 = time.perf_counter()
-    ckernels.decode(p.layers, tuple(caches), p.head, x, logits, pos, nt, (page_size, tables))
+    ckernels.decode(p.layers, tuple(caches), p.head, x, out, pos, nt, (page_size, tables))
     tuner.record(nt, time.perf_counter() - t0)
     _report_experts(p, n)
     return logits

@@ -223,12 +223,12 @@ class PagedKV:
         x = np.ascontiguousarray(lookup(self.model.embeddings, ids), np.float32)  # [total, H]
         pools = [(self.k[i], self.v[i]) for i in p.index]
         pos, tabs = tuple(r[1] for r in rows), tuple(tables[r[0]] for r in rows)
-        logits = fused.step_paged(p, x, pools, pos, tabs, self.ps)  # [total, V]
-        last = np.cumsum([len(c) for c in chunks]) - 1
+        last = np.cumsum([len(c) for c in chunks]) - 1  # each chunk's last row
+        logits = fused.step_paged(p, x, pools, pos, tabs, self.ps, out_rows=last)  # [B, V]
         for s, c in zip(seqs, chunks):
             s.length += len(c)
         self._owner = None  # the scratch no longer mirrors any sequence
-        return logits[last]
+        return logits
 
     def prefill_many(self, seqs: list[PagedSeq], chunks: list[list[int]]) -> np.ndarray:
         """Several prompts' next chunks in one pass -> logits [B, V]: up to STEP_ROWS tokens as
