@@ -101,11 +101,31 @@ def test_prefix_reuse_shares_pages_and_keeps_output(model):
     _run(s)
     r1, r2 = first.result(0), second.result(0)
     assert r1.usage.cached_tokens == 0
-    assert r2.usage.cached_tokens == (len(system) // 8) * 8 > 0
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    # the full pages of the shared prefix, then its part of the next page copied from the
+    # first request's kept page (sub-page reuse)
+    assert shared % 8 and r2.usage.cached_tokens == shared > (len(system) // 8) * 8
     assert [r1.choices[0].token_ids, r2.choices[0].token_ids] == refs
     assert s.metrics.prefix_hit_tokens == r2.usage.cached_tokens
     st = kv.stats()
     assert st["kv_pages_used"] == 0 and st["kv_pages_cached"] > 0
+
+
+def test_repeated_short_prompt_reuses_its_kept_last_page(model):
+    """A prompt shorter than a page, sent again: all but its last token come from the first
+    request's kept partial page (llama.cpp's server slots do the same), the output unchanged."""
+    ids = _ids(model, PROMPTS[3])[:6]
+    ref = _greedy_ref(model, ids, 10)[0]
+    kv = PagedKV(model, 32, page_size=16)
+    s = Scheduler(model, kv=kv)
+    got = []
+    for _ in range(3):
+        h = s.submit(ids, SamplingParams(max_tokens=10, temperature=0.0))
+        _run(s)
+        got.append(h.result(0))
+    assert [r.usage.cached_tokens for r in got] == [0, 5, 5]
+    assert all(r.choices[0].token_ids == ref for r in got)
+    assert kv.pool.used == 0 and kv.pool.reserved == 0
 
 
 def test_pool_pressure_evicts_lru_and_queues(model):
@@ -119,6 +139,8 @@ def test_pool_pressure_evicts_lru_and_queues(model):
         peak = max(peak, kv.pool.used)
     assert [h.result(0).choices[0].token_ids for h in hs] == refs
     assert peak <= 12 and kv.pool.used == 0 and kv.pool.reserved == 0
+    kept = [p for kids in kv.pool.children.values() for p in kids]  # evictions left no stale entry
+    assert kept and sorted(kept) == sorted(kv.pool.hash_of)
     with pytest.raises(ContextOverflowError):
         s.submit(ids[0], SamplingParams(max_tokens=60))
 

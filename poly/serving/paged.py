@@ -14,7 +14,7 @@ import mmap
 import numpy as np
 
 from poly.errors import ContextOverflowError, GenerationError
-from poly.serving.pages import PagePool, chain_hashes
+from poly.serving.pages import ROOT, PagePool, chain_hashes
 
 
 def _pool_array(shape) -> np.ndarray:
@@ -82,7 +82,7 @@ class PagedKV:
         ``budget`` tokens, its prefix taken from the cache -> (seq, cached tokens); None when the
         pool cannot promise that many pages now."""
         seq = PagedSeq()
-        matched = self._match(prompt) if self.prefix_cache else []
+        matched, part = self._match(prompt) if self.prefix_cache else ([], None)
         need = self.pages_for(len(prompt) + budget) - len(matched)
         need += (n - 1) * (self.pages_for(budget) + 1)
         if need > self.pool.available:
@@ -93,21 +93,37 @@ class PagedKV:
         self._promise(seq, self.pages_for(len(prompt) + budget) - len(matched))
         seq.extra = (n - 1) * (self.pages_for(budget) + 1)
         self.pool.reserved += seq.extra
+        if part is not None:
+            self._copy_prefix(seq, *part)
         self.live[id(seq)] = seq
         return seq, seq.length
+
+    def _copy_prefix(self, seq: PagedSeq, src: int, n: int) -> None:
+        """The first n positions of kept page ``src`` into a new page of ``seq``."""
+        self.pool.retain(src)  # not evicted by the allocation below
+        a, b = src * self.ps, self._take(seq) * self.ps
+        for k, v in zip(self.k, self.v):
+            k[b : b + n] = k[a : a + n]
+            v[b : b + n] = v[a : a + n]
+        self.pool.release(src)
+        seq.length += n
 
     def _promise(self, seq: PagedSeq, pages: int) -> None:
         seq.reserved += pages
         self.pool.reserved += pages
 
-    def _match(self, prompt: list[int]) -> list[int]:
-        out = []
-        for h in chain_hashes(prompt[: len(prompt) - 1], self.ps):  # >= 1 token left to run
+    def _match(self, prompt: list[int]) -> tuple[list[int], tuple[int, int] | None]:
+        """The cached full pages of the prompt's prefix, then the kept page sharing most of
+        the next positions -> (pages, (page, positions) or None); >= 1 token is left to run."""
+        usable, out, parent = prompt[: len(prompt) - 1], [], ROOT
+        for h in chain_hashes(usable, self.ps):
             page = self.pool.lookup(h)
             if page is None:
                 break
             out.append(page)
-        return out
+            parent = h
+        rest = usable[len(out) * self.ps : (len(out) + 1) * self.ps]
+        return out, self.pool.best_prefix(parent, rest)
 
     # --- pages --------------------------------------------------------------------------------------
 
@@ -148,9 +164,14 @@ class PagedKV:
         if self.live.pop(id(seq), None) is None:
             return
         if self.prefix_cache and tokens is not None:
-            hashes = chain_hashes(tokens[: seq.length], self.ps)
-            for page, h in list(zip(seq.pages, hashes))[seq.hashed :]:
-                self.pool.register(page, h)
+            toks, ps = tokens[: seq.length], self.ps
+            hashes = chain_hashes(toks, ps)
+            parents = [ROOT, *hashes]
+            for i in range(seq.hashed, len(hashes)):
+                self.pool.register(seq.pages[i], hashes[i], parents[i], toks[i * ps : (i + 1) * ps])
+            if len(toks) % ps:
+                full = len(hashes)
+                self.pool.register_partial(seq.pages[full], parents[full], toks[full * ps :])
         for page in seq.pages:
             self.pool.release(page)
         self.pool.reserved -= seq.reserved + seq.extra

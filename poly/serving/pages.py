@@ -5,6 +5,12 @@ hash chain over their tokens (blake2b of the parent hash and the page's token id
 does), so two requests sharing a prompt prefix share its pages. A page whose reference count
 drops to 0 keeps its hash and goes to an LRU list: it is reused by a later match, or evicted
 (oldest first) when a fresh page is needed and none is free.
+
+A finished sequence's last, partial page is kept too, and every kept page is indexed under its
+parent hash with its tokens: a prompt that matches the cached pages up to some page and then
+shares only part of the next one (a repeated prompt shorter than a page, or one that diverges
+mid-page) copies that common part from the best kept page (``best_prefix``), as llama.cpp's
+server slots reuse their last prompt.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ class PagePool:
         self.lru: OrderedDict[int, bytes] = OrderedDict()  # unreferenced pages that keep a hash
         self.by_hash: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
+        # kept pages by (parent hash, first token) -> {page: its tokens}, for best_prefix
+        self.children: dict[tuple[bytes, int], dict[int, np.ndarray]] = {}
+        self.child_key: dict[int, tuple[bytes, int]] = {}
         self.reserved = 0  # pages promised to admitted sequences, not yet taken
 
     @property
@@ -64,6 +73,12 @@ class PagePool:
     def _evict(self) -> int:
         page, h = self.lru.popitem(last=False)  # least recently used first
         del self.by_hash[h], self.hash_of[page]
+        key = self.child_key.pop(page, None)
+        if key is not None:
+            kids = self.children[key]
+            del kids[page]
+            if not kids:
+                del self.children[key]
         return page
 
     def alloc(self) -> int:
@@ -98,7 +113,36 @@ class PagePool:
     def lookup(self, h: bytes) -> int | None:
         return self.by_hash.get(h)
 
-    def register(self, page: int, h: bytes) -> None:
-        if h not in self.by_hash and page not in self.hash_of:
-            self.by_hash[h] = page
-            self.hash_of[page] = h
+    def register(self, page: int, h: bytes, parent: bytes | None = None, tokens=None) -> None:
+        """Name ``page`` by ``h``; with its ``parent`` hash and ``tokens``, `best_prefix` finds it."""
+        if h in self.by_hash or page in self.hash_of:
+            return
+        self.by_hash[h] = page
+        self.hash_of[page] = h
+        if parent is not None and len(tokens):
+            toks = np.asarray(tokens, dtype=np.int32)
+            key = (parent, int(toks[0]))
+            self.children.setdefault(key, {})[page] = toks
+            self.child_key[page] = key
+
+    def register_partial(self, page: int, parent: bytes, tokens) -> None:
+        """Keep a sequence's last, partial page (its first len(tokens) positions)."""
+        toks = np.asarray(tokens, dtype=np.int32)
+        h = hashlib.blake2b(b"partial" + parent, digest_size=16)
+        h.update(toks.tobytes())
+        self.register(page, h.digest(), parent, toks)
+
+    def best_prefix(self, parent: bytes, tokens) -> tuple[int, int] | None:
+        """The kept page under ``parent`` whose tokens share the longest prefix with
+        ``tokens`` -> (page, shared length), or None when none shares its first token."""
+        toks = np.asarray(tokens, dtype=np.int32)
+        if not len(toks):
+            return None
+        best = None
+        for page, kept in self.children.get((parent, int(toks[0])), {}).items():
+            m = min(len(kept), len(toks))
+            diff = np.flatnonzero(kept[:m] != toks[:m])
+            n = int(diff[0]) if len(diff) else m
+            if best is None or n > best[1]:
+                best = (page, n)
+        return best
