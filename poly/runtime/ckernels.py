@@ -28,11 +28,13 @@ import numpy as np
 from poly.errors import DTypeError, LayerConfigError, UsageError
 from poly.quant import schemes as qs
 from poly.quant.qtensor import DenseMatrix, GGUFMatrix
+from poly.runtime.heap import keep_temporaries
 
 try:
     from poly.runtime.native import ckernels as EXT
 
     AVAILABLE = True
+    keep_temporaries()  # the C paths' prefill temporaries stay mapped (poly/runtime/heap.py)
 except ImportError:  # pragma: no cover - only on installs without a C compiler
     EXT = None
     AVAILABLE = False
