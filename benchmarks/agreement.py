@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         path = tokens[(kind, args.ref)] = greedy(ref, ids, args.new)
         del ref
         for name in args.files:
+            if kind == "llama" and not name.endswith(".gguf"):
+                continue  # llama.cpp reads GGUF only
             e = make(name)
             got = tokens[(kind, name)] = greedy(e, ids, args.new)
             prefix, equal = compare(path, got)
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n| file | ours vs llama.cpp: prefix | equal /{args.new} |")
         print("|---|---|---|")
         for name in [args.ref, *args.files]:
+            if ("llama", name) not in tokens:
+                continue
             prefix, equal = compare(tokens[("llama", name)], tokens[("poly", name)])
             print(f"| {name} | {prefix} | {equal} |")
 

@@ -6,11 +6,64 @@
 #ifndef PK_ATTN_H
 #define PK_ATTN_H
 
+#if PK_SIMD
+/* the 8 dot products q . k[j] (hd % 8 == 0) as one vector: the 8 sums reduced together by one
+ * transpose-add, not one horizontal sum each (that reduction cost as much as the FMAs at hd 64) */
+static inline __m256 dot8x(const float *const k[8], const float *q, int64_t hd) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    int64_t c = 0;
+#if PK_AVX512
+    if (hd % 16 == 0) { /* 16 lanes, each sum folded to 8 before the transpose-add */
+        __m512 b[8];
+        for (int j = 0; j < 8; j++) b[j] = _mm512_setzero_ps();
+        for (; c < hd; c += 16) {
+            const __m512 qv = _mm512_loadu_ps(q + c);
+            for (int j = 0; j < 8; j++) b[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k[j] + c), qv, b[j]);
+        }
+#define FOLD(j) _mm256_add_ps(_mm512_castps512_ps256(b[j]), _mm512_extractf32x8_ps(b[j], 1))
+        a0 = FOLD(0); a1 = FOLD(1); a2 = FOLD(2); a3 = FOLD(3); a4 = FOLD(4); a5 = FOLD(5); a6 = FOLD(6); a7 = FOLD(7);
+#undef FOLD
+    }
+#endif
+    for (; c < hd; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k[0] + c), qv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k[1] + c), qv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k[2] + c), qv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k[3] + c), qv, a3);
+        a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k[4] + c), qv, a4);
+        a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k[5] + c), qv, a5);
+        a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k[6] + c), qv, a6);
+        a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k[7] + c), qv, a7);
+    }
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [0123|0123] halves */
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7)); /* [4567|4567] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
 /* scores sc[t] = q . K_t * scale for t <= pos; returns their max */
 static inline float attn_scores(const step_t *S, int i, const float *K, int64_t kvd, const float *q, int64_t hd,
                                 float scale, float *sc, int64_t pos) {
     float mx = -INFINITY;
-    for (int64_t t = 0; t <= pos; t++) {
+    int64_t t = 0;
+#if PK_SIMD
+    if (hd % 8 == 0 && pos >= 7) {
+        __m256 vmx = _mm256_set1_ps(-INFINITY);
+        const __m256 vs = _mm256_set1_ps(scale);
+        for (; t + 8 <= pos + 1; t += 8) {
+            const float *k[8];
+            for (int j = 0; j < 8; j++) k[j] = K + slot(S, i, t + j) * kvd;
+            const __m256 s = _mm256_mul_ps(dot8x(k, q, hd), vs);
+            _mm256_storeu_ps(sc + t, s);
+            vmx = _mm256_max_ps(s, vmx); /* a NaN score is skipped, like fmaxf; exp keeps it NaN */
+        }
+        float m8[8];
+        _mm256_storeu_ps(m8, vmx);
+        for (int j = 0; j < 8; j++) mx = fmaxf(mx, m8[j]);
+    }
+#endif
+    for (; t <= pos; t++) {
         /* the SIMD dot of the matrix kernels: a plain loop is one dependent add chain */
         sc[t] = dense_dot(K_F32, (const uint8_t *)(K + slot(S, i, t) * kvd), q, hd) * scale;
         mx = fmaxf(mx, sc[t]);

@@ -222,6 +222,15 @@ def test_batched_rows_past_the_row_kernels_equal_each_row_alone(monkeypatch):
             np.testing.assert_allclose(rows[i], alone[0], rtol=0, atol=2e-5 * np.abs(alone).max())
 
 
+@pytest.mark.parametrize("head_dim", [16, 24])  # 16-lane folds (AVX-512) and the 8-lane path
+def test_attention_scores_in_blocks_of_eight_positions(head_dim, monkeypatch, each_isa):
+    """Decode at positions past 8 and 40: the scores of 8 positions are reduced together
+    (dot8x); the fused step equals the Python path on every ISA build, with a ragged tail."""
+    tf = random_transformer(_cfg(head_dim=head_dim, max_seq_len=128), seed=14)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 120, 37)]
+    _assert_same(tf, monkeypatch, prompt=prompt)
+
+
 def test_prompt_rows_compute_each_prompts_last_row_only(monkeypatch):
     """Prompts of 3, 1 and 5 tokens in one call: the LM head runs for their last rows only (the
     logits argument is (logits [3, V], rows)), and each equals the prompt run alone."""
