@@ -113,12 +113,10 @@ static px_t px_view(const px_t *P, const float *x, int64_t off) {
     return V;
 }
 
-/* from this many rows a product runs as gemm panels. Measured on SmolLM2's shapes (x 64-byte
- * aligned): dense rows (f32/f16) at 8 rows 80-90 us vs 69-125 with the row kernels; the
- * quantized kinds' register tiles win up to MAX_N (Q4_1 [1536 x 576] 16 rows 86 vs 138 us, the
- * 8-row step 8.8 ms vs 21.5), so they never take gemm below it */
-#define GEMM_ROWS 8
-#define GEMM_ROWS_QUANT (MAX_N + 1)
+/* from this many rows a product runs as gemm panels: below it the row kernels' register tiles
+ * win for every kind (SmolLM2 shapes, x 64-byte aligned, 2 threads: Q4_1 [1536 x 576] 8 rows
+ * 42 vs 92 us, 16 rows 84 vs 115; f16 16 rows 89 vs 118; the 8-row Q4_1 step 8.8 ms vs 21.5) */
+#define GEMM_ROWS (MAX_N + 1)
 
 /* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo */
 static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1,
@@ -130,7 +128,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.x = loom ? P->xp : P->x; A.xs = P->xs;
     A.xq = loom ? P->xqp : P->xq; A.dx = P->dx;
     const int use8 = q8 && PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0);
-    if (n >= (M->kind <= K_I8 ? GEMM_ROWS : GEMM_ROWS_QUANT) && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
+    if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
 #ifdef _OPENMP
         float *tmp = P->gbuf + omp_get_thread_num() * P->gstride;
 #else
@@ -140,10 +138,11 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0};
         for (int64_t rp = r0; rp < r1; rp += GR)
             gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk);
-    } else if (n > MAX_N) { /* the row kernels keep MAX_N accumulators: pieces of MAX_N rows */
-        for (int64_t c = 0; c < n; c += MAX_N) {
+    } else if (n > (use8 ? MAX_N : row_piece(A.k))) { /* pieces of rows, see row_piece */
+        const int64_t piece = use8 ? MAX_N : row_piece(A.k);
+        for (int64_t c = 0; c < n; c += piece) {
             const px_t V = px_view(P, P->x + c * A.k, c * A.k);
-            mat_rows(M, &V, out + c * ldo, ldo, r0, r1, q8, n - c < MAX_N ? n - c : MAX_N);
+            mat_rows(M, &V, out + c * ldo, ldo, r0, r1, q8, n - c < piece ? n - c : piece);
         }
         return; /* each piece added its bias */
     } else

@@ -257,7 +257,15 @@ static int run(int kind, mm_args *A, int nt, int q8) {
         }
     }
     if (A->m * A->k < SERIAL_WORK) nt = 1;
-    (q8 ? FNS8 : FNS)[kind](A, nt);
+    const int64_t piece = q8 ? A->n : row_piece(A->k);
+    for (int64_t c = 0; c < A->n; c += piece) { /* pieces of input rows that stay in L1 */
+        mm_args P = *A;
+        P.n = A->n - c < piece ? A->n - c : piece;
+        P.x = A->x + c * A->k;
+        P.xs = A->xs ? A->xs + c * A->nb : NULL;
+        P.out = A->out + c * A->ldo;
+        (q8 ? FNS8 : FNS)[kind](&P, nt);
+    }
     free(scratch);
     return 0;
 }

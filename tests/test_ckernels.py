@@ -163,6 +163,20 @@ def test_dense_matmul_odd_k_and_many_rows():
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("scheme", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("k", [101, 1100])  # a scalar tail; past 1,024 the row pieces are 4 rows
+def test_dense_register_tiles_every_row_count(scheme, k, each_isa):
+    """Dense rows times 1..16 input rows: tiles of 8/4/2/1 rows (AVX2: 4/2/1), pieces of rows
+    that stay in L1, the k tail; every count equals the float64 product."""
+    qt = MAKERS[scheme](random_weights(37, k, seed=k))
+    w = qt.dequantize().astype(np.float64)
+    for n in range(1, 17):
+        x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+        ref = x.astype(np.float64) @ w.T
+        got = ckernels.matmul(qt, x, q8=False)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_bad_inputs_raise_typed_errors():
     qt = MAKERS["gguf_q4_1"](random_weights(8, 64, seed=1))
     x = np.ones((2, 64), dtype=np.float32)

@@ -250,7 +250,7 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
         return False
     if x.dtype != _F32 or not out.flags.c_contiguous or w.shape[1] != k:
         return False
-    EXT.matmul(F32, x, out, w, None, n, k, w.shape[0], False)
+    EXT.matmul(F32, aligned(x) if n > 1 else x, out, w, None, n, k, w.shape[0], False)
     return True
 
 
@@ -261,8 +261,7 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
     EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], int(threads))
 
 
-GEMM_ROWS = 8  # rows from which `gemm` beats the dense row kernels (as in csrc/pk_decode.c)
-GEMM_ROWS_QUANT = MAX_N + 1  # ... and the quantized kinds' register tiles (csrc/pk_decode.c)
+GEMM_ROWS = MAX_N + 1  # rows from which `gemm` beats the row kernels' tiles (csrc/pk_decode.c)
 
 
 def aligned(x: np.ndarray) -> np.ndarray:
@@ -275,11 +274,6 @@ def aligned(x: np.ndarray) -> np.ndarray:
     out = buf[start : start + x.size].reshape(x.shape)
     out[...] = x
     return out
-
-
-def gemm_rows(kind: int) -> int:
-    """Rows from which `gemm` takes a product of this stored form."""
-    return GEMM_ROWS if kind in (F32, F16, BF16, I8) else GEMM_ROWS_QUANT
 
 
 ATTEND_MIN = 8192  # queries x keys below which numpy's attention is as fast
@@ -327,7 +321,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
         x2 = aligned(x2)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    if n >= gemm_rows(kind):
+    if n >= GEMM_ROWS:
         EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0)
     else:
         EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"])

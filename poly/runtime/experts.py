@@ -48,7 +48,7 @@ def _plan(sub) -> tuple | None:
 def _product(ops: tuple, x: np.ndarray, out: np.ndarray) -> None:
     kind, w, aux = ops
     n, k = x.shape
-    if n >= ckernels.gemm_rows(kind):
+    if n >= ckernels.GEMM_ROWS:
         ckernels.EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], 0)
     else:
         x = ckernels.aligned(x) if n > 1 else x
