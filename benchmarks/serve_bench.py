@@ -13,6 +13,7 @@ cold run. With --memory: 16 concurrent 100-token prompts under `--ctx 8192`, /me
 while all 16 run (KV bytes in use vs the live tokens' need, RSS).
 
     python -m benchmarks.serve_bench [MODEL] [--n 8] [--new 64] [--rounds 2] [--json out.json]
+        [--client raw|openai]   # the streaming client of the rounds (default raw: httpx + json)
     python -m benchmarks.serve_bench --url http://127.0.0.1:8080 --model-name x   # another server
 """
 
@@ -46,19 +47,60 @@ PROMPTS = [
 ]
 
 
+class RawClient:
+    """Streamed completions over the standard library's http.client and json: the openai client
+    builds a pydantic model per chunk, and 8 client threads doing that shared the 2 cores with
+    the server under test. The same wire requests, lighter parsing."""
+
+    def __init__(self, base_url: str, api_key: str):
+        from urllib.parse import urlsplit
+
+        u = urlsplit(base_url)
+        self.host, self.port, self.path = u.hostname, u.port or 80, u.path.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+
+    def texts(self, model: str, prompt, new: int):
+        import http.client
+
+        body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=900)
+        try:
+            conn.request("POST", self.path + "/completions", json.dumps(body), self.headers)
+            r = conn.getresponse()
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices")
+                if choices:
+                    yield choices[0].get("text") or ""
+        finally:
+            conn.close()
+
+
+def _texts(client, model: str, prompt, new: int):
+    if isinstance(client, RawClient):
+        yield from client.texts(model, prompt, new)
+        return
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    for chunk in stream:
+        if chunk.choices:
+            yield chunk.choices[0].text
+
+
 def one_stream(client, model: str, prompt: str, new: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     text, n = [], 0
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-    for chunk in stream:
-        if not chunk.choices:
-            continue
+    for piece in _texts(client, model, prompt, new):
         now = time.perf_counter()
         first = first if first is not None else now
         last = now
-        text.append(chunk.choices[0].text)
+        text.append(piece)
         n += 1
     return {"t0": t0, "first": first, "last": last, "chunks": n, "text": "".join(text)}
 
@@ -151,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--prefix-tokens", type=int, default=0, help="also measure prefix reuse")
     ap.add_argument("--memory", action="store_true", help="only the --ctx 8192 memory scenario")
+    ap.add_argument("--client", choices=("raw", "openai"), default="raw",
+                    help="streaming client of the throughput rounds (raw: httpx + json)")  # fmt: skip
     args = ap.parse_args(argv)
     import openai
 
@@ -158,6 +202,8 @@ def main(argv=None) -> int:
 
     def run(base: str, name: str) -> list[dict]:
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=900)
+        if args.client == "raw":
+            client = RawClient(base + "/v1", KEY)
         one_stream(client, name, PROMPTS[0], 4)  # warm-up
         return [measure(client, name, args.n, args.new) for _ in range(args.rounds)]
 
