@@ -87,21 +87,25 @@ static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, in
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * g[i];
 }
 
-/* block sums (the offset term of the quantized kinds), Loom's reordered copy, int8 codes */
-static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
-    P->x = x; P->k = k;
-    if (k % 32) return;
-    const int64_t nb = k / 32;
-    for (int64_t b = 0; b < nb; b++) {
+/* prep's work for the 32-blocks [b0, b1) of x: block sums (the offset term of the quantized
+ * kinds), Loom's reordered copy, int8 codes. Blocks are independent, so threads split them. */
+static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loom, int q8) {
+    for (int64_t b = b0; b < b1; b++) {
         float t = 0.0f;
         for (int l = 0; l < 32; l++) t += x[b * 32 + l];
         P->xs[b] = t;
     }
-    if (loom) loom_order(x, P->xp, k);
+    if (b1 <= b0) return;
+    if (loom) loom_order(x + b0 * 32, P->xp + b0 * 32, (b1 - b0) * 32);
     if (q8) {
-        quantize_x(x, P->xq, P->dx, nb);
-        if (loom) quantize_x(P->xp, P->xqp, P->dx, nb);
+        quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);
+        if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0);
     }
+}
+
+static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
+    P->x = x; P->k = k;
+    if (k % 32 == 0) prep_blocks(P, x, 0, k / 32, loom, q8);
 }
 
 /* P's buffers seen from element `off` on, with input x (rows of k, k % 32 == 0 for the block
@@ -188,6 +192,26 @@ static void norm_prep(const step_t *S, const float *x, const float *g, float eps
     prep(&B->P, B->h, S->n * S->d, S->loom, S->q8);
 }
 
+/* norm_prep on every thread, each its own rows (a row's blocks depend on that row only), then a
+ * barrier: for several rows the serial version kept the other threads waiting */
+static void norm_prep_par(const step_t *S, const float *x, const float *g, float eps, bufs_t *B, int tid, int nt) {
+    const int64_t d = S->d;
+    if (d % 32) {
+#pragma omp single
+        norm_prep(S, x, g, eps, B);
+        return;
+    }
+#pragma omp single nowait
+    { B->P.x = B->h; B->P.k = S->n * d; }
+    int64_t i0, i1;
+    part(S->n, tid, nt, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++) {
+        pk_rmsnorm(x + i * d, g, eps, B->h + i * d, d);
+        prep_blocks(&B->P, B->h, i * d / 32, (i + 1) * d / 32, S->loom, S->q8);
+    }
+#pragma omp barrier
+}
+
 /* residual streams x [n, d] += in [n, k] @ M.T: `in` prepared on one thread, then each thread
  * its own rows of M (each output element written by one thread, so no second barrier) */
 /* red_fn() with the GIL (the master thread is the caller, whose thread state is saved) */
@@ -203,15 +227,25 @@ static void reduce_call(step_t *S) {
     PyGILState_Release(g);
 }
 
+/* `prepped`: the threads already ran prep_blocks over `in` (before their last barrier) */
 static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const float *in, int64_t k,
-                           int tid, int nt) {
+                           int tid, int nt, int prepped) {
     const int64_t d = S->d, n = S->n;
     float *out = S->red ? S->red : B->tmp;
     int64_t r0, r1;
+    px_t V = B->P; /* this thread's own view of `in` (B->P.x is left alone) */
+    V.x = in; V.k = n * k;
+    if (!prepped && k % 32 == 0) { /* the blocks split over the threads */
+        int64_t b0, b1;
+        part(n * k / 32, tid, nt, &b0, &b1);
+        prep_blocks(&B->P, in, b0, b1, S->loom, S->q8);
+#pragma omp barrier
+    } else if (!prepped) {
 #pragma omp single
-    prep(&B->P, in, n * k, S->loom, S->q8);
+        prep(&B->P, in, n * k, S->loom, S->q8);
+    }
     part(d, tid, nt, &r0, &r1);
-    mat_rows(M, &B->P, out, d, r0, r1, S->q8, n);
+    mat_rows(M, &V, out, d, r0, r1, S->q8, n);
     if (S->red) { /* all partial rows written, summed over the ranks on the calling thread */
 #pragma omp barrier
 #pragma omp master
@@ -226,8 +260,7 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
 static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
     const int64_t n = S->n, q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
     int64_t r0, r1;
-#pragma omp single
-    norm_prep(S, S->x, L->g_attn, L->eps, B);
+    norm_prep_par(S, S->x, L->g_attn, L->eps, B, tid, nt);
     for (int i = 0, off = 0; i < L->nqkv; off += (int)L->qkv[i].A.m, i++) {
         part(L->qkv[i].A.m, tid, nt, &r0, &r1);
         mat_rows(&L->qkv[i], &B->P, B->qkv + off, w, r0, r1, S->q8, n);
@@ -235,22 +268,24 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
 #pragma omp barrier
 #pragma omp single
     for (int i = 0; i < n; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], i);
+    const int inline_prep = L->hd % 32 == 0; /* a head's output is whole blocks: prep them here */
     part(n * L->heads, tid, nt, &r0, &r1);
     for (int64_t e = r0; e < r1; e++) {
         const int i = (int)(e / L->heads), h = (int)(e % L->heads);
-        attend(S, L, B->qkv + i * w + h * L->hd, B->att + i * q + h * L->hd, B->sc + tid * (S->maxpos + 1),
-               S->pos[i], i, h);
+        float *o = B->att + i * q + h * L->hd;
+        attend(S, L, B->qkv + i * w + h * L->hd, o, B->sc + tid * (S->maxpos + 1), S->pos[i], i, h);
+        if (inline_prep) prep_blocks(&B->P, B->att, (i * q + h * L->hd) / 32, (i * q + (h + 1) * L->hd) / 32,
+                                     S->loom, S->q8);
     }
 #pragma omp barrier
-    add_projection(S, &L->o, B, B->att, q, tid, nt);
+    add_projection(S, &L->o, B, B->att, q, tid, nt, inline_prep);
 }
 
 static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
     const int64_t n = S->n, I = L->down.A.k;
     float *gu = B->gu;
     int64_t r0, r1;
-#pragma omp single
-    norm_prep(S, S->x, L->g_mlp, L->eps, B);
+    norm_prep_par(S, S->x, L->g_mlp, L->eps, B, tid, nt);
     part(I, tid, nt, &r0, &r1);
     if (L->ngu == 1) {
         mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n);
@@ -261,8 +296,8 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     }
     for (int64_t i = 0; i < n; i++)
         silu_mul(gu + i * 2 * I + r0, gu + i * 2 * I + I + r0, B->hid + i * I + r0, r1 - r0);
-#pragma omp barrier
-    add_projection(S, &L->down, B, B->hid, I, tid, nt);
+#pragma omp barrier /* no thread still reads the prepared h (its block sums are overwritten next) */
+    add_projection(S, &L->down, B, B->hid, I, tid, nt, 0);
 }
 
 #include "pk_moe.h"

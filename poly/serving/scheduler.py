@@ -55,13 +55,16 @@ class Scheduler:
 
     def __init__(self, model, *, max_batch: int = 16, prefill_chunk: int = 512,
                  max_queue: int = 64, max_context: int | None = None, kv=None,
-                 batch_prefill: bool = True):  # fmt: skip
+                 batch_prefill: bool = True, gather_s: float = 0.002):  # fmt: skip
         from poly.serving.kv import make_kv
 
         self.model = model
         self.max_batch = max(1, int(max_batch))
         self.prefill_chunk = max(1, int(prefill_chunk))
         self.batch_prefill = bool(batch_prefill)
+        # requests arriving within gather_s of one that woke an idle loop share its first
+        # prefill pass (8 clients starting together: one pass instead of one, then seven)
+        self.gather_s = max(0.0, float(gather_s))
         self.max_queue = int(max_queue)
         limit = int(model.config.max_seq_len)
         self.max_context = min(limit, int(max_context)) if max_context else limit
@@ -279,8 +282,13 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                was_idle = self.idle()
                 while not self._stop and self.idle():
                     self._cv.wait(0.5)
+                if was_idle and not self._stop:  # a burst: let the rest of it arrive first
+                    deadline = time.monotonic() + self.gather_s
+                    while (left := deadline - time.monotonic()) > 0:
+                        self._cv.wait(left)
                 if self._stop and (self.idle() or time.monotonic() > self._drain_deadline):
                     break
             try:
