@@ -142,8 +142,8 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0};
         for (int64_t rp = r0; rp < r1; rp += GR)
             gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk);
-    } else if (n > (use8 ? MAX_N : row_piece(A.k))) { /* pieces of rows, see row_piece */
-        const int64_t piece = use8 ? MAX_N : row_piece(A.k);
+    } else if (n > (use8 ? MAX_N : row_piece(&A))) { /* pieces of rows, see row_piece */
+        const int64_t piece = use8 ? MAX_N : row_piece(&A);
         for (int64_t c = 0; c < n; c += piece) {
             const px_t V = px_view(P, P->x + c * A.k, c * A.k);
             mat_rows(M, &V, out + c * ldo, ldo, r0, r1, q8, n - c < piece ? n - c : piece);

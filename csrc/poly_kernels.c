@@ -257,7 +257,7 @@ static int run(int kind, mm_args *A, int nt, int q8) {
         }
     }
     if (A->m * A->k < SERIAL_WORK) nt = 1;
-    const int64_t piece = q8 ? A->n : row_piece(A->k);
+    const int64_t piece = q8 ? A->n : row_piece(A);
     for (int64_t c = 0; c < A->n; c += piece) { /* pieces of input rows that stay in L1 */
         mm_args P = *A;
         P.n = A->n - c < piece ? A->n - c : piece;
