@@ -28,6 +28,7 @@ KERNEL_SOURCES = [
     "csrc/pk_decode.c",
     "csrc/pk_decode_args.c",
     "csrc/pk_kernels.h",
+    "csrc/pk_dense.h",
     "csrc/pk_quants.h",
     "csrc/pk_q8.h",
     "csrc/pk_attn.h",

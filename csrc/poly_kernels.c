@@ -257,8 +257,8 @@ static int run(int kind, mm_args *A, int nt, int q8) {
         }
     }
     if (A->m * A->k < SERIAL_WORK) nt = 1;
-    const int64_t piece = q8 ? A->n : row_piece(A);
-    for (int64_t c = 0; c < A->n; c += piece) { /* pieces of input rows that stay in L1 */
+    const int64_t piece = q8 ? A->n : row_piece(A); /* pieces of rows that stay in L1 */
+    for (int64_t c = 0; c < A->n; c += piece) {
         mm_args P = *A;
         P.n = A->n - c < piece ? A->n - c : piece;
         P.x = A->x + c * A->k;
@@ -396,6 +396,5 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "ckernels", NULL, -1, methods};
-
 /* This instruction set's module (PK_MAKER names it: pk_make_avx2, ...; see csrc/pk_module.c). */
 PyObject *PK_MAKER(void) { return PyModule_Create(&moddef); }
