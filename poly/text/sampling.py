@@ -152,9 +152,9 @@ def apply_mask(logits: np.ndarray, ids: Sequence[int] | np.ndarray) -> np.ndarra
 
 def no_repeat_ngram_bans(ids: Sequence[int], n: int) -> np.ndarray:
     """Ids that would complete an n-gram already present in ``ids`` (HF NoRepeatNGram semantics)."""
-    seq = np.asarray(ids, dtype=np.int64)
-    if n <= 0 or len(seq) + 1 < n:
+    if n <= 0 or len(ids) + 1 < n:  # before the array: this runs for every sampled token
         return np.empty(0, dtype=np.int64)
+    seq = np.asarray(ids, dtype=np.int64)
     if n == 1:
         return np.unique(seq)
     tail = seq[len(seq) - (n - 1) :]
