@@ -233,3 +233,30 @@ def test_decode_started_on_fewer_threads_looks_for_room_after_one_window():
     used = _run(ThreadTuner(shared=shared), lambda t, i: 0.006 if t == 2 else 0.014, 4 * WINDOW)
     assert used[:WINDOW] == [1] * WINDOW and used[-WINDOW:] == [2] * WINDOW
     assert shared.advice(2) == 2
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_short_prompt_takes_fewer_threads_only_while_others_run(busy, monkeypatch):
+    """The fused prefill follows a tuner's "fewer threads" finding only while other processes
+    hold the cores; on a quiet machine the finding is stale and all threads run."""
+    from poly import TransformerConfig
+    from poly.runtime import ckernels, fused, kernels
+    from tests.tiny_model import random_transformer
+
+    cfg = TransformerConfig(hidden_size=64, intermediate_size=96, vocab_size=120, num_layers=2,
+                            num_heads=4, num_kv_heads=2, max_seq_len=64)  # fmt: skip
+    tf = random_transformer(cfg, seed=3)
+    seen = []
+    real = ckernels.decode
+    monkeypatch.setattr(ckernels, "decode", lambda *a: (seen.append(a[6]), real(*a))[1])
+    monkeypatch.setattr(fused, "room_for", lambda threads: not busy)
+    monkeypatch.setattr(fused.SHARED, "full", 0)
+    before = kernels.num_threads()
+    kernels.set_num_threads(2)
+    fused.SHARED.found(2, 1)  # a decode tuner found one thread faster, some time ago
+    try:
+        tf.forward([3, 17, 5, 42, 9])
+    finally:
+        fused.SHARED.found(0, 0)
+        kernels.set_num_threads(before)
+    assert seen == [1 if busy else 2]

@@ -21,7 +21,7 @@ from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, is_plain_block
 from poly.nn import mha, moe, rmsnorm, swiglu
 from poly.rope import rope_tables
 from poly.runtime import ckernels, kernels
-from poly.runtime.threadtune import SHARED, ThreadTuner
+from poly.runtime.threadtune import SHARED, ThreadTuner, room_for
 from poly.weights import Generations, PlanCache
 
 _F32 = np.dtype(np.float32)
@@ -251,7 +251,12 @@ def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     for c in caches:
         pairs += (c.k, c.v) * n  # every row of block li reads and writes the same cache
     logits = np.empty((1, p.vocab), dtype=np.float32)  # [1, V]: the last row's only
-    nt = SHARED.advice(kernels.num_threads())  # what the tuners found, no trial of its own
+    full = kernels.num_threads()
+    nt = SHARED.advice(full)  # what the tuners found, no trial of its own
+    if nt < full and room_for(full):
+        # the finding is stale: nothing else runs now (a benchmark worker whose first decode
+        # window met another process's spinning threads kept every later prompt on one thread)
+        nt = full
     pos = tuple(range(start, start + n))
     ckernels.decode(p.layers, tuple(pairs), p.head, x, logits, pos, nt, None, None)
     _report_experts(p, n)
