@@ -37,10 +37,6 @@ static inline __attribute__((always_inline)) void dec512(int kind, const mm_args
     v[1] = pk_widen16(_mm256_extracti128_si256(c, 1));
 }
 
-/* quant_row on 16 lanes for the nn input rows from c on. nn is a constant after inlining, so
- * the unrolled loops keep every accumulator in a register (a runtime count left them in memory:
- * 2 rows cost twice one). One row sums D * (codes . x) + M * sum(x) per block; several rows
- * share each dequantized block (D * codes + M) and spend two FMAs each on it. */
 /* block b of row r dequantized: D * codes + M as 2 x 16 floats */
 static inline __attribute__((always_inline)) void deq512(int kind, const mm_args *A, int64_t r, int64_t b, __m512 w[2],
                                                          pq_cache *pc) {
@@ -52,6 +48,10 @@ static inline __attribute__((always_inline)) void deq512(int kind, const mm_args
     w[1] = _mm512_fmadd_ps(v[1], vd, vm);
 }
 
+/* quant_row on 16 lanes for the nn input rows from c on. nn is a constant after inlining, so
+ * the unrolled loops keep every accumulator in a register (a runtime count left them in memory:
+ * 2 rows cost twice one). One row sums D * (codes . x) + M * sum(x) per block; several rows
+ * share each dequantized block (D * codes + M) and spend two FMAs each on it. */
 static inline __attribute__((always_inline)) void quant_tile512(int kind, const mm_args *A, int64_t r, int64_t c,
                                                                 const int nn) {
     __m512 a0[ROW_TILE], a1[ROW_TILE];
@@ -73,22 +73,15 @@ static inline __attribute__((always_inline)) void quant_tile512(int kind, const 
     }
 #pragma GCC unroll 16
     for (int i = 0; i < nn; i++) a0[i] = a1[i] = _mm512_setzero_ps();
-    __m512 w[2], wn[2];
-    deq512(kind, A, r, 0, w, &pc);
-    wn[0] = w[0]; wn[1] = w[1];
     for (int64_t b = 0; b < A->nb; b++) {
-#ifdef PK_NODEC
-        wn[0] = _mm512_set1_ps((float)b); wn[1] = _mm512_set1_ps((float)r);
-#else
-        if (b + 1 < A->nb) deq512(kind, A, r, b + 1, wn, &pc); /* next block's decode overlaps these FMAs */
-#endif
+        __m512 w[2];
+        deq512(kind, A, r, b, w, &pc);
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {
             const float *xb = A->x + (c + i) * A->k + b * 32;
             a0[i] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), a0[i]);
             a1[i] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), a1[i]);
         }
-        w[0] = wn[0]; w[1] = wn[1];
     }
 #pragma GCC unroll 16
     for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));

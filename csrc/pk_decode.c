@@ -368,11 +368,11 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
             else block_ffn(S, &S->L[l], &B, tid, nth);
         }
 #pragma omp single
-        if (S->nsel < S->n) { /* prompts' rows: the logits of each prompt's last row only */
+        { /* the selected rows (every row, or each prompt's last one), packed */
             for (int j = 0; j < S->nsel; j++)
                 pk_rmsnorm(S->x + S->sel[j] * S->d, S->g_final, S->eps_final, B.h + j * S->d, S->d);
             prep(&B.P, B.h, S->nsel * S->d, S->loom, S->q8);
-        } else norm_prep(S, S->x, S->g_final, S->eps_final, &B);
+        }
         part(S->lm.A.m, tid, nth, &r0, &r1);
         mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->nsel);
     }

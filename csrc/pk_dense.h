@@ -57,11 +57,9 @@ static inline __attribute__((always_inline)) void dense_row(int kind, const mm_a
     const int64_t n = A->n;
 #if PK_SIMD
     if (n > 1) { /* several input rows: register tiles (one row keeps dense_dot's numerics) */
-        int64_t c = 0;
-        for (; c + ROW_TILE <= n; c += ROW_TILE) dense_tile(kind, A, row, r, c, ROW_TILE, scale);
-        if (ROW_TILE > 4 && n - c >= 4) { dense_tile(kind, A, row, r, c, 4, scale); c += 4; }
-        if (n - c >= 2) { dense_tile(kind, A, row, r, c, 2, scale); c += 2; }
-        if (n - c >= 1) dense_tile(kind, A, row, r, c, 1, scale);
+#define DTILE(c, nn) dense_tile(kind, A, row, r, c, nn, scale)
+        FOR_TILES(n, DTILE);
+#undef DTILE
         return;
     }
 #endif

@@ -161,7 +161,6 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, fl
     }
 }
 
-/* the whole product on nt threads; -1 when a thread's buffers cannot be allocated */
 /* A thread's panel buffers, kept between calls (the OpenMP threads persist): a malloc and free
  * of them per call went through mmap, and page-faulting the fresh pages cost a 512-token
  * prefill ~10 %. Grown when a wider k comes; never shrunk. */
@@ -179,6 +178,7 @@ static float *thread_buffer(size_t floats) {
     return tl_buf;
 }
 
+/* the whole product on nt threads; -1 when a thread's buffers cannot be allocated */
 static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt) {
     const int64_t k = D->k, panels = (m + GR - 1) / GR;
     if (panels < nt) nt = (int)(panels > 0 ? panels : 1);

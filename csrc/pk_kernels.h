@@ -37,6 +37,15 @@ static int pk_threads; /* set_threads(); defined in poly_kernels.c (one unity bu
 #define ROW_TILE 4
 #endif
 #endif
+/* TILE(c, nn) over the n input rows: tiles of ROW_TILE rows, then 4, 2, 1 (nn a constant) */
+#define FOR_TILES(n, TILE)                                                                   \
+    do {                                                                                     \
+        int64_t c_ = 0;                                                                      \
+        for (; c_ + ROW_TILE <= (n); c_ += ROW_TILE) TILE(c_, ROW_TILE);                     \
+        if (ROW_TILE > 4 && (n) - c_ >= 4) { TILE(c_, 4); c_ += 4; }                          \
+        if ((n) - c_ >= 2) { TILE(c_, 2); c_ += 2; }                                         \
+        if ((n) - c_ >= 1) TILE(c_, 1);                                                      \
+    } while (0)
 #define XL_SCALE 254.0f /* q8 scheme: residual code step, dx / 254 */
 #define SERIAL_WORK 65536 /* below this many weights one thread is faster than waking others */
 
@@ -281,11 +290,9 @@ static inline __attribute__((always_inline)) void quant_tile(int kind, const mm_
  * ROW_TILE rows, then 4, 2, 1, each tile re-decoding the row). */
 static inline __attribute__((always_inline)) void quant_row(int kind, const mm_args *A, int64_t r, int64_t n) {
 #if PK_SIMD
-    int64_t c = 0;
-    for (; c + ROW_TILE <= n; c += ROW_TILE) quant_tile(kind, A, r, c, ROW_TILE);
-    if (ROW_TILE > 4 && n - c >= 4) { quant_tile(kind, A, r, c, 4); c += 4; }
-    if (n - c >= 2) { quant_tile(kind, A, r, c, 2); c += 2; }
-    if (n - c >= 1) quant_tile(kind, A, r, c, 1);
+#define QTILE(c, nn) quant_tile(kind, A, r, c, nn)
+    FOR_TILES(n, QTILE);
+#undef QTILE
 #else
     float acc[MAX_N], macc[MAX_N];
     pq_cache pc = {NULL}; /* K-quant scales, once per super-block */

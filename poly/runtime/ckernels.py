@@ -250,7 +250,7 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
         return False
     if x.dtype != _F32 or not out.flags.c_contiguous or w.shape[1] != k:
         return False
-    EXT.matmul(F32, aligned(x) if n > 1 else x, out, w, None, n, k, w.shape[0], False)
+    EXT.matmul(F32, aligned(x), out, w, None, n, k, w.shape[0], False)
     return True
 
 
@@ -265,9 +265,10 @@ GEMM_ROWS = MAX_N + 1  # rows from which `gemm` beats the row kernels' tiles (cs
 
 
 def aligned(x: np.ndarray) -> np.ndarray:
-    """x itself when it starts on a 64-byte boundary, else a copy that does: the row kernels'
-    64-byte loads of x that split cache lines ran at 0.64x (an 8-row Q4_1 LM head 2040 vs 1300 us)."""
-    if x.ctypes.data % 64 == 0:
+    """x itself when it starts on a 64-byte boundary or is one row, else a copy that does: the
+    row kernels' 64-byte loads of x that split cache lines ran at 0.64x (an 8-row Q4_1 LM head
+    2040 vs 1300 us); one row is streamed once, so copying it costs more than it saves."""
+    if x.ctypes.data % 64 == 0 or x.shape[0] <= 1:
         return x
     buf = np.empty(x.size + 16, dtype=x.dtype)
     start = (-buf.ctypes.data % 64) // x.itemsize
@@ -316,9 +317,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
         return
     kind, w, aux = ops
     m, k = qt.shape[0], qt.shape[1]
-    x2 = np.ascontiguousarray(x2, dtype=np.float32)
-    if n > 1:
-        x2 = aligned(x2)
+    x2 = aligned(np.ascontiguousarray(x2, dtype=np.float32))
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
     if n >= GEMM_ROWS:

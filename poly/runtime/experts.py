@@ -51,7 +51,7 @@ def _product(ops: tuple, x: np.ndarray, out: np.ndarray) -> None:
     if n >= ckernels.GEMM_ROWS:
         ckernels.EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], 0)
     else:
-        x = ckernels.aligned(x) if n > 1 else x
+        x = ckernels.aligned(x)
         ckernels.EXT.matmul(kind, x, out, w, aux, n, k, out.shape[1], ckernels.act_q8())
 
 
