@@ -98,6 +98,7 @@ static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loo
     if (b1 <= b0) return;
     if (loom) loom_order(x + b0 * 32, P->xp + b0 * 32, (b1 - b0) * 32);
     if (q8) {
+        sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0);
         quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);
         if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0);
     }
@@ -113,7 +114,7 @@ static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
 static px_t px_view(const px_t *P, const float *x, int64_t off) {
     px_t V = *P;
     V.x = x; V.xs = P->xs + off / 32; V.dx = P->dx + off / 32; V.xp = P->xp + off;
-    V.xq = P->xq + 2 * off; V.xqp = P->xqp + 2 * off;
+    V.xq = P->xq + 2 * off; V.xqp = P->xqp + 2 * off; V.xs16 = P->xs16 + off / 16;
     return V;
 }
 
@@ -130,8 +131,8 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     const int loom = M->kind == K_LOOM_Q4;
     A.n = n; A.out = out; A.ldo = ldo;
     A.x = loom ? P->xp : P->x; A.xs = P->xs;
-    A.xq = loom ? P->xqp : P->xq; A.dx = P->dx;
-    const int use8 = q8 && PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0);
+    A.xq = loom ? P->xqp : P->xq; A.dx = P->dx; A.xs16 = P->xs16;
+    const int use8 = q8 && PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) && (q8 == 1 || k8_kind(M->kind));
     if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
 #ifdef _OPENMP
         float *tmp = P->gbuf + omp_get_thread_num() * P->gstride;
@@ -337,6 +338,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->sc = take(&f, (S->maxpos + 1) * nt);
     B->P.xs = take(&f, R * kp / 32 + 1);
     B->P.dx = take(&f, R * kp / 32 + 1);
+    B->P.xs16 = take(&f, R * kp / 16 + 1);
     B->P.xp = take(&f, R * kp);
     B->P.xq = (int8_t *)take(&f, R * kp / 2);
     B->P.xqp = (int8_t *)take(&f, R * kp / 2);

@@ -36,7 +36,7 @@ typedef struct {
 typedef struct { int e; int64_t row0, cnt, goff, hoff; } slot_t; /* expert e's gathered rows */
 
 typedef struct { /* one input vector prepared for every kernel kind */
-    const float *x; float *xs, *xp, *dx; int8_t *xq, *xqp; int64_t k;
+    const float *x; float *xs, *xp, *dx, *xs16; int8_t *xq, *xqp; int64_t k;
     float *gbuf; int64_t gstride; /* per-thread gemm panels (GEMM_ROWS rows and more) */
 } px_t;
 

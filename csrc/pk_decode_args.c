@@ -266,6 +266,20 @@ static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
     return 0;
 }
 
+/* auto mode: int8 activations for the K-quant matrices of a one-row step (csrc/pk_k8.h), where
+ * they are faster than the float path; more rows stay on the float path and its gemm panels */
+static int k8_auto(const step_t *S) {
+    int any = k8_kind(S->lm.kind);
+    for (int l = 0; l < S->nl; l++) {
+        const layer_t *L = &S->L[l];
+        for (int i = 0; i < L->nqkv; i++) any |= k8_kind(L->qkv[i].kind);
+        for (int i = 0; i < L->ngu; i++) any |= k8_kind(L->gu[i].kind);
+        any |= k8_kind(L->o.kind) | (!L->moe && k8_kind(L->down.kind));
+    }
+    return any && S->n <= K8_ROWS;
+}
+
+
 static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs < 7 || nargs > 10) {
@@ -277,9 +291,10 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (want_nt < 0 || want_nt > 4096) { PyErr_SetString(PyExc_ValueError, "threads must be 0..4096"); return NULL; }
     step_t S = {0};
     if (parse_pos(args[5], &S)) return NULL;
-    const int q8 = PyObject_IsTrue(args[6]);
-    if (q8 < 0) return NULL;
-    S.q8 = q8 && PK_SIMD;
+    const long q8 = PyLong_AsLong(args[6]); /* 0 float, 1 int8 activations, 2 auto (k8_auto) */
+    if (q8 == -1 && PyErr_Occurred()) return NULL;
+    if (q8 < 0 || q8 > 2) { PyErr_SetString(PyExc_ValueError, "q8 must be 0, 1 or 2"); return NULL; }
+    S.q8 = PK_SIMD ? (int)q8 : 0;
     holds_t H = {0};
     Py_ssize_t nl = PyTuple_Check(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
     if (nl > MAX_LAYERS) nl = MAX_LAYERS;
@@ -291,6 +306,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!H.bufs || !S.L) { PyErr_NoMemory(); goto done; }
     if (nargs >= 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
+    if (S.q8 == 2 && !k8_auto(&S)) S.q8 = 0; /* nothing takes int8 activations: no prep for them */
     if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
     if (S.red && S.mrows) { PyErr_SetString(PyExc_ValueError, "MoE layers take no reduce"); goto done; }
     const int nt = want_nt ? (int)want_nt : pk_threads;

@@ -57,6 +57,7 @@ typedef struct {
     const float *aux; /* Loom Q4 block scales / int8 row scales */
     const int8_t *xq; /* q8 scheme: x as int8 per 32-block, [n, k] */
     const float *dx;  /* q8 scheme: block scales of xq, [n, nb] */
+    const float *xs16; /* q8 scheme: sums of x per 16 elements, [n, 2 nb] (the K-quant offsets) */
     int64_t n, k, m, rb, nb; /* rb = bytes per stored row, nb = 32-blocks per row */
     int64_t ldo;             /* out row stride (floats): m, or wider when out is a slice */
 } mm_args;
@@ -323,6 +324,7 @@ static inline int64_t row_piece(const mm_args *A) {
     return A->k * 4 * ROW_TILE <= 32768 ? ROW_TILE : (ROW_TILE > 4 ? 4 : ROW_TILE);
 }
 
+#include "pk_k8.h"
 #include "pk_q8.h"
 
 /* Rows are streamed once: ask for a row a few ahead so its cache-line misses overlap the

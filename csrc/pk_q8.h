@@ -27,6 +27,7 @@ static inline __m256i nib16_i(const uint8_t *p, uint8_t x) {
 }
 
 static inline __attribute__((always_inline)) void quant_row_q8(int kind, const mm_args *A, int64_t r, int64_t n) {
+    if (k8_kind(kind)) { k8_row(kind, A, r, n); return; } /* csrc/pk_k8.h: whole super-blocks */
     const uint8_t *row = A->w + r * A->rb;
     __m256 vacc[MAX_N];
     float macc[MAX_N];

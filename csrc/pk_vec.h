@@ -29,6 +29,15 @@ static inline void quantize_x(const float *x, int8_t *xq, float *dx, int64_t nbl
     }
 }
 
+/* q8 scheme: the sums of x per 16 elements (the K-quant kernels' offsets, csrc/pk_k8.h) */
+static inline void sums16(const float *x, float *xs16, int64_t nblocks) {
+    for (int64_t g = 0; g < 2 * nblocks; g++) {
+        float t = 0.0f;
+        for (int l = 0; l < 16; l++) t += x[g * 16 + l];
+        xs16[g] = t;
+    }
+}
+
 #if PK_SIMD
 /* exp(x) on 8 lanes: Cephes' expf polynomial (relative error ~2e-7), x clamped to +-88.38 so it
  * never overflows (exp(-inf) -> ~0, not NaN; NaN lanes give garbage: callers handle NaN). */

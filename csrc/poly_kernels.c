@@ -240,9 +240,9 @@ static int run(int kind, mm_args *A, int nt, int q8) {
     if (!PK_SIMD || !FNS8[kind]) q8 = 0; /* kinds without an int8 kernel: the float path */
     if (kind > K_I8 || q8) {
         const int64_t nk = A->n * A->k, nbs = A->n * A->nb;
-        scratch = malloc((size_t)(2 * nbs + nk) * 4 + 2 * nk + 64);
+        scratch = malloc((size_t)(4 * nbs + nk) * 4 + 2 * nk + 64);
         if (!scratch) return -1;
-        float *xs = scratch, *dx = scratch + nbs, *xp = scratch + 2 * nbs;
+        float *xs = scratch, *dx = scratch + nbs, *xs16 = scratch + 2 * nbs, *xp = scratch + 4 * nbs;
         for (int64_t i = 0; i < nbs; i++) {
             float t = 0.0f;
             for (int l = 0; l < 32; l++) t += A->x[i * 32 + l];
@@ -252,8 +252,9 @@ static int run(int kind, mm_args *A, int nt, int q8) {
         if (kind == K_LOOM_Q4) { loom_order(A->x, xp, nk); A->x = xp; }
         if (q8) {
             int8_t *xq = (int8_t *)(xp + nk);
+            sums16(A->x, xs16, nbs);
             quantize_x(A->x, xq, dx, nbs);
-            A->xq = xq; A->dx = dx;
+            A->xq = xq; A->dx = dx; A->xs16 = xs16;
         }
     }
     if (A->m * A->k < SERIAL_WORK) nt = 1;
@@ -277,8 +278,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     mm_args A = {0};
     A.n = PyLong_AsLongLong(args[5]); A.k = PyLong_AsLongLong(args[6]); A.m = PyLong_AsLongLong(args[7]);
     A.ldo = A.m;
-    int q8 = PyObject_IsTrue(args[8]);
-    if (q8 < 0 || PyErr_Occurred()) return NULL;
+    long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants, one row) */
+    if (q8 == -1 && PyErr_Occurred()) return NULL;
+    if (q8 == 2) q8 = k8_kind((int)kind) && A.n <= K8_ROWS;
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
         return NULL;
@@ -298,7 +300,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     A.x = bx.buf; A.out = bo.buf; A.w = bw.buf; A.aux = have_aux ? ba.buf : NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run((int)kind, &A, pk_threads, q8);
+    rc = run((int)kind, &A, pk_threads, q8 != 0);
     Py_END_ALLOW_THREADS
     if (rc < 0) PyErr_NoMemory();
     else ret = Py_NewRef(Py_None);

@@ -76,8 +76,19 @@ def c_backend():
 
     kernels.set_backend("c")
     yield
-    ckernels.set_act_q8(False)
+    ckernels.set_act_q8("auto")
     kernels.set_backend()
+
+
+@pytest.fixture
+def float_path():
+    """The exact float kernels for one test (int8 activations off, also the K-quant decode rows
+    that take them by default); the default ("auto") restored after."""
+    from poly.runtime import ckernels
+
+    ckernels.set_act_q8(False)
+    yield
+    ckernels.set_act_q8("auto")
 
 
 def _isas() -> tuple[str, ...]:

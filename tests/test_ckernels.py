@@ -99,7 +99,7 @@ def _case(scheme, m, n, seed=0):
 @pytest.mark.parametrize("scheme", sorted(MAKERS))
 @pytest.mark.parametrize("m", (1, 37, 130))  # ragged tails of the parallel row split
 @pytest.mark.parametrize("n", (1, 3, 16))
-def test_kernel_matches_numpy(scheme, m, n):
+def test_kernel_matches_numpy(scheme, m, n, float_path):
     qt, x, ref = _case(scheme, m, n)
     assert qt.scheme == scheme and ckernels.supports(qt)
     got = ckernels.matmul(qt, x, q8=False)
@@ -117,6 +117,21 @@ def test_int8_activation_scheme_stays_within_2e_3(scheme, n):
     got = ckernels.matmul(qt, x, q8=True)
     assert np.abs(got - ref).max() <= 2e-3 * np.abs(ref).max()
     assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
+def test_auto_scheme_takes_int8_activations_for_k_quant_rows_only(scheme):
+    """The default ("auto"): a one-row K-quant product takes int8 activations (csrc/pk_k8.h,
+    within 2e-3 of the exact result), several rows the exact float path."""
+    assert ckernels.act_q8() == ckernels.Q8_AUTO
+    qt, x, ref = _case(scheme, 67, 3, seed=2)
+    x[:, 5] *= 30.0
+    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
+    one = qt.matmul(x[:1])
+    assert not np.array_equal(one, ckernels.matmul(qt, x[:1], q8=False))
+    assert np.abs(one - ref[:1]).max() <= 2e-3 * np.abs(ref[:1]).max()
+    np.testing.assert_array_equal(one, ckernels.matmul(qt, x[:1], q8=True))
+    np.testing.assert_array_equal(qt.matmul(x), ckernels.matmul(qt, x, q8=False))
 
 
 def test_act_q8_flag_routes_the_registered_kernel():

@@ -89,7 +89,7 @@ def test_float32_master_matches_python_path(kw, monkeypatch):
 
 
 @pytest.mark.parametrize("scheme", list(MAKERS))
-def test_stored_versions_match_python_path(scheme, monkeypatch, each_isa):
+def test_stored_versions_match_python_path(scheme, monkeypatch, each_isa, float_path):
     big = block_of(scheme) == 256  # K-quants need rows of 256
     tf = random_transformer(_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=2)
     _quantize(tf, scheme)
@@ -104,17 +104,43 @@ def test_stored_versions_match_python_path(scheme, monkeypatch, each_isa):
     _assert_same(tf, monkeypatch, rtol=1e-4, prompt=[*PROMPT, *PROMPT, *PROMPT, 8, 1])
 
 
+K_QUANTS = ["gguf_q2_k", "gguf_q3_k", "gguf_q4_k", "gguf_q5_k", "gguf_q6_k"]
+
+
 @pytest.mark.parametrize(
-    "scheme", ["gguf_q4_1", "loom_q4", "int8", "gguf_q5_0", "gguf_q5_1", "gguf_iq4_nl"]
+    "scheme", ["gguf_q4_1", "loom_q4", "int8", "gguf_q5_0", "gguf_q5_1", "gguf_iq4_nl", *K_QUANTS]
 )
-def test_int8_activations_stay_close(scheme, monkeypatch):
-    tf = random_transformer(_cfg(), seed=3)
+def test_int8_activations_stay_close(scheme, monkeypatch, float_path):
+    big = block_of(scheme) == 256
+    tf = random_transformer(_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=3)
     _quantize(tf, scheme)
     ref = _steps(tf, False, monkeypatch)
-    ckernels.set_act_q8(True)
+    ckernels.set_act_q8(True)  # every row, the prompt's too (K-quants: csrc/pk_k8.h tiles)
     got = _steps(tf, True, monkeypatch)
     for r, g in zip(ref, got):
         assert np.abs(g - r).max() <= 3e-3 * np.abs(r).max()
+
+
+@pytest.mark.parametrize("scheme", K_QUANTS)
+def test_k_quant_decode_takes_int8_activations_by_default(scheme, monkeypatch, each_isa):
+    """ "auto": the fused one-row steps of a K-quant model take int8 activations and the prompt
+    the float path, in the fused step as in the Python path; both stay within 3e-3 of float."""
+    tf = random_transformer(_cfg(hidden=256, inter=512), seed=5)
+    _quantize(tf, scheme)
+    tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
+    auto = _steps(tf, True, monkeypatch)
+    python = _steps(tf, False, monkeypatch)
+    ckernels.set_act_q8(False)
+    try:
+        exact = _steps(tf, True, monkeypatch)
+    finally:
+        ckernels.set_act_q8("auto")
+    np.testing.assert_array_equal(auto[0], exact[0])  # the prompt: float path
+    for a, p, e in zip(auto[1:], python[1:], exact[1:]):
+        # the int8 rows really ran (the base build has no int8 kernels: the float path)
+        assert np.array_equal(a, e) == (each_isa == "base")
+        assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
+        assert np.abs(p - e).max() <= 3e-3 * np.abs(e).max()
 
 
 def test_fused_step_is_not_taken_when_it_cannot_apply(monkeypatch):

@@ -71,7 +71,7 @@ def _finite_blocks(qtype, m: int, k: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", PRESET_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", (1, 2, 7, 13, 16))  # register tiles of 8/4 rows, then 4, 2, 1
-def test_matvec_kernel_equals_dequantize_then_dot(qtype, n, each_isa):
+def test_matvec_kernel_equals_dequantize_then_dot(qtype, n, each_isa, float_path):
     m, k = 45, 512
     raw = _finite_blocks(qtype, m, k, seed=n)
     qt = GGUFMatrix(raw, qtype, (m, k))

@@ -10,11 +10,13 @@ F16C, "avx512": AVX-512 F/BW/DQ/VL/VNNI); csrc/pk_module.c picks the best the CP
 (cpuid), POLY_ISA=base|avx2|avx512 caps it; `isas()`, `use_isa(name)`, `info()["isa"]`. Inputs are validated here (poly errors); the C side re-checks
 buffer sizes, so a bad call can never read out of bounds.
 
-Scheme flag `set_act_q8(True)` (or POLY_ACT_Q8=1): the 4/8-bit kinds and int8 take x as two
+Scheme flag `set_act_q8(True)` (or POLY_ACT_Q8=1; "auto", the default, does so for the K-quant
+kinds of one-row products only; False or POLY_ACT_Q8=0: never): the 4/8-bit kinds and int8 take x as two
 int8 codes per element per 32-block (x ~= dx * (xh + xl / 254), dx = max|x| / 127) and use
 integer dot products (maddubs/madd, or AVX-VNNI). Measured error vs the exact float path:
 ~1e-4 of max|out| (tests/test_ckernels.py asserts <= 2e-3 with an outlier channel); ~1.7x
-faster for Q4_1 rows. Off by default: the exact path is the reference.
+faster for Q4_1 rows. The K-quants use whole super-blocks (csrc/pk_k8.h); every other product
+stays on the exact float path by default.
 
 `AVAILABLE` is False when the extension was not built (no compiler at install time).
 """
@@ -56,17 +58,22 @@ GGUF_TYPE_KINDS = {
     if r.ggml_type is not None and r.c_kind is not None
 }
 _F32 = np.dtype(np.float32)
-_opts = {"q8": os.environ.get("POLY_ACT_Q8", "") == "1"}
+Q8_OFF, Q8_ON, Q8_AUTO = 0, 1, 2
+_Q8_ENV = {"0": Q8_OFF, "1": Q8_ON}
+_opts = {"q8": _Q8_ENV.get(os.environ.get("POLY_ACT_Q8", ""), Q8_AUTO)}
 
 
-def set_act_q8(on: bool) -> bool:
-    """Scheme flag: int8 activations for the 4/8-bit kernels (integer dot products, llama.cpp's
-    q8 activations; error documented in docs/performance.md) instead of the exact float path."""
-    _opts["q8"] = bool(on)
+def set_act_q8(on: bool | str) -> int:
+    """Scheme flag: True = int8 activations for every 4/8-bit kernel (integer dot products,
+    llama.cpp's q8 activations; error documented in docs/performance.md), False = the exact float
+    path everywhere, "auto" (the default) = int8 activations for the K-quant kinds (Q2_K..Q6_K)
+    of one-row products only (decode: csrc/pk_k8.h, 1.2-1.9x the float path there)."""
+    _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 
 
-def act_q8() -> bool:
+def act_q8() -> int:
+    """The scheme flag as the C entries take it: Q8_OFF, Q8_ON or Q8_AUTO."""
     return _opts["q8"]
 
 
@@ -238,7 +245,7 @@ def matmul(qt, x: np.ndarray, out: np.ndarray | None = None, q8: bool | None = N
         out = np.empty((x.shape[0], m), dtype=np.float32)
     _check_io(x, out, m, k)
     kind, w, aux = ops
-    q8 = _opts["q8"] if q8 is None else bool(q8)
+    q8 = _opts["q8"] if q8 is None else (Q8_ON if q8 else Q8_OFF)
     EXT.matmul(kind, x, out, w, aux, x.shape[0], k, m, q8)
     return out
 

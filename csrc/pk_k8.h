@@ -1,0 +1,208 @@
+/* K-quant rows (Q2_K ... Q6_K) with int8 activations (the q8 scheme): each 256-element super-block
+ * is decoded once per row into unsigned codes u (one 32-byte vector per sub-block), integer scales
+ * s per 16 elements and float offsets o per 16 elements, so that
+ *     value = D * s * u - o
+ * (Q4_K/Q5_K/Q2_K: o = dmin * min; Q3_K/Q6_K: the code offset, o = D * s * 4 or 32). The codes
+ * meet x's int8 codes (xh, xl per 32-block, pk_vec.h quantize_x) in maddubs, the scales in madd:
+ * integer sums per sub-block, one float multiply by dx per sub-block and by D per super-block.
+ * The offsets take the float sums of x per 16 elements (xs16), so they add no rounding of x.
+ * llama.cpp's Q8_K dots work the same way with one activation code per element; the residual
+ * code xl keeps ours within ~1e-4 of the float path. Included by pk_kernels.h. */
+#ifndef PK_K8_H
+#define PK_K8_H
+
+/* the q8 scheme's auto mode takes int8 activations for these kinds up to this many input rows */
+#define K8_ROWS 1
+
+static inline int k8_kind(int kind) {
+    return kind == K_Q2_K || kind == K_Q3_K || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K;
+}
+
+#if PK_SIMD
+
+typedef struct {
+    __m256i u[8];  /* unsigned codes of the 8 sub-blocks (Q6_K 0..63 at most: maddubs can't saturate) */
+    int16_t s[16]; /* integer scale per 16 elements */
+    float o[16];   /* offset per 16 elements */
+    float D;
+} k8_sb;
+
+/* the 16 scales (int8 s8) and offsets (om * the int8 o8) of a super-block into S */
+static inline void k8_put(k8_sb *S, __m128i s8, __m128i o8, float om) {
+    const __m256 m = _mm256_set1_ps(om);
+    _mm256_storeu_si256((__m256i *)S->s, _mm256_cvtepi8_epi16(s8));
+    _mm256_storeu_ps(S->o, _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(o8))));
+    _mm256_storeu_ps(S->o + 8, _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(o8, 8)))));
+}
+
+/* super-block p (BLOCK_BYTES[kind] bytes) of a row, layouts as in pk_quants.h */
+static inline __attribute__((always_inline)) void k8_decode(int kind, const uint8_t *p, k8_sb *S) {
+    switch (kind) {
+    case K_Q4_K: case K_Q5_K: { /* 6-bit scales and mins of the 8 sub-blocks, as pq_fill */
+        uint32_t w[3], sm[4];
+        memcpy(w, p + 4, 12);
+        sm[0] = w[0] & 0x3f3f3f3fu; sm[2] = w[1] & 0x3f3f3f3fu;
+        sm[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+        sm[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+        const __m128i v = _mm_loadu_si128((const __m128i *)sm); /* 8 scales, 8 mins */
+        S->D = h2f(p);
+        k8_put(S, _mm_unpacklo_epi8(v, v), _mm_unpackhi_epi8(v, v), h2f(p + 2)); /* one per 16 */
+        for (int j = 0; j < 8; j++) {
+            __m256i u = pq_field(p + (kind == K_Q4_K ? 16 : 48) + 32 * (j >> 1), 4 * (j & 1), 15);
+            if (kind == K_Q5_K) u = _mm256_or_si256(u, _mm256_slli_epi16(pq_field(p + 16, j, 1), 4));
+            S->u[j] = u;
+        }
+        return;
+    }
+    case K_Q6_K: {
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
+        S->D = h2f(p + 208);
+        k8_put(S, s8, s8, 32.0f * S->D);
+        for (int j = 0; j < 8; j++) {
+            const int h = j >> 2, t = j & 3;
+            const __m256i ql = pq_field(p + h * 64 + (t & 1) * 32, 4 * (t >> 1), 15);
+            S->u[j] = _mm256_or_si256(ql, _mm256_slli_epi16(pq_field(p + 128 + h * 32, 2 * t, 3), 4));
+        }
+        return;
+    }
+    case K_Q3_K: { /* 16 6-bit scales: low 4 bits in bytes 0-7, high 2 in bytes 8-11 (pq_k3_scale) */
+        uint32_t w[3], sc[4];
+        memcpy(w, p + 96, 12);
+        sc[0] = (w[0] & 0x0f0f0f0fu) | ((w[2] & 0x03030303u) << 4);
+        sc[1] = (w[1] & 0x0f0f0f0fu) | (((w[2] >> 2) & 0x03030303u) << 4);
+        sc[2] = ((w[0] >> 4) & 0x0f0f0f0fu) | (((w[2] >> 4) & 0x03030303u) << 4);
+        sc[3] = ((w[1] >> 4) & 0x0f0f0f0fu) | (((w[2] >> 6) & 0x03030303u) << 4);
+        const __m128i s8 = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)sc), _mm_set1_epi8(32));
+        S->D = h2f(p + 108);
+        k8_put(S, s8, s8, 4.0f * S->D);
+        for (int j = 0; j < 8; j++)
+            S->u[j] = _mm256_or_si256(pq_field(p + 32 + 32 * (j >> 2), 2 * (j & 3), 3),
+                                      _mm256_slli_epi16(pq_field(p, j, 1), 2));
+        return;
+    }
+    default: { /* K_Q2_K: scale in the low nibble, min in the high one */
+        const __m128i b = _mm_loadu_si128((const __m128i *)p), lo = _mm_set1_epi8(15);
+        S->D = h2f(p + 80);
+        k8_put(S, _mm_and_si128(b, lo), _mm_and_si128(_mm_srli_epi16(b, 4), lo), h2f(p + 82));
+        for (int j = 0; j < 8; j++) S->u[j] = pq_field(p + 16 + 32 * (j >> 2), 2 * (j & 3), 3);
+        return;
+    }
+    }
+}
+
+/* 8 int32: sum over the 32 elements of sub-block j of s * u * xc, in 4-element groups */
+static inline __m256i k8_dot(__m256i u, __m256i sv, const int8_t *xc) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)xc)), sv);
+}
+
+/* independent sums of a tile: a chain of 8 dependent FMAs per super-block made one row wait on
+ * their latency (~32 cycles per super-block, the measured time) */
+#define K8_CHAINS(nn) ((nn) == 1 ? 4 : (nn))
+
+#if PK_AVX512
+/* int8 codes of 32-blocks b and b + 1 of an input row, one 64-byte vector (xh or xl: off 0, 32) */
+static inline __m512i k8_x2(const int8_t *xq, int64_t b, int off) {
+    const int8_t *p = xq + b * 64 + off;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + 64)), 1);
+}
+
+/* k8_tile on 64-byte vectors: sub-blocks 2c' and 2c' + 1 side by side (lanes 0-7 and 8-15 of the
+ * int32 sums), their scales picked from the 16 with one permute, dx of each half with another */
+static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_args *A, int64_t r, int64_t c, const int nn) {
+    const uint8_t *row = A->w + r * A->rb;
+    const int64_t nsb = A->nb / 8;
+    const __m512i grp = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                         1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512 rl = _mm512_set1_ps(1.0f / XL_SCALE);
+    __m512 acc[ROW_TILE];
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        k8_sb S;
+        k8_decode(kind, row + sb * BLOCK_BYTES[kind], &S);
+        const __m512i s16 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)S.s));
+        __m512 part[ROW_TILE]; /* one row: 2 chains, else one a row (FMA latency) */
+        for (int i = 0; i < K8_CHAINS(nn); i++) part[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(S.u[2 * p]), S.u[2 * p + 1], 1);
+            const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(grp, _mm512_set1_epi16((short)(4 * p))), s16);
+#pragma GCC unroll 16
+            for (int i = 0; i < nn; i++) {
+                const int64_t b = (c + i) * A->nb + sb * 8 + 2 * p;
+                const __m512i qh = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 0)), sv);
+                const __m512i ql = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 32)), sv);
+                double d2; /* dx of blocks b, b + 1 */
+                memcpy(&d2, A->dx + b, 8);
+                const __m512 dx = _mm512_permutexvar_ps(half, _mm512_castpd_ps(_mm512_set1_pd(d2)));
+                const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), rl, _mm512_cvtepi32_ps(qh));
+                const int pi = nn == 1 ? (p & 1) : i;
+                part[pi] = _mm512_fmadd_ps(f, dx, part[pi]);
+            }
+        }
+        if (nn == 1) part[0] = _mm512_add_ps(part[0], part[1]);
+        const __m512 dv = _mm512_set1_ps(S.D), ov = _mm512_loadu_ps(S.o);
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) {
+            acc[i] = _mm512_fmadd_ps(part[i], dv, acc[i]);
+            acc[i] = _mm512_fnmadd_ps(ov, _mm512_loadu_ps(A->xs16 + ((c + i) * A->nb + sb * 8) * 2), acc[i]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
+/* output row r for the nn input rows from c on (nn a constant after inlining) */
+static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_args *A, int64_t r, int64_t c, const int nn) {
+#if PK_AVX512
+    k8_tile512(kind, A, r, c, nn);
+#else
+    const uint8_t *row = A->w + r * A->rb;
+    const int64_t nsb = A->nb / 8;
+    __m256 acc[ROW_TILE];
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) acc[i] = _mm256_setzero_ps();
+    const __m256 rl = _mm256_set1_ps(1.0f / XL_SCALE);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        k8_sb S;
+        k8_decode(kind, row + sb * BLOCK_BYTES[kind], &S);
+        __m256 part[ROW_TILE];
+        for (int i = 0; i < K8_CHAINS(nn); i++) part[i] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(S.s[2 * j + 1]), _mm_set1_epi16(S.s[2 * j]));
+#pragma GCC unroll 16
+            for (int i = 0; i < nn; i++) {
+                const int64_t b = (c + i) * A->nb + sb * 8 + j;
+                const __m256 h = _mm256_cvtepi32_ps(k8_dot(S.u[j], sv, A->xq + b * 64));
+                const __m256 l = _mm256_cvtepi32_ps(k8_dot(S.u[j], sv, A->xq + b * 64 + 32));
+                const int pi = nn == 1 ? (j & 3) : i;
+                part[pi] = _mm256_fmadd_ps(_mm256_fmadd_ps(l, rl, h), _mm256_set1_ps(A->dx[b]), part[pi]);
+            }
+        }
+        if (nn == 1) part[0] = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
+        const __m256 dv = _mm256_set1_ps(S.D), o0 = _mm256_loadu_ps(S.o), o1 = _mm256_loadu_ps(S.o + 8);
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) {
+            const float *x16 = A->xs16 + ((c + i) * A->nb + sb * 8) * 2;
+            acc[i] = _mm256_fmadd_ps(part[i], dv, acc[i]);
+            acc[i] = _mm256_fnmadd_ps(o0, _mm256_loadu_ps(x16), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(o1, _mm256_loadu_ps(x16 + 8), acc[i]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = hsum(acc[i]);
+#endif
+}
+
+static inline __attribute__((always_inline)) void k8_row(int kind, const mm_args *A, int64_t r, int64_t n) {
+#define K8TILE(c, nn) k8_tile(kind, A, r, c, nn)
+    FOR_TILES(n, K8TILE);
+#undef K8TILE
+}
+#endif
+
+#endif /* PK_K8_H */
