@@ -21,7 +21,6 @@ static inline int k8_kind(int kind) {
 #if PK_SIMD
 
 typedef struct {
-    __m256i u[8];  /* unsigned codes of the 8 sub-blocks (Q6_K 0..63 at most: maddubs can't saturate) */
     int16_t s[16]; /* integer scale per 16 elements */
     float o[16];   /* offset per 16 elements */
     float D;
@@ -35,8 +34,8 @@ static inline void k8_put(k8_sb *S, __m128i s8, __m128i o8, float om) {
     _mm256_storeu_ps(S->o + 8, _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(o8, 8)))));
 }
 
-/* super-block p (BLOCK_BYTES[kind] bytes) of a row, layouts as in pk_quants.h */
-static inline __attribute__((always_inline)) void k8_decode(int kind, const uint8_t *p, k8_sb *S) {
+/* scales, offsets and D of super-block p (BLOCK_BYTES[kind] bytes), layouts as in pk_quants.h */
+static inline __attribute__((always_inline)) void k8_scales(int kind, const uint8_t *p, k8_sb *S) {
     switch (kind) {
     case K_Q4_K: case K_Q5_K: { /* 6-bit scales and mins of the 8 sub-blocks, as pq_fill */
         uint32_t w[3], sm[4];
@@ -44,25 +43,16 @@ static inline __attribute__((always_inline)) void k8_decode(int kind, const uint
         sm[0] = w[0] & 0x3f3f3f3fu; sm[2] = w[1] & 0x3f3f3f3fu;
         sm[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
         sm[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
-        const __m128i v = _mm_loadu_si128((const __m128i *)sm); /* 8 scales, 8 mins */
+        /* 8 scales, 8 mins (built in registers: a 16-byte load of four 4-byte stores stalls) */
+        const __m128i v = _mm_set_epi32((int)sm[3], (int)sm[2], (int)sm[1], (int)sm[0]);
         S->D = h2f(p);
         k8_put(S, _mm_unpacklo_epi8(v, v), _mm_unpackhi_epi8(v, v), h2f(p + 2)); /* one per 16 */
-        for (int j = 0; j < 8; j++) {
-            __m256i u = pq_field(p + (kind == K_Q4_K ? 16 : 48) + 32 * (j >> 1), 4 * (j & 1), 15);
-            if (kind == K_Q5_K) u = _mm256_or_si256(u, _mm256_slli_epi16(pq_field(p + 16, j, 1), 4));
-            S->u[j] = u;
-        }
         return;
     }
     case K_Q6_K: {
         const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
         S->D = h2f(p + 208);
         k8_put(S, s8, s8, 32.0f * S->D);
-        for (int j = 0; j < 8; j++) {
-            const int h = j >> 2, t = j & 3;
-            const __m256i ql = pq_field(p + h * 64 + (t & 1) * 32, 4 * (t >> 1), 15);
-            S->u[j] = _mm256_or_si256(ql, _mm256_slli_epi16(pq_field(p + 128 + h * 32, 2 * t, 3), 4));
-        }
         return;
     }
     case K_Q3_K: { /* 16 6-bit scales: low 4 bits in bytes 0-7, high 2 in bytes 8-11 (pq_k3_scale) */
@@ -72,23 +62,65 @@ static inline __attribute__((always_inline)) void k8_decode(int kind, const uint
         sc[1] = (w[1] & 0x0f0f0f0fu) | (((w[2] >> 2) & 0x03030303u) << 4);
         sc[2] = ((w[0] >> 4) & 0x0f0f0f0fu) | (((w[2] >> 4) & 0x03030303u) << 4);
         sc[3] = ((w[1] >> 4) & 0x0f0f0f0fu) | (((w[2] >> 6) & 0x03030303u) << 4);
-        const __m128i s8 = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)sc), _mm_set1_epi8(32));
+        const __m128i s8 = _mm_sub_epi8(_mm_set_epi32((int)sc[3], (int)sc[2], (int)sc[1], (int)sc[0]), _mm_set1_epi8(32));
         S->D = h2f(p + 108);
         k8_put(S, s8, s8, 4.0f * S->D);
-        for (int j = 0; j < 8; j++)
-            S->u[j] = _mm256_or_si256(pq_field(p + 32 + 32 * (j >> 2), 2 * (j & 3), 3),
-                                      _mm256_slli_epi16(pq_field(p, j, 1), 2));
         return;
     }
     default: { /* K_Q2_K: scale in the low nibble, min in the high one */
         const __m128i b = _mm_loadu_si128((const __m128i *)p), lo = _mm_set1_epi8(15);
         S->D = h2f(p + 80);
         k8_put(S, _mm_and_si128(b, lo), _mm_and_si128(_mm_srli_epi16(b, 4), lo), h2f(p + 82));
-        for (int j = 0; j < 8; j++) S->u[j] = pq_field(p + 16 + 32 * (j >> 2), 2 * (j & 3), 3);
         return;
     }
     }
 }
+
+/* unsigned codes of sub-block j (element l in byte l; Q6_K 0..63 at most: maddubs can't saturate) */
+static inline __attribute__((always_inline)) __m256i k8_codes(int kind, const uint8_t *p, int j) {
+    switch (kind) {
+    case K_Q4_K: return pq_field(p + 16 + 32 * (j >> 1), 4 * (j & 1), 15);
+    case K_Q5_K:
+        return _mm256_or_si256(pq_field(p + 48 + 32 * (j >> 1), 4 * (j & 1), 15), _mm256_slli_epi16(pq_field(p + 16, j, 1), 4));
+    case K_Q6_K: {
+        const int h = j >> 2, t = j & 3;
+        const __m256i ql = pq_field(p + h * 64 + (t & 1) * 32, 4 * (t >> 1), 15);
+        return _mm256_or_si256(ql, _mm256_slli_epi16(pq_field(p + 128 + h * 32, 2 * t, 3), 4));
+    }
+    case K_Q3_K:
+        return _mm256_or_si256(pq_field(p + 32 + 32 * (j >> 2), 2 * (j & 3), 3), _mm256_slli_epi16(pq_field(p, j, 1), 2));
+    default: return pq_field(p + 16 + 32 * (j >> 2), 2 * (j & 3), 3); /* K_Q2_K */
+    }
+}
+
+#if PK_AVX512
+/* 32 bytes at q in both halves, 16-bit lanes shifted right by a (low half) and b (high half),
+ * each byte masked: k8_codes' pq_field for two sub-blocks at once */
+static inline __m512i k8_field2(const uint8_t *q, int a, int b, int mask) {
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)q));
+    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, sh), _mm512_set1_epi8((char)mask));
+}
+
+/* codes of sub-blocks 2 q2 and 2 q2 + 1 side by side (bytes 0-31, 32-63) */
+static inline __attribute__((always_inline)) __m512i k8_codes2(int kind, const uint8_t *p, int q2) {
+    const int j = 2 * q2, e = 4 * (q2 & 1); /* Q2_K/Q3_K shifts of the pair: e, e + 2 */
+    switch (kind) {
+    case K_Q4_K: return k8_field2(p + 16 + 32 * q2, 0, 4, 15);
+    case K_Q5_K:
+        return _mm512_or_si512(k8_field2(p + 48 + 32 * q2, 0, 4, 15), _mm512_slli_epi16(k8_field2(p + 16, j, j + 1, 1), 4));
+    case K_Q6_K: { /* ql: 64 bytes in a row; qh: shifts 2t, 2t + 2 */
+        const int h = q2 >> 1;
+        const __m512i ql = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(p + h * 64)), e),
+                                            _mm512_set1_epi8(15));
+        return _mm512_or_si512(ql, _mm512_slli_epi16(k8_field2(p + 128 + h * 32, e, e + 2, 3), 4));
+    }
+    case K_Q3_K:
+        return _mm512_or_si512(k8_field2(p + 32 + 32 * (q2 >> 1), e, e + 2, 3), _mm512_slli_epi16(k8_field2(p, j, j + 1, 1), 2));
+    default: return k8_field2(p + 16 + 32 * (q2 >> 1), e, e + 2, 3); /* K_Q2_K */
+    }
+}
+#endif
 
 /* 8 int32: sum over the 32 elements of sub-block j of s * u * xc, in 4-element groups */
 static inline __m256i k8_dot(__m256i u, __m256i sv, const int8_t *xc) {
@@ -121,24 +153,25 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
     for (int i = 0; i < nn; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         k8_sb S;
-        k8_decode(kind, row + sb * BLOCK_BYTES[kind], &S);
+        const uint8_t *p = row + sb * BLOCK_BYTES[kind];
+        k8_scales(kind, p, &S);
         const __m512i s16 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)S.s));
         __m512 part[ROW_TILE]; /* one row: 2 chains, else one a row (FMA latency) */
         for (int i = 0; i < K8_CHAINS(nn); i++) part[i] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-        for (int p = 0; p < 4; p++) {
-            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(S.u[2 * p]), S.u[2 * p + 1], 1);
-            const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(grp, _mm512_set1_epi16((short)(4 * p))), s16);
+        for (int q2 = 0; q2 < 4; q2++) {
+            const __m512i u = k8_codes2(kind, p, q2);
+            const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(grp, _mm512_set1_epi16((short)(4 * q2))), s16);
 #pragma GCC unroll 16
             for (int i = 0; i < nn; i++) {
-                const int64_t b = (c + i) * A->nb + sb * 8 + 2 * p;
+                const int64_t b = (c + i) * A->nb + sb * 8 + 2 * q2;
                 const __m512i qh = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 0)), sv);
                 const __m512i ql = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 32)), sv);
                 double d2; /* dx of blocks b, b + 1 */
                 memcpy(&d2, A->dx + b, 8);
                 const __m512 dx = _mm512_permutexvar_ps(half, _mm512_castpd_ps(_mm512_set1_pd(d2)));
                 const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), rl, _mm512_cvtepi32_ps(qh));
-                const int pi = nn == 1 ? (p & 1) : i;
+                const int pi = nn == 1 ? (q2 & 1) : i;
                 part[pi] = _mm512_fmadd_ps(f, dx, part[pi]);
             }
         }
@@ -168,17 +201,19 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
     const __m256 rl = _mm256_set1_ps(1.0f / XL_SCALE);
     for (int64_t sb = 0; sb < nsb; sb++) {
         k8_sb S;
-        k8_decode(kind, row + sb * BLOCK_BYTES[kind], &S);
+        const uint8_t *p = row + sb * BLOCK_BYTES[kind];
+        k8_scales(kind, p, &S);
         __m256 part[ROW_TILE];
         for (int i = 0; i < K8_CHAINS(nn); i++) part[i] = _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(S.s[2 * j + 1]), _mm_set1_epi16(S.s[2 * j]));
+            const __m256i u = k8_codes(kind, p, j);
 #pragma GCC unroll 16
             for (int i = 0; i < nn; i++) {
                 const int64_t b = (c + i) * A->nb + sb * 8 + j;
-                const __m256 h = _mm256_cvtepi32_ps(k8_dot(S.u[j], sv, A->xq + b * 64));
-                const __m256 l = _mm256_cvtepi32_ps(k8_dot(S.u[j], sv, A->xq + b * 64 + 32));
+                const __m256 h = _mm256_cvtepi32_ps(k8_dot(u, sv, A->xq + b * 64));
+                const __m256 l = _mm256_cvtepi32_ps(k8_dot(u, sv, A->xq + b * 64 + 32));
                 const int pi = nn == 1 ? (j & 3) : i;
                 part[pi] = _mm256_fmadd_ps(_mm256_fmadd_ps(l, rl, h), _mm256_set1_ps(A->dx[b]), part[pi]);
             }

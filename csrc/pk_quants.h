@@ -106,8 +106,9 @@ static inline void pq_fill(int kind, const uint8_t *row, int64_t b0, const uint8
         sc[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
         mn[1] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
         float d[8], m[8];
-        const __m256 vs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
-        const __m256 vm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+        /* built in registers: an 8-byte load of two 4-byte stores waits for them (no forwarding) */
+        const __m256 vs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
+        const __m256 vm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0])));
         _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(h2f(p)), vs));
         /* -(dmin * mn): a sign flip, exact also for 0 (0 - x would turn -0 into +0) */
         _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_mul_ps(_mm256_set1_ps(h2f(p + 2)), vm)));
