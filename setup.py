@@ -31,6 +31,7 @@ KERNEL_SOURCES = [
     "csrc/pk_dense.h",
     "csrc/pk_quants.h",
     "csrc/pk_k8.h",
+    "csrc/pk_k8g.h",
     "csrc/pk_q8.h",
     "csrc/pk_attn.h",
     "csrc/pk_moe.h",

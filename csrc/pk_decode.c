@@ -89,7 +89,7 @@ static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, in
 
 /* prep's work for the 32-blocks [b0, b1) of x: block sums (the offset term of the quantized
  * kinds), Loom's reordered copy, int8 codes. Blocks are independent, so threads split them. */
-static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loom, int q8) {
+static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loom, int q8) { /* q8: group */
     for (int64_t b = b0; b < b1; b++) {
         float t = 0.0f;
         for (int l = 0; l < 32; l++) t += x[b * 32 + l];
@@ -99,14 +99,22 @@ static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loo
     if (loom) loom_order(x + b0 * 32, P->xp + b0 * 32, (b1 - b0) * 32);
     if (q8) {
         sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0);
-        quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);
-        if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0);
+        if (q8 == 8) quantize_x16(x + b0 * 32, (int16_t *)(P->xq + b0 * 64), P->dx + b0, b1 - b0);
+        else quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0, q8);
+        if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0, 1);
     }
 }
 
 static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
     P->x = x; P->k = k;
     if (k % 32 == 0) prep_blocks(P, x, 0, k / 32, loom, q8);
+}
+
+/* the codes prep writes for step S: 0 none, 1 quantize_x's int8 pairs per 32-block, 8 the int16
+ * codes per 256 of the K-quant prefill kernels (auto mode, csrc/pk_k8g.h; their inputs then start
+ * on whole groups of 8 blocks) */
+static inline int q8_group(const step_t *S) {
+    return !S->q8 ? 0 : (S->q8 == 2 && S->n >= K8G_ROWS && S->n <= K8G_MAX) ? 8 : 1;
 }
 
 /* P's buffers seen from element `off` on, with input x (rows of k, k % 32 == 0 for the block
@@ -132,7 +140,18 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.n = n; A.out = out; A.ldo = ldo;
     A.x = loom ? P->xp : P->x; A.xs = P->xs;
     A.xq = loom ? P->xqp : P->xq; A.dx = P->dx; A.xs16 = P->xs16;
-    const int use8 = q8 && PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) && (q8 == 1 || k8_kind(M->kind));
+    const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
+    const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) : k8 && n <= K8_ROWS;
+#if PK_SIMD
+    if (k8 && (n >= K8G_ROWS || P->g8) && n <= K8G_MAX && P->gbuf) { /* int16 panels */
+#ifdef _OPENMP
+        uint8_t *tmp = (uint8_t *)(P->gbuf + omp_get_thread_num() * P->gstride);
+#else
+        uint8_t *tmp = (uint8_t *)P->gbuf;
+#endif
+        k8g_range(M->kind, &A, n, out, ldo, r0, r1, GR, tmp);
+    } else
+#endif
     if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
 #ifdef _OPENMP
         float *tmp = P->gbuf + omp_get_thread_num() * P->gstride;
@@ -190,7 +209,7 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
 
 static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B) {
     for (int i = 0; i < S->n; i++) pk_rmsnorm(x + i * S->d, g, eps, B->h + i * S->d, S->d);
-    prep(&B->P, B->h, S->n * S->d, S->loom, S->q8);
+    prep(&B->P, B->h, S->n * S->d, S->loom, q8_group(S));
 }
 
 /* norm_prep on every thread, each its own rows (a row's blocks depend on that row only), then a
@@ -208,7 +227,7 @@ static void norm_prep_par(const step_t *S, const float *x, const float *g, float
     part(S->n, tid, nt, &i0, &i1);
     for (int64_t i = i0; i < i1; i++) {
         pk_rmsnorm(x + i * d, g, eps, B->h + i * d, d);
-        prep_blocks(&B->P, B->h, i * d / 32, (i + 1) * d / 32, S->loom, S->q8);
+        prep_blocks(&B->P, B->h, i * d / 32, (i + 1) * d / 32, S->loom, q8_group(S));
     }
 #pragma omp barrier
 }
@@ -236,14 +255,16 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
     int64_t r0, r1;
     px_t V = B->P; /* this thread's own view of `in` (B->P.x is left alone) */
     V.x = in; V.k = n * k;
-    if (!prepped && k % 32 == 0) { /* the blocks split over the threads */
+    if (!prepped && k % 32 == 0) { /* the blocks split over the threads (whole groups of them) */
+        const int64_t g = q8_group(S) == 8 && k % 256 == 0 ? 8 : 1;
         int64_t b0, b1;
-        part(n * k / 32, tid, nt, &b0, &b1);
-        prep_blocks(&B->P, in, b0, b1, S->loom, S->q8);
+        part(n * k / 32 / g, tid, nt, &b0, &b1);
+        b0 *= g; b1 *= g;
+        prep_blocks(&B->P, in, b0, b1, S->loom, q8_group(S));
 #pragma omp barrier
     } else if (!prepped) {
 #pragma omp single
-        prep(&B->P, in, n * k, S->loom, S->q8);
+        prep(&B->P, in, n * k, S->loom, q8_group(S));
     }
     part(d, tid, nt, &r0, &r1);
     mat_rows(M, &V, out, d, r0, r1, S->q8, n);
@@ -269,14 +290,15 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
 #pragma omp barrier
 #pragma omp single
     for (int i = 0; i < n; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], i);
-    const int inline_prep = L->hd % 32 == 0; /* a head's output is whole blocks: prep them here */
+    /* a head's output is whole blocks: prep them here (not when the codes take groups of 256) */
+    const int inline_prep = L->hd % 32 == 0 && q8_group(S) != 8;
     part(n * L->heads, tid, nt, &r0, &r1);
     for (int64_t e = r0; e < r1; e++) {
         const int i = (int)(e / L->heads), h = (int)(e % L->heads);
         float *o = B->att + i * q + h * L->hd;
         attend(S, L, B->qkv + i * w + h * L->hd, o, B->sc + tid * (S->maxpos + 1), S->pos[i], i, h);
         if (inline_prep) prep_blocks(&B->P, B->att, (i * q + h * L->hd) / 32, (i * q + (h + 1) * L->hd) / 32,
-                                     S->loom, S->q8);
+                                     S->loom, q8_group(S));
     }
 #pragma omp barrier
     add_projection(S, &L->o, B, B->att, q, tid, nt, inline_prep);
@@ -310,6 +332,11 @@ static int64_t gemm_stride(const step_t *S) {
     return GR * k + GR * KC + 32;
 }
 
+/* whether a step of R rows (prepared inputs) needs the per-thread panel buffers */
+static inline int gemm_bufs(const step_t *S, int64_t R) {
+    return R >= GEMM_ROWS || (S->q8 == 2 && R >= K8G_ROWS);
+}
+
 /* scratch floats for step S with nt threads (see carve); the prepared-input pools cover the
  * MoE's gathered rows too */
 static size_t pk_scratch_floats(const step_t *S, int nt) {
@@ -318,7 +345,7 @@ static size_t pk_scratch_floats(const step_t *S, int nt) {
     const int64_t moe = S->mrows ? n * S->mE + 2 * S->mE + 2 * R + R * (2 * S->d + 3 * S->inter)
                                        + (S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 16 : 0;
     return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + (S->maxpos + 1) * nt + moe + 64 + 24 * 16 /* take()'s padding */
-                    + (R >= GEMM_ROWS ? nt * gemm_stride(S) : 0));
+                    + (gemm_bufs(S, R) ? nt * gemm_stride(S) : 0));
 }
 
 /* the next buffer of `floats` from *f, 64-byte aligned (the scratch is; see pk_scratch_floats) */
@@ -347,7 +374,8 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->arow = (int32_t *)take(&f, R); B->mx = take(&f, R * S->d);
     B->my = take(&f, R * S->d); B->mgu = take(&f, 2 * R * S->inter); B->mhid = take(&f, R * S->inter);
     B->P.gbuf = NULL;
-    if (R >= GEMM_ROWS) {
+    B->P.g8 = q8_group(S) == 8;
+    if (gemm_bufs(S, R)) {
         B->P.gbuf = S->mrows ? f : m; /* the MoE region only with MoE */
         B->P.gstride = gemm_stride(S);
     }
@@ -373,7 +401,7 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
         { /* the selected rows (every row, or each prompt's last one), packed */
             for (int j = 0; j < S->nsel; j++)
                 pk_rmsnorm(S->x + S->sel[j] * S->d, S->g_final, S->eps_final, B.h + j * S->d, S->d);
-            prep(&B.P, B.h, S->nsel * S->d, S->loom, S->q8);
+            prep(&B.P, B.h, S->nsel * S->d, S->loom, q8_group(S));
         }
         part(S->lm.A.m, tid, nth, &r0, &r1);
         mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->nsel);

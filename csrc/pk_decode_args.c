@@ -266,8 +266,8 @@ static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
     return 0;
 }
 
-/* auto mode: int8 activations for the K-quant matrices of a one-row step (csrc/pk_k8.h), where
- * they are faster than the float path; more rows stay on the float path and its gemm panels */
+/* auto mode: int8 activations for the K-quant matrices of a one-row step (csrc/pk_k8.h) or of
+ * K8G_ROWS rows and more (csrc/pk_k8g.h), where they are faster than the float path */
 static int k8_auto(const step_t *S) {
     int any = k8_kind(S->lm.kind);
     for (int l = 0; l < S->nl; l++) {
@@ -276,7 +276,7 @@ static int k8_auto(const step_t *S) {
         for (int i = 0; i < L->ngu; i++) any |= k8_kind(L->gu[i].kind);
         any |= k8_kind(L->o.kind) | (!L->moe && k8_kind(L->down.kind));
     }
-    return any && S->n <= K8_ROWS;
+    return any && (S->n <= K8_ROWS || (S->n >= K8G_ROWS && S->n <= K8G_MAX));
 }
 
 

@@ -178,8 +178,10 @@ static float *thread_buffer(size_t floats) {
     return tl_buf;
 }
 
-/* the whole product on nt threads; -1 when a thread's buffers cannot be allocated */
-static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt) {
+/* the whole product on nt threads; -1 when a buffer cannot be allocated. A (x8 != NULL): the
+ * inputs as int8 codes for the K-quant panels of the auto mode (csrc/pk_k8g.h) */
+static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt,
+                    mm_args *x8) {
     const int64_t k = D->k, panels = (m + GR - 1) / GR;
     if (panels < nt) nt = (int)(panels > 0 ? panels : 1);
     int failed = 0;
@@ -188,6 +190,28 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
         float *tmp = thread_buffer((size_t)(GR * k + GR * KC + 16));
         if (!tmp) failed = 1;
         float *P = tmp ? (float *)(((uintptr_t)(tmp + GR * k) + 63) & ~(uintptr_t)63) : NULL;
+#if PK_SIMD
+        if (x8) {
+#pragma omp for
+            for (int64_t i = 0; i < n; i++) { /* int16 codes, one scale per 256 */
+                quantize_x16(x + i * k, (int16_t *)x8->xq + i * k, (float *)x8->dx + i * x8->nb, x8->nb);
+                sums16(x + i * k, (float *)x8->xs16 + i * 2 * x8->nb, x8->nb);
+            }
+        }
+#endif
+#if PK_SIMD
+        if (x8) { /* the inputs in blocks that stay in L2, every panel per block */
+            const int64_t tb = k8g_block(k);
+            for (int64_t t = 0; t < n; t += tb) {
+                const mm_args V = k8g_from(x8, t);
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t p = 0; p < panels; p++) {
+                    const int64_t r0 = p * GR, rows = m - r0 < GR ? m - r0 : GR;
+                    if (tmp) k8g_rows(kind, &V, n - t < tb ? n - t : tb, out + t * m, m, r0, rows, (uint8_t *)tmp);
+                }
+            }
+        } else
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < panels; p++) {
             if (!tmp) continue;
@@ -198,11 +222,30 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
     return failed ? -1 : 0;
 }
 
+/* gemm_run, K-quants of K8G_ROWS rows and more in the auto mode on int8 panels */
+static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
+    if (!(PK_SIMD && q8 == 2 && k8_kind(kind) && n >= K8G_ROWS && n <= K8G_MAX && D->k % 256 == 0))
+        return gemm_run(kind, D, x, n, out, m, nt, NULL);
+    mm_args A = {0};
+    A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32;
+    void *buf = malloc((size_t)(n * 2 * D->k + 3 * n * A.nb * 4) + 64);
+    if (!buf) return -1;
+    A.xq = (const int8_t *)buf;
+    A.dx = (const float *)((char *)buf + n * 2 * D->k);
+    A.xs16 = A.dx + n * A.nb;
+    const int rc = gemm_run(kind, D, x, n, out, m, nt, &A);
+    free(buf);
+    return rc;
+}
+
 /* gemm(kind, x, out, w, aux, n, k, m, threads): shapes and byte sizes checked like dequantize's */
 static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "gemm(kind, x, out, w, aux, n, k, m, threads)"); return NULL; }
-    const long kind = PyLong_AsLong(args[0]), nt = PyLong_AsLong(args[8]);
+    if (nargs != 9 && nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "gemm(kind, x, out, w, aux, n, k, m, threads[, q8])");
+        return NULL;
+    }
+    const long kind = PyLong_AsLong(args[0]), nt = PyLong_AsLong(args[8]), q8 = nargs == 10 ? PyLong_AsLong(args[9]) : 0;
     const int64_t n = PyLong_AsLongLong(args[5]), k = PyLong_AsLongLong(args[6]), m = PyLong_AsLongLong(args[7]);
     if (PyErr_Occurred()) return NULL;
     if (kind < 0 || kind >= K_COUNT || n < 1 || k < 1 || m < 1 || nt < 0) {
@@ -231,7 +274,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     D.w = bw.buf; D.aux = scaled ? ba.buf : NULL; D.k = k; D.rb = A.rb; D.r0 = 0; D.r1 = m;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = gemm_run((int)kind, &D, bx.buf, n, bo.buf, m, nt ? (int)nt : pk_threads);
+    rc = gemm_any((int)kind, &D, bx.buf, n, bo.buf, m, nt ? (int)nt : pk_threads, (int)q8);
     Py_END_ALLOW_THREADS
     if (rc < 0) PyErr_NoMemory();
     else ret = Py_NewRef(Py_None);

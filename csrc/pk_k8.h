@@ -132,6 +132,13 @@ static inline __m256i k8_dot(__m256i u, __m256i sv, const int8_t *xc) {
 #define K8_CHAINS(nn) ((nn) == 1 ? 4 : (nn))
 
 #if PK_AVX512
+/* the scale vectors of sub-blocks 2 q2 and 2 q2 + 1 (int16 lanes 0-15, 16-31) from the 16 in s16 */
+static inline __m512i k8_pair_scales(__m512i s16, int q2) {
+    const __m512i grp = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                         1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(grp, _mm512_set1_epi16((short)(4 * q2))), s16);
+}
+
 /* int8 codes of 32-blocks b and b + 1 of an input row, one 64-byte vector (xh or xl: off 0, 32) */
 static inline __m512i k8_x2(const int8_t *xq, int64_t b, int off) {
     const int8_t *p = xq + b * 64 + off;
@@ -144,8 +151,6 @@ static inline __m512i k8_x2(const int8_t *xq, int64_t b, int off) {
 static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_args *A, int64_t r, int64_t c, const int nn) {
     const uint8_t *row = A->w + r * A->rb;
     const int64_t nsb = A->nb / 8;
-    const __m512i grp = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
-                                         1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512 rl = _mm512_set1_ps(1.0f / XL_SCALE);
     __m512 acc[ROW_TILE];
@@ -161,7 +166,7 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
 #pragma GCC unroll 4
         for (int q2 = 0; q2 < 4; q2++) {
             const __m512i u = k8_codes2(kind, p, q2);
-            const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(grp, _mm512_set1_epi16((short)(4 * q2))), s16);
+            const __m512i sv = k8_pair_scales(s16, q2);
 #pragma GCC unroll 16
             for (int i = 0; i < nn; i++) {
                 const int64_t b = (c + i) * A->nb + sb * 8 + 2 * q2;

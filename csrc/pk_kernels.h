@@ -325,6 +325,7 @@ static inline int64_t row_piece(const mm_args *A) {
 }
 
 #include "pk_k8.h"
+#include "pk_k8g.h"
 #include "pk_q8.h"
 
 /* Rows are streamed once: ask for a row a few ahead so its cache-line misses overlap the

@@ -9,23 +9,88 @@ static inline void loom_order(const float *x, float *dst, int64_t len) {
         for (int l = 0; l < 16; l++) { dst[b + l] = x[b + 2 * l]; dst[b + 16 + l] = x[b + 2 * l + 1]; }
 }
 
+/* max |x[l]| over len elements (NaNs skipped, as fmaxf does) */
+static inline float absmax(const float *x, int64_t len) {
+    float amax = 0.0f;
+    int64_t l = 0;
+#if PK_SIMD
+    __m256 m = _mm256_setzero_ps();
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; l + 8 <= len; l += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + l), abs), m); /* NaN: keeps m */
+    float t[8];
+    _mm256_storeu_ps(t, m);
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, t[i]);
+#endif
+    for (; l < len; l++) amax = fmaxf(amax, fabsf(x[l]));
+    return amax;
+}
+
+#if PK_SIMD
+/* 32 floats (integers in [-127, 127]) -> 32 int8 in order */
+static inline __m256i pack32(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+    const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* quantize_x's codes of one block, the same float operations on 8 lanes (bitwise equal) */
+static inline void codes32(const float *xb, float id, int8_t *h, int8_t *lo) {
+    const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), neg = _mm256_set1_ps(-127.0f);
+    const __m256 r = _mm256_set1_ps(XL_SCALE);
+    __m256 hv[4], lv[4];
+    for (int q = 0; q < 4; q++) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * q), vid);
+        hv[q] = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), neg), hi);
+        const __m256 w = _mm256_mul_ps(_mm256_sub_ps(v, hv[q]), r);
+        lv[q] = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), neg), hi);
+    }
+    _mm256_storeu_si256((__m256i *)h, pack32(hv[0], hv[1], hv[2], hv[3]));
+    _mm256_storeu_si256((__m256i *)lo, pack32(lv[0], lv[1], lv[2], lv[3]));
+}
+#endif
+
 /* q8 scheme: x as two int8 codes per element, x ~= dx * (xh + xl / 254) with dx = max|x| / 127
- * per 32-block: xh = round(x / dx), xl = round((x / dx - xh) * 254). Two integer dot products
- * give ~15-bit activations (error <= dx / 508 per element) at integer speed. */
-static inline void quantize_x(const float *x, int8_t *xq, float *dx, int64_t nblocks) {
-    for (int64_t i = 0; i < nblocks; i++) {
-        const float *xb = x + i * 32;
-        int8_t *h = xq + i * 64, *lo = h + 32;
-        float amax = 0.0f;
-        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
-        if (!isfinite(amax)) { dx[i] = NAN; memset(h, 0, 64); continue; }
+ * per group of `group` 32-blocks (1, or 8: one scale per 256 elements for the K-quant prefill
+ * kernels, csrc/pk_k8g.h; every block still gets its dx): xh = round(x / dx),
+ * xl = round((x / dx - xh) * 254). Two integer dot products give ~15-bit activations (error
+ * <= dx / 508 per element) at integer speed. A group of G blocks takes 64 G bytes: the G * 32
+ * xh codes, then the xl codes (G = 1: [xh 32][xl 32] per block). */
+static inline void quantize_x(const float *x, int8_t *xq, float *dx, int64_t nblocks, int group) {
+    for (int64_t g = 0; g < nblocks; g += group) {
+        const int64_t ge = g + group < nblocks ? g + group : nblocks;
+        const float amax = absmax(x + g * 32, (ge - g) * 32);
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        dx[i] = d;
-        for (int l = 0; l < 32; l++) {
-            const float v = xb[l] * id, hv = fminf(fmaxf(rintf(v), -127.0f), 127.0f);
-            h[l] = (int8_t)hv;
-            lo[l] = (int8_t)fminf(fmaxf(rintf((v - hv) * XL_SCALE), -127.0f), 127.0f);
+        for (int64_t i = g; i < ge; i++) {
+            const float *xb = x + i * 32;
+            int8_t *h = xq + g * 64 + (i - g) * 32, *lo = h + (ge - g) * 32;
+            if (!isfinite(amax)) { dx[i] = NAN; memset(h, 0, 32); memset(lo, 0, 32); continue; }
+            dx[i] = d;
+#if PK_SIMD
+            codes32(xb, id, h, lo);
+            continue;
+#endif
+            for (int l = 0; l < 32; l++) {
+                const float v = xb[l] * id, hv = fminf(fmaxf(rintf(v), -127.0f), 127.0f);
+                h[l] = (int8_t)hv;
+                lo[l] = (int8_t)fminf(fmaxf(rintf((v - hv) * XL_SCALE), -127.0f), 127.0f);
+            }
         }
+    }
+}
+
+/* quantize_x16's |c| bound (csrc/pk_k8g.h): a lane sums at most 32 products of |w| <= 8064 and |c| <= 8191 (< 2^31) */
+#define X16_MAX 8191.0f
+
+/* x as int16 codes, one scale per group of 8 32-blocks (the last group may be shorter): the
+ * codes of block i at int16 index 32 i of xq, dx[i] the group's max|x| / X16_MAX */
+static inline void quantize_x16(const float *x, int16_t *xq, float *dx, int64_t nblocks) {
+    for (int64_t g = 0; g < nblocks; g += 8) {
+        const int64_t ge = g + 8 < nblocks ? g + 8 : nblocks;
+        const float amax = absmax(x + g * 32, (ge - g) * 32), d = amax / X16_MAX, id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int64_t i = g; i < ge; i++) dx[i] = isfinite(amax) ? d : NAN;
+        int64_t l = g * 32;
+        for (; l < ge * 32; l++)
+            xq[l] = isfinite(amax) ? (int16_t)fminf(fmaxf(rintf(x[l] * id), -X16_MAX), X16_MAX) : 0;
     }
 }
 

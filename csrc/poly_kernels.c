@@ -86,6 +86,8 @@ typedef struct {
     int64_t k, rb, r0, r1;
 } dq_args;
 
+static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8);
+
 static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
     const int64_t k = A->k;
     const uint8_t *row = A->w + r * A->rb;
@@ -253,7 +255,7 @@ static int run(int kind, mm_args *A, int nt, int q8) {
         if (q8) {
             int8_t *xq = (int8_t *)(xp + nk);
             sums16(A->x, xs16, nbs);
-            quantize_x(A->x, xq, dx, nbs);
+            quantize_x(A->x, xq, dx, nbs, 1);
             A->xq = xq; A->dx = dx; A->xs16 = xs16;
         }
     }
@@ -278,8 +280,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     mm_args A = {0};
     A.n = PyLong_AsLongLong(args[5]); A.k = PyLong_AsLongLong(args[6]); A.m = PyLong_AsLongLong(args[7]);
     A.ldo = A.m;
-    long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants, one row) */
+    long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants) */
     if (q8 == -1 && PyErr_Occurred()) return NULL;
+    const int k8g = PK_SIMD && q8 == 2 && k8_kind((int)kind) && A.n >= K8G_ROWS; /* int16 panels */
     if (q8 == 2) q8 = k8_kind((int)kind) && A.n <= K8_ROWS;
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
@@ -300,7 +303,11 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     A.x = bx.buf; A.out = bo.buf; A.w = bw.buf; A.aux = have_aux ? ba.buf : NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run((int)kind, &A, pk_threads, q8 != 0);
+    if (k8g) {
+        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, A.m};
+        rc = gemm_any((int)kind, &D, A.x, A.n, A.out, A.m, pk_threads, 2);
+    } else
+        rc = run((int)kind, &A, pk_threads, q8 != 0);
     Py_END_ALLOW_THREADS
     if (rc < 0) PyErr_NoMemory();
     else ret = Py_NewRef(Py_None);

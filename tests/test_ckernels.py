@@ -134,6 +134,37 @@ def test_auto_scheme_takes_int8_activations_for_k_quant_rows_only(scheme):
     np.testing.assert_array_equal(qt.matmul(x), ckernels.matmul(qt, x, q8=False))
 
 
+def _on_code_grid(n: int, k: int, seed: int) -> np.ndarray:
+    """x whose int16 codes with one scale per 256 (max |x| / 8191) are exact: integers times a
+    power of two, each 256-group holding +-8191 once."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-8190, 8191, (n, k)).astype(np.float32)
+    x[:, ::256] = 8191.0 * np.sign(rng.standard_normal((n, k // 256)) + 0.5)
+    return x * np.float32(2.0**-10)
+
+
+@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
+@pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 60))  # tiles of 4 (2 on AVX2), ragged tails
+def test_k_quant_prefill_takes_int16_panels(scheme, n, each_isa):
+    """The default ("auto"), 4 to 48 input rows (csrc/pk_k8g.h): x as int16 codes with one scale
+    per 256. On the code grid the integer products are exact; on Gaussian x with an outlier
+    channel the error is the codes' (~1e-4). 60 rows take the float gemm."""
+    m, k = 37, 768
+    qt = MAKERS[scheme](random_weights(m, k, seed=n))
+    w = qt.dequantize().astype(np.float64)
+    x = _on_code_grid(n, k, seed=n)
+    ref = x.astype(np.float64) @ w.T
+    np.testing.assert_allclose(qt.matmul(x), ref, rtol=1e-5, atol=2e-6 * np.abs(ref).max())
+    x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+    x[:, 3] *= 30.0
+    ref = x.astype(np.float64) @ w.T
+    err = np.abs(qt.matmul(x) - ref).max() / np.abs(ref).max()
+    if each_isa == "base" or n > 48:  # the float path
+        assert err <= 1e-5
+    else:  # the codes' rounding really happened, and stays small
+        assert 2e-6 < err <= 2e-3
+
+
 def test_act_q8_flag_routes_the_registered_kernel():
     qt, x, ref = _case("gguf_q4_1", 40, 1)
     exact = qt.matmul(x)
@@ -333,7 +364,7 @@ def test_dequantize_writes_into_a_tile_buffer():
 
 
 @pytest.mark.parametrize("scheme", sorted(MAKERS))
-def test_prefill_tiles_match_the_dequantized_product(scheme, monkeypatch):
+def test_prefill_tiles_match_the_dequantized_product(scheme, monkeypatch, float_path):
     """More than MAX_N input rows: C-dequantized tiles + sgemm == x @ W.T of the reference W."""
     m, k, n = 300, 256, 40
     qt = MAKERS[scheme](random_weights(m, k, seed=5))

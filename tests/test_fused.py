@@ -122,9 +122,10 @@ def test_int8_activations_stay_close(scheme, monkeypatch, float_path):
 
 
 @pytest.mark.parametrize("scheme", K_QUANTS)
-def test_k_quant_decode_takes_int8_activations_by_default(scheme, monkeypatch, each_isa):
-    """ "auto": the fused one-row steps of a K-quant model take int8 activations and the prompt
-    the float path, in the fused step as in the Python path; both stay within 3e-3 of float."""
+def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each_isa):
+    """ "auto": a K-quant model's one-row steps take int8 activations with two codes (pk_k8.h) and
+    its 6-token prompt int16 codes (pk_k8g.h), in the fused step as in the Python path; all stay
+    within 3e-3 of the float path."""
     tf = random_transformer(_cfg(hidden=256, inter=512), seed=5)
     _quantize(tf, scheme)
     tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
@@ -135,12 +136,26 @@ def test_k_quant_decode_takes_int8_activations_by_default(scheme, monkeypatch, e
         exact = _steps(tf, True, monkeypatch)
     finally:
         ckernels.set_act_q8("auto")
-    np.testing.assert_array_equal(auto[0], exact[0])  # the prompt: float path
-    for a, p, e in zip(auto[1:], python[1:], exact[1:]):
-        # the int8 rows really ran (the base build has no int8 kernels: the float path)
-        assert np.array_equal(a, e) == (each_isa == "base")
+    simd = each_isa != "base"  # the base build has no int8 kernels: the float path
+    for a, p, e in zip(auto, python, exact):
+        assert np.array_equal(a, e) != simd
         assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
-        assert np.abs(p - e).max() <= 3e-3 * np.abs(e).max()
+        assert np.abs(p - a).max() <= 3e-3 * np.abs(e).max()
+    # one-row steps alone: prompt in float, then decode steps auto vs float
+    with monkeypatch.context() as m:
+        tf.reset()
+        ckernels.set_act_q8(False)
+        tf.forward(PROMPT)
+        ckernels.set_act_q8("auto")
+        cache = [tf.forward([t]) for t in (7, 1, 60)]
+        tf.reset()
+        ckernels.set_act_q8(False)
+        tf.forward(PROMPT)
+        ref = [tf.forward([t]) for t in (7, 1, 60)]
+        ckernels.set_act_q8("auto")
+        del m
+    for a, e in zip(cache, ref):
+        assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
 
 
 def test_fused_step_is_not_taken_when_it_cannot_apply(monkeypatch):

@@ -49,7 +49,7 @@ def _product(ops: tuple, x: np.ndarray, out: np.ndarray) -> None:
     kind, w, aux = ops
     n, k = x.shape
     if n >= ckernels.GEMM_ROWS:
-        ckernels.EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], 0)
+        ckernels.EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], 0, ckernels.act_q8())
     else:
         x = ckernels.aligned(x)
         ckernels.EXT.matmul(kind, x, out, w, aux, n, k, out.shape[1], ckernels.act_q8())
