@@ -32,6 +32,8 @@ KERNEL_SOURCES = [
     "csrc/pk_quants.h",
     "csrc/pk_k8.h",
     "csrc/pk_k8g.h",
+    "csrc/pk_prep.h",
+    "csrc/pk_dequant.h",
     "csrc/pk_q8.h",
     "csrc/pk_attn.h",
     "csrc/pk_moe.h",

@@ -88,7 +88,7 @@ def block_of(scheme: str) -> int:
     return quants.GGML_QUANT_SIZES[_T[scheme[5:].upper()]][0]
 
 
-def _case(scheme, m, n, seed=0):
+def kernel_case(scheme, m, n, seed=0):
     k = 512 if block_of(scheme) == 256 else 96  # K-quants need multiples of 256
     qt = MAKERS[scheme](random_weights(m, k, seed=m * 7 + n + seed))
     x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
@@ -100,7 +100,7 @@ def _case(scheme, m, n, seed=0):
 @pytest.mark.parametrize("m", (1, 37, 130))  # ragged tails of the parallel row split
 @pytest.mark.parametrize("n", (1, 3, 16))
 def test_kernel_matches_numpy(scheme, m, n, float_path):
-    qt, x, ref = _case(scheme, m, n)
+    qt, x, ref = kernel_case(scheme, m, n)
     assert qt.scheme == scheme and ckernels.supports(qt)
     got = ckernels.matmul(qt, x, q8=False)
     assert got.dtype == np.float32 and got.shape == (n, m)
@@ -111,7 +111,7 @@ def test_kernel_matches_numpy(scheme, m, n, float_path):
 @pytest.mark.parametrize("scheme", QUANTIZED)
 @pytest.mark.parametrize("n", (1, 3, 16))
 def test_int8_activation_scheme_stays_within_2e_3(scheme, n):
-    qt, x, ref = _case(scheme, 67, n, seed=1)
+    qt, x, ref = kernel_case(scheme, 67, n, seed=1)
     x[:, 3] *= 30.0  # an outlier channel, as in real activations
     ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
     got = ckernels.matmul(qt, x, q8=True)
@@ -119,54 +119,8 @@ def test_int8_activation_scheme_stays_within_2e_3(scheme, n):
     assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
-def test_auto_scheme_takes_int8_activations_for_k_quant_rows_only(scheme):
-    """The default ("auto"): a one-row K-quant product takes int8 activations (csrc/pk_k8.h,
-    within 2e-3 of the exact result), several rows the exact float path."""
-    assert ckernels.act_q8() == ckernels.Q8_AUTO
-    qt, x, ref = _case(scheme, 67, 3, seed=2)
-    x[:, 5] *= 30.0
-    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
-    one = qt.matmul(x[:1])
-    assert not np.array_equal(one, ckernels.matmul(qt, x[:1], q8=False))
-    assert np.abs(one - ref[:1]).max() <= 2e-3 * np.abs(ref[:1]).max()
-    np.testing.assert_array_equal(one, ckernels.matmul(qt, x[:1], q8=True))
-    np.testing.assert_array_equal(qt.matmul(x), ckernels.matmul(qt, x, q8=False))
-
-
-def _on_code_grid(n: int, k: int, seed: int) -> np.ndarray:
-    """x whose int16 codes with one scale per 256 (max |x| / 8191) are exact: integers times a
-    power of two, each 256-group holding +-8191 once."""
-    rng = np.random.default_rng(seed)
-    x = rng.integers(-8190, 8191, (n, k)).astype(np.float32)
-    x[:, ::256] = 8191.0 * np.sign(rng.standard_normal((n, k // 256)) + 0.5)
-    return x * np.float32(2.0**-10)
-
-
-@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
-@pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 60))  # tiles of 4 (2 on AVX2), ragged tails
-def test_k_quant_prefill_takes_int16_panels(scheme, n, each_isa):
-    """The default ("auto"), 4 to 48 input rows (csrc/pk_k8g.h): x as int16 codes with one scale
-    per 256. On the code grid the integer products are exact; on Gaussian x with an outlier
-    channel the error is the codes' (~1e-4). 60 rows take the float gemm."""
-    m, k = 37, 768
-    qt = MAKERS[scheme](random_weights(m, k, seed=n))
-    w = qt.dequantize().astype(np.float64)
-    x = _on_code_grid(n, k, seed=n)
-    ref = x.astype(np.float64) @ w.T
-    np.testing.assert_allclose(qt.matmul(x), ref, rtol=1e-5, atol=2e-6 * np.abs(ref).max())
-    x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
-    x[:, 3] *= 30.0
-    ref = x.astype(np.float64) @ w.T
-    err = np.abs(qt.matmul(x) - ref).max() / np.abs(ref).max()
-    if each_isa == "base" or n > 48:  # the float path
-        assert err <= 1e-5
-    else:  # the codes' rounding really happened, and stays small
-        assert 2e-6 < err <= 2e-3
-
-
 def test_act_q8_flag_routes_the_registered_kernel():
-    qt, x, ref = _case("gguf_q4_1", 40, 1)
+    qt, x, ref = kernel_case("gguf_q4_1", 40, 1)
     exact = qt.matmul(x)
     ckernels.set_act_q8(True)
     approx = qt.matmul(x)
@@ -286,7 +240,7 @@ def test_threads_drive_openmp():
     try:
         kernels.set_num_threads(1)
         assert ckernels.info()["threads"] == 1
-        qt, x, ref = _case("gguf_q4_0", 130, 3)
+        qt, x, ref = kernel_case("gguf_q4_0", 130, 3)
         np.testing.assert_allclose(qt.matmul(x), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     finally:
         kernels.set_num_threads(old)

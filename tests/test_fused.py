@@ -24,13 +24,13 @@ pytestmark = [
 PROMPT = [3, 17, 5, 42, 9, 11]
 
 
-def _cfg(hidden=64, inter=96, **kw) -> TransformerConfig:
+def tiny_cfg(hidden=64, inter=96, **kw) -> TransformerConfig:
     base = dict(vocab_size=120, num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=64)
     base.update(kw)
     return TransformerConfig(hidden_size=hidden, intermediate_size=inter, **base)
 
 
-def _steps(tf, use_fused: bool, monkeypatch, n: int = 5, prompt=PROMPT) -> list[np.ndarray]:
+def run_steps(tf, use_fused: bool, monkeypatch, n: int = 5, prompt=PROMPT) -> list[np.ndarray]:
     with monkeypatch.context() as m:
         if not use_fused:
             m.setattr(fused, "plan", lambda model: None)
@@ -43,8 +43,8 @@ def _steps(tf, use_fused: bool, monkeypatch, n: int = 5, prompt=PROMPT) -> list[
 
 def _assert_same(tf, monkeypatch, rtol=1e-5, prompt=PROMPT):
     assert fused.plan(tf) is not None, "the fused step should apply to this model"
-    ref = _steps(tf, False, monkeypatch, prompt=prompt)
-    got = _steps(tf, True, monkeypatch, prompt=prompt)
+    ref = run_steps(tf, False, monkeypatch, prompt=prompt)
+    got = run_steps(tf, True, monkeypatch, prompt=prompt)
     scale = max(float(np.abs(r).max()) for r in ref)
     for r, g in zip(ref, got):
         assert g.dtype == np.float32 and g.shape == r.shape
@@ -52,7 +52,7 @@ def _assert_same(tf, monkeypatch, rtol=1e-5, prompt=PROMPT):
     assert tf.position == len(prompt) + 5
 
 
-def _quantize(tf, scheme: str) -> None:
+def quantize_all(tf, scheme: str) -> None:
     """Every MHA/SwiGLU matrix as a stored version in `scheme` (biases and gammas float32)."""
     make = MAKERS[scheme]
     for layer in tf.network.walk():
@@ -78,7 +78,7 @@ def _quantize(tf, scheme: str) -> None:
     ids=["gqa", "mqa-tied", "bias", "qk-norm"],
 )
 def test_float32_master_matches_python_path(kw, monkeypatch):
-    tf = random_transformer(_cfg(**kw), seed=1)
+    tf = random_transformer(tiny_cfg(**kw), seed=1)
     if kw.get("attention_bias"):
         rng = np.random.default_rng(5)
         for i in range(tf.config.num_layers):
@@ -91,8 +91,8 @@ def test_float32_master_matches_python_path(kw, monkeypatch):
 @pytest.mark.parametrize("scheme", list(MAKERS))
 def test_stored_versions_match_python_path(scheme, monkeypatch, each_isa, float_path):
     big = block_of(scheme) == 256  # K-quants need rows of 256
-    tf = random_transformer(_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=2)
-    _quantize(tf, scheme)
+    tf = random_transformer(tiny_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=2)
+    quantize_all(tf, scheme)
     tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
     # the Python path uses the same stored weights; only summation order differs
     _assert_same(tf, monkeypatch, rtol=2e-5)
@@ -112,54 +112,17 @@ K_QUANTS = ["gguf_q2_k", "gguf_q3_k", "gguf_q4_k", "gguf_q5_k", "gguf_q6_k"]
 )
 def test_int8_activations_stay_close(scheme, monkeypatch, float_path):
     big = block_of(scheme) == 256
-    tf = random_transformer(_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=3)
-    _quantize(tf, scheme)
-    ref = _steps(tf, False, monkeypatch)
+    tf = random_transformer(tiny_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=3)
+    quantize_all(tf, scheme)
+    ref = run_steps(tf, False, monkeypatch)
     ckernels.set_act_q8(True)  # every row, the prompt's too (K-quants: csrc/pk_k8.h tiles)
-    got = _steps(tf, True, monkeypatch)
+    got = run_steps(tf, True, monkeypatch)
     for r, g in zip(ref, got):
         assert np.abs(g - r).max() <= 3e-3 * np.abs(r).max()
 
 
-@pytest.mark.parametrize("scheme", K_QUANTS)
-def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each_isa):
-    """ "auto": a K-quant model's one-row steps take int8 activations with two codes (pk_k8.h) and
-    its 6-token prompt int16 codes (pk_k8g.h), in the fused step as in the Python path; all stay
-    within 3e-3 of the float path."""
-    tf = random_transformer(_cfg(hidden=256, inter=512), seed=5)
-    _quantize(tf, scheme)
-    tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
-    auto = _steps(tf, True, monkeypatch)
-    python = _steps(tf, False, monkeypatch)
-    ckernels.set_act_q8(False)
-    try:
-        exact = _steps(tf, True, monkeypatch)
-    finally:
-        ckernels.set_act_q8("auto")
-    simd = each_isa != "base"  # the base build has no int8 kernels: the float path
-    for a, p, e in zip(auto, python, exact):
-        assert np.array_equal(a, e) != simd
-        assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
-        assert np.abs(p - a).max() <= 3e-3 * np.abs(e).max()
-    # one-row steps alone: prompt in float, then decode steps auto vs float
-    with monkeypatch.context() as m:
-        tf.reset()
-        ckernels.set_act_q8(False)
-        tf.forward(PROMPT)
-        ckernels.set_act_q8("auto")
-        cache = [tf.forward([t]) for t in (7, 1, 60)]
-        tf.reset()
-        ckernels.set_act_q8(False)
-        tf.forward(PROMPT)
-        ref = [tf.forward([t]) for t in (7, 1, 60)]
-        ckernels.set_act_q8("auto")
-        del m
-    for a, e in zip(cache, ref):
-        assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
-
-
 def test_fused_step_is_not_taken_when_it_cannot_apply(monkeypatch):
-    tf = random_transformer(_cfg(), seed=4)
+    tf = random_transformer(tiny_cfg(), seed=4)
     assert fused.plan(tf) is not None
     kernels.set_backend("numpy")
     assert fused.plan(tf) is None
@@ -173,17 +136,17 @@ def test_fused_step_is_not_taken_when_it_cannot_apply(monkeypatch):
 
 
 def test_plan_follows_weight_changes(monkeypatch):
-    tf = random_transformer(_cfg(), seed=6)
-    before = _steps(tf, True, monkeypatch)
-    _quantize(tf, "int8")  # new active versions: the cached plan must not be reused
-    after = _steps(tf, True, monkeypatch)
-    ref = _steps(tf, False, monkeypatch)
+    tf = random_transformer(tiny_cfg(), seed=6)
+    before = run_steps(tf, True, monkeypatch)
+    quantize_all(tf, "int8")  # new active versions: the cached plan must not be reused
+    after = run_steps(tf, True, monkeypatch)
+    ref = run_steps(tf, False, monkeypatch)
     np.testing.assert_allclose(after[-1], ref[-1], atol=2e-5 * np.abs(ref[-1]).max())
     assert np.abs(after[0] - before[0]).max() > 1e-4
 
 
 def test_context_overflow_keeps_the_cache():
-    tf = random_transformer(_cfg(max_seq_len=8), seed=7)
+    tf = random_transformer(tiny_cfg(max_seq_len=8), seed=7)
     tf.forward(list(range(7)))
     tf.forward([1])  # position 7: the last slot, fused
     assert tf.position == 8
@@ -193,7 +156,7 @@ def test_context_overflow_keeps_the_cache():
 
 
 def test_extension_checks_the_tuples_itself():
-    tf = random_transformer(_cfg(), seed=8)
+    tf = random_transformer(tiny_cfg(), seed=8)
     tf.forward([1])
     p = fused.plan(tf)
     caches = []
@@ -222,9 +185,9 @@ def test_extension_checks_the_tuples_itself():
 def test_batched_rows_match_each_sequence_alone(scheme, monkeypatch):
     from poly.runtime.batch import forward_batch
 
-    tf = random_transformer(_cfg(), seed=9)
+    tf = random_transformer(tiny_cfg(), seed=9)
     if scheme != "float32":
-        _quantize(tf, scheme)
+        quantize_all(tf, scheme)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]  # rows at different positions
     states = [tf.new_state() for _ in prompts]
     forward_batch(tf, prompts, states)
@@ -242,7 +205,7 @@ def test_batched_rows_match_each_sequence_alone(scheme, monkeypatch):
 
 
 def test_more_rows_than_the_step_takes_use_the_python_path():
-    tf = random_transformer(_cfg(), seed=10)
+    tf = random_transformer(tiny_cfg(), seed=10)
     p = fused.plan(tf)
     states = [tf.new_state() for _ in range(ckernels.STEP_ROWS + 1)]
     x = np.zeros((ckernels.STEP_ROWS + 1, 64), np.float32)
@@ -252,7 +215,7 @@ def test_more_rows_than_the_step_takes_use_the_python_path():
 def test_batched_rows_past_the_row_kernels_equal_each_row_alone(monkeypatch):
     """17 and 40 sequences in one step: the products run as gemm panels (or, with int8
     activations, in pieces of MAX_N rows); every row equals its own one-row step."""
-    tf = random_transformer(_cfg(), seed=12)
+    tf = random_transformer(tiny_cfg(), seed=12)
     p = fused.plan(tf)
     for n in (ckernels.MAX_N + 1, 40):
         x0 = np.random.default_rng(n).standard_normal((n, 64)).astype(np.float32)
@@ -267,7 +230,7 @@ def test_batched_rows_past_the_row_kernels_equal_each_row_alone(monkeypatch):
 def test_attention_scores_in_blocks_of_eight_positions(head_dim, monkeypatch, each_isa):
     """Decode at positions past 8 and 40: the scores of 8 positions are reduced together
     (dot8x); the fused step equals the Python path on every ISA build, with a ragged tail."""
-    tf = random_transformer(_cfg(head_dim=head_dim, max_seq_len=128), seed=14)
+    tf = random_transformer(tiny_cfg(head_dim=head_dim, max_seq_len=128), seed=14)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 120, 37)]
     _assert_same(tf, monkeypatch, prompt=prompt)
 
@@ -275,7 +238,7 @@ def test_attention_scores_in_blocks_of_eight_positions(head_dim, monkeypatch, ea
 def test_prompt_rows_compute_each_prompts_last_row_only(monkeypatch):
     """Prompts of 3, 1 and 5 tokens in one call: the LM head runs for their last rows only (the
     logits argument is (logits [3, V], rows)), and each equals the prompt run alone."""
-    tf = random_transformer(_cfg(), seed=13)
+    tf = random_transformer(tiny_cfg(), seed=13)
     p = fused.plan(tf)
     x0 = np.random.default_rng(3).standard_normal((9, 64)).astype(np.float32)
     seen = []
@@ -318,7 +281,7 @@ def test_plain_half_arrays_are_read_directly(dtype, monkeypatch):
     import ml_dtypes
 
     np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-    tf = random_transformer(_cfg(), seed=12)
+    tf = random_transformer(tiny_cfg(), seed=12)
     for layer in tf.network.walk():
         if layer.type in (LayerType.MHA, LayerType.SWIGLU):
             comps = {
@@ -335,7 +298,7 @@ def test_plain_half_arrays_are_read_directly(dtype, monkeypatch):
 
 
 def test_non_float32_vectors_fall_back_to_the_python_path(monkeypatch):
-    tf = random_transformer(_cfg(), seed=13)
+    tf = random_transformer(tiny_cfg(), seed=13)
     norm = tf.attn_norm(1)
     gamma = np.array(layout.components(norm)["gamma"], dtype=np.float64)  # not what C reads
     norm.weights.set_version("f64", {"gamma": gamma}, activate=True)
@@ -362,7 +325,7 @@ def test_silu_mul_matches_numpy_silu():
 
 @pytest.mark.parametrize("head_dim", (64, 128, 24))  # the unrolled widths, and the scalar loop
 def test_long_context_attention_matches_python_path(head_dim, monkeypatch, each_isa):
-    cfg = _cfg(
+    cfg = tiny_cfg(
         hidden=128, inter=96, num_heads=2, num_kv_heads=1, head_dim=head_dim, max_seq_len=400
     )
     tf = random_transformer(cfg, seed=11)
@@ -381,7 +344,7 @@ def test_long_context_attention_matches_python_path(head_dim, monkeypatch, each_
 
 
 def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
-    tf = random_transformer(_cfg(max_seq_len=128), seed=4)
+    tf = random_transformer(tiny_cfg(max_seq_len=128), seed=4)
     calls = []
     real = ckernels.decode
 
@@ -406,7 +369,7 @@ def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
 
 
 def test_a_fused_prompt_past_the_context_is_refused():
-    tf = random_transformer(_cfg(max_seq_len=8), seed=4)
+    tf = random_transformer(tiny_cfg(max_seq_len=8), seed=4)
     tf.reset()
     tf.forward(PROMPT)
     with pytest.raises(ContextOverflowError, match="6 cached \\+ 3 new tokens > max_seq_len 8"):
@@ -415,8 +378,8 @@ def test_a_fused_prompt_past_the_context_is_refused():
 
 
 def test_int8_activation_rows_past_max_n_run_in_pieces():
-    tf = random_transformer(_cfg(hidden=128, inter=192), seed=13)
-    _quantize(tf, "gguf_q8_0")
+    tf = random_transformer(tiny_cfg(hidden=128, inter=192), seed=13)
+    quantize_all(tf, "gguf_q8_0")
     p = fused.plan(tf)
     old = ckernels.act_q8()
     ckernels.set_act_q8(True)  # no gemm panels: the row kernels, MAX_N rows at a time

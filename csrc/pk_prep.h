@@ -1,0 +1,46 @@
+/* The fused step's prepared inputs (px_t): block sums, Loom order and the int8/int16 codes the
+ * integer kernels read, written once per input for every matrix that reads it. Included by
+ * pk_decode.c. */
+#ifndef PK_PREP_H
+#define PK_PREP_H
+
+/* prep's work for the 32-blocks [b0, b1) of x: block sums (the offset term of the quantized
+ * kinds), Loom's reordered copy, int8 codes. Blocks are independent, so threads split them. */
+static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loom, int q8) { /* q8: group */
+    for (int64_t b = b0; b < b1; b++) {
+        float t = 0.0f;
+        for (int l = 0; l < 32; l++) t += x[b * 32 + l];
+        P->xs[b] = t;
+    }
+    if (b1 <= b0) return;
+    if (loom) loom_order(x + b0 * 32, P->xp + b0 * 32, (b1 - b0) * 32);
+    if (q8) {
+        sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0);
+        if (q8 == 8) quantize_x16(x + b0 * 32, (int16_t *)(P->xq + b0 * 64), P->dx + b0, b1 - b0);
+        else quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0, q8);
+        if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0, 1);
+    }
+}
+
+static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
+    P->x = x; P->k = k;
+    if (k % 32 == 0) prep_blocks(P, x, 0, k / 32, loom, q8);
+}
+
+/* the codes prep writes for step S: 0 none, 1 quantize_x's int8 pairs per 32-block, 8 the int16
+ * codes per 256 of the K-quant prefill kernels (auto mode, csrc/pk_k8g.h; their inputs then start
+ * on whole groups of 8 blocks) */
+static inline int q8_group(const step_t *S) {
+    return !S->q8 ? 0 : (S->q8 == 2 && S->n >= K8G_ROWS && S->n <= K8G_MAX) ? 8 : 1;
+}
+
+/* P's buffers seen from element `off` on, with input x (rows of k, k % 32 == 0 for the block
+ * kinds, so `off` is a whole number of blocks) */
+static px_t px_view(const px_t *P, const float *x, int64_t off) {
+    px_t V = *P;
+    V.x = x; V.xs = P->xs + off / 32; V.dx = P->dx + off / 32; V.xp = P->xp + off;
+    V.xq = P->xq + 2 * off; V.xqp = P->xqp + 2 * off; V.xs16 = P->xs16 + off / 16;
+    return V;
+}
+
+#endif /* PK_PREP_H */

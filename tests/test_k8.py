@@ -1,0 +1,96 @@
+"""The K-quant kinds' integer paths of the default ("auto") scheme: one-row products on int8
+activations with two codes (csrc/pk_k8.h), 4-48 rows on int16 panels (csrc/pk_k8g.h), in the
+kernels alone and inside the fused step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poly.runtime import ckernels
+from tests.test_ckernels import MAKERS, QUANTIZED, block_of, kernel_case, random_weights
+from tests.test_fused import K_QUANTS, PROMPT, quantize_all, run_steps, tiny_cfg
+from tests.tiny_model import random_transformer
+
+
+@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
+def test_auto_scheme_takes_int8_activations_for_k_quant_rows_only(scheme):
+    """The default ("auto"): a one-row K-quant product takes int8 activations (csrc/pk_k8.h,
+    within 2e-3 of the exact result), several rows the exact float path."""
+    assert ckernels.act_q8() == ckernels.Q8_AUTO
+    qt, x, ref = kernel_case(scheme, 67, 3, seed=2)
+    x[:, 5] *= 30.0
+    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
+    one = qt.matmul(x[:1])
+    assert not np.array_equal(one, ckernels.matmul(qt, x[:1], q8=False))
+    assert np.abs(one - ref[:1]).max() <= 2e-3 * np.abs(ref[:1]).max()
+    np.testing.assert_array_equal(one, ckernels.matmul(qt, x[:1], q8=True))
+    np.testing.assert_array_equal(qt.matmul(x), ckernels.matmul(qt, x, q8=False))
+
+
+def _on_code_grid(n: int, k: int, seed: int) -> np.ndarray:
+    """x whose int16 codes with one scale per 256 (max |x| / 8191) are exact: integers times a
+    power of two, each 256-group holding +-8191 once."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-8190, 8191, (n, k)).astype(np.float32)
+    x[:, ::256] = 8191.0 * np.sign(rng.standard_normal((n, k // 256)) + 0.5)
+    return x * np.float32(2.0**-10)
+
+
+@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
+@pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 60))  # tiles of 4 (2 on AVX2), ragged tails
+def test_k_quant_prefill_takes_int16_panels(scheme, n, each_isa):
+    """The default ("auto"), 4 to 48 input rows (csrc/pk_k8g.h): x as int16 codes with one scale
+    per 256. On the code grid the integer products are exact; on Gaussian x with an outlier
+    channel the error is the codes' (~1e-4). 60 rows take the float gemm."""
+    m, k = 37, 768
+    qt = MAKERS[scheme](random_weights(m, k, seed=n))
+    w = qt.dequantize().astype(np.float64)
+    x = _on_code_grid(n, k, seed=n)
+    ref = x.astype(np.float64) @ w.T
+    np.testing.assert_allclose(qt.matmul(x), ref, rtol=1e-5, atol=2e-6 * np.abs(ref).max())
+    x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+    x[:, 3] *= 30.0
+    ref = x.astype(np.float64) @ w.T
+    err = np.abs(qt.matmul(x) - ref).max() / np.abs(ref).max()
+    if each_isa == "base" or n > 48:  # the float path
+        assert err <= 1e-5
+    else:  # the codes' rounding really happened, and stays small
+        assert 2e-6 < err <= 2e-3
+
+
+@pytest.mark.parametrize("scheme", K_QUANTS)
+def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each_isa):
+    """ "auto": a K-quant model's one-row steps take int8 activations with two codes (pk_k8.h) and
+    its 6-token prompt int16 codes (pk_k8g.h), in the fused step as in the Python path; all stay
+    within 3e-3 of the float path."""
+    tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=5)
+    quantize_all(tf, scheme)
+    tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
+    auto = run_steps(tf, True, monkeypatch)
+    python = run_steps(tf, False, monkeypatch)
+    ckernels.set_act_q8(False)
+    try:
+        exact = run_steps(tf, True, monkeypatch)
+    finally:
+        ckernels.set_act_q8("auto")
+    simd = each_isa != "base"  # the base build has no int8 kernels: the float path
+    for a, p, e in zip(auto, python, exact):
+        assert np.array_equal(a, e) != simd
+        assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
+        assert np.abs(p - a).max() <= 3e-3 * np.abs(e).max()
+    # one-row steps alone: prompt in float, then decode steps auto vs float
+    with monkeypatch.context() as m:
+        tf.reset()
+        ckernels.set_act_q8(False)
+        tf.forward(PROMPT)
+        ckernels.set_act_q8("auto")
+        cache = [tf.forward([t]) for t in (7, 1, 60)]
+        tf.reset()
+        ckernels.set_act_q8(False)
+        tf.forward(PROMPT)
+        ref = [tf.forward([t]) for t in (7, 1, 60)]
+        ckernels.set_act_q8("auto")
+        del m
+    for a, e in zip(cache, ref):
+        assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
