@@ -10,16 +10,18 @@
 #ifndef PK_K8G_H
 #define PK_K8G_H
 
-/* auto mode: K-quant products of K8G_ROWS to K8G_MAX input rows. Both paths peak at 32
- * multiply-adds per cycle and core (vpdpwssd, or two FMA pipes); here the weights are decoded
- * once per panel instead of per 8-row tile, which wins for short prompts (16 rows: 1.3-1.9x the
- * float tiles), while from ~64 rows the float gemm's packed panels are ahead (0.7-0.9x). */
+/* auto mode: K-quant products of K8G_ROWS to K8G_MAX input rows. Both this and the float gemm
+ * peak at 32 multiply-adds per cycle and core (vpdpwssd, or two FMA pipes); here the weights are
+ * decoded once per panel instead of per 8-row tile, which wins for short prompts (1B Q4_K_M:
+ * 16 rows 1.4-1.9x the float tiles, 64 rows 1.17x the float gemm); from ~256 rows both run alike
+ * and the float path, exact, stays. */
 #define K8G_ROWS 4
-#define K8G_MAX 48
+#define K8G_MAX 128
 #define K8G_SB 640 /* decoded super-block: 256 int16 weights, 16 float offsets, D (+pad) */
 #if PK_SIMD
 #if PK_AVX512
-#define K8G_T 4 /* inputs per register tile: 2 x 4 int32 + 2 x 4 float accumulators */
+#define K8G_T 3 /* inputs per register tile: 4 x 3 int32 + 4 x 3 float accumulators */
+#define K8G_R 4
 typedef __m512i k8v;
 typedef __m512 k8f;
 #define K8_STEP 32 /* int16 lanes per vector */
@@ -38,6 +40,7 @@ typedef __m512 k8f;
 #endif
 #else
 #define K8G_T 2 /* 16 registers */
+#define K8G_R 2
 typedef __m256i k8v;
 typedef __m256 k8f;
 #define K8_STEP 16
@@ -83,30 +86,30 @@ static inline __attribute__((always_inline)) void k8g_tile(const mm_args *A, con
                                                            int64_t t0, float *out, int64_t ldo, int64_t col, const int R,
                                                            const int T) {
     const int16_t *x16 = (const int16_t *)A->xq;
-    k8f fa[2][K8G_T];
-#pragma GCC unroll 2
+    k8f fa[K8G_R][K8G_T];
+#pragma GCC unroll 4
     for (int rr = 0; rr < R; rr++)
 #pragma GCC unroll 4
         for (int tt = 0; tt < T; tt++) fa[rr][tt] = K8_ZEROF();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        k8v ia[2][K8G_T];
-#pragma GCC unroll 2
+        k8v ia[K8G_R][K8G_T];
+#pragma GCC unroll 4
         for (int rr = 0; rr < R; rr++)
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) ia[rr][tt] = K8_ZEROI();
 #pragma GCC unroll 16
         for (int v = 0; v < 256 / K8_STEP; v++) {
-            k8v w[2];
-#pragma GCC unroll 2
+            k8v w[K8G_R];
+#pragma GCC unroll 4
             for (int rr = 0; rr < R; rr++) w[rr] = K8_LOADI(buf + ((r + rr) * nsb + sb) * K8G_SB + v * K8_STEP * 2);
 #pragma GCC unroll 4
             for (int tt = 0; tt < T; tt++) {
                 const k8v x = K8_LOADI(x16 + ((t0 + tt) * A->nb + sb * 8) * 32 + v * K8_STEP);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
                 for (int rr = 0; rr < R; rr++) ia[rr][tt] = K8_DPW(ia[rr][tt], w[rr], x);
             }
         }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int rr = 0; rr < R; rr++) {
             const uint8_t *d = buf + ((r + rr) * nsb + sb) * K8G_SB;
             const float *o = (const float *)(d + 512);
@@ -126,16 +129,15 @@ static inline __attribute__((always_inline)) void k8g_tile(const mm_args *A, con
             }
         }
     }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int rr = 0; rr < R; rr++)
 #pragma GCC unroll 4
         for (int tt = 0; tt < T; tt++) out[(t0 + tt) * ldo + col + r + rr] = K8_SUM(fa[rr][tt]);
 }
 
-#if K8G_T == 4
+#if K8G_T == 3
 #define K8G_TILES(R)                                                                         \
     { switch (tn) {                                                                          \
-    case 4: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 4); break;                          \
     case 3: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 3); break;                          \
     case 2: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 2); break;                          \
     default: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 1);                                \
@@ -146,10 +148,11 @@ static inline __attribute__((always_inline)) void k8g_tile(const mm_args *A, con
       else k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 1); }
 #endif
 
-/* inputs per pass over a panel set: their int16 codes (2 k bytes each) stay in L2 while every
- * panel of the thread meets them; each pass decodes its panels again */
+/* inputs per pass over a panel set: their int16 codes (2 k bytes each, 768 KB in all) stay in L2
+ * while every panel of the thread meets them; each pass decodes its panels again (1B Q4_K_M,
+ * 42 rows: 256 KB 175 tok/s, 768 KB 193, 1.5 MB 187) */
 static inline int64_t k8g_block(int64_t k) {
-    const int64_t t = ((int64_t)256 << 10) / (2 * k);
+    const int64_t t = ((int64_t)768 << 10) / (2 * k);
     return t < 16 ? 16 : t;
 }
 
@@ -171,7 +174,8 @@ static void k8g_rows(int kind, const mm_args *A, int64_t n, float *out, int64_t 
     for (int64_t t = 0; t < n; t += K8G_T) {
         const int64_t tn = n - t < K8G_T ? n - t : K8G_T;
         int64_t r = 0;
-        for (; r + 2 <= rows; r += 2) K8G_TILES(2)
+        for (; r + K8G_R <= rows; r += K8G_R) K8G_TILES(K8G_R)
+        if (K8G_R > 2 && rows - r >= 2) { K8G_TILES(2) r += 2; }
         if (r < rows) K8G_TILES(1)
     }
 }
