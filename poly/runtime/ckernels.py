@@ -10,13 +10,14 @@ F16C, "avx512": AVX-512 F/BW/DQ/VL/VNNI); csrc/pk_module.c picks the best the CP
 (cpuid), POLY_ISA=base|avx2|avx512 caps it; `isas()`, `use_isa(name)`, `info()["isa"]`. Inputs are validated here (poly errors); the C side re-checks
 buffer sizes, so a bad call can never read out of bounds.
 
-Scheme flag `set_act_q8(True)` (or POLY_ACT_Q8=1; "auto", the default, does so for the K-quant
-kinds of one-row products only; False or POLY_ACT_Q8=0: never): the 4/8-bit kinds and int8 take x as two
+Scheme flag `set_act_q8(True)` (or POLY_ACT_Q8=1): the 4/8-bit kinds and int8 take x as two
 int8 codes per element per 32-block (x ~= dx * (xh + xl / 254), dx = max|x| / 127) and use
 integer dot products (maddubs/madd, or AVX-VNNI). Measured error vs the exact float path:
 ~1e-4 of max|out| (tests/test_ckernels.py asserts <= 2e-3 with an outlier channel); ~1.7x
-faster for Q4_1 rows. The K-quants use whole super-blocks (csrc/pk_k8.h); every other product
-stays on the exact float path by default.
+faster for Q4_1 rows. The default, "auto", does so only where it wins: K-quant (Q2_K..Q6_K)
+products of one row (decode; csrc/pk_k8.h, whole super-blocks) and of 4-128 rows (prompts; x as
+int16 codes, one scale per 256, csrc/pk_k8g.h); error ~1e-4 of max|out| (tests/test_k8.py).
+Everything else stays on the exact float path. False or POLY_ACT_Q8=0: the float path always.
 
 `AVAILABLE` is False when the extension was not built (no compiler at install time).
 """
@@ -66,8 +67,9 @@ _opts = {"q8": _Q8_ENV.get(os.environ.get("POLY_ACT_Q8", ""), Q8_AUTO)}
 def set_act_q8(on: bool | str) -> int:
     """Scheme flag: True = int8 activations for every 4/8-bit kernel (integer dot products,
     llama.cpp's q8 activations; error documented in docs/performance.md), False = the exact float
-    path everywhere, "auto" (the default) = int8 activations for the K-quant kinds (Q2_K..Q6_K)
-    of one-row products only (decode: csrc/pk_k8.h, 1.2-1.9x the float path there)."""
+    path everywhere, "auto" (the default) = integer paths for the K-quant kinds (Q2_K..Q6_K)
+    where they win: one-row products (decode, csrc/pk_k8.h: 1.5-2.7x the float rows) and 4-128
+    rows (prompts, csrc/pk_k8g.h: int16 activations)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 
