@@ -170,18 +170,19 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
 #include "pk_attn.h"
 
 
-static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B) {
+static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B, int want) {
     for (int i = 0; i < S->n; i++) pk_rmsnorm(x + i * S->d, g, eps, B->h + i * S->d, S->d);
-    prep(&B->P, B->h, S->n * S->d, S->loom, q8_group(S));
+    prep(&B->P, B->h, S->n * S->d, S->loom, q8_group(S, want));
 }
 
 /* norm_prep on every thread, each its own rows (a row's blocks depend on that row only), then a
  * barrier: for several rows the serial version kept the other threads waiting */
-static void norm_prep_par(const step_t *S, const float *x, const float *g, float eps, bufs_t *B, int tid, int nt) {
+static void norm_prep_par(const step_t *S, const float *x, const float *g, float eps, bufs_t *B, int tid, int nt,
+                          int want) {
     const int64_t d = S->d;
     if (d % 32) {
 #pragma omp single
-        norm_prep(S, x, g, eps, B);
+        norm_prep(S, x, g, eps, B, want);
         return;
     }
 #pragma omp single nowait
@@ -190,7 +191,7 @@ static void norm_prep_par(const step_t *S, const float *x, const float *g, float
     part(S->n, tid, nt, &i0, &i1);
     for (int64_t i = i0; i < i1; i++) {
         pk_rmsnorm(x + i * d, g, eps, B->h + i * d, d);
-        prep_blocks(&B->P, B->h, i * d / 32, (i + 1) * d / 32, S->loom, q8_group(S));
+        prep_blocks(&B->P, B->h, i * d / 32, (i + 1) * d / 32, S->loom, q8_group(S, want));
     }
 #pragma omp barrier
 }
@@ -215,19 +216,20 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
                            int tid, int nt, int prepped) {
     const int64_t d = S->d, n = S->n;
     float *out = S->red ? S->red : B->tmp;
+    const int want = wants_codes(S, M, 1);
     int64_t r0, r1;
     px_t V = B->P; /* this thread's own view of `in` (B->P.x is left alone) */
     V.x = in; V.k = n * k;
     if (!prepped && k % 32 == 0) { /* the blocks split over the threads (whole groups of them) */
-        const int64_t g = q8_group(S) == 8 && k % 256 == 0 ? 8 : 1;
+        const int64_t g = q8_group(S, want) == 8 && k % 256 == 0 ? 8 : 1;
         int64_t b0, b1;
         part(n * k / 32 / g, tid, nt, &b0, &b1);
         b0 *= g; b1 *= g;
-        prep_blocks(&B->P, in, b0, b1, S->loom, q8_group(S));
+        prep_blocks(&B->P, in, b0, b1, S->loom, q8_group(S, want));
 #pragma omp barrier
     } else if (!prepped) {
 #pragma omp single
-        prep(&B->P, in, n * k, S->loom, q8_group(S));
+        prep(&B->P, in, n * k, S->loom, q8_group(S, want));
     }
     part(d, tid, nt, &r0, &r1);
     mat_rows(M, &V, out, d, r0, r1, S->q8, n);
@@ -245,7 +247,7 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
 static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
     const int64_t n = S->n, q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
     int64_t r0, r1;
-    norm_prep_par(S, S->x, L->g_attn, L->eps, B, tid, nt);
+    norm_prep_par(S, S->x, L->g_attn, L->eps, B, tid, nt, wants_codes(S, L->qkv, L->nqkv));
     for (int i = 0, off = 0; i < L->nqkv; off += (int)L->qkv[i].A.m, i++) {
         part(L->qkv[i].A.m, tid, nt, &r0, &r1);
         mat_rows(&L->qkv[i], &B->P, B->qkv + off, w, r0, r1, S->q8, n);
@@ -254,14 +256,14 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
 #pragma omp single
     for (int i = 0; i < n; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], i);
     /* a head's output is whole blocks: prep them here (not when the codes take groups of 256) */
-    const int inline_prep = L->hd % 32 == 0 && q8_group(S) != 8;
+    const int want_o = wants_codes(S, &L->o, 1), inline_prep = L->hd % 32 == 0 && q8_group(S, want_o) != 8;
     part(n * L->heads, tid, nt, &r0, &r1);
     for (int64_t e = r0; e < r1; e++) {
         const int i = (int)(e / L->heads), h = (int)(e % L->heads);
         float *o = B->att + i * q + h * L->hd;
         attend(S, L, B->qkv + i * w + h * L->hd, o, B->sc + tid * (S->maxpos + 1), S->pos[i], i, h);
         if (inline_prep) prep_blocks(&B->P, B->att, (i * q + h * L->hd) / 32, (i * q + (h + 1) * L->hd) / 32,
-                                     S->loom, q8_group(S));
+                                     S->loom, q8_group(S, want_o));
     }
 #pragma omp barrier
     add_projection(S, &L->o, B, B->att, q, tid, nt, inline_prep);
@@ -271,7 +273,7 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     const int64_t n = S->n, I = L->down.A.k;
     float *gu = B->gu;
     int64_t r0, r1;
-    norm_prep_par(S, S->x, L->g_mlp, L->eps, B, tid, nt);
+    norm_prep_par(S, S->x, L->g_mlp, L->eps, B, tid, nt, wants_codes(S, L->gu, L->ngu));
     part(I, tid, nt, &r0, &r1);
     if (L->ngu == 1) {
         mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n);
@@ -337,7 +339,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->arow = (int32_t *)take(&f, R); B->mx = take(&f, R * S->d);
     B->my = take(&f, R * S->d); B->mgu = take(&f, 2 * R * S->inter); B->mhid = take(&f, R * S->inter);
     B->P.gbuf = NULL;
-    B->P.g8 = q8_group(S) == 8;
+    B->P.g8 = q8_group(S, 1) == 8;
     if (gemm_bufs(S, R)) {
         B->P.gbuf = S->mrows ? f : m; /* the MoE region only with MoE */
         B->P.gstride = gemm_stride(S);
@@ -364,7 +366,9 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
         { /* the selected rows (every row, or each prompt's last one), packed */
             for (int j = 0; j < S->nsel; j++)
                 pk_rmsnorm(S->x + S->sel[j] * S->d, S->g_final, S->eps_final, B.h + j * S->d, S->d);
-            prep(&B.P, B.h, S->nsel * S->d, S->loom, q8_group(S));
+            const int g = q8_group_n(S, S->nsel, wants_codes(S, &S->lm, 1)); /* by the rows it has */
+            B.P.g8 = g == 8;
+            prep(&B.P, B.h, S->nsel * S->d, S->loom, g);
         }
         part(S->lm.A.m, tid, nth, &r0, &r1);
         mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->nsel);

@@ -27,11 +27,21 @@ static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
     if (k % 32 == 0) prep_blocks(P, x, 0, k / 32, loom, q8);
 }
 
-/* the codes prep writes for step S: 0 none, 1 quantize_x's int8 pairs per 32-block, 8 the int16
- * codes per 256 of the K-quant prefill kernels (auto mode, csrc/pk_k8g.h; their inputs then start
- * on whole groups of 8 blocks) */
-static inline int q8_group(const step_t *S) {
-    return !S->q8 ? 0 : (S->q8 == 2 && S->n >= K8G_ROWS && S->n <= K8G_MAX) ? 8 : 1;
+/* the codes prep writes for an input of n rows of step S that `want`s them: 0 none, 1
+ * quantize_x's int8 pairs per 32-block, 8 the int16 codes per 256 of the K-quant prompt kernels
+ * (auto mode, csrc/pk_k8g.h; their inputs then start on whole groups of 8 blocks) */
+static inline int q8_group_n(const step_t *S, int64_t n, int want) {
+    return !(S->q8 && want) ? 0 : (S->q8 == 2 && n >= K8G_ROWS && n <= K8G_MAX) ? 8 : 1;
+}
+
+static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->n, want); }
+
+/* whether one of the cnt matrices at M reads an input's codes: every quantized kind with q8 = 1,
+ * the K-quants in the auto mode (an input that only float kernels read is not quantized) */
+static inline int wants_codes(const step_t *S, const mat_t *M, int cnt) {
+    int any = 0;
+    for (int i = 0; i < cnt; i++) any |= S->q8 == 1 || (S->q8 == 2 && k8_kind(M[i].kind));
+    return any;
 }
 
 /* P's buffers seen from element `off` on, with input x (rows of k, k % 32 == 0 for the block

@@ -6,6 +6,7 @@ then corrupted.
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 
@@ -371,3 +372,27 @@ def test_f32_matrices_kept_as_stored_leave_the_file_mapping(tmp_path):
     assert not any(isinstance(b, np.memmap) for b in bases(raw))
     ids = [3, 17, 42, 5]
     np.testing.assert_allclose(kept.forward_all(ids), dense.forward_all(ids), atol=1e-5, rtol=0)
+
+
+def test_read_tensor_copies_the_bytes_and_refuses_a_shrunken_file(tmp_path):
+    """read_tensor (pread in pieces, no mapping faults) gives the mapping's bytes; a file cut
+    after it was opened is a GGUFFormatError, not a short copy."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    cls, extra = ARCH_CONFIGS["qwen2"]
+    cfg = getattr(transformers, cls)(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, **extra)  # fmt: skip
+    path = tmp_path / "q.gguf"
+    _write_tiny_gguf(path, "qwen2", transformers.AutoModelForCausalLM.from_config(cfg).eval())
+    gg = GGUFFile(path)
+    name = max(gg.tensors, key=lambda n: gg.tensors[n].offset)  # the last tensor in the file
+    want = np.array(gg.tensor_bytes(name))
+    got = np.empty_like(want)
+    gg.read_tensor(name, got, threads=3)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError):
+        gg.read_tensor(name, got[:-1])
+    os.truncate(path, gg.tensors[name].offset + 8)
+    with pytest.raises(GGUFFormatError, match="ends past the file"):
+        gg.read_tensor(name, got)
