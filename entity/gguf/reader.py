@@ -323,15 +323,16 @@ class GGUFFile:
         flat = self._mm[t.offset : t.offset + t.nbytes]
         return flat.reshape(*t.shape[:-1], t.row_bytes)  # [*rows, row_bytes]
 
-    def read_tensor(self, name: str, out: np.ndarray, threads: int = 2) -> None:
+    def read_tensor(
+        self, name: str, out: np.ndarray, threads: int = 2, piece: int = 64 << 20
+    ) -> None:
         """Copies a tensor's bytes into ``out`` (C-contiguous, exactly its size) with ``pread``
-        in 64 MB pieces on `threads` threads: the kernel copies from the page cache, where a
-        copy off the mapping took a page fault per 4 KB (1B F32 GGUF: 4.3 GB in 10.7 s)."""
+        in pieces (64 MB) on `threads` threads: the kernel copies from the page cache, where a
+        copy off the mapping took a page fault per 4 KB (1B F32 GGUF: 4.2 -> 0.85 s)."""
         t = self.info(name)
         buf = memoryview(out.reshape(-1).view(np.uint8))
         if buf.nbytes != t.nbytes:
             raise ValueError(f"{name}: out has {buf.nbytes} bytes, the tensor {t.nbytes}")
-        piece = 64 << 20
         fd = os.open(self.path, os.O_RDONLY)
 
         def read(lo: int) -> None:
@@ -343,8 +344,12 @@ class GGUFFile:
                 lo += got
 
         try:
-            with ThreadPoolExecutor(max(1, threads)) as ex:
-                list(ex.map(read, range(0, t.nbytes, piece)))
+            if t.nbytes <= piece or threads <= 1:  # one piece: no pool to start
+                for lo in range(0, t.nbytes, piece):
+                    read(lo)
+            else:
+                with ThreadPoolExecutor(threads) as ex:
+                    list(ex.map(read, range(0, t.nbytes, piece)))
         finally:
             os.close(fd)
 
