@@ -239,10 +239,11 @@ def _on_huge_pages(gg: GGUFFile, name: str, raw: np.ndarray) -> np.ndarray:
     them), like an HF float32 master: streamed every token, the mapping's 4 KB pages cost TLB
     misses (SmolLM2 F32 GGUF, 16-token prefill 41 -> 24 ms). Read with pread, not copied off the
     mapping, so the mapping's pages are never touched and the resident set holds the weights once."""
+    from entity.gguf.pread import read_tensor
     from poly.weights import aligned_zeros
 
     out = aligned_zeros(raw.size, np.uint8).reshape(raw.shape)  # [out, row_bytes]
-    gg.read_tensor(name, out)
+    read_tensor(gg, name, out)
     return out
 
 

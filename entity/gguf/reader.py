@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,36 +321,6 @@ class GGUFFile:
         t = self.info(name)
         flat = self._mm[t.offset : t.offset + t.nbytes]
         return flat.reshape(*t.shape[:-1], t.row_bytes)  # [*rows, row_bytes]
-
-    def read_tensor(
-        self, name: str, out: np.ndarray, threads: int = 2, piece: int = 64 << 20
-    ) -> None:
-        """Copies a tensor's bytes into ``out`` (C-contiguous, exactly its size) with ``pread``
-        in pieces (64 MB) on `threads` threads: the kernel copies from the page cache, where a
-        copy off the mapping took a page fault per 4 KB (1B F32 GGUF: 4.2 -> 0.85 s)."""
-        t = self.info(name)
-        buf = memoryview(out.reshape(-1).view(np.uint8))
-        if buf.nbytes != t.nbytes:
-            raise ValueError(f"{name}: out has {buf.nbytes} bytes, the tensor {t.nbytes}")
-        fd = os.open(self.path, os.O_RDONLY)
-
-        def read(lo: int) -> None:
-            hi = min(lo + piece, t.nbytes)
-            while lo < hi:
-                got = os.preadv(fd, [buf[lo:hi]], t.offset + lo)
-                if got <= 0:  # the file shrank since it was opened
-                    raise GGUFFormatError(f"tensor {name} ends past the file", path=self.path)
-                lo += got
-
-        try:
-            if t.nbytes <= piece or threads <= 1:  # one piece: no pool to start
-                for lo in range(0, t.nbytes, piece):
-                    read(lo)
-            else:
-                with ThreadPoolExecutor(threads) as ex:
-                    list(ex.map(read, range(0, t.nbytes, piece)))
-        finally:
-            os.close(fd)
 
     def tensor_array(self, name: str) -> np.ndarray:
         """Typed memmap view for plain types (F32/F16/F64/I*); raw bytes for quantized ones."""
