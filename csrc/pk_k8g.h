@@ -10,13 +10,15 @@
 #ifndef PK_K8G_H
 #define PK_K8G_H
 
-/* auto mode: K-quant products of K8G_ROWS to K8G_MAX input rows. Both this and the float gemm
- * peak at 32 multiply-adds per cycle and core (vpdpwssd, or two FMA pipes); here the weights are
+/* auto mode: K-quant products of K8G_ROWS to K8G_MAX input rows. On AVX-512 both this and the
+ * float gemm peak at 32 multiply-adds per cycle and core (vpdpwssd, or two FMA pipes); here the weights are
  * decoded once per panel instead of per 8-row tile, which wins for short prompts (1B Q4_K_M:
  * 16 rows 1.4-1.9x the float tiles, 64 rows 1.17x the float gemm); from ~256 rows both run alike
  * and the float path, exact, stays. */
 #define K8G_ROWS 4
-#define K8G_MAX 128
+/* AVX2 (no VNNI, 16-byte-pair madd + add): slower than the float tiles from 16 rows (Q4_K
+ * [5632 x 2048]: 8 rows 1.08x, 16 rows 0.91x, 64 rows 0.56x), so the AVX-512 build only */
+#define K8G_MAX (PK_AVX512 ? 128 : 0)
 #define K8G_SB 640 /* decoded super-block: 256 int16 weights, 16 float offsets, D (+pad) */
 #if PK_SIMD
 #if PK_AVX512
