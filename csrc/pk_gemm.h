@@ -190,7 +190,7 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
         float *tmp = thread_buffer((size_t)(GR * k + GR * KC + 16));
         if (!tmp) failed = 1;
         float *P = tmp ? (float *)(((uintptr_t)(tmp + GR * k) + 63) & ~(uintptr_t)63) : NULL;
-#if PK_SIMD
+#if PK_AVX512
         if (x8) {
 #pragma omp for
             for (int64_t i = 0; i < n; i++) { /* int16 codes, one scale per 256 */
@@ -199,7 +199,7 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
             }
         }
 #endif
-#if PK_SIMD
+#if PK_AVX512
         if (x8) { /* the inputs in blocks that stay in L2, every panel per block */
             const int64_t tb = k8g_block(k);
             for (int64_t t = 0; t < n; t += tb) {
@@ -222,7 +222,7 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
     return failed ? -1 : 0;
 }
 
-/* gemm_run, K-quants of K8G_ROWS rows and more in the auto mode on int8 panels */
+/* gemm_run, K-quants of K8G_ROWS to K8G_MAX rows in the auto mode on int16 panels */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
     if (!(PK_SIMD && q8 == 2 && k8_kind(kind) && n >= K8G_ROWS && n <= K8G_MAX && D->k % 256 == 0))
         return gemm_run(kind, D, x, n, out, m, nt, NULL);

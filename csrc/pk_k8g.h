@@ -1,12 +1,11 @@
-/* K-quant prefill (the q8 scheme's "auto" mode, K8G_ROWS input rows and more): a panel of weight
- * rows is decoded once into int16 weights w = u * s (code times its 16-element integer scale;
- * |w| <= 63 * 128), offsets and D (K8G_SB bytes per row and super-block, in the thread's gemm
- * buffer); x takes int16 codes with one scale per 256 (x ~= dx * c, |c| <= X16_MAX, quantize_x16),
- * and a register tile of 2 rows x 4 inputs sums w . c in int32 over each super-block with one
- * instruction per 32 weights (vpdpwssd; madd + add without VNNI), then once per super-block
- * adds D * dx * sum - offsets . (sums of x per 16). 13-bit activations: the error is ~1e-4 of
- * an output where llama.cpp's 8-bit Q8_K codes give ~1e-2, at the same instruction count.
- * Included by pk_kernels.h after pk_k8.h. */
+/* K-quant prompts (the q8 scheme's "auto" mode, AVX-512 builds, K8G_ROWS to K8G_MAX input rows):
+ * a panel of weight rows is decoded once into int16 weights w = u * s (code times its 16-weight
+ * integer scale; |w| <= 63 * 128), offsets and D (K8G_SB bytes per row and super-block, in the
+ * thread's gemm buffer); x takes int16 codes with one scale per 256 (x ~= dx * c, |c| <= X16_MAX,
+ * quantize_x16), and register tiles of 4 rows x 3 inputs sum w . c in int32 over a super-block,
+ * one vpdpwssd per 32 weights, then add D * dx * sum - offsets . (sums of x per 16) once per
+ * super-block. 13-bit activations: ~1e-4 of an output, where llama.cpp's 8-bit Q8_K codes gave
+ * ~1e-2 (docs/performance.md, session 5). Included by pk_kernels.h after pk_k8.h. */
 #ifndef PK_K8G_H
 #define PK_K8G_H
 
@@ -20,8 +19,7 @@
  * [5632 x 2048]: 8 rows 1.08x, 16 rows 0.91x, 64 rows 0.56x), so the AVX-512 build only */
 #define K8G_MAX (PK_AVX512 ? 128 : 0)
 #define K8G_SB 640 /* decoded super-block: 256 int16 weights, 16 float offsets, D (+pad) */
-#if PK_SIMD
-#if PK_AVX512
+#if PK_AVX512 /* the kernels: AVX-512 builds only */
 #define K8G_T 3 /* inputs per register tile: 4 x 3 int32 + 4 x 3 float accumulators */
 #define K8G_R 4
 typedef __m512i k8v;
@@ -39,26 +37,6 @@ typedef __m512 k8f;
 #define K8_DPW(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
 #define K8_DPW(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
-#endif
-#else
-#define K8G_T 2 /* 16 registers */
-#define K8G_R 2
-typedef __m256i k8v;
-typedef __m256 k8f;
-#define K8_STEP 16
-#define K8_LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
-#define K8_ZEROI() _mm256_setzero_si256()
-#define K8_ZEROF() _mm256_setzero_ps()
-#define K8_CVT(v) _mm256_cvtepi32_ps(v)
-#define K8_F(v) _mm256_set1_ps(v)
-#define K8_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define K8_FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
-#define K8_SUM(v) hsum(v)
-#ifdef __AVXVNNI__
-#define K8_DPW(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
-#else
-#define K8_DPW(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
-#endif
 #endif
 
 /* rows [r0, r0 + rows) decoded into buf: per row and super-block, K8G_SB bytes */
@@ -122,12 +100,7 @@ static inline __attribute__((always_inline)) void k8g_tile(const mm_args *A, con
                 const int64_t b = (t0 + tt) * A->nb + sb * 8;
                 const float *xs = A->xs16 + b * 2;
                 fa[rr][tt] = K8_FMA(K8_CVT(ia[rr][tt]), K8_F(D * A->dx[b]), fa[rr][tt]);
-#if PK_AVX512
                 fa[rr][tt] = K8_FNMA(_mm512_loadu_ps(o), _mm512_loadu_ps(xs), fa[rr][tt]);
-#else
-                fa[rr][tt] = K8_FNMA(_mm256_loadu_ps(o), _mm256_loadu_ps(xs), fa[rr][tt]);
-                fa[rr][tt] = K8_FNMA(_mm256_loadu_ps(o + 8), _mm256_loadu_ps(xs + 8), fa[rr][tt]);
-#endif
             }
         }
     }
@@ -137,18 +110,12 @@ static inline __attribute__((always_inline)) void k8g_tile(const mm_args *A, con
         for (int tt = 0; tt < T; tt++) out[(t0 + tt) * ldo + col + r + rr] = K8_SUM(fa[rr][tt]);
 }
 
-#if K8G_T == 3
 #define K8G_TILES(R)                                                                         \
     { switch (tn) {                                                                          \
     case 3: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 3); break;                          \
     case 2: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 2); break;                          \
     default: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 1);                                \
     } }
-#else
-#define K8G_TILES(R)                                                                         \
-    { if (tn == 2) k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 2);                          \
-      else k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 1); }
-#endif
 
 /* inputs per pass over a panel set: their int16 codes (2 k bytes each, 768 KB in all) stay in L2
  * while every panel of the thread meets them; each pass decodes its panels again (1B Q4_K_M,

@@ -17,8 +17,8 @@ static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loo
     if (q8) {
         sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0);
         if (q8 == 8) quantize_x16(x + b0 * 32, (int16_t *)(P->xq + b0 * 64), P->dx + b0, b1 - b0);
-        else quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0, q8);
-        if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0, 1);
+        else quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);
+        if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0);
     }
 }
 

@@ -50,31 +50,26 @@ static inline void codes32(const float *xb, float id, int8_t *h, int8_t *lo) {
 #endif
 
 /* q8 scheme: x as two int8 codes per element, x ~= dx * (xh + xl / 254) with dx = max|x| / 127
- * per group of `group` 32-blocks (1, or 8: one scale per 256 elements for the K-quant prefill
- * kernels, csrc/pk_k8g.h; every block still gets its dx): xh = round(x / dx),
- * xl = round((x / dx - xh) * 254). Two integer dot products give ~15-bit activations (error
- * <= dx / 508 per element) at integer speed. A group of G blocks takes 64 G bytes: the G * 32
- * xh codes, then the xl codes (G = 1: [xh 32][xl 32] per block). */
-static inline void quantize_x(const float *x, int8_t *xq, float *dx, int64_t nblocks, int group) {
-    for (int64_t g = 0; g < nblocks; g += group) {
-        const int64_t ge = g + group < nblocks ? g + group : nblocks;
-        const float amax = absmax(x + g * 32, (ge - g) * 32);
+ * per 32-block: xh = round(x / dx), xl = round((x / dx - xh) * 254), laid out [xh 32][xl 32].
+ * Two integer dot products give ~15-bit activations (error <= dx / 508 per element) at integer
+ * speed. */
+static inline void quantize_x(const float *x, int8_t *xq, float *dx, int64_t nblocks) {
+    for (int64_t i = 0; i < nblocks; i++) {
+        const float *xb = x + i * 32;
+        int8_t *h = xq + i * 64, *lo = h + 32;
+        const float amax = absmax(xb, 32);
+        if (!isfinite(amax)) { dx[i] = NAN; memset(h, 0, 64); continue; }
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int64_t i = g; i < ge; i++) {
-            const float *xb = x + i * 32;
-            int8_t *h = xq + g * 64 + (i - g) * 32, *lo = h + (ge - g) * 32;
-            if (!isfinite(amax)) { dx[i] = NAN; memset(h, 0, 32); memset(lo, 0, 32); continue; }
-            dx[i] = d;
+        dx[i] = d;
 #if PK_SIMD
-            codes32(xb, id, h, lo);
-            continue;
-#endif
-            for (int l = 0; l < 32; l++) {
-                const float v = xb[l] * id, hv = fminf(fmaxf(rintf(v), -127.0f), 127.0f);
-                h[l] = (int8_t)hv;
-                lo[l] = (int8_t)fminf(fmaxf(rintf((v - hv) * XL_SCALE), -127.0f), 127.0f);
-            }
+        codes32(xb, id, h, lo);
+#else
+        for (int l = 0; l < 32; l++) {
+            const float v = xb[l] * id, hv = fminf(fmaxf(rintf(v), -127.0f), 127.0f);
+            h[l] = (int8_t)hv;
+            lo[l] = (int8_t)fminf(fmaxf(rintf((v - hv) * XL_SCALE), -127.0f), 127.0f);
         }
+#endif
     }
 }
 

@@ -98,7 +98,7 @@ static int run(int kind, mm_args *A, int nt, int q8) {
         if (q8) {
             int8_t *xq = (int8_t *)(xp + nk);
             sums16(A->x, xs16, nbs);
-            quantize_x(A->x, xq, dx, nbs, 1);
+            quantize_x(A->x, xq, dx, nbs);
             A->xq = xq; A->dx = dx; A->xs16 = xs16;
         }
     }
@@ -125,7 +125,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     A.ldo = A.m;
     long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants) */
     if (q8 == -1 && PyErr_Occurred()) return NULL;
-    const int k8g = PK_SIMD && q8 == 2 && k8_kind((int)kind) && A.n >= K8G_ROWS; /* int16 panels */
+    const int k8g = q8 == 2 && k8_kind((int)kind) && A.n >= K8G_ROWS && A.n <= K8G_MAX; /* int16 panels */
     if (q8 == 2) q8 = k8_kind((int)kind) && A.n <= K8_ROWS;
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
