@@ -2,7 +2,7 @@
  * a panel of weight rows is decoded once into int16 weights w = u * s (code times its 16-weight
  * integer scale; |w| <= 63 * 128), offsets and D (K8G_SB bytes per row and super-block, in the
  * thread's gemm buffer); x takes int16 codes with one scale per 256 (x ~= dx * c, |c| <= X16_MAX,
- * quantize_x16), and register tiles of 4 rows x 3 inputs sum w . c in int32 over a super-block,
+ * quantize_x16), and register tiles of 3 rows x 4 inputs sum w . c in int32 over a super-block,
  * one vpdpwssd per 32 weights, then add D * dx * sum - offsets . (sums of x per 16) once per
  * super-block. 13-bit activations: ~1e-4 of an output, where llama.cpp's 8-bit Q8_K codes gave
  * ~1e-2 (docs/performance.md, session 5). Included by pk_kernels.h after pk_k8.h. */
@@ -20,8 +20,8 @@
 #define K8G_MAX (PK_AVX512 ? 128 : 0)
 #define K8G_SB 640 /* decoded super-block: 256 int16 weights, 16 float offsets, D (+pad) */
 #if PK_AVX512 /* the kernels: AVX-512 builds only */
-#define K8G_T 3 /* inputs per register tile: 4 x 3 int32 + 4 x 3 float accumulators */
-#define K8G_R 4
+#define K8G_T 4 /* inputs per register tile: 3 x 4 int32 + 3 x 4 float accumulators (4 x 3: */
+#define K8G_R 3 /* 1B Q4_K_M prompts of 16 / 42 tokens 138 / 185 tok/s, 3 x 4: 151 / 199) */
 typedef __m512i k8v;
 typedef __m512 k8f;
 #define K8_STEP 32 /* int16 lanes per vector */
@@ -112,6 +112,7 @@ static inline __attribute__((always_inline)) void k8g_tile(const mm_args *A, con
 
 #define K8G_TILES(R)                                                                         \
     { switch (tn) {                                                                          \
+    case 4: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 4); break;                          \
     case 3: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 3); break;                          \
     case 2: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 2); break;                          \
     default: k8g_tile(A, buf, nsb, r, t, out, ldo, r0, R, 1);                                \

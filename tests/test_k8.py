@@ -38,12 +38,12 @@ def _on_code_grid(n: int, k: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
-@pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 131))  # tiles of 3 (2 on AVX2), ragged tails
+@pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 131))  # tiles of 4 inputs x 3 rows, ragged tails
 def test_k_quant_prefill_takes_int16_panels(scheme, n, each_isa):
     """The default ("auto") on AVX-512, 4 to 128 input rows (csrc/pk_k8g.h): x as int16 codes, one scale
     per 256. On the code grid the integer products are exact; on Gaussian x with an outlier
     channel the error is the codes (~1e-4). 131 rows take the float gemm."""
-    m, k = 37, 768
+    m, k = 39, 768  # panels of 32 + 7 rows: tiles of 3, 2 and 1 rows
     qt = MAKERS[scheme](random_weights(m, k, seed=n))
     w = qt.dequantize().astype(np.float64)
     x = _on_code_grid(n, k, seed=n)
