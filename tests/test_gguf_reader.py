@@ -347,21 +347,26 @@ def test_tiny_arch_logits_match_transformers(tmp_path, arch, keep_quantized):
     np.testing.assert_allclose(steps, ref, atol=1e-4, rtol=0)
 
 
-def test_f32_matrices_kept_as_stored_leave_the_file_mapping(tmp_path):
-    """keep_quantized float tensors are copied to aligned (huge-page) memory, not read from
-    the mapping's 4 KB pages every token; the logits do not change."""
+def _tiny_qwen2(tmp_path):
+    """A one-layer random qwen2 from transformers written as a float32 GGUF file."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    from entity.gguf.loader import load_gguf
-    from poly.nn import swiglu
-
     cls, extra = ARCH_CONFIGS["qwen2"]
     cfg = getattr(transformers, cls)(vocab_size=96, hidden_size=64, intermediate_size=96,
                                      num_hidden_layers=1, num_attention_heads=4,
                                      num_key_value_heads=2, **extra)  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     path = tmp_path / "q.gguf"
-    _write_tiny_gguf(path, "qwen2", model)
+    _write_tiny_gguf(path, "qwen2", transformers.AutoModelForCausalLM.from_config(cfg).eval())
+    return path
+
+
+def test_f32_matrices_kept_as_stored_leave_the_file_mapping(tmp_path):
+    """keep_quantized float tensors are copied to aligned (huge-page) memory, not read from
+    the mapping's 4 KB pages every token; the logits do not change."""
+    from entity.gguf.loader import load_gguf
+    from poly.nn import swiglu
+
+    path = _tiny_qwen2(tmp_path)
     kept, dense = load_gguf(path, keep_quantized=True), load_gguf(path, keep_quantized=False)
     raw = swiglu.components(kept.mlp(0))["w_down"].raw
 
@@ -377,14 +382,7 @@ def test_f32_matrices_kept_as_stored_leave_the_file_mapping(tmp_path):
 
 def test_read_tensor_copies_the_bytes_and_refuses_a_shrunken_file(tmp_path):
     """read_tensor gives the mapping's bytes; a file cut since opening is a GGUFFormatError."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")
-    cls, extra = ARCH_CONFIGS["qwen2"]
-    cfg = getattr(transformers, cls)(vocab_size=96, hidden_size=64, intermediate_size=96,
-                                     num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, **extra)  # fmt: skip
-    path = tmp_path / "q.gguf"
-    _write_tiny_gguf(path, "qwen2", transformers.AutoModelForCausalLM.from_config(cfg).eval())
+    path = _tiny_qwen2(tmp_path)
     gg = GGUFFile(path)
     name = max(gg.tensors, key=lambda n: gg.tensors[n].offset)  # the last tensor in the file
     want, got = np.array(gg.tensor_bytes(name)), np.zeros(gg.tensors[name].nbytes, np.uint8)
