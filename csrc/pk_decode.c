@@ -104,9 +104,9 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.x = loom ? P->xp : P->x; A.xs = P->xs;
     A.xq = loom ? P->xqp : P->xq; A.dx = P->dx; A.xs16 = P->xs16;
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
-    const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) : k8 && n <= K8_ROWS;
+    const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) : k8 && !P->g8;
 #if PK_AVX512
-    if (k8 && (n >= K8G_ROWS || P->g8) && n <= K8G_MAX && P->gbuf) { /* int16 panels */
+    if (k8 && P->g8 && P->gbuf) { /* int16 panels: the codes prep wrote (q8_group 8) */
 #ifdef _OPENMP
         uint8_t *tmp = (uint8_t *)(P->gbuf + omp_get_thread_num() * P->gstride);
 #else

@@ -43,6 +43,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
 
 typedef struct {
     layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int q8, loom;
+    int seq1; /* the n rows are one sequence's tokens (a prompt): they share every cache */
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
     int64_t pos[STEP_MAX];
     const int32_t *tab[STEP_MAX]; int64_t ntab[STEP_MAX], ps; /* paged KV: page tables (NULL: contiguous) */

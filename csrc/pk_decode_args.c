@@ -266,8 +266,8 @@ static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
     return 0;
 }
 
-/* auto mode: int8 activations for the K-quant matrices of a one-row step (csrc/pk_k8.h) or of
- * K8G_ROWS rows and more (csrc/pk_k8g.h), where they are faster than the float path */
+/* auto mode, K-quants: int8 rows (csrc/pk_k8.h) for independent rows (batched decode: a row's
+ * numbers do not depend on its company), int16 panels (pk_k8g.h) for prompts of 4-128 tokens */
 static int k8_auto(const step_t *S) {
     int any = k8_kind(S->lm.kind);
     for (int l = 0; l < S->nl; l++) {
@@ -276,7 +276,7 @@ static int k8_auto(const step_t *S) {
         for (int i = 0; i < L->ngu; i++) any |= k8_kind(L->gu[i].kind);
         any |= k8_kind(L->o.kind) | (!L->moe && k8_kind(L->down.kind));
     }
-    return any && (S->n <= K8_ROWS || (S->n >= K8G_ROWS && S->n <= K8G_MAX));
+    return any && (!S->seq1 || (S->n >= K8G_ROWS && S->n <= K8G_MAX));
 }
 
 
@@ -306,6 +306,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!H.bufs || !S.L) { PyErr_NoMemory(); goto done; }
     if (nargs >= 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
+    for (int i = (S.seq1 = S.n > 1); i < S.n && S.nl; i++) S.seq1 &= S.L[0].kc[i] == S.L[0].kc[0] && S.tab[i] == S.tab[0];
     if (S.q8 == 2 && !k8_auto(&S)) S.q8 = 0; /* nothing takes int8 activations: no prep for them */
     if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
     if (S.red && S.mrows) { PyErr_SetString(PyExc_ValueError, "MoE layers take no reduce"); goto done; }

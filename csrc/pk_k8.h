@@ -127,9 +127,6 @@ static inline __m256i k8_dot(__m256i u, __m256i sv, const int8_t *xc) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)xc)), sv);
 }
 
-/* independent sums of a tile: a chain of 8 dependent FMAs per super-block made one row wait on
- * their latency (~32 cycles per super-block, the measured time) */
-#define K8_CHAINS(nn) ((nn) == 1 ? 4 : (nn))
 
 #if PK_AVX512
 /* the scale vectors of sub-blocks 2 q2 and 2 q2 + 1 (int16 lanes 0-15, 16-31) from the 16 in s16 */
@@ -161,8 +158,8 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
         const uint8_t *p = row + sb * BLOCK_BYTES[kind];
         k8_scales(kind, p, &S);
         const __m512i s16 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)S.s));
-        __m512 part[ROW_TILE]; /* one row: 2 chains, else one a row (FMA latency) */
-        for (int i = 0; i < K8_CHAINS(nn); i++) part[i] = _mm512_setzero_ps();
+        __m512 part[ROW_TILE]; /* one chain a row, whatever the tile: a row's sums do not depend on nn */
+        for (int i = 0; i < nn; i++) part[i] = _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int q2 = 0; q2 < 4; q2++) {
             const __m512i u = k8_codes2(kind, p, q2);
@@ -176,11 +173,9 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
                 memcpy(&d2, A->dx + b, 8);
                 const __m512 dx = _mm512_permutexvar_ps(half, _mm512_castpd_ps(_mm512_set1_pd(d2)));
                 const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), rl, _mm512_cvtepi32_ps(qh));
-                const int pi = nn == 1 ? (q2 & 1) : i;
-                part[pi] = _mm512_fmadd_ps(f, dx, part[pi]);
+                part[i] = _mm512_fmadd_ps(f, dx, part[i]);
             }
         }
-        if (nn == 1) part[0] = _mm512_add_ps(part[0], part[1]);
         const __m512 dv = _mm512_set1_ps(S.D), ov = _mm512_loadu_ps(S.o);
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {
@@ -209,7 +204,7 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
         const uint8_t *p = row + sb * BLOCK_BYTES[kind];
         k8_scales(kind, p, &S);
         __m256 part[ROW_TILE];
-        for (int i = 0; i < K8_CHAINS(nn); i++) part[i] = _mm256_setzero_ps();
+        for (int i = 0; i < nn; i++) part[i] = _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(S.s[2 * j + 1]), _mm_set1_epi16(S.s[2 * j]));
@@ -219,11 +214,9 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
                 const int64_t b = (c + i) * A->nb + sb * 8 + j;
                 const __m256 h = _mm256_cvtepi32_ps(k8_dot(u, sv, A->xq + b * 64));
                 const __m256 l = _mm256_cvtepi32_ps(k8_dot(u, sv, A->xq + b * 64 + 32));
-                const int pi = nn == 1 ? (j & 3) : i;
-                part[pi] = _mm256_fmadd_ps(_mm256_fmadd_ps(l, rl, h), _mm256_set1_ps(A->dx[b]), part[pi]);
+                part[i] = _mm256_fmadd_ps(_mm256_fmadd_ps(l, rl, h), _mm256_set1_ps(A->dx[b]), part[i]);
             }
         }
-        if (nn == 1) part[0] = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
         const __m256 dv = _mm256_set1_ps(S.D), o0 = _mm256_loadu_ps(S.o), o1 = _mm256_loadu_ps(S.o + 8);
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {

@@ -29,9 +29,10 @@ static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
 
 /* the codes prep writes for an input of n rows of step S that `want`s them: 0 none, 1
  * quantize_x's int8 pairs per 32-block, 8 the int16 codes per 256 of the K-quant prompt kernels
- * (auto mode, csrc/pk_k8g.h; their inputs then start on whole groups of 8 blocks) */
+ * (auto mode, a prompt's rows only: csrc/pk_k8g.h; their inputs then start on whole groups of 8
+ * blocks) */
 static inline int q8_group_n(const step_t *S, int64_t n, int want) {
-    return !(S->q8 && want) ? 0 : (S->q8 == 2 && n >= K8G_ROWS && n <= K8G_MAX) ? 8 : 1;
+    return !(S->q8 && want) ? 0 : (S->q8 == 2 && S->seq1 && n >= K8G_ROWS && n <= K8G_MAX) ? 8 : 1;
 }
 
 static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->n, want); }

@@ -119,7 +119,7 @@ def test_int8_activation_scheme_stays_within_2e_3(scheme, n):
     assert np.linalg.norm(got - ref) <= 2e-3 * np.linalg.norm(ref)
 
 
-def test_act_q8_flag_routes_the_registered_kernel():
+def test_act_q8_flag_routes_the_registered_kernel(float_path):
     qt, x, ref = kernel_case("gguf_q4_1", 40, 1)
     exact = qt.matmul(x)
     ckernels.set_act_q8(True)

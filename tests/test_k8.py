@@ -94,3 +94,25 @@ def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each
         del m
     for a, e in zip(cache, ref):
         assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
+
+
+@pytest.mark.parametrize("scheme", ["gguf_q4_k", "gguf_q6_k"])
+def test_k_quant_batched_decode_rows_equal_each_alone(scheme, each_isa):
+    """Sequences decoded together take the same int8 rows as one decoded alone (a row's numbers
+    do not depend on its company); prompts, one sequence's rows, take the int16 panels."""
+    from poly.runtime.batch import forward_batch
+
+    tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=9)
+    quantize_all(tf, scheme)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16]]
+    steps = [[20, 21, 22], [30, 31, 32], [40, 41, 42]]
+    states = [tf.new_state() for _ in prompts]
+    for prompt, state in zip(prompts, states):
+        forward_batch(tf, [prompt], [state])
+    got = [forward_batch(tf, [[s[j]] for s in steps], states) for j in range(3)]  # [3, V] each
+    for b, prompt in enumerate(prompts):
+        state = tf.new_state()
+        forward_batch(tf, [prompt], [state])
+        for j in range(3):
+            ref = forward_batch(tf, [[steps[b][j]]], [state])[0]
+            np.testing.assert_allclose(got[j][b], ref, rtol=0, atol=2e-5 * np.abs(ref).max())

@@ -46,7 +46,7 @@ def _reference(tf) -> np.ndarray:
 
 @pytest.mark.skipif(not kernels.HAVE_C, reason="needs the C extension")
 @pytest.mark.parametrize("name", ["qwen2_moe", "f32", "q8", "q4"])
-def test_fused_moe_step_matches_the_python_path(files, name):
+def test_fused_moe_step_matches_the_python_path(files, name, float_path):
     tf = entity.load(files[name])
     p = fused.plan(tf)
     assert p is not None and len(p.moe) >= 1  # the MoE blocks are inside the C step
