@@ -178,8 +178,9 @@ static float *thread_buffer(size_t floats) {
     return tl_buf;
 }
 
-/* the whole product on nt threads; -1 when a buffer cannot be allocated. A (x8 != NULL): the
- * inputs as int8 codes for the K-quant panels of the auto mode (csrc/pk_k8g.h) */
+/* the whole product on nt threads; -1 when a buffer cannot be allocated. x8 (not NULL): buffers
+ * for the inputs' int16 codes, scales and sums, filled here, for the K-quant panels of the auto
+ * mode (csrc/pk_k8g.h) */
 static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt,
                     mm_args *x8) {
     const int64_t k = D->k, panels = (m + GR - 1) / GR;
@@ -197,11 +198,7 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
                 quantize_x16(x + i * k, (int16_t *)x8->xq + i * k, (float *)x8->dx + i * x8->nb, x8->nb);
                 sums16(x + i * k, (float *)x8->xs16 + i * 2 * x8->nb, x8->nb);
             }
-        }
-#endif
-#if PK_AVX512
-        if (x8) { /* the inputs in blocks that stay in L2, every panel per block */
-            const int64_t tb = k8g_block(k);
+            const int64_t tb = k8g_block(k); /* the inputs in blocks that stay in L2 */
             for (int64_t t = 0; t < n; t += tb) {
                 const mm_args V = k8g_from(x8, t);
 #pragma omp for schedule(dynamic, 1)
@@ -224,7 +221,7 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
 
 /* gemm_run, K-quants of K8G_ROWS to K8G_MAX rows in the auto mode on int16 panels */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
-    if (!(PK_SIMD && q8 == 2 && k8_kind(kind) && n >= K8G_ROWS && n <= K8G_MAX && D->k % 256 == 0))
+    if (!(q8 == 2 && k8_kind(kind) && n >= K8G_ROWS && n <= K8G_MAX && D->k % 256 == 0)) /* K8G_MAX 0: no AVX-512 */
         return gemm_run(kind, D, x, n, out, m, nt, NULL);
     mm_args A = {0};
     A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32;

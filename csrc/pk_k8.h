@@ -11,7 +11,8 @@
 #ifndef PK_K8_H
 #define PK_K8_H
 
-/* the q8 scheme's auto mode takes int8 activations for these kinds up to this many input rows */
+/* the Python entry's auto mode (poly_kernels.c) takes int8 activations for these kinds up to this
+ * many input rows (the fused step: every row of independent sequences, csrc/pk_decode_args.c) */
 #define K8_ROWS 1
 
 static inline int k8_kind(int kind) {

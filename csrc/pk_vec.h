@@ -83,9 +83,8 @@ static inline void quantize_x16(const float *x, int16_t *xq, float *dx, int64_t 
         const int64_t ge = g + 8 < nblocks ? g + 8 : nblocks;
         const float amax = absmax(x + g * 32, (ge - g) * 32), d = amax / X16_MAX, id = d > 0.0f ? 1.0f / d : 0.0f;
         for (int64_t i = g; i < ge; i++) dx[i] = isfinite(amax) ? d : NAN;
-        int64_t l = g * 32;
-        for (; l < ge * 32; l++)
-            xq[l] = isfinite(amax) ? (int16_t)fminf(fmaxf(rintf(x[l] * id), -X16_MAX), X16_MAX) : 0;
+        if (!isfinite(amax)) { memset(xq + g * 32, 0, (size_t)(ge - g) * 64); continue; }
+        for (int64_t l = g * 32; l < ge * 32; l++) xq[l] = (int16_t)fminf(fmaxf(rintf(x[l] * id), -X16_MAX), X16_MAX);
     }
 }
 
