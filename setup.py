@@ -29,6 +29,7 @@ KERNEL_SOURCES = [
     "csrc/pk_decode_args.c",
     "csrc/pk_kernels.h",
     "csrc/pk_dense.h",
+    "csrc/pk_tiles.h",
     "csrc/pk_quants.h",
     "csrc/pk_k8.h",
     "csrc/pk_k8g.h",

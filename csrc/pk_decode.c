@@ -43,23 +43,38 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
             BODY;                                                                            \
         }                                                                                    \
     }
+/* the quantized kinds: with several inputs, rows in pairs (quant_row2) */
+#define RANGEQ(NAME, KIND)                                                                   \
+    static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
+        int64_t r = r0;                                                                      \
+        if (A->n > 1)                                                                        \
+            for (; r + 1 < r1; r += 2) {                                                     \
+                prefetch_row(A, r);                                                          \
+                prefetch_row(A, r + 1);                                                      \
+                quant_row2(KIND, A, r, A->n);                                                \
+            }                                                                                \
+        for (; r < r1; r++) {                                                                \
+            prefetch_row(A, r);                                                              \
+            if (A->n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, A->n);       \
+        }                                                                                    \
+    }
 RANGE(r_f32, dense_row(K_F32, A, r))
 RANGE(r_f16, dense_row(K_F16, A, r))
 RANGE(r_bf16, dense_row(K_BF16, A, r))
 RANGE(r_i8, dense_row(K_I8, A, r))
-RANGE(r_loom, if (A->n == 1) quant_row(K_LOOM_Q4, A, r, 1); else quant_row(K_LOOM_Q4, A, r, A->n))
-RANGE(r_q4_0, if (A->n == 1) quant_row(K_Q4_0, A, r, 1); else quant_row(K_Q4_0, A, r, A->n))
-RANGE(r_q4_1, if (A->n == 1) quant_row(K_Q4_1, A, r, 1); else quant_row(K_Q4_1, A, r, A->n))
-RANGE(r_q8_0, if (A->n == 1) quant_row(K_Q8_0, A, r, 1); else quant_row(K_Q8_0, A, r, A->n))
-RANGE(r_q4_k, if (A->n == 1) quant_row(K_Q4_K, A, r, 1); else quant_row(K_Q4_K, A, r, A->n))
-RANGE(r_q6_k, if (A->n == 1) quant_row(K_Q6_K, A, r, 1); else quant_row(K_Q6_K, A, r, A->n))
-RANGE(r_q5_0, if (A->n == 1) quant_row(K_Q5_0, A, r, 1); else quant_row(K_Q5_0, A, r, A->n))
-RANGE(r_q5_1, if (A->n == 1) quant_row(K_Q5_1, A, r, 1); else quant_row(K_Q5_1, A, r, A->n))
-RANGE(r_q2_k, if (A->n == 1) quant_row(K_Q2_K, A, r, 1); else quant_row(K_Q2_K, A, r, A->n))
-RANGE(r_q3_k, if (A->n == 1) quant_row(K_Q3_K, A, r, 1); else quant_row(K_Q3_K, A, r, A->n))
-RANGE(r_q5_k, if (A->n == 1) quant_row(K_Q5_K, A, r, 1); else quant_row(K_Q5_K, A, r, A->n))
-RANGE(r_iq4_nl, if (A->n == 1) quant_row(K_IQ4_NL, A, r, 1); else quant_row(K_IQ4_NL, A, r, A->n))
-RANGE(r_iq4_xs, if (A->n == 1) quant_row(K_IQ4_XS, A, r, 1); else quant_row(K_IQ4_XS, A, r, A->n))
+RANGEQ(r_loom, K_LOOM_Q4)
+RANGEQ(r_q4_0, K_Q4_0)
+RANGEQ(r_q4_1, K_Q4_1)
+RANGEQ(r_q8_0, K_Q8_0)
+RANGEQ(r_q4_k, K_Q4_K)
+RANGEQ(r_q6_k, K_Q6_K)
+RANGEQ(r_q5_0, K_Q5_0)
+RANGEQ(r_q5_1, K_Q5_1)
+RANGEQ(r_q2_k, K_Q2_K)
+RANGEQ(r_q3_k, K_Q3_K)
+RANGEQ(r_q5_k, K_Q5_K)
+RANGEQ(r_iq4_nl, K_IQ4_NL)
+RANGEQ(r_iq4_xs, K_IQ4_XS)
 RANGE(r8_i8, if (A->n == 1) Q8ROW(K_I8, 1); else Q8ROW(K_I8, A->n))
 RANGE(r8_loom, if (A->n == 1) Q8ROW(K_LOOM_Q4, 1); else Q8ROW(K_LOOM_Q4, A->n))
 RANGE(r8_q4_0, if (A->n == 1) Q8ROW(K_Q4_0, 1); else Q8ROW(K_Q4_0, A->n))

@@ -26,7 +26,21 @@ static int pk_threads = 1;
         }                                                                                    \
     }
 #define DENSE(NAME, KIND) ROWS(NAME, dense_row(KIND, A, r))
-#define QUANT(NAME, KIND) ROWS(NAME, if (n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, n))
+/* the quantized kinds: with several inputs, rows in pairs (quant_row2), as in the fused step */
+#define QUANT(NAME, KIND)                                                                    \
+    static void NAME(const mm_args *A, int nt) {                                             \
+        const int64_t m = A->m, n = A->n, pairs = n > 1 ? m / 2 : 0;                         \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)")                         \
+        for (int64_t t = 0; t < m - pairs; t++) {                                            \
+            const int64_t r = t < pairs ? 2 * t : pairs + t;                                 \
+            prefetch_row(A, r);                                                              \
+            if (t < pairs) {                                                                 \
+                prefetch_row(A, r + 1);                                                      \
+                quant_row2(KIND, A, r, n);                                                   \
+            } else if (n == 1) quant_row(KIND, A, r, 1);                                     \
+            else quant_row(KIND, A, r, n);                                                   \
+        }                                                                                    \
+    }
 #define QUANT8(NAME, KIND) ROWS(NAME, if (n == 1) Q8ROW(KIND, 1); else Q8ROW(KIND, n))
 
 DENSE(mm_f32, K_F32)

@@ -1,0 +1,94 @@
+/* Register tiles of the quantized row kernels: the AVX2 8-lane tile (the AVX-512 ones are in
+ * pk_avx512.h), quant_row (one weight row) and quant_row2 (two). Included by pk_kernels.h after
+ * the block decoders. */
+#ifndef PK_TILES_H
+#define PK_TILES_H
+
+#if PK_SIMD && !PK_AVX512
+/* quant_row's 8-lane tile: the nn input rows from c on (see quant_tile512) */
+static inline __attribute__((always_inline)) void quant_tile(int kind, const mm_args *A, int64_t r, int64_t c,
+                                                             const int nn) {
+    __m256 a0[ROW_TILE], a1[ROW_TILE];
+    float macc = 0.0f;
+    pq_cache pc = {NULL};
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < A->nb; b++) {
+        __m256 v[4];
+        float D, M;
+        dec_simd(kind, A, r, b, v, &D, &M, &pc);
+        const __m256 vd = _mm256_set1_ps(D);
+        if (nn == 1) {
+            const float *xb = A->x + c * A->k + b * 32;
+            __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+            s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), s);
+            s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), s);
+            s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), s);
+            a0[0] = _mm256_fmadd_ps(vd, s, a0[0]);
+            macc += M * A->xs[c * A->nb + b];
+            continue;
+        }
+        const __m256 vm = _mm256_set1_ps(M);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) v[q] = _mm256_fmadd_ps(v[q], vd, vm);
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) {
+            const float *xb = A->x + (c + i) * A->k + b * 32;
+            a0[i] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), a0[i]);
+            a1[i] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), a1[i]);
+            a0[i] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), a0[i]);
+            a1[i] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), a1[i]);
+        }
+    }
+    if (nn == 1) { A->out[c * A->ldo + r] = hsum(a0[0]) + macc; return; }
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = hsum(_mm256_add_ps(a0[i], a1[i]));
+}
+#elif PK_AVX512
+#define quant_tile quant_tile512
+#endif
+
+/* One output row: decode each block once, dot it with every input row (SIMD: in tiles of
+ * ROW_TILE rows, then 4, 2, 1, each tile re-decoding the row). */
+static inline __attribute__((always_inline)) void quant_row(int kind, const mm_args *A, int64_t r, int64_t n) {
+#if PK_SIMD
+#define QTILE(c, nn) quant_tile(kind, A, r, c, nn)
+    FOR_TILES(n, QTILE);
+#undef QTILE
+#else
+    float acc[MAX_N], macc[MAX_N];
+    pq_cache pc = {NULL}; /* K-quant scales, once per super-block */
+    for (int64_t i = 0; i < n; i++) acc[i] = macc[i] = 0.0f;
+    for (int64_t b = 0; b < A->nb; b++) {
+        float q[32], D, M;
+        dec_scalar(kind, A, r, b, q, &D, &M, &pc);
+        for (int64_t i = 0; i < n; i++) {
+            const float *xb = A->x + i * A->k + b * 32;
+            float s[8] = {0};
+            for (int l = 0; l < 32; l++) s[l & 7] += q[l] * xb[l];
+            acc[i] += D * (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+            macc[i] += M * A->xs[i * A->nb + b];
+        }
+    }
+    for (int64_t i = 0; i < n; i++) A->out[i * A->ldo + r] = acc[i] + macc[i];
+#endif
+}
+
+/* quant_row for rows r and r + 1: the same sums in the same order (a row's value does not
+ * depend on whether it ran in a pair), AVX-512 sharing each x load between the two rows */
+static inline __attribute__((always_inline)) void quant_row2(int kind, const mm_args *A, int64_t r, int64_t n) {
+#if PK_AVX512
+#define QTILE2(c, nn)                                                                         \
+    do {                                                                                      \
+        if (nn == 1) { quant_tile512(kind, A, r, c, 1); quant_tile512(kind, A, r + 1, c, 1); } \
+        else quant_tile512x2(kind, A, r, c, nn);                                              \
+    } while (0)
+    FOR_TILES(n, QTILE2);
+#undef QTILE2
+#else
+    quant_row(kind, A, r, n);
+    quant_row(kind, A, r + 1, n);
+#endif
+}
+
+#endif /* PK_TILES_H */
