@@ -37,6 +37,28 @@ static inline __attribute__((always_inline)) void dec512(int kind, const mm_args
     v[1] = pk_widen16(_mm256_extracti128_si256(c, 1));
 }
 
+/* The lane sums of 16 vectors in one vector, lane j = the sum of v[j]: each summed in exactly
+ * _mm512_reduce_add_ps's order (halves of 256, 128, 64, 32 bits), so a tile's results do not
+ * change, in 45 instructions instead of 16 x 8 (an 8-row tile at k 576 spent 15 % in them).
+ * The shuffles leave sum(w[q]) in lane 4 * (q % 4) + q / 4, so w is v in that order. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 w[16], s[8], t[4], u[2];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) w[4 * (j % 4) + j / 4] = v[j];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) /* [a lo 8 + a hi 8 | b lo 8 + b hi 8] */
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) /* 128-bit lanes 0, 2 + 1, 3 */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) /* within 128-bit lanes: elements 0, 1 + 2, 3 */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+}
+
 /* block b of row r dequantized: D * codes + M as 2 x 16 floats */
 static inline __attribute__((always_inline)) void deq512(int kind, const mm_args *A, int64_t r, int64_t b, __m512 w[2],
                                                          pq_cache *pc) {
@@ -96,6 +118,16 @@ static inline __attribute__((always_inline)) void quant_tile512(int kind, const 
             a0[i] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), a0[i]));
         }
     }
+    if (nn == 8) { /* the 8 sums at once; the zero vectors add nothing */
+        __m512 v[16];
+        float s[16];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) { v[i] = a0[i]; v[8 + i] = _mm512_setzero_ps(); }
+        _mm512_storeu_ps(s, reduce16(v));
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) A->out[(c + i) * A->ldo + r] = s[i];
+        return;
+    }
 #pragma GCC unroll 16
     for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = _mm512_reduce_add_ps(a0[i]);
 }
@@ -120,6 +152,19 @@ static inline __attribute__((always_inline)) void quant_tile512x2(int kind, cons
             a0[i] = _mm512_fmadd_ps(w[1], x1, _mm512_fmadd_ps(w[0], x0, a0[i]));
             a1[i] = _mm512_fmadd_ps(u[1], x1, _mm512_fmadd_ps(u[0], x0, a1[i]));
         }
+    }
+    if (nn >= 4) { /* the 2 nn sums at once (zero vectors add nothing) */
+        __m512 v[16];
+        float s[16];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            v[i] = i < nn ? a0[i] : _mm512_setzero_ps();
+            v[8 + i] = i < nn ? a1[i] : _mm512_setzero_ps();
+        }
+        _mm512_storeu_ps(s, reduce16(v));
+#pragma GCC unroll 8
+        for (int i = 0; i < nn; i++) { A->out[(c + i) * A->ldo + r] = s[i]; A->out[(c + i) * A->ldo + r + 1] = s[8 + i]; }
+        return;
     }
 #pragma GCC unroll 16
     for (int i = 0; i < nn; i++) {
