@@ -204,7 +204,9 @@ def main(argv=None) -> int:
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=900)
         if args.client == "raw":
             client = RawClient(base + "/v1", KEY)
-        one_stream(client, name, PROMPTS[0], 4)  # warm-up
+        one_stream(client, name, PROMPTS[0], 4)  # warm-up: one stream, then n at once (a
+        with ThreadPoolExecutor(args.n) as pool:  # server that settles per batch size does it here)
+            list(pool.map(lambda p: one_stream(client, name, p, 16), PROMPTS[: args.n]))
         return [measure(client, name, args.n, args.new) for _ in range(args.rounds)]
 
     if args.url:

@@ -268,11 +268,20 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
         mat_rows(&L->qkv[i], &B->P, B->qkv + off, w, r0, r1, S->q8, n);
     }
 #pragma omp barrier
+    /* independent rows in equal shares: each thread RoPEs, appends and attends its own (no serial
+     * section); a prompt's rows (seq1) attend each other's keys, so all are appended first */
+    const int own = !S->seq1 && n >= nt && n % nt == 0;
+    if (own) {
+        part(n, tid, nt, &r0, &r1);
+        for (int64_t i = r0; i < r1; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], (int)i);
+        r0 *= L->heads; r1 *= L->heads;
+    } else {
 #pragma omp single
-    for (int i = 0; i < n; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], i);
+        for (int i = 0; i < n; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], i);
+        part(n * L->heads, tid, nt, &r0, &r1);
+    }
     /* a head's output is whole blocks: prep them here (not when the codes take groups of 256) */
     const int want_o = wants_codes(S, &L->o, 1), inline_prep = L->hd % 32 == 0 && q8_group(S, want_o) != 8;
-    part(n * L->heads, tid, nt, &r0, &r1);
     for (int64_t e = r0; e < r1; e++) {
         const int i = (int)(e / L->heads), h = (int)(e % L->heads);
         float *o = B->att + i * q + h * L->hd;
