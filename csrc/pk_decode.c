@@ -43,25 +43,29 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
             BODY;                                                                            \
         }                                                                                    \
     }
-/* the quantized kinds: with several inputs, rows in pairs (quant_row2) */
-#define RANGEQ(NAME, KIND)                                                                   \
+/* with several inputs, rows in pairs (TWO for rows r, r + 1; ONE for row r) */
+#define RANGE2(NAME, ONE, TWO)                                                               \
     static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
         int64_t r = r0;                                                                      \
         if (A->n > 1)                                                                        \
             for (; r + 1 < r1; r += 2) {                                                     \
                 prefetch_row(A, r);                                                          \
                 prefetch_row(A, r + 1);                                                      \
-                quant_row2(KIND, A, r, A->n);                                                \
+                TWO;                                                                         \
             }                                                                                \
         for (; r < r1; r++) {                                                                \
             prefetch_row(A, r);                                                              \
-            if (A->n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, A->n);       \
+            ONE;                                                                             \
         }                                                                                    \
     }
-RANGE(r_f32, dense_row(K_F32, A, r))
-RANGE(r_f16, dense_row(K_F16, A, r))
-RANGE(r_bf16, dense_row(K_BF16, A, r))
-RANGE(r_i8, dense_row(K_I8, A, r))
+#define RANGEQ(NAME, KIND)                                                                   \
+    RANGE2(NAME, if (A->n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, A->n),   \
+           quant_row2(KIND, A, r, A->n))
+#define RANGED(NAME, KIND) RANGE2(NAME, dense_row(KIND, A, r), dense_row2(KIND, A, r))
+RANGED(r_f32, K_F32)
+RANGED(r_f16, K_F16)
+RANGED(r_bf16, K_BF16)
+RANGED(r_i8, K_I8)
 RANGEQ(r_loom, K_LOOM_Q4)
 RANGEQ(r_q4_0, K_Q4_0)
 RANGEQ(r_q4_1, K_Q4_1)

@@ -21,50 +21,90 @@ typedef __m256 dvec;
 #define DZERO() _mm256_setzero_ps()
 #define DSUM(v) hsum(v)
 #endif
-/* one dense row times the nn input rows from c on (nn constant after inlining: accumulators in
- * registers), each weight vector converted once for all of them; two accumulators per row keep
- * the FMA chains short. The k % DL tail sums in the scalar loop. */
-static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_args *A, const uint8_t *row,
-                                                             int64_t r, int64_t c, const int nn, float scale) {
-    dvec a0[ROW_TILE], a1[ROW_TILE];
+/* the nn sums of a tile (two rows' with b): lane sums reduced together from 4 inputs on
+ * (reduce16 keeps _mm512_reduce_add_ps's order, so a row's sums are the same in a pair and
+ * alone), then the k % DL tail in the scalar loop, times the row scale */
+static inline __attribute__((always_inline)) void dense_sums(int kind, const mm_args *A, const uint8_t *row, int64_t r,
+                                                             int64_t c, const int nn, float scale, const dvec *a,
+                                                             int64_t j, float *s) {
+#if PK_AVX512
+    if (nn >= 4) {
+        __m512 v[16];
+        float t[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) a0[i] = a1[i] = DZERO();
-    const int64_t k = A->k, k2 = k / (2 * DL) * (2 * DL);
+        for (int i = 0; i < 16; i++) v[i] = i < nn ? a[i] : _mm512_setzero_ps();
+        _mm512_storeu_ps(t, reduce16(v));
+#pragma GCC unroll 8
+        for (int i = 0; i < nn; i++) s[i] = t[i];
+    } else
+#endif
+#pragma GCC unroll 8
+        for (int i = 0; i < nn; i++) s[i] = DSUM(a[i]);
+#pragma GCC unroll 8
+    for (int i = 0; i < nn; i++) {
+        const float *xi = A->x + (c + i) * A->k;
+        for (int64_t t = j; t < A->k; t++) s[i] += load1(kind, row, t) * xi[t];
+        A->out[(c + i) * A->ldo + r] = scale * s[i];
+    }
+}
+
+/* one dense row (rows == 1) or two (rows r, r + 1: each x load feeds four FMAs) times the nn
+ * input rows from c on; nn and rows are constants after inlining (accumulators in registers),
+ * each weight vector converted once for all inputs, one accumulator per (row, input) */
+static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_args *A, int64_t r, int64_t c,
+                                                             const int nn, const int rows) {
+    const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2), k = A->k, k2 = k / (2 * DL) * (2 * DL);
+    const uint8_t *row = A->w + r * k * esz, *row2 = row + k * esz;
+    dvec a[ROW_TILE], b[ROW_TILE];
+    float s[ROW_TILE];
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) a[i] = b[i] = DZERO();
     int64_t j = 0;
     for (; j < k2; j += 2 * DL) {
         const dvec w0 = DLOAD(kind, row, j), w1 = DLOAD(kind, row, j + DL);
+        dvec u0 = w0, u1 = w1;
+        if (rows == 2) { u0 = DLOAD(kind, row2, j); u1 = DLOAD(kind, row2, j + DL); }
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {
             const float *xi = A->x + (c + i) * k + j;
-            a0[i] = DFMA(w0, DLOADX(xi), a0[i]);
-            a1[i] = DFMA(w1, DLOADX(xi + DL), a1[i]);
+            const dvec x0 = DLOADX(xi), x1 = DLOADX(xi + DL);
+            a[i] = DFMA(w1, x1, DFMA(w0, x0, a[i]));
+            if (rows == 2) b[i] = DFMA(u1, x1, DFMA(u0, x0, b[i]));
         }
     }
-#pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) {
-        const float *xi = A->x + (c + i) * k;
-        float s = DSUM(a0[i]) + DSUM(a1[i]);
-        for (int64_t t = j; t < k; t++) s += load1(kind, row, t) * xi[t];
-        A->out[(c + i) * A->ldo + r] = scale * s;
-    }
+    dense_sums(kind, A, row, r, c, nn, kind == K_I8 ? A->aux[r] : 1.0f, a, j, s);
+    if (rows == 2) dense_sums(kind, A, row2, r + 1, c, nn, kind == K_I8 ? A->aux[r + 1] : 1.0f, b, j, s);
 }
 #endif
 
 static inline __attribute__((always_inline)) void dense_row(int kind, const mm_args *A, int64_t r) {
     const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2);
-    const uint8_t *row = A->w + r * A->k * esz;
-    const float scale = kind == K_I8 ? A->aux[r] : 1.0f;
     const int64_t n = A->n;
 #if PK_SIMD
     if (n > 1) { /* several input rows: register tiles (one row keeps dense_dot's numerics) */
-#define DTILE(c, nn) dense_tile(kind, A, row, r, c, nn, scale)
+#define DTILE(c, nn) dense_tile(kind, A, r, c, nn, 1)
         FOR_TILES(n, DTILE);
 #undef DTILE
         return;
     }
 #endif
+    const uint8_t *row = A->w + r * A->k * esz;
+    const float scale = kind == K_I8 ? A->aux[r] : 1.0f;
     for (int64_t i = 0; i < n; i++)
         A->out[i * A->ldo + r] = scale * dense_dot(kind, row, A->x + i * A->k, A->k);
+}
+
+/* rows r and r + 1 for several inputs (n > 1): the same sums as dense_row, AVX-512 sharing each
+ * x load between the two rows (a 16-token 1B f32 prompt read its x from L2 once per row) */
+static inline __attribute__((always_inline)) void dense_row2(int kind, const mm_args *A, int64_t r) {
+#if PK_AVX512
+#define DTILE2(c, nn) dense_tile(kind, A, r, c, nn, 2)
+    FOR_TILES(A->n, DTILE2);
+#undef DTILE2
+#else
+    dense_row(kind, A, r);
+    dense_row(kind, A, r + 1);
+#endif
 }
 
 #endif /* PK_DENSE_H */

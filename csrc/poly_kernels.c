@@ -25,9 +25,8 @@ static int pk_threads = 1;
             BODY;                                                                            \
         }                                                                                    \
     }
-#define DENSE(NAME, KIND) ROWS(NAME, dense_row(KIND, A, r))
-/* the quantized kinds: with several inputs, rows in pairs (quant_row2), as in the fused step */
-#define QUANT(NAME, KIND)                                                                    \
+/* with several inputs, rows in pairs (TWO for rows r, r + 1), as in the fused step */
+#define ROWS2(NAME, ONE, TWO)                                                                \
     static void NAME(const mm_args *A, int nt) {                                             \
         const int64_t m = A->m, n = A->n, pairs = n > 1 ? m / 2 : 0;                         \
         _Pragma("omp parallel for schedule(static) num_threads(nt)")                         \
@@ -36,13 +35,17 @@ static int pk_threads = 1;
             prefetch_row(A, r);                                                              \
             if (t < pairs) {                                                                 \
                 prefetch_row(A, r + 1);                                                      \
-                quant_row2(KIND, A, r, n);                                                   \
-            } else if (n == 1) quant_row(KIND, A, r, 1);                                     \
-            else quant_row(KIND, A, r, n);                                                   \
+                TWO;                                                                         \
+            } else {                                                                         \
+                ONE;                                                                         \
+            }                                                                                \
         }                                                                                    \
     }
+#define QUANT(NAME, KIND)                                                                    \
+    ROWS2(NAME, if (n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, n),          \
+          quant_row2(KIND, A, r, n))
+#define DENSE(NAME, KIND) ROWS2(NAME, dense_row(KIND, A, r), dense_row2(KIND, A, r))
 #define QUANT8(NAME, KIND) ROWS(NAME, if (n == 1) Q8ROW(KIND, 1); else Q8ROW(KIND, n))
-
 DENSE(mm_f32, K_F32)
 DENSE(mm_f16, K_F16)
 DENSE(mm_bf16, K_BF16)

@@ -108,21 +108,24 @@ def test_kernel_matches_numpy(scheme, m, n, float_path):
     np.testing.assert_allclose(qt.matmul(x), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("scheme", ["loom_q4", "gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "gguf_q4_k"])
-def test_a_quantized_row_is_the_same_in_a_pair_and_alone(scheme, each_isa, float_path):
+@pytest.mark.parametrize(
+    "scheme",
+    ["loom_q4", "gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "gguf_q4_k", "float32", "float16", "int8"],
+)
+def test_a_row_is_the_same_in_a_pair_and_alone(scheme, each_isa, float_path):
     """Several input rows take the weight rows in pairs (AVX-512: one x load, four FMAs) and an
-    odd row alone (the fused step's thread split decides which): row 18 of 37 runs in a pair,
-    the same row as a 1-row matrix alone; its sums must be bitwise the same."""
+    odd row alone (the fused step's thread split decides which): rows 18 and 19 of 37 run as a
+    pair, each as a 1-row matrix alone; their sums must be bitwise the same."""
     w = random_weights(37, 512, seed=5)
     x = np.random.default_rng(11).standard_normal((11, 512)).astype(np.float32)
     qt = MAKERS[scheme](w)
     full = ckernels.matmul(qt, x, q8=False)  # [11, 37]
     ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
     np.testing.assert_allclose(full, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    for r in (18, 36):
+    for r in (18, 19, 36):  # first and second of a pair, the odd last row
         if isinstance(qt, GGUFMatrix):  # the row's own bytes
             one = GGUFMatrix(qt.raw[r : r + 1].copy(), qt.ggml_type, (1, 512))
-        else:  # Loom blocks of 32 lie within a row: the row quantizes alone to the same bytes
+        else:  # dense rows, int8 row scales, Loom blocks of 32 within a row: the same values
             one = MAKERS[scheme](w[r : r + 1])
         alone = ckernels.matmul(one, x, q8=False)  # [11, 1]
         np.testing.assert_array_equal(alone[:, 0], full[:, r])
