@@ -1,0 +1,70 @@
+/* The fused step's row-range functions, one per kind and scheme (RF: float activations, RF8:
+ * int8), so each inlines its decoder with a constant kind. Included by pk_decode.c. */
+#ifndef PK_RANGES_H
+#define PK_RANGES_H
+
+typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
+#define RANGE(NAME, BODY)                                                                    \
+    static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
+        for (int64_t r = r0; r < r1; r++) {                                                  \
+            prefetch_row(A, r);                                                              \
+            BODY;                                                                            \
+        }                                                                                    \
+    }
+/* with several inputs, rows in pairs (TWO for rows r, r + 1; ONE for row r) */
+#define RANGE2(NAME, ONE, TWO)                                                               \
+    static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
+        int64_t r = r0;                                                                      \
+        if (A->n > 1)                                                                        \
+            for (; r + 1 < r1; r += 2) {                                                     \
+                prefetch_row(A, r);                                                          \
+                prefetch_row(A, r + 1);                                                      \
+                TWO;                                                                         \
+            }                                                                                \
+        for (; r < r1; r++) {                                                                \
+            prefetch_row(A, r);                                                              \
+            ONE;                                                                             \
+        }                                                                                    \
+    }
+#define RANGEQ(NAME, KIND)                                                                   \
+    RANGE2(NAME, if (A->n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, A->n),   \
+           quant_row2(KIND, A, r, A->n))
+#define RANGED(NAME, KIND) RANGE2(NAME, dense_row(KIND, A, r), dense_row2(KIND, A, r))
+RANGED(r_f32, K_F32)
+RANGED(r_f16, K_F16)
+RANGED(r_bf16, K_BF16)
+RANGED(r_i8, K_I8)
+RANGEQ(r_loom, K_LOOM_Q4)
+RANGEQ(r_q4_0, K_Q4_0)
+RANGEQ(r_q4_1, K_Q4_1)
+RANGEQ(r_q8_0, K_Q8_0)
+RANGEQ(r_q4_k, K_Q4_K)
+RANGEQ(r_q6_k, K_Q6_K)
+RANGEQ(r_q5_0, K_Q5_0)
+RANGEQ(r_q5_1, K_Q5_1)
+RANGEQ(r_q2_k, K_Q2_K)
+RANGEQ(r_q3_k, K_Q3_K)
+RANGEQ(r_q5_k, K_Q5_K)
+RANGEQ(r_iq4_nl, K_IQ4_NL)
+RANGEQ(r_iq4_xs, K_IQ4_XS)
+RANGE(r8_i8, if (A->n == 1) Q8ROW(K_I8, 1); else Q8ROW(K_I8, A->n))
+RANGE(r8_loom, if (A->n == 1) Q8ROW(K_LOOM_Q4, 1); else Q8ROW(K_LOOM_Q4, A->n))
+RANGE(r8_q4_0, if (A->n == 1) Q8ROW(K_Q4_0, 1); else Q8ROW(K_Q4_0, A->n))
+RANGE(r8_q4_1, if (A->n == 1) Q8ROW(K_Q4_1, 1); else Q8ROW(K_Q4_1, A->n))
+RANGE(r8_q8_0, if (A->n == 1) Q8ROW(K_Q8_0, 1); else Q8ROW(K_Q8_0, A->n))
+RANGE(r8_q4_k, if (A->n == 1) Q8ROW(K_Q4_K, 1); else Q8ROW(K_Q4_K, A->n))
+RANGE(r8_q6_k, if (A->n == 1) Q8ROW(K_Q6_K, 1); else Q8ROW(K_Q6_K, A->n))
+static const range_fn RF[K_COUNT] = {r_f32, r_f16, r_bf16, r_i8, r_loom, r_q4_0, r_q4_1, r_q8_0, r_q4_k,
+                                     r_q6_k, r_q5_0, r_q5_1, r_q2_k, r_q3_k, r_q5_k, r_iq4_nl, r_iq4_xs};
+RANGE(r8_q5_0, if (A->n == 1) Q8ROW(K_Q5_0, 1); else Q8ROW(K_Q5_0, A->n))
+RANGE(r8_q5_1, if (A->n == 1) Q8ROW(K_Q5_1, 1); else Q8ROW(K_Q5_1, A->n))
+RANGE(r8_q2_k, if (A->n == 1) Q8ROW(K_Q2_K, 1); else Q8ROW(K_Q2_K, A->n))
+RANGE(r8_q3_k, if (A->n == 1) Q8ROW(K_Q3_K, 1); else Q8ROW(K_Q3_K, A->n))
+RANGE(r8_q5_k, if (A->n == 1) Q8ROW(K_Q5_K, 1); else Q8ROW(K_Q5_K, A->n))
+RANGE(r8_iq4_nl, if (A->n == 1) Q8ROW(K_IQ4_NL, 1); else Q8ROW(K_IQ4_NL, A->n))
+RANGE(r8_iq4_xs, if (A->n == 1) Q8ROW(K_IQ4_XS, 1); else Q8ROW(K_IQ4_XS, A->n))
+static const range_fn RF8[K_COUNT] = {NULL,    NULL,    NULL,    r8_i8,   r8_loom,  r8_q4_0,
+                                      r8_q4_1, r8_q8_0, r8_q4_k, r8_q6_k, r8_q5_0,  r8_q5_1,
+                                      r8_q2_k, r8_q3_k, r8_q5_k, r8_iq4_nl, r8_iq4_xs};
+
+#endif /* PK_RANGES_H */
