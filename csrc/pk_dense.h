@@ -48,32 +48,38 @@ static inline __attribute__((always_inline)) void dense_sums(int kind, const mm_
     }
 }
 
-/* one dense row (rows == 1) or two (rows r, r + 1: each x load feeds four FMAs) times the nn
- * input rows from c on; nn and rows are constants after inlining (accumulators in registers),
- * each weight vector converted once for all inputs, one accumulator per (row, input) */
+/* `rows` dense rows from r (1, 2 or 4: each x load feeds 2 * rows FMAs) times the nn input rows
+ * from c on; nn and rows are constants after inlining (accumulators in registers, rows * nn <=
+ * 16), each weight vector converted once for all inputs, one accumulator per (row, input) */
 static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_args *A, int64_t r, int64_t c,
                                                              const int nn, const int rows) {
     const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2), k = A->k, k2 = k / (2 * DL) * (2 * DL);
-    const uint8_t *row = A->w + r * k * esz, *row2 = row + k * esz;
-    dvec a[ROW_TILE], b[ROW_TILE];
+    const uint8_t *row = A->w + r * k * esz;
+    dvec a[4][ROW_TILE];
     float s[ROW_TILE];
+#pragma GCC unroll 4
+    for (int q = 0; q < rows; q++)
 #pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) a[i] = b[i] = DZERO();
+        for (int i = 0; i < nn; i++) a[q][i] = DZERO();
     int64_t j = 0;
     for (; j < k2; j += 2 * DL) {
-        const dvec w0 = DLOAD(kind, row, j), w1 = DLOAD(kind, row, j + DL);
-        dvec u0 = w0, u1 = w1;
-        if (rows == 2) { u0 = DLOAD(kind, row2, j); u1 = DLOAD(kind, row2, j + DL); }
+        dvec w0[4], w1[4];
+#pragma GCC unroll 4
+        for (int q = 0; q < rows; q++) {
+            w0[q] = DLOAD(kind, row + q * k * esz, j);
+            w1[q] = DLOAD(kind, row + q * k * esz, j + DL);
+        }
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {
             const float *xi = A->x + (c + i) * k + j;
             const dvec x0 = DLOADX(xi), x1 = DLOADX(xi + DL);
-            a[i] = DFMA(w1, x1, DFMA(w0, x0, a[i]));
-            if (rows == 2) b[i] = DFMA(u1, x1, DFMA(u0, x0, b[i]));
+#pragma GCC unroll 4
+            for (int q = 0; q < rows; q++) a[q][i] = DFMA(w1[q], x1, DFMA(w0[q], x0, a[q][i]));
         }
     }
-    dense_sums(kind, A, row, r, c, nn, kind == K_I8 ? A->aux[r] : 1.0f, a, j, s);
-    if (rows == 2) dense_sums(kind, A, row2, r + 1, c, nn, kind == K_I8 ? A->aux[r + 1] : 1.0f, b, j, s);
+#pragma GCC unroll 4
+    for (int q = 0; q < rows; q++)
+        dense_sums(kind, A, row + q * k * esz, r + q, c, nn, kind == K_I8 ? A->aux[r + q] : 1.0f, a[q], j, s);
 }
 #endif
 
@@ -104,6 +110,23 @@ static inline __attribute__((always_inline)) void dense_row2(int kind, const mm_
 #else
     dense_row(kind, A, r);
     dense_row(kind, A, r + 1);
+#endif
+}
+
+/* rows r .. r + 3 for several inputs: AVX-512 tiles of 4 rows x up to 4 inputs, each x load
+ * feeding eight FMAs (a 1B f16 16-token prompt was bound by reading x from L2 for every pair of
+ * rows); the same sums as dense_row */
+static inline __attribute__((always_inline)) void dense_row4(int kind, const mm_args *A, int64_t r) {
+#if PK_AVX512
+#define DTILE4(c, nn) dense_tile(kind, A, r, c, nn, 4)
+    int64_t c = 0;
+    for (; c + 4 <= A->n; c += 4) DTILE4(c, 4);
+    if (A->n - c >= 2) { DTILE4(c, 2); c += 2; }
+    if (A->n - c >= 1) DTILE4(c, 1);
+#undef DTILE4
+#else
+    dense_row2(kind, A, r);
+    dense_row2(kind, A, r + 2);
 #endif
 }
 

@@ -29,7 +29,22 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
 #define RANGEQ(NAME, KIND)                                                                   \
     RANGE2(NAME, if (A->n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, A->n),   \
            quant_row2(KIND, A, r, A->n))
-#define RANGED(NAME, KIND) RANGE2(NAME, dense_row(KIND, A, r), dense_row2(KIND, A, r))
+/* dense rows: quads, then a pair, then one (dense_row4: x loads shared by four rows) */
+#define RANGED(NAME, KIND)                                                                   \
+    static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
+        int64_t r = r0;                                                                      \
+        if (A->n > 1) {                                                                      \
+            for (; r + 3 < r1; r += 4) {                                                     \
+                for (int q = 0; q < 4; q++) prefetch_row(A, r + q);                          \
+                dense_row4(KIND, A, r);                                                      \
+            }                                                                                \
+            if (r + 1 < r1) { dense_row2(KIND, A, r); r += 2; }                              \
+        }                                                                                    \
+        for (; r < r1; r++) {                                                                \
+            prefetch_row(A, r);                                                              \
+            dense_row(KIND, A, r);                                                           \
+        }                                                                                    \
+    }
 RANGED(r_f32, K_F32)
 RANGED(r_f16, K_F16)
 RANGED(r_bf16, K_BF16)

@@ -44,7 +44,18 @@ static int pk_threads = 1;
 #define QUANT(NAME, KIND)                                                                    \
     ROWS2(NAME, if (n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, n),          \
           quant_row2(KIND, A, r, n))
-#define DENSE(NAME, KIND) ROWS2(NAME, dense_row(KIND, A, r), dense_row2(KIND, A, r))
+/* dense rows in quads (dense_row4), as in the fused step, then one at a time */
+#define DENSE(NAME, KIND)                                                                    \
+    static void NAME(const mm_args *A, int nt) {                                             \
+        const int64_t m = A->m, n = A->n, quads = n > 1 ? m / 4 : 0;                         \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)")                         \
+        for (int64_t t = 0; t < m - 3 * quads; t++) {                                        \
+            const int64_t r = t < quads ? 4 * t : 3 * quads + t;                             \
+            prefetch_row(A, r);                                                              \
+            if (t < quads) dense_row4(KIND, A, r);                                           \
+            else dense_row(KIND, A, r);                                                      \
+        }                                                                                    \
+    }
 #define QUANT8(NAME, KIND) ROWS(NAME, if (n == 1) Q8ROW(KIND, 1); else Q8ROW(KIND, n))
 DENSE(mm_f32, K_F32)
 DENSE(mm_f16, K_F16)

@@ -114,15 +114,16 @@ def test_kernel_matches_numpy(scheme, m, n, float_path):
 )
 def test_a_row_is_the_same_in_a_pair_and_alone(scheme, each_isa, float_path):
     """Several input rows take the weight rows in pairs (AVX-512: one x load, four FMAs) and an
-    odd row alone (the fused step's thread split decides which): rows 18 and 19 of 37 run as a
-    pair, each as a 1-row matrix alone; their sums must be bitwise the same."""
+    odd row alone (the fused step's thread split decides which); dense rows in quads: rows
+    16-19 of 37 run together, each as a 1-row matrix alone; their sums must be bitwise the
+    same."""
     w = random_weights(37, 512, seed=5)
     x = np.random.default_rng(11).standard_normal((11, 512)).astype(np.float32)
     qt = MAKERS[scheme](w)
     full = ckernels.matmul(qt, x, q8=False)  # [11, 37]
     ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
     np.testing.assert_allclose(full, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    for r in (18, 19, 36):  # first and second of a pair, the odd last row
+    for r in (16, 17, 18, 19, 36):  # a quad of dense rows, a pair of quantized ones, the last
         if isinstance(qt, GGUFMatrix):  # the row's own bytes
             one = GGUFMatrix(qt.raw[r : r + 1].copy(), qt.ggml_type, (1, 512))
         else:  # dense rows, int8 row scales, Loom blocks of 32 within a row: the same values
