@@ -211,8 +211,8 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
     }
 #pragma omp barrier
     /* independent rows in equal shares: each thread RoPEs, appends and attends its own (no serial
-     * section); a prompt's rows (seq1) attend each other's keys, so all are appended first */
-    const int own = !S->seq1 && n >= nt && n % nt == 0;
+     * section); rows of one sequence (a prompt, or prompts batched) attend each other's keys */
+    const int own = S->indep && n >= nt && n % nt == 0;
     if (own) {
         part(n, tid, nt, &r0, &r1);
         for (int64_t i = r0; i < r1; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], (int)i);
@@ -284,6 +284,19 @@ static float *take(float **f, int64_t floats) {
     float *p = *f;
     *f = p + ((floats + 15) & ~(int64_t)15);
     return p;
+}
+
+/* a sequence's rows share its caches (and page table): seq1 = all rows one sequence's, indep = no
+ * two rows the same sequence's */
+static void pk_row_sharing(step_t *S) {
+    S->seq1 = S->n > 1;
+    S->indep = 1;
+    for (int i = 0; i < S->n && S->nl; i++)
+        for (int j = 0; j < i; j++) {
+            const int same = S->L[0].kc[i] == S->L[0].kc[j] && S->tab[i] == S->tab[j];
+            S->indep &= !same;
+            if (j == 0) S->seq1 &= same;
+        }
 }
 
 static void carve(const step_t *S, float *f, int nt, bufs_t *B) {

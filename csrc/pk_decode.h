@@ -44,6 +44,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
 typedef struct {
     layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int q8, loom;
     int seq1; /* the n rows are one sequence's tokens (a prompt): they share every cache */
+    int indep; /* no two rows share a cache (and page table): each row attends only its own keys */
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
     int64_t pos[STEP_MAX];
     const int32_t *tab[STEP_MAX]; int64_t ntab[STEP_MAX], ps; /* paged KV: page tables (NULL: contiguous) */
@@ -65,5 +66,6 @@ typedef struct {
 static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n); /* one row */
 static size_t pk_scratch_floats(const step_t *S, int nt); /* floats of scratch for pk_run_step */
 static void pk_run_step(const step_t *S, float *scratch, int nt); /* GIL released by the caller */
+static void pk_row_sharing(step_t *S); /* sets seq1 and indep from the rows' caches */
 
 #endif /* PK_DECODE_H */

@@ -305,8 +305,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!H.bufs || !S.L) { PyErr_NoMemory(); goto done; }
     if (nargs >= 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
-    S.seq1 = S.n > 1; /* a prompt: every row shares row 0's caches (and page table) */
-    for (int i = 1; i < S.n && S.nl; i++) S.seq1 &= S.L[0].kc[i] == S.L[0].kc[0] && S.tab[i] == S.tab[0];
+    pk_row_sharing(&S); /* seq1 and indep */
     if (S.q8 == 2 && !k8_auto(&S)) S.q8 = 0; /* nothing takes int8 activations: no prep for them */
     if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
     if (S.red && S.mrows) { PyErr_SetString(PyExc_ValueError, "MoE layers take no reduce"); goto done; }
