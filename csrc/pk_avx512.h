@@ -59,6 +59,26 @@ static inline __m512 reduce16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
 }
 
+/* the lane sums of a[0..nn) into s[0..nn), and with b of b[0..nn) into s[8..8 + nn): from 4
+ * vectors on through reduce16 (zero vectors add nothing), each in _mm512_reduce_add_ps's order */
+static inline __attribute__((always_inline)) void lane_sums(const __m512 *a, const __m512 *b, const int nn,
+                                                            float s[16]) {
+    if (nn * (b ? 2 : 1) < 4) {
+        for (int i = 0; i < nn; i++) {
+            s[i] = _mm512_reduce_add_ps(a[i]);
+            if (b) s[8 + i] = _mm512_reduce_add_ps(b[i]);
+        }
+        return;
+    }
+    __m512 v[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        v[i] = i < nn ? a[i] : _mm512_setzero_ps();
+        v[8 + i] = b && i < nn ? b[i] : _mm512_setzero_ps();
+    }
+    _mm512_storeu_ps(s, reduce16(v));
+}
+
 /* block b of row r dequantized: D * codes + M as 2 x 16 floats */
 static inline __attribute__((always_inline)) void deq512(int kind, const mm_args *A, int64_t r, int64_t b, __m512 w[2],
                                                          pq_cache *pc) {
@@ -84,13 +104,45 @@ static inline __attribute__((always_inline)) void deq512(int kind, const mm_args
     w[1] = _mm512_fmadd_ps(v[1], vd, vm);
 }
 
+/* `rows` weight rows from r (1 or 2: a pair shares each x load, four FMAs instead of two) times
+ * the nn >= 2 input rows from c on: each block dequantized once (D * codes + M) for all inputs,
+ * one accumulator per (row, input) with two FMAs a block, so a row's sums are the same alone
+ * and in a pair */
+static inline __attribute__((always_inline)) void quant_rows512(int kind, const mm_args *A, int64_t r, int64_t c,
+                                                                const int nn, const int rows) {
+    __m512 a[2][ROW_TILE];
+    pq_cache pc[2] = {{NULL}, {NULL}};
+    float s[16];
+#pragma GCC unroll 2
+    for (int q = 0; q < rows; q++)
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) a[q][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < A->nb; b++) {
+        __m512 w[2][2];
+#pragma GCC unroll 2
+        for (int q = 0; q < rows; q++) deq512(kind, A, r + q, b, w[q], &pc[q]);
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) {
+            const float *xb = A->x + (c + i) * A->k + b * 32;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+#pragma GCC unroll 2
+            for (int q = 0; q < rows; q++) a[q][i] = _mm512_fmadd_ps(w[q][1], x1, _mm512_fmadd_ps(w[q][0], x0, a[q][i]));
+        }
+    }
+    lane_sums(a[0], rows == 2 ? a[1] : NULL, nn, s);
+#pragma GCC unroll 8
+    for (int i = 0; i < nn; i++) {
+        A->out[(c + i) * A->ldo + r] = s[i];
+        if (rows == 2) A->out[(c + i) * A->ldo + r + 1] = s[8 + i];
+    }
+}
+
 /* quant_row on 16 lanes for the nn input rows from c on. nn is a constant after inlining, so
  * the unrolled loops keep every accumulator in a register (a runtime count left them in memory:
- * 2 rows cost twice one). One row sums D * (codes . x) + M * sum(x) per block; several rows
- * share each dequantized block (D * codes + M) and spend two FMAs each on it. */
+ * 2 rows cost twice one). One input: Q4_0/Q4_1/Loom sum the looked-up values times x, the other
+ * kinds D * (codes . x) + M * sum(x) per block; several inputs: quant_rows512. */
 static inline __attribute__((always_inline)) void quant_tile512(int kind, const mm_args *A, int64_t r, int64_t c,
                                                                 const int nn) {
-    __m512 a0[ROW_TILE];
     pq_cache pc = {NULL};
     if (nn == 1 && (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_LOOM_Q4)) {
         /* the looked-up values (deq512) times x, two blocks a step on four FMA chains: the
@@ -117,83 +169,20 @@ static inline __attribute__((always_inline)) void quant_tile512(int kind, const 
     }
     if (nn == 1) {
         float macc = 0.0f;
-        a0[0] = _mm512_setzero_ps();
+        __m512 a0 = _mm512_setzero_ps();
         for (int64_t b = 0; b < A->nb; b++) {
             __m512 v[2];
             float D, M;
             dec512(kind, A, r, b, v, &D, &M, &pc);
             const float *xb = A->x + c * A->k + b * 32;
             const __m512 s = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(v[0], _mm512_loadu_ps(xb)));
-            a0[0] = _mm512_fmadd_ps(_mm512_set1_ps(D), s, a0[0]);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(D), s, a0);
             macc += M * A->xs[c * A->nb + b];
         }
-        A->out[c * A->ldo + r] = _mm512_reduce_add_ps(a0[0]) + macc;
+        A->out[c * A->ldo + r] = _mm512_reduce_add_ps(a0) + macc;
         return;
     }
-#pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) a0[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < A->nb; b++) {
-        __m512 w[2];
-        deq512(kind, A, r, b, w, &pc);
-#pragma GCC unroll 16
-        for (int i = 0; i < nn; i++) {
-            const float *xb = A->x + (c + i) * A->k + b * 32;
-            a0[i] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), a0[i]));
-        }
-    }
-    if (nn == 8) { /* the 8 sums at once; the zero vectors add nothing */
-        __m512 v[16];
-        float s[16];
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) { v[i] = a0[i]; v[8 + i] = _mm512_setzero_ps(); }
-        _mm512_storeu_ps(s, reduce16(v));
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) A->out[(c + i) * A->ldo + r] = s[i];
-        return;
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = _mm512_reduce_add_ps(a0[i]);
-}
-
-/* quant_tile512 for two weight rows r, r + 1 at once: each x load feeds four FMAs instead of two
- * (the one-row tile was bound by its x loads: one per FMA), so a batch of decode rows or a short
- * prompt runs nearer the FMA peak. One accumulator per (row, input), two FMAs per block each. */
-static inline __attribute__((always_inline)) void quant_tile512x2(int kind, const mm_args *A, int64_t r, int64_t c,
-                                                                  const int nn) {
-    __m512 a0[ROW_TILE], a1[ROW_TILE];
-    pq_cache pc0 = {NULL}, pc1 = {NULL};
-#pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) a0[i] = a1[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < A->nb; b++) {
-        __m512 w[2], u[2];
-        deq512(kind, A, r, b, w, &pc0);
-        deq512(kind, A, r + 1, b, u, &pc1);
-#pragma GCC unroll 16
-        for (int i = 0; i < nn; i++) {
-            const float *xb = A->x + (c + i) * A->k + b * 32;
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-            a0[i] = _mm512_fmadd_ps(w[1], x1, _mm512_fmadd_ps(w[0], x0, a0[i]));
-            a1[i] = _mm512_fmadd_ps(u[1], x1, _mm512_fmadd_ps(u[0], x0, a1[i]));
-        }
-    }
-    if (nn >= 4) { /* the 2 nn sums at once (zero vectors add nothing) */
-        __m512 v[16];
-        float s[16];
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) {
-            v[i] = i < nn ? a0[i] : _mm512_setzero_ps();
-            v[8 + i] = i < nn ? a1[i] : _mm512_setzero_ps();
-        }
-        _mm512_storeu_ps(s, reduce16(v));
-#pragma GCC unroll 8
-        for (int i = 0; i < nn; i++) { A->out[(c + i) * A->ldo + r] = s[i]; A->out[(c + i) * A->ldo + r + 1] = s[8 + i]; }
-        return;
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) {
-        A->out[(c + i) * A->ldo + r] = _mm512_reduce_add_ps(a0[i]);
-        A->out[(c + i) * A->ldo + r + 1] = _mm512_reduce_add_ps(a1[i]);
-    }
+    quant_rows512(kind, A, r, c, nn, 1);
 }
 
 /* 16 weights of a dense row as floats */

@@ -21,25 +21,14 @@ typedef __m256 dvec;
 #define DZERO() _mm256_setzero_ps()
 #define DSUM(v) hsum(v)
 #endif
-/* the nn sums of a tile (two rows' with b): lane sums reduced together from 4 inputs on
- * (reduce16 keeps _mm512_reduce_add_ps's order, so a row's sums are the same in a pair and
- * alone), then the k % DL tail in the scalar loop, times the row scale */
+#if PK_AVX512
+/* a dense row's nn sums from its tile (lane_sums), then the k % DL tail in the scalar loop, times
+ * the row scale */
 static inline __attribute__((always_inline)) void dense_sums(int kind, const mm_args *A, const uint8_t *row, int64_t r,
                                                              int64_t c, const int nn, float scale, const dvec *a,
-                                                             int64_t j, float *s) {
-#if PK_AVX512
-    if (nn >= 4) {
-        __m512 v[16];
-        float t[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) v[i] = i < nn ? a[i] : _mm512_setzero_ps();
-        _mm512_storeu_ps(t, reduce16(v));
-#pragma GCC unroll 8
-        for (int i = 0; i < nn; i++) s[i] = t[i];
-    } else
-#endif
-#pragma GCC unroll 8
-        for (int i = 0; i < nn; i++) s[i] = DSUM(a[i]);
+                                                             int64_t j) {
+    float s[16];
+    lane_sums(a, NULL, nn, s);
 #pragma GCC unroll 8
     for (int i = 0; i < nn; i++) {
         const float *xi = A->x + (c + i) * A->k;
@@ -48,7 +37,6 @@ static inline __attribute__((always_inline)) void dense_sums(int kind, const mm_
     }
 }
 
-#if PK_AVX512
 /* `rows` dense rows from r (1, 2 or 4: each x load feeds 2 * rows FMAs) times the nn input rows
  * from c on; nn and rows are constants after inlining (accumulators in registers, rows * nn <=
  * 16), each weight vector converted once for all inputs, one accumulator per (row, input) */
@@ -57,7 +45,6 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
     const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2), k = A->k, k2 = k / (2 * DL) * (2 * DL);
     const uint8_t *row = A->w + r * k * esz;
     dvec a[4][ROW_TILE];
-    float s[ROW_TILE];
 #pragma GCC unroll 4
     for (int q = 0; q < rows; q++)
 #pragma GCC unroll 16
@@ -80,7 +67,7 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
     }
 #pragma GCC unroll 4
     for (int q = 0; q < rows; q++)
-        dense_sums(kind, A, row + q * k * esz, r + q, c, nn, kind == K_I8 ? A->aux[r + q] : 1.0f, a[q], j, s);
+        dense_sums(kind, A, row + q * k * esz, r + q, c, nn, kind == K_I8 ? A->aux[r + q] : 1.0f, a[q], j);
 }
 #else
 /* AVX2: one row (dense_row2/4 call dense_row) times the nn input rows from c on, two accumulators

@@ -1,5 +1,6 @@
-/* The fused step's row-range functions, one per kind and scheme (RF: float activations, RF8:
- * int8), so each inlines its decoder with a constant kind. Included by pk_decode.c. */
+/* The row-range functions, one per kind and scheme (RF: float activations, RF8: int8), so each
+ * inlines its decoder with a constant kind: the fused step's threads and the matmul entry
+ * (poly_kernels.c run_rows) call the same ones. Included by poly_kernels.c and pk_decode.c. */
 #ifndef PK_RANGES_H
 #define PK_RANGES_H
 
@@ -62,22 +63,24 @@ RANGEQ(r_q3_k, K_Q3_K)
 RANGEQ(r_q5_k, K_Q5_K)
 RANGEQ(r_iq4_nl, K_IQ4_NL)
 RANGEQ(r_iq4_xs, K_IQ4_XS)
-RANGE(r8_i8, if (A->n == 1) Q8ROW(K_I8, 1); else Q8ROW(K_I8, A->n))
-RANGE(r8_loom, if (A->n == 1) Q8ROW(K_LOOM_Q4, 1); else Q8ROW(K_LOOM_Q4, A->n))
-RANGE(r8_q4_0, if (A->n == 1) Q8ROW(K_Q4_0, 1); else Q8ROW(K_Q4_0, A->n))
-RANGE(r8_q4_1, if (A->n == 1) Q8ROW(K_Q4_1, 1); else Q8ROW(K_Q4_1, A->n))
-RANGE(r8_q8_0, if (A->n == 1) Q8ROW(K_Q8_0, 1); else Q8ROW(K_Q8_0, A->n))
-RANGE(r8_q4_k, if (A->n == 1) Q8ROW(K_Q4_K, 1); else Q8ROW(K_Q4_K, A->n))
-RANGE(r8_q6_k, if (A->n == 1) Q8ROW(K_Q6_K, 1); else Q8ROW(K_Q6_K, A->n))
+/* int8 activations: one row at a time */
+#define RANGE8(NAME, KIND) RANGE(NAME, if (A->n == 1) Q8ROW(KIND, 1); else Q8ROW(KIND, A->n))
+RANGE8(r8_i8, K_I8)
+RANGE8(r8_loom, K_LOOM_Q4)
+RANGE8(r8_q4_0, K_Q4_0)
+RANGE8(r8_q4_1, K_Q4_1)
+RANGE8(r8_q8_0, K_Q8_0)
+RANGE8(r8_q4_k, K_Q4_K)
+RANGE8(r8_q6_k, K_Q6_K)
+RANGE8(r8_q5_0, K_Q5_0)
+RANGE8(r8_q5_1, K_Q5_1)
+RANGE8(r8_q2_k, K_Q2_K)
+RANGE8(r8_q3_k, K_Q3_K)
+RANGE8(r8_q5_k, K_Q5_K)
+RANGE8(r8_iq4_nl, K_IQ4_NL)
+RANGE8(r8_iq4_xs, K_IQ4_XS)
 static const range_fn RF[K_COUNT] = {r_f32, r_f16, r_bf16, r_i8, r_loom, r_q4_0, r_q4_1, r_q8_0, r_q4_k,
                                      r_q6_k, r_q5_0, r_q5_1, r_q2_k, r_q3_k, r_q5_k, r_iq4_nl, r_iq4_xs};
-RANGE(r8_q5_0, if (A->n == 1) Q8ROW(K_Q5_0, 1); else Q8ROW(K_Q5_0, A->n))
-RANGE(r8_q5_1, if (A->n == 1) Q8ROW(K_Q5_1, 1); else Q8ROW(K_Q5_1, A->n))
-RANGE(r8_q2_k, if (A->n == 1) Q8ROW(K_Q2_K, 1); else Q8ROW(K_Q2_K, A->n))
-RANGE(r8_q3_k, if (A->n == 1) Q8ROW(K_Q3_K, 1); else Q8ROW(K_Q3_K, A->n))
-RANGE(r8_q5_k, if (A->n == 1) Q8ROW(K_Q5_K, 1); else Q8ROW(K_Q5_K, A->n))
-RANGE(r8_iq4_nl, if (A->n == 1) Q8ROW(K_IQ4_NL, 1); else Q8ROW(K_IQ4_NL, A->n))
-RANGE(r8_iq4_xs, if (A->n == 1) Q8ROW(K_IQ4_XS, 1); else Q8ROW(K_IQ4_XS, A->n))
 static const range_fn RF8[K_COUNT] = {NULL,    NULL,    NULL,    r8_i8,   r8_loom,  r8_q4_0,
                                       r8_q4_1, r8_q8_0, r8_q4_k, r8_q6_k, r8_q5_0,  r8_q5_1,
                                       r8_q2_k, r8_q3_k, r8_q5_k, r8_iq4_nl, r8_iq4_xs};

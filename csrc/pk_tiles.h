@@ -49,7 +49,7 @@ static inline __attribute__((always_inline)) void quant_tile(int kind, const mm_
 #endif
 
 /* One output row: decode each block once, dot it with every input row (SIMD: in tiles of
- * ROW_TILE rows, then 4, 2, 1, each tile re-decoding the row). */
+ * ROW_TILE rows, then the rest as one tile, each tile re-decoding the row). */
 static inline __attribute__((always_inline)) void quant_row(int kind, const mm_args *A, int64_t r, int64_t n) {
 #if PK_SIMD
 #define QTILE(c, nn) quant_tile(kind, A, r, c, nn)
@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void quant_row2(int kind, const mm_
 #define QTILE2(c, nn)                                                                         \
     do {                                                                                      \
         if (nn == 1) { quant_tile512(kind, A, r, c, 1); quant_tile512(kind, A, r + 1, c, 1); } \
-        else quant_tile512x2(kind, A, r, c, nn);                                              \
+        else quant_rows512(kind, A, r, c, nn, 2);                                             \
     } while (0)
     FOR_TILES(n, QTILE2);
 #undef QTILE2

@@ -14,88 +14,21 @@
 
 static int pk_threads = 1;
 
-/* The row loop, instantiated per kind so the decoders inline with a constant `kind`. */
-#define ROWS(NAME, BODY)                                                                     \
-    static void NAME(const mm_args *A, int nt) {                                             \
-        const int64_t m = A->m, n = A->n;                                                    \
-        (void)n;                                                                             \
-        _Pragma("omp parallel for schedule(static) num_threads(nt)")                         \
-        for (int64_t r = 0; r < m; r++) {                                                    \
-            prefetch_row(A, r);                                                              \
-            BODY;                                                                            \
-        }                                                                                    \
-    }
-/* with several inputs, rows in pairs (TWO for rows r, r + 1), as in the fused step */
-#define ROWS2(NAME, ONE, TWO)                                                                \
-    static void NAME(const mm_args *A, int nt) {                                             \
-        const int64_t m = A->m, n = A->n, pairs = n > 1 ? m / 2 : 0;                         \
-        _Pragma("omp parallel for schedule(static) num_threads(nt)")                         \
-        for (int64_t t = 0; t < m - pairs; t++) {                                            \
-            const int64_t r = t < pairs ? 2 * t : pairs + t;                                 \
-            prefetch_row(A, r);                                                              \
-            if (t < pairs) {                                                                 \
-                prefetch_row(A, r + 1);                                                      \
-                TWO;                                                                         \
-            } else {                                                                         \
-                ONE;                                                                         \
-            }                                                                                \
-        }                                                                                    \
-    }
-#define QUANT(NAME, KIND)                                                                    \
-    ROWS2(NAME, if (n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, n),          \
-          quant_row2(KIND, A, r, n))
-/* dense rows in quads (dense_row4), as in the fused step, then one at a time */
-#define DENSE(NAME, KIND)                                                                    \
-    static void NAME(const mm_args *A, int nt) {                                             \
-        const int64_t m = A->m, n = A->n, quads = n > 1 ? m / 4 : 0;                         \
-        _Pragma("omp parallel for schedule(static) num_threads(nt)")                         \
-        for (int64_t t = 0; t < m - 3 * quads; t++) {                                        \
-            const int64_t r = t < quads ? 4 * t : 3 * quads + t;                             \
-            prefetch_row(A, r);                                                              \
-            if (t < quads) dense_row4(KIND, A, r);                                           \
-            else dense_row(KIND, A, r);                                                      \
-        }                                                                                    \
-    }
-#define QUANT8(NAME, KIND) ROWS(NAME, if (n == 1) Q8ROW(KIND, 1); else Q8ROW(KIND, n))
-DENSE(mm_f32, K_F32)
-DENSE(mm_f16, K_F16)
-DENSE(mm_bf16, K_BF16)
-DENSE(mm_i8, K_I8)
-QUANT(mm_loom_q4, K_LOOM_Q4)
-QUANT(mm_q4_0, K_Q4_0)
-QUANT(mm_q4_1, K_Q4_1)
-QUANT(mm_q8_0, K_Q8_0)
-QUANT(mm_q4_k, K_Q4_K)
-QUANT(mm_q6_k, K_Q6_K)
-QUANT(mm_q5_0, K_Q5_0)
-QUANT(mm_q5_1, K_Q5_1)
-QUANT(mm_q2_k, K_Q2_K)
-QUANT(mm_q3_k, K_Q3_K)
-QUANT(mm_q5_k, K_Q5_K)
-QUANT(mm_iq4_nl, K_IQ4_NL)
-QUANT(mm_iq4_xs, K_IQ4_XS)
-QUANT8(mm8_i8, K_I8)
-QUANT8(mm8_loom_q4, K_LOOM_Q4)
-QUANT8(mm8_q4_0, K_Q4_0)
-QUANT8(mm8_q4_1, K_Q4_1)
-QUANT8(mm8_q8_0, K_Q8_0)
-QUANT8(mm8_q4_k, K_Q4_K)
-QUANT8(mm8_q6_k, K_Q6_K)
-QUANT8(mm8_q5_0, K_Q5_0)
-QUANT8(mm8_q5_1, K_Q5_1)
-QUANT8(mm8_q2_k, K_Q2_K)
-QUANT8(mm8_q3_k, K_Q3_K)
-QUANT8(mm8_q5_k, K_Q5_K)
-QUANT8(mm8_iq4_nl, K_IQ4_NL)
-QUANT8(mm8_iq4_xs, K_IQ4_XS)
+#include "pk_ranges.h"
 
-typedef void (*mm_fn)(const mm_args *, int);
-static const mm_fn FNS[K_COUNT] = {mm_f32, mm_f16, mm_bf16, mm_i8, mm_loom_q4, mm_q4_0,
-                                   mm_q4_1, mm_q8_0, mm_q4_k, mm_q6_k, mm_q5_0, mm_q5_1,
-                                   mm_q2_k, mm_q3_k, mm_q5_k, mm_iq4_nl, mm_iq4_xs};
-static const mm_fn FNS8[K_COUNT] = {NULL, NULL, NULL, mm8_i8, mm8_loom_q4, mm8_q4_0,
-                                    mm8_q4_1, mm8_q8_0, mm8_q4_k, mm8_q6_k, mm8_q5_0, mm8_q5_1,
-                                    mm8_q2_k, mm8_q3_k, mm8_q5_k, mm8_iq4_nl, mm8_iq4_xs};
+/* rows [0, m) split over nt threads, each range through the fused step's range function f
+ * (pairs and quads of rows as there, so both give the same sums) */
+static void run_rows(range_fn f, const mm_args *A, int nt) {
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+        const int tid = 0, nth = 1;
+#endif
+        f(A, A->m * tid / nth, A->m * (tid + 1) / nth);
+    }
+}
 
 #include "pk_dequant.h"
 
@@ -110,7 +43,7 @@ static int run(int kind, mm_args *A, int nt, int q8) {
     float *scratch = NULL;
     if (kind == K_I8 && q8 && PK_SIMD && A->k % 32 == 0) A->nb = A->k / 32;
     else if (kind <= K_I8) q8 = 0;
-    if (!PK_SIMD || !FNS8[kind]) q8 = 0; /* kinds without an int8 kernel: the float path */
+    if (!PK_SIMD || !RF8[kind]) q8 = 0; /* kinds without an int8 kernel: the float path */
     if (kind > K_I8 || q8) {
         const int64_t nk = A->n * A->k, nbs = A->n * A->nb;
         scratch = malloc((size_t)(4 * nbs + nk) * 4 + 2 * nk + 64);
@@ -138,7 +71,7 @@ static int run(int kind, mm_args *A, int nt, int q8) {
         P.x = A->x + c * A->k;
         P.xs = A->xs ? A->xs + c * A->nb : NULL;
         P.out = A->out + c * A->ldo;
-        (q8 ? FNS8 : FNS)[kind](&P, nt);
+        run_rows((q8 ? RF8 : RF)[kind], &P, nt);
     }
     free(scratch);
     return 0;
