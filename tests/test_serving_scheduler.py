@@ -169,9 +169,28 @@ def test_requests_join_a_running_batch(model):
     first = s.submit(ids[0], SamplingParams(max_tokens=10, temperature=0.0))
     for _ in range(4):
         s.step()
+    passes, many = [], s.kv.prefill_many
+    s.kv.prefill_many = lambda seqs, chunks: passes.append([len(c) for c in chunks]) or many(
+        seqs, chunks
+    )
     later = [s.submit(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in ids[1:]]
     _run(s)
     assert [h.result(0).choices[0].token_ids for h in [first, *later]] == refs
+    # the joiners' prompts rode along with the running decode rows (16 rows a call at most):
+    # [1, 6, 8] then [1, 1, 1, 12]
+    assert sorted(n for p in passes for n in p if n > 1) == sorted(len(p) for p in ids[1:])
+    assert len(passes) == 2 and all(p[0] == 1 and sum(p) <= 16 for p in passes)
+
+
+def test_rows_alike_only_where_one_prompt_takes_no_other_path(model, monkeypatch):
+    from poly.runtime import ckernels, fused
+
+    assert fused.rows_alike(model)  # float32 weights: the row kernels for any rows
+    p = fused.plan(model)
+    monkeypatch.setattr(p, "kinds", p.kinds | {ckernels.Q4_K})
+    assert not fused.rows_alike(model)  # "auto": a K-quant prompt alone takes int16 panels
+    monkeypatch.setattr(ckernels, "_opts", {"q8": ckernels.Q8_OFF})
+    assert fused.rows_alike(model)
 
 
 def test_long_prompt_prefill_is_chunked(model):

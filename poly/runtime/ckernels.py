@@ -49,6 +49,7 @@ STEP_ROWS = 64  # rows of one fused step (csrc/pk_decode.h STEP_MAX)
 # kind ids of csrc/poly_kernels.c, from the scheme records (poly.quant.schemes)
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = qs.C_Q4_0, qs.C_Q4_1, qs.C_Q8_0, qs.C_Q4_K, qs.C_Q6_K
+K8_KINDS = frozenset({qs.C_Q2_K, qs.C_Q3_K, qs.C_Q4_K, qs.C_Q5_K, qs.C_Q6_K})  # k8_kind (pk_k8.h)
 DENSE_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is DenseMatrix}
 GGUF_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is GGUFMatrix}
 GGUF_BLOCK = {r.c_kind: r.block for r in qs.SCHEMES.values() if r.qtensor is GGUFMatrix}

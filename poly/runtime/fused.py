@@ -134,10 +134,31 @@ class Plan:
             (b.sequential_layers[MLP], a[14][7]) for b, a in zip(blocks, layers) if len(a) == 15
         ]
         self.layers = layers
+        self.kinds = frozenset(_kinds((layers, lm)))
         self.head = (final, float(model.config.rms_norm_eps), lm)
         self.vocab = lm[3]
         self.tuners: dict[int, ThreadTuner] = {}  # decode threads per batch size
         self.ok = True
+
+
+def _kinds(args):
+    """The C kinds of every matrix record (_mat's 6-tuples) inside the nested argument tuples."""
+    if isinstance(args, tuple):
+        if len(args) == 6 and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
+            yield args[0]
+        else:
+            for a in args:
+                yield from _kinds(a)
+
+
+def rows_alike(model) -> bool:
+    """Whether a row's results in a fused call of at most MAX_N rows are the same whatever the
+    other rows (prompt rows beside decode rows): false without the fused step, and in the q8
+    "auto" mode for K-quant matrices, whose one-prompt rows take the int16 panels."""
+    p = plan(model)
+    if p is None:
+        return False
+    return ckernels.act_q8() != ckernels.Q8_AUTO or not p.kinds & ckernels.K8_KINDS
 
 
 def plan(model) -> Plan | None:

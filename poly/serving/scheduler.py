@@ -4,8 +4,10 @@ Each ``step()``:
 1. admits waiting requests while the batch has room (a request with ``n`` choices takes n rows);
 2. drops cancelled requests (their KV is freed at once);
 3. runs one decode token for every generating sequence through the fused multi-row step
-   (``forward_batch``, up to ``ckernels.MAX_N`` rows per call);
-4. runs one prefill chunk (``prefill_chunk`` tokens) of the oldest request still prefilling and,
+   (``forward_batch``, up to ``ckernels.MAX_N`` rows per call); when whole waiting prompts fit
+   the same call's rows (``MAX_ROWS`` in all), they ride along: one pass over the weights for
+   both instead of two (requests joining a running batch; each row computes as it would alone);
+4. otherwise runs one prefill chunk (``prefill_chunk`` tokens) of the oldest request still prefilling and,
    within the same token budget, the whole prompts of the requests after it, in one pass over
    the weights (``batch_prefill``; `poly.runtime.batch.forward_batch`), so a long prompt delays
    the others' next token by at most one chunk and a burst of short prompts costs one pass.
@@ -30,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 
 from poly.errors import ContextOverflowError, PolyError, QueueFullError
+from poly.runtime import fused
 from poly.serving.handle import RequestDone, RequestFailed, RequestHandle, Usage
 from poly.serving.metrics import Metrics
 from poly.serving.params import SamplingParams
@@ -129,8 +132,9 @@ class Scheduler:
             return False
         with model_lock(self.model):
             self._drop_cancelled()
-            self._decode()
-            self._prefill()
+            if not self._mixed():
+                self._decode()
+                self._prefill()
         return True
 
     def _new_seqs(self, handle: RequestHandle, mask_factory) -> list[Sequence]:
@@ -182,8 +186,40 @@ class Scheduler:
         for a in [a for a in self._active if a.handle.cancelled]:
             self._finish(a, cancelled=True)
 
+    def _decode_rows(self) -> list[tuple[_Active, Sequence]]:
+        return [(a, s) for a in self._active if a.prefilled for s in a.seqs if not s.finish_reason]
+
+    def _mixed(self) -> bool:
+        """The decode rows and the whole prompts that fit beside them (MAX_ROWS rows in all) in
+        one fused call; False (nothing run) when there are not both. Rows past MAX_ROWS would
+        take the prompt GEMM, whose sums differ from a decode row's own."""
+        rows = self._decode_rows()
+        if not rows or len(rows) >= MAX_ROWS or not self.batch_prefill:
+            return False
+        if not fused.rows_alike(self.model):
+            return False
+        group = self._prefill_group(MAX_ROWS - len(rows), whole=True)
+        if not group:
+            return False
+        firsts = [a.seqs[0] for a, _ in group]
+        chunks = [[s.tokens[-1]] for _, s in rows]
+        chunks += [s.tokens[s.computed : s.computed + n] for s, (_, n) in zip(firsts, group)]
+        t0 = time.perf_counter()
+        logits = self.kv.prefill_many([s.kv for _, s in rows] + [s.kv for s in firsts], chunks)
+        dt = time.perf_counter() - t0
+        share = len(rows) / (len(rows) + sum(n for _, n in group))  # the pass's time by rows
+        self.metrics.decode_step(len(rows), dt * share)
+        self.metrics.prefill(sum(n for _, n in group), dt * (1 - share))
+        for (a, s), row in zip(rows, logits[: len(rows)]):
+            s.computed += 1
+            self._sample(a, s, row)
+        self._finish_decoded()
+        for (a, n), row in zip(group, logits[len(rows) :]):
+            self._prefilled(a, n, row)
+        return True
+
     def _decode(self) -> None:
-        rows = [(a, s) for a in self._active if a.prefilled for s in a.seqs if not s.finish_reason]
+        rows = self._decode_rows()
         for g in range(0, len(rows), MAX_ROWS):
             group = rows[g : g + MAX_ROWS]
             t0 = time.perf_counter()
@@ -192,6 +228,9 @@ class Scheduler:
             for (a, s), row in zip(group, logits):
                 s.computed += 1
                 self._sample(a, s, row)
+        self._finish_decoded()
+
+    def _finish_decoded(self) -> None:
         for a in [a for a in self._active if a.prefilled and all(s.finish_reason for s in a.seqs)]:
             self._finish(a)
 
@@ -209,15 +248,16 @@ class Scheduler:
         for (a, n), row in zip(group, logits):
             self._prefilled(a, n, row)
 
-    def _prefill_group(self) -> list[tuple[_Active, int]]:
+    def _prefill_group(self, budget: int = 0, whole: bool = False) -> list[tuple[_Active, int]]:
         """The oldest prompt still prefilling (its next chunk), then, while `prefill_chunk`
-        tokens last, the whole remaining prompts of the next ones (`batch_prefill`)."""
-        group, budget = [], self.prefill_chunk
+        tokens (or ``budget``) last, the whole remaining prompts of the next ones
+        (`batch_prefill`); ``whole``: whole remaining prompts only."""
+        group, budget = [], min(budget or self.prefill_chunk, self.prefill_chunk)
         for a in self._active:
             if a.prefilled:
                 continue
             left = a.seqs[0].n_prompt - a.seqs[0].computed
-            if group and (left > budget or not self.batch_prefill):
+            if (group or whole) and left > budget or group and not self.batch_prefill:
                 break
             group.append((a, min(left, budget)))
             budget -= group[-1][1]
