@@ -170,8 +170,8 @@ def test_requests_join_a_running_batch(model):
     for _ in range(4):
         s.step()
     passes, many = [], s.kv.prefill_many
-    s.kv.prefill_many = lambda seqs, chunks: passes.append([len(c) for c in chunks]) or many(
-        seqs, chunks
+    s.kv.prefill_many = lambda seqs, chunks: (
+        passes.append([len(c) for c in chunks]) or many(seqs, chunks)
     )
     later = [s.submit(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in ids[1:]]
     _run(s)
