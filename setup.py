@@ -31,6 +31,7 @@ KERNEL_SOURCES = [
     "csrc/pk_dense.h",
     "csrc/pk_tiles.h",
     "csrc/pk_ranges.h",
+    "csrc/pk_r16.h",
     "csrc/pk_quants.h",
     "csrc/pk_k8.h",
     "csrc/pk_k8g.h",

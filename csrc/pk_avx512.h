@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void deq512(int kind, const mm_args
 }
 
 /* `rows` weight rows from r (1 or 2: a pair shares each x load, four FMAs instead of two) times
- * the nn >= 2 input rows from c on: each block dequantized once (D * codes + M) for all inputs,
+ * the nn input rows from c on: each block dequantized once (D * codes + M) for all inputs,
  * one accumulator per (row, input) with two FMAs a block, so a row's sums are the same alone
  * and in a pair */
 static inline __attribute__((always_inline)) void quant_rows512(int kind, const mm_args *A, int64_t r, int64_t c,
@@ -137,51 +137,12 @@ static inline __attribute__((always_inline)) void quant_rows512(int kind, const 
     }
 }
 
-/* quant_row on 16 lanes for the nn input rows from c on. nn is a constant after inlining, so
- * the unrolled loops keep every accumulator in a register (a runtime count left them in memory:
- * 2 rows cost twice one). One input: Q4_0/Q4_1/Loom sum the looked-up values times x, the other
- * kinds D * (codes . x) + M * sum(x) per block; several inputs: quant_rows512. */
+/* quant_row on 16 lanes for the nn input rows from c on: one input too takes quant_rows512's
+ * sums (one accumulator per row and input, two FMAs a block), so a sequence's numbers are the
+ * same decoded alone and batched (the earlier one-input forms, four FMA chains or codes then
+ * scale, differed in the last bits: 1e-5 on SmolLM2's logits) */
 static inline __attribute__((always_inline)) void quant_tile512(int kind, const mm_args *A, int64_t r, int64_t c,
                                                                 const int nn) {
-    pq_cache pc = {NULL};
-    if (nn == 1 && (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_LOOM_Q4)) {
-        /* the looked-up values (deq512) times x, two blocks a step on four FMA chains: the
-         * codes-then-scale form ran ~5.5 cycles a block on its two dependent chains (a 1B Q4_0
-         * decode read 26 GB/s where Q8_0 reads 45) */
-        const float *xb = A->x + c * A->k;
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, w[2], u[2];
-        int64_t b = 0;
-        for (; b + 2 <= A->nb; b += 2) {
-            deq512(kind, A, r, b, w, &pc);
-            deq512(kind, A, r, b + 1, u, &pc);
-            s0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + b * 32), s0);
-            s1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + b * 32 + 16), s1);
-            s2 = _mm512_fmadd_ps(u[0], _mm512_loadu_ps(xb + b * 32 + 32), s2);
-            s3 = _mm512_fmadd_ps(u[1], _mm512_loadu_ps(xb + b * 32 + 48), s3);
-        }
-        if (b < A->nb) {
-            deq512(kind, A, r, b, w, &pc);
-            s0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + b * 32), s0);
-            s1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + b * 32 + 16), s1);
-        }
-        A->out[c * A->ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3)));
-        return;
-    }
-    if (nn == 1) {
-        float macc = 0.0f;
-        __m512 a0 = _mm512_setzero_ps();
-        for (int64_t b = 0; b < A->nb; b++) {
-            __m512 v[2];
-            float D, M;
-            dec512(kind, A, r, b, v, &D, &M, &pc);
-            const float *xb = A->x + c * A->k + b * 32;
-            const __m512 s = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(v[0], _mm512_loadu_ps(xb)));
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(D), s, a0);
-            macc += M * A->xs[c * A->nb + b];
-        }
-        A->out[c * A->ldo + r] = _mm512_reduce_add_ps(a0) + macc;
-        return;
-    }
     quant_rows512(kind, A, r, c, nn, 1);
 }
 

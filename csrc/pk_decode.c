@@ -36,6 +36,7 @@
 /* ---- compute ------------------------------------------------------------------------------ */
 
 #include "pk_ranges.h"
+#include "pk_r16.h"
 
 static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n) {
     double ss = 0.0;
@@ -72,7 +73,9 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         k8g_range(M->kind, &A, n, out, ldo, r0, r1, GR, tmp);
     } else
 #endif
-    if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
+    if (PK_R16 && M->rp && q8 && !P->g8 && n <= MAX_N && !r16_range(&A, M->rp, r0, r1)) {
+        /* done: repacked 4-bit rows on the int8 codes (csrc/pk_r16.h) */
+    } else if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
 #ifdef _OPENMP
         float *tmp = P->gbuf + omp_get_thread_num() * P->gstride;
 #else

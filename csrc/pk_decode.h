@@ -12,6 +12,7 @@ typedef struct {
     mm_args A; /* w, aux, m, k, rb, nb set; x/out filled per use */
     int kind;
     const float *bias;
+    const uint8_t *rp; /* Q4_0/Q4_1 rows repacked by 16 (csrc/pk_r16.h), or NULL */
 } mat_t;
 
 typedef struct { /* one SwiGLU expert: gate/up as (w_gate_up,) or (w_gate, w_up), then down */
@@ -42,7 +43,8 @@ typedef struct { /* one input vector prepared for every kernel kind */
 } px_t;
 
 typedef struct {
-    layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int q8, loom;
+    layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int loom;
+    int q8; /* 0 float, 1 int8 codes for every 4/8-bit kind, 2 auto (K-quants), 3 repacked rows only */
     int seq1; /* the n rows are one sequence's tokens (a prompt): they share every cache */
     int indep; /* no two rows share a cache (and page table): each row attends only its own keys */
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */

@@ -31,10 +31,7 @@ static int check_table(const step_t *S, int i, int64_t npages) {
     const int64_t need = S->pos[i] / S->ps + 1;
     if (S->ntab[i] < need) { PyErr_SetString(PyExc_ValueError, "page table too short"); return -1; }
     for (int64_t j = 0; j < need; j++)
-        if (S->tab[i][j] < 0 || S->tab[i][j] >= npages) {
-            PyErr_SetString(PyExc_ValueError, "page id outside the pool");
-            return -1;
-        }
+        if (S->tab[i][j] < 0 || S->tab[i][j] >= npages) { PyErr_SetString(PyExc_ValueError, "page id outside the pool"); return -1; }
     return 0;
 }
 
@@ -61,9 +58,10 @@ static int parse_paged(holds_t *H, PyObject *o, step_t *S) {
     return 0;
 }
 
-/* (kind, w, aux|None, m, k, bias|None) with m rows of k inputs */
+/* (kind, w, aux|None, m, k, bias|None[, rp|None]) with m rows of k inputs; rp: Q4_0/Q4_1 rows
+ * repacked by 16 (csrc/pk_r16.h) */
 static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
-    if (as_tuple(t, 6, "a matrix")) return -1;
+    if (as_tuple(t, -1, "a matrix") || (PyTuple_GET_SIZE(t) != 6 && as_tuple(t, 7, "a matrix"))) return -1;
     long kind = PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
     int64_t tm = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 3)), tk = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 4));
     if (PyErr_Occurred()) return -1;
@@ -78,25 +76,24 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     PyObject *ow = PyTuple_GET_ITEM(t, 1), *oa = PyTuple_GET_ITEM(t, 2);
     if (!(M->A.w = hold(H, ow, 0, -1, "w"))) return -1;
     Py_buffer *bw = &H->bufs[H->n - 1], *ba = NULL;
-    if ((kind == K_I8 || kind == K_LOOM_Q4) && oa == Py_None) {
-        PyErr_SetString(PyExc_ValueError, "this kind needs its scales");
-        return -1;
-    }
+    if ((kind == K_I8 || kind == K_LOOM_Q4) && oa == Py_None) { PyErr_SetString(PyExc_ValueError, "this kind needs its scales"); return -1; }
     if (oa != Py_None) {
         if (!(M->A.aux = hold(H, oa, 0, -1, "aux"))) return -1;
         ba = &H->bufs[H->n - 1];
     }
     if (check_matrix((int)kind, bw, ba, &M->A)) return -1;
     if (kind == K_LOOM_Q4 && k % 32) { PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks"); return -1; }
-    PyObject *ob = PyTuple_GET_ITEM(t, 5);
+    PyObject *ob = PyTuple_GET_ITEM(t, 5), *orp = PyTuple_GET_SIZE(t) == 7 ? PyTuple_GET_ITEM(t, 6) : Py_None;
     if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
-    return 0;
+    if (orp == Py_None) return 0;
+    if ((kind != K_Q4_0 && kind != K_Q4_1) || m % 16) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1, rows by 16"); return -1; }
+    return (M->rp = hold(H, orp, 0, m / 16 * M->A.nb * R16_REC, "rp")) ? 0 : -1;
 }
 
 /* gate/up (1 or 2 matrices) and down of a SwiGLU with d inputs; *inter = max(*inter, I) */
 static int parse_ffn(holds_t *H, PyObject *mg, PyObject *md, int *ngu, mat_t *gu, mat_t *down, int64_t d,
                      int64_t *inter) {
-    if (!PyTuple_Check(mg) || (PyTuple_GET_SIZE(mg) != 1 && PyTuple_GET_SIZE(mg) != 2) || as_tuple(md, 6, "down")) {
+    if (!PyTuple_Check(mg) || (PyTuple_GET_SIZE(mg) != 1 && PyTuple_GET_SIZE(mg) != 2) || !PyTuple_Check(md) || PyTuple_GET_SIZE(md) < 6) {
         PyErr_SetString(PyExc_ValueError, "gate/up must be 1 or 2 matrices");
         return -1;
     }
@@ -223,7 +220,7 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
     S->eps_final = (float)PyFloat_AsDouble(PyTuple_GET_ITEM(head, 1));
     if (PyErr_Occurred()) return -1;
     PyObject *lm = PyTuple_GET_ITEM(head, 2);
-    if (as_tuple(lm, 6, "lm head")) return -1;
+    if (!PyTuple_Check(lm) || PyTuple_GET_SIZE(lm) < 6) { PyErr_SetString(PyExc_ValueError, "lm head: a matrix"); return -1; }
     const int64_t V = PyLong_AsLongLong(PyTuple_GET_ITEM(lm, 3));
     if (PyErr_Occurred() || parse_mat(H, lm, &S->lm, V, S->d)) return -1;
     S->loom |= S->lm.kind == K_LOOM_Q4;
@@ -266,17 +263,20 @@ static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
     return 0;
 }
 
-/* auto mode, K-quants: int8 rows (csrc/pk_k8.h) for independent rows (batched decode: a row's
- * numbers do not depend on its company), int16 panels (pk_k8g.h) for prompts of 4-128 tokens */
-static int k8_auto(const step_t *S) {
-    int any = k8_kind(S->lm.kind);
+/* the auto mode's q8: 2 for K-quants, int8 rows (csrc/pk_k8.h) for independent rows (batched
+ * decode: a row's numbers do not depend on its company), int16 panels (pk_k8g.h) for prompts
+ * of 4-128 tokens; else 3 when only repacked 4-bit rows (pk_r16.h) read codes; else 0 */
+static int auto_q8(const step_t *S) {
+    int any = k8_kind(S->lm.kind), rp = S->lm.rp != NULL;
     for (int l = 0; l < S->nl; l++) {
         const layer_t *L = &S->L[l];
-        for (int i = 0; i < L->nqkv; i++) any |= k8_kind(L->qkv[i].kind);
-        for (int i = 0; i < L->ngu; i++) any |= k8_kind(L->gu[i].kind);
+        for (int i = 0; i < L->nqkv; i++) any |= k8_kind(L->qkv[i].kind), rp |= L->qkv[i].rp != NULL;
+        for (int i = 0; i < L->ngu; i++) any |= k8_kind(L->gu[i].kind), rp |= L->gu[i].rp != NULL;
         any |= k8_kind(L->o.kind) | (!L->moe && k8_kind(L->down.kind));
+        rp |= L->o.rp != NULL || (!L->moe && L->down.rp != NULL);
     }
-    return any && (!S->seq1 || (S->n >= K8G_ROWS && S->n <= K8G_MAX));
+    if (any && (!S->seq1 || (S->n >= K8G_ROWS && S->n <= K8G_MAX))) return 2;
+    return PK_R16 && rp ? 3 : 0;
 }
 
 static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -306,7 +306,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (nargs >= 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
     pk_row_sharing(&S); /* seq1 and indep */
-    if (S.q8 == 2 && !k8_auto(&S)) S.q8 = 0; /* nothing takes int8 activations: no prep for them */
+    if (S.q8 == 2) S.q8 = auto_q8(&S); /* 0: nothing takes int8 activations, no prep for them */
     if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
     if (S.red && S.mrows) { PyErr_SetString(PyExc_ValueError, "MoE layers take no reduce"); goto done; }
     const int nt = want_nt ? (int)want_nt : pk_threads;

@@ -38,10 +38,11 @@ static inline int q8_group_n(const step_t *S, int64_t n, int want) {
 static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->n, want); }
 
 /* whether one of the cnt matrices at M reads an input's codes: every quantized kind with q8 = 1,
- * the K-quants in the auto mode (an input that only float kernels read is not quantized) */
+ * the K-quants and repacked 4-bit rows in the auto mode (an input that only float kernels read
+ * is not quantized) */
 static inline int wants_codes(const step_t *S, const mat_t *M, int cnt) {
     int any = 0;
-    for (int i = 0; i < cnt; i++) any |= S->q8 == 1 || (S->q8 == 2 && k8_kind(M[i].kind));
+    for (int i = 0; i < cnt; i++) any |= S->q8 == 1 || (S->q8 == 2 && k8_kind(M[i].kind)) || (S->q8 && PK_R16 && M[i].rp);
     return any;
 }
 

@@ -12,7 +12,9 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
             BODY;                                                                            \
         }                                                                                    \
     }
-/* with several inputs, rows in pairs (TWO for rows r, r + 1; ONE for row r) */
+/* with several inputs, rows in pairs (TWO for rows r, r + 1; ONE for row r); one input: one
+ * row at a time (a single stream through memory: pairs or quads of one-input rows, the same
+ * sums, made a SmolLM2 Q8_0 decode 3.3 -> 5.5-6.5 ms) */
 #define RANGE2(NAME, ONE, TWO)                                                               \
     static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
         int64_t r = r0;                                                                      \

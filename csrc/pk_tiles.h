@@ -80,8 +80,7 @@ static inline __attribute__((always_inline)) void quant_row2(int kind, const mm_
 #if PK_AVX512
 #define QTILE2(c, nn)                                                                         \
     do {                                                                                      \
-        if (nn == 1) { quant_tile512(kind, A, r, c, 1); quant_tile512(kind, A, r + 1, c, 1); } \
-        else quant_rows512(kind, A, r, c, nn, 2);                                             \
+        quant_rows512(kind, A, r, c, nn, 2);                                                  \
     } while (0)
     FOR_TILES(n, QTILE2);
 #undef QTILE2

@@ -15,6 +15,7 @@
 static int pk_threads = 1;
 
 #include "pk_ranges.h"
+#include "pk_r16.h"
 
 /* rows [0, m) split over nt threads, each range through the fused step's range function f
  * (pairs and quads of rows as there, so both give the same sums) */
@@ -192,7 +193,7 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 #else
     int omp = 0;
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads);
+    return Py_BuildValue("{s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16);
 }
 
 static PyMethodDef methods[] = {

@@ -182,7 +182,7 @@ def test_extension_checks_the_tuples_itself():
 
 
 @pytest.mark.parametrize("scheme", ["float32", "gguf_q4_1", "loom_q4"])
-def test_batched_rows_match_each_sequence_alone(scheme, monkeypatch):
+def test_batched_rows_match_each_sequence_alone(scheme, monkeypatch, float_path):
     from poly.runtime.batch import forward_batch
 
     tf = random_transformer(tiny_cfg(), seed=9)

@@ -54,8 +54,11 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def mode_logits(comm, out: Path, quantized: bool, specs: list[str]) -> None:
-    from poly.runtime import kernels
+    from poly.runtime import ckernels, kernels
 
+    # quantized: the float kernels on both sides (TP = 1 decodes GGUF Q4_1 rows on int8 codes of
+    # x, csrc/pk_r16.h, ~5e-4 of the logit scale from the float rows that TP ranks' shards take)
+    ckernels.set_act_q8(False if quantized else "auto")
     for i, spec in enumerate(specs):
         is_smol = not Path(spec).is_dir()  # the real model: last-position prefill, C only
         for backend in ("c",) if is_smol else ("c", "numpy"):
@@ -66,6 +69,7 @@ def mode_logits(comm, out: Path, quantized: bool, specs: list[str]) -> None:
             if comm.rank == 0:
                 np.save(out / f"{i}_{backend}.npy", res)
         kernels.set_backend()
+    ckernels.set_act_q8("auto")
 
 
 def mode_greedy(comm, out: Path, quantized: bool, specs: list[str]) -> None:

@@ -28,7 +28,7 @@ _F32 = np.dtype(np.float32)
 
 
 def _mat(w, bias=None) -> tuple | None:
-    """(kind, w, aux, m, k, bias) for the C side, None when no C kernel reads `w`."""
+    """(kind, w, aux, m, k, bias[, rp]) for the C side, None when no C kernel reads `w`."""
     if bias is not None and not _is_f32(bias):
         return None
     if isinstance(w, np.ndarray):  # float32 / float16 / bfloat16 arrays are read as they are
@@ -40,7 +40,9 @@ def _mat(w, bias=None) -> tuple | None:
     if ops is None:
         return None
     kind, data, aux = ops
-    return (kind, data, aux, int(w.shape[0]), int(w.shape[1]), bias)
+    m, k = int(w.shape[0]), int(w.shape[1])
+    rp = ckernels.repack16(kind, data, m, k)  # 4-bit rows by 16 (csrc/pk_r16.h), or None
+    return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
 
 
 def _mats(pairs) -> tuple | None:
@@ -144,7 +146,7 @@ class Plan:
 def _kinds(args):
     """The C kinds of every matrix record (_mat's 6-tuples) inside the nested argument tuples."""
     if isinstance(args, tuple):
-        if len(args) == 6 and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
+        if len(args) in (6, 7) and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
             yield args[0]
         else:
             for a in args:

@@ -1,0 +1,117 @@
+/* Q4_0 / Q4_1 rows repacked in groups of 16 (poly.runtime.ckernels.repack16) for the fused
+ * step's decode and short-prompt rows, AVX-512 VNNI builds: one vector lane per weight row, so
+ * the integer dot product of a whole 32-block lands in that row's lane and the block's scale
+ * applies to 16 rows in one FMA (in the stored layout each row's block needs its own
+ * horizontal work). Per 16 rows and block: D[16], M[16] as float16, then 4 x 64 code bytes,
+ * byte 4 r + i of vector q = the stored byte 4 q + i of row r (low nibble: element 4 q + i,
+ * high: 16 + 4 q + i). x takes the q8 scheme's two int8 codes per element (quantize_x:
+ * x ~= dx * (h + l / 254), ~1/32000 of the block's max|x|).
+ * Why: batched decode (the server's 8 streams) is compute-bound, and the float tiles reach
+ * ~80 % of two FMA pipes; vpdpbusd does 64 multiply-adds an instruction. A row's result does
+ * not depend on the other rows or inputs of the call (lanes and inputs are independent), so a
+ * sequence decodes the same alone and batched. Included by pk_decode.c. */
+#ifndef PK_R16_H
+#define PK_R16_H
+
+#define R16_REC 320 /* bytes per 16 rows and 32-block: the stored size */
+#if PK_AVX512 && defined(__AVX512VNNI__)
+#define PK_R16 1
+
+/* the nn (<= 8) inputs' codes, block by block, as r16_tile reads them: codes [nb][8][64] then
+ * (dx, xs) [nb][8][2], so one pointer and constant offsets reach every input (with a pointer
+ * per input the tile ran out of general registers and spilled in its inner loop) */
+static __thread int8_t *r16_buf;
+static __thread size_t r16_cap;
+
+static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn) {
+    const size_t need = (size_t)A->nb * 8 * (64 + 8);
+    if (need > r16_cap) {
+        free(r16_buf);
+        r16_cap = 0;
+        if (posix_memalign((void **)&r16_buf, 64, need)) return r16_buf = NULL;
+        r16_cap = need;
+    }
+    float *sc = (float *)(r16_buf + A->nb * 8 * 64);
+    for (int64_t b = 0; b < A->nb; b++)
+        for (int i = 0; i < nn; i++) {
+            const int64_t xb = (c + i) * A->nb + b;
+            memcpy(r16_buf + (b * 8 + i) * 64, A->xq + xb * 64, 64);
+            sc[(b * 8 + i) * 2] = A->dx[xb];
+            sc[(b * 8 + i) * 2 + 1] = A->xs[xb];
+        }
+    return r16_buf;
+}
+
+/* rows [16 g, 16 g + 16) x the nn (<= 8) inputs of X (r16_inputs) into out rows c..; lanes
+ * outside `keep` not stored */
+static inline __attribute__((always_inline)) void r16_tile(const mm_args *A, const uint8_t *rp, int64_t g,
+                                                           const int8_t *X, int64_t c, __mmask16 keep, const int nn) {
+    __m512 acc[8];
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512 rl = _mm512_set1_ps(1.0f / XL_SCALE);
+#pragma GCC unroll 8
+    for (int i = 0; i < nn; i++) acc[i] = _mm512_setzero_ps();
+    const uint8_t *p = rp + g * A->nb * R16_REC;
+    const float *sc = (const float *)(X + A->nb * 8 * 64);
+    for (int64_t b = 0; b < A->nb; b++, p += R16_REC, X += 8 * 64, sc += 16) {
+#pragma GCC unroll 6
+        for (int l = 0; l < R16_REC; l += 64) prefetch_line((const char *)p + 2048 + l);
+        const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        __m512i w[8];
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(p + 64 + 64 * q));
+            w[q] = _mm512_and_si512(v, m15);
+            w[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < nn; i++) {
+            const int32_t *h = (const int32_t *)(X + i * 64); /* 32 high codes, then 32 low codes */
+            __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(h[0]));
+            __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(h[8]));
+#pragma GCC unroll 8
+            for (int q = 1; q < 8; q++) {
+                ih = _mm512_dpbusd_epi32(ih, w[q], _mm512_set1_epi32(h[q]));
+                il = _mm512_dpbusd_epi32(il, w[q], _mm512_set1_epi32(h[8 + q]));
+            }
+            const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
+            acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < nn; i++) _mm512_mask_storeu_ps(A->out + (c + i) * A->ldo + 16 * g, keep, acc[i]);
+}
+
+/* rows [r0, r1) for A's n inputs, 8 at a time: the groups they touch; a group that straddles r0
+ * or r1 is computed whole and stores its own rows (the same lanes, bit for bit, whatever the
+ * split between threads). -1: no buffer for the inputs */
+static int r16_range(const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
+    for (int64_t c = 0; c < A->n; c += 8) {
+        const int nn = A->n - c < 8 ? (int)(A->n - c) : 8;
+        const int8_t *X = r16_inputs(A, c, nn);
+        if (!X) return -1;
+        for (int64_t g = r0 / 16; g * 16 < r1; g++) {
+            const int64_t lo = g * 16 < r0 ? r0 - g * 16 : 0, hi = g * 16 + 16 > r1 ? r1 - g * 16 : 16;
+            const __mmask16 keep = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+            switch (nn) {
+            case 8: r16_tile(A, rp, g, X, c, keep, 8); break;
+            case 7: r16_tile(A, rp, g, X, c, keep, 7); break;
+            case 6: r16_tile(A, rp, g, X, c, keep, 6); break;
+            case 5: r16_tile(A, rp, g, X, c, keep, 5); break;
+            case 4: r16_tile(A, rp, g, X, c, keep, 4); break;
+            case 3: r16_tile(A, rp, g, X, c, keep, 3); break;
+            case 2: r16_tile(A, rp, g, X, c, keep, 2); break;
+            default: r16_tile(A, rp, g, X, c, keep, 1);
+            }
+        }
+    }
+    return 0;
+}
+#else
+#define PK_R16 0
+static inline int r16_range(const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)A; (void)rp; (void)r0; (void)r1; return -1; }
+#endif
+
+#endif /* PK_R16_H */

@@ -1,0 +1,112 @@
+"""GGUF Q4_0/Q4_1 rows repacked by 16 (csrc/pk_r16.h): the layout against the stored blocks,
+the kernel against the float rows, and a sequence's logits the same decoded alone and batched.
+
+The repacked rows are the fused step's path on AVX-512 VNNI builds (the default "auto" q8
+mode); elsewhere `repack16` returns None and only the layout test runs.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from poly.runtime import ckernels, fused
+from poly.runtime.batch import forward_batch
+from tests.test_ckernels import MAKERS
+from tests.test_fused import quantize_all, tiny_cfg
+from tests.tiny_model import random_transformer
+
+R16 = ckernels.AVAILABLE and bool(ckernels.info().get("r16"))
+needs_r16 = pytest.mark.skipif(not R16, reason="the repacked rows need an AVX-512 VNNI build")
+
+
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1"])
+def test_repacked_record_holds_each_rows_scales_and_codes(scheme, monkeypatch):
+    """Decode the repacked bytes in numpy: row 16 g + r, block b = D * c + M, equal to the
+    stored matrix's own dequantization (so the layout, not only the kernel, is checked)."""
+    rng = np.random.default_rng(4)
+    qt = MAKERS[scheme](rng.standard_normal((48, 96)).astype(np.float32))
+    kind, raw, _ = ckernels.operands(qt)
+    monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))  # the layout on every build
+    rp = ckernels.repack16(kind, raw, 48, 96)
+    assert rp.shape == (3, 3, ckernels.R16_REC)  # [groups, blocks, record]
+    d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
+    mn = rp[..., 32:64].copy().view(np.float16).astype(np.float32)
+    v = rp[..., 64:].reshape(3, 3, 4, 16, 4)  # [g, b, q, row, i]
+    lo, hi = v & 15, v >> 4  # elements 4 q + i and 16 + 4 q + i
+    codes = np.concatenate([lo.transpose(0, 3, 1, 2, 4), hi.transpose(0, 3, 1, 2, 4)], axis=3)
+    codes = codes.reshape(3, 16, 3, 32).astype(np.float32)  # [g, row, b, element]
+    got = codes * d.transpose(0, 2, 1)[..., None] + mn.transpose(0, 2, 1)[..., None]
+    np.testing.assert_array_equal(got.reshape(48, 96), qt.dequantize())
+
+
+class _FakeExt:
+    """The build's module with r16 reported on (the layout is plain numpy)."""
+
+    def __init__(self, ext):
+        self._ext = ext
+
+    def info(self):
+        return {**self._ext.info(), "r16": 1}
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+
+def test_release_mapped_keeps_the_bytes(tmp_path):
+    path = tmp_path / "w.bin"
+    data = np.arange(3 * mmap.PAGESIZE, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    view = mm[100:-100]
+    assert int(view.sum()) > 0  # touched
+    ckernels.release_mapped(view)
+    np.testing.assert_array_equal(view, data[100:-100])  # read back from the page cache
+    ckernels.release_mapped(np.zeros(10))  # not a mapping: nothing to do
+
+
+def _model(scheme: str, seed: int = 11):
+    tf = random_transformer(tiny_cfg(hidden=64, inter=96), seed=seed)
+    if scheme != "float32":
+        quantize_all(tf, scheme)
+    return tf
+
+
+def _decode(tf, prompts, steps):
+    """Each prompt prefilled alone, then the decode steps of all of them as one batch."""
+    states = [tf.new_state() for _ in prompts]
+    for p, st in zip(prompts, states):
+        forward_batch(tf, [p], [st])
+    return [forward_batch(tf, [[s[j]] for s in steps], states) for j in range(len(steps[0]))]
+
+
+@needs_r16
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1"])
+def test_repacked_rows_stay_close_to_the_float_rows(scheme, float_path):
+    tf = _model(scheme)
+    p = fused.plan(tf)
+    assert len(p.layers[0][10]) == 7, "the O projection was not repacked"
+    prompts, steps = [[1, 2, 3], [4, 5]], [[20, 21], [30, 31]]
+    ref = _decode(tf, prompts, steps)  # float rows (float_path)
+    ckernels.set_act_q8("auto")
+    got = _decode(tf, prompts, steps)
+    for r, g in zip(ref, got):
+        scale = float(np.abs(r).max())
+        err = float(np.abs(g - r).max())
+        assert 0 < err <= 2e-4 * scale  # int8 codes of x: close, and not the float rows
+
+
+@pytest.mark.parametrize("scheme", ["gguf_q4_1", "gguf_q8_0", "float32"])
+def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
+    """Bit for bit, in the default mode: one sequence's logits alone, and as row 0 of batches
+    of 2, 5 and 9 rows (the server's promise: concurrent greedy output equals solo)."""
+    tf = _model(scheme)
+    prompt, toks = [5, 6, 7], [40, 41, 42]
+    alone = _decode(tf, [prompt], [toks])
+    for n in (2, 5, 9):
+        others = [[1 + i, 2 + i] for i in range(n - 1)]
+        got = _decode(tf, [prompt, *others], [toks, *[[50 + i] * 3 for i in range(n - 1)]])
+        for a, g in zip(alone, got):
+            np.testing.assert_array_equal(g[0], a[0])
