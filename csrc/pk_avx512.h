@@ -139,10 +139,33 @@ static inline __attribute__((always_inline)) void quant_rows512(int kind, const 
 
 /* quant_row on 16 lanes for the nn input rows from c on: one input too takes quant_rows512's
  * sums (one accumulator per row and input, two FMAs a block), so a sequence's numbers are the
- * same decoded alone and batched (the earlier one-input forms, four FMA chains or codes then
- * scale, differed in the last bits: 1e-5 on SmolLM2's logits) */
+ * same decoded alone and batched (the codes-then-scale form differed in the last bits: 1e-5 of
+ * SmolLM2's logits). Except the 4-bit kinds not repacked (Loom Q4; GGUF Q4_0/Q4_1 in other
+ * shapes, csrc/pk_r16.h): one input multiplies the looked-up block values by x on four FMA
+ * chains, two blocks a step (a 1B Loom Q4 decode 46 tok/s, 34 on the tile's one chain). */
 static inline __attribute__((always_inline)) void quant_tile512(int kind, const mm_args *A, int64_t r, int64_t c,
                                                                 const int nn) {
+    if (nn == 1 && (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_LOOM_Q4)) {
+        pq_cache pc = {NULL};
+        const float *xb = A->x + c * A->k;
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, w[2], u[2];
+        int64_t b = 0;
+        for (; b + 2 <= A->nb; b += 2) {
+            deq512(kind, A, r, b, w, &pc);
+            deq512(kind, A, r, b + 1, u, &pc);
+            s0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + b * 32), s0);
+            s1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + b * 32 + 16), s1);
+            s2 = _mm512_fmadd_ps(u[0], _mm512_loadu_ps(xb + b * 32 + 32), s2);
+            s3 = _mm512_fmadd_ps(u[1], _mm512_loadu_ps(xb + b * 32 + 48), s3);
+        }
+        if (b < A->nb) {
+            deq512(kind, A, r, b, w, &pc);
+            s0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + b * 32), s0);
+            s1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + b * 32 + 16), s1);
+        }
+        A->out[c * A->ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3)));
+        return;
+    }
     quant_rows512(kind, A, r, c, nn, 1);
 }
 

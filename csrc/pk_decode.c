@@ -82,7 +82,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         float *tmp = P->gbuf;
 #endif
         float *pk = (float *)(((uintptr_t)(tmp + GR * A.k) + 63) & ~(uintptr_t)63);
-        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0};
+        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp}; /* rp: read the repacked copy */
         for (int64_t rp = r0; rp < r1; rp += GR)
             gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk);
     } else if (n > (use8 ? MAX_N : row_piece(&A))) { /* pieces of rows, see row_piece */

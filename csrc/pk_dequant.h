@@ -19,6 +19,7 @@ typedef struct {
     const float *aux; /* int8 row scales / Loom Q4 block scales */
     float *out;       /* [r1 - r0, k] */
     int64_t k, rb, r0, r1;
+    const uint8_t *rp; /* the rows repacked by 16 (csrc/pk_r16.h) to read instead of w, or NULL */
 } dq_args;
 
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8);

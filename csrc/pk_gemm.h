@@ -148,12 +148,34 @@ static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, f
         for (int64_t r = 0; r < rows; r++) P[kk * GR + r] = src[r * lds + kk];
 }
 
+/* row r of a GGUF Q4_0/Q4_1 matrix repacked by 16 (csrc/pk_r16.h) as its stored blocks again,
+ * then dq_row: a prompt's GEMM reads the copy, so the stored rows, released after the repack,
+ * stay out of memory (a 1B Q4_0 model resident 1.33 GB with both, 0.74 with one) */
+static void dq_row_r16(int kind, const dq_args *D, int64_t r, float *dst) {
+    const int64_t nb = D->k / 32, bb = kind == K_Q4_0 ? 18 : 20, l = r % 16;
+    const uint8_t *g = D->rp + (r / 16) * nb * R16_REC;
+    uint8_t row[nb * bb];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * R16_REC;
+        uint8_t *o = row + b * bb;
+        memcpy(o, p + 2 * l, 2);
+        if (kind == K_Q4_1) memcpy(o + 2, p + 32 + 2 * l, 2);
+        for (int q = 0; q < 4; q++) memcpy(o + bb - 16 + 4 * q, p + 64 + 64 * q + 4 * l, 4);
+    }
+    dq_args T = *D;
+    T.w = row; T.rb = nb * bb; T.rp = NULL;
+    dq_row(kind, &T, 0, dst);
+}
+
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk
  * packed k-major (zero rows past the end) and multiplied into out[:, r0..] */
 static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
                        int64_t rows, float *tmp, float *P) {
     const int64_t k = D->k;
-    for (int64_t r = 0; r < rows; r++) dq_row(kind, D, r0 + r, tmp + r * k);
+    for (int64_t r = 0; r < rows; r++) {
+        if (D->rp) dq_row_r16(kind, D, r0 + r, tmp + r * k);
+        else dq_row(kind, D, r0 + r, tmp + r * k);
+    }
     for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = k - c0 < KC ? k - c0 : KC;
         gemm_pack(tmp + c0, k, rows, kc, P);
@@ -238,11 +260,11 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
 /* gemm(kind, x, out, w, aux, n, k, m, threads): shapes and byte sizes checked like dequantize's */
 static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9 && nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "gemm(kind, x, out, w, aux, n, k, m, threads[, q8])");
+    if (nargs < 9 || nargs > 11) {
+        PyErr_SetString(PyExc_TypeError, "gemm(kind, x, out, w, aux, n, k, m, threads[, q8[, rp]])");
         return NULL;
     }
-    const long kind = PyLong_AsLong(args[0]), nt = PyLong_AsLong(args[8]), q8 = nargs == 10 ? PyLong_AsLong(args[9]) : 0;
+    const long kind = PyLong_AsLong(args[0]), nt = PyLong_AsLong(args[8]), q8 = nargs >= 10 ? PyLong_AsLong(args[9]) : 0;
     const int64_t n = PyLong_AsLongLong(args[5]), k = PyLong_AsLongLong(args[6]), m = PyLong_AsLongLong(args[7]);
     if (PyErr_Occurred()) return NULL;
     if (kind < 0 || kind >= K_COUNT || n < 1 || k < 1 || m < 1 || nt < 0) {
@@ -258,7 +280,12 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks");
         return NULL;
     }
-    Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0};
+    Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
+    PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/pk_r16.h) */
+    if (orp != Py_None && ((kind != K_Q4_0 && kind != K_Q4_1) || m % 16 || k % 32)) {
+        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1 rows by 16");
+        return NULL;
+    }
     PyObject *ret = NULL;
     mm_args A = {0};
     A.n = n; A.k = k; A.m = m;
@@ -269,10 +296,16 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (check_sizes((int)kind, &bx, &bo, &bw, scaled ? &ba : NULL, &A) < 0) goto done_a;
     dq_args D = {0};
     D.w = bw.buf; D.aux = scaled ? ba.buf : NULL; D.k = k; D.rb = A.rb; D.r0 = 0; D.r1 = m;
+    if (orp != Py_None) {
+        if (PyObject_GetBuffer(orp, &br, PyBUF_C_CONTIGUOUS) < 0) goto done_a;
+        if (want_len(&br, m / 16 * (k / 32) * R16_REC, "rp")) { PyBuffer_Release(&br); goto done_a; }
+        D.rp = br.buf;
+    }
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = gemm_any((int)kind, &D, bx.buf, n, bo.buf, m, nt ? (int)nt : pk_threads, (int)q8);
     Py_END_ALLOW_THREADS
+    if (D.rp) PyBuffer_Release(&br);
     if (rc < 0) PyErr_NoMemory();
     else ret = Py_NewRef(Py_None);
 done_a:

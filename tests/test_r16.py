@@ -110,3 +110,34 @@ def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
         got = _decode(tf, [prompt, *others], [toks, *[[50 + i] * 3 for i in range(n - 1)]])
         for a, g in zip(alone, got):
             np.testing.assert_array_equal(g[0], a[0])
+
+
+@needs_r16
+def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch):
+    """Prompts past 16 rows run the GEMM, which dequantizes the repacked copy (the stored rows
+    stay released): the same logits as from the stored rows."""
+    prompt = list(range(1, 25))
+    tf = _model("gguf_q4_1")
+    assert len(fused.plan(tf).layers[0][10]) == 7
+    got = tf.forward(prompt)
+    monkeypatch.setattr(ckernels, "repack16", lambda *a: None)
+    ref_model = _model("gguf_q4_1")  # the same weights, no copy: the stored rows
+    assert len(fused.plan(ref_model).layers[0][10]) == 6
+    np.testing.assert_array_equal(got, ref_model.forward(prompt))
+
+
+@needs_r16
+def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit():
+    rng = np.random.default_rng(5)
+    qt = MAKERS["gguf_q4_0"](rng.standard_normal((48, 96)).astype(np.float32))
+    x = rng.standard_normal((20, 96)).astype(np.float32)  # 20 rows: the GEMM
+    ref = np.empty((20, 48), np.float32)
+    ckernels.kernel(qt, x, ref)  # the stored rows
+    kind, raw, _ = ckernels.operands(qt)
+    qt.r16 = ckernels.repack16(kind, raw, 48, 96)
+    got = np.empty_like(ref)
+    ckernels.kernel(qt, x, got)
+    np.testing.assert_array_equal(got, ref)
+    qt.r16 = np.zeros_like(qt.r16)  # and the copy is what it reads
+    ckernels.kernel(qt, x, got)
+    assert not np.array_equal(got, ref)
