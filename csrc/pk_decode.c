@@ -73,7 +73,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         k8g_range(M->kind, &A, n, out, ldo, r0, r1, GR, tmp);
     } else
 #endif
-    if (PK_R16 && M->rp && q8 && !P->g8 && n <= MAX_N && !r16_range(&A, M->rp, r0, r1)) {
+    if (PK_R16 && M->rp && q8 && !P->g8 && n <= MAX_N && !r16_range(M->kind, &A, M->rp, r0, r1)) {
         /* done: repacked 4-bit rows on the int8 codes (csrc/pk_r16.h) */
     } else if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
 #ifdef _OPENMP

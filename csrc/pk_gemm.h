@@ -152,15 +152,16 @@ static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, f
  * then dq_row: a prompt's GEMM reads the copy, so the stored rows, released after the repack,
  * stay out of memory (a 1B Q4_0 model resident 1.33 GB with both, 0.74 with one) */
 static void dq_row_r16(int kind, const dq_args *D, int64_t r, float *dst) {
-    const int64_t nb = D->k / 32, bb = kind == K_Q4_0 ? 18 : 20, l = r % 16;
-    const uint8_t *g = D->rp + (r / 16) * nb * R16_REC;
+    const int64_t nb = D->k / 32, bb = kind == K_Q4_0 ? 18 : (kind == K_Q4_1 ? 20 : 34), l = r % 16;
+    const int64_t rec = r16_rec(kind), nq = kind == K_Q8_0 ? 8 : 4; /* code quads a row holds */
+    const uint8_t *g = D->rp + (r / 16) * nb * rec;
     uint8_t row[nb * bb];
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = g + b * R16_REC;
+        const uint8_t *p = g + b * rec;
         uint8_t *o = row + b * bb;
         memcpy(o, p + 2 * l, 2);
         if (kind == K_Q4_1) memcpy(o + 2, p + 32 + 2 * l, 2);
-        for (int q = 0; q < 4; q++) memcpy(o + bb - 16 + 4 * q, p + 64 + 64 * q + 4 * l, 4);
+        for (int q = 0; q < nq; q++) memcpy(o + bb - 4 * nq + 4 * q, p + 64 + 64 * q + 4 * l, 4);
     }
     dq_args T = *D;
     T.w = row; T.rb = nb * bb; T.rp = NULL;
@@ -282,8 +283,8 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
     PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/pk_r16.h) */
-    if (orp != Py_None && ((kind != K_Q4_0 && kind != K_Q4_1) || m % 16 || k % 32)) {
-        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1 rows by 16");
+    if (orp != Py_None && ((kind != K_Q4_0 && kind != K_Q4_1 && kind != K_Q8_0) || m % 16 || k % 32)) {
+        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0 rows by 16");
         return NULL;
     }
     PyObject *ret = NULL;
@@ -298,7 +299,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     D.w = bw.buf; D.aux = scaled ? ba.buf : NULL; D.k = k; D.rb = A.rb; D.r0 = 0; D.r1 = m;
     if (orp != Py_None) {
         if (PyObject_GetBuffer(orp, &br, PyBUF_C_CONTIGUOUS) < 0) goto done_a;
-        if (want_len(&br, m / 16 * (k / 32) * R16_REC, "rp")) { PyBuffer_Release(&br); goto done_a; }
+        if (want_len(&br, m / 16 * (k / 32) * r16_rec((int)kind), "rp")) { PyBuffer_Release(&br); goto done_a; }
         D.rp = br.buf;
     }
     int rc;

@@ -1,4 +1,4 @@
-/* Q4_0 / Q4_1 rows repacked in groups of 16 (poly.runtime.ckernels.repack16) for the fused
+/* Q4_0 / Q4_1 / Q8_0 rows repacked in groups of 16 (poly.runtime.repack.repack16) for the fused
  * step's decode and short-prompt rows, AVX-512 VNNI builds: one vector lane per weight row, so
  * the integer dot product of a whole 32-block lands in that row's lane and the block's scale
  * applies to 16 rows in one FMA (in the stored layout each row's block needs its own
@@ -13,7 +13,9 @@
 #ifndef PK_R16_H
 #define PK_R16_H
 
-#define R16_REC 320 /* bytes per 16 rows and 32-block: the stored size */
+#define R16_REC 320 /* bytes per 16 rows and 32-block of Q4_0/Q4_1: the stored size */
+#define R16_REC8 576 /* Q8_0: D[16] float16, S[16] int16 (each row's code sum), 8 x 64 code bytes */
+static inline int64_t r16_rec(int kind) { return kind == K_Q8_0 ? R16_REC8 : R16_REC; }
 #if PK_AVX512 && defined(__AVX512VNNI__)
 #define PK_R16 1
 
@@ -23,7 +25,7 @@
 static __thread int8_t *r16_buf;
 static __thread size_t r16_cap;
 
-static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn) {
+static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int flip) {
     const size_t need = (size_t)A->nb * 8 * (64 + 8);
     if (need > r16_cap) {
         free(r16_buf);
@@ -35,17 +37,59 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn) {
     for (int64_t b = 0; b < A->nb; b++)
         for (int i = 0; i < nn; i++) {
             const int64_t xb = (c + i) * A->nb + b;
-            memcpy(r16_buf + (b * 8 + i) * 64, A->xq + xb * 64, 64);
+            int8_t *o = r16_buf + (b * 8 + i) * 64;
+            memcpy(o, A->xq + xb * 64, 64);
+            if (flip) /* Q8_0: the codes as unsigned bytes, c + 128 (vpdpbusd's u8 side) */
+                for (int j = 0; j < 64; j++) o[j] = (int8_t)((uint8_t)o[j] ^ 0x80);
             sc[(b * 8 + i) * 2] = A->dx[xb];
             sc[(b * 8 + i) * 2 + 1] = A->xs[xb];
         }
     return r16_buf;
 }
 
+/* r16_tile for Q8_0 records: signed codes times x's codes as unsigned bytes (c + 128, from
+ * r16_inputs), less 128 * the row's code sum (S), so the int32 sums are the signed products */
+static inline __attribute__((always_inline)) void r16_tile8(const mm_args *A, const uint8_t *rp, int64_t g,
+                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn) {
+    __m512 acc[8];
+    const __m512 rl = _mm512_set1_ps(1.0f / XL_SCALE);
+#pragma GCC unroll 8
+    for (int i = 0; i < nn; i++) acc[i] = _mm512_setzero_ps();
+    const uint8_t *p = rp + g * A->nb * R16_REC8;
+    const float *sc = (const float *)(X + A->nb * 8 * 64);
+    for (int64_t b = 0; b < A->nb; b++, p += R16_REC8, X += 8 * 64, sc += 16) {
+#pragma GCC unroll 9
+        for (int l = 0; l < R16_REC8; l += 64) prefetch_line((const char *)p + 2048 + l);
+        const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512i S = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32))), 7);
+        __m512i w[8];
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512((const void *)(p + 64 + 64 * q));
+#pragma GCC unroll 8
+        for (int i = 0; i < nn; i++) {
+            const int32_t *h = (const int32_t *)(X + i * 64); /* high codes + 128, low codes + 128 */
+            __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(h[0]), w[0]);
+            __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(h[8]), w[0]);
+#pragma GCC unroll 8
+            for (int q = 1; q < 8; q++) {
+                ih = _mm512_dpbusd_epi32(ih, _mm512_set1_epi32(h[q]), w[q]);
+                il = _mm512_dpbusd_epi32(il, _mm512_set1_epi32(h[8 + q]), w[q]);
+            }
+            ih = _mm512_sub_epi32(ih, S);
+            il = _mm512_sub_epi32(il, S);
+            const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
+            acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < nn; i++) _mm512_mask_storeu_ps(A->out + (c + i) * A->ldo + 16 * g, keep, acc[i]);
+}
+
 /* rows [16 g, 16 g + 16) x the nn (<= 8) inputs of X (r16_inputs) into out rows c..; lanes
  * outside `keep` not stored */
-static inline __attribute__((always_inline)) void r16_tile(const mm_args *A, const uint8_t *rp, int64_t g,
+static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn) {
+    if (kind == K_Q8_0) { r16_tile8(A, rp, g, X, c, keep, nn); return; }
     __m512 acc[8];
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512 rl = _mm512_set1_ps(1.0f / XL_SCALE);
@@ -54,7 +98,7 @@ static inline __attribute__((always_inline)) void r16_tile(const mm_args *A, con
     const uint8_t *p = rp + g * A->nb * R16_REC;
     const float *sc = (const float *)(X + A->nb * 8 * 64);
     for (int64_t b = 0; b < A->nb; b++, p += R16_REC, X += 8 * 64, sc += 16) {
-#pragma GCC unroll 6
+#pragma GCC unroll 5
         for (int l = 0; l < R16_REC; l += 64) prefetch_line((const char *)p + 2048 + l);
         const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         const __m512 M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
@@ -87,31 +131,33 @@ static inline __attribute__((always_inline)) void r16_tile(const mm_args *A, con
 /* rows [r0, r1) for A's n inputs, 8 at a time: the groups they touch; a group that straddles r0
  * or r1 is computed whole and stores its own rows (the same lanes, bit for bit, whatever the
  * split between threads). -1: no buffer for the inputs */
-static int r16_range(const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
+#define R16_CASES(KIND)                                                                      \
+    switch (nn) {                                                                            \
+    case 8: r16_tile(KIND, A, rp, g, X, c, keep, 8); break;                                  \
+    case 7: r16_tile(KIND, A, rp, g, X, c, keep, 7); break;                                  \
+    case 6: r16_tile(KIND, A, rp, g, X, c, keep, 6); break;                                  \
+    case 5: r16_tile(KIND, A, rp, g, X, c, keep, 5); break;                                  \
+    case 4: r16_tile(KIND, A, rp, g, X, c, keep, 4); break;                                  \
+    case 3: r16_tile(KIND, A, rp, g, X, c, keep, 3); break;                                  \
+    case 2: r16_tile(KIND, A, rp, g, X, c, keep, 2); break;                                  \
+    default: r16_tile(KIND, A, rp, g, X, c, keep, 1);                                        \
+    }
+static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     for (int64_t c = 0; c < A->n; c += 8) {
         const int nn = A->n - c < 8 ? (int)(A->n - c) : 8;
-        const int8_t *X = r16_inputs(A, c, nn);
+        const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0);
         if (!X) return -1;
         for (int64_t g = r0 / 16; g * 16 < r1; g++) {
             const int64_t lo = g * 16 < r0 ? r0 - g * 16 : 0, hi = g * 16 + 16 > r1 ? r1 - g * 16 : 16;
             const __mmask16 keep = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
-            switch (nn) {
-            case 8: r16_tile(A, rp, g, X, c, keep, 8); break;
-            case 7: r16_tile(A, rp, g, X, c, keep, 7); break;
-            case 6: r16_tile(A, rp, g, X, c, keep, 6); break;
-            case 5: r16_tile(A, rp, g, X, c, keep, 5); break;
-            case 4: r16_tile(A, rp, g, X, c, keep, 4); break;
-            case 3: r16_tile(A, rp, g, X, c, keep, 3); break;
-            case 2: r16_tile(A, rp, g, X, c, keep, 2); break;
-            default: r16_tile(A, rp, g, X, c, keep, 1);
-            }
+            if (kind == K_Q8_0) R16_CASES(K_Q8_0) else R16_CASES(K_Q4_1)
         }
     }
     return 0;
 }
 #else
 #define PK_R16 0
-static inline int r16_range(const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)A; (void)rp; (void)r0; (void)r1; return -1; }
+static inline int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)kind; (void)A; (void)rp; (void)r0; (void)r1; return -1; }
 #endif
 
 #endif /* PK_R16_H */

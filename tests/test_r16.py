@@ -12,7 +12,7 @@ import mmap
 import numpy as np
 import pytest
 
-from poly.runtime import ckernels, fused
+from poly.runtime import ckernels, fused, repack
 from poly.runtime.batch import forward_batch
 from tests.test_ckernels import MAKERS
 from tests.test_fused import quantize_all, tiny_cfg
@@ -30,8 +30,8 @@ def test_repacked_record_holds_each_rows_scales_and_codes(scheme, monkeypatch):
     qt = MAKERS[scheme](rng.standard_normal((48, 96)).astype(np.float32))
     kind, raw, _ = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))  # the layout on every build
-    rp = ckernels.repack16(kind, raw, 48, 96)
-    assert rp.shape == (3, 3, ckernels.R16_REC)  # [groups, blocks, record]
+    rp = repack.repack16(kind, raw, 48, 96)
+    assert rp.shape == (3, 3, repack.R16_REC)  # [groups, blocks, record]
     d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
     mn = rp[..., 32:64].copy().view(np.float16).astype(np.float32)
     v = rp[..., 64:].reshape(3, 3, 4, 16, 4)  # [g, b, q, row, i]
@@ -62,9 +62,9 @@ def test_release_mapped_keeps_the_bytes(tmp_path):
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     view = mm[100:-100]
     assert int(view.sum()) > 0  # touched
-    ckernels.release_mapped(view)
+    repack.release_mapped(view)
     np.testing.assert_array_equal(view, data[100:-100])  # read back from the page cache
-    ckernels.release_mapped(np.zeros(10))  # not a mapping: nothing to do
+    repack.release_mapped(np.zeros(10))  # not a mapping: nothing to do
 
 
 def _model(scheme: str, seed: int = 11):
@@ -120,7 +120,7 @@ def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch):
     tf = _model("gguf_q4_1")
     assert len(fused.plan(tf).layers[0][10]) == 7
     got = tf.forward(prompt)
-    monkeypatch.setattr(ckernels, "repack16", lambda *a: None)
+    monkeypatch.setattr(repack, "repack16", lambda *a: None)
     ref_model = _model("gguf_q4_1")  # the same weights, no copy: the stored rows
     assert len(fused.plan(ref_model).layers[0][10]) == 6
     np.testing.assert_array_equal(got, ref_model.forward(prompt))
@@ -134,10 +134,26 @@ def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit():
     ref = np.empty((20, 48), np.float32)
     ckernels.kernel(qt, x, ref)  # the stored rows
     kind, raw, _ = ckernels.operands(qt)
-    qt.r16 = ckernels.repack16(kind, raw, 48, 96)
+    qt.r16 = repack.repack16(kind, raw, 48, 96)
     got = np.empty_like(ref)
     ckernels.kernel(qt, x, got)
     np.testing.assert_array_equal(got, ref)
     qt.r16 = np.zeros_like(qt.r16)  # and the copy is what it reads
     ckernels.kernel(qt, x, got)
     assert not np.array_equal(got, ref)
+
+
+def test_repacked_q8_0_record_holds_scales_code_sums_and_codes(monkeypatch):
+    rng = np.random.default_rng(6)
+    qt = MAKERS["gguf_q8_0"](rng.standard_normal((32, 64)).astype(np.float32))
+    kind, raw, _ = ckernels.operands(qt)
+    monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
+    rp = repack.repack16(kind, raw, 32, 64)
+    assert rp.shape == (2, 2, 576)  # [groups, blocks, D + S + 8 x 64 codes]
+    d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
+    s = rp[..., 32:64].copy().view(np.int16)
+    codes = rp[..., 64:].copy().view(np.int8).reshape(2, 2, 8, 16, 4)  # [g, b, q, row, i]
+    codes = codes.transpose(0, 3, 1, 2, 4).reshape(2, 16, 2, 32)  # [g, row, b, element]
+    np.testing.assert_array_equal(codes.sum(axis=-1, dtype=np.int16), s.transpose(0, 2, 1))
+    got = codes.astype(np.float32) * d.transpose(0, 2, 1)[..., None]
+    np.testing.assert_array_equal(got.reshape(32, 64), qt.dequantize())

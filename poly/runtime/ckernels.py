@@ -141,60 +141,6 @@ def operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
     return kind, raw, None
 
 
-R16_REC = 320  # bytes per 16 rows and 32-block (csrc/pk_r16.h): the stored size
-
-
-def release_mapped(arr: np.ndarray) -> None:
-    """Drop the whole pages of `arr` from this process when it views a read-only file mapping
-    (an mmap.mmap or np.memmap base): they stay in the page cache and fault back in when read."""
-    import mmap
-
-    b = arr
-    while b is not None and not isinstance(b, mmap.mmap):
-        mm = getattr(b, "_mmap", None)
-        nxt = "obj" if isinstance(b, memoryview) else "base"
-        b = mm if isinstance(mm, mmap.mmap) else getattr(b, nxt, None)
-    if b is None or not hasattr(b, "madvise") or b.closed:
-        return
-    a0 = arr.ctypes.data - np.frombuffer(b, np.uint8).ctypes.data
-    page = mmap.PAGESIZE
-    p0, p1 = -(-a0 // page) * page, (a0 + arr.nbytes) // page * page
-    if 0 <= p0 < p1:
-        b.madvise(mmap.MADV_DONTNEED, p0, p1 - p0)
-
-
-def repack16(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
-    """Q4_0/Q4_1 rows regrouped 16 at a time for csrc/pk_r16.h (the fused step's decode and
-    short-prompt rows on int8 codes of x, AVX-512 VNNI builds), or None where this build or
-    shape does not take them. Per 16 rows and 32-block: D[16] and M[16] as float16 (Q4_0: M =
-    -8 D, exact), then 4 x 64 code bytes, byte 4 r + i of vector q = stored byte 4 q + i of
-    row r. The stored rows' pages are then released (`weights.release_mapped`): read once here,
-    they stay out of the resident set until a prompt's GEMM reads them."""
-    if not (AVAILABLE and EXT.info().get("r16")) or kind not in (Q4_0, Q4_1) or m % 16 or k % 32:
-        return None
-    nb, g, bb = k // 32, m // 16, 18 if kind == Q4_0 else 20
-    blocks = np.asarray(raw).reshape(m, nb, bb)  # the stored bytes [m, nb, block]
-
-    d = blocks[..., 0:2]  # float16 bytes [m, nb, 2]
-    if kind == Q4_1:
-        mins = blocks[..., 2:4]
-    else:  # -8 d in float16: exact (a power of two) unless |d| > 65504 / 8
-        with np.errstate(over="ignore"):
-            m16 = d.copy().view(np.float16) * np.float16(-8.0)
-        if not np.isfinite(m16).all():
-            return None  # the float kernels compute -8 d in float32
-        mins = m16.view(np.uint8)
-    out = np.empty((g, nb, R16_REC), dtype=np.uint8)
-    for j, v in enumerate((d, mins)):  # [m, nb, 2] -> [g, nb, 16 rows, 2] -> 32 bytes
-        out[..., 32 * j : 32 * j + 32] = (
-            v.reshape(g, 16, nb, 2).transpose(0, 2, 1, 3).reshape(g, nb, 32)
-        )
-    qs = blocks[..., bb - 16 :].reshape(g, 16, nb, 4, 4)  # [g, row, nb, q, i]
-    out[..., 64:] = qs.transpose(0, 2, 3, 1, 4).reshape(g, nb, 256)  # [g, nb, q, row, i]
-    release_mapped(raw)
-    return out
-
-
 def supports(qt) -> bool:
     """True when the C kernels read this QTensor directly."""
     return AVAILABLE and operands(qt) is not None

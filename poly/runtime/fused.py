@@ -20,7 +20,7 @@ from poly.layer import LayerType
 from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, is_plain_block
 from poly.nn import mha, moe, rmsnorm, swiglu
 from poly.rope import rope_tables
-from poly.runtime import ckernels, kernels
+from poly.runtime import ckernels, kernels, repack
 from poly.runtime.threadtune import SHARED, ThreadTuner, room_for
 from poly.weights import Generations, PlanCache
 
@@ -43,7 +43,7 @@ def _mat(w, bias=None) -> tuple | None:
     m, k = int(w.shape[0]), int(w.shape[1])
     rp = getattr(w, "r16", None)  # 4-bit rows by 16 (csrc/pk_r16.h): made once per matrix
     if rp is None and not hasattr(w, "r16"):
-        rp = w.r16 = ckernels.repack16(kind, data, m, k)  # the prompt GEMM reads it too
+        rp = w.r16 = repack.repack16(kind, data, m, k)  # the prompt GEMM reads it too
     return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
 
 

@@ -1,0 +1,72 @@
+"""GGUF Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for the fused step's integer row kernels
+(csrc/pk_r16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
+its row's lane and the block scale applies to 16 rows in one FMA. Made once per matrix when the
+fused plan is built (`fused._mat`, kept as the QTensor's `r16`); the stored rows' pages are then
+released, and a prompt's GEMM dequantizes the copy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poly.runtime import ckernels
+from poly.runtime.ckernels import Q4_0, Q4_1, Q8_0
+
+R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
+
+
+def release_mapped(arr: np.ndarray) -> None:
+    """Drop the whole pages of `arr` from this process when it views a read-only file mapping
+    (an mmap.mmap or np.memmap base): they stay in the page cache and fault back in when read."""
+    import mmap
+
+    b = arr
+    while b is not None and not isinstance(b, mmap.mmap):
+        mm = getattr(b, "_mmap", None)
+        nxt = "obj" if isinstance(b, memoryview) else "base"
+        b = mm if isinstance(mm, mmap.mmap) else getattr(b, nxt, None)
+    if b is None or not hasattr(b, "madvise") or b.closed:
+        return
+    a0 = arr.ctypes.data - np.frombuffer(b, np.uint8).ctypes.data
+    page = mmap.PAGESIZE
+    p0, p1 = -(-a0 // page) * page, (a0 + arr.nbytes) // page * page
+    if 0 <= p0 < p1:
+        b.madvise(mmap.MADV_DONTNEED, p0, p1 - p0)
+
+
+def repack16(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+    """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/pk_r16.h (the fused step's decode
+    and short-prompt rows on int8 codes of x, AVX-512 VNNI builds), or None where this build or
+    shape does not take them. Per 16 rows and 32-block: D[16] as float16, then M[16] as float16
+    (Q4_0: -8 D, exact) or for Q8_0 S[16] as int16 (each row's code sum), then the codes as
+    64-byte vectors, byte 4 r + i of vector q = stored code byte 4 q + i of row r (4 vectors of
+    Q4 bytes, 8 of Q8_0 codes). The stored rows' pages are then released (`release_mapped`):
+    read once here, they stay out of the resident set (a prompt's GEMM reads the copy)."""
+    ok = kind in (Q4_0, Q4_1, Q8_0) and not (m % 16 or k % 32)
+    if not (ok and ckernels.AVAILABLE and ckernels.EXT.info().get("r16")):
+        return None
+    nb, g = k // 32, m // 16
+    bb, nq = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}[kind]  # block bytes, code quads
+    blocks = np.asarray(raw).reshape(m, nb, bb)  # the stored bytes [m, nb, block]
+    d = blocks[..., 0:2]  # float16 bytes [m, nb, 2]
+    if kind == Q4_1:
+        second = blocks[..., 2:4]
+    elif kind == Q8_0:  # each row's code sum per block: the unsigned-x correction
+        sums = blocks[..., 2:].view(np.int8).sum(axis=-1, dtype=np.int16)  # no copy of the codes
+        second = sums[..., None].view(np.uint8)  # [m, nb, 2]
+    else:  # -8 d in float16: exact (a power of two) unless |d| > 65504 / 8
+        with np.errstate(over="ignore"):
+            m16 = d.copy().view(np.float16) * np.float16(-8.0)
+        if not np.isfinite(m16).all():
+            return None  # the float kernels compute -8 d in float32
+        second = m16.view(np.uint8)
+    out = np.empty((g, nb, 64 + 64 * nq), dtype=np.uint8)
+    # element-wise copies into views of `out` (no transposed temporaries: a 49,152-row head's
+    # would double the peak memory of the repack)
+    for j, v in enumerate((d, second)):  # [m, nb, 2] -> [g, nb, 16 rows, 2] -> 32 bytes
+        out[..., 32 * j : 32 * j + 32].reshape(g, nb, 16, 2)[...] = v.reshape(
+            g, 16, nb, 2
+        ).transpose(0, 2, 1, 3)
+    codes = blocks[..., bb - 4 * nq :].reshape(g, 16, nb, nq, 4)  # [g, row, nb, q, i]
+    out[..., 64:].reshape(g, nb, nq, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
+    release_mapped(raw)
+    return out
