@@ -131,6 +131,7 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
 
 
 static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B, int want) {
+    B->P.g8 = q8_group(S, want) == 8;
     for (int i = 0; i < S->n; i++) pk_rmsnorm(x + i * S->d, g, eps, B->h + i * S->d, S->d);
     prep(&B->P, B->h, S->n * S->d, S->loom, q8_group(S, want));
 }
@@ -146,7 +147,7 @@ static void norm_prep_par(const step_t *S, const float *x, const float *g, float
         return;
     }
 #pragma omp single nowait
-    { B->P.x = B->h; B->P.k = S->n * d; }
+    { B->P.x = B->h; B->P.k = S->n * d; B->P.g8 = q8_group(S, want) == 8; }
     int64_t i0, i1;
     part(S->n, tid, nt, &i0, &i1);
     for (int64_t i = i0; i < i1; i++) {
@@ -179,7 +180,7 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
     const int want = wants_codes(S, M, 1);
     int64_t r0, r1;
     px_t V = B->P; /* this thread's own view of `in` (B->P.x is left alone) */
-    V.x = in; V.k = n * k;
+    V.x = in; V.k = n * k; V.g8 = q8_group(S, want) == 8;
     if (!prepped && k % 32 == 0) { /* the blocks split over the threads (whole groups of them) */
         const int64_t g = q8_group(S, want) == 8 && k % 256 == 0 ? 8 : 1;
         int64_t b0, b1;
@@ -321,7 +322,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->arow = (int32_t *)take(&f, R); B->mx = take(&f, R * S->d);
     B->my = take(&f, R * S->d); B->mgu = take(&f, 2 * R * S->inter); B->mhid = take(&f, R * S->inter);
     B->P.gbuf = NULL;
-    B->P.g8 = q8_group(S, 1) == 8;
+    B->P.g8 = q8_group(S, 2) == 8; /* set again by each prep (the codes its readers take) */
     if (gemm_bufs(S, R)) {
         B->P.gbuf = S->mrows ? f : m; /* the MoE region only with MoE */
         B->P.gstride = gemm_stride(S);

@@ -32,17 +32,20 @@ static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
  * (auto mode, a prompt's rows only: csrc/pk_k8g.h; their inputs then start on whole groups of 8
  * blocks) */
 static inline int q8_group_n(const step_t *S, int64_t n, int want) {
-    return !(S->q8 && want) ? 0 : (S->q8 == 2 && S->seq1 && n >= K8G_ROWS && n <= K8G_MAX) ? 8 : 1;
+    return !(S->q8 && want) ? 0 : (want == 2 && S->q8 == 2 && S->seq1 && n >= K8G_ROWS && n <= K8G_MAX) ? 8 : 1;
 }
 
 static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->n, want); }
 
-/* whether one of the cnt matrices at M reads an input's codes: every quantized kind with q8 = 1,
- * the K-quants and repacked 4-bit rows in the auto mode (an input that only float kernels read
- * is not quantized) */
+/* which codes the cnt matrices at M read from an input: 2 a K-quant in the auto mode (a prompt's
+ * rows: the int16 panels), 1 int8 pairs (every quantized kind with q8 = 1, repacked rows), 0
+ * none (an input that only float kernels read is not quantized) */
 static inline int wants_codes(const step_t *S, const mat_t *M, int cnt) {
     int any = 0;
-    for (int i = 0; i < cnt; i++) any |= S->q8 == 1 || (S->q8 == 2 && k8_kind(M[i].kind)) || (S->q8 && PK_R16 && M[i].rp);
+    for (int i = 0; i < cnt; i++) {
+        if (S->q8 == 2 && k8_kind(M[i].kind)) any = 2;
+        else if (any < 1 && (S->q8 == 1 || (S->q8 && PK_R16 && M[i].rp))) any = 1;
+    }
     return any;
 }
 
