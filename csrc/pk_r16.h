@@ -47,81 +47,54 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int flip) {
     return r16_buf;
 }
 
-/* r16_tile for Q8_0 records: signed codes times x's codes as unsigned bytes (c + 128, from
- * r16_inputs), less 128 * the row's code sum (S), so the int32 sums are the signed products */
-static inline __attribute__((always_inline)) void r16_tile8(const mm_args *A, const uint8_t *rp, int64_t g,
-                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn) {
-    __m512 acc[8];
-    const __m512 rl = _mm512_set1_ps(1.0f / XL_SCALE);
-#pragma GCC unroll 8
-    for (int i = 0; i < nn; i++) acc[i] = _mm512_setzero_ps();
-    const uint8_t *p = rp + g * A->nb * R16_REC8;
-    const float *sc = (const float *)(X + A->nb * 8 * 64);
-    for (int64_t b = 0; b < A->nb; b++, p += R16_REC8, X += 8 * 64, sc += 16) {
-#pragma GCC unroll 9
-        for (int l = 0; l < R16_REC8; l += 64) prefetch_line((const char *)p + 2048 + l);
-        const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m512i S = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32))), 7);
-        __m512i w[8];
-#pragma GCC unroll 8
-        for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512((const void *)(p + 64 + 64 * q));
-#pragma GCC unroll 8
-        for (int i = 0; i < nn; i++) {
-            const int32_t *h = (const int32_t *)(X + i * 64); /* high codes + 128, low codes + 128 */
-            __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(h[0]), w[0]);
-            __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(h[8]), w[0]);
-#pragma GCC unroll 8
-            for (int q = 1; q < 8; q++) {
-                ih = _mm512_dpbusd_epi32(ih, _mm512_set1_epi32(h[q]), w[q]);
-                il = _mm512_dpbusd_epi32(il, _mm512_set1_epi32(h[8 + q]), w[q]);
-            }
-            ih = _mm512_sub_epi32(ih, S);
-            il = _mm512_sub_epi32(il, S);
-            const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
-            acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < nn; i++) _mm512_mask_storeu_ps(A->out + (c + i) * A->ldo + 16 * g, keep, acc[i]);
-}
-
 /* rows [16 g, 16 g + 16) x the nn (<= 8) inputs of X (r16_inputs) into out rows c..; lanes
- * outside `keep` not stored */
+ * outside `keep` not stored. Q4: codes (u8) times x's codes (s8), + M * sum(x) per block; Q8_0:
+ * x's codes as unsigned bytes (c + 128, r16_inputs) times the signed codes, less 128 * the
+ * row's code sum (S), so the int32 sums are the signed products. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn) {
-    if (kind == K_Q8_0) { r16_tile8(A, rp, g, X, c, keep, nn); return; }
+    const int q8 = kind == K_Q8_0;
+    const int64_t rec = r16_rec(kind);
     __m512 acc[8];
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512 rl = _mm512_set1_ps(1.0f / XL_SCALE);
 #pragma GCC unroll 8
     for (int i = 0; i < nn; i++) acc[i] = _mm512_setzero_ps();
-    const uint8_t *p = rp + g * A->nb * R16_REC;
+    const uint8_t *p = rp + g * A->nb * rec;
     const float *sc = (const float *)(X + A->nb * 8 * 64);
-    for (int64_t b = 0; b < A->nb; b++, p += R16_REC, X += 8 * 64, sc += 16) {
-#pragma GCC unroll 5
-        for (int l = 0; l < R16_REC; l += 64) prefetch_line((const char *)p + 2048 + l);
+    for (int64_t b = 0; b < A->nb; b++, p += rec, X += 8 * 64, sc += 16) {
+#pragma GCC unroll 9
+        for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + 2048 + l);
         const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m512 M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        const __m256i second = _mm256_loadu_si256((const __m256i *)(p + 32)); /* M, or S */
+        const __m512 M = _mm512_cvtph_ps(second);
+        const __m512i S = _mm512_slli_epi32(_mm512_cvtepi16_epi32(second), 7);
         __m512i w[8];
+        if (q8) {
+#pragma GCC unroll 8
+            for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512((const void *)(p + 64 + 64 * q));
+        } else {
 #pragma GCC unroll 4
-        for (int q = 0; q < 4; q++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(p + 64 + 64 * q));
-            w[q] = _mm512_and_si512(v, m15);
-            w[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+            for (int q = 0; q < 4; q++) { /* low nibbles: elements 4 q + i, high: 16 + 4 q + i */
+                const __m512i v = _mm512_loadu_si512((const void *)(p + 64 + 64 * q));
+                w[q] = _mm512_and_si512(v, m15);
+                w[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+            }
         }
 #pragma GCC unroll 8
         for (int i = 0; i < nn; i++) {
             const int32_t *h = (const int32_t *)(X + i * 64); /* 32 high codes, then 32 low codes */
-            __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(h[0]));
-            __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(h[8]));
+            __m512i ih = _mm512_setzero_si512(), il = ih;
 #pragma GCC unroll 8
-            for (int q = 1; q < 8; q++) {
-                ih = _mm512_dpbusd_epi32(ih, w[q], _mm512_set1_epi32(h[q]));
-                il = _mm512_dpbusd_epi32(il, w[q], _mm512_set1_epi32(h[8 + q]));
+            for (int q = 0; q < 8; q++) {
+                const __m512i xh = _mm512_set1_epi32(h[q]), xl = _mm512_set1_epi32(h[8 + q]);
+                ih = q8 ? _mm512_dpbusd_epi32(ih, xh, w[q]) : _mm512_dpbusd_epi32(ih, w[q], xh);
+                il = q8 ? _mm512_dpbusd_epi32(il, xl, w[q]) : _mm512_dpbusd_epi32(il, w[q], xl);
             }
+            if (q8) { ih = _mm512_sub_epi32(ih, S); il = _mm512_sub_epi32(il, S); }
             const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
             acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
+            if (!q8) acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
         }
     }
 #pragma GCC unroll 8
