@@ -65,22 +65,14 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) : k8 && !P->g8;
 #if PK_AVX512
     if (k8 && P->g8 && P->gbuf) { /* int16 panels: the codes prep wrote (q8_group 8) */
-#ifdef _OPENMP
-        uint8_t *tmp = (uint8_t *)(P->gbuf + omp_get_thread_num() * P->gstride);
-#else
-        uint8_t *tmp = (uint8_t *)P->gbuf;
-#endif
+        uint8_t *tmp = (uint8_t *)(P->gbuf + pk_tid() * P->gstride);
         k8g_range(M->kind, &A, n, out, ldo, r0, r1, GR, tmp);
     } else
 #endif
     if (PK_R16 && M->rp && q8 && !P->g8 && n <= MAX_N && !r16_range(M->kind, &A, M->rp, r0, r1)) {
         /* done: repacked 4-bit rows on the int8 codes (csrc/pk_r16.h) */
     } else if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
-#ifdef _OPENMP
-        float *tmp = P->gbuf + omp_get_thread_num() * P->gstride;
-#else
-        float *tmp = P->gbuf;
-#endif
+        float *tmp = P->gbuf + pk_tid() * P->gstride;
         float *pk = (float *)(((uintptr_t)(tmp + GR * A.k) + 63) & ~(uintptr_t)63);
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp}; /* rp: read the repacked copy */
         for (int64_t rp = r0; rp < r1; rp += GR)
@@ -334,11 +326,7 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
     carve(S, scratch, nt, &B);
 #pragma omp parallel num_threads(nt)
     {
-#ifdef _OPENMP
-        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-        const int tid = 0, nth = 1;
-#endif
+        const int tid = pk_tid(), nth = pk_nth();
         int64_t r0, r1;
         for (int l = 0; l < S->nl; l++) {
             block_attn(S, &S->L[l], &B, tid, nth);

@@ -86,8 +86,9 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     PyObject *ob = PyTuple_GET_ITEM(t, 5), *orp = PyTuple_GET_SIZE(t) == 7 ? PyTuple_GET_ITEM(t, 6) : Py_None;
     if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
     if (orp == Py_None) return 0;
-    if ((kind != K_Q4_0 && kind != K_Q4_1 && kind != K_Q8_0) || m % 16) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0, rows by 16"); return -1; }
-    return (M->rp = hold(H, orp, 0, m / 16 * M->A.nb * r16_rec((int)kind), "rp")) ? 0 : -1;
+    const int64_t nrp = r16_bytes((int)kind, m, k);
+    if (nrp < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0, rows by 16"); return -1; }
+    return (M->rp = hold(H, orp, 0, nrp, "rp")) ? 0 : -1;
 }
 
 /* gate/up (1 or 2 matrices) and down of a SwiGLU with d inputs; *inter = max(*inter, I) */

@@ -184,23 +184,6 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, fl
     }
 }
 
-/* A thread's panel buffers, kept between calls (the OpenMP threads persist): a malloc and free
- * of them per call went through mmap, and page-faulting the fresh pages cost a 512-token
- * prefill ~10 %. Grown when a wider k comes; never shrunk. */
-static __thread float *tl_buf;
-static __thread size_t tl_cap;
-
-static float *thread_buffer(size_t floats) {
-    if (floats > tl_cap) {
-        free(tl_buf);
-        tl_buf = NULL;
-        tl_cap = 0;
-        if (posix_memalign((void **)&tl_buf, 64, floats * 4)) return tl_buf = NULL;
-        tl_cap = floats;
-    }
-    return tl_buf;
-}
-
 /* the whole product on nt threads; -1 when a buffer cannot be allocated. x8 (not NULL): buffers
  * for the inputs' int16 codes, scales and sums, filled here, for the K-quant panels of the auto
  * mode (csrc/pk_k8g.h) */
@@ -283,7 +266,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
     PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/pk_r16.h) */
-    if (orp != Py_None && ((kind != K_Q4_0 && kind != K_Q4_1 && kind != K_Q8_0) || m % 16 || k % 32)) {
+    if (orp != Py_None && r16_bytes((int)kind, m, k) < 0) {
         PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0 rows by 16");
         return NULL;
     }
@@ -299,7 +282,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     D.w = bw.buf; D.aux = scaled ? ba.buf : NULL; D.k = k; D.rb = A.rb; D.r0 = 0; D.r1 = m;
     if (orp != Py_None) {
         if (PyObject_GetBuffer(orp, &br, PyBUF_C_CONTIGUOUS) < 0) goto done_a;
-        if (want_len(&br, m / 16 * (k / 32) * r16_rec((int)kind), "rp")) { PyBuffer_Release(&br); goto done_a; }
+        if (want_len(&br, r16_bytes((int)kind, m, k), "rp")) { PyBuffer_Release(&br); goto done_a; }
         D.rp = br.buf;
     }
     int rc;

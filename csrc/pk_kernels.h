@@ -12,6 +12,32 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+/* this thread's number and the team's size in an OpenMP region (0 and 1 without OpenMP) */
+#ifdef _OPENMP
+static inline int pk_tid(void) { return omp_get_thread_num(); }
+static inline int pk_nth(void) { return omp_get_num_threads(); }
+#else
+static inline int pk_tid(void) { return 0; }
+static inline int pk_nth(void) { return 1; }
+#endif
+
+/* A thread's scratch buffer, kept between calls (the OpenMP threads persist): a malloc and free
+ * per call went through mmap, and page-faulting the fresh pages cost a 512-token prefill ~10 %
+ * (pk_gemm.h's panels; pk_r16.h's input codes). Grown when more is asked; never shrunk; valid
+ * until the thread's next call. */
+static __thread float *tl_buf;
+static __thread size_t tl_cap;
+
+static float *thread_buffer(size_t floats) {
+    if (floats > tl_cap) {
+        free(tl_buf);
+        tl_buf = NULL;
+        tl_cap = 0;
+        if (posix_memalign((void **)&tl_buf, 64, floats * 4)) return tl_buf = NULL;
+        tl_cap = floats;
+    }
+    return tl_buf;
+}
 /* Every function is static: csrc/pk_unity.h compiles these sources once per instruction set
  * (csrc/pk_isa_*.c, flags in setup.py) and csrc/pk_module.c picks one at import (cpuid). */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)

@@ -16,35 +16,33 @@
 #define R16_REC 320 /* bytes per 16 rows and 32-block of Q4_0/Q4_1: the stored size */
 #define R16_REC8 576 /* Q8_0: D[16] float16, S[16] int16 (each row's code sum), 8 x 64 code bytes */
 static inline int64_t r16_rec(int kind) { return kind == K_Q8_0 ? R16_REC8 : R16_REC; }
+/* the bytes of an [m, k] matrix repacked by 16, or -1 when its kind or shape is not repacked
+ * (the `rp` arguments of decode and gemm) */
+static inline int64_t r16_bytes(int kind, int64_t m, int64_t k) {
+    const int ok = (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0) && m % 16 == 0 && k % 32 == 0;
+    return ok ? m / 16 * (k / 32) * r16_rec(kind) : -1;
+}
 #if PK_AVX512 && defined(__AVX512VNNI__)
 #define PK_R16 1
 
 /* the nn (<= 8) inputs' codes, block by block, as r16_tile reads them: codes [nb][8][64] then
  * (dx, xs) [nb][8][2], so one pointer and constant offsets reach every input (with a pointer
  * per input the tile ran out of general registers and spilled in its inner loop) */
-static __thread int8_t *r16_buf;
-static __thread size_t r16_cap;
-
 static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int flip) {
-    const size_t need = (size_t)A->nb * 8 * (64 + 8);
-    if (need > r16_cap) {
-        free(r16_buf);
-        r16_cap = 0;
-        if (posix_memalign((void **)&r16_buf, 64, need)) return r16_buf = NULL;
-        r16_cap = need;
-    }
-    float *sc = (float *)(r16_buf + A->nb * 8 * 64);
+    int8_t *X = (int8_t *)thread_buffer((size_t)A->nb * 8 * (64 + 8) / 4);
+    if (!X) return NULL;
+    float *sc = (float *)(X + A->nb * 8 * 64);
     for (int64_t b = 0; b < A->nb; b++)
         for (int i = 0; i < nn; i++) {
             const int64_t xb = (c + i) * A->nb + b;
-            int8_t *o = r16_buf + (b * 8 + i) * 64;
+            int8_t *o = X + (b * 8 + i) * 64;
             memcpy(o, A->xq + xb * 64, 64);
             if (flip) /* Q8_0: the codes as unsigned bytes, c + 128 (vpdpbusd's u8 side) */
                 for (int j = 0; j < 64; j++) o[j] = (int8_t)((uint8_t)o[j] ^ 0x80);
             sc[(b * 8 + i) * 2] = A->dx[xb];
             sc[(b * 8 + i) * 2 + 1] = A->xs[xb];
         }
-    return r16_buf;
+    return X;
 }
 
 /* rows [16 g, 16 g + 16) x the nn (<= 8) inputs of X (r16_inputs) into out rows c..; lanes

@@ -22,11 +22,7 @@ static int pk_threads = 1;
 static void run_rows(range_fn f, const mm_args *A, int nt) {
 #pragma omp parallel num_threads(nt)
     {
-#ifdef _OPENMP
-        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-        const int tid = 0, nth = 1;
-#endif
+        const int tid = pk_tid(), nth = pk_nth();
         f(A, A->m * tid / nth, A->m * (tid + 1) / nth);
     }
 }

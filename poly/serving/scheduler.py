@@ -43,6 +43,12 @@ from poly.text.sampling import Sampler
 MAX_ROWS = 16  # rows of one fused decode call (ckernels.MAX_N)
 
 
+def _chunk(a, n: int) -> list[int]:
+    """The next n prompt tokens of request `a` (its first choice holds the prompt's KV)."""
+    s = a.seqs[0]
+    return s.tokens[s.computed : s.computed + n]
+
+
 class _Active:
     """A request inside the batch."""
 
@@ -201,18 +207,15 @@ class Scheduler:
         group = self._prefill_group(MAX_ROWS - len(rows), whole=True)
         if not group:
             return False
-        firsts = [a.seqs[0] for a, _ in group]
-        chunks = [[s.tokens[-1]] for _, s in rows]
-        chunks += [s.tokens[s.computed : s.computed + n] for s, (_, n) in zip(firsts, group)]
+        chunks = [[s.tokens[-1]] for _, s in rows] + [_chunk(a, n) for a, n in group]
         t0 = time.perf_counter()
-        logits = self.kv.prefill_many([s.kv for _, s in rows] + [s.kv for s in firsts], chunks)
+        kvs = [s.kv for _, s in rows] + [a.seqs[0].kv for a, _ in group]
+        logits = self.kv.prefill_many(kvs, chunks)
         dt = time.perf_counter() - t0
         share = len(rows) / (len(rows) + sum(n for _, n in group))  # the pass's time by rows
         self.metrics.decode_step(len(rows), dt * share)
         self.metrics.prefill(sum(n for _, n in group), dt * (1 - share))
-        for (a, s), row in zip(rows, logits[: len(rows)]):
-            s.computed += 1
-            self._sample(a, s, row)
+        self._decoded(rows, logits[: len(rows)])
         self._finish_decoded()
         for (a, n), row in zip(group, logits[len(rows) :]):
             self._prefilled(a, n, row)
@@ -225,10 +228,14 @@ class Scheduler:
             t0 = time.perf_counter()
             logits = self.kv.decode([s.tokens[-1] for _, s in group], [s.kv for _, s in group])
             self.metrics.decode_step(len(group), time.perf_counter() - t0)
-            for (a, s), row in zip(group, logits):
-                s.computed += 1
-                self._sample(a, s, row)
+            self._decoded(group, logits)
         self._finish_decoded()
+
+    def _decoded(self, rows: list[tuple[_Active, Sequence]], logits) -> None:
+        """Each decode row's next token from its logits row."""
+        for (a, s), row in zip(rows, logits):
+            s.computed += 1
+            self._sample(a, s, row)
 
     def _finish_decoded(self) -> None:
         for a in [a for a in self._active if a.prefilled and all(s.finish_reason for s in a.seqs)]:
@@ -239,7 +246,7 @@ class Scheduler:
         if not group:
             return
         t0 = time.perf_counter()
-        chunks = [a.seqs[0].tokens[a.seqs[0].computed : a.seqs[0].computed + n] for a, n in group]
+        chunks = [_chunk(a, n) for a, n in group]
         if len(group) == 1:
             logits = [self.kv.prefill(group[0][0].seqs[0].kv, chunks[0])]
         else:  # one pass over the weights for every waiting prompt
