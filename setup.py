@@ -34,7 +34,7 @@ KERNEL_SOURCES = [
     "csrc/pk_r16.h",
     "csrc/pk_quants.h",
     "csrc/pk_k8.h",
-    "csrc/pk_k8g.h",
+    "csrc/pk_k8i.h",
     "csrc/pk_prep.h",
     "csrc/pk_dequant.h",
     "csrc/pk_q8.h",

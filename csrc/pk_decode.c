@@ -64,9 +64,8 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) : k8 && !P->g8;
 #if PK_AVX512
-    if (k8 && P->g8 && P->gbuf) { /* int16 panels: the codes prep wrote (q8_group 8) */
-        uint8_t *tmp = (uint8_t *)(P->gbuf + pk_tid() * P->gstride);
-        k8g_range(M->kind, &A, n, out, ldo, r0, r1, GR, tmp);
+    if (k8 && P->g8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
+        k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
     } else
 #endif
     if (PK_R16 && M->rp && q8 && !P->g8 && n <= MAX_N && !r16_range(M->kind, &A, M->rp, r0, r1)) {
@@ -261,7 +260,7 @@ static int64_t gemm_stride(const step_t *S) {
 
 /* whether a step of R rows (prepared inputs) needs the per-thread panel buffers */
 static inline int gemm_bufs(const step_t *S, int64_t R) {
-    return R >= GEMM_ROWS || (S->q8 == 2 && R >= K8G_ROWS);
+    return R >= GEMM_ROWS || (S->q8 == 2 && R >= K8I_MIN);
 }
 
 /* scratch floats for step S with nt threads (see carve); the prepared-input pools cover the

@@ -39,7 +39,7 @@ typedef struct { int e; int64_t row0, cnt, goff, hoff; } slot_t; /* expert e's g
 typedef struct { /* one input vector prepared for every kernel kind */
     const float *x; float *xs, *xp, *dx, *xs16; int8_t *xq, *xqp; int64_t k;
     float *gbuf; int64_t gstride; /* per-thread gemm panels (GEMM_ROWS rows and more) */
-    int g8; /* the int8 codes take groups of 256 (q8_group 8): the K-quants read them with k8g */
+    int g8; /* one int8 code per element (q8_group 8): the K-quant prompt panels read them (pk_k8i.h) */
 } px_t;
 
 typedef struct {

@@ -265,8 +265,8 @@ static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
 }
 
 /* the auto mode's q8: 2 for K-quants, int8 rows (csrc/pk_k8.h) for independent rows (batched
- * decode: a row's numbers do not depend on its company), int16 panels (pk_k8g.h) for prompts
- * of 4-128 tokens; else 3 when only repacked 4-bit rows (pk_r16.h) read codes; else 0 */
+ * decode: a row's numbers do not depend on its company), int8 panels (pk_k8i.h) for prompts
+ * of 4 tokens or more; else 3 when only repacked 4-bit rows (pk_r16.h) read codes; else 0 */
 static int auto_q8(const step_t *S) {
     int any = k8_kind(S->lm.kind), rp = S->lm.rp != NULL;
     for (int l = 0; l < S->nl; l++) {
@@ -276,7 +276,7 @@ static int auto_q8(const step_t *S) {
         any |= k8_kind(L->o.kind) | (!L->moe && k8_kind(L->down.kind));
         rp |= L->o.rp != NULL || (!L->moe && L->down.rp != NULL);
     }
-    if (any && (!S->seq1 || (S->n >= K8G_ROWS && S->n <= K8G_MAX))) return 2;
+    if (any && (!S->seq1 || (S->n >= K8I_MIN && S->n <= K8I_MAX))) return 2;
     return PK_R16 && rp ? 3 : 0;
 }
 

@@ -185,8 +185,8 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, fl
 }
 
 /* the whole product on nt threads; -1 when a buffer cannot be allocated. x8 (not NULL): buffers
- * for the inputs' int16 codes, scales and sums, filled here, for the K-quant panels of the auto
- * mode (csrc/pk_k8g.h) */
+ * for the inputs' int8 codes, scales and code sums, filled here, for the K-quant panels of the
+ * auto mode (csrc/pk_k8i.h) */
 static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt,
                     mm_args *x8) {
     const int64_t k = D->k, panels = (m + GR - 1) / GR;
@@ -200,17 +200,15 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
 #if PK_AVX512
         if (x8) {
 #pragma omp for
-            for (int64_t i = 0; i < n; i++) { /* int16 codes, one scale per 256 */
-                quantize_x16(x + i * k, (int16_t *)x8->xq + i * k, (float *)x8->dx + i * x8->nb, x8->nb);
-                sums16(x + i * k, (float *)x8->xs16 + i * 2 * x8->nb, x8->nb);
-            }
-            const int64_t tb = k8g_block(k); /* the inputs in blocks that stay in L2 */
+            for (int64_t i = 0; i < n; i++) /* int8 codes, one scale per 32 */
+                quantize_xi(x + i * k, (int8_t *)x8->xq + i * k, (float *)x8->dx + i * x8->nb, (float *)x8->xs16 + i * 2 * x8->nb, 0, x8->nb, 32);
+            const int64_t np = (m + K8I_ROWS - 1) / K8I_ROWS, tb = k8i_block(k);
             for (int64_t t = 0; t < n; t += tb) {
-                const mm_args V = k8g_from(x8, t);
+                const mm_args V = k8i_from(x8, t);
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t p = 0; p < panels; p++) {
-                    const int64_t r0 = p * GR, rows = m - r0 < GR ? m - r0 : GR;
-                    if (tmp) k8g_rows(kind, &V, n - t < tb ? n - t : tb, out + t * m, m, r0, rows, (uint8_t *)tmp);
+                for (int64_t p = 0; p < np; p++) {
+                    const int64_t r0 = p * K8I_ROWS, rows = m - r0 < K8I_ROWS ? m - r0 : K8I_ROWS;
+                    if (tmp) k8i_rows(kind, &V, n - t < tb ? n - t : tb, out + t * m, m, r0, rows, (uint8_t *)tmp, 32);
                 }
             }
         } else
@@ -225,16 +223,16 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
     return failed ? -1 : 0;
 }
 
-/* gemm_run, K-quants of K8G_ROWS to K8G_MAX rows in the auto mode on int16 panels */
+/* gemm_run, K-quants of K8I_MIN rows or more in the auto mode on int8 panels (AVX-512) */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
-    if (!(q8 == 2 && k8_kind(kind) && n >= K8G_ROWS && n <= K8G_MAX && D->k % 256 == 0)) /* K8G_MAX 0: no AVX-512 */
+    if (!(q8 == 2 && k8_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) /* K8I_MAX 0: no AVX-512 */
         return gemm_run(kind, D, x, n, out, m, nt, NULL);
     mm_args A = {0};
     A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32;
-    void *buf = malloc((size_t)(n * 2 * D->k + 3 * n * A.nb * 4) + 64);
+    void *buf = malloc((size_t)(n * D->k + 3 * n * A.nb * 4) + 64); /* codes, dx, sums per 16 */
     if (!buf) return -1;
     A.xq = (const int8_t *)buf;
-    A.dx = (const float *)((char *)buf + n * 2 * D->k);
+    A.dx = (const float *)((char *)buf + ((n * D->k + 63) & ~(int64_t)63));
     A.xs16 = A.dx + n * A.nb;
     const int rc = gemm_run(kind, D, x, n, out, m, nt, &A);
     free(buf);

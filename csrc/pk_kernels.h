@@ -292,7 +292,6 @@ static inline int64_t row_piece(const mm_args *A) {
 }
 
 #include "pk_k8.h"
-#include "pk_k8g.h"
 #include "pk_q8.h"
 
 /* Rows are streamed once: ask for a row a few ahead so its cache-line misses overlap the
@@ -354,6 +353,7 @@ static inline int check_matrix(int kind, Py_buffer *bw, Py_buffer *ba, mm_args *
 
 
 #include "pk_vec.h"
+#include "pk_k8i.h"
 
 static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -14,10 +14,10 @@ static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loo
     }
     if (b1 <= b0) return;
     if (loom) loom_order(x + b0 * 32, P->xp + b0 * 32, (b1 - b0) * 32);
-    if (q8) {
+    if (q8 == 8) quantize_xi(x, P->xq, P->dx, P->xs16, b0, b1, 64); /* one code each, sums of the codes */
+    else if (q8) {
         sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0);
-        if (q8 == 8) quantize_x16(x + b0 * 32, (int16_t *)(P->xq + b0 * 64), P->dx + b0, b1 - b0);
-        else quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);
+        quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);
         if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0);
     }
 }
@@ -28,17 +28,16 @@ static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
 }
 
 /* the codes prep writes for an input of n rows of step S that `want`s them: 0 none, 1
- * quantize_x's int8 pairs per 32-block, 8 the int16 codes per 256 of the K-quant prompt kernels
- * (auto mode, a prompt's rows only: csrc/pk_k8g.h; their inputs then start on whole groups of 8
- * blocks) */
+ * quantize_x's int8 pairs per 32-block, 8 quantize_xi's one code per element of the K-quant
+ * prompt panels (auto mode, a prompt's rows only: csrc/pk_k8i.h) */
 static inline int q8_group_n(const step_t *S, int64_t n, int want) {
-    return !(S->q8 && want) ? 0 : (want == 2 && S->q8 == 2 && S->seq1 && n >= K8G_ROWS && n <= K8G_MAX) ? 8 : 1;
+    return !(S->q8 && want) ? 0 : (want == 2 && S->q8 == 2 && S->seq1 && n >= K8I_MIN && n <= K8I_MAX) ? 8 : 1;
 }
 
 static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->n, want); }
 
 /* which codes the cnt matrices at M read from an input: 2 a K-quant in the auto mode (a prompt's
- * rows: the int16 panels), 1 int8 pairs (every quantized kind with q8 = 1, repacked rows), 0
+ * rows: the int8 panels), 1 int8 pairs (every quantized kind with q8 = 1, repacked rows), 0
  * none (an input that only float kernels read is not quantized) */
 static inline int wants_codes(const step_t *S, const mat_t *M, int cnt) {
     int any = 0;

@@ -73,21 +73,6 @@ static inline void quantize_x(const float *x, int8_t *xq, float *dx, int64_t nbl
     }
 }
 
-/* quantize_x16's |c| bound (csrc/pk_k8g.h): a lane sums at most 32 products of |w| <= 8064 and |c| <= 8191 (< 2^31) */
-#define X16_MAX 8191.0f
-
-/* x as int16 codes, one scale per group of 8 32-blocks (the last group may be shorter): the
- * codes of block i at int16 index 32 i of xq, dx[i] the group's max|x| / X16_MAX */
-static inline void quantize_x16(const float *x, int16_t *xq, float *dx, int64_t nblocks) {
-    for (int64_t g = 0; g < nblocks; g += 8) {
-        const int64_t ge = g + 8 < nblocks ? g + 8 : nblocks;
-        const float amax = absmax(x + g * 32, (ge - g) * 32), d = amax / X16_MAX, id = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int64_t i = g; i < ge; i++) dx[i] = isfinite(amax) ? d : NAN;
-        if (!isfinite(amax)) { memset(xq + g * 32, 0, (size_t)(ge - g) * 64); continue; }
-        for (int64_t l = g * 32; l < ge * 32; l++) xq[l] = (int16_t)fminf(fmaxf(rintf(x[l] * id), -X16_MAX), X16_MAX);
-    }
-}
-
 /* q8 scheme: the sums of x per 16 elements (the K-quant kernels' offsets, csrc/pk_k8.h) */
 static inline void sums16(const float *x, float *xs16, int64_t nblocks) {
     for (int64_t g = 0; g < 2 * nblocks; g++) {

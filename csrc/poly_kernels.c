@@ -83,7 +83,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     A.ldo = A.m;
     long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants) */
     if (q8 == -1 && PyErr_Occurred()) return NULL;
-    const int k8g = q8 == 2 && k8_kind((int)kind) && A.n >= K8G_ROWS && A.n <= K8G_MAX; /* int16 panels */
+    const int k8i = q8 == 2 && k8_kind((int)kind) && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
     if (q8 == 2) q8 = k8_kind((int)kind) && A.n <= K8_ROWS;
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
@@ -104,7 +104,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     A.x = bx.buf; A.out = bo.buf; A.w = bw.buf; A.aux = have_aux ? ba.buf : NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    if (k8g) {
+    if (k8i) {
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, A.m};
         rc = gemm_any((int)kind, &D, A.x, A.n, A.out, A.m, pk_threads, 2);
     } else

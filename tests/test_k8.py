@@ -1,5 +1,5 @@
 """The K-quant kinds' integer paths of the default ("auto") scheme: one-row products on int8
-activations with two codes (csrc/pk_k8.h), 4-128 rows on int16 panels (csrc/pk_k8g.h), in the
+activations with two codes (csrc/pk_k8.h), 4 rows or more on int8 panels (csrc/pk_k8i.h), in the
 kernels alone and inside the fused step."""
 
 from __future__ import annotations
@@ -29,21 +29,30 @@ def test_auto_scheme_takes_int8_activations_for_k_quant_rows_only(scheme):
 
 
 def _on_code_grid(n: int, k: int, seed: int) -> np.ndarray:
-    """x whose int16 codes with one scale per 256 (max |x| / 8191) are exact: integers times a
-    power of two, each 256-group holding +-8191 once."""
+    """x whose int8 codes with one scale per 32 (max |x| / 127) are exact: integers times a power
+    of two, each 32-block holding +-127 once."""
     rng = np.random.default_rng(seed)
-    x = rng.integers(-8190, 8191, (n, k)).astype(np.float32)
-    x[:, ::256] = 8191.0 * np.sign(rng.standard_normal((n, k // 256)) + 0.5)
-    return x * np.float32(2.0**-10)
+    x = rng.integers(-126, 127, (n, k)).astype(np.float32)
+    x[:, ::32] = 127.0 * np.sign(rng.standard_normal((n, k // 32)) + 0.5)
+    return x * np.float32(2.0**-5)
+
+
+def _int8_codes(x: np.ndarray) -> np.ndarray:
+    """x as the panels read it: round(x / dx) * dx, dx = max|x| / 127 per 32 (ties to even)."""
+    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    dx = np.abs(b).max(axis=2, keepdims=True) / np.float32(127.0)
+    c = np.rint(b * np.where(dx > 0, np.float32(1.0) / dx, np.float32(0.0)))
+    return (c.astype(np.float64) * dx).reshape(x.shape)
 
 
 @pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
-@pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 131))  # tiles of 4 inputs x 3 rows, ragged tails
-def test_k_quant_prefill_takes_int16_panels(scheme, n, each_isa):
-    """The default ("auto") on AVX-512, 4 to 128 input rows (csrc/pk_k8g.h): x as int16 codes, one scale
-    per 256. On the code grid the integer products are exact; on Gaussian x with an outlier
-    channel the error is the codes (~1e-4). 131 rows take the float gemm."""
-    m, k = 39, 768  # panels of 32 + 7 rows: tiles of 3, 2 and 1 rows
+@pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 131))  # tiles of 8 inputs, ragged tails
+def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
+    """The default ("auto") on AVX-512, 4 input rows or more (csrc/pk_k8i.h): x as one int8 code
+    per element, one scale per 32. On the code grid the integer products are exact; on Gaussian x
+    (an outlier channel too) the result is the stored weights times x's codes (to float rounding),
+    and x's rounding stays within 1e-2 of the output scale."""
+    m, k = 39, 768  # panels of 16 + 16 + 7 rows
     qt = MAKERS[scheme](random_weights(m, k, seed=n))
     w = qt.dequantize().astype(np.float64)
     x = _on_code_grid(n, k, seed=n)
@@ -52,18 +61,23 @@ def test_k_quant_prefill_takes_int16_panels(scheme, n, each_isa):
     x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
     x[:, 3] *= 30.0
     ref = x.astype(np.float64) @ w.T
-    err = np.abs(qt.matmul(x) - ref).max() / np.abs(ref).max()
-    if each_isa != "avx512" or n > 128:  # the float path (AVX2: slower there, not taken)
+    out = qt.matmul(x)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    if each_isa != "avx512":  # the float path (AVX2: no 64-byte vpdpbusd, not taken)
         assert err <= 1e-5
-    else:  # the codes' rounding really happened, and stays small
-        assert 2e-6 < err <= 2e-3
+    else:  # the codes' rounding really happened (30x outlier: its block's codes are coarse)
+        assert 1e-4 < err <= 4e-2
+        coded = _int8_codes(x) @ w.T
+        assert np.abs(out - coded).max() <= 2e-5 * np.abs(coded).max()
 
 
 @pytest.mark.parametrize("scheme", K_QUANTS)
 def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each_isa):
     """ "auto": a K-quant model's one-row steps take int8 activations with two codes (pk_k8.h) and
-    its 6-token prompt int16 codes (pk_k8g.h, AVX-512), in the fused step as in the Python path;
-    all stay within 3e-3 of the float path."""
+    its 6-token prompt one int8 code per element (pk_k8i.h, AVX-512), in the fused step as in the
+    Python path; the prompt's 8-bit codes put every step
+    within 3e-2 of the float path (1e-2 to 4e-2 on SmolLM2 / a 1B Q4_K_M, where llama.cpp's
+    Q8_K is 3e-2 to 6e-2), the two-code decode rows alone within 3e-3."""
     tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=5)
     quantize_all(tf, scheme)
     tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
@@ -77,7 +91,7 @@ def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each
     # integer rows: decode on every SIMD build, the prompt on AVX-512 only (base: none)
     for i, (a, p, e) in enumerate(zip(auto, python, exact)):
         assert np.array_equal(a, e) == (each_isa == "base" or (i == 0 and each_isa == "avx2"))
-        assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
+        assert np.abs(a - e).max() <= (3e-2 if each_isa == "avx512" else 3e-3) * np.abs(e).max()
         assert np.abs(p - a).max() <= 3e-3 * np.abs(e).max()
     # one-row steps alone: prompt in float, then decode steps auto vs float
     with monkeypatch.context() as m:
@@ -99,7 +113,7 @@ def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each
 @pytest.mark.parametrize("scheme", ["gguf_q4_k", "gguf_q6_k"])
 def test_k_quant_batched_decode_rows_equal_each_alone(scheme, each_isa):
     """Sequences decoded together take the same int8 rows as one decoded alone (a row's numbers
-    do not depend on its company); prompts, one sequence's rows, take the int16 panels."""
+    do not depend on its company); prompts, one sequence's rows, take the int8 panels."""
     from poly.runtime.batch import forward_batch
 
     tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=9)

@@ -1,0 +1,202 @@
+/* K-quant prompts on int8 codes (the q8 scheme's "auto" mode, AVX-512 builds, K8I_MIN or more
+ * input rows). Why: a prompt's products are compute-bound, and vpdpbusd does 64 multiply-adds per
+ * instruction where the float gemm's FMA does 16 and the int16 panels' vpdpwssd 32.
+ *
+ * A panel of 16 weight rows is decoded once (k8_scales / k8_codes2) into one weight row per
+ * 32-bit vector lane: per super-block, 64 vectors of codes (vector q holds k = 4q..4q+3 of the 16
+ * rows: byte 4r + i = row r's code at 4q + i), then 16 vectors of S = D * s and 16 of the offsets o
+ * (per 16 weights, 16 rows), K8I_SB bytes. x takes one int8 code per element with one scale per
+ * 32 (x ~= dx * c, dx = max|x| / 127, Q8_0's activations; llama.cpp's Q8_K has one per 256) and the
+ * sums dx * sum(c) per 16. An input's 4 codes at a time are broadcast and meet 4 codes of 16 rows
+ * in one vpdpbusd; per 16 weights the int32 sums take S (cvt, mul), per 32 dx (fma) and the offsets
+ * (o * the code sums), so every output row is a lane and no horizontal sum is left.
+ * The result is exact for x's codes (the dot product of the stored weights with dx * c): the error
+ * is x's rounding, <= dx / 2 per element. Included by pk_kernels.h after pk_k8.h. */
+#ifndef PK_K8I_H
+#define PK_K8I_H
+
+/* auto mode: K-quant products of K8I_MIN input rows or more (below, the int8 rows of pk_k8.h).
+ * AVX-512 builds only (AVX2 has no 64-byte vpdpbusd; the float tiles stay there). Against the
+ * float gemm (1B Q4_K [8192 x 2048], 2 threads): 16 rows 2.8x, 128 rows 2.6x, 512 rows 2.2x;
+ * Q6_K [2048 x 8192] 1.6-2.8x; the int16 panels it replaced ran level with the float gemm. */
+#define K8I_MIN 4
+#define K8I_MAX (PK_AVX512 ? ((int64_t)1 << 40) : 0)
+#define K8I_SB (4096 + 2 * 1024) /* a decoded super-block of 16 rows: codes, S, o */
+#define K8I_ROWS 16              /* weight rows per panel: one per 32-bit lane */
+#define K8I_T 8                  /* inputs per register tile: 8 int32 + 8 float accumulators */
+
+/* inputs per pass over a thread's panels (packed codes, k bytes each): 512 KB of them stay in L2
+ * while each panel is decoded and meets them */
+static inline int64_t k8i_block(int64_t k) {
+    const int64_t t = (((int64_t)512 << 10) / k) & ~(int64_t)7;
+    return t < 16 ? 16 : t;
+}
+
+/* A for the inputs [t, ...) (packed codes) */
+static inline mm_args k8i_from(const mm_args *A, int64_t t) {
+    mm_args V = *A;
+    V.xq = A->xq + t * A->k;
+    V.dx = A->dx + t * A->nb;
+    V.xs16 = A->xs16 + t * 2 * A->nb;
+    return V;
+}
+
+/* x's codes for the 32-blocks [b0, b1): c (32 bytes at 64 b: the layout of quantize_x's xh), dx
+ * per block, the sums dx * sum(c) per 16 in xs16 (the offsets meet x's codes, not x) */
+static inline void quantize_xi(const float *x, int8_t *xq, float *dx, float *xs16, int64_t b0, int64_t b1, int64_t cb) {
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + b * 32;
+        int8_t *c = xq + b * cb;
+        const float amax = absmax(xb, 32);
+        if (!isfinite(amax)) { dx[b] = NAN; xs16[2 * b] = xs16[2 * b + 1] = NAN; memset(c, 0, 32); continue; }
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int s[2] = {0, 0};
+#if PK_AVX512 /* |x * id| <= 127 already: rounding needs no clamp */
+        for (int h = 0; h < 2; h++) {
+            const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(c + 16 * h), _mm512_cvtepi32_epi8(v));
+            s[h] = _mm512_reduce_add_epi32(v);
+        }
+#else
+        for (int l = 0; l < 32; l++) {
+            const int v = (int)fminf(fmaxf(rintf(xb[l] * id), -127.0f), 127.0f);
+            c[l] = (int8_t)v;
+            s[l >> 4] += v;
+        }
+#endif
+        dx[b] = d;
+        xs16[2 * b] = d * (float)s[0];
+        xs16[2 * b + 1] = d * (float)s[1];
+    }
+}
+
+#if PK_AVX512
+#ifdef __AVX512VNNI__
+#define K8I_DP(acc, u, x) _mm512_dpbusd_epi32(acc, u, x)
+#else
+#define K8I_DP(acc, u, x) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)))
+#endif
+
+/* 16 x 16 32-bit transpose in place: v[r] lane l -> v[l] lane r */
+static inline void k8i_transpose(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) { /* 128-bit lanes: rows 0-3 with 4-7, 8-11 with 12-15 */
+        t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* rows [r0, r0 + rows) (rows <= 16; missing rows decode as zeros) into the panel: nsb records */
+static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        uint8_t *d = panel + sb * K8I_SB;
+        float *S = (float *)(d + 4096), *O = S + 256;
+        for (int c = 0; c < 4; c++) { /* 64 weights of each row: 16 lanes of 4 codes */
+            __m512i v[16];
+            for (int r = 0; r < 16; r++)
+                v[r] = r < rows ? k8_codes2(kind, w + (r0 + r) * rb + sb * BLOCK_BYTES[kind], c) : _mm512_setzero_si512();
+            k8i_transpose(v);
+            for (int q = 0; q < 16; q++) _mm512_storeu_si512((void *)(d + (16 * c + q) * 64), v[q]);
+        }
+        for (int r = 0; r < 16; r++) {
+            k8_sb B = {0};
+            if (r < rows) k8_scales(kind, w + (r0 + r) * rb + sb * BLOCK_BYTES[kind], &B);
+            for (int j = 0; j < 16; j++) {
+                S[16 * j + r] = B.D * (float)B.s[j];
+                O[16 * j + r] = B.o[j];
+            }
+        }
+    }
+}
+
+/* the panel's 16 rows x inputs t0.. (T of them): out[t][col .. col + rows) */
+static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, const uint8_t *panel, int64_t nsb, int64_t t0,
+                                                           float *out, int64_t ldo, int64_t col, int64_t rows, int64_t cb,
+                                                           const int T) {
+    __m512 f[K8I_T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) f[t] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *d = panel + sb * K8I_SB;
+        const float *S = (const float *)(d + 4096), *O = S + 256;
+#pragma GCC unroll 2
+        for (int j = 0; j < 8; j++) { /* 32 weights: one dx */
+            __m512 g[K8I_T];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) { /* 16 weights: one S and o */
+                __m512i acc[K8I_T];
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    const __m512i u = _mm512_loadu_si512((const void *)(d + (8 * j + 4 * h + q) * 64));
+#pragma GCC unroll 8
+                    for (int t = 0; t < T; t++) {
+                        int32_t c4;
+                        memcpy(&c4, A->xq + ((t0 + t) * A->nb + sb * 8 + j) * cb + 16 * h + 4 * q, 4);
+                        acc[t] = K8I_DP(acc[t], u, _mm512_set1_epi32(c4));
+                    }
+                }
+                const __m512 sv = _mm512_loadu_ps(S + 16 * (2 * j + h)), ov = _mm512_loadu_ps(O + 16 * (2 * j + h));
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    const int64_t b = (t0 + t) * A->nb + sb * 8 + j;
+                    g[t] = h ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), sv, g[t]) : _mm512_mul_ps(_mm512_cvtepi32_ps(acc[t]), sv);
+                    f[t] = _mm512_fnmadd_ps(ov, _mm512_set1_ps(A->xs16[2 * b + h]), f[t]);
+                }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) f[t] = _mm512_fmadd_ps(g[t], _mm512_set1_ps(A->dx[(t0 + t) * A->nb + sb * 8 + j]), f[t]);
+        }
+    }
+    const __mmask16 mk = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(out + (t0 + t) * ldo + col, mk, f[t]);
+}
+
+/* out[t][r0 + r] for the n inputs prepared in A (quantize_xi; cb bytes per 32-block of codes:
+ * 64 in the fused step's buffers, 32 packed) and rows [r0, r0 + rows) of A's matrix (rows <= 16);
+ * panel: nsb * K8I_SB bytes */
+static void k8i_rows(int kind, const mm_args *A, int64_t n, float *out, int64_t ldo, int64_t r0, int64_t rows,
+                     uint8_t *panel, int64_t cb) {
+    const int64_t nsb = A->nb / 8;
+    k8i_decode(kind, A->w, A->rb, nsb, r0, rows, panel);
+    int64_t t = 0;
+    for (; t + K8I_T <= n; t += K8I_T) k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, K8I_T);
+    switch (n - t) {
+    case 7: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 7); break;
+    case 6: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 6); break;
+    case 5: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 5); break;
+    case 4: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 4); break;
+    case 3: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 3); break;
+    case 2: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 2); break;
+    case 1: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 1); break;
+    default: break;
+    }
+}
+
+/* rows [r0, r1) in panels of 16 (one thread) */
+static void k8i_range(int kind, const mm_args *A, int64_t n, float *out, int64_t ldo, int64_t r0, int64_t r1,
+                      uint8_t *panel) {
+    for (int64_t rp = r0; rp < r1; rp += K8I_ROWS)
+        k8i_rows(kind, A, n, out, ldo, rp, r1 - rp < K8I_ROWS ? r1 - rp : K8I_ROWS, panel, 64);
+}
+#endif
+
+#endif /* PK_K8I_H */
