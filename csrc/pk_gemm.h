@@ -201,14 +201,14 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
         if (x8) {
 #pragma omp for
             for (int64_t i = 0; i < n; i++) /* int8 codes, one scale per 32 */
-                quantize_xi(x + i * k, (int8_t *)x8->xq + i * k, (float *)x8->dx + i * x8->nb, (float *)x8->xs16 + i * 2 * x8->nb, 0, x8->nb, 32);
+                quantize_xi(x + i * k, (int8_t *)x8->xq + i * 2 * k, (float *)x8->dx + i * x8->nb, (float *)x8->xs16 + i * 2 * x8->nb, 0, x8->nb);
             const int64_t np = (m + K8I_ROWS - 1) / K8I_ROWS, tb = k8i_block(k);
             for (int64_t t = 0; t < n; t += tb) {
                 const mm_args V = k8i_from(x8, t);
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t p = 0; p < np; p++) {
                     const int64_t r0 = p * K8I_ROWS, rows = m - r0 < K8I_ROWS ? m - r0 : K8I_ROWS;
-                    if (tmp) k8i_rows(kind, &V, n - t < tb ? n - t : tb, out + t * m, m, r0, rows, (uint8_t *)tmp, 32);
+                    if (tmp) k8i_rows(kind, &V, n - t < tb ? n - t : tb, out + t * m, m, r0, rows, (uint8_t *)tmp);
                 }
             }
         } else
@@ -229,10 +229,10 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
         return gemm_run(kind, D, x, n, out, m, nt, NULL);
     mm_args A = {0};
     A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32;
-    void *buf = malloc((size_t)(n * D->k + 3 * n * A.nb * 4) + 64); /* codes, dx, sums per 16 */
+    void *buf = malloc((size_t)(n * 2 * D->k + 3 * n * A.nb * 4) + 64); /* codes, dx, sums per 16 */
     if (!buf) return -1;
     A.xq = (const int8_t *)buf;
-    A.dx = (const float *)((char *)buf + ((n * D->k + 63) & ~(int64_t)63));
+    A.dx = (const float *)((char *)buf + n * 2 * D->k);
     A.xs16 = A.dx + n * A.nb;
     const int rc = gemm_run(kind, D, x, n, out, m, nt, &A);
     free(buf);

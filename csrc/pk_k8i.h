@@ -25,32 +25,34 @@
 #define K8I_ROWS 16              /* weight rows per panel: one per 32-bit lane */
 #define K8I_T 8                  /* inputs per register tile: 8 int32 + 8 float accumulators */
 
-/* inputs per pass over a thread's panels (packed codes, k bytes each): 512 KB of them stay in L2
+/* inputs per pass over a thread's panels (2 k bytes of codes each): 1 MB of them stay in L2
  * while each panel is decoded and meets them */
 static inline int64_t k8i_block(int64_t k) {
-    const int64_t t = (((int64_t)512 << 10) / k) & ~(int64_t)7;
+    const int64_t t = (((int64_t)1 << 20) / (2 * k)) & ~(int64_t)7;
     return t < 16 ? 16 : t;
 }
 
-/* A for the inputs [t, ...) (packed codes) */
+/* A for the inputs [t, ...) */
 static inline mm_args k8i_from(const mm_args *A, int64_t t) {
     mm_args V = *A;
-    V.xq = A->xq + t * A->k;
+    V.xq = A->xq + t * 2 * A->k;
     V.dx = A->dx + t * A->nb;
     V.xs16 = A->xs16 + t * 2 * A->nb;
     return V;
 }
 
-/* x's codes for the 32-blocks [b0, b1): c (32 bytes at 64 b: the layout of quantize_x's xh), dx
- * per block, the sums dx * sum(c) per 16 in xs16 (the offsets meet x's codes, not x) */
-static inline void quantize_xi(const float *x, int8_t *xq, float *dx, float *xs16, int64_t b0, int64_t b1, int64_t cb) {
+/* x's codes for the 32-blocks [b0, b1), 64 bytes a block (the layout of quantize_x's pair): the
+ * 32 codes c, then int32 -32 and -4 times the code sums per 16 (the Q6_K / Q3_K code offsets,
+ * folded into the integer sums); dx per block; dx * sum(c) per 16 in xs16 (the other kinds'
+ * offsets meet x's codes, not x) */
+static inline void quantize_xi(const float *x, int8_t *xq, float *dx, float *xs16, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
         const float *xb = x + b * 32;
-        int8_t *c = xq + b * cb;
+        int8_t *c = xq + b * 64;
         const float amax = absmax(xb, 32);
-        if (!isfinite(amax)) { dx[b] = NAN; xs16[2 * b] = xs16[2 * b + 1] = NAN; memset(c, 0, 32); continue; }
+        if (!isfinite(amax)) { dx[b] = NAN; xs16[2 * b] = xs16[2 * b + 1] = NAN; memset(c, 0, 64); continue; }
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int s[2] = {0, 0};
+        int32_t s[2] = {0, 0};
 #if PK_AVX512 /* |x * id| <= 127 already: rounding needs no clamp */
         for (int h = 0; h < 2; h++) {
             const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), _mm512_set1_ps(id)));
@@ -64,6 +66,8 @@ static inline void quantize_xi(const float *x, int8_t *xq, float *dx, float *xs1
             s[l >> 4] += v;
         }
 #endif
+        const int32_t o[4] = {-32 * s[0], -32 * s[1], -4 * s[0], -4 * s[1]};
+        memcpy(c + 32, o, 16);
         dx[b] = d;
         xs16[2 * b] = d * (float)s[0];
         xs16[2 * b + 1] = d * (float)s[1];
@@ -106,29 +110,48 @@ static inline void k8i_transpose(__m512i v[16]) {
 static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
-        float *S = (float *)(d + 4096), *O = S + 256;
+        __m512i v[16], o[16];
         for (int c = 0; c < 4; c++) { /* 64 weights of each row: 16 lanes of 4 codes */
-            __m512i v[16];
             for (int r = 0; r < 16; r++)
                 v[r] = r < rows ? k8_codes2(kind, w + (r0 + r) * rb + sb * BLOCK_BYTES[kind], c) : _mm512_setzero_si512();
             k8i_transpose(v);
             for (int q = 0; q < 16; q++) _mm512_storeu_si512((void *)(d + (16 * c + q) * 64), v[q]);
         }
-        for (int r = 0; r < 16; r++) {
+        for (int r = 0; r < 16; r++) { /* row r's 16 S and o, then lanes: S[j][r], o[j][r] */
             k8_sb B = {0};
             if (r < rows) k8_scales(kind, w + (r0 + r) * rb + sb * BLOCK_BYTES[kind], &B);
-            for (int j = 0; j < 16; j++) {
-                S[16 * j + r] = B.D * (float)B.s[j];
-                O[16 * j + r] = B.o[j];
-            }
+            const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)B.s)));
+            v[r] = _mm512_castps_si512(_mm512_mul_ps(s, _mm512_set1_ps(B.D)));
+            o[r] = _mm512_castps_si512(_mm512_loadu_ps(B.o));
         }
+        k8i_transpose(v);
+        k8i_transpose(o);
+        for (int j = 0; j < 16; j++) {
+            _mm512_storeu_si512((void *)(d + 4096 + 64 * j), v[j]);
+            _mm512_storeu_si512((void *)(d + 5120 + 64 * j), o[j]);
+        }
+    }
+}
+
+/* how a kind's offsets are taken: K8I_MIN16 dmin * min per 16 (Q2_K), K8I_MIN32 per 32 with one
+ * scale per 32 (Q4_K, Q5_K: one int32 sum per 32), K8I_OFF32 / K8I_OFF4 the code offsets 32 / 4
+ * (Q6_K, Q3_K: folded into the integer sums, quantize_xi's -32 / -4 code sums start them) */
+enum { K8I_MIN16, K8I_MIN32, K8I_OFF32, K8I_OFF4 };
+
+static inline int k8i_form(int kind) {
+    switch (kind) {
+    case K_Q4_K: case K_Q5_K: return K8I_MIN32;
+    case K_Q6_K: return K8I_OFF32;
+    case K_Q3_K: return K8I_OFF4;
+    default: return K8I_MIN16;
     }
 }
 
 /* the panel's 16 rows x inputs t0.. (T of them): out[t][col .. col + rows) */
 static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, const uint8_t *panel, int64_t nsb, int64_t t0,
-                                                           float *out, int64_t ldo, int64_t col, int64_t rows, int64_t cb,
-                                                           const int T) {
+                                                           float *out, int64_t ldo, int64_t col, int64_t rows,
+                                                           const int F, const int T) {
+    const int off = F == K8I_OFF32 || F == K8I_OFF4, sub = F == K8I_MIN32 ? 1 : 2; /* int sums per 32 */
     __m512 f[K8I_T];
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++) f[t] = _mm512_setzero_ps();
@@ -137,32 +160,41 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
         const float *S = (const float *)(d + 4096), *O = S + 256;
 #pragma GCC unroll 2
         for (int j = 0; j < 8; j++) { /* 32 weights: one dx */
+            const int8_t *xb = A->xq + (sb * 8 + j) * 64;
             __m512 g[K8I_T];
 #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) { /* 16 weights: one S and o */
+            for (int h = 0; h < sub; h++) { /* 32 / sub weights: one S (and o) */
                 __m512i acc[K8I_T];
 #pragma GCC unroll 8
-                for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                for (int q = 0; q < 4; q++) {
+                for (int t = 0; t < T; t++) {
+                    int32_t o4 = 0;
+                    if (off) memcpy(&o4, xb + (t0 + t) * A->nb * 64 + 32 + 4 * h + (F == K8I_OFF4 ? 8 : 0), 4);
+                    acc[t] = off ? _mm512_set1_epi32(o4) : _mm512_setzero_si512();
+                }
+#pragma GCC unroll 8
+                for (int q = 0; q < 8 / sub; q++) {
                     const __m512i u = _mm512_loadu_si512((const void *)(d + (8 * j + 4 * h + q) * 64));
 #pragma GCC unroll 8
                     for (int t = 0; t < T; t++) {
                         int32_t c4;
-                        memcpy(&c4, A->xq + ((t0 + t) * A->nb + sb * 8 + j) * cb + 16 * h + 4 * q, 4);
+                        memcpy(&c4, xb + (t0 + t) * A->nb * 64 + 16 * h + 4 * q, 4);
                         acc[t] = K8I_DP(acc[t], u, _mm512_set1_epi32(c4));
                     }
                 }
-                const __m512 sv = _mm512_loadu_ps(S + 16 * (2 * j + h)), ov = _mm512_loadu_ps(O + 16 * (2 * j + h));
+                const __m512 sv = _mm512_loadu_ps(S + 16 * (2 * j + h));
 #pragma GCC unroll 8
-                for (int t = 0; t < T; t++) {
-                    const int64_t b = (t0 + t) * A->nb + sb * 8 + j;
+                for (int t = 0; t < T; t++)
                     g[t] = h ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), sv, g[t]) : _mm512_mul_ps(_mm512_cvtepi32_ps(acc[t]), sv);
-                    f[t] = _mm512_fnmadd_ps(ov, _mm512_set1_ps(A->xs16[2 * b + h]), f[t]);
-                }
             }
 #pragma GCC unroll 8
-            for (int t = 0; t < T; t++) f[t] = _mm512_fmadd_ps(g[t], _mm512_set1_ps(A->dx[(t0 + t) * A->nb + sb * 8 + j]), f[t]);
+            for (int t = 0; t < T; t++) {
+                const int64_t b = (t0 + t) * A->nb + sb * 8 + j;
+                f[t] = _mm512_fmadd_ps(g[t], _mm512_set1_ps(A->dx[b]), f[t]);
+                if (F == K8I_MIN32 || F == K8I_MIN16) /* mins: o per 16 (MIN32: equal halves) */
+                    f[t] = _mm512_fnmadd_ps(_mm512_loadu_ps(O + 32 * j), _mm512_set1_ps(A->xs16[2 * b]), f[t]);
+                if (F == K8I_MIN32 || F == K8I_MIN16)
+                    f[t] = _mm512_fnmadd_ps(_mm512_loadu_ps(O + 32 * j + 16), _mm512_set1_ps(A->xs16[2 * b + 1]), f[t]);
+            }
         }
     }
     const __mmask16 mk = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
@@ -170,24 +202,35 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
     for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(out + (t0 + t) * ldo + col, mk, f[t]);
 }
 
-/* out[t][r0 + r] for the n inputs prepared in A (quantize_xi; cb bytes per 32-block of codes:
- * 64 in the fused step's buffers, 32 packed) and rows [r0, r0 + rows) of A's matrix (rows <= 16);
- * panel: nsb * K8I_SB bytes */
+#define K8I_TAIL(F)                                                                          \
+    switch (n - t) {                                                                         \
+    case 7: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 7); break;                     \
+    case 6: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 6); break;                     \
+    case 5: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 5); break;                     \
+    case 4: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 4); break;                     \
+    case 3: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 3); break;                     \
+    case 2: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 2); break;                     \
+    case 1: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 1); break;                     \
+    default: break;                                                                          \
+    }
+#define K8I_TILES(F)                                                                                  \
+    {                                                                                                 \
+        for (; t + K8I_T <= n; t += K8I_T) k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T); \
+        K8I_TAIL(F)                                                                                   \
+    }
+
+/* out[t][r0 + r] for the n inputs prepared in A (quantize_xi) and rows [r0, r0 + rows) of A's
+ * matrix (rows <= 16); panel: nsb * K8I_SB bytes */
 static void k8i_rows(int kind, const mm_args *A, int64_t n, float *out, int64_t ldo, int64_t r0, int64_t rows,
-                     uint8_t *panel, int64_t cb) {
+                     uint8_t *panel) {
     const int64_t nsb = A->nb / 8;
     k8i_decode(kind, A->w, A->rb, nsb, r0, rows, panel);
     int64_t t = 0;
-    for (; t + K8I_T <= n; t += K8I_T) k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, K8I_T);
-    switch (n - t) {
-    case 7: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 7); break;
-    case 6: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 6); break;
-    case 5: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 5); break;
-    case 4: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 4); break;
-    case 3: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 3); break;
-    case 2: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 2); break;
-    case 1: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, cb, 1); break;
-    default: break;
+    switch (k8i_form(kind)) {
+    case K8I_MIN32: K8I_TILES(K8I_MIN32) break;
+    case K8I_OFF32: K8I_TILES(K8I_OFF32) break;
+    case K8I_OFF4: K8I_TILES(K8I_OFF4) break;
+    default: K8I_TILES(K8I_MIN16) break;
     }
 }
 
@@ -195,7 +238,7 @@ static void k8i_rows(int kind, const mm_args *A, int64_t n, float *out, int64_t 
 static void k8i_range(int kind, const mm_args *A, int64_t n, float *out, int64_t ldo, int64_t r0, int64_t r1,
                       uint8_t *panel) {
     for (int64_t rp = r0; rp < r1; rp += K8I_ROWS)
-        k8i_rows(kind, A, n, out, ldo, rp, r1 - rp < K8I_ROWS ? r1 - rp : K8I_ROWS, panel, 64);
+        k8i_rows(kind, A, n, out, ldo, rp, r1 - rp < K8I_ROWS ? r1 - rp : K8I_ROWS, panel);
 }
 #endif
 

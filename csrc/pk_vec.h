@@ -17,9 +17,9 @@ static inline float absmax(const float *x, int64_t len) {
     __m256 m = _mm256_setzero_ps();
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (; l + 8 <= len; l += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + l), abs), m); /* NaN: keeps m */
-    float t[8];
-    _mm256_storeu_ps(t, m);
-    for (int i = 0; i < 8; i++) amax = fmaxf(amax, t[i]);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1)); /* m holds no NaN */
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
 #endif
     for (; l < len; l++) amax = fmaxf(amax, fabsf(x[l]));
     return amax;
