@@ -61,6 +61,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.n = n; A.out = out; A.ldo = ldo;
     A.x = loom ? P->xp : P->x; A.xs = P->xs;
     A.xq = loom ? P->xqp : P->xq; A.dx = P->dx; A.xs16 = P->xs16;
+    A.xo = (const int32_t *)(P->xq + 32); A.cb = 64; A.ocb = 16; /* quantize_xi's interleaved blocks */
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) : k8 && !P->g8;
 #if PK_AVX512

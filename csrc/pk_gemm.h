@@ -201,7 +201,8 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
         if (x8) {
 #pragma omp for
             for (int64_t i = 0; i < n; i++) /* int8 codes, one scale per 32 */
-                quantize_xi(x + i * k, (int8_t *)x8->xq + i * 2 * k, (float *)x8->dx + i * x8->nb, (float *)x8->xs16 + i * 2 * x8->nb, 0, x8->nb);
+                quantize_xi(x + i * k, (int8_t *)x8->xq + i * k, 32, (int32_t *)x8->xo + i * 2 * x8->nb, 2, (float *)x8->dx + i * x8->nb,
+                            (float *)x8->xs16 + i * 2 * x8->nb, 0, x8->nb, k8i_form(kind));
             const int64_t np = (m + K8I_ROWS - 1) / K8I_ROWS, tb = k8i_block(k);
             for (int64_t t = 0; t < n; t += tb) {
                 const mm_args V = k8i_from(x8, t);
@@ -229,10 +230,11 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
         return gemm_run(kind, D, x, n, out, m, nt, NULL);
     mm_args A = {0};
     A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32;
-    void *buf = malloc((size_t)(n * 2 * D->k + 3 * n * A.nb * 4) + 64); /* codes, dx, sums per 16 */
+    void *buf = malloc((size_t)(n * D->k + 5 * n * A.nb * 4) + 64); /* codes, offsets, dx, sums per 16 */
     if (!buf) return -1;
     A.xq = (const int8_t *)buf;
-    A.dx = (const float *)((char *)buf + n * 2 * D->k);
+    A.xo = (const int32_t *)((char *)buf + n * D->k); A.cb = 32; A.ocb = 2;
+    A.dx = (const float *)(A.xo + 2 * n * A.nb);
     A.xs16 = A.dx + n * A.nb;
     const int rc = gemm_run(kind, D, x, n, out, m, nt, &A);
     free(buf);

@@ -25,32 +25,61 @@
 #define K8I_ROWS 16              /* weight rows per panel: one per 32-bit lane */
 #define K8I_T 8                  /* inputs per register tile: 8 int32 + 8 float accumulators */
 
-/* inputs per pass over a thread's panels (2 k bytes of codes each): 1 MB of them stay in L2
- * while each panel is decoded and meets them */
+/* inputs per pass over a thread's panels (packed codes, k bytes each): 1 MB of them stay in L2
+ * while each panel is decoded and meets them (1B Q6_K [2048 x 8192], 512 rows: 512 KB 42, 1 MB
+ * 48, 2 MB 41 multiply-adds per cycle) */
 static inline int64_t k8i_block(int64_t k) {
-    const int64_t t = (((int64_t)1 << 20) / (2 * k)) & ~(int64_t)7;
+    const int64_t t = (((int64_t)1 << 20) / k) & ~(int64_t)7;
     return t < 16 ? 16 : t;
 }
 
 /* A for the inputs [t, ...) */
 static inline mm_args k8i_from(const mm_args *A, int64_t t) {
     mm_args V = *A;
-    V.xq = A->xq + t * 2 * A->k;
+    V.xq = A->xq + t * A->nb * A->cb;
+    V.xo = A->xo + t * A->nb * A->ocb;
     V.dx = A->dx + t * A->nb;
     V.xs16 = A->xs16 + t * 2 * A->nb;
     return V;
 }
 
-/* x's codes for the 32-blocks [b0, b1), 64 bytes a block (the layout of quantize_x's pair): the
- * 32 codes c, then int32 -32 and -4 times the code sums per 16 (the Q6_K / Q3_K code offsets,
- * folded into the integer sums); dx per block; dx * sum(c) per 16 in xs16 (the other kinds'
- * offsets meet x's codes, not x) */
-static inline void quantize_xi(const float *x, int8_t *xq, float *dx, float *xs16, int64_t b0, int64_t b1) {
+/* how a kind's offsets are taken: K8I_MIN16 dmin * min per 16 (Q2_K), K8I_MIN32 per 32 with one
+ * scale per 32 (Q4_K, Q5_K: one int32 sum per 32), K8I_OFF32 / K8I_OFF4 the code offsets 32 / 4
+ * (Q6_K, Q3_K: folded into the integer sums, quantize_xi's -32 / -4 code sums start them) */
+enum { K8I_MIN16, K8I_MIN32, K8I_OFF32, K8I_OFF4 };
+
+#define K8I_SLOTS 5 /* x's int32 slots a block (quantize_xi) */
+
+/* where form F's values sit in a block's slots: all slots written (fused step) or F's only */
+static inline int k8i_slot(int F, int all) {
+    return !all ? 0 : F == K8I_OFF4 ? 2 : F == K8I_MIN32 ? 4 : 0;
+}
+
+static inline int k8i_form(int kind) {
+    switch (kind) {
+    case K_Q4_K: case K_Q5_K: return K8I_MIN32;
+    case K_Q6_K: return K8I_OFF32;
+    case K_Q3_K: return K8I_OFF4;
+    default: return K8I_MIN16;
+    }
+}
+
+/* x's codes for the 32-blocks [b0, b1): the 32 codes c at xq + cb b; at xo + ocb b int32 -32 and
+ * -4 times their sums per 16 (the Q6_K / Q3_K code offsets, folded into the integer sums), then
+ * float dx * sum(c) per 32 (K8I_SLOTS, form -1: the fused step's buffers, cb 64, xo at xq + 32,
+ * where any kind may read an input), or just the slots of `form` (gemm: packed, ocb 2); dx per
+ * block; dx * sum(c) per 16 in xs16 (the other kinds' offsets meet x's codes, not x) */
+static inline void quantize_xi(const float *x, int8_t *xq, int64_t cb, int32_t *xo, int64_t ocb, float *dx, float *xs16,
+                               int64_t b0, int64_t b1, int form) {
     for (int64_t b = b0; b < b1; b++) {
         const float *xb = x + b * 32;
-        int8_t *c = xq + b * 64;
+        int8_t *c = xq + b * cb;
         const float amax = absmax(xb, 32);
-        if (!isfinite(amax)) { dx[b] = NAN; xs16[2 * b] = xs16[2 * b + 1] = NAN; memset(c, 0, 64); continue; }
+        if (!isfinite(amax)) {
+            dx[b] = NAN; xs16[2 * b] = xs16[2 * b + 1] = NAN;
+            memset(c, 0, 32); memset(xo + b * ocb, 0, (size_t)ocb * 4);
+            continue;
+        }
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int32_t s[2] = {0, 0};
 #if PK_AVX512 /* |x * id| <= 127 already: rounding needs no clamp */
@@ -66,8 +95,11 @@ static inline void quantize_xi(const float *x, int8_t *xq, float *dx, float *xs1
             s[l >> 4] += v;
         }
 #endif
-        const int32_t o[4] = {-32 * s[0], -32 * s[1], -4 * s[0], -4 * s[1]};
-        memcpy(c + 32, o, 16);
+        const float s32 = d * (float)(s[0] + s[1]); /* Q4_K/Q5_K: one min per 32 */
+        int32_t o[K8I_SLOTS] = {-32 * s[0], -32 * s[1], -4 * s[0], -4 * s[1], 0};
+        memcpy(o + 4, &s32, 4);
+        if (form < 0) memcpy(xo + b * ocb, o, sizeof(o));
+        else memcpy(xo + b * ocb, o + k8i_slot(form, 1), (size_t)ocb * 4);
         dx[b] = d;
         xs16[2 * b] = d * (float)s[0];
         xs16[2 * b + 1] = d * (float)s[1];
@@ -133,20 +165,6 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
     }
 }
 
-/* how a kind's offsets are taken: K8I_MIN16 dmin * min per 16 (Q2_K), K8I_MIN32 per 32 with one
- * scale per 32 (Q4_K, Q5_K: one int32 sum per 32), K8I_OFF32 / K8I_OFF4 the code offsets 32 / 4
- * (Q6_K, Q3_K: folded into the integer sums, quantize_xi's -32 / -4 code sums start them) */
-enum { K8I_MIN16, K8I_MIN32, K8I_OFF32, K8I_OFF4 };
-
-static inline int k8i_form(int kind) {
-    switch (kind) {
-    case K_Q4_K: case K_Q5_K: return K8I_MIN32;
-    case K_Q6_K: return K8I_OFF32;
-    case K_Q3_K: return K8I_OFF4;
-    default: return K8I_MIN16;
-    }
-}
-
 /* the panel's 16 rows x inputs t0.. (T of them): out[t][col .. col + rows) */
 static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, const uint8_t *panel, int64_t nsb, int64_t t0,
                                                            float *out, int64_t ldo, int64_t col, int64_t rows,
@@ -160,16 +178,16 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
         const float *S = (const float *)(d + 4096), *O = S + 256;
 #pragma GCC unroll 2
         for (int j = 0; j < 8; j++) { /* 32 weights: one dx */
-            const int8_t *xb = A->xq + (sb * 8 + j) * 64;
+            const int64_t b0 = sb * 8 + j, xr = A->nb * A->cb, orr = A->nb * A->ocb; /* block; rows' strides */
+            const int8_t *xb = A->xq + b0 * A->cb;
+            const int32_t *ob = A->xo + b0 * A->ocb + k8i_slot(F, A->ocb >= K8I_SLOTS);
             __m512 g[K8I_T];
 #pragma GCC unroll 2
             for (int h = 0; h < sub; h++) { /* 32 / sub weights: one S (and o) */
                 __m512i acc[K8I_T];
 #pragma GCC unroll 8
                 for (int t = 0; t < T; t++) {
-                    int32_t o4 = 0;
-                    if (off) memcpy(&o4, xb + (t0 + t) * A->nb * 64 + 32 + 4 * h + (F == K8I_OFF4 ? 8 : 0), 4);
-                    acc[t] = off ? _mm512_set1_epi32(o4) : _mm512_setzero_si512();
+                    acc[t] = off ? _mm512_set1_epi32(ob[(t0 + t) * orr + h]) : _mm512_setzero_si512();
                 }
 #pragma GCC unroll 8
                 for (int q = 0; q < 8 / sub; q++) {
@@ -177,7 +195,7 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
 #pragma GCC unroll 8
                     for (int t = 0; t < T; t++) {
                         int32_t c4;
-                        memcpy(&c4, xb + (t0 + t) * A->nb * 64 + 16 * h + 4 * q, 4);
+                        memcpy(&c4, xb + (t0 + t) * xr + 16 * h + 4 * q, 4);
                         acc[t] = K8I_DP(acc[t], u, _mm512_set1_epi32(c4));
                     }
                 }
@@ -190,10 +208,15 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
             for (int t = 0; t < T; t++) {
                 const int64_t b = (t0 + t) * A->nb + sb * 8 + j;
                 f[t] = _mm512_fmadd_ps(g[t], _mm512_set1_ps(A->dx[b]), f[t]);
-                if (F == K8I_MIN32 || F == K8I_MIN16) /* mins: o per 16 (MIN32: equal halves) */
+                if (F == K8I_MIN32) { /* one min per 32: o[2j] times the codes' sum over 32 */
+                    float s32;
+                    memcpy(&s32, ob + (t0 + t) * orr, 4);
+                    f[t] = _mm512_fnmadd_ps(_mm512_loadu_ps(O + 32 * j), _mm512_set1_ps(s32), f[t]);
+                }
+                if (F == K8I_MIN16) { /* o per 16 */
                     f[t] = _mm512_fnmadd_ps(_mm512_loadu_ps(O + 32 * j), _mm512_set1_ps(A->xs16[2 * b]), f[t]);
-                if (F == K8I_MIN32 || F == K8I_MIN16)
                     f[t] = _mm512_fnmadd_ps(_mm512_loadu_ps(O + 32 * j + 16), _mm512_set1_ps(A->xs16[2 * b + 1]), f[t]);
+                }
             }
         }
     }

@@ -93,6 +93,8 @@ typedef struct {
     const int8_t *xq; /* q8 scheme: x as int8 per 32-block, [n, k] */
     const float *dx;  /* q8 scheme: block scales of xq, [n, nb] */
     const float *xs16; /* q8 scheme: sums of x per 16 elements, [n, 2 nb] (the K-quant offsets) */
+    const int32_t *xo; /* K-quant prompt panels (pk_k8i.h): x's code-offset sums, ocb int32 a block */
+    int64_t cb, ocb;   /* ... and xq's bytes a block (64 in the fused step's buffers, 32 packed) */
     int64_t n, k, m, rb, nb; /* rb = bytes per stored row, nb = 32-blocks per row */
     int64_t ldo;             /* out row stride (floats): m, or wider when out is a slice */
 } mm_args;
