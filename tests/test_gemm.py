@@ -100,7 +100,7 @@ def test_blas_runs_one_thread_under_the_c_backend():
         kernels.set_backend("c")
 
 
-@pytest.mark.parametrize("n,start,groups", [(96, 0, 3), (100, 37, 1), (130, 5, 2)])
+@pytest.mark.parametrize("n,start,groups", [(96, 0, 3), (100, 37, 1), (130, 5, 2), (300, 37, 2)])
 def test_c_prefill_attention_matches_numpy(n, start, groups, each_isa, monkeypatch):
     from poly import ops
     from poly.nn import mha
