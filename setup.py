@@ -35,6 +35,7 @@ KERNEL_SOURCES = [
     "csrc/pk_quants.h",
     "csrc/pk_k8.h",
     "csrc/pk_k8i.h",
+    "csrc/pk_k8i_avx2.h",
     "csrc/pk_prep.h",
     "csrc/pk_dequant.h",
     "csrc/pk_q8.h",

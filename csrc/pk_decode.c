@@ -64,7 +64,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.xo = (const int32_t *)(P->xq + 32); A.cb = 64; A.ocb = 16; /* quantize_xi's interleaved blocks */
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) : k8 && !P->g8;
-#if PK_AVX512
+#if PK_SIMD
     if (k8 && P->g8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
     } else

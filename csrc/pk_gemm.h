@@ -113,31 +113,6 @@ static void gemm_chunk(const float *P, const float *x, int64_t n, int64_t ldx, i
     }
 }
 
-#if PK_SIMD
-/* 8 rows of 8 floats (src, row stride lds; f16: halves, esz 2) stored transposed:
- * dst[j * ldd + i] = src[i * lds + j] */
-static inline __attribute__((always_inline)) void transpose8(const void *src, int64_t lds, float *dst, int64_t ldd,
-                                                             const int esz) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++)
-        r[i] = esz == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i * lds)))
-                        : _mm256_loadu_ps((const float *)src + i * lds);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-    }
-}
-#endif
 
 /* P[kk][r] = src[r * lds + kk] for kk < kc, r < rows (rows past them zero): k-major panel; src
  * float32, or float16 (esz 2: the stored F16 rows packed straight, no dequantized copy) */
@@ -221,7 +196,7 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
         float *tmp = thread_buffer((size_t)(GR * k + GR * KC + 16));
         if (!tmp) failed = 1;
         float *P = tmp ? (float *)(((uintptr_t)(tmp + GR * k) + 63) & ~(uintptr_t)63) : NULL;
-#if PK_AVX512
+#if PK_SIMD
         if (x8) {
 #pragma omp for
             for (int64_t i = 0; i < n; i++) /* int8 codes, one scale per 32 */

@@ -20,10 +20,14 @@
  * float gemm (1B Q4_K [8192 x 2048], 2 threads): 16 rows 2.8x, 128 rows 2.6x, 512 rows 2.2x;
  * Q6_K [2048 x 8192] 1.6-2.8x; the int16 panels it replaced ran level with the float gemm. */
 #define K8I_MIN 4
-#define K8I_MAX (PK_AVX512 ? ((int64_t)1 << 40) : 0)
+#define K8I_MAX (PK_SIMD ? ((int64_t)1 << 40) : 0)
 #define K8I_SB (4096 + 2 * 1024) /* a decoded super-block of 16 rows: codes, S, o */
 #define K8I_ROWS 16              /* weight rows per panel: one per 32-bit lane */
-#define K8I_T 8                  /* inputs per register tile: 8 int32 + 8 float accumulators */
+#if PK_AVX512
+#define K8I_T 8 /* inputs per register tile: 8 int32 + 8 float accumulators */
+#else
+#define K8I_T 4 /* AVX2: 4 + 4 of the 16 registers */
+#endif
 
 /* inputs per pass over a thread's panels (packed codes, k bytes each): 1 MB of them stay in L2
  * while each panel is decoded and meets them (1B Q6_K [2048 x 8192], 512 rows: 512 KB 42, 1 MB
@@ -225,12 +229,17 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
     for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(out + (t0 + t) * ldo + col, mk, f[t]);
 }
 
+#elif PK_SIMD
+#include "pk_k8i_avx2.h"
+#endif
+
+#if PK_SIMD
 #define K8I_TAIL(F)                                                                          \
     switch (n - t) {                                                                         \
-    case 7: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 7); break;                     \
-    case 6: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 6); break;                     \
-    case 5: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 5); break;                     \
-    case 4: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 4); break;                     \
+    case 7: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T > 7 ? 7 : 1); break;     \
+    case 6: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T > 6 ? 6 : 1); break;     \
+    case 5: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T > 5 ? 5 : 1); break;     \
+    case 4: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T > 4 ? 4 : 1); break;     \
     case 3: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 3); break;                     \
     case 2: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 2); break;                     \
     case 1: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 1); break;                     \

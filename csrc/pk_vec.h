@@ -122,4 +122,31 @@ static inline void silu_mul(const float *g, const float *u, float *out, int64_t 
     for (; j < n; j++) out[j] = g[j] / (1.0f + expf(fminf(-g[j], 88.3762626647949f))) * u[j];
 }
 
+#if PK_SIMD
+/* 8 rows of 8 floats (src, row stride lds; f16: halves, esz 2) stored transposed (the gemm
+ * panels' packing, the K-quant prompt panels' codes and scales on AVX2):
+ * dst[j * ldd + i] = src[i * lds + j] */
+static inline __attribute__((always_inline)) void transpose8(const void *src, int64_t lds, float *dst, int64_t ldd,
+                                                             const int esz) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = esz == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i * lds)))
+                        : _mm256_loadu_ps((const float *)src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#endif
+
 #endif /* PK_VEC_H */

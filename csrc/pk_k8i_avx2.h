@@ -1,0 +1,97 @@
+/* pk_k8i.h's K-quant prompt panels on AVX2 (no AVX-512): the same panel records, read as two
+ * halves of 8 weight rows (bytes 0-31 and 32-63 of each code vector, floats 0-7 and 8-15 of S and
+ * o); an input's 4 codes broadcast meet 4 codes of 8 rows in maddubs (|u| <= 63, |c| <= 127: a
+ * pair sum can't saturate), madd with ones widens to int32. Without VNNI that is 3 instructions
+ * per 32 multiply-adds where an FMA does 8. Included by pk_k8i.h. */
+#ifndef PK_K8I_AVX2_H
+#define PK_K8I_AVX2_H
+
+/* rows [r0, r0 + rows) (rows <= 16; missing rows decode as zeros) into the panel: nsb records */
+static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
+    uint32_t codes[16 * 64]; /* row r's 256 codes as 64 words */
+    float s[16 * 16], o[16 * 16];
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        uint8_t *d = panel + sb * K8I_SB;
+        float *S = (float *)(d + 4096), *O = S + 256;
+        for (int r = 0; r < 16; r++) {
+            k8_sb B = {0};
+            if (r < rows) {
+                const uint8_t *p = w + (r0 + r) * rb + sb * BLOCK_BYTES[kind];
+                for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(codes + r * 64 + 8 * j), k8_codes(kind, p, j));
+                k8_scales(kind, p, &B);
+            } else
+                memset(codes + r * 64, 0, 256);
+            for (int j = 0; j < 16; j++) { s[16 * r + j] = B.D * (float)B.s[j]; o[16 * r + j] = B.o[j]; }
+        }
+        for (int h = 0; h < 16; h += 8) { /* lanes: word q of row r at q * 16 + r; S, o at j * 16 + r */
+            for (int q = 0; q < 64; q += 8) transpose8(codes + h * 64 + q, 64, (float *)d + q * 16 + h, 16, 4);
+            for (int j = 0; j < 16; j += 8) {
+                transpose8(s + h * 16 + j, 16, S + j * 16 + h, 16, 4);
+                transpose8(o + h * 16 + j, 16, O + j * 16 + h, 16, 4);
+            }
+        }
+    }
+}
+
+/* the panel's rows (two halves of 8) x inputs t0.. (T of them): out[t][col .. col + rows) */
+static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, const uint8_t *panel, int64_t nsb, int64_t t0,
+                                                           float *out, int64_t ldo, int64_t col, int64_t rows,
+                                                           const int F, const int T) {
+    const int off = F == K8I_OFF32 || F == K8I_OFF4, sub = F == K8I_MIN32 ? 1 : 2;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h8 = 0; h8 < 2 && 8 * h8 < rows; h8++) {
+        __m256 f[K8I_T];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) f[t] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *d = panel + sb * K8I_SB + 32 * h8;
+            const float *S = (const float *)(panel + sb * K8I_SB + 4096) + 8 * h8, *O = S + 256;
+            for (int j = 0; j < 8; j++) {
+                const int64_t b0 = sb * 8 + j, xr = A->nb * A->cb, orr = A->nb * A->ocb;
+                const int8_t *xb = A->xq + b0 * A->cb;
+                const int32_t *ob = A->xo + b0 * A->ocb + k8i_slot(F, A->ocb >= K8I_SLOTS);
+#pragma GCC unroll 2
+                for (int h = 0; h < sub; h++) {
+                    __m256i acc[K8I_T];
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++) acc[t] = off ? _mm256_set1_epi32(ob[(t0 + t) * orr + h]) : _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int q = 0; q < 8 / sub; q++) {
+                        const __m256i u = _mm256_loadu_si256((const __m256i *)(d + (8 * j + 4 * h + q) * 64));
+#pragma GCC unroll 4
+                        for (int t = 0; t < T; t++) {
+                            int32_t c4;
+                            memcpy(&c4, xb + (t0 + t) * xr + 16 * h + 4 * q, 4);
+                            const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(c4));
+                            acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p, ones));
+                        }
+                    }
+                    const __m256 sv = _mm256_loadu_ps(S + 16 * (2 * j + h));
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++)
+                        f[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[t]), sv),
+                                               _mm256_set1_ps(A->dx[(t0 + t) * A->nb + b0]), f[t]);
+                }
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) {
+                    const int64_t b = (t0 + t) * A->nb + b0;
+                    if (F == K8I_MIN32) {
+                        float s32;
+                        memcpy(&s32, ob + (t0 + t) * orr, 4);
+                        f[t] = _mm256_fnmadd_ps(_mm256_loadu_ps(O + 32 * j), _mm256_set1_ps(s32), f[t]);
+                    }
+                    if (F == K8I_MIN16) {
+                        f[t] = _mm256_fnmadd_ps(_mm256_loadu_ps(O + 32 * j), _mm256_set1_ps(A->xs16[2 * b]), f[t]);
+                        f[t] = _mm256_fnmadd_ps(_mm256_loadu_ps(O + 32 * j + 16), _mm256_set1_ps(A->xs16[2 * b + 1]), f[t]);
+                    }
+                }
+            }
+        }
+        const int64_t rr = rows - 8 * h8 < 8 ? rows - 8 * h8 : 8;
+        const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) _mm256_maskstore_ps(out + (t0 + t) * ldo + col + 8 * h8, mk, f[t]);
+    }
+}
+
+#endif /* PK_K8I_AVX2_H */
