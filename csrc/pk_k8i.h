@@ -234,20 +234,32 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
 #endif
 
 #if PK_SIMD
+#if PK_AVX512
+#define K8I_TILE(F, T) k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, T)
+#else /* AVX2: the int16 sums per kind (k8i_pairs), a constant in each instance */
+#define K8I_TILE(F, T)                                                                       \
+    do {                                                                                     \
+        switch (k8i_pairs(kind)) {                                                           \
+        case 8: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 8, T); break;              \
+        case 2: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 2, T); break;              \
+        default: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 4, T); break;             \
+        }                                                                                    \
+    } while (0)
+#endif
 #define K8I_TAIL(F)                                                                          \
     switch (n - t) {                                                                         \
-    case 7: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T > 7 ? 7 : 1); break;     \
-    case 6: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T > 6 ? 6 : 1); break;     \
-    case 5: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T > 5 ? 5 : 1); break;     \
-    case 4: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T > 4 ? 4 : 1); break;     \
-    case 3: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 3); break;                     \
-    case 2: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 2); break;                     \
-    case 1: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 1); break;                     \
+    case 7: K8I_TILE(F, K8I_T > 7 ? 7 : 1); break;     \
+    case 6: K8I_TILE(F, K8I_T > 6 ? 6 : 1); break;     \
+    case 5: K8I_TILE(F, K8I_T > 5 ? 5 : 1); break;     \
+    case 4: K8I_TILE(F, K8I_T > 4 ? 4 : 1); break;     \
+    case 3: K8I_TILE(F, 3); break;                     \
+    case 2: K8I_TILE(F, 2); break;                     \
+    case 1: K8I_TILE(F, 1); break;                     \
     default: break;                                                                          \
     }
 #define K8I_TILES(F)                                                                                  \
     {                                                                                                 \
-        for (; t + K8I_T <= n; t += K8I_T) k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, K8I_T); \
+        for (; t + K8I_T <= n; t += K8I_T) K8I_TILE(F, K8I_T); \
         K8I_TAIL(F)                                                                                   \
     }
 

@@ -34,9 +34,20 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
 }
 
 /* the panel's rows (two halves of 8) x inputs t0.. (T of them): out[t][col .. col + rows) */
+/* maddubs results a kind's int16 lanes can sum before madd widens them: a pair of products is at
+ * most 2 * 127 * max code (Q4_K 15: 8 of them, Q5_K 31: 4, Q6_K 63: 2, Q3_K 7 and Q2_K 3: all 4) */
+static inline int k8i_pairs(int kind) {
+    switch (kind) {
+    case K_Q4_K: return 8;
+    case K_Q5_K: return 4;
+    case K_Q6_K: return 2;
+    default: return 4;
+    }
+}
+
 static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, const uint8_t *panel, int64_t nsb, int64_t t0,
                                                            float *out, int64_t ldo, int64_t col, int64_t rows,
-                                                           const int F, const int T) {
+                                                           const int F, const int G, const int T) {
     const int off = F == K8I_OFF32 || F == K8I_OFF4, sub = F == K8I_MIN32 ? 1 : 2;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h8 = 0; h8 < 2 && 8 * h8 < rows; h8++) {
@@ -52,7 +63,7 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
                 const int32_t *ob = A->xo + b0 * A->ocb + k8i_slot(F, A->ocb >= K8I_SLOTS);
 #pragma GCC unroll 2
                 for (int h = 0; h < sub; h++) {
-                    __m256i acc[K8I_T];
+                    __m256i acc[K8I_T], p16[K8I_T];
 #pragma GCC unroll 4
                     for (int t = 0; t < T; t++) acc[t] = off ? _mm256_set1_epi32(ob[(t0 + t) * orr + h]) : _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -63,7 +74,8 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
                             int32_t c4;
                             memcpy(&c4, xb + (t0 + t) * xr + 16 * h + 4 * q, 4);
                             const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(c4));
-                            acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p, ones));
+                            p16[t] = q % G ? _mm256_add_epi16(p16[t], p) : p; /* int16 sums of G (k8i_pairs) */
+                            if (q % G == G - 1 || q == 8 / sub - 1) acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p16[t], ones));
                         }
                     }
                     const __m256 sv = _mm256_loadu_ps(S + 16 * (2 * j + h));
