@@ -89,7 +89,7 @@ def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each
     finally:
         ckernels.set_act_q8("auto")
     # integer rows and prompt panels on every SIMD build (base: none)
-    for i, (a, p, e) in enumerate(zip(auto, python, exact)):
+    for a, p, e in zip(auto, python, exact):
         assert np.array_equal(a, e) == (each_isa == "base")
         assert np.abs(a - e).max() <= (3e-3 if each_isa == "base" else 3e-2) * np.abs(e).max()
         assert np.abs(p - a).max() <= 3e-3 * np.abs(e).max()
