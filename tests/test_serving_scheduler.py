@@ -188,7 +188,7 @@ def test_rows_alike_only_where_one_prompt_takes_no_other_path(model, monkeypatch
     assert fused.rows_alike(model)  # float32 weights: the row kernels for any rows
     p = fused.plan(model)
     monkeypatch.setattr(p, "kinds", p.kinds | {ckernels.Q4_K})
-    assert not fused.rows_alike(model)  # "auto": a K-quant prompt alone takes int16 panels
+    assert not fused.rows_alike(model)  # "auto": a K-quant prompt alone takes int8 panels
     monkeypatch.setattr(ckernels, "_opts", {"q8": ckernels.Q8_OFF})
     assert fused.rows_alike(model)
 

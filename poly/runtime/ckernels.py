@@ -15,8 +15,9 @@ int8 codes per element per 32-block (x ~= dx * (xh + xl / 254), dx = max|x| / 12
 integer dot products (maddubs/madd, or AVX-VNNI). Measured error vs the exact float path:
 ~1e-4 of max|out| (tests/test_ckernels.py asserts <= 2e-3 with an outlier channel); ~1.7x
 faster for Q4_1 rows. The default, "auto", does so only where it wins: K-quant (Q2_K..Q6_K)
-decode rows (csrc/pk_k8.h, whole super-blocks) and prompts of 4-128 rows (AVX-512; x as int16
-codes, one scale per 256, csrc/pk_k8g.h); error ~1e-4 of max|out| (tests/test_k8.py).
+decode rows (csrc/pk_k8.h, whole super-blocks; error ~1e-4 of max|out|) and prompts of 4 rows
+or more (csrc/pk_k8i.h: x as one int8 code per element, one scale per 32, vpdpbusd / maddubs on
+16-row panels; x's rounding is the error, ~5e-3 of max|out| on Gaussian x, tests/test_k8.py).
 Everything else stays on the exact float path. False or POLY_ACT_Q8=0: the float path always.
 
 `AVAILABLE` is False when the extension was not built (no compiler at install time).
@@ -70,7 +71,7 @@ def set_act_q8(on: bool | str) -> int:
     llama.cpp's q8 activations; error documented in docs/performance.md), False = the exact float
     path everywhere, "auto" (the default) = integer paths for the K-quant kinds (Q2_K..Q6_K)
     where they win: decode rows (csrc/pk_k8.h: 1.5-2.7x the float rows; in the fused step every
-    row of a batched decode too) and prompts of 4-128 rows (csrc/pk_k8g.h, AVX-512: int16)."""
+    row of a batched decode too) and prompts of 4 rows or more (csrc/pk_k8i.h: int8 panels)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 

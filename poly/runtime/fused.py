@@ -158,7 +158,7 @@ def _kinds(args):
 def rows_alike(model) -> bool:
     """Whether a row's results in a fused call of at most MAX_N rows are the same whatever the
     other rows (prompt rows beside decode rows): false without the fused step, and in the q8
-    "auto" mode for K-quant matrices, whose one-prompt rows take the int16 panels."""
+    "auto" mode for K-quant matrices, whose one-prompt rows take the int8 panels."""
     p = plan(model)
     if p is None:
         return False
