@@ -68,6 +68,28 @@ static inline int k8i_form(int kind) {
     }
 }
 
+/* where block b0 of input row 0 keeps its codes (xb), offset slots (ob) and the rows' strides:
+ * the AVX-512 and AVX2 tiles read x the same way */
+typedef struct {
+    const int8_t *xb;
+    const int32_t *ob;
+    int64_t b0, xr, orr;
+} k8i_at;
+
+static inline k8i_at k8i_block_at(const mm_args *A, int64_t sb, int j, int F) {
+    const int64_t b0 = sb * 8 + j;
+    const k8i_at X = {A->xq + b0 * A->cb, A->xo + b0 * A->ocb + k8i_slot(F, A->ocb >= K8I_SLOTS), b0, A->nb * A->cb,
+                      A->nb * A->ocb};
+    return X;
+}
+
+/* input t's 4 codes at k = 16 h + 4 q of the block, as one int32 (broadcast to every row lane) */
+static inline int32_t k8i_c4(const k8i_at *X, int64_t t, int h, int q) {
+    int32_t c4;
+    memcpy(&c4, X->xb + t * X->xr + 16 * h + 4 * q, 4);
+    return c4;
+}
+
 /* x's codes for the 32-blocks [b0, b1): the 32 codes c at xq + cb b; at xo + ocb b int32 -32 and
  * -4 times their sums per 16 (the Q6_K / Q3_K code offsets, folded into the integer sums), then
  * float dx * sum(c) per 32 (K8I_SLOTS, form -1: the fused step's buffers, cb 64, xo at xq + 32,
@@ -182,26 +204,18 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
         const float *S = (const float *)(d + 4096), *O = S + 256;
 #pragma GCC unroll 2
         for (int j = 0; j < 8; j++) { /* 32 weights: one dx */
-            const int64_t b0 = sb * 8 + j, xr = A->nb * A->cb, orr = A->nb * A->ocb; /* block; rows' strides */
-            const int8_t *xb = A->xq + b0 * A->cb;
-            const int32_t *ob = A->xo + b0 * A->ocb + k8i_slot(F, A->ocb >= K8I_SLOTS);
+            const k8i_at X = k8i_block_at(A, sb, j, F);
             __m512 g[K8I_T];
 #pragma GCC unroll 2
             for (int h = 0; h < sub; h++) { /* 32 / sub weights: one S (and o) */
                 __m512i acc[K8I_T];
 #pragma GCC unroll 8
-                for (int t = 0; t < T; t++) {
-                    acc[t] = off ? _mm512_set1_epi32(ob[(t0 + t) * orr + h]) : _mm512_setzero_si512();
-                }
+                for (int t = 0; t < T; t++) acc[t] = off ? _mm512_set1_epi32(X.ob[(t0 + t) * X.orr + h]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
                 for (int q = 0; q < 8 / sub; q++) {
                     const __m512i u = _mm512_loadu_si512((const void *)(d + (8 * j + 4 * h + q) * 64));
 #pragma GCC unroll 8
-                    for (int t = 0; t < T; t++) {
-                        int32_t c4;
-                        memcpy(&c4, xb + (t0 + t) * xr + 16 * h + 4 * q, 4);
-                        acc[t] = K8I_DP(acc[t], u, _mm512_set1_epi32(c4));
-                    }
+                    for (int t = 0; t < T; t++) acc[t] = K8I_DP(acc[t], u, _mm512_set1_epi32(k8i_c4(&X, t0 + t, h, q)));
                 }
                 const __m512 sv = _mm512_loadu_ps(S + 16 * (2 * j + h));
 #pragma GCC unroll 8
@@ -210,11 +224,11 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
             }
 #pragma GCC unroll 8
             for (int t = 0; t < T; t++) {
-                const int64_t b = (t0 + t) * A->nb + sb * 8 + j;
+                const int64_t b = (t0 + t) * A->nb + X.b0;
                 f[t] = _mm512_fmadd_ps(g[t], _mm512_set1_ps(A->dx[b]), f[t]);
                 if (F == K8I_MIN32) { /* one min per 32: o[2j] times the codes' sum over 32 */
                     float s32;
-                    memcpy(&s32, ob + (t0 + t) * orr, 4);
+                    memcpy(&s32, X.ob + (t0 + t) * X.orr, 4);
                     f[t] = _mm512_fnmadd_ps(_mm512_loadu_ps(O + 32 * j), _mm512_set1_ps(s32), f[t]);
                 }
                 if (F == K8I_MIN16) { /* o per 16 */

@@ -58,22 +58,18 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
             const uint8_t *d = panel + sb * K8I_SB + 32 * h8;
             const float *S = (const float *)(panel + sb * K8I_SB + 4096) + 8 * h8, *O = S + 256;
             for (int j = 0; j < 8; j++) {
-                const int64_t b0 = sb * 8 + j, xr = A->nb * A->cb, orr = A->nb * A->ocb;
-                const int8_t *xb = A->xq + b0 * A->cb;
-                const int32_t *ob = A->xo + b0 * A->ocb + k8i_slot(F, A->ocb >= K8I_SLOTS);
+                const k8i_at X = k8i_block_at(A, sb, j, F);
 #pragma GCC unroll 2
                 for (int h = 0; h < sub; h++) {
                     __m256i acc[K8I_T], p16[K8I_T];
 #pragma GCC unroll 4
-                    for (int t = 0; t < T; t++) acc[t] = off ? _mm256_set1_epi32(ob[(t0 + t) * orr + h]) : _mm256_setzero_si256();
+                    for (int t = 0; t < T; t++) acc[t] = off ? _mm256_set1_epi32(X.ob[(t0 + t) * X.orr + h]) : _mm256_setzero_si256();
 #pragma GCC unroll 8
                     for (int q = 0; q < 8 / sub; q++) {
                         const __m256i u = _mm256_loadu_si256((const __m256i *)(d + (8 * j + 4 * h + q) * 64));
 #pragma GCC unroll 4
                         for (int t = 0; t < T; t++) {
-                            int32_t c4;
-                            memcpy(&c4, xb + (t0 + t) * xr + 16 * h + 4 * q, 4);
-                            const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(c4));
+                            const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(k8i_c4(&X, t0 + t, h, q)));
                             p16[t] = q % G ? _mm256_add_epi16(p16[t], p) : p; /* int16 sums of G (k8i_pairs) */
                             if (q % G == G - 1 || q == 8 / sub - 1) acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p16[t], ones));
                         }
@@ -82,14 +78,14 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
 #pragma GCC unroll 4
                     for (int t = 0; t < T; t++)
                         f[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[t]), sv),
-                                               _mm256_set1_ps(A->dx[(t0 + t) * A->nb + b0]), f[t]);
+                                               _mm256_set1_ps(A->dx[(t0 + t) * A->nb + X.b0]), f[t]);
                 }
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) {
-                    const int64_t b = (t0 + t) * A->nb + b0;
+                    const int64_t b = (t0 + t) * A->nb + X.b0;
                     if (F == K8I_MIN32) {
                         float s32;
-                        memcpy(&s32, ob + (t0 + t) * orr, 4);
+                        memcpy(&s32, X.ob + (t0 + t) * X.orr, 4);
                         f[t] = _mm256_fnmadd_ps(_mm256_loadu_ps(O + 32 * j), _mm256_set1_ps(s32), f[t]);
                     }
                     if (F == K8I_MIN16) {
