@@ -61,7 +61,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.n = n; A.out = out; A.ldo = ldo;
     A.x = loom ? P->xp : P->x; A.xs = P->xs;
     A.xq = loom ? P->xqp : P->xq; A.dx = P->dx; A.xs16 = P->xs16;
-    A.xo = (const int32_t *)(P->xq + 32); A.cb = 64; A.ocb = 16; /* quantize_xi's interleaved blocks */
+    A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0) : k8 && !P->g8;
 #if PK_SIMD
@@ -169,20 +169,18 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
                            int tid, int nt, int prepped) {
     const int64_t d = S->d, n = S->n;
     float *out = S->red ? S->red : B->tmp;
-    const int want = wants_codes(S, M, 1);
+    const int grp = q8_group(S, wants_codes(S, M, 1));
     int64_t r0, r1;
     px_t V = B->P; /* this thread's own view of `in` (B->P.x is left alone) */
-    V.x = in; V.k = n * k; V.g8 = q8_group(S, want) == 8;
-    if (!prepped && k % 32 == 0) { /* the blocks split over the threads (whole groups of them) */
-        const int64_t g = q8_group(S, want) == 8 && k % 256 == 0 ? 8 : 1;
+    V.x = in; V.k = n * k; V.g8 = grp == 8;
+    if (!prepped && k % 32 == 0) { /* the 32-blocks split over the threads */
         int64_t b0, b1;
-        part(n * k / 32 / g, tid, nt, &b0, &b1);
-        b0 *= g; b1 *= g;
-        prep_blocks(&B->P, in, b0, b1, S->loom, q8_group(S, want));
+        part(n * k / 32, tid, nt, &b0, &b1);
+        prep_blocks(&B->P, in, b0, b1, S->loom, grp);
 #pragma omp barrier
     } else if (!prepped) {
 #pragma omp single
-        prep(&B->P, in, n * k, S->loom, q8_group(S, want));
+        prep(&B->P, in, n * k, S->loom, grp);
     }
     part(d, tid, nt, &r0, &r1);
     mat_rows(M, &V, out, d, r0, r1, S->q8, n);

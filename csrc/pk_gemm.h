@@ -223,9 +223,9 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
     return failed ? -1 : 0;
 }
 
-/* gemm_run, K-quants of K8I_MIN rows or more in the auto mode on int8 panels (AVX-512) */
+/* gemm_run, K-quants of K8I_MIN rows or more in the auto mode on int8 panels (SIMD builds) */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
-    if (!(q8 == 2 && k8_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) /* K8I_MAX 0: no AVX-512 */
+    if (!(q8 == 2 && k8_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) /* K8I_MAX 0: no SIMD */
         return gemm_run(kind, D, x, n, out, m, nt, NULL);
     mm_args A = {0};
     A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32;

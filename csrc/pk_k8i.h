@@ -1,5 +1,5 @@
-/* K-quant prompts on int8 codes (the q8 scheme's "auto" mode, AVX-512 builds, K8I_MIN or more
- * input rows). Why: a prompt's products are compute-bound, and vpdpbusd does 64 multiply-adds per
+/* K-quant prompts on int8 codes (the q8 scheme's "auto" mode, K8I_MIN or more input rows; this
+ * file's tiles are AVX-512's, csrc/pk_k8i_avx2.h has AVX2's). Why: a prompt's products are compute-bound, and vpdpbusd does 64 multiply-adds per
  * instruction where the float gemm's FMA does 16 and the int16 panels' vpdpwssd 32.
  *
  * A panel of 16 weight rows is decoded once (k8_scales / k8_codes2) into one weight row per
@@ -15,13 +15,19 @@
 #ifndef PK_K8I_H
 #define PK_K8I_H
 
-/* auto mode: K-quant products of K8I_MIN input rows or more (below, the int8 rows of pk_k8.h).
- * AVX-512 builds only (AVX2 has no 64-byte vpdpbusd; the float tiles stay there). Against the
+/* auto mode: K-quant products of K8I_MIN input rows or more (below, the int8 rows of pk_k8.h),
+ * on every SIMD build (AVX2: csrc/pk_k8i_avx2.h, 1.4-1.9x its float path). Against the
  * float gemm (1B Q4_K [8192 x 2048], 2 threads): 16 rows 2.8x, 128 rows 2.6x, 512 rows 2.2x;
  * Q6_K [2048 x 8192] 1.6-2.8x; the int16 panels it replaced ran level with the float gemm. */
 #define K8I_MIN 4
 #define K8I_MAX (PK_SIMD ? ((int64_t)1 << 40) : 0)
 #define K8I_SB (4096 + 2 * 1024) /* a decoded super-block of 16 rows: codes, S, o */
+/* the fused step's prepared inputs (px_t) interleave x's codes and slots: 64 bytes a 32-block,
+ * the 32 codes then room for 8 int32 slots (K8I_SLOTS used), so the slots' stride is 16 words
+ * (quantize_x's layout: the buffers and px_view serve both schemes) */
+#define K8I_PX_CB 64
+#define K8I_PX_OCB 16
+#define K8I_PX_XO(xq) ((int32_t *)((xq) + 32))
 #define K8I_ROWS 16              /* weight rows per panel: one per 32-bit lane */
 #if PK_AVX512
 #define K8I_T 8 /* inputs per register tile: 8 int32 + 8 float accumulators */

@@ -14,7 +14,7 @@ static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loo
     }
     if (b1 <= b0) return;
     if (loom) loom_order(x + b0 * 32, P->xp + b0 * 32, (b1 - b0) * 32);
-    if (q8 == 8) quantize_xi(x, P->xq, 64, (int32_t *)(P->xq + 32), 16, P->dx, P->xs16, b0, b1, -1); /* one code each */
+    if (q8 == 8) quantize_xi(x, P->xq, K8I_PX_CB, K8I_PX_XO(P->xq), K8I_PX_OCB, P->dx, P->xs16, b0, b1, -1); /* one code each */
     else if (q8) {
         sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0);
         quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);

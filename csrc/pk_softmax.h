@@ -12,9 +12,7 @@ static void softmax_row(float *sc, int64_t len, int64_t T) {
 #if PK_SIMD /* max in vector registers (NaN scores: fmaxf skipped them, max_ps keeps mx alike) */
     __m256 m = _mm256_set1_ps(-INFINITY);
     for (; t0 + 8 <= len; t0 += 8) m = _mm256_max_ps(_mm256_loadu_ps(sc + t0), m);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    mx = hmax8(m);
 #endif
     for (int64_t t = t0; t < len; t++) mx = fmaxf(mx, sc[t]);
 #if PK_SIMD

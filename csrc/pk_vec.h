@@ -9,6 +9,15 @@ static inline void loom_order(const float *x, float *dst, int64_t len) {
         for (int l = 0; l < 16; l++) { dst[b + l] = x[b + 2 * l]; dst[b + 16 + l] = x[b + 2 * l + 1]; }
 }
 
+#if PK_SIMD
+/* the largest of v's 8 lanes (v holds no NaN) */
+static inline float hmax8(__m256 v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+#endif
+
 /* max |x[l]| over len elements (NaNs skipped, as fmaxf does) */
 static inline float absmax(const float *x, int64_t len) {
     float amax = 0.0f;
@@ -17,9 +26,7 @@ static inline float absmax(const float *x, int64_t len) {
     __m256 m = _mm256_setzero_ps();
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (; l + 8 <= len; l += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + l), abs), m); /* NaN: keeps m */
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1)); /* m holds no NaN */
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    amax = hmax8(m);
 #endif
     for (; l < len; l++) amax = fmaxf(amax, fabsf(x[l]));
     return amax;
