@@ -32,6 +32,7 @@ KERNEL_SOURCES = [
     "csrc/pk_tiles.h",
     "csrc/pk_ranges.h",
     "csrc/pk_r16.h",
+    "csrc/pk_r16_avx2.h",
     "csrc/pk_quants.h",
     "csrc/pk_k8.h",
     "csrc/pk_k8i.h",

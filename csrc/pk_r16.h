@@ -1,5 +1,5 @@
 /* Q4_0 / Q4_1 / Q8_0 rows repacked in groups of 16 (poly.runtime.repack.repack16) for the fused
- * step's decode and short-prompt rows, AVX-512 VNNI builds: one vector lane per weight row, so
+ * step's decode and short-prompt rows (AVX-512 VNNI here, 8-lane builds in pk_r16_avx2.h): one vector lane per weight row, so
  * the integer dot product of a whole 32-block lands in that row's lane and the block's scale
  * applies to 16 rows in one FMA (in the stored layout each row's block needs its own
  * horizontal work). Per 16 rows and block: D[16], M[16] as float16, then 4 x 64 code bytes,
@@ -22,7 +22,7 @@ static inline int64_t r16_bytes(int kind, int64_t m, int64_t k) {
     const int ok = (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0) && m % 16 == 0 && k % 32 == 0;
     return ok ? m / 16 * (k / 32) * r16_rec(kind) : -1;
 }
-#if PK_AVX512 && defined(__AVX512VNNI__)
+#if PK_SIMD
 #define PK_R16 1
 
 /* the nn (<= 8) inputs' codes, block by block, as r16_tile reads them: codes [nb][8][64] then
@@ -44,6 +44,8 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int flip) {
         }
     return X;
 }
+
+#if PK_AVX512 && defined(__AVX512VNNI__)
 
 /* rows [16 g, 16 g + 16) x the nn (<= 8) inputs of X (r16_inputs) into out rows c..; lanes
  * outside `keep` not stored. Q4: codes (u8) times x's codes (s8), + M * sum(x) per block; Q8_0:
@@ -126,6 +128,9 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
     }
     return 0;
 }
+#else
+#include "pk_r16_avx2.h"
+#endif
 #else
 #define PK_R16 0
 static inline int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)kind; (void)A; (void)rp; (void)r0; (void)r1; return -1; }

@@ -36,8 +36,9 @@ static int check_sizes(int kind, Py_buffer *bx, Py_buffer *bo, Py_buffer *bw, Py
     return check_matrix(kind, bw, ba, A);
 }
 
-static int run(int kind, mm_args *A, int nt, int q8) {
+static int run(int kind, mm_args *A, int nt, int q8, const uint8_t *rp) {
     float *scratch = NULL;
+    if (rp) q8 = 1; /* the repacked rows read x's int8 codes */
     if (kind == K_I8 && q8 && PK_SIMD && A->k % 32 == 0) A->nb = A->k / 32;
     else if (kind <= K_I8) q8 = 0;
     if (!PK_SIMD || !RF8[kind]) q8 = 0; /* kinds without an int8 kernel: the float path */
@@ -61,6 +62,13 @@ static int run(int kind, mm_args *A, int nt, int q8) {
         }
     }
     if (A->m * A->k < SERIAL_WORK) nt = 1;
+    if (rp) { /* as the fused step: whole groups of 16 rows per thread's range (csrc/pk_r16.h) */
+        int bad = 0;
+#pragma omp parallel num_threads(nt) reduction(| : bad)
+        bad |= r16_range(kind, A, rp, A->m * pk_tid() / pk_nth(), A->m * (pk_tid() + 1) / pk_nth());
+        free(scratch);
+        return bad ? -1 : 0;
+    }
     const int64_t piece = q8 ? A->n : row_piece(A); /* pieces of rows that stay in L1 */
     for (int64_t c = 0; c < A->n; c += piece) {
         mm_args P = *A;
@@ -76,20 +84,29 @@ static int run(int kind, mm_args *A, int nt, int q8) {
 
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9) { PyErr_SetString(PyExc_TypeError, "matmul(kind, x, out, w, aux, n, k, m, q8)"); return NULL; }
+    if (nargs != 9 && nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "matmul(kind, x, out, w, aux, n, k, m, q8[, rp])");
+        return NULL;
+    }
     long kind = PyLong_AsLong(args[0]);
     mm_args A = {0};
     A.n = PyLong_AsLongLong(args[5]); A.k = PyLong_AsLongLong(args[6]); A.m = PyLong_AsLongLong(args[7]);
     A.ldo = A.m;
     long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants) */
     if (q8 == -1 && PyErr_Occurred()) return NULL;
+    /* rp: the rows repacked by 16 (csrc/pk_r16.h), read instead of w unless q8 is 0 */
+    PyObject *orp = nargs == 10 && q8 && PK_R16 ? args[9] : Py_None;
     const int k8i = q8 == 2 && k8_kind((int)kind) && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
     if (q8 == 2) q8 = k8_kind((int)kind) && A.n <= K8_ROWS;
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
         return NULL;
     }
-    Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0};
+    if (orp != Py_None && r16_bytes((int)kind, A.m, A.k) < 0) {
+        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0 rows by 16");
+        return NULL;
+    }
+    Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
     PyObject *ret = NULL;
     int have_aux = args[4] != Py_None;
     if (PyObject_GetBuffer(args[1], &bx, PyBUF_C_CONTIGUOUS) < 0) return NULL;
@@ -102,14 +119,19 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     if (check_sizes((int)kind, &bx, &bo, &bw, &ba, &A) < 0) goto done_a;
     A.x = bx.buf; A.out = bo.buf; A.w = bw.buf; A.aux = have_aux ? ba.buf : NULL;
+    if (orp != Py_None) {
+        if (PyObject_GetBuffer(orp, &br, PyBUF_C_CONTIGUOUS) < 0) goto done_a;
+        if (want_len(&br, r16_bytes((int)kind, A.m, A.k), "rp")) { PyBuffer_Release(&br); goto done_a; }
+    }
     int rc;
     Py_BEGIN_ALLOW_THREADS
     if (k8i) {
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, A.m};
         rc = gemm_any((int)kind, &D, A.x, A.n, A.out, A.m, pk_threads, 2);
     } else
-        rc = run((int)kind, &A, pk_threads, q8 != 0);
+        rc = run((int)kind, &A, pk_threads, q8 != 0, br.buf);
     Py_END_ALLOW_THREADS
+    if (br.buf) PyBuffer_Release(&br);
     if (rc < 0) PyErr_NoMemory();
     else ret = Py_NewRef(Py_None);
 done_a:

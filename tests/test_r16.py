@@ -1,8 +1,9 @@
 """GGUF Q4_0/Q4_1 rows repacked by 16 (csrc/pk_r16.h): the layout against the stored blocks,
 the kernel against the float rows, and a sequence's logits the same decoded alone and batched.
 
-The repacked rows are the fused step's path on AVX-512 VNNI builds (the default "auto" q8
-mode); elsewhere `repack16` returns None and only the layout test runs.
+The repacked rows are the fused step's path on the SIMD builds (AVX-512 VNNI, and the 8-lane
+tile of csrc/pk_r16_avx2.h elsewhere; the default "auto" q8 mode); on the portable build
+`repack16` returns None and only the layout tests run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tests.test_fused import quantize_all, tiny_cfg
 from tests.tiny_model import random_transformer
 
 R16 = ckernels.AVAILABLE and bool(ckernels.info().get("r16"))
-needs_r16 = pytest.mark.skipif(not R16, reason="the repacked rows need an AVX-512 VNNI build")
+needs_r16 = pytest.mark.skipif(not R16, reason="the repacked rows need a SIMD build")
 
 
 @pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1"])
@@ -161,3 +162,91 @@ def test_repacked_q8_0_record_holds_scales_code_sums_and_codes(monkeypatch):
     np.testing.assert_array_equal(codes.sum(axis=-1, dtype=np.int16), s.transpose(0, 2, 1))
     got = codes.astype(np.float32) * d.transpose(0, 2, 1)[..., None]
     np.testing.assert_array_equal(got.reshape(32, 64), qt.dequantize())
+
+
+def _r16_builds() -> list[str]:
+    """The instruction-set builds here that read the repacked rows (avx2, avx512)."""
+    got = []
+    for isa in ckernels.isas():
+        old = ckernels.use_isa(isa)
+        if ckernels.info().get("r16"):
+            got.append(isa)
+        ckernels.use_isa(old)
+    return got
+
+
+def _r16_matmul(qt, x, rp):
+    kind, raw, aux = ckernels.operands(qt)
+    out = np.empty((x.shape[0], qt.shape[0]), np.float32)
+    ckernels.EXT.matmul(kind, x, out, raw, aux, x.shape[0], qt.shape[1], qt.shape[0], ckernels.Q8_AUTO, rp)
+    return out
+
+
+@needs_r16
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0"])
+def test_the_repacked_rows_give_the_same_bits_on_every_build(scheme):
+    """The AVX2 tile (maddubs) and the AVX-512 VNNI tile (dpbusd) form the same int32 sums and
+    the same float steps per lane: equal bits, for 1, 5 and 11 inputs (each row the same alone
+    and in company), and within the int8 codes' error of the float product."""
+    rng = np.random.default_rng(8)
+    qt = MAKERS[scheme](rng.standard_normal((80, 256)).astype(np.float32))
+    kind, raw, _ = ckernels.operands(qt)
+    rp = repack.repack16(kind, raw, 80, 256)
+    x = ckernels.aligned(rng.standard_normal((11, 256)).astype(np.float32))
+    ref = x @ qt.dequantize().T
+    builds = _r16_builds()
+    got = {}
+    for isa in builds:
+        old = ckernels.use_isa(isa)
+        try:
+            got[isa] = [_r16_matmul(qt, np.ascontiguousarray(x[:n]), rp) for n in (1, 5, 11)]
+        finally:
+            ckernels.use_isa(old)
+    first = got[builds[0]]
+    for isa in builds[1:]:
+        for a, b in zip(first, got[isa]):
+            np.testing.assert_array_equal(b, a)
+    np.testing.assert_array_equal(first[1], first[2][:5])
+    np.testing.assert_array_equal(first[0], first[2][:1])
+    err = float(np.abs(first[2] - ref).max())
+    assert 0 < err <= 2e-4 * float(np.abs(ref).max())
+
+
+@needs_r16
+def test_q8_0_codes_of_minus_128_multiply_exactly(each_isa):
+    """-128 is a valid Q8_0 code (llama.cpp's quantizer never writes it; other tools may): the
+    AVX2 tile takes |w| as the unsigned side, where -128 reads as 128, so the sums stay exact."""
+    if not ckernels.info().get("r16"):
+        pytest.skip("no repacked rows in this build")
+    rng = np.random.default_rng(9)
+    qt = MAKERS["gguf_q8_0"](rng.standard_normal((16, 64)).astype(np.float32))
+    kind, raw, _ = ckernels.operands(qt)
+    blocks = raw.reshape(16, 2, 34)  # [row, block, f16 scale + 32 codes]
+    blocks[:, :, 2:] = np.where(rng.random((16, 2, 32)) < 0.5, 0x80, blocks[:, :, 2:])  # -128
+    rp = repack.repack16(kind, raw, 16, 64)
+    x = ckernels.aligned(rng.standard_normal((3, 64)).astype(np.float32))
+    ref = x @ qt.dequantize().T
+    got = _r16_matmul(qt, x, rp)
+    assert float(np.abs(got - ref).max()) <= 2e-4 * float(np.abs(ref).max())
+
+
+@needs_r16
+def test_the_python_rows_read_the_repacked_copy():
+    """`ckernels.kernel` below GEMM_ROWS rows: the repacked rows on x's codes, as the fused step
+    (the stored rows' pages may be released); the float rows when q8 is off."""
+    rng = np.random.default_rng(10)
+    qt = MAKERS["gguf_q4_1"](rng.standard_normal((48, 96)).astype(np.float32))
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    kind, raw, _ = ckernels.operands(qt)
+    qt.r16 = repack.repack16(kind, raw, 48, 96)
+    got = np.empty((3, 48), np.float32)
+    ckernels.kernel(qt, x, got)
+    np.testing.assert_array_equal(got, _r16_matmul(qt, ckernels.aligned(x), qt.r16))
+    ckernels.set_act_q8(False)
+    try:
+        ckernels.kernel(qt, x, got)
+    finally:
+        ckernels.set_act_q8("auto")
+    ref = np.empty_like(got)
+    ckernels.EXT.matmul(kind, ckernels.aligned(x), ref, raw, None, 3, 96, 48, 0)
+    np.testing.assert_array_equal(got, ref)

@@ -339,10 +339,11 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     x2 = aligned(np.ascontiguousarray(x2, dtype=np.float32))
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    if n >= GEMM_ROWS:  # `r16`: the copy repacked by 16 (fused._mat), read instead of w
-        EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _opts["q8"], getattr(qt, "r16", None))
-    else:
-        EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"])
+    rp = getattr(qt, "r16", None)  # the copy repacked by 16 (fused._mat), read instead of w
+    if n >= GEMM_ROWS:
+        EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _opts["q8"], rp)
+    else:  # as the fused step's rows: the repacked rows on x's int8 codes unless q8 is off
+        EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"], rp)
     if dst is not res:
         res[...] = dst
 
