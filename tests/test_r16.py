@@ -178,7 +178,9 @@ def _r16_builds() -> list[str]:
 def _r16_matmul(qt, x, rp):
     kind, raw, aux = ckernels.operands(qt)
     out = np.empty((x.shape[0], qt.shape[0]), np.float32)
-    ckernels.EXT.matmul(kind, x, out, raw, aux, x.shape[0], qt.shape[1], qt.shape[0], ckernels.Q8_AUTO, rp)
+    ckernels.EXT.matmul(
+        kind, x, out, raw, aux, x.shape[0], qt.shape[1], qt.shape[0], ckernels.Q8_AUTO, rp
+    )
     return out
 
 
