@@ -47,10 +47,6 @@ static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, in
 
 #include "pk_prep.h"
 
-/* from this many rows a product runs as gemm panels: below it the row kernels' register tiles
- * win for every kind (SmolLM2 shapes, x 64-byte aligned, 2 threads: Q4_1 [1536 x 576] 8 rows
- * 42 vs 92 us, 16 rows 84 vs 115; f16 16 rows 89 vs 118; the 8-row Q4_1 step 8.8 ms vs 21.5) */
-#define GEMM_ROWS (MAX_N + 1)
 
 /* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo */
 static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1,

@@ -56,6 +56,16 @@ static const int BLOCK_ELEMS[K_COUNT] = {1, 1, 1, 1, 32, 32, 32, 32, 256, 256, 3
 static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1};
 static int pk_threads; /* set_threads(); defined in poly_kernels.c (one unity build per ISA) */
 #define MAX_N 16
+/* from this many rows a product runs as gemm panels: below it the row kernels' register tiles.
+ * AVX-512: the tiles win up to MAX_N for every kind (SmolLM2 shapes, x 64-byte aligned, 2
+ * threads: Q4_1 [1536 x 576] 8 rows 42 vs 92 us, 16 rows 84 vs 115; f16 16 rows 89 vs 118).
+ * 8 lanes: the 4-input tiles lose from ~9 rows (1B [8192 x 2048], 16 rows: f32 5.9 vs 3.8 ms,
+ * f16 5.7 vs 3.0, Q5-style float rows 4.2 vs 3.1; SmolLM2 f32 12 rows 0.15 vs 0.14) */
+#if PK_SIMD && !defined(__AVX512F__)
+#define GEMM_ROWS 9
+#else
+#define GEMM_ROWS (MAX_N + 1)
+#endif
 #ifndef ROW_TILE
 #if defined(__AVX512F__)
 #define ROW_TILE 8 /* input rows per register tile of the quantized row kernels */

@@ -97,13 +97,14 @@ def isas() -> tuple[str, ...]:
 def use_isa(name: str) -> str:
     """Run the `name` build of the kernels from now on (tests, benchmarks); returns the previous
     one. UsageError when this CPU cannot run it. The thread count carries over."""
-    global EXT
+    global EXT, GEMM_ROWS
     if name not in isas():
         raise UsageError(f"no {name!r} build of the C kernels runs here (have {isas()})")
     old, threads = EXT.ISA, EXT.info()["threads"]
     if name != old:
         EXT = _MAIN if name == _MAIN.ISA else _MAIN.variant(name)
         EXT.set_threads(threads)
+        GEMM_ROWS = _gemm_rows()
     return old
 
 
@@ -272,7 +273,13 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
     EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], int(threads))
 
 
-GEMM_ROWS = MAX_N + 1  # rows from which `gemm` beats the row kernels' tiles (csrc/pk_decode.c)
+def _gemm_rows() -> int:
+    """Rows from which `gemm` beats the row kernels' tiles: the build's (csrc/pk_kernels.h; 9 on
+    8-lane builds, MAX_N + 1 on AVX-512), the fused step's switch too."""
+    return int(EXT.info().get("gemm_rows", MAX_N + 1)) if AVAILABLE else MAX_N + 1
+
+
+GEMM_ROWS = _gemm_rows()  # follows use_isa
 
 
 def aligned(x: np.ndarray) -> np.ndarray:
