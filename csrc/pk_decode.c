@@ -65,7 +65,10 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
     } else
 #endif
-    if (PK_R16 && M->rp && q8 && !P->g8 && n <= MAX_N && !r16_range(M->kind, &A, M->rp, r0, r1)) {
+    if (PK_R16P && M->rp && P->g8) { /* a prompt: repacked rows on one code per element (pk_r16_avx2.h) */
+        A.out = out; A.ldo = ldo;
+        r16p_range(M->kind, &A, M->rp, r0, r1);
+    } else if (PK_R16 && M->rp && q8 && !P->g8 && n <= MAX_N && !r16_range(M->kind, &A, M->rp, r0, r1)) {
         /* done: repacked 4-bit rows on the int8 codes (csrc/pk_r16.h) */
     } else if (n >= GEMM_ROWS && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
         float *tmp = P->gbuf + pk_tid() * P->gstride;

@@ -277,6 +277,7 @@ static int auto_q8(const step_t *S) {
         rp |= L->o.rp != NULL || (!L->moe && L->down.rp != NULL);
     }
     if (any && (!S->seq1 || (S->n >= K8I_MIN && S->n <= K8I_MAX))) return 2;
+    if (PK_R16P && rp && S->seq1 && S->n >= K8I_MIN) return 2; /* a prompt on the repacked rows' one-code tile */
     return PK_R16 && rp ? 3 : 0;
 }
 

@@ -223,8 +223,41 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
     return failed ? -1 : 0;
 }
 
+#if PK_R16P
+/* the repacked rows' prompt tile (csrc/pk_r16_avx2.h) for n inputs: x's codes as the fused step
+ * makes them (quantize_xi), so both give the same numbers; threads split the groups of 16 rows */
+static int gemm_r16p(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt) {
+    mm_args A = {0};
+    A.k = D->k; A.m = m; A.n = n; A.nb = D->k / 32; A.out = out; A.ldo = m; A.cb = 32; A.ocb = 2;
+    const int64_t nbs = n * A.nb;
+    void *buf = malloc((size_t)(n * D->k + 6 * nbs * 4) + 64); /* codes, slots, dx, sums per 16, xs */
+    if (!buf) return -1;
+    int8_t *xq = (int8_t *)buf;
+    int32_t *xo = (int32_t *)(xq + n * D->k);
+    float *dx = (float *)(xo + 2 * nbs), *xs16 = dx + nbs, *xs = xs16 + 2 * nbs;
+    quantize_xi(x, xq, 32, xo, 2, dx, xs16, 0, nbs, K8I_MIN16);
+    for (int64_t b = 0; b < nbs; b++) {
+        float t = 0.0f;
+        for (int l = 0; l < 32; l++) t += x[b * 32 + l];
+        xs[b] = t;
+    }
+    A.xq = xq; A.xo = xo; A.dx = dx; A.xs16 = xs16; A.xs = xs;
+    const int64_t groups = (m + 15) / 16;
+#pragma omp parallel num_threads(nt)
+    {
+        const int64_t g0 = groups * pk_tid() / pk_nth(), g1 = groups * (pk_tid() + 1) / pk_nth();
+        r16p_range(kind, &A, D->rp, 16 * g0, 16 * g1 < m ? 16 * g1 : m);
+    }
+    free(buf);
+    return 0;
+}
+#endif
+
 /* gemm_run, K-quants of K8I_MIN rows or more in the auto mode on int8 panels (SIMD builds) */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
+#if PK_R16P
+    if (q8 == 2 && D->rp && n >= K8I_MIN) return gemm_r16p(kind, D, x, n, out, m, nt);
+#endif
     if (!(q8 == 2 && k8_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) /* K8I_MAX 0: no SIMD */
         return gemm_run(kind, D, x, n, out, m, nt, NULL);
     mm_args A = {0};

@@ -42,7 +42,7 @@ static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->
 static inline int wants_codes(const step_t *S, const mat_t *M, int cnt) {
     int any = 0;
     for (int i = 0; i < cnt; i++) {
-        if (S->q8 == 2 && k8_kind(M[i].kind)) any = 2;
+        if (S->q8 == 2 && (k8_kind(M[i].kind) || (PK_R16P && M[i].rp))) any = 2; /* + pk_r16_avx2.h's prompts */
         else if (any < 1 && (S->q8 == 1 || (S->q8 && PK_R16 && M[i].rp))) any = 1;
     }
     return any;

@@ -136,4 +136,10 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
 static inline int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)kind; (void)A; (void)rp; (void)r0; (void)r1; return -1; }
 #endif
 
+#ifndef PK_R16P /* prompts on one code per element: 8-lane builds (pk_r16_avx2.h); VNNI's 64
+                 * multiply-adds an instruction keep the two codes' tile ahead (AVX-512) */
+#define PK_R16P 0
+static inline void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)kind; (void)A; (void)rp; (void)r0; (void)r1; }
+#endif
+
 #endif /* PK_R16_H */

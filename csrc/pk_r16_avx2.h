@@ -105,4 +105,92 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
     return 0;
 }
 
+/* A prompt's rows (one sequence, K8I_MIN or more, the auto mode; csrc/pk_prep.h): x takes one
+ * int8 code per element (quantize_xi, A->cb bytes a block; llama.cpp's Q8_0 activations), half
+ * the integer work of the two codes above, which made 8-lane prompts compute-bound at ~9
+ * multiply-adds per cycle. Rows [16 g + 8 h, +8) x inputs t0..t0+nn (nn <= 4), out rows t0..
+ * (A->out, A->ldo), the rows of `keep` (8 bits). kind is a constant here. */
+static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
+                                                            int h, int64_t t0, unsigned keep, const int nn) {
+    const int q8 = kind == K_Q8_0;
+    const int64_t rec = r16_rec(kind);
+    __m256 acc[4];
+    const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int i = 0; i < nn; i++) acc[i] = _mm256_setzero_ps();
+    const uint8_t *p = rp + g * A->nb * rec + 32 * h;
+    for (int64_t b = 0; b < A->nb; b++, p += rec) {
+        const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p - 16 * h)));
+        const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 - 16 * h)));
+        __m256i w[8];
+        if (q8) {
+#pragma GCC unroll 8
+            for (int q = 0; q < 8; q++) w[q] = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
+        } else {
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) { /* low nibbles: elements 4 q + i, high: 16 + 4 q + i */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
+                w[q] = _mm256_and_si256(v, m15);
+                w[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < nn; i++) {
+            const int64_t xi = (t0 + i) * A->nb + b;
+            const int8_t *xb = A->xq + xi * A->cb; /* the block's 32 codes in element order */
+            __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int q = 0; q < 8; q++) {
+                int32_t c4;
+                memcpy(&c4, xb + 4 * q, 4);
+                const __m256i x4 = _mm256_set1_epi32(c4);
+                if (q8)
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[q], w[q]),
+                                                                                   _mm256_sign_epi8(x4, w[q])), one));
+                else
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[q], x4));
+            }
+            if (!q8) s = _mm256_madd_epi16(s, one);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(D, _mm256_set1_ps(A->dx[xi])), acc[i]);
+            if (!q8) acc[i] = _mm256_fmadd_ps(M, _mm256_set1_ps(A->xs[xi]), acc[i]);
+        }
+    }
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i mask = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)keep), bits), bits);
+#pragma GCC unroll 4
+    for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + (t0 + i) * A->ldo + 16 * g + 8 * h, mask, acc[i]);
+}
+
+#define R16P_CASES(KIND)                                                                     \
+    switch (nn) {                                                                            \
+    case 4: r16p_tile(KIND, A, rp, g, h, t, kh, 4); break;                                   \
+    case 3: r16p_tile(KIND, A, rp, g, h, t, kh, 3); break;                                   \
+    case 2: r16p_tile(KIND, A, rp, g, h, t, kh, 2); break;                                   \
+    default: r16p_tile(KIND, A, rp, g, h, t, kh, 1);                                         \
+    }
+
+/* rows [r0, r1) for A's n inputs (one thread): inputs in blocks whose codes (1 MB) stay in L2
+ * while every group of 16 rows meets them, a group's records (k / 32 x 320 bytes) in L1/L2 for
+ * the 4-input tiles; a group that straddles r0 or r1 stores its own rows only */
+static void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
+    int64_t blk = (((int64_t)1 << 20) / (A->nb * A->cb)) & ~(int64_t)3;
+    if (blk < 16) blk = 16;
+    for (int64_t t0 = 0; t0 < A->n; t0 += blk) {
+        const int64_t t1 = A->n - t0 < blk ? A->n : t0 + blk;
+        for (int64_t g = r0 / 16; g * 16 < r1; g++) {
+            const int64_t lo = g * 16 < r0 ? r0 - g * 16 : 0, hi = g * 16 + 16 > r1 ? r1 - g * 16 : 16;
+            const unsigned keep = ((1u << hi) - 1) & ~((1u << lo) - 1);
+            for (int h = 0; h < 2; h++) {
+                const unsigned kh = (keep >> (8 * h)) & 255u;
+                if (!kh) continue;
+                for (int64_t t = t0; t < t1; t += 4) {
+                    const int nn = t1 - t < 4 ? (int)(t1 - t) : 4;
+                    if (kind == K_Q8_0) R16P_CASES(K_Q8_0) else R16P_CASES(K_Q4_1)
+                }
+            }
+        }
+    }
+}
+#define PK_R16P 1
+
 #endif /* PK_R16_AVX2_H */

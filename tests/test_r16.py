@@ -118,9 +118,10 @@ def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
 
 
 @needs_r16
-def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch):
-    """Prompts past 16 rows run the GEMM, which dequantizes the repacked copy (the stored rows
-    stay released): the same logits as from the stored rows."""
+def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch, float_path):
+    """Prompts past 16 rows run the float GEMM (q8 off; in the auto mode 8-lane builds take the
+    prompt tile below), which dequantizes the repacked copy (the stored rows stay released):
+    the same logits as from the stored rows."""
     prompt = list(range(1, 25))
     tf = _model("gguf_q4_1")
     assert len(fused.plan(tf).layers[0][10]) == 7
@@ -132,7 +133,7 @@ def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch):
 
 
 @needs_r16
-def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit():
+def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit(float_path):
     rng = np.random.default_rng(5)
     qt = MAKERS["gguf_q4_0"](rng.standard_normal((48, 96)).astype(np.float32))
     x = rng.standard_normal((20, 96)).astype(np.float32)  # 20 rows: the GEMM
@@ -176,10 +177,11 @@ def _r16_builds() -> list[str]:
 
 
 def _r16_matmul(qt, x, rp):
+    """The rows' tile (two codes of x, q8 on: the auto mode's prompts may take another)."""
     kind, raw, aux = ckernels.operands(qt)
     out = np.empty((x.shape[0], qt.shape[0]), np.float32)
     ckernels.EXT.matmul(
-        kind, x, out, raw, aux, x.shape[0], qt.shape[1], qt.shape[0], ckernels.Q8_AUTO, rp
+        kind, x, out, raw, aux, x.shape[0], qt.shape[1], qt.shape[0], ckernels.Q8_ON, rp
     )
     return out
 
@@ -252,3 +254,68 @@ def test_the_python_rows_read_the_repacked_copy():
     ref = np.empty_like(got)
     ckernels.EXT.matmul(kind, ckernels.aligned(x), ref, raw, None, 3, 96, 48, 0)
     np.testing.assert_array_equal(got, ref)
+
+
+def _on_grid(rng, n, k):
+    """x whose one-code-per-element int8 rounding is exact: integer codes (one 127 per block)
+    times a power of two, so a product on x's codes is the float product's."""
+    c = rng.integers(-127, 128, (n, k // 32, 32))
+    c[:, :, 5] = 127
+    return (c * 2.0**-5).astype(np.float32).reshape(n, k)
+
+
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0"])
+def test_the_prompt_tile_is_exact_on_x_codes(scheme, each_isa):
+    """8-lane builds' prompts (4 rows or more, auto mode) on the repacked rows with one int8 code
+    per element of x (csrc/pk_r16_avx2.h r16p): exact when x's codes are (a code grid), within
+    the codes' rounding otherwise; gemm and matmul (the Python rows) take it alike."""
+    if not ckernels.info().get("r16p"):
+        pytest.skip("the prompt tile is on 8-lane builds")
+    rng = np.random.default_rng(12)
+    m, k = 80, 256
+    qt = MAKERS[scheme](rng.standard_normal((m, k)).astype(np.float32))
+    kind, raw, aux = ckernels.operands(qt)
+    rp = repack.repack16(kind, raw, m, k)
+    wf = qt.dequantize().astype(np.float64)
+    for n in (5, 20):
+        for x, tol in (
+            (_on_grid(rng, n, k), 1e-6),
+            (rng.standard_normal((n, k)).astype(np.float32), 3e-2),
+        ):
+            ref = x.astype(np.float64) @ wf.T
+            out = np.empty((n, m), np.float32)
+            args = (kind, ckernels.aligned(x), out, raw, aux, n, k, m)
+            if n <= ckernels.MAX_N:
+                ckernels.EXT.matmul(*args, ckernels.Q8_AUTO, rp)
+            else:
+                ckernels.EXT.gemm(*args, 0, ckernels.Q8_AUTO, rp)
+            err = float(np.abs(out - ref).max()) / float(np.abs(ref).max())
+            assert err <= tol
+            if tol > 1e-6:
+                assert err > 1e-5  # x's codes, not the float rows
+    assert not fused.rows_alike(_model(scheme))  # a prompt alone takes this tile
+
+
+@needs_r16
+def test_a_fused_prompt_stays_within_its_codes_error(each_isa):
+    """A 12-token prompt through the fused step, auto mode: on 8-lane builds the prompt tile
+    (one code per element of x: llama.cpp's precision), elsewhere the rows' two codes (1e-4);
+    the same numbers run twice, and not the float path's."""
+    if not ckernels.info().get("r16"):
+        pytest.skip("no repacked rows in this build")
+    tf = _model("gguf_q4_1")
+    prompt = list(range(3, 15))  # 12 rows: the tile from 4, the gemm from 9 (8 lanes)
+
+    def run():
+        return forward_batch(tf, [prompt], [tf.new_state()])
+
+    fused_logits = run()
+    np.testing.assert_array_equal(run(), fused_logits)
+    ckernels.set_act_q8(False)
+    try:
+        exact = run()
+    finally:
+        ckernels.set_act_q8("auto")
+    err = float(np.abs(fused_logits - exact).max()) / float(np.abs(exact).max())
+    bound = 3e-2 if ckernels.info().get("r16p") else 2e-4
+    assert 0 < err <= bound
