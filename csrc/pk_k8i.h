@@ -96,6 +96,18 @@ static inline int32_t k8i_c4(const k8i_at *X, int64_t t, int h, int q) {
     return c4;
 }
 
+/* the panel decoders read 16 rows' streams at once, more than the hardware prefetcher follows:
+ * ask for each row's super-block K8I_PF ahead (1B Q5_K_M 128-token prompt 352 -> 382 tok/s;
+ * 4 ahead 368) */
+#define K8I_PF 2
+static inline void k8i_prefetch(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows,
+                                int64_t sb) {
+    if (sb + K8I_PF >= nsb) return;
+    for (int64_t r = 0; r < rows; r++)
+        for (int l = 0; l < BLOCK_BYTES[kind]; l += 64)
+            prefetch_line((const char *)w + (r0 + r) * rb + (sb + K8I_PF) * BLOCK_BYTES[kind] + l);
+}
+
 /* x's codes for the 32-blocks [b0, b1): the 32 codes c at xq + cb b; at xo + ocb b int32 -32 and
  * -4 times their sums per 16 (the Q6_K / Q3_K code offsets, folded into the integer sums), then
  * float dx * sum(c) per 32 (K8I_SLOTS, form -1: the fused step's buffers, cb 64, xo at xq + 32,
@@ -175,6 +187,7 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
         __m512i v[16], o[16];
+        k8i_prefetch(kind, w, rb, nsb, r0, rows, sb);
         for (int c = 0; c < 4; c++) { /* 64 weights of each row: 16 lanes of 4 codes */
             for (int r = 0; r < 16; r++)
                 v[r] = r < rows ? k8_codes2(kind, w + (r0 + r) * rb + sb * BLOCK_BYTES[kind], c) : _mm512_setzero_si512();

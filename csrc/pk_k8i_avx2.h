@@ -13,6 +13,7 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
         float *S = (float *)(d + 4096), *O = S + 256;
+        k8i_prefetch(kind, w, rb, nsb, r0, rows, sb);
         for (int r = 0; r < 16; r++) {
             k8_sb B = {0};
             if (r < rows) {
