@@ -111,7 +111,7 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
  * multiply-adds per cycle. Rows [16 g + 8 h, +8) x inputs t0..t0+nn (nn <= 4), out rows t0..
  * (A->out, A->ldo), the rows of `keep` (8 bits). kind is a constant here. */
 static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
-                                                            int h, int64_t t0, unsigned keep, const int nn) {
+                                                            int h, int64_t t0, unsigned keep, int first, const int nn) {
     const int q8 = kind == K_Q8_0;
     const int64_t rec = r16_rec(kind);
     __m256 acc[4];
@@ -120,6 +120,9 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
     for (int i = 0; i < nn; i++) acc[i] = _mm256_setzero_ps();
     const uint8_t *p = rp + g * A->nb * rec + 32 * h;
     for (int64_t b = 0; b < A->nb; b++, p += rec) {
+        if (first) /* the group's first pass reads its records from memory */
+#pragma GCC unroll 9
+            for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + R16_PF + l);
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p - 16 * h)));
         const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 - 16 * h)));
         __m256i w[8];
@@ -163,10 +166,10 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
 
 #define R16P_CASES(KIND)                                                                     \
     switch (nn) {                                                                            \
-    case 4: r16p_tile(KIND, A, rp, g, h, t, kh, 4); break;                                   \
-    case 3: r16p_tile(KIND, A, rp, g, h, t, kh, 3); break;                                   \
-    case 2: r16p_tile(KIND, A, rp, g, h, t, kh, 2); break;                                   \
-    default: r16p_tile(KIND, A, rp, g, h, t, kh, 1);                                         \
+    case 4: r16p_tile(KIND, A, rp, g, h, t, kh, t == t0 && !h, 4); break;                                   \
+    case 3: r16p_tile(KIND, A, rp, g, h, t, kh, t == t0 && !h, 3); break;                                   \
+    case 2: r16p_tile(KIND, A, rp, g, h, t, kh, t == t0 && !h, 2); break;                                   \
+    default: r16p_tile(KIND, A, rp, g, h, t, kh, t == t0 && !h, 1);                                         \
     }
 
 /* rows [r0, r1) for A's n inputs (one thread): inputs in blocks whose codes (1 MB) stay in L2
