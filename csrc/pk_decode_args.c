@@ -268,16 +268,15 @@ static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
  * decode: a row's numbers do not depend on its company), int8 panels (pk_k8i.h) for prompts
  * of 4 tokens or more; else 3 when only repacked 4-bit rows (pk_r16.h) read codes; else 0 */
 static int auto_q8(const step_t *S) {
-    int any = k8_kind(S->lm.kind), rp = S->lm.rp != NULL;
+    int any = auto8(S, S->lm.kind), rp = S->lm.rp != NULL;
     for (int l = 0; l < S->nl; l++) {
         const layer_t *L = &S->L[l];
-        for (int i = 0; i < L->nqkv; i++) any |= k8_kind(L->qkv[i].kind), rp |= L->qkv[i].rp != NULL;
-        for (int i = 0; i < L->ngu; i++) any |= k8_kind(L->gu[i].kind), rp |= L->gu[i].rp != NULL;
-        any |= k8_kind(L->o.kind) | (!L->moe && k8_kind(L->down.kind));
+        for (int i = 0; i < L->nqkv; i++) any |= auto8(S, L->qkv[i].kind), rp |= L->qkv[i].rp != NULL;
+        for (int i = 0; i < L->ngu; i++) any |= auto8(S, L->gu[i].kind), rp |= L->gu[i].rp != NULL;
+        any |= auto8(S, L->o.kind) | (!L->moe && auto8(S, L->down.kind));
         rp |= L->o.rp != NULL || (!L->moe && L->down.rp != NULL);
     }
     if (any && (!S->seq1 || (S->n >= K8I_MIN && S->n <= K8I_MAX))) return 2;
-    if (PK_R16P && rp && S->seq1 && S->n >= K8I_MIN) return 2; /* a prompt on the repacked rows' one-code tile */
     return PK_R16 && rp ? 3 : 0;
 }
 

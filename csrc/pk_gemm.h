@@ -224,24 +224,23 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
 }
 
 #if PK_R16P
-/* the repacked rows' prompt tile (csrc/pk_r16_avx2.h) for n inputs: x's codes as the fused step
- * makes them (quantize_xi), so both give the same numbers; threads split the groups of 16 rows */
+/* the repacked rows' tile for prompts (csrc/pk_r16_avx2.h) for n inputs: x's two codes as the
+ * fused step makes them (quantize_x), so both give the same numbers; threads split the groups */
 static int gemm_r16p(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt) {
     mm_args A = {0};
-    A.k = D->k; A.m = m; A.n = n; A.nb = D->k / 32; A.out = out; A.ldo = m; A.cb = 32; A.ocb = 2;
+    A.k = D->k; A.m = m; A.n = n; A.nb = D->k / 32; A.out = out; A.ldo = m;
     const int64_t nbs = n * A.nb;
-    void *buf = malloc((size_t)(n * D->k + 6 * nbs * 4) + 64); /* codes, slots, dx, sums per 16, xs */
+    void *buf = malloc((size_t)(2 * n * D->k + 2 * nbs * 4) + 64); /* codes, dx, xs */
     if (!buf) return -1;
     int8_t *xq = (int8_t *)buf;
-    int32_t *xo = (int32_t *)(xq + n * D->k);
-    float *dx = (float *)(xo + 2 * nbs), *xs16 = dx + nbs, *xs = xs16 + 2 * nbs;
-    quantize_xi(x, xq, 32, xo, 2, dx, xs16, 0, nbs, K8I_MIN16);
+    float *dx = (float *)(xq + 2 * n * D->k), *xs = dx + nbs;
+    quantize_x(x, xq, dx, nbs);
     for (int64_t b = 0; b < nbs; b++) {
         float t = 0.0f;
         for (int l = 0; l < 32; l++) t += x[b * 32 + l];
         xs[b] = t;
     }
-    A.xq = xq; A.xo = xo; A.dx = dx; A.xs16 = xs16; A.xs = xs;
+    A.xq = xq; A.dx = dx; A.xs = xs;
     const int64_t groups = (m + 15) / 16;
 #pragma omp parallel num_threads(nt)
     {
@@ -256,7 +255,7 @@ static int gemm_r16p(int kind, const dq_args *D, const float *x, int64_t n, floa
 /* gemm_run, K-quants of K8I_MIN rows or more in the auto mode on int8 panels (SIMD builds) */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
 #if PK_R16P
-    if (q8 == 2 && D->rp && n >= K8I_MIN) return gemm_r16p(kind, D, x, n, out, m, nt);
+    if (q8 && D->rp && n >= R16P_MIN && r16p_kind(kind)) return gemm_r16p(kind, D, x, n, out, m, nt);
 #endif
     if (!(q8 == 2 && k8_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) /* K8I_MAX 0: no SIMD */
         return gemm_run(kind, D, x, n, out, m, nt, NULL);

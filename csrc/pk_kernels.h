@@ -66,6 +66,14 @@ static int pk_threads; /* set_threads(); defined in poly_kernels.c (one unity bu
 #else
 #define GEMM_ROWS (MAX_N + 1)
 #endif
+/* 8-lane builds' auto mode: Loom Q4 rows on x's two int8 codes where rows are independent (decode,
+ * batched decode; a prompt alone keeps the float paths). The float rows' nibble lookups ran
+ * slower there: 1B entity q4 decode 34 -> 46 tok/s (AVX-512 the other way: 56 vs 50) */
+#if PK_SIMD && !defined(__AVX512F__)
+#define PK_LOOM8 1
+#else
+#define PK_LOOM8 0
+#endif
 #ifndef ROW_TILE
 #if defined(__AVX512F__)
 #define ROW_TILE 8 /* input rows per register tile of the quantized row kernels */

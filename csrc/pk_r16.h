@@ -136,10 +136,12 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
 static inline int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)kind; (void)A; (void)rp; (void)r0; (void)r1; return -1; }
 #endif
 
-#ifndef PK_R16P /* prompts on one code per element: 8-lane builds (pk_r16_avx2.h); VNNI's 64
-                 * multiply-adds an instruction keep the two codes' tile ahead (AVX-512) */
+#ifndef PK_R16P /* 8-lane builds' r16_range takes prompts too (pk_r16_avx2.h); AVX-512 up to MAX_N */
 #define PK_R16P 0
-static inline void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)kind; (void)A; (void)rp; (void)r0; (void)r1; }
 #endif
+/* the kinds whose prompts past MAX_N rows take the repacked rows: Q4_0/Q4_1 on 8-lane builds;
+ * Q8_0's sign trick doubles the tile's work there (1B [8192 x 2048], 128 rows: 74 vs 96-104
+ * tok/s of a whole prompt on the float gemm) */
+static inline int r16p_kind(int kind) { return PK_R16P && kind != K_Q8_0; }
 
 #endif /* PK_R16_H */

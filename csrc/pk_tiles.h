@@ -5,44 +5,34 @@
 #define PK_TILES_H
 
 #if PK_SIMD && !PK_AVX512
-/* quant_row's 8-lane tile: the nn input rows from c on (see quant_tile512) */
+/* quant_row's 8-lane tile: the nn input rows from c on (see quant_tile512). Every input the same
+ * steps (the block's codes times x, then D, and M times x's block sum on the side), so a row's
+ * result does not depend on its company (the server's batched rows equal a sequence alone) */
 static inline __attribute__((always_inline)) void quant_tile(int kind, const mm_args *A, int64_t r, int64_t c,
                                                              const int nn) {
-    __m256 a0[ROW_TILE], a1[ROW_TILE];
-    float macc = 0.0f;
+    __m256 acc[ROW_TILE];
+    float macc[ROW_TILE];
     pq_cache pc = {NULL};
 #pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int i = 0; i < nn; i++) { acc[i] = _mm256_setzero_ps(); macc[i] = 0.0f; }
     for (int64_t b = 0; b < A->nb; b++) {
         __m256 v[4];
         float D, M;
         dec_simd(kind, A, r, b, v, &D, &M, &pc);
         const __m256 vd = _mm256_set1_ps(D);
-        if (nn == 1) {
-            const float *xb = A->x + c * A->k + b * 32;
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) {
+            const float *xb = A->x + (c + i) * A->k + b * 32;
             __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
             s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), s);
             s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), s);
             s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), s);
-            a0[0] = _mm256_fmadd_ps(vd, s, a0[0]);
-            macc += M * A->xs[c * A->nb + b];
-            continue;
-        }
-        const __m256 vm = _mm256_set1_ps(M);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++) v[q] = _mm256_fmadd_ps(v[q], vd, vm);
-#pragma GCC unroll 16
-        for (int i = 0; i < nn; i++) {
-            const float *xb = A->x + (c + i) * A->k + b * 32;
-            a0[i] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), a0[i]);
-            a1[i] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), a1[i]);
-            a0[i] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), a0[i]);
-            a1[i] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), a1[i]);
+            acc[i] = _mm256_fmadd_ps(vd, s, acc[i]);
+            macc[i] += M * A->xs[(c + i) * A->nb + b];
         }
     }
-    if (nn == 1) { A->out[c * A->ldo + r] = hsum(a0[0]) + macc; return; }
 #pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = hsum(_mm256_add_ps(a0[i], a1[i]));
+    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = hsum(acc[i]) + macc[i];
 }
 #elif PK_AVX512
 #define quant_tile quant_tile512

@@ -97,8 +97,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     /* rp: the rows repacked by 16 (csrc/pk_r16.h), read instead of w unless q8 is 0 */
     PyObject *orp = nargs == 10 && q8 && PK_R16 ? args[9] : Py_None;
     const int k8i = q8 == 2 && k8_kind((int)kind) && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
-    const int r16p = PK_R16P && q8 == 2 && A.n >= K8I_MIN; /* with rp: the prompt tile, as gemm's */
-    if (q8 == 2) q8 = k8_kind((int)kind) && A.n <= K8_ROWS;
+    if (q8 == 2) q8 = (k8_kind((int)kind) || (PK_LOOM8 && kind == K_LOOM_Q4)) && A.n <= K8_ROWS; /* as the fused step */
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
         return NULL;
@@ -126,8 +125,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    if (k8i || (r16p && br.buf)) {
-        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, A.m, br.buf};
+    if (k8i) {
+        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, A.m};
         rc = gemm_any((int)kind, &D, A.x, A.n, A.out, A.m, pk_threads, 2);
     } else
         rc = run((int)kind, &A, pk_threads, q8 != 0, br.buf);
@@ -212,8 +211,8 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 #else
     int omp = 0;
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16,
-                         "r16p", PK_R16P, "gemm_rows", GEMM_ROWS);
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16,
+                         "r16p", PK_R16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8);
 }
 
 static PyMethodDef methods[] = {

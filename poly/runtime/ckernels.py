@@ -51,7 +51,6 @@ STEP_ROWS = 64  # rows of one fused step (csrc/pk_decode.h STEP_MAX)
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = qs.C_Q4_0, qs.C_Q4_1, qs.C_Q8_0, qs.C_Q4_K, qs.C_Q6_K
 K8_KINDS = frozenset({qs.C_Q2_K, qs.C_Q3_K, qs.C_Q4_K, qs.C_Q5_K, qs.C_Q6_K})  # k8_kind (pk_k8.h)
-R16_KINDS = frozenset({Q4_0, Q4_1, Q8_0})  # repacked by 16 (pk_r16.h)
 DENSE_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is DenseMatrix}
 GGUF_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is GGUFMatrix}
 GGUF_BLOCK = {r.c_kind: r.block for r in qs.SCHEMES.values() if r.qtensor is GGUFMatrix}
@@ -78,12 +77,12 @@ def set_act_q8(on: bool | str) -> int:
 
 
 def prompt_kinds() -> frozenset:
-    """The kinds whose prompts (one sequence's rows, 4 or more) take int8 codes of one per element
-    in the auto mode, unlike their decode rows: the K-quants, and on builds with the repacked
-    rows' prompt tile (8 lanes, csrc/pk_r16_avx2.h) Q4_0/Q4_1/Q8_0."""
-    if _opts["q8"] != Q8_AUTO:
+    """The kinds whose prompts (one sequence's rows) take another path in the auto mode than
+    the same rows in company: the K-quants (int8 panels), and on 8-lane builds Loom Q4 (int8
+    rows in company, the float paths alone: PK_LOOM8)."""
+    if _opts["q8"] != Q8_AUTO or not AVAILABLE:
         return frozenset()
-    return K8_KINDS | (R16_KINDS if AVAILABLE and EXT.info().get("r16p") else frozenset())
+    return K8_KINDS | (frozenset({LOOM_Q4}) if EXT.info().get("loom8") else frozenset())
 
 
 def act_q8() -> int:
