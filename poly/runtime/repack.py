@@ -35,7 +35,7 @@ def release_mapped(arr: np.ndarray) -> None:
 
 def repack16(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/pk_r16.h (the fused step's decode
-    and short-prompt rows on int8 codes of x, AVX-512 VNNI builds), or None where this build or
+    and prompt rows on int8 codes of x, every SIMD build), or None where this build or
     shape does not take them. Per 16 rows and 32-block: D[16] as float16, then M[16] as float16
     (Q4_0: -8 D, exact) or for Q8_0 S[16] as int16 (each row's code sum), then the codes as
     64-byte vectors, byte 4 r + i of vector q = stored code byte 4 q + i of row r (4 vectors of
