@@ -25,6 +25,13 @@ static inline int64_t r16_bytes(int kind, int64_t m, int64_t k) {
 #if PK_SIMD
 #define PK_R16 1
 
+/* the rows of group g (16 g .. 16 g + 15) inside [r0, r1), as bits: a group that straddles a
+ * thread's range is computed whole and stores its own rows (the same lanes whatever the split) */
+static inline unsigned r16_keep(int64_t g, int64_t r0, int64_t r1) {
+    const int64_t lo = g * 16 < r0 ? r0 - g * 16 : 0, hi = g * 16 + 16 > r1 ? r1 - g * 16 : 16;
+    return ((1u << hi) - 1) & ~((1u << lo) - 1);
+}
+
 /* the nn (<= 8) inputs' codes, block by block, as r16_tile reads them: codes [nb][8][64] then
  * (dx, xs) [nb][8][2], so one pointer and constant offsets reach every input (with a pointer
  * per input the tile ran out of general registers and spilled in its inner loop) */
@@ -121,8 +128,7 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
         const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0);
         if (!X) return -1;
         for (int64_t g = r0 / 16; g * 16 < r1; g++) {
-            const int64_t lo = g * 16 < r0 ? r0 - g * 16 : 0, hi = g * 16 + 16 > r1 ? r1 - g * 16 : 16;
-            const __mmask16 keep = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+            const __mmask16 keep = (__mmask16)r16_keep(g, r0, r1);
             if (kind == K_Q8_0) R16_CASES(K_Q8_0) else R16_CASES(K_Q4_1)
         }
     }

@@ -11,22 +11,65 @@
 #define PK_R16_AVX2_H
 #define R16_PF 4096
 
-/* rows [16 g, 16 g + 16) x inputs i0..i0+nn (nn <= 4) of X (r16_inputs) into out rows c + i0..;
- * the rows of `keep` stored. Both halves of a block in turn: each code vector is a cache line,
- * read while it is at hand. kind is a constant here. */
+/* the 8 code vectors of one half of a block's record (p: the record + 32 h): Q4's nibbles as
+ * bytes (low: elements 4 q + i, high: 16 + 4 q + i), Q8_0's signed codes as stored */
+static inline __attribute__((always_inline)) void r16_codes8(int q8, const uint8_t *p, __m256i w[8]) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    if (q8) {
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; q++) w[q] = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
+        return;
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
+        w[q] = _mm256_and_si256(v, m15);
+        w[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+    }
+}
+
+/* the 8 rows' dot products of a block with an input's two codes x64 (32 high, then 32 low), as
+ * the VNNI tile forms them: float(low sums) / 254 + float(high sums) */
+static inline __attribute__((always_inline)) __m256 r16_dot8(int q8, const __m256i w[8], const int8_t *x64) {
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i ih = _mm256_setzero_si256(), il = ih;
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; q++) {
+        int32_t ch, cl;
+        memcpy(&ch, x64 + 4 * q, 4);
+        memcpy(&cl, x64 + 32 + 4 * q, 4);
+        const __m256i xh = _mm256_set1_epi32(ch), xl = _mm256_set1_epi32(cl);
+        if (q8) {
+            const __m256i aw = _mm256_sign_epi8(w[q], w[q]); /* |w|; -128 reads as 128 */
+            ih = _mm256_add_epi32(ih, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xh, w[q])), one));
+            il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xl, w[q])), one));
+        } else {
+            ih = _mm256_add_epi16(ih, _mm256_maddubs_epi16(w[q], xh));
+            il = _mm256_add_epi16(il, _mm256_maddubs_epi16(w[q], xl));
+        }
+    }
+    if (!q8) { ih = _mm256_madd_epi16(ih, one); il = _mm256_madd_epi16(il, one); }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(1.0f / XL_SCALE), _mm256_cvtepi32_ps(ih));
+}
+
+/* the 8-bit lane mask of `keep`'s half h (rows 8 h .. 8 h + 7 of a group) for maskstore */
+static inline __m256i r16_mask8(unsigned keep, int h) {
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(keep >> (8 * h))), bits), bits);
+}
+
+/* rows [16 g, 16 g + 16) x the nn (<= 3) inputs of X (r16_inputs) into out rows 0..; the rows
+ * of `keep` stored. Both halves of a block in turn: each code vector is a cache line, read while
+ * it is at hand. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
-                                                            const int8_t *X, int64_t c, int i0, unsigned keep,
-                                                            const int nn) {
+                                                            const int8_t *X, unsigned keep, const int nn) {
     const int q8 = kind == K_Q8_0;
     const int64_t rec = r16_rec(kind);
-    __m256 acc[2][4];
-    const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
-    const __m256 rl = _mm256_set1_ps(1.0f / XL_SCALE);
-#pragma GCC unroll 4
+    __m256 acc[2][3];
+#pragma GCC unroll 3
     for (int i = 0; i < nn; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     const uint8_t *p = rp + g * A->nb * rec;
-    const float *sc = (const float *)(X + A->nb * 8 * 64) + 2 * i0;
-    X += 64 * i0;
+    const float *sc = (const float *)(X + A->nb * 8 * 64);
     for (int64_t b = 0; b < A->nb; b++, p += rec, X += 8 * 64, sc += 16) {
 #pragma GCC unroll 9
         for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + R16_PF + l);
@@ -35,80 +78,42 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
             const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
             const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
             __m256i w[8];
-            if (q8) {
-#pragma GCC unroll 8
-                for (int q = 0; q < 8; q++) w[q] = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q + 32 * h));
-            } else {
-#pragma GCC unroll 4
-                for (int q = 0; q < 4; q++) { /* low nibbles: elements 4 q + i, high: 16 + 4 q + i */
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q + 32 * h));
-                    w[q] = _mm256_and_si256(v, m15);
-                    w[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-                }
-            }
-#pragma GCC unroll 4
+            r16_codes8(q8, p + 32 * h, w);
+#pragma GCC unroll 3
             for (int i = 0; i < nn; i++) {
-                const int32_t *x = (const int32_t *)(X + i * 64); /* 32 high codes, then 32 low codes */
-                __m256i ih = _mm256_setzero_si256(), il = ih;
-#pragma GCC unroll 8
-                for (int q = 0; q < 8; q++) {
-                    const __m256i xh = _mm256_set1_epi32(x[q]), xl = _mm256_set1_epi32(x[8 + q]);
-                    if (q8) {
-                        const __m256i aw = _mm256_sign_epi8(w[q], w[q]); /* |w|; -128 reads as 128 */
-                        ih = _mm256_add_epi32(ih, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xh, w[q])), one));
-                        il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xl, w[q])), one));
-                    } else {
-                        ih = _mm256_add_epi16(ih, _mm256_maddubs_epi16(w[q], xh));
-                        il = _mm256_add_epi16(il, _mm256_maddubs_epi16(w[q], xl));
-                    }
-                }
-                if (!q8) { ih = _mm256_madd_epi16(ih, one); il = _mm256_madd_epi16(il, one); }
-                const __m256 s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), rl, _mm256_cvtepi32_ps(ih));
+                const __m256 s = r16_dot8(q8, w, X + i * 64);
                 acc[h][i] = _mm256_fmadd_ps(s, _mm256_mul_ps(D, _mm256_set1_ps(sc[2 * i])), acc[h][i]);
                 if (!q8) acc[h][i] = _mm256_fmadd_ps(M, _mm256_set1_ps(sc[2 * i + 1]), acc[h][i]);
             }
         }
     }
-    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const __m256i kh = _mm256_set1_epi32((int)(keep >> (8 * h)));
-        const __m256i mask = _mm256_cmpeq_epi32(_mm256_and_si256(kh, bits), bits);
-#pragma GCC unroll 4
-        for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + (c + i0 + i) * A->ldo + 16 * g + 8 * h, mask, acc[h][i]);
-    }
+    for (int h = 0; h < 2; h++)
+#pragma GCC unroll 3
+        for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + i * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), acc[h][i]);
 }
-
-#define R16_CASES8(KIND)                                                                     \
-    switch (nn) {                                                                            \
-    case 4: r16_tile8(KIND, A, rp, g, X, c, i0, keep, 4); break;                            \
-    case 3: r16_tile8(KIND, A, rp, g, X, c, i0, keep, 3); break;                            \
-    case 2: r16_tile8(KIND, A, rp, g, X, c, i0, keep, 2); break;                            \
-    default: r16_tile8(KIND, A, rp, g, X, c, i0, keep, 1);                                  \
-    }
 
 static void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1);
 
 /* pk_r16.h's r16_range: per group of 16 rows, the inputs 4 at a time; from R16P_MIN inputs
  * r16p_range (the same bits: 1B Q4_0 16-token prompt 1.38 vs 3.5 ms a [8192 x 2048] matrix) */
 #define R16P_MIN 4
+#define R16_CASES8(KIND)                                                                     \
+    switch (A->n) {                                                                          \
+    case 3: r16_tile8(KIND, A, rp, g, X, keep, 3); break;                                    \
+    case 2: r16_tile8(KIND, A, rp, g, X, keep, 2); break;                                    \
+    default: r16_tile8(KIND, A, rp, g, X, keep, 1);                                          \
+    }
 static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     if (A->n >= R16P_MIN) {
         r16p_range(kind, A, rp, r0, r1);
         return 0;
     }
-    for (int64_t c = 0; c < A->n; c += 8) {
-        const int n8 = A->n - c < 8 ? (int)(A->n - c) : 8;
-        const int8_t *X = r16_inputs(A, c, n8, 0);
-        if (!X) return -1;
-        for (int64_t g = r0 / 16; g * 16 < r1; g++) {
-            const int64_t lo = g * 16 < r0 ? r0 - g * 16 : 0, hi = g * 16 + 16 > r1 ? r1 - g * 16 : 16;
-            const unsigned keep = ((1u << hi) - 1) & ~((1u << lo) - 1);
-            for (int i0 = 0; i0 < n8; i0 += 4) {
-                const int nn = n8 - i0 < 4 ? n8 - i0 : 4;
-                if (kind == K_Q8_0) R16_CASES8(K_Q8_0) else R16_CASES8(K_Q4_1)
-            }
-        }
+    const int8_t *X = r16_inputs(A, 0, (int)A->n, 0);
+    if (!X) return -1;
+    for (int64_t g = r0 / 16; g * 16 < r1; g++) {
+        const unsigned keep = r16_keep(g, r0, r1);
+        if (kind == K_Q8_0) R16_CASES8(K_Q8_0) else R16_CASES8(K_Q4_1)
     }
     return 0;
 }
@@ -124,8 +129,6 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
     const int q8 = kind == K_Q8_0;
     const int64_t rec = r16_rec(kind);
     __m256 acc[4];
-    const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
-    const __m256 rl = _mm256_set1_ps(1.0f / XL_SCALE);
 #pragma GCC unroll 4
     for (int i = 0; i < nn; i++) acc[i] = _mm256_setzero_ps();
     const uint8_t *p = rp + g * A->nb * rec + 32 * h;
@@ -136,55 +139,25 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p - 16 * h)));
         const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 - 16 * h)));
         __m256i w[8];
-        if (q8) {
-#pragma GCC unroll 8
-            for (int q = 0; q < 8; q++) w[q] = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
-        } else {
-#pragma GCC unroll 4
-            for (int q = 0; q < 4; q++) { /* low nibbles: elements 4 q + i, high: 16 + 4 q + i */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
-                w[q] = _mm256_and_si256(v, m15);
-                w[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-            }
-        }
+        r16_codes8(q8, p, w);
 #pragma GCC unroll 4
         for (int i = 0; i < nn; i++) {
             const int64_t xi = (t0 + i) * A->nb + b;
-            const int8_t *xb = A->xq + xi * 64; /* 32 high codes, then 32 low codes */
-            __m256i ih = _mm256_setzero_si256(), il = ih;
-#pragma GCC unroll 8
-            for (int q = 0; q < 8; q++) {
-                int32_t ch, cl;
-                memcpy(&ch, xb + 4 * q, 4);
-                memcpy(&cl, xb + 32 + 4 * q, 4);
-                const __m256i xh = _mm256_set1_epi32(ch), xl = _mm256_set1_epi32(cl);
-                if (q8) {
-                    const __m256i aw = _mm256_sign_epi8(w[q], w[q]); /* |w|; -128 reads as 128 */
-                    ih = _mm256_add_epi32(ih, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xh, w[q])), one));
-                    il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xl, w[q])), one));
-                } else {
-                    ih = _mm256_add_epi16(ih, _mm256_maddubs_epi16(w[q], xh));
-                    il = _mm256_add_epi16(il, _mm256_maddubs_epi16(w[q], xl));
-                }
-            }
-            if (!q8) { ih = _mm256_madd_epi16(ih, one); il = _mm256_madd_epi16(il, one); }
-            const __m256 s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), rl, _mm256_cvtepi32_ps(ih));
+            const __m256 s = r16_dot8(q8, w, A->xq + xi * 64); /* quantize_x: 64 bytes a block */
             acc[i] = _mm256_fmadd_ps(s, _mm256_mul_ps(D, _mm256_set1_ps(A->dx[xi])), acc[i]);
             if (!q8) acc[i] = _mm256_fmadd_ps(M, _mm256_set1_ps(A->xs[xi]), acc[i]);
         }
     }
-    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i mask = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)keep), bits), bits);
 #pragma GCC unroll 4
-    for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + (t0 + i) * A->ldo + 16 * g + 8 * h, mask, acc[i]);
+    for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + (t0 + i) * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), acc[i]);
 }
 
 #define R16P_CASES(KIND)                                                                     \
     switch (nn) {                                                                            \
-    case 4: r16p_tile(KIND, A, rp, g, h, t, kh, t == t0 && !h, 4); break;                                   \
-    case 3: r16p_tile(KIND, A, rp, g, h, t, kh, t == t0 && !h, 3); break;                                   \
-    case 2: r16p_tile(KIND, A, rp, g, h, t, kh, t == t0 && !h, 2); break;                                   \
-    default: r16p_tile(KIND, A, rp, g, h, t, kh, t == t0 && !h, 1);                                         \
+    case 4: r16p_tile(KIND, A, rp, g, h, t, keep, t == t0 && !h, 4); break;                                   \
+    case 3: r16p_tile(KIND, A, rp, g, h, t, keep, t == t0 && !h, 3); break;                                   \
+    case 2: r16p_tile(KIND, A, rp, g, h, t, keep, t == t0 && !h, 2); break;                                   \
+    default: r16p_tile(KIND, A, rp, g, h, t, keep, t == t0 && !h, 1);                                         \
     }
 
 /* rows [r0, r1) for A's n inputs (one thread) with r16p_tile: inputs in blocks whose codes (1 MB)
@@ -196,11 +169,9 @@ static void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0
     for (int64_t t0 = 0; t0 < A->n; t0 += blk) {
         const int64_t t1 = A->n - t0 < blk ? A->n : t0 + blk;
         for (int64_t g = r0 / 16; g * 16 < r1; g++) {
-            const int64_t lo = g * 16 < r0 ? r0 - g * 16 : 0, hi = g * 16 + 16 > r1 ? r1 - g * 16 : 16;
-            const unsigned keep = ((1u << hi) - 1) & ~((1u << lo) - 1);
+            const unsigned keep = r16_keep(g, r0, r1);
             for (int h = 0; h < 2; h++) {
-                const unsigned kh = (keep >> (8 * h)) & 255u;
-                if (!kh) continue;
+                if (!((keep >> (8 * h)) & 255u)) continue;
                 for (int64_t t = t0; t < t1; t += 4) {
                     const int nn = t1 - t < 4 ? (int)(t1 - t) : 4;
                     if (kind == K_Q8_0) R16P_CASES(K_Q8_0) else R16P_CASES(K_Q4_1)

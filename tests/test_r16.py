@@ -256,6 +256,15 @@ def test_the_python_rows_read_the_repacked_copy():
     np.testing.assert_array_equal(got, ref)
 
 
+def _float_rows(fn, *args):
+    """fn(*args) on the exact float paths (int8 codes of x off), the auto mode back after."""
+    ckernels.set_act_q8(False)
+    try:
+        return fn(*args)
+    finally:
+        ckernels.set_act_q8("auto")
+
+
 def _on_grid(rng, n, k):
     """x whose int8 rounding is exact: integer codes (one 127 per block) times a power of two,
     so a product on x's codes is the float product's."""
@@ -316,11 +325,7 @@ def test_a_fused_prompt_stays_within_its_codes_error(each_isa):
 
     fused_logits = run()
     np.testing.assert_array_equal(run(), fused_logits)
-    ckernels.set_act_q8(False)
-    try:
-        exact = run()
-    finally:
-        ckernels.set_act_q8("auto")
+    exact = _float_rows(run)
     err = float(np.abs(fused_logits - exact).max()) / float(np.abs(exact).max())
     assert 0 < err <= 2e-4
 
@@ -335,11 +340,7 @@ def test_loom_q4_rows_take_x_codes_where_rows_are_independent(each_isa):
     tf.lm_head = MAKERS["gguf_q8_0"](np.ascontiguousarray(tf.lm_head, dtype=np.float32))
     prompts, steps = [[1, 2, 3], [4, 5]], [[20, 21], [30, 31]]
     got = _decode(tf, prompts, steps)
-    ckernels.set_act_q8(False)
-    try:
-        ref = _decode(tf, prompts, steps)
-    finally:
-        ckernels.set_act_q8("auto")
+    ref = _float_rows(_decode, tf, prompts, steps)
     for r, g in zip(ref, got):
         err = float(np.abs(g - r).max())
         assert 0 < err <= 2e-4 * float(np.abs(r).max())
