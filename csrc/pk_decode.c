@@ -60,13 +60,13 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
-                             : (k8 && !P->g8) || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && P->g1);
+                             : (k8 && P->grp != 8) || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && P->grp == 1);
 #if PK_SIMD
-    if (k8 && P->g8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
+    if (k8 && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
     } else
 #endif
-    if (PK_R16 && M->rp && q8 && !P->g8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1)) {
+    if (PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1)) {
         /* done: repacked 4-bit rows on the int8 codes (csrc/pk_r16.h) */
     } else if (n >= P->gemm_from && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
         float *tmp = P->gbuf + pk_tid() * P->gstride;
@@ -120,10 +120,9 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
 
 
 static void norm_prep(const step_t *S, const float *x, const float *g, float eps, bufs_t *B, int want) {
-    B->P.g8 = q8_group(S, want) == 8;
-    B->P.g1 = q8_group(S, want) == 1;
+    B->P.grp = q8_group(S, want);
     for (int i = 0; i < S->n; i++) pk_rmsnorm(x + i * S->d, g, eps, B->h + i * S->d, S->d);
-    prep(&B->P, B->h, S->n * S->d, S->loom, q8_group(S, want));
+    prep(&B->P, B->h, S->n * S->d, S->loom, B->P.grp);
 }
 
 /* norm_prep on every thread, each its own rows (a row's blocks depend on that row only), then a
@@ -137,7 +136,7 @@ static void norm_prep_par(const step_t *S, const float *x, const float *g, float
         return;
     }
 #pragma omp single nowait
-    { B->P.x = B->h; B->P.k = S->n * d; B->P.g8 = q8_group(S, want) == 8; B->P.g1 = q8_group(S, want) == 1; }
+    { B->P.x = B->h; B->P.k = S->n * d; B->P.grp = q8_group(S, want); }
     int64_t i0, i1;
     part(S->n, tid, nt, &i0, &i1);
     for (int64_t i = i0; i < i1; i++) {
@@ -170,7 +169,7 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
     const int grp = q8_group(S, wants_codes(S, M, 1));
     int64_t r0, r1;
     px_t V = B->P; /* this thread's own view of `in` (B->P.x is left alone) */
-    V.x = in; V.k = n * k; V.g8 = grp == 8; V.g1 = grp == 1;
+    V.x = in; V.k = n * k; V.grp = grp;
     if (!prepped && k % 32 == 0) { /* the 32-blocks split over the threads */
         int64_t b0, b1;
         part(n * k / 32, tid, nt, &b0, &b1);
@@ -310,8 +309,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->arow = (int32_t *)take(&f, R); B->mx = take(&f, R * S->d);
     B->my = take(&f, R * S->d); B->mgu = take(&f, 2 * R * S->inter); B->mhid = take(&f, R * S->inter);
     B->P.gbuf = NULL;
-    B->P.g8 = q8_group(S, 2) == 8; /* set again by each prep (the codes its readers take) */
-    B->P.g1 = 0;
+    B->P.grp = q8_group(S, 2) == 8 ? 8 : 0; /* set again by each prep (the codes its readers take) */
     B->P.gemm_from = S->seq1 ? GEMM_ROWS : MAX_N + 1;
     if (gemm_bufs(S, R)) {
         B->P.gbuf = S->mrows ? f : m; /* the MoE region only with MoE */
@@ -336,7 +334,7 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
             for (int j = 0; j < S->nsel; j++)
                 pk_rmsnorm(S->x + S->sel[j] * S->d, S->g_final, S->eps_final, B.h + j * S->d, S->d);
             const int g = q8_group_n(S, S->nsel, wants_codes(S, &S->lm, 1)); /* by the rows it has */
-            B.P.g8 = g == 8; B.P.g1 = g == 1;
+            B.P.grp = g;
             prep(&B.P, B.h, S->nsel * S->d, S->loom, g);
         }
         part(S->lm.A.m, tid, nth, &r0, &r1);

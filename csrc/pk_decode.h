@@ -39,8 +39,8 @@ typedef struct { int e; int64_t row0, cnt, goff, hoff; } slot_t; /* expert e's g
 typedef struct { /* one input vector prepared for every kernel kind */
     const float *x; float *xs, *xp, *dx, *xs16; int8_t *xq, *xqp; int64_t k;
     float *gbuf; int64_t gstride; /* per-thread gemm panels (GEMM_ROWS rows and more) */
-    int g8; /* one int8 code per element (q8_group 8): the K-quant prompt panels read them (pk_k8i.h) */
-    int g1; /* two int8 codes per element (q8_group 1): the int8 rows read them */
+    int grp; /* the codes prep wrote (q8_group): 0 none, 1 two int8 codes per element (the int8
+              * rows, repacked rows), 8 one (the K-quant prompt panels, pk_k8i.h) */
     int64_t gemm_from; /* rows from which a product runs as gemm panels: GEMM_ROWS for a prompt,
                         * else MAX_N + 1 (the row kernels: a row's sums alone and in company) */
 } px_t;

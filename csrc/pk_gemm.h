@@ -223,40 +223,13 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
     return failed ? -1 : 0;
 }
 
-#if PK_R16P
-/* the repacked rows' tile for prompts (csrc/pk_r16_avx2.h) for n inputs: x's two codes as the
- * fused step makes them (quantize_x), so both give the same numbers; threads split the groups */
-static int gemm_r16p(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt) {
-    mm_args A = {0};
-    A.k = D->k; A.m = m; A.n = n; A.nb = D->k / 32; A.out = out; A.ldo = m;
-    const int64_t nbs = n * A.nb;
-    void *buf = malloc((size_t)(2 * n * D->k + 2 * nbs * 4) + 64); /* codes, dx, xs */
-    if (!buf) return -1;
-    int8_t *xq = (int8_t *)buf;
-    float *dx = (float *)(xq + 2 * n * D->k), *xs = dx + nbs;
-    quantize_x(x, xq, dx, nbs);
-    for (int64_t b = 0; b < nbs; b++) {
-        float t = 0.0f;
-        for (int l = 0; l < 32; l++) t += x[b * 32 + l];
-        xs[b] = t;
-    }
-    A.xq = xq; A.dx = dx; A.xs = xs;
-    const int64_t groups = (m + 15) / 16;
-#pragma omp parallel num_threads(nt)
-    {
-        const int64_t g0 = groups * pk_tid() / pk_nth(), g1 = groups * (pk_tid() + 1) / pk_nth();
-        r16p_range(kind, &A, D->rp, 16 * g0, 16 * g1 < m ? 16 * g1 : m);
-    }
-    free(buf);
-    return 0;
-}
-#endif
-
 /* gemm_run, K-quants of K8I_MIN rows or more in the auto mode on int8 panels (SIMD builds) */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
-#if PK_R16P
-    if (q8 && D->rp && n >= R16P_MIN && r16p_kind(kind)) return gemm_r16p(kind, D, x, n, out, m, nt);
-#endif
+    if (q8 && D->rp && n >= R16P_MIN && r16p_kind(kind)) { /* 8-lane prompts: the repacked rows (pk_r16_avx2.h), as matmul */
+        mm_args A = {0};
+        A.x = x; A.out = out; A.n = n; A.k = D->k; A.m = m; A.ldo = m; A.nb = D->k / 32;
+        return run(kind, &A, nt, 1, D->rp);
+    }
     if (!(q8 == 2 && k8_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) /* K8I_MAX 0: no SIMD */
         return gemm_run(kind, D, x, n, out, m, nt, NULL);
     mm_args A = {0};

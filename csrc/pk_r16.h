@@ -22,6 +22,7 @@ static inline int64_t r16_bytes(int kind, int64_t m, int64_t k) {
     const int ok = (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0) && m % 16 == 0 && k % 32 == 0;
     return ok ? m / 16 * (k / 32) * r16_rec(kind) : -1;
 }
+#define R16P_MIN 4 /* inputs from which the 8-lane r16_range takes r16p_range (pk_r16_avx2.h) */
 #if PK_SIMD
 #define PK_R16 1
 

@@ -97,7 +97,6 @@ static void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0
 
 /* pk_r16.h's r16_range: per group of 16 rows, the inputs 4 at a time; from R16P_MIN inputs
  * r16p_range (the same bits: 1B Q4_0 16-token prompt 1.38 vs 3.5 ms a [8192 x 2048] matrix) */
-#define R16P_MIN 4
 #define R16_CASES8(KIND)                                                                     \
     switch (A->n) {                                                                          \
     case 3: r16_tile8(KIND, A, rp, g, X, keep, 3); break;                                    \
