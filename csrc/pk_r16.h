@@ -33,10 +33,22 @@ static inline unsigned r16_keep(int64_t g, int64_t r0, int64_t r1) {
     return ((1u << hi) - 1) & ~((1u << lo) - 1);
 }
 
+/* Q8_0's sums on 8 lanes take x's two codes as one int16, 254 h + l (|.| <= 32,385), so every
+ * build forms the block's int32 sum I = 254 sum(w h) + sum(w l) exactly and its float as
+ * float(I) / 254 (pk_r16_avx2.h r16w_sums; the VNNI tile from its two sums) */
+static inline void r16w_x(const int8_t *xq, int16_t *o) {
+    for (int j = 0; j < 32; j += 16) {
+        const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + j)));
+        const __m256i l = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + 32 + j)));
+        _mm256_storeu_si256((__m256i *)(o + j), _mm256_add_epi16(_mm256_mullo_epi16(h, _mm256_set1_epi16(254)), l));
+    }
+}
+enum { R16X_COPY, R16X_FLIP, R16X_WIDE }; /* r16_inputs' forms: x's two codes, Q8_0's on VNNI, on 8 lanes */
+
 /* the nn (<= 8) inputs' codes, block by block, as r16_tile reads them: codes [nb][8][64] then
  * (dx, xs) [nb][8][2], so one pointer and constant offsets reach every input (with a pointer
  * per input the tile ran out of general registers and spilled in its inner loop) */
-static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int flip) {
+static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form) {
     int8_t *X = (int8_t *)thread_buffer((size_t)A->nb * 8 * (64 + 8) / 4);
     if (!X) return NULL;
     float *sc = (float *)(X + A->nb * 8 * 64);
@@ -44,8 +56,9 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int flip) {
         for (int i = 0; i < nn; i++) {
             const int64_t xb = (c + i) * A->nb + b;
             int8_t *o = X + (b * 8 + i) * 64;
-            memcpy(o, A->xq + xb * 64, 64);
-            if (flip) /* Q8_0: the codes as unsigned bytes, c + 128 (vpdpbusd's u8 side) */
+            if (form == R16X_WIDE) r16w_x(A->xq + xb * 64, (int16_t *)o);
+            else memcpy(o, A->xq + xb * 64, 64);
+            if (form == R16X_FLIP) /* Q8_0: the codes as unsigned bytes, c + 128 (vpdpbusd's u8 side) */
                 for (int j = 0; j < 64; j++) o[j] = (int8_t)((uint8_t)o[j] ^ 0x80);
             sc[(b * 8 + i) * 2] = A->dx[xb];
             sc[(b * 8 + i) * 2 + 1] = A->xs[xb];
@@ -99,8 +112,13 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
                 ih = q8 ? _mm512_dpbusd_epi32(ih, xh, w[q]) : _mm512_dpbusd_epi32(ih, w[q], xh);
                 il = q8 ? _mm512_dpbusd_epi32(il, xl, w[q]) : _mm512_dpbusd_epi32(il, w[q], xl);
             }
-            if (q8) { ih = _mm512_sub_epi32(ih, S); il = _mm512_sub_epi32(il, S); }
-            const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
+            __m512 s;
+            if (q8) { /* I = 254 sum(w h) + sum(w l), as r16w_sums forms it */
+                ih = _mm512_sub_epi32(ih, S);
+                il = _mm512_sub_epi32(il, S);
+                s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ih, 8), _mm512_slli_epi32(ih, 1)), il)), rl);
+            } else
+                s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
             acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
             if (!q8) acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
         }
@@ -126,7 +144,7 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
 static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     for (int64_t c = 0; c < A->n; c += 8) {
         const int nn = A->n - c < 8 ? (int)(A->n - c) : 8;
-        const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0);
+        const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0 ? R16X_FLIP : R16X_COPY);
         if (!X) return -1;
         for (int64_t g = r0 / 16; g * 16 < r1; g++) {
             const __mmask16 keep = (__mmask16)r16_keep(g, r0, r1);
@@ -146,9 +164,8 @@ static inline int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64
 #ifndef PK_R16P /* 8-lane builds' r16_range takes prompts too (pk_r16_avx2.h); AVX-512 up to MAX_N */
 #define PK_R16P 0
 #endif
-/* the kinds whose prompts past MAX_N rows take the repacked rows: Q4_0/Q4_1 on 8-lane builds;
- * Q8_0's sign trick doubles the tile's work there (1B [8192 x 2048], 128 rows: 74 vs 96-104
- * tok/s of a whole prompt on the float gemm) */
-static inline int r16p_kind(int kind) { return PK_R16P && kind != K_Q8_0; }
+/* the kinds whose prompts past MAX_N rows take the repacked rows: Q4_0/Q4_1/Q8_0 on 8-lane
+ * builds (Q8_0 on int16 codes, r16w_sums) */
+static inline int r16p_kind(int kind) { return PK_R16P && (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0); }
 
 #endif /* PK_R16_H */

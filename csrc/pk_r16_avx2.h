@@ -11,15 +11,10 @@
 #define PK_R16_AVX2_H
 #define R16_PF 4096
 
-/* the 8 code vectors of one half of a block's record (p: the record + 32 h): Q4's nibbles as
- * bytes (low: elements 4 q + i, high: 16 + 4 q + i), Q8_0's signed codes as stored */
-static inline __attribute__((always_inline)) void r16_codes8(int q8, const uint8_t *p, __m256i w[8]) {
+/* the 8 code vectors of one half of a Q4 block's record (p: the record + 32 h), nibbles as bytes
+ * (low: elements 4 q + i, high: 16 + 4 q + i) */
+static inline __attribute__((always_inline)) void r16_codes8(const uint8_t *p, __m256i w[8]) {
     const __m256i m15 = _mm256_set1_epi8(15);
-    if (q8) {
-#pragma GCC unroll 8
-        for (int q = 0; q < 8; q++) w[q] = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
-        return;
-    }
 #pragma GCC unroll 4
     for (int q = 0; q < 4; q++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
@@ -28,9 +23,9 @@ static inline __attribute__((always_inline)) void r16_codes8(int q8, const uint8
     }
 }
 
-/* the 8 rows' dot products of a block with an input's two codes x64 (32 high, then 32 low), as
- * the VNNI tile forms them: float(low sums) / 254 + float(high sums) */
-static inline __attribute__((always_inline)) __m256 r16_dot8(int q8, const __m256i w[8], const int8_t *x64) {
+/* the 8 rows' Q4 dot products of a block with an input's two codes x64 (32 high, then 32 low),
+ * as the VNNI tile forms them: float(low sums) / 254 + float(high sums) */
+static inline __attribute__((always_inline)) __m256 r16_dot8(const __m256i w[8], const int8_t *x64) {
     const __m256i one = _mm256_set1_epi16(1);
     __m256i ih = _mm256_setzero_si256(), il = ih;
 #pragma GCC unroll 8
@@ -38,18 +33,42 @@ static inline __attribute__((always_inline)) __m256 r16_dot8(int q8, const __m25
         int32_t ch, cl;
         memcpy(&ch, x64 + 4 * q, 4);
         memcpy(&cl, x64 + 32 + 4 * q, 4);
-        const __m256i xh = _mm256_set1_epi32(ch), xl = _mm256_set1_epi32(cl);
-        if (q8) {
-            const __m256i aw = _mm256_sign_epi8(w[q], w[q]); /* |w|; -128 reads as 128 */
-            ih = _mm256_add_epi32(ih, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xh, w[q])), one));
-            il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xl, w[q])), one));
-        } else {
-            ih = _mm256_add_epi16(ih, _mm256_maddubs_epi16(w[q], xh));
-            il = _mm256_add_epi16(il, _mm256_maddubs_epi16(w[q], xl));
+        ih = _mm256_add_epi16(ih, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(ch)));
+        il = _mm256_add_epi16(il, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(cl)));
+    }
+    ih = _mm256_madd_epi16(ih, one);
+    il = _mm256_madd_epi16(il, one);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(1.0f / XL_SCALE), _mm256_cvtepi32_ps(ih));
+}
+
+/* Q8_0: the 8 rows' int32 sums of a block half (p: the record + 32 h) with nn inputs' int16
+ * codes (r16w_x; input i at x + 32 i: one pointer, constant offsets), as float(I) / 254 in row
+ * order. Each code vector
+ * widened once for all inputs: rows 0-3 (a) and 4-7 (b), a row's 4 codes against the input's 4
+ * int16 in vpmaddwd's two lanes (pairs <= 8.3e6, a lane's 8 vectors <= 6.7e7). */
+static inline __attribute__((always_inline)) void r16w_sums(const uint8_t *p, const int16_t *x, const int nn, __m256 s[4]) {
+    __m256i a[4], b[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < nn; i++) a[i] = b[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; q++) {
+        const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 64 + 64 * q)));
+        const __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 80 + 64 * q)));
+#pragma GCC unroll 4
+        for (int i = 0; i < nn; i++) {
+            int64_t c4;
+            memcpy(&c4, x + 32 * i + 4 * q, 8);
+            const __m256i xb = _mm256_set1_epi64x(c4);
+            a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(wa, xb));
+            b[i] = _mm256_add_epi32(b[i], _mm256_madd_epi16(wb, xb));
+            __asm__("" : "+x"(a[i]), "+x"(b[i])); /* one chain each: GCC's add tree spilled 64 products */
         }
     }
-    if (!q8) { ih = _mm256_madd_epi16(ih, one); il = _mm256_madd_epi16(il, one); }
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(1.0f / XL_SCALE), _mm256_cvtepi32_ps(ih));
+#pragma GCC unroll 4
+    for (int i = 0; i < nn; i++) { /* hadd: rows 0 1 4 5 | 2 3 6 7; the 64-bit lanes back in order */
+        const __m256i I = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[i], b[i]), 0xD8);
+        s[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(I), _mm256_set1_ps(1.0f / XL_SCALE));
+    }
 }
 
 /* the 8-bit lane mask of `keep`'s half h (rows 8 h .. 8 h + 7 of a group) for maskstore */
@@ -77,12 +96,18 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
         for (int h = 0; h < 2; h++) {
             const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
             const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
-            __m256i w[8];
-            r16_codes8(q8, p + 32 * h, w);
+            __m256 s[4];
+            if (q8)
+                r16w_sums(p + 32 * h, (const int16_t *)X, nn, s);
+            else {
+                __m256i w[8];
+                r16_codes8(p + 32 * h, w);
+#pragma GCC unroll 3
+                for (int i = 0; i < nn; i++) s[i] = r16_dot8(w, X + i * 64);
+            }
 #pragma GCC unroll 3
             for (int i = 0; i < nn; i++) {
-                const __m256 s = r16_dot8(q8, w, X + i * 64);
-                acc[h][i] = _mm256_fmadd_ps(s, _mm256_mul_ps(D, _mm256_set1_ps(sc[2 * i])), acc[h][i]);
+                acc[h][i] = _mm256_fmadd_ps(s[i], _mm256_mul_ps(D, _mm256_set1_ps(sc[2 * i])), acc[h][i]);
                 if (!q8) acc[h][i] = _mm256_fmadd_ps(M, _mm256_set1_ps(sc[2 * i + 1]), acc[h][i]);
             }
         }
@@ -93,7 +118,7 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
         for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + i * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), acc[h][i]);
 }
 
-static void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1);
+static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1);
 
 /* pk_r16.h's r16_range: per group of 16 rows, the inputs 4 at a time; from R16P_MIN inputs
  * r16p_range (the same bits: 1B Q4_0 16-token prompt 1.38 vs 3.5 ms a [8192 x 2048] matrix) */
@@ -104,11 +129,8 @@ static void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0
     default: r16_tile8(KIND, A, rp, g, X, keep, 1);                                          \
     }
 static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
-    if (A->n >= R16P_MIN) {
-        r16p_range(kind, A, rp, r0, r1);
-        return 0;
-    }
-    const int8_t *X = r16_inputs(A, 0, (int)A->n, 0);
+    if (A->n >= R16P_MIN) return r16p_range(kind, A, rp, r0, r1);
+    const int8_t *X = r16_inputs(A, 0, (int)A->n, kind == K_Q8_0 ? R16X_WIDE : R16X_COPY);
     if (!X) return -1;
     for (int64_t g = r0 / 16; g * 16 < r1; g++) {
         const unsigned keep = r16_keep(g, r0, r1);
@@ -123,8 +145,8 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
  * spilled), x's two codes read in place (quantize_x: 64 bytes a block) and the same integer sums
  * and float steps per lane as r16_tile8: the same bits whichever tile a row takes. kind is a
  * constant here; out rows t0.. (A->out, A->ldo), the rows of `keep` (8 bits). */
-static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
-                                                            int h, int64_t t0, unsigned keep, int first, const int nn) {
+static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g, int h, int64_t t0,
+                                                            const int16_t *xw, unsigned keep, int first, const int nn) {
     const int q8 = kind == K_Q8_0;
     const int64_t rec = r16_rec(kind);
     __m256 acc[4];
@@ -137,13 +159,19 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
             for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + R16_PF + l);
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p - 16 * h)));
         const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 - 16 * h)));
-        __m256i w[8];
-        r16_codes8(q8, p, w);
+        __m256 s[4];
+        if (q8)
+            r16w_sums(p, xw + 128 * b, nn, s); /* r16p_range: [b][4][32] */
+        else {
+            __m256i w[8];
+            r16_codes8(p, w);
+#pragma GCC unroll 4
+            for (int i = 0; i < nn; i++) s[i] = r16_dot8(w, A->xq + ((t0 + i) * A->nb + b) * 64); /* quantize_x: 64 bytes a block */
+        }
 #pragma GCC unroll 4
         for (int i = 0; i < nn; i++) {
             const int64_t xi = (t0 + i) * A->nb + b;
-            const __m256 s = r16_dot8(q8, w, A->xq + xi * 64); /* quantize_x: 64 bytes a block */
-            acc[i] = _mm256_fmadd_ps(s, _mm256_mul_ps(D, _mm256_set1_ps(A->dx[xi])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(s[i], _mm256_mul_ps(D, _mm256_set1_ps(A->dx[xi])), acc[i]);
             if (!q8) acc[i] = _mm256_fmadd_ps(M, _mm256_set1_ps(A->xs[xi]), acc[i]);
         }
     }
@@ -153,31 +181,39 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
 
 #define R16P_CASES(KIND)                                                                     \
     switch (nn) {                                                                            \
-    case 4: r16p_tile(KIND, A, rp, g, h, t, keep, t == t0 && !h, 4); break;                                   \
-    case 3: r16p_tile(KIND, A, rp, g, h, t, keep, t == t0 && !h, 3); break;                                   \
-    case 2: r16p_tile(KIND, A, rp, g, h, t, keep, t == t0 && !h, 2); break;                                   \
-    default: r16p_tile(KIND, A, rp, g, h, t, keep, t == t0 && !h, 1);                                         \
+    case 4: r16p_tile(KIND, A, rp, g, h, t, xt, keep, t == t0 && !h, 4); break;                                   \
+    case 3: r16p_tile(KIND, A, rp, g, h, t, xt, keep, t == t0 && !h, 3); break;                                   \
+    case 2: r16p_tile(KIND, A, rp, g, h, t, xt, keep, t == t0 && !h, 2); break;                                   \
+    default: r16p_tile(KIND, A, rp, g, h, t, xt, keep, t == t0 && !h, 1);                                         \
     }
 
 /* rows [r0, r1) for A's n inputs (one thread) with r16p_tile: inputs in blocks whose codes (1 MB)
- * stay in L2 while every group of 16 rows meets them; a group that straddles r0 or r1 stores its
- * own rows only */
-static void r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
+ * stay in L2 while every group of 16 rows meets them (Q8_0: as int16, r16w_x, in the thread's
+ * buffer); a group that straddles r0 or r1 stores its own rows only. -1: no buffer */
+static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     int64_t blk = (((int64_t)1 << 20) / (A->nb * 64)) & ~(int64_t)3;
     if (blk < 16) blk = 16;
+    int16_t *xw = NULL;
+    if (kind == K_Q8_0 && !(xw = (int16_t *)thread_buffer((size_t)((blk < A->n ? blk : A->n) + 3) * A->nb * 16))) return -1;
     for (int64_t t0 = 0; t0 < A->n; t0 += blk) {
         const int64_t t1 = A->n - t0 < blk ? A->n : t0 + blk;
+        if (xw)
+            for (int64_t t = t0; t < t1; t++)
+                for (int64_t b = 0; b < A->nb; b++) /* [tile of 4][b][4][32]: r16w_sums' one pointer */
+                    r16w_x(A->xq + (t * A->nb + b) * 64, xw + ((t - t0) / 4 * A->nb + b) * 128 + (t - t0) % 4 * 32);
         for (int64_t g = r0 / 16; g * 16 < r1; g++) {
             const unsigned keep = r16_keep(g, r0, r1);
             for (int h = 0; h < 2; h++) {
                 if (!((keep >> (8 * h)) & 255u)) continue;
                 for (int64_t t = t0; t < t1; t += 4) {
                     const int nn = t1 - t < 4 ? (int)(t1 - t) : 4;
+                    const int16_t *xt = xw ? xw + (t - t0) * A->nb * 32 : NULL; /* (t - t0) / 4 tiles of nb x 128 */
                     if (kind == K_Q8_0) R16P_CASES(K_Q8_0) else R16P_CASES(K_Q4_1)
                 }
             }
         }
     }
+    return 0;
 }
 #define PK_R16P 1 /* r16_range takes prompts too (r16p_range from R16P_MIN inputs) */
 
