@@ -35,6 +35,7 @@ static inline __attribute__((always_inline)) __m256 r16_dot8(const __m256i w[8],
         memcpy(&cl, x64 + 32 + 4 * q, 4);
         ih = _mm256_add_epi16(ih, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(ch)));
         il = _mm256_add_epi16(il, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(cl)));
+        __asm__("" : "+x"(ih), "+x"(il)); /* one chain each (r16w_sums) */
     }
     ih = _mm256_madd_epi16(ih, one);
     il = _mm256_madd_epi16(il, one);
