@@ -33,9 +33,9 @@ static inline unsigned r16_keep(int64_t g, int64_t r0, int64_t r1) {
     return ((1u << hi) - 1) & ~((1u << lo) - 1);
 }
 
-/* Q8_0's sums on 8 lanes take x's two codes as one int16, 254 h + l (|.| <= 32,385), so every
- * build forms the block's int32 sum I = 254 sum(w h) + sum(w l) exactly and its float as
- * float(I) / 254 (pk_r16_avx2.h r16w_sums; the VNNI tile from its two sums) */
+/* Q8_0's sums on 8 lanes take x's two codes as one int16, 254 h + l (|.| <= 32,385): every
+ * build forms float(I), I = 254 sum(w h) + sum(w l) rounded once (pk_r16_avx2.h r16w_sums; the
+ * VNNI tile by one FMA of its two exact sums), times D * (dx / 254) */
 static inline void r16w_x(const int8_t *xq, int16_t *o) {
     for (int j = 0; j < 32; j += 16) {
         const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + j)));
@@ -46,7 +46,7 @@ static inline void r16w_x(const int8_t *xq, int16_t *o) {
 enum { R16X_COPY, R16X_FLIP, R16X_WIDE }; /* r16_inputs' forms: x's two codes, Q8_0's on VNNI, on 8 lanes */
 
 /* the nn (<= 8) inputs' codes, block by block, as r16_tile reads them: codes [nb][8][64] then
- * (dx, xs) [nb][8][2], so one pointer and constant offsets reach every input (with a pointer
+ * (dx, xs) [nb][8][2] (Q8_0: dx / 254), so one pointer and constant offsets reach every input (with a pointer
  * per input the tile ran out of general registers and spilled in its inner loop) */
 static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form) {
     int8_t *X = (int8_t *)thread_buffer((size_t)A->nb * 8 * (64 + 8) / 4);
@@ -60,7 +60,7 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form) {
             else memcpy(o, A->xq + xb * 64, 64);
             if (form == R16X_FLIP) /* Q8_0: the codes as unsigned bytes, c + 128 (vpdpbusd's u8 side) */
                 for (int j = 0; j < 64; j++) o[j] = (int8_t)((uint8_t)o[j] ^ 0x80);
-            sc[(b * 8 + i) * 2] = A->dx[xb];
+            sc[(b * 8 + i) * 2] = form == R16X_COPY ? A->dx[xb] : A->dx[xb] * (1.0f / XL_SCALE); /* Q8_0: dx / 254 */
             sc[(b * 8 + i) * 2 + 1] = A->xs[xb];
         }
     return X;
@@ -112,13 +112,13 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
                 ih = q8 ? _mm512_dpbusd_epi32(ih, xh, w[q]) : _mm512_dpbusd_epi32(ih, w[q], xh);
                 il = q8 ? _mm512_dpbusd_epi32(il, xl, w[q]) : _mm512_dpbusd_epi32(il, w[q], xl);
             }
-            __m512 s;
-            if (q8) { /* I = 254 sum(w h) + sum(w l), as r16w_sums forms it */
-                ih = _mm512_sub_epi32(ih, S);
-                il = _mm512_sub_epi32(il, S);
-                s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ih, 8), _mm512_slli_epi32(ih, 1)), il)), rl);
-            } else
-                s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
+            if (q8) { /* float(254 sum(w h) + sum(w l)), one rounding of the exact sum (r16w_sums) */
+                const __m512 I = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ih, S)), _mm512_set1_ps(XL_SCALE),
+                                                 _mm512_cvtepi32_ps(_mm512_sub_epi32(il, S)));
+                acc[i] = _mm512_fmadd_ps(I, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
+                continue;
+            }
+            const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
             acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
             if (!q8) acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
         }
