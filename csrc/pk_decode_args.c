@@ -87,7 +87,7 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
     if (orp == Py_None) return 0;
     const int64_t nrp = r16_bytes((int)kind, m, k);
-    if (nrp < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0, rows by 16"); return -1; }
+    if (nrp < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8, rows by 16"); return -1; }
     return (M->rp = hold(H, orp, 0, nrp, "rp")) ? 0 : -1;
 }
 

@@ -137,23 +137,25 @@ static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, f
     gemm_pack_any(src, lds, rows, kc, P, 4);
 }
 
-/* row r of a GGUF Q4_0/Q4_1 matrix repacked by 16 (csrc/pk_r16.h) as its stored blocks again,
+/* row r of a Q4_0/Q4_1/Q8_0/int8 matrix repacked by 16 (csrc/pk_r16.h) as its stored rows again,
  * then dq_row: a prompt's GEMM reads the copy, so the stored rows, released after the repack,
  * stay out of memory (a 1B Q4_0 model resident 1.33 GB with both, 0.74 with one) */
 static void dq_row_r16(int kind, const dq_args *D, int64_t r, float *dst) {
-    const int64_t nb = D->k / 32, bb = kind == K_Q4_0 ? 18 : (kind == K_Q4_1 ? 20 : 34), l = r % 16;
-    const int64_t rec = r16_rec(kind), nq = kind == K_Q8_0 ? 8 : 4; /* code quads a row holds */
+    const int i8 = kind == K_I8; /* int8 rows: the codes alone, the scale per row (aux) */
+    const int64_t nb = D->k / 32, bb = kind == K_Q4_0 ? 18 : kind == K_Q4_1 ? 20 : i8 ? 32 : 34, l = r % 16;
+    const int64_t rec = r16_rec(kind), nq = kind == K_Q8_0 || i8 ? 8 : 4, co = r16_codes_at(kind); /* code quads a row holds */
     const uint8_t *g = D->rp + (r / 16) * nb * rec;
     uint8_t row[nb * bb];
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = g + b * rec;
         uint8_t *o = row + b * bb;
-        memcpy(o, p + 2 * l, 2);
+        if (!i8) memcpy(o, p + 2 * l, 2);
         if (kind == K_Q4_1) memcpy(o + 2, p + 32 + 2 * l, 2);
-        for (int q = 0; q < nq; q++) memcpy(o + bb - 4 * nq + 4 * q, p + 64 + 64 * q + 4 * l, 4);
+        for (int q = 0; q < nq; q++) memcpy(o + bb - 4 * nq + 4 * q, p + co + 64 * q + 4 * l, 4);
     }
     dq_args T = *D;
     T.w = row; T.rb = nb * bb; T.rp = NULL;
+    if (i8) T.aux = D->aux + r;
     dq_row(kind, &T, 0, dst);
 }
 
@@ -228,6 +230,7 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
     if (q8 && D->rp && n >= R16P_MIN && r16p_kind(kind)) { /* 8-lane prompts: the repacked rows (pk_r16_avx2.h), as matmul */
         mm_args A = {0};
         A.x = x; A.out = out; A.n = n; A.k = D->k; A.m = m; A.ldo = m; A.nb = D->k / 32;
+        A.aux = D->aux; /* int8 rows: the row scales */
         return run(kind, &A, nt, 1, D->rp);
     }
     if (!(q8 == 2 && k8_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) /* K8I_MAX 0: no SIMD */
@@ -271,7 +274,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
     PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/pk_r16.h) */
     if (orp != Py_None && r16_bytes((int)kind, m, k) < 0) {
-        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0 rows by 16");
+        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16");
         return NULL;
     }
     PyObject *ret = NULL;

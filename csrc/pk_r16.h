@@ -15,11 +15,15 @@
 
 #define R16_REC 320 /* bytes per 16 rows and 32-block of Q4_0/Q4_1: the stored size */
 #define R16_REC8 576 /* Q8_0: D[16] float16, S[16] int16 (each row's code sum), 8 x 64 code bytes */
-static inline int64_t r16_rec(int kind) { return kind == K_Q8_0 ? R16_REC8 : R16_REC; }
+#define R16_RECI 544 /* int8 rows (.entity q8): S[16], 8 x 64 code bytes; the scales are per row (aux) */
+static inline int64_t r16_rec(int kind) { return kind == K_Q8_0 ? R16_REC8 : kind == K_I8 ? R16_RECI : R16_REC; }
+/* where a record's code vectors and S start */
+static inline int64_t r16_codes_at(int kind) { return kind == K_I8 ? 32 : 64; }
+static inline int64_t r16_sums_at(int kind) { return kind == K_I8 ? 0 : 32; }
 /* the bytes of an [m, k] matrix repacked by 16, or -1 when its kind or shape is not repacked
  * (the `rp` arguments of decode and gemm) */
 static inline int64_t r16_bytes(int kind, int64_t m, int64_t k) {
-    const int ok = (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0) && m % 16 == 0 && k % 32 == 0;
+    const int ok = (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0 || kind == K_I8) && m % 16 == 0 && k % 32 == 0;
     return ok ? m / 16 * (k / 32) * r16_rec(kind) : -1;
 }
 #define R16P_MIN 4 /* inputs from which the 8-lane r16_range takes r16p_range (pk_r16_avx2.h) */
@@ -71,11 +75,12 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form) {
 /* rows [16 g, 16 g + 16) x the nn (<= 8) inputs of X (r16_inputs) into out rows c..; lanes
  * outside `keep` not stored. Q4: codes (u8) times x's codes (s8), + M * sum(x) per block; Q8_0:
  * x's codes as unsigned bytes (c + 128, r16_inputs) times the signed codes, less 128 * the
- * row's code sum (S), so the int32 sums are the signed products. kind is a constant here. */
+ * row's code sum (S), so the int32 sums are the signed products; int8 rows (K_I8) as Q8_0 with
+ * D = 1, the row scales (aux) applied once at the end. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn) {
-    const int q8 = kind == K_Q8_0;
-    const int64_t rec = r16_rec(kind);
+    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8;
+    const int64_t rec = r16_rec(kind), co = r16_codes_at(kind);
     __m512 acc[8];
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512 rl = _mm512_set1_ps(1.0f / XL_SCALE);
@@ -86,14 +91,14 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
     for (int64_t b = 0; b < A->nb; b++, p += rec, X += 8 * 64, sc += 16) {
 #pragma GCC unroll 9
         for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + 2048 + l);
-        const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m256i second = _mm256_loadu_si256((const __m256i *)(p + 32)); /* M, or S */
+        const __m512 D = i8 ? _mm512_set1_ps(1.0f) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m256i second = _mm256_loadu_si256((const __m256i *)(p + r16_sums_at(kind))); /* M, or S */
         const __m512 M = _mm512_cvtph_ps(second);
         const __m512i S = _mm512_slli_epi32(_mm512_cvtepi16_epi32(second), 7);
         __m512i w[8];
         if (q8) {
 #pragma GCC unroll 8
-            for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512((const void *)(p + 64 + 64 * q));
+            for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512((const void *)(p + co + 64 * q));
         } else {
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++) { /* low nibbles: elements 4 q + i, high: 16 + 4 q + i */
@@ -123,8 +128,9 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
             if (!q8) acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
         }
     }
+    const __m512 rs = i8 ? _mm512_loadu_ps(A->aux + 16 * g) : _mm512_set1_ps(1.0f);
 #pragma GCC unroll 8
-    for (int i = 0; i < nn; i++) _mm512_mask_storeu_ps(A->out + (c + i) * A->ldo + 16 * g, keep, acc[i]);
+    for (int i = 0; i < nn; i++) _mm512_mask_storeu_ps(A->out + (c + i) * A->ldo + 16 * g, keep, i8 ? _mm512_mul_ps(acc[i], rs) : acc[i]);
 }
 
 /* rows [r0, r1) for A's n inputs, 8 at a time: the groups they touch; a group that straddles r0
@@ -144,11 +150,11 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
 static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     for (int64_t c = 0; c < A->n; c += 8) {
         const int nn = A->n - c < 8 ? (int)(A->n - c) : 8;
-        const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0 ? R16X_FLIP : R16X_COPY);
+        const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0 || kind == K_I8 ? R16X_FLIP : R16X_COPY);
         if (!X) return -1;
         for (int64_t g = r0 / 16; g * 16 < r1; g++) {
             const __mmask16 keep = (__mmask16)r16_keep(g, r0, r1);
-            if (kind == K_Q8_0) R16_CASES(K_Q8_0) else R16_CASES(K_Q4_1)
+            if (kind == K_Q8_0) R16_CASES(K_Q8_0) else if (kind == K_I8) R16_CASES(K_I8) else R16_CASES(K_Q4_1)
         }
     }
     return 0;
@@ -164,8 +170,8 @@ static inline int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64
 #ifndef PK_R16P /* 8-lane builds' r16_range takes prompts too (pk_r16_avx2.h); AVX-512 up to MAX_N */
 #define PK_R16P 0
 #endif
-/* the kinds whose prompts past MAX_N rows take the repacked rows: Q4_0/Q4_1/Q8_0 on 8-lane
- * builds (Q8_0 on int16 codes, r16w_sums) */
-static inline int r16p_kind(int kind) { return PK_R16P && (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0); }
+/* the kinds whose prompts past MAX_N rows take the repacked rows: all of them on 8-lane builds
+ * (Q8_0 and int8 on int16 codes, r16w_sums) */
+static inline int r16p_kind(int kind) { return PK_R16P && (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0 || kind == K_I8); }
 
 #endif /* PK_R16_H */

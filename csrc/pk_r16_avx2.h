@@ -43,18 +43,19 @@ static inline __attribute__((always_inline)) __m256 r16_dot8(const __m256i w[8],
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(1.0f / XL_SCALE), _mm256_cvtepi32_ps(ih));
 }
 
-/* Q8_0: the 8 rows' int32 sums of a block half (p: the record + 32 h) with nn inputs' int16
+/* Q8_0 and int8 rows: the 8 rows' int32 sums of a block half (c: its first code vector, the
+ * record + r16_codes_at + 32 h) with nn inputs' int16
  * codes (r16w_x; input i at x + 32 i: one pointer, constant offsets), as float(I) in row order
  * (the tile multiplies by D * (dx / 254)). Each code vector widened once for all inputs: rows 0-3 (a) and 4-7 (b), a row's 4 codes against the input's 4
  * int16 in vpmaddwd's two lanes (pairs <= 8.3e6, a lane's 8 vectors <= 6.7e7). */
-static inline __attribute__((always_inline)) void r16w_sums(const uint8_t *p, const int16_t *x, const int nn, __m256 s[4]) {
+static inline __attribute__((always_inline)) void r16w_sums(const uint8_t *c, const int16_t *x, const int nn, __m256 s[4]) {
     __m256i a[4], b[4];
 #pragma GCC unroll 4
     for (int i = 0; i < nn; i++) a[i] = b[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int q = 0; q < 8; q++) {
-        const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 64 + 64 * q)));
-        const __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 80 + 64 * q)));
+        const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 64 * q)));
+        const __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16 + 64 * q)));
 #pragma GCC unroll 4
         for (int i = 0; i < nn; i++) {
             int64_t c4;
@@ -83,7 +84,7 @@ static inline __m256i r16_mask8(unsigned keep, int h) {
  * it is at hand. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                             const int8_t *X, unsigned keep, const int nn) {
-    const int q8 = kind == K_Q8_0;
+    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8;
     const int64_t rec = r16_rec(kind);
     __m256 acc[2][3];
 #pragma GCC unroll 3
@@ -95,11 +96,11 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
         for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + R16_PF + l);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+            const __m256 D = i8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
             const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
             __m256 s[4];
             if (q8)
-                r16w_sums(p + 32 * h, (const int16_t *)X, nn, s);
+                r16w_sums(p + r16_codes_at(kind) + 32 * h, (const int16_t *)X, nn, s);
             else {
                 __m256i w[8];
                 r16_codes8(p + 32 * h, w);
@@ -114,9 +115,11 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
         }
     }
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < 2; h++) {
+        const __m256 rs = i8 ? _mm256_loadu_ps(A->aux + 16 * g + 8 * h) : _mm256_set1_ps(1.0f); /* int8: the row scales */
 #pragma GCC unroll 3
-        for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + i * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), acc[h][i]);
+        for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + i * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), i8 ? _mm256_mul_ps(acc[h][i], rs) : acc[h][i]);
+    }
 }
 
 static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1);
@@ -131,11 +134,11 @@ static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
     }
 static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     if (A->n >= R16P_MIN) return r16p_range(kind, A, rp, r0, r1);
-    const int8_t *X = r16_inputs(A, 0, (int)A->n, kind == K_Q8_0 ? R16X_WIDE : R16X_COPY);
+    const int8_t *X = r16_inputs(A, 0, (int)A->n, kind == K_Q8_0 || kind == K_I8 ? R16X_WIDE : R16X_COPY);
     if (!X) return -1;
     for (int64_t g = r0 / 16; g * 16 < r1; g++) {
         const unsigned keep = r16_keep(g, r0, r1);
-        if (kind == K_Q8_0) R16_CASES8(K_Q8_0) else R16_CASES8(K_Q4_1)
+        if (kind == K_Q8_0) R16_CASES8(K_Q8_0) else if (kind == K_I8) R16_CASES8(K_I8) else R16_CASES8(K_Q4_1)
     }
     return 0;
 }
@@ -148,7 +151,7 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
  * constant here; out rows t0.. (A->out, A->ldo), the rows of `keep` (8 bits). */
 static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g, int h, int64_t t0,
                                                             const int16_t *xw, unsigned keep, int first, const int nn) {
-    const int q8 = kind == K_Q8_0;
+    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8;
     const int64_t rec = r16_rec(kind);
     __m256 acc[4];
 #pragma GCC unroll 4
@@ -158,11 +161,11 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
         if (first) /* the group's first pass reads its records from memory */
 #pragma GCC unroll 9
             for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + R16_PF + l);
-        const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p - 16 * h)));
+        const __m256 D = i8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p - 16 * h)));
         const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 - 16 * h)));
         __m256 s[4];
         if (q8)
-            r16w_sums(p, xw + 128 * b, nn, s); /* r16p_range: [b][4][32] */
+            r16w_sums(p + r16_codes_at(kind), xw + 128 * b, nn, s); /* r16p_range: [b][4][32] */
         else {
             __m256i w[8];
             r16_codes8(p, w);
@@ -176,8 +179,10 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
             if (!q8) acc[i] = _mm256_fmadd_ps(M, _mm256_set1_ps(A->xs[xi]), acc[i]);
         }
     }
+    const __m256 rs = i8 ? _mm256_loadu_ps(A->aux + 16 * g + 8 * h) : _mm256_set1_ps(1.0f); /* int8: the row scales */
 #pragma GCC unroll 4
-    for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + (t0 + i) * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), acc[i]);
+    for (int i = 0; i < nn; i++)
+        _mm256_maskstore_ps(A->out + (t0 + i) * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), i8 ? _mm256_mul_ps(acc[i], rs) : acc[i]);
 }
 
 #define R16P_CASES(KIND)                                                                     \
@@ -195,7 +200,7 @@ static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
     int64_t blk = (((int64_t)1 << 20) / (A->nb * 64)) & ~(int64_t)3;
     if (blk < 16) blk = 16;
     int16_t *xw = NULL;
-    if (kind == K_Q8_0 && !(xw = (int16_t *)thread_buffer((size_t)((blk < A->n ? blk : A->n) + 3) * A->nb * 16))) return -1;
+    if ((kind == K_Q8_0 || kind == K_I8) && !(xw = (int16_t *)thread_buffer((size_t)((blk < A->n ? blk : A->n) + 3) * A->nb * 16))) return -1;
     for (int64_t t0 = 0; t0 < A->n; t0 += blk) {
         const int64_t t1 = A->n - t0 < blk ? A->n : t0 + blk;
         if (xw)
@@ -209,7 +214,7 @@ static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
                 for (int64_t t = t0; t < t1; t += 4) {
                     const int nn = t1 - t < 4 ? (int)(t1 - t) : 4;
                     const int16_t *xt = xw ? xw + (t - t0) * A->nb * 32 : NULL; /* (t - t0) / 4 tiles of nb x 128 */
-                    if (kind == K_Q8_0) R16P_CASES(K_Q8_0) else R16P_CASES(K_Q4_1)
+                    if (kind == K_Q8_0) R16P_CASES(K_Q8_0) else if (kind == K_I8) R16P_CASES(K_I8) else R16P_CASES(K_Q4_1)
                 }
             }
         }

@@ -103,7 +103,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     if (orp != Py_None && r16_bytes((int)kind, A.m, A.k) < 0) {
-        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0 rows by 16");
+        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16");
         return NULL;
     }
     Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};

@@ -1,4 +1,4 @@
-"""GGUF Q4_0/Q4_1 rows repacked by 16 (csrc/pk_r16.h): the layout against the stored blocks,
+"""GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows repacked by 16 (csrc/pk_r16.h): the layout against the stored blocks,
 the kernel against the float rows, and a sequence's logits the same decoded alone and batched.
 
 The repacked rows are the fused step's path on the SIMD builds (AVX-512 VNNI, and the 8-lane
@@ -100,7 +100,7 @@ def test_repacked_rows_stay_close_to_the_float_rows(scheme, float_path):
 
 
 @needs_r16
-@pytest.mark.parametrize("scheme", ["gguf_q4_1", "gguf_q8_0"])
+@pytest.mark.parametrize("scheme", ["gguf_q4_1", "gguf_q8_0", "int8"])
 def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
     """Bit for bit, in the default mode: one sequence's logits alone, and as row 0 of batches
     of 2, 5 and 9 rows (the server's promise: concurrent greedy output equals solo). The LM head
@@ -133,9 +133,10 @@ def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch, float_p
 
 
 @needs_r16
-def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit(float_path):
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "int8"])
+def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit(scheme, float_path):
     rng = np.random.default_rng(5)
-    qt = MAKERS["gguf_q4_0"](rng.standard_normal((48, 96)).astype(np.float32))
+    qt = MAKERS[scheme](rng.standard_normal((48, 96)).astype(np.float32))
     x = rng.standard_normal((20, 96)).astype(np.float32)  # 20 rows: the GEMM
     ref = np.empty((20, 48), np.float32)
     ckernels.kernel(qt, x, ref)  # the stored rows
@@ -165,6 +166,24 @@ def test_repacked_q8_0_record_holds_scales_code_sums_and_codes(monkeypatch):
     np.testing.assert_array_equal(got.reshape(32, 64), qt.dequantize())
 
 
+def test_repacked_int8_record_holds_code_sums_and_codes(monkeypatch):
+    """.entity q8 rows (int8 codes, a float32 scale per row): S[16] then the codes as Q8_0's
+    record lays them out; the row scales stay where they are (the tile applies them last)."""
+    rng = np.random.default_rng(7)
+    qt = MAKERS["int8"](rng.standard_normal((32, 64)).astype(np.float32))
+    kind, codes, scales = ckernels.operands(qt)
+    monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
+    rp = repack.repack16(kind, codes, 32, 64)
+    assert rp.shape == (2, 2, repack.R16_REC_I8)  # [groups, blocks, S + 8 x 64 codes]
+    s = rp[..., 0:32].copy().view(np.int16)  # [g, b, 16]
+    got = rp[..., 32:].copy().view(np.int8).reshape(2, 2, 8, 16, 4)  # [g, b, q, row, i]
+    got = got.transpose(0, 3, 1, 2, 4).reshape(32, 64)  # [row, element]
+    np.testing.assert_array_equal(got, codes)
+    sums = codes.reshape(2, 16, 2, 32).sum(axis=-1).transpose(0, 2, 1)  # [g, b, row]
+    np.testing.assert_array_equal(s, sums)
+    np.testing.assert_array_equal(got * scales[:, None], qt.dequantize())
+
+
 def _r16_builds() -> list[str]:
     """The instruction-set builds here that read the repacked rows (avx2, avx512)."""
     got = []
@@ -187,7 +206,7 @@ def _r16_matmul(qt, x, rp):
 
 
 @needs_r16
-@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0"])
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8"])
 def test_the_repacked_rows_give_the_same_bits_on_every_build(scheme):
     """The AVX2 tile (maddubs) and the AVX-512 VNNI tile (dpbusd) form the same int32 sums and
     the same float steps per lane: equal bits, for 1, 5 and 11 inputs (each row the same alone
@@ -273,7 +292,7 @@ def _on_grid(rng, n, k):
     return (c * 2.0**-5).astype(np.float32).reshape(n, k)
 
 
-@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0"])
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8"])
 def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa):
     """The repacked rows for 5 and 20 inputs (8-lane builds: the prompt tile r16p of
     csrc/pk_r16_avx2.h, for gemm and the Python rows alike): exact when x's codes are (a code
@@ -286,8 +305,8 @@ def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa)
     kind, raw, aux = ckernels.operands(qt)
     rp = repack.repack16(kind, raw, m, k)
     wf = qt.dequantize().astype(np.float64)
-    # past 16 rows the 8-lane Q4 kinds keep the tile; AVX-512 and Q8_0 take the float gemm
-    for n in (5, 20) if ckernels.info().get("r16p") and scheme != "gguf_q8_0" else (5,):
+    # past 16 rows 8-lane builds keep the tile (r16p); AVX-512 takes the float gemm
+    for n in (5, 20) if ckernels.info().get("r16p") else (5,):
         for x, tol in (
             (_on_grid(rng, n, k), 1e-6),
             (rng.standard_normal((n, k)).astype(np.float32), 2e-4),

@@ -1,4 +1,4 @@
-"""GGUF Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for the fused step's integer row kernels
+"""GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows regrouped 16 at a time for the fused step's integer row kernels
 (csrc/pk_r16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
 its row's lane and the block scale applies to 16 rows in one FMA. Made once per matrix when the
 fused plan is built (`fused._mat`, kept as the QTensor's `r16`); the stored rows' pages are then
@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from poly.runtime import ckernels
-from poly.runtime.ckernels import Q4_0, Q4_1, Q8_0
+from poly.runtime.ckernels import I8, Q4_0, Q4_1, Q8_0
 
 R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
+R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
 
 
 def release_mapped(arr: np.ndarray) -> None:
@@ -40,10 +41,14 @@ def repack16(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     (Q4_0: -8 D, exact) or for Q8_0 S[16] as int16 (each row's code sum), then the codes as
     64-byte vectors, byte 4 r + i of vector q = stored code byte 4 q + i of row r (4 vectors of
     Q4 bytes, 8 of Q8_0 codes). The stored rows' pages are then released (`release_mapped`):
-    read once here, they stay out of the resident set (a prompt's GEMM reads the copy)."""
-    ok = kind in (Q4_0, Q4_1, Q8_0) and not (m % 16 or k % 32)
+    read once here, they stay out of the resident set (a prompt's GEMM reads the copy). int8
+    rows with a scale per row (.entity q8, kind I8: `raw` the [m, k] codes): S[16] and the
+    codes alone (`_repack_i8`)."""
+    ok = kind in (Q4_0, Q4_1, Q8_0, I8) and not (m % 16 or k % 32)
     if not (ok and ckernels.AVAILABLE and ckernels.EXT.info().get("r16")):
         return None
+    if kind == I8:
+        return _repack_i8(raw, m, k)
     nb, g = k // 32, m // 16
     bb, nq = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}[kind]  # block bytes, code quads
     blocks = np.asarray(raw).reshape(m, nb, bb)  # the stored bytes [m, nb, block]
@@ -69,4 +74,18 @@ def repack16(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     codes = blocks[..., bb - 4 * nq :].reshape(g, 16, nb, nq, 4)  # [g, row, nb, q, i]
     out[..., 64:].reshape(g, nb, nq, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
     release_mapped(raw)
+    return out
+
+
+def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
+    """[m, k] int8 codes by 16 rows and 32-block: each row's code sum S[16] as int16 (the
+    unsigned-x correction), then 8 vectors of 64 bytes, byte 4 r + i of vector q = code
+    4 q + i of row r's block (Q8_0's record without its scales: those are per row)."""
+    g, nb = m // 16, k // 32
+    c = np.asarray(codes).reshape(g, 16, nb, 8, 4)  # [g, row, nb, q, i]
+    out = np.empty((g, nb, R16_REC_I8), dtype=np.uint8)
+    sums = c.reshape(g, 16, nb, 32).sum(axis=-1, dtype=np.int16)  # [g, row, nb]
+    out[..., 0:32].view(np.int16)[...] = sums.transpose(0, 2, 1)
+    out[..., 32:].reshape(g, nb, 8, 16, 4)[...] = c.transpose(0, 2, 3, 1, 4).view(np.uint8)
+    release_mapped(codes)
     return out
