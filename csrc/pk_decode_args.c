@@ -371,30 +371,3 @@ done_x:
     PyBuffer_Release(&bx);
     return ret;
 }
-
-
-/* silu_mul(gate_up, out): gate_up float32 [n, 2I] (gate | up per row) -> out [n, I] */
-static PyObject *pk_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "silu_mul(gate_up, out)"); return NULL; }
-    Py_buffer bg = {0}, bo = {0};
-    PyObject *ret = NULL;
-    if (PyObject_GetBuffer(args[0], &bg, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &bo, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_g;
-    const Py_ssize_t rows = bo.ndim == 2 ? bo.shape[0] : 0, I = bo.ndim == 2 ? bo.shape[1] : 0;
-    if (rows < 1 || I < 1 || bo.len != rows * I * 4 || bg.len != 2 * bo.len) {
-        PyErr_SetString(PyExc_ValueError, "silu_mul needs gate_up [n, 2I] and out [n, I] float32");
-        goto done_o;
-    }
-    const float *g = bg.buf;
-    float *o = bo.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < rows; r++) silu_mul(g + r * 2 * I, g + r * 2 * I + I, o + r * I, I);
-    Py_END_ALLOW_THREADS
-    ret = Py_NewRef(Py_None);
-done_o:
-    PyBuffer_Release(&bo);
-done_g:
-    PyBuffer_Release(&bg);
-    return ret;
-}

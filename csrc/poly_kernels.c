@@ -31,6 +31,41 @@ static void run_rows(range_fn f, const mm_args *A, int nt) {
 
 /* ---- Python glue -------------------------------------------------------------------------- */
 
+/* silu_mul(gate_up, out) with gate_up [n, 2I], or silu_mul(gate, out, up) with two [n, I]
+ * arrays (the GGUF models' separate projections, no concatenated copy): out = silu(gate) * up,
+ * rows split over the threads */
+static PyObject *pk_py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 && nargs != 3) { PyErr_SetString(PyExc_TypeError, "silu_mul(gate_up, out[, up])"); return NULL; }
+    Py_buffer bg = {0}, bo = {0}, bu = {0};
+    PyObject *ret = NULL;
+    if (PyObject_GetBuffer(args[0], &bg, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &bo, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_g;
+    if (nargs == 3 && PyObject_GetBuffer(args[2], &bu, PyBUF_C_CONTIGUOUS) < 0) goto done_o;
+    const Py_ssize_t rows = bo.ndim == 2 ? bo.shape[0] : 0, I = bo.ndim == 2 ? bo.shape[1] : 0;
+    const int two = nargs == 3; /* gate and up apart */
+    if (rows < 1 || I < 1 || bo.len != rows * I * 4 || bg.len != (two ? 1 : 2) * bo.len || (two && bu.len != bo.len)) {
+        PyErr_SetString(PyExc_ValueError, "silu_mul needs gate_up [n, 2I] (or gate, up [n, I]) and out [n, I] float32");
+        goto done_u;
+    }
+    const float *g = bg.buf, *u = two ? (const float *)bu.buf : g + I;
+    const int64_t gs = two ? I : 2 * I; /* row strides of gate and up */
+    float *o = bo.buf;
+    const int nt = rows * I < SERIAL_WORK ? 1 : pk_threads;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (Py_ssize_t r = 0; r < rows; r++) silu_mul(g + r * gs, u + r * gs, o + r * I, I);
+    Py_END_ALLOW_THREADS
+    ret = Py_NewRef(Py_None);
+done_u:
+    if (two) PyBuffer_Release(&bu);
+done_o:
+    PyBuffer_Release(&bo);
+done_g:
+    PyBuffer_Release(&bg);
+    return ret;
+}
+
 static int check_sizes(int kind, Py_buffer *bx, Py_buffer *bo, Py_buffer *bw, Py_buffer *ba, mm_args *A) {
     if (want_len(bx, A->n * A->k * 4, "x") || want_len(bo, A->n * A->m * 4, "out")) return -1;
     return check_matrix(kind, bw, ba, A);
@@ -222,7 +257,7 @@ static PyMethodDef methods[] = {
     {"softmax_causal", (PyCFunction)(void (*)(void))pk_py_softmax_causal, METH_FASTCALL, "prefill attention weights in place"},
     {"decode", (PyCFunction)(void (*)(void))pk_py_decode, METH_FASTCALL, "one decode step of a whole model (see csrc/pk_decode.c)"},
     {"rope", (PyCFunction)(void (*)(void))pk_py_rope, METH_FASTCALL, "rotate [n, heads, hd] in place (HF half split)"},
-    {"silu_mul", (PyCFunction)(void (*)(void))pk_py_silu_mul, METH_FASTCALL, "out = silu(gate) * up from [n, 2I]"},
+    {"silu_mul", (PyCFunction)(void (*)(void))pk_py_silu_mul, METH_FASTCALL, "out = silu(gate) * up from [n, 2I], or from gate and up"},
     {"set_threads", py_set_threads, METH_O, "threads for the parallel row loop"},
     {"info", py_info, METH_NOARGS, "build facts: simd, openmp, threads"},
     {NULL, NULL, 0, NULL},

@@ -20,11 +20,13 @@ def numpy_dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = No
     return np.matmul(x, w.T, out=out)
 
 
-def numpy_silu_mul(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]."""
+def numpy_silu_mul(
+    gate_up: np.ndarray, out: np.ndarray, up: np.ndarray | None = None
+) -> np.ndarray:
+    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:], or silu(gate_up) * up."""
     inter = out.shape[1]
     out[...] = silu(gate_up[:, :inter])
-    out *= gate_up[:, inter:]
+    out *= gate_up[:, inter:] if up is None else up
     return out
 
 
@@ -46,9 +48,12 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) ->
     return HOOKS["dense_matmul"](x, w, out)
 
 
-def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out [n, I] = silu(gate) * up for gate_up [n, 2I], by the backend in force."""
-    return HOOKS["silu_mul"](gate_up, out)
+def silu_mul(gate_up: np.ndarray, out: np.ndarray, up: np.ndarray | None = None) -> np.ndarray:
+    """out [n, I] = silu(gate) * up for gate_up [n, 2I] (or gate_up the gate and `up` apart,
+    both [n, I]), by the backend in force."""
+    if up is None:
+        return HOOKS["silu_mul"](gate_up, out)
+    return HOOKS["silu_mul"](gate_up, out, up)
 
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None, block_rows: int = 0) -> np.ndarray:

@@ -88,18 +88,28 @@ def _gate_up(p: Plan, x2: np.ndarray, inter: int, tile: int) -> np.ndarray:
     return gate_up
 
 
+def _gated(p: Plan, gate_up: np.ndarray, inter: int) -> np.ndarray:
+    """act(gate) * up from gate_up [n, 2I] -> [n, I]."""
+    if p.silu and gate_up.dtype == np.float32 and gate_up.flags.c_contiguous:
+        return silu_mul(gate_up, np.empty((gate_up.shape[0], inter), dtype=np.float32))
+    hidden = p.act(gate_up[:, :inter])
+    hidden *= gate_up[:, inter:]
+    return hidden
+
+
 def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
     squeeze = x.ndim == 1
     h, inter = layer.input_height, layer.output_height
     x2 = x.reshape(-1, h)  # [n, h]
     tile = layer.tile_size if layer.use_tiling and layer.tile_size > 0 else 0
     p = plan(layer)
-    gate_up = _gate_up(p, x2, inter, tile)
-    if p.silu and gate_up.dtype == np.float32 and gate_up.flags.c_contiguous:
-        hidden = silu_mul(gate_up, np.empty((x2.shape[0], inter), dtype=np.float32))  # [n, I]
+    if p.silu and p.w_gu is None and not tile and x2.dtype == np.float32:
+        # gate and up apart (GGUF): no [n, 2I] copy of both
+        gate = np.ascontiguousarray(linear(x2, p.comps["w_gate"], p.comps["b_gate"]), np.float32)
+        up = np.ascontiguousarray(linear(x2, p.comps["w_up"], p.comps["b_up"]), np.float32)
+        hidden = silu_mul(gate, np.empty((x2.shape[0], inter), dtype=np.float32), up)  # [n, I]
     else:
-        hidden = p.act(gate_up[:, :inter])
-        hidden *= gate_up[:, inter:]  # [n, I]
+        hidden = _gated(p, _gate_up(p, x2, inter, tile), inter)  # [n, I]
     out = linear(hidden, p.comps["w_down"], p.comps["b_down"], tile)  # [n, h]
     return out.reshape(-1) if squeeze else out
 

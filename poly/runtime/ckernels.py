@@ -207,9 +207,13 @@ def dequantize(
     return out
 
 
-def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:] in one vectorized pass."""
-    EXT.silu_mul(gate_up, out)
+def silu_mul(gate_up: np.ndarray, out: np.ndarray, up: np.ndarray | None = None) -> np.ndarray:
+    """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:] in one vectorized pass, or with `up`
+    silu(gate_up) * up (gate and up [n, I] apart); rows over the threads."""
+    if up is None:
+        EXT.silu_mul(gate_up, out)
+    else:
+        EXT.silu_mul(gate_up, out, up)
     return out
 
 
@@ -359,7 +363,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     if n >= GEMM_ROWS:
         EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _opts["q8"], rp)
     else:  # as the fused step's rows: the repacked rows on x's int8 codes unless q8 is off
-        EXT.matmul(kind, x2, dst, w, aux, n, k, m, _opts["q8"], rp)
+        EXT.matmul(kind, aligned(x2), dst, w, aux, n, k, m, _opts["q8"], rp)
     if dst is not res:
         res[...] = dst
 
