@@ -53,21 +53,23 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
                      int q8, int64_t n) {
     if (r0 >= r1) return;
     mm_args A = M->A;
-    const int loom = M->kind == K_LOOM_Q4;
     A.n = n; A.out = out; A.ldo = ldo;
-    A.x = loom ? P->xp : P->x; A.xs = P->xs;
-    A.xq = loom ? P->xqp : P->xq; A.dx = P->dx; A.xs16 = P->xs16;
+    A.x = P->x; A.xs = P->xs;
+    A.xq = P->xq; A.dx = P->dx; A.xs16 = P->xs16;
     A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
                              : (k8 && P->grp != 8) || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && P->grp == 1);
+    /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
+    const int r16 = PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
+    if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
 #if PK_SIMD
     if (k8 && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
     } else
 #endif
-    if (PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1)) {
-        /* done: repacked 4-bit rows on the int8 codes (csrc/pk_r16.h) */
+    if (r16) {
+        /* done */
     } else if (n >= P->gemm_from && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
         float *tmp = P->gbuf + pk_tid() * P->gstride;
         float *pk = (float *)(((uintptr_t)(tmp + GR * A.k) + 63) & ~(uintptr_t)63);

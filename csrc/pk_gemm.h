@@ -140,7 +140,9 @@ static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, f
 /* row r of a Q4_0/Q4_1/Q8_0/int8 matrix repacked by 16 (csrc/pk_r16.h) as its stored rows again,
  * then dq_row: a prompt's GEMM reads the copy, so the stored rows, released after the repack,
  * stay out of memory (a 1B Q4_0 model resident 1.33 GB with both, 0.74 with one) */
+static void dq_row_r16_loom(const dq_args *D, int64_t r, float *dst);
 static void dq_row_r16(int kind, const dq_args *D, int64_t r, float *dst) {
+    if (kind == K_LOOM_Q4) { dq_row_r16_loom(D, r, dst); return; }
     const int i8 = kind == K_I8; /* int8 rows: the codes alone, the scale per row (aux) */
     const int64_t nb = D->k / 32, bb = kind == K_Q4_0 ? 18 : kind == K_Q4_1 ? 20 : i8 ? 32 : 34, l = r % 16;
     const int64_t rec = r16_rec(kind), nq = kind == K_Q8_0 || i8 ? 8 : 4, co = r16_codes_at(kind); /* code quads a row holds */
@@ -157,6 +159,30 @@ static void dq_row_r16(int kind, const dq_args *D, int64_t r, float *dst) {
     T.w = row; T.rb = nb * bb; T.rp = NULL;
     if (i8) T.aux = D->aux + r;
     dq_row(kind, &T, 0, dst);
+}
+
+/* Loom Q4's row r from its repacked copy (float32 D, Q4_0's codes of code + 8) as Loom's
+ * stored blocks again (nibble ^ 8, element 2 j low, 2 j + 1 high), then dq_row */
+static void dq_row_r16_loom(const dq_args *D, int64_t r, float *dst) {
+    const int64_t nb = D->k / 32, l = r % 16;
+    const uint8_t *g = D->rp + (r / 16) * nb * R16_REC;
+    uint8_t row[nb * 16];
+    float sc[nb];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * R16_REC;
+        uint8_t u[32];
+        memcpy(sc + b, p + 4 * l, 4);
+        for (int q = 0; q < 4; q++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t c = p[64 + 64 * q + 4 * l + i]; /* elements 4 q + i (low), 16 + 4 q + i */
+                u[4 * q + i] = c & 15;
+                u[16 + 4 * q + i] = c >> 4;
+            }
+        for (int j = 0; j < 16; j++) row[b * 16 + j] = (uint8_t)((u[2 * j] ^ 8) | ((u[2 * j + 1] ^ 8) << 4));
+    }
+    dq_args T = *D;
+    T.w = row; T.aux = sc; T.rb = nb * 16; T.rp = NULL;
+    dq_row(K_LOOM_Q4, &T, 0, dst);
 }
 
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk

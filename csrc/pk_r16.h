@@ -23,7 +23,8 @@ static inline int64_t r16_sums_at(int kind) { return kind == K_I8 ? 0 : 32; }
 /* the bytes of an [m, k] matrix repacked by 16, or -1 when its kind or shape is not repacked
  * (the `rp` arguments of decode and gemm) */
 static inline int64_t r16_bytes(int kind, int64_t m, int64_t k) {
-    const int ok = (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0 || kind == K_I8) && m % 16 == 0 && k % 32 == 0;
+    const int ok = (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0 || kind == K_I8 || kind == K_LOOM_Q4) && m % 16 == 0 &&
+                   k % 32 == 0;
     return ok ? m / 16 * (k / 32) * r16_rec(kind) : -1;
 }
 #define R16P_MIN 4 /* inputs from which the 8-lane r16_range takes r16p_range (pk_r16_avx2.h) */
@@ -79,7 +80,7 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form) {
  * D = 1, the row scales (aux) applied once at the end. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8;
+    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, loom = kind == K_LOOM_Q4;
     const int64_t rec = r16_rec(kind), co = r16_codes_at(kind);
     __m512 acc[8];
     const __m512i m15 = _mm512_set1_epi8(15);
@@ -91,9 +92,11 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
     for (int64_t b = 0; b < A->nb; b++, p += rec, X += 8 * 64, sc += 16) {
 #pragma GCC unroll 9
         for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + 2048 + l);
-        const __m512 D = i8 ? _mm512_set1_ps(1.0f) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 D = i8     ? _mm512_set1_ps(1.0f)
+                         : loom ? _mm512_loadu_ps((const float *)p) /* Loom: float32 scales, M = -8 D */
+                                : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         const __m256i second = _mm256_loadu_si256((const __m256i *)(p + r16_sums_at(kind))); /* M, or S */
-        const __m512 M = _mm512_cvtph_ps(second);
+        const __m512 M = loom ? _mm512_mul_ps(D, _mm512_set1_ps(-8.0f)) : _mm512_cvtph_ps(second);
         const __m512i S = _mm512_slli_epi32(_mm512_cvtepi16_epi32(second), 7);
         __m512i w[8];
         if (q8) {
@@ -154,7 +157,10 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
         if (!X) return -1;
         for (int64_t g = r0 / 16; g * 16 < r1; g++) {
             const __mmask16 keep = (__mmask16)r16_keep(g, r0, r1);
-            if (kind == K_Q8_0) R16_CASES(K_Q8_0) else if (kind == K_I8) R16_CASES(K_I8) else R16_CASES(K_Q4_1)
+            if (kind == K_Q8_0) R16_CASES(K_Q8_0)
+            else if (kind == K_I8) R16_CASES(K_I8)
+            else if (kind == K_LOOM_Q4) R16_CASES(K_LOOM_Q4)
+            else R16_CASES(K_Q4_1)
         }
     }
     return 0;
@@ -172,6 +178,6 @@ static inline int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64
 #endif
 /* the kinds whose prompts past MAX_N rows take the repacked rows: all of them on 8-lane builds
  * (Q8_0 and int8 on int16 codes, r16w_sums) */
-static inline int r16p_kind(int kind) { return PK_R16P && (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0 || kind == K_I8); }
+static inline int r16p_kind(int kind) { return PK_R16P && r16_bytes(kind, 16, 32) > 0; }
 
 #endif /* PK_R16_H */

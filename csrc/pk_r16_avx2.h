@@ -73,6 +73,13 @@ static inline __attribute__((always_inline)) void r16w_sums(const uint8_t *c, co
     }
 }
 
+/* the block scales D of half h (rows 8 h ..) of record p: float16, float32 (Loom), 1 (int8) */
+static inline __attribute__((always_inline)) __m256 r16_scales8(int kind, const uint8_t *p, int h) {
+    if (kind == K_I8) return _mm256_set1_ps(1.0f);
+    if (kind == K_LOOM_Q4) return _mm256_loadu_ps((const float *)p + 8 * h);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+}
+
 /* the 8-bit lane mask of `keep`'s half h (rows 8 h .. 8 h + 7 of a group) for maskstore */
 static inline __m256i r16_mask8(unsigned keep, int h) {
     const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -84,7 +91,7 @@ static inline __m256i r16_mask8(unsigned keep, int h) {
  * it is at hand. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                             const int8_t *X, unsigned keep, const int nn) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8;
+    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, loom = kind == K_LOOM_Q4;
     const int64_t rec = r16_rec(kind);
     __m256 acc[2][3];
 #pragma GCC unroll 3
@@ -96,8 +103,8 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
         for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + R16_PF + l);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            const __m256 D = i8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
-            const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
+            const __m256 D = r16_scales8(kind, p, h);
+            const __m256 M = loom ? _mm256_mul_ps(D, _mm256_set1_ps(-8.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
             __m256 s[4];
             if (q8)
                 r16w_sums(p + r16_codes_at(kind) + 32 * h, (const int16_t *)X, nn, s);
@@ -138,7 +145,10 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
     if (!X) return -1;
     for (int64_t g = r0 / 16; g * 16 < r1; g++) {
         const unsigned keep = r16_keep(g, r0, r1);
-        if (kind == K_Q8_0) R16_CASES8(K_Q8_0) else if (kind == K_I8) R16_CASES8(K_I8) else R16_CASES8(K_Q4_1)
+        if (kind == K_Q8_0) R16_CASES8(K_Q8_0)
+        else if (kind == K_I8) R16_CASES8(K_I8)
+        else if (kind == K_LOOM_Q4) R16_CASES8(K_LOOM_Q4)
+        else R16_CASES8(K_Q4_1)
     }
     return 0;
 }
@@ -151,7 +161,7 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
  * constant here; out rows t0.. (A->out, A->ldo), the rows of `keep` (8 bits). */
 static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g, int h, int64_t t0,
                                                             const int16_t *xw, unsigned keep, int first, const int nn) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8;
+    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, loom = kind == K_LOOM_Q4;
     const int64_t rec = r16_rec(kind);
     __m256 acc[4];
 #pragma GCC unroll 4
@@ -161,8 +171,8 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
         if (first) /* the group's first pass reads its records from memory */
 #pragma GCC unroll 9
             for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + R16_PF + l);
-        const __m256 D = i8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p - 16 * h)));
-        const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 - 16 * h)));
+        const __m256 D = r16_scales8(kind, p - 32 * h, h);
+        const __m256 M = loom ? _mm256_mul_ps(D, _mm256_set1_ps(-8.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 - 16 * h)));
         __m256 s[4];
         if (q8)
             r16w_sums(p + r16_codes_at(kind), xw + 128 * b, nn, s); /* r16p_range: [b][4][32] */
@@ -214,7 +224,10 @@ static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
                 for (int64_t t = t0; t < t1; t += 4) {
                     const int nn = t1 - t < 4 ? (int)(t1 - t) : 4;
                     const int16_t *xt = xw ? xw + (t - t0) * A->nb * 32 : NULL; /* (t - t0) / 4 tiles of nb x 128 */
-                    if (kind == K_Q8_0) R16P_CASES(K_Q8_0) else if (kind == K_I8) R16P_CASES(K_I8) else R16P_CASES(K_Q4_1)
+                    if (kind == K_Q8_0) R16P_CASES(K_Q8_0)
+                    else if (kind == K_I8) R16P_CASES(K_I8)
+                    else if (kind == K_LOOM_Q4) R16P_CASES(K_LOOM_Q4)
+                    else R16P_CASES(K_Q4_1)
                 }
             }
         }

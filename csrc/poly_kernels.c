@@ -88,7 +88,7 @@ static int run(int kind, mm_args *A, int nt, int q8, const uint8_t *rp) {
             xs[i] = t;
         }
         A->xs = xs;
-        if (kind == K_LOOM_Q4) { loom_order(A->x, xp, nk); A->x = xp; }
+        if (kind == K_LOOM_Q4 && !rp) { loom_order(A->x, xp, nk); A->x = xp; } /* repacked: Q4_0's order */
         if (q8) {
             int8_t *xq = (int8_t *)(xp + nk);
             sums16(A->x, xs16, nbs);

@@ -100,7 +100,7 @@ def test_repacked_rows_stay_close_to_the_float_rows(scheme, float_path):
 
 
 @needs_r16
-@pytest.mark.parametrize("scheme", ["gguf_q4_1", "gguf_q8_0", "int8"])
+@pytest.mark.parametrize("scheme", ["gguf_q4_1", "gguf_q8_0", "int8", "loom_q4"])
 def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
     """Bit for bit, in the default mode: one sequence's logits alone, and as row 0 of batches
     of 2, 5 and 9 rows (the server's promise: concurrent greedy output equals solo). The LM head
@@ -133,15 +133,15 @@ def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch, float_p
 
 
 @needs_r16
-@pytest.mark.parametrize("scheme", ["gguf_q4_0", "int8"])
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "int8", "loom_q4"])
 def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit(scheme, float_path):
     rng = np.random.default_rng(5)
     qt = MAKERS[scheme](rng.standard_normal((48, 96)).astype(np.float32))
     x = rng.standard_normal((20, 96)).astype(np.float32)  # 20 rows: the GEMM
     ref = np.empty((20, 48), np.float32)
     ckernels.kernel(qt, x, ref)  # the stored rows
-    kind, raw, _ = ckernels.operands(qt)
-    qt.r16 = repack.repack16(kind, raw, 48, 96)
+    kind, raw, aux = ckernels.operands(qt)
+    qt.r16 = repack.repack16(kind, raw, 48, 96, aux)
     got = np.empty_like(ref)
     ckernels.kernel(qt, x, got)
     np.testing.assert_array_equal(got, ref)
@@ -206,15 +206,15 @@ def _r16_matmul(qt, x, rp):
 
 
 @needs_r16
-@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8"])
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8", "loom_q4"])
 def test_the_repacked_rows_give_the_same_bits_on_every_build(scheme):
     """The AVX2 tile (maddubs) and the AVX-512 VNNI tile (dpbusd) form the same int32 sums and
     the same float steps per lane: equal bits, for 1, 5 and 11 inputs (each row the same alone
     and in company), and within the int8 codes' error of the float product."""
     rng = np.random.default_rng(8)
     qt = MAKERS[scheme](rng.standard_normal((80, 256)).astype(np.float32))
-    kind, raw, _ = ckernels.operands(qt)
-    rp = repack.repack16(kind, raw, 80, 256)
+    kind, raw, aux = ckernels.operands(qt)
+    rp = repack.repack16(kind, raw, 80, 256, aux)
     x = ckernels.aligned(rng.standard_normal((11, 256)).astype(np.float32))
     ref = x @ qt.dequantize().T
     builds = _r16_builds()
@@ -292,7 +292,7 @@ def _on_grid(rng, n, k):
     return (c * 2.0**-5).astype(np.float32).reshape(n, k)
 
 
-@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8"])
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8", "loom_q4"])
 def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa):
     """The repacked rows for 5 and 20 inputs (8-lane builds: the prompt tile r16p of
     csrc/pk_r16_avx2.h, for gemm and the Python rows alike): exact when x's codes are (a code
@@ -303,7 +303,7 @@ def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa)
     m, k = 80, 256
     qt = MAKERS[scheme](rng.standard_normal((m, k)).astype(np.float32))
     kind, raw, aux = ckernels.operands(qt)
-    rp = repack.repack16(kind, raw, m, k)
+    rp = repack.repack16(kind, raw, m, k, aux)
     wf = qt.dequantize().astype(np.float64)
     # past 16 rows 8-lane builds keep the tile (r16p); AVX-512 takes the float gemm
     for n in (5, 20) if ckernels.info().get("r16p") else (5,):
@@ -349,14 +349,16 @@ def test_a_fused_prompt_stays_within_its_codes_error(each_isa):
     assert 0 < err <= 2e-4
 
 
-def test_loom_q4_rows_take_x_codes_where_rows_are_independent(each_isa):
-    """8-lane builds, auto mode: Loom Q4 decode rows on x's two int8 codes (within 2e-4 of the
-    float rows, not equal), a sequence's logits the same alone and batched; a prompt alone keeps
-    the float path, so the scheduler does not mix prompts with decode rows there."""
-    if not ckernels.info().get("loom8"):
-        pytest.skip("Loom Q4 takes the float rows on this build")
+@needs_r16
+def test_loom_q4_rows_are_repacked_and_take_x_codes(each_isa):
+    """.entity q4 (Loom Q4) matrices are repacked like Q4_0 (float32 scales): decode and prompt
+    rows on x's two int8 codes (within 2e-4 of the float rows, not equal), a sequence's logits
+    the same alone and batched, and a prompt's rows alike alone and in company."""
+    if not ckernels.info().get("r16"):
+        pytest.skip("no repacked rows in this build")
     tf = _model("loom_q4")  # a quantized head too: a float32 one differs alone in the last bits
     tf.lm_head = MAKERS["gguf_q8_0"](np.ascontiguousarray(tf.lm_head, dtype=np.float32))
+    assert len(fused.plan(tf).layers[0][10]) == 7, "the O projection was not repacked"
     prompts, steps = [[1, 2, 3], [4, 5]], [[20, 21], [30, 31]]
     got = _decode(tf, prompts, steps)
     ref = _float_rows(_decode, tf, prompts, steps)
@@ -366,4 +368,20 @@ def test_loom_q4_rows_take_x_codes_where_rows_are_independent(each_isa):
     alone = _decode(tf, [prompts[0]], [steps[0]])
     for a, g in zip(alone, got):
         np.testing.assert_array_equal(g[0], a[0])
-    assert not fused.rows_alike(tf)
+    assert fused.rows_alike(tf)
+
+
+def test_repacked_loom_record_holds_float32_scales_and_q4_0_codes(monkeypatch):
+    rng = np.random.default_rng(3)
+    qt = MAKERS["loom_q4"](rng.standard_normal((32, 64)).astype(np.float32))
+    kind, packed, scales = ckernels.operands(qt)
+    monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
+    rp = repack.repack16(kind, packed, 32, 64, scales)
+    assert rp.shape == (2, 2, repack.R16_REC)
+    d = rp[..., 0:64].copy().view(np.float32)  # [g, b, 16]
+    v = rp[..., 64:].reshape(2, 2, 4, 16, 4)  # [g, b, q, row, i]
+    lo, hi = v & 15, v >> 4  # elements 4 q + i and 16 + 4 q + i, as code + 8
+    codes = np.concatenate([lo.transpose(0, 3, 1, 2, 4), hi.transpose(0, 3, 1, 2, 4)], axis=3)
+    codes = codes.reshape(2, 16, 2, 32).astype(np.float32) - 8.0  # [g, row, b, element]
+    got = codes * d.transpose(0, 2, 1)[..., None]
+    np.testing.assert_array_equal(got.reshape(32, 64), qt.dequantize())

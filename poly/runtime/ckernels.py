@@ -356,7 +356,9 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
         return
     kind, w, aux = ops
     m, k = qt.shape[0], qt.shape[1]
-    x2 = np.ascontiguousarray(x2, dtype=np.float32)  # gemm: x's alignment does not matter (measured)
+    x2 = np.ascontiguousarray(
+        x2, dtype=np.float32
+    )  # gemm: x's alignment does not matter (measured)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
     rp = getattr(qt, "r16", None)  # the copy repacked by 16 (fused._mat), read instead of w

@@ -43,7 +43,7 @@ def _mat(w, bias=None) -> tuple | None:
     m, k = int(w.shape[0]), int(w.shape[1])
     rp = getattr(w, "r16", None)  # 4-bit rows by 16 (csrc/pk_r16.h): made once per matrix
     if rp is None and not hasattr(w, "r16"):
-        rp = w.r16 = repack.repack16(kind, data, m, k)  # the prompt GEMM reads it too
+        rp = w.r16 = repack.repack16(kind, data, m, k, aux)  # the prompt GEMM reads it too
     return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
 
 
@@ -146,10 +146,12 @@ class Plan:
 
 
 def _kinds(args):
-    """The C kinds of every matrix record (_mat's 6-tuples) inside the nested argument tuples."""
+    """The C kinds of every matrix record not repacked by 16 (_mat's 6-tuples; a repacked
+    one's rows are alike on every path, csrc/pk_r16.h) inside the nested argument tuples."""
     if isinstance(args, tuple):
         if len(args) in (6, 7) and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
-            yield args[0]
+            if len(args) == 6:
+                yield args[0]
         else:
             for a in args:
                 yield from _kinds(a)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from poly.runtime import ckernels
-from poly.runtime.ckernels import I8, Q4_0, Q4_1, Q8_0
+from poly.runtime.ckernels import I8, LOOM_Q4, Q4_0, Q4_1, Q8_0
 
 R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
 R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
@@ -34,7 +34,9 @@ def release_mapped(arr: np.ndarray) -> None:
         b.madvise(mmap.MADV_DONTNEED, p0, p1 - p0)
 
 
-def repack16(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+def repack16(
+    kind: int, raw: np.ndarray, m: int, k: int, aux: np.ndarray | None = None
+) -> np.ndarray | None:
     """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/pk_r16.h (the fused step's decode
     and prompt rows on int8 codes of x, every SIMD build), or None where this build or
     shape does not take them. Per 16 rows and 32-block: D[16] as float16, then M[16] as float16
@@ -43,12 +45,15 @@ def repack16(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     Q4 bytes, 8 of Q8_0 codes). The stored rows' pages are then released (`release_mapped`):
     read once here, they stay out of the resident set (a prompt's GEMM reads the copy). int8
     rows with a scale per row (.entity q8, kind I8: `raw` the [m, k] codes): S[16] and the
-    codes alone (`_repack_i8`)."""
-    ok = kind in (Q4_0, Q4_1, Q8_0, I8) and not (m % 16 or k % 32)
+    codes alone (`_repack_i8`). Loom Q4 (.entity q4, `aux` its float32 block scales): D[16] as
+    float32 and the codes as Q4_0's (`_repack_loom`)."""
+    ok = kind in (Q4_0, Q4_1, Q8_0, I8, LOOM_Q4) and not (m % 16 or k % 32)
     if not (ok and ckernels.AVAILABLE and ckernels.EXT.info().get("r16")):
         return None
     if kind == I8:
         return _repack_i8(raw, m, k)
+    if kind == LOOM_Q4:
+        return None if aux is None else _repack_loom(raw, aux, m, k)
     nb, g = k // 32, m // 16
     bb, nq = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}[kind]  # block bytes, code quads
     blocks = np.asarray(raw).reshape(m, nb, bb)  # the stored bytes [m, nb, block]
@@ -88,4 +93,24 @@ def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
     out[..., 0:32].view(np.int16)[...] = sums.transpose(0, 2, 1)
     out[..., 32:].reshape(g, nb, 8, 16, 4)[...] = c.transpose(0, 2, 3, 1, 4).view(np.uint8)
     release_mapped(codes)
+    return out
+
+
+def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.ndarray:
+    """Loom Q4 blocks (low nibble element 2 j, high 2 j + 1, 4-bit two's complement codes, a
+    float32 scale per block) by 16 rows: D[16] as float32 (64 bytes), then Q4_0's code vectors
+    of code + 8 (element j low, j + 16 high), so the tiles take Q4_0's path with M = -8 D."""
+    g, nb = m // 16, k // 32
+    p = np.asarray(packed).reshape(m, nb, 16)
+    u = np.empty((m, nb, 32), dtype=np.uint8)  # code + 8 per element
+    u[..., 0::2] = p & 15
+    u[..., 1::2] = p >> 4
+    u ^= 8
+    q = u[..., :16] | (u[..., 16:] << 4)  # [m, nb, 16] as Q4_0 stores them
+    out = np.empty((g, nb, R16_REC), dtype=np.uint8)
+    d = np.asarray(scales, dtype=np.float32).reshape(g, 16, nb).transpose(0, 2, 1)  # [g, nb, 16]
+    out[..., 0:64].view(np.float32)[...] = d
+    codes = q.reshape(g, 16, nb, 4, 4)  # [g, row, nb, q, i]
+    out[..., 64:].reshape(g, nb, 4, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
+    release_mapped(packed)
     return out
