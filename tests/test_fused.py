@@ -321,11 +321,9 @@ def test_silu_mul_matches_numpy_silu():
     np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-6, atol=1e-30)
     with pytest.raises(ValueError):
         ckernels.EXT.silu_mul(gu[:, :80].copy(), out)  # not [n, 2I]
-    # gate and up apart (the GGUF models' projections): the same numbers, many rows threaded
-    big = (rng.standard_normal((300, 2 * 301)) * 4).astype(np.float32)
-    one, two = np.empty((300, 301), np.float32), np.empty((300, 301), np.float32)
-    ckernels.EXT.silu_mul(big, one)
-    ckernels.EXT.silu_mul(big[:, :301].copy(), two, big[:, 301:].copy())
+    big = (rng.standard_normal((300, 2 * 301)) * 4).astype(np.float32)  # many rows: threads
+    one = ckernels.silu_mul(big, np.empty((300, 301), np.float32))
+    two = ckernels.silu_mul(big[:, :301].copy(), np.empty_like(one), big[:, 301:].copy())  # apart
     np.testing.assert_array_equal(two, one)
     with pytest.raises(ValueError):
         ckernels.EXT.silu_mul(big[:, :301].copy(), two, big[:5, 301:].copy())  # up not [n, I]
