@@ -161,28 +161,33 @@ static void dq_row_r16(int kind, const dq_args *D, int64_t r, float *dst) {
     dq_row(kind, &T, 0, dst);
 }
 
-/* Loom Q4's row r from its repacked copy (float32 D, Q4_0's codes of code + 8) as Loom's
- * stored blocks again (nibble ^ 8, element 2 j low, 2 j + 1 high), then dq_row */
+/* Loom Q4's row r from its repacked copy (float32 D, Q4_0's nibbles of code + 8): (u - 8) * D,
+ * the stored rows' dq_row values bit for bit (code * D, one rounding either way) */
 static void dq_row_r16_loom(const dq_args *D, int64_t r, float *dst) {
     const int64_t nb = D->k / 32, l = r % 16;
     const uint8_t *g = D->rp + (r / 16) * nb * R16_REC;
-    uint8_t row[nb * 16];
-    float sc[nb];
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < nb; b++, dst += 32) {
         const uint8_t *p = g + b * R16_REC;
-        uint8_t u[32];
-        memcpy(sc + b, p + 4 * l, 4);
-        for (int q = 0; q < 4; q++)
-            for (int i = 0; i < 4; i++) {
-                const uint8_t c = p[64 + 64 * q + 4 * l + i]; /* elements 4 q + i (low), 16 + 4 q + i */
-                u[4 * q + i] = c & 15;
-                u[16 + 4 * q + i] = c >> 4;
-            }
-        for (int j = 0; j < 16; j++) row[b * 16 + j] = (uint8_t)((u[2 * j] ^ 8) | ((u[2 * j + 1] ^ 8) << 4));
+        uint8_t q[16]; /* as Q4_0 stores them: element j low, j + 16 high */
+        float d;
+        memcpy(&d, p + 4 * l, 4);
+        for (int v = 0; v < 4; v++) memcpy(q + 4 * v, p + 64 + 64 * v + 4 * l, 4);
+#if PK_SIMD
+        const __m128i c = _mm_loadu_si128((const __m128i *)q), m15 = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(c, m15), hi = _mm_and_si128(_mm_srli_epi16(c, 4), m15);
+        const __m256i e8 = _mm256_set1_epi32(8);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int t = 0; t < 4; t++) {
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[t]), e8));
+            _mm256_storeu_ps(dst + 8 * t, _mm256_mul_ps(v, _mm256_set1_ps(d)));
+        }
+#else
+        for (int j = 0; j < 16; j++) {
+            dst[j] = (float)((q[j] & 15) - 8) * d;
+            dst[16 + j] = (float)((q[j] >> 4) - 8) * d;
+        }
+#endif
     }
-    dq_args T = *D;
-    T.w = row; T.aux = sc; T.rb = nb * 16; T.rp = NULL;
-    dq_row(K_LOOM_Q4, &T, 0, dst);
 }
 
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk

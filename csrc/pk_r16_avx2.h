@@ -44,10 +44,10 @@ static inline __attribute__((always_inline)) __m256 r16_dot8(const __m256i w[8],
 }
 
 /* Q8_0 and int8 rows: the 8 rows' int32 sums of a block half (c: its first code vector, the
- * record + r16_codes_at + 32 h) with nn inputs' int16
- * codes (r16w_x; input i at x + 32 i: one pointer, constant offsets), as float(I) in row order
- * (the tile multiplies by D * (dx / 254)). Each code vector widened once for all inputs: rows 0-3 (a) and 4-7 (b), a row's 4 codes against the input's 4
- * int16 in vpmaddwd's two lanes (pairs <= 8.3e6, a lane's 8 vectors <= 6.7e7). */
+ * record + r16_codes_at + 32 h) with nn inputs' int16 codes (r16w_x; input i at x + 32 i: one
+ * pointer, constant offsets), as float(I) in row order (the tile multiplies by D * (dx / 254)).
+ * Each code vector is widened once for all inputs: rows 0-3 (a) and 4-7 (b), a row's 4 codes
+ * against the input's 4 int16 in vpmaddwd's two lanes (pairs <= 8.3e6, a lane's 8 <= 6.7e7). */
 static inline __attribute__((always_inline)) void r16w_sums(const uint8_t *c, const int16_t *x, const int nn, __m256 s[4]) {
     __m256i a[4], b[4];
 #pragma GCC unroll 4
