@@ -161,7 +161,7 @@ def rows_alike(model) -> bool:
     """Whether a row's results in a fused call of at most MAX_N rows are the same whatever the
     other rows (prompt rows beside decode rows): false without the fused step, and in the q8
     "auto" mode for K-quant matrices, whose one-prompt rows take the int8 panels (on 8-lane
-    builds Loom Q4 too: ckernels.prompt_kinds)."""
+    builds Loom Q4 matrices not repacked by 16 too: ckernels.prompt_kinds)."""
     p = plan(model)
     if p is None:
         return False
