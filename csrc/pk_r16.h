@@ -20,6 +20,12 @@ static inline int64_t r16_rec(int kind) { return kind == K_Q8_0 ? R16_REC8 : kin
 /* where a record's code vectors and S start */
 static inline int64_t r16_codes_at(int kind) { return kind == K_I8 ? 32 : 64; }
 static inline int64_t r16_sums_at(int kind) { return kind == K_I8 ? 0 : 32; }
+/* CASES(K) with the tiles' kind a constant: Q4_0 takes Q4_1's (its M in the record) */
+#define R16_KIND_SWITCH(kind, CASES)                                                         \
+    if ((kind) == K_Q8_0) CASES(K_Q8_0)                                                      \
+    else if ((kind) == K_I8) CASES(K_I8)                                                     \
+    else if ((kind) == K_LOOM_Q4) CASES(K_LOOM_Q4)                                           \
+    else CASES(K_Q4_1)
 /* the bytes of an [m, k] matrix repacked by 16, or -1 when its kind or shape is not repacked
  * (the `rp` arguments of decode and gemm) */
 static inline int64_t r16_bytes(int kind, int64_t m, int64_t k) {
@@ -128,7 +134,7 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
             }
             const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
             acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
-            if (!q8) acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
+            acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
         }
     }
     const __m512 rs = i8 ? _mm512_loadu_ps(A->aux + 16 * g) : _mm512_set1_ps(1.0f);
@@ -157,10 +163,7 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
         if (!X) return -1;
         for (int64_t g = r0 / 16; g * 16 < r1; g++) {
             const __mmask16 keep = (__mmask16)r16_keep(g, r0, r1);
-            if (kind == K_Q8_0) R16_CASES(K_Q8_0)
-            else if (kind == K_I8) R16_CASES(K_I8)
-            else if (kind == K_LOOM_Q4) R16_CASES(K_LOOM_Q4)
-            else R16_CASES(K_Q4_1)
+            R16_KIND_SWITCH(kind, R16_CASES)
         }
     }
     return 0;

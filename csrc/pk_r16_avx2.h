@@ -86,12 +86,26 @@ static inline __m256i r16_mask8(unsigned keep, int h) {
     return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(keep >> (8 * h))), bits), bits);
 }
 
+/* the block offsets M of half h of record p (Q4 kinds): float16, or -8 D (Loom, D float32) */
+static inline __attribute__((always_inline)) __m256 r16_mins8(int kind, const uint8_t *p, int h, __m256 D) {
+    if (kind == K_LOOM_Q4) return _mm256_mul_ps(D, _mm256_set1_ps(-8.0f));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
+}
+
+/* out's 8 rows of `keep`'s half h from acc: int8 rows times their scales (aux, rows 16 g + 8 h ..) */
+static inline __attribute__((always_inline)) void r16_store8(int kind, const mm_args *A, float *out, int64_t g, unsigned keep,
+                                                             int h, __m256 acc) {
+    if (kind == K_I8) acc = _mm256_mul_ps(acc, _mm256_loadu_ps(A->aux + 16 * g + 8 * h));
+    _mm256_maskstore_ps(out + 16 * g + 8 * h, r16_mask8(keep, h), acc);
+}
+
+
 /* rows [16 g, 16 g + 16) x the nn (<= 3) inputs of X (r16_inputs) into out rows 0..; the rows
  * of `keep` stored. Both halves of a block in turn: each code vector is a cache line, read while
  * it is at hand. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                             const int8_t *X, unsigned keep, const int nn) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, loom = kind == K_LOOM_Q4;
+    const int q8 = kind == K_Q8_0 || kind == K_I8;
     const int64_t rec = r16_rec(kind);
     __m256 acc[2][3];
 #pragma GCC unroll 3
@@ -104,7 +118,7 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256 D = r16_scales8(kind, p, h);
-            const __m256 M = loom ? _mm256_mul_ps(D, _mm256_set1_ps(-8.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
+            const __m256 M = r16_mins8(kind, p, h, D);
             __m256 s[4];
             if (q8)
                 r16w_sums(p + r16_codes_at(kind) + 32 * h, (const int16_t *)X, nn, s);
@@ -122,11 +136,9 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
         }
     }
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const __m256 rs = i8 ? _mm256_loadu_ps(A->aux + 16 * g + 8 * h) : _mm256_set1_ps(1.0f); /* int8: the row scales */
+    for (int h = 0; h < 2; h++)
 #pragma GCC unroll 3
-        for (int i = 0; i < nn; i++) _mm256_maskstore_ps(A->out + i * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), i8 ? _mm256_mul_ps(acc[h][i], rs) : acc[h][i]);
-    }
+        for (int i = 0; i < nn; i++) r16_store8(kind, A, A->out + i * A->ldo, g, keep, h, acc[h][i]);
 }
 
 static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1);
@@ -145,10 +157,7 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
     if (!X) return -1;
     for (int64_t g = r0 / 16; g * 16 < r1; g++) {
         const unsigned keep = r16_keep(g, r0, r1);
-        if (kind == K_Q8_0) R16_CASES8(K_Q8_0)
-        else if (kind == K_I8) R16_CASES8(K_I8)
-        else if (kind == K_LOOM_Q4) R16_CASES8(K_LOOM_Q4)
-        else R16_CASES8(K_Q4_1)
+        R16_KIND_SWITCH(kind, R16_CASES8)
     }
     return 0;
 }
@@ -161,7 +170,7 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
  * constant here; out rows t0.. (A->out, A->ldo), the rows of `keep` (8 bits). */
 static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g, int h, int64_t t0,
                                                             const int16_t *xw, unsigned keep, int first, const int nn) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, loom = kind == K_LOOM_Q4;
+    const int q8 = kind == K_Q8_0 || kind == K_I8;
     const int64_t rec = r16_rec(kind);
     __m256 acc[4];
 #pragma GCC unroll 4
@@ -172,7 +181,7 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
 #pragma GCC unroll 9
             for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + R16_PF + l);
         const __m256 D = r16_scales8(kind, p - 32 * h, h);
-        const __m256 M = loom ? _mm256_mul_ps(D, _mm256_set1_ps(-8.0f)) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 - 16 * h)));
+        const __m256 M = r16_mins8(kind, p - 32 * h, h, D);
         __m256 s[4];
         if (q8)
             r16w_sums(p + r16_codes_at(kind), xw + 128 * b, nn, s); /* r16p_range: [b][4][32] */
@@ -189,10 +198,8 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
             if (!q8) acc[i] = _mm256_fmadd_ps(M, _mm256_set1_ps(A->xs[xi]), acc[i]);
         }
     }
-    const __m256 rs = i8 ? _mm256_loadu_ps(A->aux + 16 * g + 8 * h) : _mm256_set1_ps(1.0f); /* int8: the row scales */
 #pragma GCC unroll 4
-    for (int i = 0; i < nn; i++)
-        _mm256_maskstore_ps(A->out + (t0 + i) * A->ldo + 16 * g + 8 * h, r16_mask8(keep, h), i8 ? _mm256_mul_ps(acc[i], rs) : acc[i]);
+    for (int i = 0; i < nn; i++) r16_store8(kind, A, A->out + (t0 + i) * A->ldo, g, keep, h, acc[i]);
 }
 
 #define R16P_CASES(KIND)                                                                     \
@@ -224,10 +231,7 @@ static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
                 for (int64_t t = t0; t < t1; t += 4) {
                     const int nn = t1 - t < 4 ? (int)(t1 - t) : 4;
                     const int16_t *xt = xw ? xw + (t - t0) * A->nb * 32 : NULL; /* (t - t0) / 4 tiles of nb x 128 */
-                    if (kind == K_Q8_0) R16P_CASES(K_Q8_0)
-                    else if (kind == K_I8) R16P_CASES(K_I8)
-                    else if (kind == K_LOOM_Q4) R16P_CASES(K_LOOM_Q4)
-                    else R16P_CASES(K_Q4_1)
+                    R16_KIND_SWITCH(kind, R16P_CASES)
                 }
             }
         }

@@ -82,7 +82,7 @@ def prompt_kinds() -> frozenset:
     rows in company, the float paths alone: PK_LOOM8)."""
     if _opts["q8"] != Q8_AUTO or not AVAILABLE:
         return frozenset()
-    return K8_KINDS | (frozenset({LOOM_Q4}) if EXT.info().get("loom8") else frozenset())
+    return K8_KINDS | (frozenset({LOOM_Q4}) if LOOM8 else frozenset())
 
 
 def act_q8() -> int:
@@ -106,14 +106,14 @@ def isas() -> tuple[str, ...]:
 def use_isa(name: str) -> str:
     """Run the `name` build of the kernels from now on (tests, benchmarks); returns the previous
     one. UsageError when this CPU cannot run it. The thread count carries over."""
-    global EXT, GEMM_ROWS
+    global EXT, GEMM_ROWS, LOOM8
     if name not in isas():
         raise UsageError(f"no {name!r} build of the C kernels runs here (have {isas()})")
     old, threads = EXT.ISA, EXT.info()["threads"]
     if name != old:
         EXT = _MAIN if name == _MAIN.ISA else _MAIN.variant(name)
         EXT.set_threads(threads)
-        GEMM_ROWS = _gemm_rows()
+        GEMM_ROWS, LOOM8 = _gemm_rows(), _loom8()
     return old
 
 
@@ -295,6 +295,15 @@ def _gemm_rows() -> int:
 GEMM_ROWS = _gemm_rows()  # follows use_isa
 
 
+def _loom8() -> bool:
+    """Whether this build's auto mode runs Loom Q4 rows in company on x's int8 codes and a
+    prompt alone on the float paths (PK_LOOM8, 8-lane builds; matrices not repacked by 16)."""
+    return bool(EXT.info().get("loom8")) if AVAILABLE else False
+
+
+LOOM8 = _loom8()  # follows use_isa; read per scheduler step by prompt_kinds
+
+
 def aligned(x: np.ndarray) -> np.ndarray:
     """x itself when it starts on a 64-byte boundary or is one row, else a copy that does: the
     row kernels' 64-byte loads of x that split cache lines ran at 0.64x (an 8-row Q4_1 LM head
@@ -356,9 +365,9 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
         return
     kind, w, aux = ops
     m, k = qt.shape[0], qt.shape[1]
-    x2 = np.ascontiguousarray(
-        x2, dtype=np.float32
-    )  # gemm: x's alignment does not matter (measured)
+    # the row kernels take x on a 64-byte boundary (`aligned`); gemm reads it by broadcasts or
+    # codes, the same time aligned or not (measured)
+    x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
     rp = getattr(qt, "r16", None)  # the copy repacked by 16 (fused._mat), read instead of w

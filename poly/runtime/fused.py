@@ -41,7 +41,7 @@ def _mat(w, bias=None) -> tuple | None:
         return None
     kind, data, aux = ops
     m, k = int(w.shape[0]), int(w.shape[1])
-    rp = getattr(w, "r16", None)  # 4-bit rows by 16 (csrc/pk_r16.h): made once per matrix
+    rp = getattr(w, "r16", None)  # rows by 16 (csrc/pk_r16.h, repack.py's kinds): made once
     if rp is None and not hasattr(w, "r16"):
         rp = w.r16 = repack.repack16(kind, data, m, k, aux)  # the prompt GEMM reads it too
     return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
