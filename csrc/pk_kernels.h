@@ -130,6 +130,28 @@ static inline float h2f(const uint8_t *p) {
 #endif
 }
 
+/* Rows are streamed once: ask for a row a few ahead so its cache-line misses overlap the
+ * decoding of this one (the hardware prefetcher alone left the 4-bit kernels at ~4 GB/s). */
+#ifndef PF_LOC
+#define PF_LOC 3
+#endif
+#ifndef PF_BYTES
+#define PF_BYTES 2048
+#endif
+/* gcc 12 deletes a loop whose body is only __builtin_prefetch (it has no side effects to
+ * keep), so the x86 build issues the instruction with volatile asm. */
+static inline void prefetch_line(const char *p) {
+#if defined(__x86_64__) || defined(__i386__)
+#if PF_LOC == 0
+    __asm__ volatile("prefetchnta %0" : : "m"(*p));
+#else
+    __asm__ volatile("prefetcht0 %0" : : "m"(*p));
+#endif
+#else
+    __builtin_prefetch(p, 0, PF_LOC);
+#endif
+}
+
 #include "pk_quants.h"
 #include "pk_avx512.h"
 
@@ -313,28 +335,6 @@ static inline int64_t row_piece(const mm_args *A) {
 
 #include "pk_k8.h"
 #include "pk_q8.h"
-
-/* Rows are streamed once: ask for a row a few ahead so its cache-line misses overlap the
- * decoding of this one (the hardware prefetcher alone left the 4-bit kernels at ~4 GB/s). */
-#ifndef PF_LOC
-#define PF_LOC 3
-#endif
-#ifndef PF_BYTES
-#define PF_BYTES 2048
-#endif
-/* gcc 12 deletes a loop whose body is only __builtin_prefetch (it has no side effects to
- * keep), so the x86 build issues the instruction with volatile asm. */
-static inline void prefetch_line(const char *p) {
-#if defined(__x86_64__) || defined(__i386__)
-#if PF_LOC == 0
-    __asm__ volatile("prefetchnta %0" : : "m"(*p));
-#else
-    __asm__ volatile("prefetcht0 %0" : : "m"(*p));
-#endif
-#else
-    __builtin_prefetch(p, 0, PF_LOC);
-#endif
-}
 
 /* Called once per row r: asks for the bytes PF_BYTES ahead of row r's, up to the matrix end. */
 static inline void prefetch_row(const mm_args *A, int64_t r) {

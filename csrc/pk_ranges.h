@@ -32,19 +32,19 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
 #define RANGEQ(NAME, KIND)                                                                   \
     RANGE2(NAME, if (A->n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, A->n),   \
            quant_row2(KIND, A, r, A->n))
-/* dense rows: quads, then a pair, then one (dense_row4: x loads shared by four rows) */
+/* dense rows: quads, then a pair, then one (dense_row4: x loads shared by four rows); the tiles
+ * of several inputs prefetch their rows themselves (pk_dense.h tile_prefetch) */
 #define RANGED(NAME, KIND)                                                                   \
     static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
         int64_t r = r0;                                                                      \
         if (A->n > 1) {                                                                      \
             for (; r + 3 < r1; r += 4) {                                                     \
-                for (int q = 0; q < 4; q++) prefetch_row(A, r + q);                          \
                 dense_row4(KIND, A, r);                                                      \
             }                                                                                \
             if (r + 1 < r1) { dense_row2(KIND, A, r); r += 2; }                              \
         }                                                                                    \
         for (; r < r1; r++) {                                                                \
-            prefetch_row(A, r);                                                              \
+            if (A->n == 1) prefetch_row(A, r); /* more inputs: the tiles ask for their rows */ \
             dense_row(KIND, A, r);                                                           \
         }                                                                                    \
     }
