@@ -75,7 +75,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         float *pk = (float *)(((uintptr_t)(tmp + GR * A.k) + 63) & ~(uintptr_t)63);
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp}; /* rp: read the repacked copy */
         for (int64_t rp = r0; rp < r1; rp += GR)
-            gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk);
+            gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk, rp + GR < r1 ? rp + GR : -1);
     } else if (n > (use8 ? MAX_N : row_piece(&A))) { /* pieces of rows, see row_piece */
         const int64_t piece = use8 ? MAX_N : row_piece(&A);
         for (int64_t c = 0; c < n; c += piece) {

@@ -48,7 +48,22 @@ static inline void gv_store(float *p, gv v) { for (int l = 0; l < 4; l++) p[l] =
 #else
 #define GT 6 /* 12 of the 16 */
 #endif
-#define KC 512      /* k per packed chunk: GR * KC floats (32 KiB on AVX-512) */
+#define KC 512 /* k per packed chunk: GR * KC floats (64 KiB on AVX-512, in L2; 256 or 384: the same speed) */
+
+/* The bytes a panel reads next (the next chunk of its F16 rows, or the next panel's stored rows),
+ * asked for a cache line an iteration of the tiles' loops: the packing otherwise waited on
+ * memory (a third of a 1B f16 42-token prompt) */
+typedef struct {
+    const char *p;        /* the current row's bytes */
+    int64_t stride, bytes; /* between rows, a row's bytes to ask for */
+    int64_t rows, at;      /* rows left, offset in the current row */
+} pf_cur;
+
+static inline __attribute__((always_inline)) void pf_step(pf_cur *c) {
+    if (c->rows <= 0) return;
+    prefetch_line(c->p + c->at);
+    if ((c->at += 64) >= c->bytes) { c->at = 0; c->p += c->stride; c->rows--; }
+}
 
 /* one token's two accumulators to out[0..rows) (+)= */
 static inline void gemm_store(float *o, gv c0, gv c1, int64_t rows, int add) {
@@ -81,9 +96,11 @@ static inline void gemm_store(float *o, gv c0, gv c1, int64_t rows, int add) {
 
 /* out[i, 0..rows) (+)= sum over kk < kc of x[i, kk] * P[kk][r] for i < NT (a constant) */
 static inline __attribute__((always_inline)) void gemm_tile(const float *P, const float *x, int64_t ldx, int64_t kc,
-                                                            float *out, int64_t ldo, int64_t rows, int add, const int NT) {
+                                                            float *out, int64_t ldo, int64_t rows, int add, const int NT,
+                                                            pf_cur *pf) {
     T_ALL(T_ACC)
     for (int64_t kk = 0; kk < kc; kk++) {
+        pf_step(pf);
         const gv w0 = GV_LOAD(P + kk * GR), w1 = GV_LOAD(P + kk * GR + GL);
         T_ALL(T_FMA)
     }
@@ -92,23 +109,23 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *P, cons
 
 /* every token of x against one packed chunk, GT tokens at a time (the rest with a smaller tile) */
 static void gemm_chunk(const float *P, const float *x, int64_t n, int64_t ldx, int64_t kc, float *out, int64_t ldo,
-                       int64_t rows, int add) {
+                       int64_t rows, int add, pf_cur *pf) {
     int64_t i = 0;
-    for (; i + GT <= n; i += GT) gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, GT);
+    for (; i + GT <= n; i += GT) gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, GT, pf);
     switch (n - i) {
 #if GT > 6
-    case 11: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 11); break;
-    case 10: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 10); break;
-    case 9: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 9); break;
-    case 8: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 8); break;
-    case 7: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 7); break;
-    case 6: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 6); break;
+    case 11: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 11, pf); break;
+    case 10: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 10, pf); break;
+    case 9: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 9, pf); break;
+    case 8: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 8, pf); break;
+    case 7: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 7, pf); break;
+    case 6: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 6, pf); break;
 #endif
-    case 5: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 5); break;
-    case 4: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 4); break;
-    case 3: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 3); break;
-    case 2: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 2); break;
-    case 1: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 1); break;
+    case 5: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 5, pf); break;
+    case 4: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 4, pf); break;
+    case 3: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 3, pf); break;
+    case 2: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 2, pf); break;
+    case 1: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 1, pf); break;
     default: break;
     }
 }
@@ -190,18 +207,36 @@ static void dq_row_r16_loom(const dq_args *D, int64_t r, float *dst) {
     }
 }
 
+/* where panel r0's stored bytes start, their stride and a row's length (rows repacked by 16: the
+ * groups' records, one run) */
+static inline pf_cur pf_panel(int kind, const dq_args *D, int64_t r0, int64_t rows) {
+    pf_cur c = {0};
+    if (r0 < 0) return c;
+    if (D->rp) {
+        const int64_t g = r16_rec(kind) * (D->k / 32);
+        c.p = (const char *)D->rp + (r0 / 16) * g; c.bytes = (rows + 15) / 16 * g; c.rows = 1;
+    } else {
+        c.p = (const char *)D->w + r0 * D->rb; c.stride = D->rb; c.bytes = D->rb; c.rows = rows;
+    }
+    return c;
+}
+
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk
- * packed k-major (zero rows past the end) and multiplied into out[:, r0..] */
+ * packed k-major (zero rows past the end) and multiplied into out[:, r0..]; next: the first row
+ * of the panel this thread takes next (-1: none), asked for meanwhile */
 static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
-                       int64_t rows, float *tmp, float *P) {
+                       int64_t rows, float *tmp, float *P, int64_t next) {
     const int64_t k = D->k;
     if (kind == K_F16) { /* packed straight from the stored rows (1B [8192 x 2048], 17 / 42 rows: 1.4x /
                           * 1.17x; f32 rows read that way, 8 rows of 32 bytes at a time, streamed worse) */
         const uint16_t *w = (const uint16_t *)(D->w + r0 * D->rb);
         for (int64_t c0 = 0; c0 < k; c0 += KC) {
-            const int64_t kc = k - c0 < KC ? k - c0 : KC;
+            const int64_t kc = k - c0 < KC ? k - c0 : KC, c1 = c0 + kc;
+            pf_cur pf = pf_panel(kind, D, c1 < k ? r0 : next, c1 < k ? rows : GR); /* the next chunk */
+            pf.p += 2 * (c1 < k ? c1 : 0);
+            pf.bytes = 2 * (c1 < k ? (k - c1 < KC ? k - c1 : KC) : (k < KC ? k : KC));
             gemm_pack_any(w + c0, k, rows, kc, P, 2);
-            gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0);
+            gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0, &pf);
         }
         return;
     }
@@ -209,10 +244,11 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, fl
         if (D->rp) dq_row_r16(kind, D, r0 + r, tmp + r * k);
         else dq_row(kind, D, r0 + r, tmp + r * k);
     }
+    pf_cur pf = pf_panel(kind, D, next, GR); /* the next panel's rows, over this one's products */
     for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = k - c0 < KC ? k - c0 : KC;
         gemm_pack(tmp + c0, k, rows, kc, P);
-        gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0);
+        gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0, &pf);
     }
 }
 
@@ -246,11 +282,11 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
             }
         } else
 #endif
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static, 1) /* round robin: a thread's next panel is known (prefetch) */
         for (int64_t p = 0; p < panels; p++) {
             if (!tmp) continue;
             const int64_t r0 = p * GR, rows = m - r0 < GR ? m - r0 : GR;
-            gemm_panel(kind, D, x, n, out, m, r0, rows, tmp, P);
+            gemm_panel(kind, D, x, n, out, m, r0, rows, tmp, P, p + pk_nth() < panels ? r0 + pk_nth() * GR : -1);
         }
     }
     return failed ? -1 : 0;
