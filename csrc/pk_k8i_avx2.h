@@ -73,6 +73,7 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
                             const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(k8i_c4(&X, t0 + t, h, q)));
                             p16[t] = q % G ? _mm256_add_epi16(p16[t], p) : p; /* int16 sums of G (k8i_pairs) */
                             if (q % G == G - 1 || q == 8 / sub - 1) acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p16[t], ones));
+                            __asm__("" : "+x"(p16[t]), "+x"(acc[t])); /* one chain each (GCC's add trees spilled) */
                         }
                     }
                     const __m256 sv = _mm256_loadu_ps(S + 16 * (2 * j + h));
