@@ -227,15 +227,17 @@ static inline pf_cur pf_panel(int kind, const dq_args *D, int64_t r0, int64_t ro
 static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
                        int64_t rows, float *tmp, float *P, int64_t next) {
     const int64_t k = D->k;
-    if (kind == K_F16) { /* packed straight from the stored rows (1B [8192 x 2048], 17 / 42 rows: 1.4x /
-                          * 1.17x; f32 rows read that way, 8 rows of 32 bytes at a time, streamed worse) */
-        const uint16_t *w = (const uint16_t *)(D->w + r0 * D->rb);
+    if (kind == K_F16 || kind == K_F32) { /* packed straight from the stored rows (1B [8192 x 2048], 17 / 42
+                                            * rows: 1.4x / 1.17x), the next chunk asked for meanwhile */
+        const int esz = kind == K_F16 ? 2 : 4;
+        const uint8_t *w = D->w + r0 * D->rb;
         for (int64_t c0 = 0; c0 < k; c0 += KC) {
             const int64_t kc = k - c0 < KC ? k - c0 : KC, c1 = c0 + kc;
             pf_cur pf = pf_panel(kind, D, c1 < k ? r0 : next, c1 < k ? rows : GR); /* the next chunk */
-            pf.p += 2 * (c1 < k ? c1 : 0);
-            pf.bytes = 2 * (c1 < k ? (k - c1 < KC ? k - c1 : KC) : (k < KC ? k : KC));
-            gemm_pack_any(w + c0, k, rows, kc, P, 2);
+            pf.p += esz * (c1 < k ? c1 : 0);
+            pf.bytes = esz * (c1 < k ? (k - c1 < KC ? k - c1 : KC) : (k < KC ? k : KC));
+            if (esz == 2) gemm_pack_any(w + 2 * c0, k, rows, kc, P, 2);
+            else gemm_pack_any(w + 4 * c0, k, rows, kc, P, 4);
             gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0, &pf);
         }
         return;
