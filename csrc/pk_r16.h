@@ -156,18 +156,23 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
     case 2: r16_tile(KIND, A, rp, g, X, c, keep, 2); break;                                  \
     default: r16_tile(KIND, A, rp, g, X, c, keep, 1);                                        \
     }
+#define R16_L2 (384 << 10) /* bytes of records a block of groups keeps in L2 while every 8 inputs pass */
 static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
-    for (int64_t c = 0; c < A->n; c += 8) {
-        const int nn = A->n - c < 8 ? (int)(A->n - c) : 8;
-        const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0 || kind == K_I8 ? R16X_FLIP : R16X_COPY);
-        if (!X) return -1;
-        for (int64_t g = r0 / 16; g * 16 < r1; g++) {
-            const __mmask16 keep = (__mmask16)r16_keep(g, r0, r1);
-            R16_KIND_SWITCH(kind, R16_CASES)
+    const int64_t g0 = r0 / 16, g1 = (r1 + 15) / 16, per = R16_L2 / (A->nb * r16_rec(kind));
+    const int64_t gb = A->n <= 8 ? g1 - g0 : per > 1 ? per : 1; /* groups a block */
+    for (int64_t b0 = g0; b0 < g1; b0 += gb) /* a prompt's rows read from memory once, not once per 8 inputs */
+        for (int64_t c = 0; c < A->n; c += 8) {
+            const int nn = A->n - c < 8 ? (int)(A->n - c) : 8;
+            const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0 || kind == K_I8 ? R16X_FLIP : R16X_COPY);
+            if (!X) return -1;
+            for (int64_t g = b0; g < g1 && g < b0 + gb; g++) {
+                const __mmask16 keep = (__mmask16)r16_keep(g, r0, r1);
+                R16_KIND_SWITCH(kind, R16_CASES)
+            }
         }
-    }
     return 0;
 }
+#define PK_R16P 1 /* prompts of any length on the repacked rows (blocks of groups in L2) */
 #else
 #include "pk_r16_avx2.h"
 #endif
@@ -176,11 +181,11 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
 static inline int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)kind; (void)A; (void)rp; (void)r0; (void)r1; return -1; }
 #endif
 
-#ifndef PK_R16P /* 8-lane builds' r16_range takes prompts too (pk_r16_avx2.h); AVX-512 up to MAX_N */
+#ifndef PK_R16P /* r16_range takes prompts past MAX_N too (AVX-512 above, 8-lane builds pk_r16_avx2.h) */
 #define PK_R16P 0
 #endif
-/* the kinds whose prompts past MAX_N rows take the repacked rows: all of them on 8-lane builds
- * (Q8_0 and int8 on int16 codes, r16w_sums) */
+/* the kinds whose prompts past MAX_N rows take the repacked rows: all of them on SIMD builds
+ * (8 lanes: Q8_0 and int8 on int16 codes, r16w_sums) */
 static inline int r16p_kind(int kind) { return PK_R16P && r16_bytes(kind, 16, 32) > 0; }
 
 #endif /* PK_R16_H */

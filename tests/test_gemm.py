@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poly.runtime import ckernels, kernels
+from poly.runtime import ckernels, kernels, repack
 from tests.test_ckernels import MAKERS, block_of, random_weights
 
 pytestmark = [
@@ -140,3 +140,24 @@ def test_softmax_causal_bad_inputs_raise():
         ckernels.EXT.softmax_causal(np.zeros((4, 8), np.float32), 4, 6, 0)  # start + n > T
     with pytest.raises((ValueError, TypeError, BufferError)):
         ckernels.EXT.softmax_causal(np.zeros((4, 8), np.float32)[:, ::2], 4, 0, 0)
+
+
+@pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q8_0"])
+def test_a_long_prompt_on_the_repacked_rows_is_its_8_input_pieces(scheme, each_isa):
+    """Past 8 inputs the rows go in blocks of groups (AVX-512: a block's records stay in L2 while
+    every 8 inputs pass; k = 8192 makes 3 blocks of 160 rows): bit for bit the pieces' sums."""
+    if not ckernels.info().get("r16"):
+        pytest.skip("no repacked rows in this build")
+    rng = np.random.default_rng(8)
+    m, k, n = 160, 8192, 20
+    qt = MAKERS[scheme](rng.standard_normal((m, k)).astype(np.float32))
+    kind, raw, aux = ckernels.operands(qt)
+    rp = repack.repack16(kind, raw, m, k, aux)
+    x = ckernels.aligned(rng.standard_normal((n, k)).astype(np.float32))
+    got, part = np.empty((n, m), np.float32), np.empty((8, m), np.float32)
+    ckernels.EXT.gemm(kind, x, got, raw, aux, n, k, m, 0, ckernels.Q8_AUTO, rp)
+    for c in range(0, n, 8):
+        p = min(8, n - c)
+        args = (kind, ckernels.aligned(x[c : c + p]), part[:p], raw, aux, p, k, m)
+        ckernels.EXT.matmul(*args, ckernels.Q8_AUTO, rp)
+        np.testing.assert_array_equal(got[c : c + p], part[:p])

@@ -119,8 +119,8 @@ def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
 
 @needs_r16
 def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch, float_path):
-    """Prompts past 16 rows run the float GEMM (q8 off; in the auto mode 8-lane builds take the
-    prompt tile below), which dequantizes the repacked copy (the stored rows stay released):
+    """Prompts past 16 rows run the float GEMM (q8 off; in the auto mode SIMD builds take the
+    repacked rows below), which dequantizes the repacked copy (the stored rows stay released):
     the same logits as from the stored rows."""
     prompt = list(range(1, 25))
     tf = _model("gguf_q4_1")
@@ -305,7 +305,7 @@ def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa)
     kind, raw, aux = ckernels.operands(qt)
     rp = repack.repack16(kind, raw, m, k, aux)
     wf = qt.dequantize().astype(np.float64)
-    # past 16 rows 8-lane builds keep the tile (r16p); AVX-512 takes the float gemm
+    # past 16 rows SIMD builds keep the repacked rows (r16p: 8 lanes' prompt tile, AVX-512's by blocks)
     for n in (5, 20) if ckernels.info().get("r16p") else (5,):
         for x, tol in (
             (_on_grid(rng, n, k), 1e-6),
