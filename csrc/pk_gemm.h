@@ -221,6 +221,15 @@ static inline pf_cur pf_panel(int kind, const dq_args *D, int64_t r0, int64_t ro
     return c;
 }
 
+/* the chunk of float rows from column c1 on (past the last: the next panel's first chunk) */
+static inline pf_cur pf_chunk(int kind, const dq_args *D, int64_t r0, int64_t rows, int64_t next, int64_t c1, int esz) {
+    const int last = c1 >= D->k;
+    const int64_t from = last ? 0 : c1;
+    pf_cur c = pf_panel(kind, D, last ? next : r0, last ? GR : rows);
+    if (c.rows) { c.p += esz * from; c.bytes = esz * (D->k - from < KC ? D->k - from : KC); }
+    return c;
+}
+
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk
  * packed k-major (zero rows past the end) and multiplied into out[:, r0..]; next: the first row
  * of the panel this thread takes next (-1: none), asked for meanwhile */
@@ -232,10 +241,8 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, fl
         const int esz = kind == K_F16 ? 2 : 4;
         const uint8_t *w = D->w + r0 * D->rb;
         for (int64_t c0 = 0; c0 < k; c0 += KC) {
-            const int64_t kc = k - c0 < KC ? k - c0 : KC, c1 = c0 + kc;
-            pf_cur pf = pf_panel(kind, D, c1 < k ? r0 : next, c1 < k ? rows : GR); /* the next chunk */
-            pf.p += esz * (c1 < k ? c1 : 0);
-            pf.bytes = esz * (c1 < k ? (k - c1 < KC ? k - c1 : KC) : (k < KC ? k : KC));
+            const int64_t kc = k - c0 < KC ? k - c0 : KC;
+            pf_cur pf = pf_chunk(kind, D, r0, rows, next, c0 + kc, esz);
             if (esz == 2) gemm_pack_any(w + 2 * c0, k, rows, kc, P, 2);
             else gemm_pack_any(w + 4 * c0, k, rows, kc, P, 4);
             gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0, &pf);

@@ -135,9 +135,7 @@ static inline void quantize_xi(const float *x, int8_t *xq, int64_t cb, int32_t *
 #elif PK_SIMD /* the same codes on 8 lanes (rint = the default rounding of cvtps) */
         __m256i v[4];
         for (int q = 0; q < 4; q++) v[q] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * q), _mm256_set1_ps(id)));
-        const __m256i c16 = _mm256_packs_epi32(v[0], v[1]), d16 = _mm256_packs_epi32(v[2], v[3]);
-        const __m256i c8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(c16, d16), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)c, c8);
+        _mm256_storeu_si256((__m256i *)c, pack32i(v[0], v[1], v[2], v[3]));
         for (int h = 0; h < 2; h++) s[h] = hsum_i32(_mm256_add_epi32(v[2 * h], v[2 * h + 1]));
 #else
         for (int l = 0; l < 32; l++) {

@@ -33,11 +33,15 @@ static inline float absmax(const float *x, int64_t len) {
 }
 
 #if PK_SIMD
+/* 32 int32 (in [-127, 127]) -> 32 int8 in order */
+static inline __m256i pack32i(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* 32 floats (integers in [-127, 127]) -> 32 int8 in order */
 static inline __m256i pack32(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
-    const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
-    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return pack32i(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b), _mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
 }
 
 /* quantize_x's codes of one block, the same float operations on 8 lanes (bitwise equal) */
