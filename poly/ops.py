@@ -51,8 +51,6 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) ->
 def silu_mul(gate_up: np.ndarray, out: np.ndarray, up: np.ndarray | None = None) -> np.ndarray:
     """out [n, I] = silu(gate) * up for gate_up [n, 2I] (or gate_up the gate and `up` apart,
     both [n, I]), by the backend in force."""
-    if up is None:
-        return HOOKS["silu_mul"](gate_up, out)
     return HOOKS["silu_mul"](gate_up, out, up)
 
 
