@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 1000])
     ap.add_argument("--agree-new", type=int, default=64, help="greedy tokens compared with f32")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--kv-cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
+                    help="poly's KV cache (llama.cpp's is f16, its default)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
     ap.add_argument("--json", default=None, help="write the report as JSON ('-': stdout only)")
     ap.add_argument(
@@ -228,11 +230,10 @@ def prompts(args) -> dict:
 def engine_specs(model: str, precision: str, files: dict, args) -> dict[str, dict]:
     n_ctx = max(args.prefill + [args.agree_new + 64]) + max(args.contexts) + args.new + 16
     base = {"threads": args.threads}
-    specs = {"poly": dict(base, kind="poly", path=str(files["gguf"]))}
+    ours = dict(base, kind="poly", kv_cache=args.kv_cache)
+    specs = {"poly": dict(ours, path=str(files["gguf"]))}
     if "entity" in files:
-        specs[f"poly-entity-{ENTITY_IN[precision]}"] = dict(
-            base, kind="poly", path=str(files["entity"])
-        )
+        specs[f"poly-entity-{ENTITY_IN[precision]}"] = dict(ours, path=str(files["entity"]))
     specs["llama"] = dict(base, kind="llama", path=str(files["gguf"]), n_ctx=n_ctx)
     if precision == "F32" and not args.no_hf:
         specs["hf"] = dict(base, kind="hf", path=str(files["gguf"]))

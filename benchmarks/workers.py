@@ -85,7 +85,7 @@ class Engine:
 
 
 class PolyEngine(Engine):
-    def __init__(self, path: str, threads: int, keep_quantized: bool = True):
+    def __init__(self, path: str, threads: int, keep_quantized: bool = True, kv_cache="f32"):
         import entity
         from entity.gguf.loader import load_gguf
         from poly.runtime import kernels
@@ -95,6 +95,7 @@ class PolyEngine(Engine):
             self.model = entity.load(path)
         else:
             self.model = load_gguf(path, keep_quantized=keep_quantized)
+        self.model.kv_cache_dtype = kv_cache  # llama.cpp's own default is f16
 
     def reset(self) -> None:
         self.model.reset()
@@ -204,7 +205,9 @@ class HFEngine(Engine):
 def make_engine(spec: dict) -> Engine:
     kind, path, threads = spec["kind"], str(spec["path"]), int(spec.get("threads", 2))
     if kind == "poly":
-        return PolyEngine(path, threads, bool(spec.get("keep_quantized", True)))
+        return PolyEngine(
+            path, threads, bool(spec.get("keep_quantized", True)), spec.get("kv_cache", "f32")
+        )
     if kind == "llama":
         return LlamaEngine(path, threads, int(spec.get("n_ctx", 512)))
     if kind == "hf":

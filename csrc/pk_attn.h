@@ -2,14 +2,26 @@
  * Included by pk_decode.c. The 8-lane version keeps the output row in registers while it
  * streams V (head_dim 64 and 128 unrolled), takes exp on 8 lanes (exp8) and divides once at the
  * end: at position 1,000 the scalar loop (a load, FMA and store of o per V element, a libm expf
- * and a division per position) cost more than the 4-bit weights of the step. */
+ * and a division per position) cost more than the 4-bit weights of the step.
+ * The caches hold float32, or float16 (h16: llama.cpp's default, half the bytes a position to
+ * read at long context); every function takes h16 as a constant, so each form is its own loop. */
 #ifndef PK_ATTN_H
 #define PK_ATTN_H
 
+/* element j of a cache row (float32 or float16) */
+static inline __attribute__((always_inline)) float kv_ld1(const uint8_t *p, int64_t j, const int h16) {
+    return h16 ? h2f(p + 2 * j) : ((const float *)p)[j];
+}
+
 #if PK_SIMD
+static inline __attribute__((always_inline)) __m256 kv_ld8(const uint8_t *p, int64_t j, const int h16) {
+    return h16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * j))) : _mm256_loadu_ps((const float *)p + j);
+}
+
 /* the 8 dot products q . k[j] (hd % 8 == 0) as one vector: the 8 sums reduced together by one
  * transpose-add, not one horizontal sum each (that reduction cost as much as the FMAs at hd 64) */
-static inline __m256 dot8x(const float *const k[8], const float *q, int64_t hd) {
+static inline __attribute__((always_inline)) __m256 dot8x(const uint8_t *const k[8], const float *q, int64_t hd,
+                                                          const int h16) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     int64_t c = 0;
 #if PK_AVX512
@@ -18,7 +30,11 @@ static inline __m256 dot8x(const float *const k[8], const float *q, int64_t hd) 
         for (int j = 0; j < 8; j++) b[j] = _mm512_setzero_ps();
         for (; c < hd; c += 16) {
             const __m512 qv = _mm512_loadu_ps(q + c);
-            for (int j = 0; j < 8; j++) b[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k[j] + c), qv, b[j]);
+            for (int j = 0; j < 8; j++) {
+                const __m512 kj = h16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(k[j] + 2 * c)))
+                                      : _mm512_loadu_ps((const float *)k[j] + c);
+                b[j] = _mm512_fmadd_ps(kj, qv, b[j]);
+            }
         }
 #define FOLD(j) _mm256_add_ps(_mm512_castps512_ps256(b[j]), _mm512_extractf32x8_ps(b[j], 1))
         a0 = FOLD(0); a1 = FOLD(1); a2 = FOLD(2); a3 = FOLD(3); a4 = FOLD(4); a5 = FOLD(5); a6 = FOLD(6); a7 = FOLD(7);
@@ -27,14 +43,14 @@ static inline __m256 dot8x(const float *const k[8], const float *q, int64_t hd) 
 #endif
     for (; c < hd; c += 8) {
         const __m256 qv = _mm256_loadu_ps(q + c);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k[0] + c), qv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k[1] + c), qv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k[2] + c), qv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k[3] + c), qv, a3);
-        a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k[4] + c), qv, a4);
-        a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k[5] + c), qv, a5);
-        a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k[6] + c), qv, a6);
-        a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k[7] + c), qv, a7);
+        a0 = _mm256_fmadd_ps(kv_ld8(k[0], c, h16), qv, a0);
+        a1 = _mm256_fmadd_ps(kv_ld8(k[1], c, h16), qv, a1);
+        a2 = _mm256_fmadd_ps(kv_ld8(k[2], c, h16), qv, a2);
+        a3 = _mm256_fmadd_ps(kv_ld8(k[3], c, h16), qv, a3);
+        a4 = _mm256_fmadd_ps(kv_ld8(k[4], c, h16), qv, a4);
+        a5 = _mm256_fmadd_ps(kv_ld8(k[5], c, h16), qv, a5);
+        a6 = _mm256_fmadd_ps(kv_ld8(k[6], c, h16), qv, a6);
+        a7 = _mm256_fmadd_ps(kv_ld8(k[7], c, h16), qv, a7);
     }
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [0123|0123] halves */
     const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7)); /* [4567|4567] */
@@ -43,8 +59,10 @@ static inline __m256 dot8x(const float *const k[8], const float *q, int64_t hd) 
 #endif
 
 /* scores sc[t] = q . K_t * scale for t <= pos; returns their max */
-static inline float attn_scores(const step_t *S, int i, const float *K, int64_t kvd, const float *q, int64_t hd,
-                                float scale, float *sc, int64_t pos) {
+static inline __attribute__((always_inline)) float attn_scores(const step_t *S, int i, const uint8_t *K, int64_t kvd,
+                                                                const float *q, int64_t hd, float scale, float *sc,
+                                                                int64_t pos, const int h16) {
+    const int64_t rb = kvd * (h16 ? 2 : 4); /* bytes a position */
     float mx = -INFINITY;
     int64_t t = 0;
 #if PK_SIMD
@@ -52,9 +70,9 @@ static inline float attn_scores(const step_t *S, int i, const float *K, int64_t 
         __m256 vmx = _mm256_set1_ps(-INFINITY);
         const __m256 vs = _mm256_set1_ps(scale);
         for (; t + 8 <= pos + 1; t += 8) {
-            const float *k[8];
-            for (int j = 0; j < 8; j++) k[j] = K + slot(S, i, t + j) * kvd;
-            const __m256 s = _mm256_mul_ps(dot8x(k, q, hd), vs);
+            const uint8_t *k[8];
+            for (int j = 0; j < 8; j++) k[j] = K + slot(S, i, t + j) * rb;
+            const __m256 s = _mm256_mul_ps(dot8x(k, q, hd, h16), vs);
             _mm256_storeu_ps(sc + t, s);
             vmx = _mm256_max_ps(s, vmx); /* a NaN score is skipped, like fmaxf; exp keeps it NaN */
         }
@@ -65,7 +83,7 @@ static inline float attn_scores(const step_t *S, int i, const float *K, int64_t 
 #endif
     for (; t <= pos; t++) {
         /* the SIMD dot of the matrix kernels: a plain loop is one dependent add chain */
-        sc[t] = dense_dot(K_F32, (const uint8_t *)(K + slot(S, i, t) * kvd), q, hd) * scale;
+        sc[t] = dense_dot(h16 ? K_F16 : K_F32, K + slot(S, i, t) * rb, q, hd) * scale;
         mx = fmaxf(mx, sc[t]);
     }
     return mx;
@@ -89,32 +107,34 @@ static inline float attn_exp(float *sc, int64_t pos, float mx) {
 }
 
 /* o = (sum_t p[t] * V_t) / sum for NV * 8 = head_dim (NV a constant: the row stays in registers) */
-static inline __attribute__((always_inline)) void attn_values(const step_t *S, int i, const float *V, int64_t kvd,
+static inline __attribute__((always_inline)) void attn_values(const step_t *S, int i, const uint8_t *V, int64_t kvd,
                                                               const float *p, int64_t pos, float inv, float *o,
-                                                              const int NV) {
+                                                              const int NV, const int h16) {
+    const int64_t rb = kvd * (h16 ? 2 : 4);
     __m256 acc[32];
     for (int c = 0; c < NV; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t t = 0; t <= pos; t++) {
         const __m256 pt = _mm256_set1_ps(p[t]);
-        const float *v = V + slot(S, i, t) * kvd;
-        for (int c = 0; c < NV; c++) acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        const uint8_t *v = V + slot(S, i, t) * rb;
+        for (int c = 0; c < NV; c++) acc[c] = _mm256_fmadd_ps(pt, kv_ld8(v, 8 * c, h16), acc[c]);
     }
     for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
 }
 #endif
 
 /* row i, head h: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] */
-static void attend(const step_t *S, const layer_t *L, const float *q, float *o, float *sc, int64_t pos, int i, int h) {
-    const int64_t hd = L->hd, kvd = (int64_t)L->kvh * hd, g = h / (L->heads / L->kvh);
+static inline __attribute__((always_inline)) void attend_kv(const step_t *S, const layer_t *L, const float *q, float *o,
+                                                            float *sc, int64_t pos, int i, int h, const int h16) {
+    const int64_t hd = L->hd, kvd = (int64_t)L->kvh * hd, g = h / (L->heads / L->kvh), es = h16 ? 2 : 4;
     const float scale = (float)(1.0 / sqrt((double)hd));
-    const float *K = L->kc[i] + g * hd, *V = L->vc[i] + g * hd;
-    const float mx = attn_scores(S, i, K, kvd, q, hd, scale, sc, pos);
+    const uint8_t *K = (const uint8_t *)L->kc[i] + g * hd * es, *V = (const uint8_t *)L->vc[i] + g * hd * es;
+    const float mx = attn_scores(S, i, K, kvd, q, hd, scale, sc, pos, h16);
 #if PK_SIMD
     if (hd % 8 == 0 && hd <= 256) {
         const float inv = 1.0f / attn_exp(sc, pos, mx);
-        if (hd == 64) attn_values(S, i, V, kvd, sc, pos, inv, o, 8);
-        else if (hd == 128) attn_values(S, i, V, kvd, sc, pos, inv, o, 16);
-        else attn_values(S, i, V, kvd, sc, pos, inv, o, (int)(hd / 8));
+        if (hd == 64) attn_values(S, i, V, kvd, sc, pos, inv, o, 8, h16);
+        else if (hd == 128) attn_values(S, i, V, kvd, sc, pos, inv, o, 16, h16);
+        else attn_values(S, i, V, kvd, sc, pos, inv, o, (int)(hd / 8), h16);
         return;
     }
 #endif
@@ -122,9 +142,15 @@ static void attend(const step_t *S, const layer_t *L, const float *q, float *o, 
     for (int64_t t = 0; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
     for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
     for (int64_t t = 0; t <= pos; t++) {
-        const float p = sc[t] / sum, *v = V + slot(S, i, t) * kvd;
-        for (int64_t j = 0; j < hd; j++) o[j] += p * v[j];
+        const float p = sc[t] / sum;
+        const uint8_t *v = V + slot(S, i, t) * kvd * es;
+        for (int64_t j = 0; j < hd; j++) o[j] += p * kv_ld1(v, j, h16);
     }
+}
+
+static void attend(const step_t *S, const layer_t *L, const float *q, float *o, float *sc, int64_t pos, int i, int h) {
+    if (L->kv16) attend_kv(S, L, q, o, sc, pos, i, h, 1);
+    else attend_kv(S, L, q, o, sc, pos, i, h, 0);
 }
 
 #endif /* PK_ATTN_H */

@@ -99,6 +99,21 @@ static inline int64_t slot(const step_t *S, int i, int64_t t) {
     return S->tab[i] ? (int64_t)S->tab[i][t / S->ps] * S->ps + t % S->ps : t;
 }
 
+/* n floats of src to elements at.. of a cache: copied, or rounded to float16 (kv16) */
+static void kv_store(void *cache, int64_t at, const float *src, int64_t n, int kv16) {
+    if (!kv16) {
+        memcpy((float *)cache + at, src, (size_t)n * 4);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    int64_t j = 0;
+#if PK_SIMD
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; j < n; j++) dst[j] = f2h(src[j]);
+}
+
 /* row i: q/k norm, RoPE (pairs j, j + hd/2) at pos, then k/v appended to its caches */
 static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t pos, int i) {
     const int64_t hd = L->hd, half = hd / 2, q = (int64_t)L->heads * hd, kvd = (int64_t)L->kvh * hd;
@@ -114,8 +129,8 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
         }
     }
     const int64_t at = slot(S, i, pos);
-    memcpy(L->kc[i] + at * kvd, qkv + q, (size_t)kvd * 4);
-    memcpy(L->vc[i] + at * kvd, qkv + q + kvd, (size_t)kvd * 4);
+    kv_store(L->kc[i], at * kvd, qkv + q, kvd, L->kv16);
+    kv_store(L->vc[i], at * kvd, qkv + q + kvd, kvd, L->kv16);
 }
 
 #include "pk_attn.h"

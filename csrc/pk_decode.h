@@ -29,7 +29,8 @@ typedef struct {
     int heads, kvh, hd, nqkv, ngu;
     float eps;
     const float *g_attn, *g_q, *g_k, *g_mlp, *cos, *sin;
-    float *kc[STEP_MAX], *vc[STEP_MAX];
+    void *kc[STEP_MAX], *vc[STEP_MAX]; /* [T, kvh, hd] float32, or float16 when kv16 */
+    int kv16; /* every cache of the layer holds float16 (half the bytes a position) */
     mat_t qkv[3], o, gu[2], down;
     moe_t *moe; /* NULL: the dense FFN gu/down */
 } layer_t;

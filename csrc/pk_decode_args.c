@@ -18,6 +18,22 @@ static const void *hold(holds_t *H, PyObject *o, int writable, int64_t want, con
     return b->buf;
 }
 
+/* a KV cache: writable float32 or float16 ('f' / 'e' in the buffer's format) -> *es bytes an element */
+static void *hold_kv(holds_t *H, PyObject *o, int *es, const char *what) {
+    if (H->n == H->cap) { PyErr_SetString(PyExc_ValueError, "too many buffers"); return NULL; }
+    Py_buffer *b = &H->bufs[H->n];
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return NULL;
+    H->n++;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    *es = !strcmp(f, "f") && b->itemsize == 4 ? 4 : !strcmp(f, "e") && b->itemsize == 2 ? 2 : 0;
+    if (!*es) {
+        PyErr_Format(PyExc_ValueError, "%s must be float32 or float16", what);
+        return NULL;
+    }
+    return b->buf;
+}
+
 static int as_tuple(PyObject *o, Py_ssize_t n, const char *what) {
     if (!PyTuple_Check(o) || (n >= 0 && PyTuple_GET_SIZE(o) != n)) {
         PyErr_Format(PyExc_ValueError, "%s must be a tuple of %zd items", what, n);
@@ -151,15 +167,23 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t 
     for (int i = 0; i < n; i++) {
         PyObject *kc = PyTuple_GET_ITEM(caches, 2 * ((Py_ssize_t)l * n + i));
         PyObject *vc = PyTuple_GET_ITEM(caches, 2 * ((Py_ssize_t)l * n + i) + 1);
-        if (!(L->kc[i] = (float *)hold(H, kc, 1, -1, "k cache"))) return -1;
+        int es = 0;
+        if (!(L->kc[i] = hold_kv(H, kc, &es, "k cache"))) return -1;
+        if (i && es != (L->kv16 ? 2 : 4)) { PyErr_SetString(PyExc_ValueError, "a layer's caches differ in dtype"); return -1; }
+        L->kv16 = es == 2;
         tb = &H->bufs[H->n - 1];
-        const int64_t T = tb->len / (kvd * 4);
-        if (tb->len % (kvd * 4) || (!S->tab[i] && S->pos[i] >= T) || (S->tab[i] && T % S->ps)) {
+        const int64_t T = tb->len / (kvd * es);
+        if (tb->len % (kvd * es) || (!S->tab[i] && S->pos[i] >= T) || (S->tab[i] && T % S->ps)) {
             PyErr_SetString(PyExc_ValueError, "KV cache full or mis-sized");
             return -1;
         }
         if (S->tab[i] && check_table(S, i, T / S->ps)) return -1;
-        if (!(L->vc[i] = (float *)hold(H, vc, 1, T * kvd * 4, "v cache"))) return -1;
+        int ev = 0;
+        if (!(L->vc[i] = hold_kv(H, vc, &ev, "v cache"))) return -1;
+        if (ev != es || want_len(&H->bufs[H->n - 1], T * kvd * es, "v cache")) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "k and v caches differ in dtype");
+            return -1;
+        }
     }
     if (parse_mat(H, PyTuple_GET_ITEM(t, 10), &L->o, d, q)) return -1;
     if (!(L->g_mlp = hold(H, PyTuple_GET_ITEM(t, 11), 0, d * 4, "mlp gamma"))) return -1;

@@ -17,12 +17,15 @@ NETWORK_TIMEOUT_S = 3.0  # connect check before a download: no network fails in 
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
-def load_model(spec: str, max_experts: int | None = None):
-    """Any checkpoint via `entity.load`; ``max_experts`` pages an MoE `.entity`'s experts under
-    that resident budget."""
+def load_model(spec: str, max_experts: int | None = None, kv_cache: str | None = None, **kw):
+    """Any checkpoint via `entity.load` (``kw``: its options); ``max_experts`` pages an MoE
+    `.entity`'s experts under that resident budget; ``kv_cache`` "f16" halves the KV cache."""
     import entity
 
-    return entity.load(spec, max_resident_experts=max_experts)
+    model = entity.load(spec, max_resident_experts=max_experts, **kw)
+    if kv_cache is not None:
+        model.kv_cache_dtype = kv_cache
+    return model
 
 
 def convert_with_progress(

@@ -80,15 +80,19 @@ def run_bench(
     runs: int = 3,
     *,
     max_experts: int | None = None,
+    kv_cache: str | None = None,
 ) -> dict:
     """Load `spec` through `entity.load` (timed), then `bench_model`; an MoE model under a
-    ``max_experts`` budget adds its expert-cache report ("experts")."""
+    ``max_experts`` budget adds its expert-cache report ("experts"); ``kv_cache``: "f16" or
+    "f32" (`Transformer.kv_cache_dtype`)."""
     import entity
 
     _check(prompt_tokens, new_tokens, runs, None)
     t0 = time.perf_counter()
     model = entity.load(spec, max_resident_experts=max_experts)
     load_s = time.perf_counter() - t0
+    if kv_cache is not None:
+        model.kv_cache_dtype = kv_cache
     result = bench_model(model, prompt_tokens, new_tokens, runs)
     pager = getattr(model, "expert_pager", None)
     if pager is not None:

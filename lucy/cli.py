@@ -83,6 +83,11 @@ def _add_max_experts(p: argparse.ArgumentParser) -> None:
                    help="MoE .entity: keep at most N experts resident (LRU, paged from the file)")  # fmt: skip
 
 
+def _add_kv_cache(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache", dest="kv_cache", choices=("f32", "f16"), default=None,
+                   help="KV cache precision: f32 (default, exact) or f16 (half the memory)")  # fmt: skip
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system message (turns on the chat template)")
     p.add_argument(
@@ -138,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_tp(p)
     _add_max_experts(p)
+    _add_kv_cache(p)
 
     p = sub.add_parser("convert", help="convert HF/GGUF to .entity")
     p.add_argument("src", help="HF model dir, .gguf file or cached HF model id")
@@ -157,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_tp(p)
     _add_max_experts(p)
+    _add_kv_cache(p)
 
     p = sub.add_parser("bench", help="prefill/decode tok/s and peak RSS")
     p.add_argument("model", nargs="?", help="model to measure (with --compare: a .gguf, optional)")
@@ -173,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     _add_tp(p)
     _add_max_experts(p)
+    _add_kv_cache(p)
 
     p = sub.add_parser("inspect", help="grid, layers, dtypes, memory")
     p.add_argument("model", help=model_help)
@@ -197,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", dest="max_queue", type=int, default=64,
                    help="waiting requests before 429")  # fmt: skip
     p.add_argument("--log-level", dest="log_level", default="warning", help="uvicorn's log level")
+    _add_kv_cache(p)
     return parser
 
 

@@ -43,14 +43,21 @@ def cmd_chat(args) -> int:
     return _run(args, body)
 
 
+def _tp_kv_check(args) -> None:
+    if getattr(args, "kv_cache", None) == "f16":
+        raise UsageError("--kv-cache f16 is not available with --tp yet")
+
+
 def _run(args, body) -> int:
     """`body(model, info)` on the loaded model; with --tp on rank 0 of the MPI job, each rank
     holding its shard (lucy/tp_cli.py)."""
+    kv_cache = getattr(args, "kv_cache", None)
     if getattr(args, "tp", None) is not None:
         from lucy import tp_cli
 
+        _tp_kv_check(args)
         return tp_cli.run(args.tp, args.model, body)
-    return body(actions.load_model(args.model, args.max_experts), {})
+    return body(actions.load_model(args.model, args.max_experts, kv_cache), {})
 
 
 def cmd_convert(args) -> int:
@@ -100,6 +107,8 @@ def cmd_bench(args) -> int:
     if args.tp is not None:
         from lucy import tp_cli
 
+        _tp_kv_check(args)
+
         def body(model, info) -> int:
             res = bench.bench_model(model, args.prompt_tokens, args.new_tokens, args.runs)
             res = {"model": str(args.model), **info, **res}
@@ -112,7 +121,12 @@ def cmd_bench(args) -> int:
 
         return tp_cli.run(args.tp, args.model, body)
     result = bench.run_bench(
-        args.model, args.prompt_tokens, args.new_tokens, args.runs, max_experts=args.max_experts
+        args.model,
+        args.prompt_tokens,
+        args.new_tokens,
+        args.runs,
+        max_experts=args.max_experts,
+        kv_cache=args.kv_cache,
     )
     if args.json:
         print(json.dumps(result))

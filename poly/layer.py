@@ -136,7 +136,7 @@ def _check_common(layer: VolumetricLayer) -> None:
 
 
 # Attributes whose change does not invalidate cached plans (runtime state, bookkeeping).
-_UNPLANNED = frozenset({"state", "z", "y", "x", "l", "allocate"})
+_UNPLANNED = frozenset({"state", "z", "y", "x", "l", "allocate", "kv_dtype"})
 
 
 class Activation(IntEnum):

@@ -124,6 +124,13 @@ def test_unknown_subcommand_is_usage_error(world):
     assert proc.returncode == 2
 
 
+def test_kv_cache_choices_are_checked(world):
+    proc = lucy(world, "bench", str(world["snapshot"]), "--kv-cache", "bf16")
+    assert proc.returncode == 2 and "--kv-cache" in proc.stderr
+    proc = lucy(world, "bench", str(world["snapshot"]), "--kv-cache", "f16", "--tp", "2")
+    assert proc.returncode == 2 and "--tp" in proc.stderr
+
+
 def test_bad_quant_is_usage_error(world):
     proc = lucy(world, "convert", str(world["snapshot"]), "--quant", "q5")
     assert "--quant" in one_error_line(proc)
@@ -171,10 +178,11 @@ def test_download_without_network(world):
     assert EXIT_CODES[proc.returncode]
 
 
-@pytest.mark.parametrize("by", ["path", "model_id"])
+@pytest.mark.parametrize("by", ["path", "model_id", "kv-f16"])
 def test_generate_json_matches_transformers_greedy(world, by):
     """`--greedy --json`: one object; tokens equal transformers' greedy continuation of the
-    refs/main snapshot, whether MODEL is its path or the cached model id."""
+    refs/main snapshot, whether MODEL is its path or the cached model id, and with the float16
+    KV cache (`--kv-cache f16`) too."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -189,6 +197,7 @@ def test_generate_json_matches_transformers_greedy(world, by):
         "--max-tokens",
         "8",
         "--json",
+        *(("--kv-cache", "f16") if by == "kv-f16" else ()),
     )
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip().splitlines()) == 1

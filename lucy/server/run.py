@@ -79,12 +79,9 @@ def serve(args, load_model) -> int:
         raise UsageError("--ctx must be >= 2")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(WARN_OPEN.format(host=args.host), file=sys.stderr, flush=True)
-    if args.ctx is None:
-        model = load_model(args.model)
-    else:  # the KV cache and RoPE tables are sized when the model loads
-        import entity
-
-        model = entity.load(args.model, max_seq_len=args.ctx)
+    # the KV cache and RoPE tables are sized when the model loads
+    ctx = {} if args.ctx is None else {"max_seq_len": args.ctx}
+    model = load_model(args.model, kv_cache=getattr(args, "kv_cache", None), **ctx)
     app, state = build(model, args.model, max_batch=args.max_batch, ctx=args.ctx,
                        kv_pages=args.kv_pages, api_key=args.api_key,
                        max_queue=args.max_queue)  # fmt: skip

@@ -76,6 +76,19 @@ class Transformer(Generic[T]):
     def activation_dtype(self, value: Any) -> None:
         self._dtype = check_activation_dtype(value)
 
+    @property
+    def kv_cache_dtype(self) -> np.dtype:
+        """What the KV caches store for float32 activations: float32 (default, exact against
+        transformers) or float16 (half the memory and the bytes attention reads a position)."""
+        return np.dtype(getattr(self.attn(0), "kv_dtype", np.float32))
+
+    @kv_cache_dtype.setter
+    def kv_cache_dtype(self, value: Any) -> None:
+        dt = check_kv_dtype(value)
+        for i in range(self.config.num_layers):
+            self.attn(i).kv_dtype = dt
+        self.reset()  # caches of the old dtype are replaced on next use: none continues
+
     # --- parts ---------------------------------------------------------------------------------
     def block(self, i: int) -> VolumetricLayer:
         return self.network.layers[i]
@@ -266,4 +279,18 @@ def check_activation_dtype(dtype: Any) -> np.dtype:
         raise DTypeError(
             f"activation dtype {dtype!r} is not supported (Transformer[T]: float32 or float64)"
         )
+    return dt
+
+
+def check_kv_dtype(dtype: Any) -> np.dtype:
+    """float32 or float16 (also "f32"/"f16") as np.dtype; DTypeError for anything else."""
+    name = (
+        {"f32": "float32", "f16": "float16"}.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    )
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        dt = None
+    if dt not in (np.dtype(np.float32), np.dtype(np.float16)):
+        raise DTypeError(f"KV cache dtype {dtype!r} is not supported (float32 or float16)")
     return dt

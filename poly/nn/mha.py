@@ -116,11 +116,23 @@ class KVCache:
         self.length = max(0, min(self.length, n))
 
 
+KV_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+
+
+def kv_dtype(layer, dtype=np.float32) -> np.dtype:
+    """What `layer`'s KV cache stores for activations of `dtype`: the layer's `kv_dtype`
+    (float16 halves the bytes attention reads a position, like llama.cpp's default cache) for
+    float32 activations; float64 activations keep float64."""
+    dtype = np.dtype(dtype)
+    return np.dtype(getattr(layer, "kv_dtype", dtype)) if dtype == np.float32 else dtype
+
+
 def cache_for(layer, cache: KVCache | None, dtype=np.float32) -> KVCache:
-    """`cache` if it fits `layer` (and holds `dtype`), else a new empty one (first use,
-    max_seq_len or activation dtype changed)."""
-    if cache is None or cache.capacity != layer.max_seq_len or cache.k.dtype != dtype:
-        return KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim, dtype)
+    """`cache` if it fits `layer` (and holds what it stores for activations of `dtype`), else a
+    new empty one (first use, max_seq_len, activation or cache dtype changed)."""
+    store = kv_dtype(layer, dtype)
+    if cache is None or cache.capacity != layer.max_seq_len or cache.k.dtype != store:
+        return KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim, store)
     return cache
 
 
@@ -236,18 +248,21 @@ def _append(layer, cache: KVCache, p: Plan, q, k, v, tile: int) -> np.ndarray:
     if layer.qk_norm:
         q = rms_norm(q, p.comps["q_norm"], layer.rms_norm_eps)
         k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
-    dt = cache.k.dtype
+    dt = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
     scaling = layer.rope_scaling
     cos, sin = rope_tables(hd, float(layer.rope_freq_base), scaling, cache.capacity, dt.type)
     end = start + n
     q = rope_inplace(np.array(q, dtype=dt, order="C"), cos, sin, start)  # own copy
-    cache.k[start:end] = k
-    rope_inplace(cache.k[start:end], cos, sin, start)  # the cache rows are contiguous
+    # RoPE in the activation dtype, then stored (rounded to float16 by a float16 cache)
+    cache.k[start:end] = rope_inplace(np.array(k, dtype=dt, order="C"), cos, sin, start)
     cache.v[start:end] = v.reshape(n, kvh, hd)
+    keys, values = cache.k[:end], cache.v[:end]  # [end, kvh, hd]
+    if keys.dtype != dt:  # a float16 cache: attention sums in the activation dtype
+        keys, values = keys.astype(dt), values.astype(dt)
     if tile:
-        attn = _attend_tiled(q, cache.k[:end], cache.v[:end], start, heads // kvh, tile)
+        attn = _attend_tiled(q, keys, values, start, heads // kvh, tile)
     else:
-        attn = _attend(q, cache.k[:end], cache.v[:end], start, heads // kvh)
+        attn = _attend(q, keys, values, start, heads // kvh)
     cache.length = end
     return attn.reshape(n, heads * hd)  # [n, H*hd]
 

@@ -39,7 +39,7 @@ class ContiguousKV:
             if c is None:
                 out.append(None)
                 continue
-            d = KVCache(c.capacity, c.k.shape[1], c.k.shape[2])
+            d = KVCache(c.capacity, c.k.shape[1], c.k.shape[2], c.k.dtype)
             d.k[:length], d.v[:length] = c.k[:length], c.v[:length]
             d.length = length
             out.append(d)
@@ -86,7 +86,9 @@ def make_kv(model, *, kv_pages: int | None = None, max_batch: int = 16, ctx: int
         return ContiguousKV(model)
     if kv_pages is None:
         ctx = min(ctx or model.config.max_seq_len, model.config.max_seq_len)
-        per_page = sum(2 * page_size * a.num_kv_heads * a.head_dim * 4 for a in
-                       (model.attn(i) for i in range(model.config.num_layers)))  # fmt: skip
+        from poly.nn.mha import kv_dtype
+
+        per_page = sum(2 * page_size * a.num_kv_heads * a.head_dim * kv_dtype(a).itemsize
+                       for a in (model.attn(i) for i in range(model.config.num_layers)))  # fmt: skip
         kv_pages = max(1, min(max_batch * -(-ctx // page_size), budget_bytes // per_page))
     return PagedKV(model, kv_pages, page_size)

@@ -14,17 +14,19 @@ import mmap
 import numpy as np
 
 from poly.errors import ContextOverflowError, GenerationError
+from poly.nn.mha import kv_dtype
 from poly.serving.pages import ROOT, PagePool, chain_hashes
 
 
-def _pool_array(shape) -> np.ndarray:
+def _pool_array(shape, dtype=np.float32) -> np.ndarray:
     """Zeros the OS maps on first touch, in 4 KiB pages (no transparent huge pages: a 2 MiB page
     per layer array would make the resident size jump by 2 MiB x layers x 2 at a time)."""
-    size = int(np.prod(shape)) * 4
-    buf = mmap.mmap(-1, max(size, 1))
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(buf, dtype=np.float32, count=size // 4).reshape(shape)
+    return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
 
 
 class PagedSeq:
@@ -54,8 +56,8 @@ class PagedKV:
         self.prefix_cache = prefix_cache
         self.layers = [model.attn(i) for i in range(model.config.num_layers)]
         rows = n_pages * page_size
-        self.k = [_pool_array((rows, a.num_kv_heads, a.head_dim)) for a in self.layers]
-        self.v = [_pool_array(k.shape) for k in self.k]
+        self.k = [_pool_array((rows, a.num_kv_heads, a.head_dim), kv_dtype(a)) for a in self.layers]
+        self.v = [_pool_array(k.shape, k.dtype) for k in self.k]
         self.page_bytes = sum(2 * page_size * k[0].nbytes for k in self.k)
         self.pool = PagePool(n_pages, page_size, cache_bytes // self.page_bytes)
         self.live: dict[int, PagedSeq] = {}
@@ -190,7 +192,7 @@ class PagedKV:
 
         if self._scratch is None:
             self._scratch = [
-                KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim) for a in self.layers
+                KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim, kv_dtype(a)) for a in self.layers
             ]
         return self._scratch
 
@@ -264,7 +266,10 @@ class PagedKV:
 
         while len(self._scratches) < len(seqs):
             self._scratches.append(
-                [KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim) for a in self.layers]
+                [
+                    KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim, kv_dtype(a))
+                    for a in self.layers
+                ]
             )
         states = self._scratches[: len(seqs)]
         for seq, st in zip(seqs, states):
