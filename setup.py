@@ -47,6 +47,7 @@ KERNEL_SOURCES = [
     "csrc/pk_moe_args.h",
     "csrc/pk_avx512.h",
     "csrc/pk_vec.h",
+    "csrc/pk_half.h",
     "csrc/pk_decode.h",
     "csrc/pk_unity.h",
 ]

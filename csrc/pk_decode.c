@@ -57,6 +57,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.x = P->x; A.xs = P->xs;
     A.xq = P->xq; A.dx = P->dx; A.xs16 = P->xs16;
     A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
+    A.x1 = q8 == 2; /* auto mode: K-quant rows on x's first code (csrc/pk_k8.h) */
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
                              : (k8 && P->grp != 8) || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && P->grp == 1);

@@ -7,7 +7,10 @@
  * integer sums per sub-block, one float multiply by dx per sub-block and by D per super-block.
  * The offsets take the float sums of x per 16 elements (xs16), so they add no rounding of x.
  * llama.cpp's Q8_K dots work the same way with one activation code per element; the residual
- * code xl keeps ours within ~1e-4 of the float path. Included by pk_kernels.h. */
+ * code xl keeps ours within ~1e-4 of the float path (POLY_ACT_Q8=1). The "auto" mode (the
+ * default) takes xh alone (A->x1), like llama.cpp and like the K-quant prompt panels: half the
+ * integer products (AVX2 was instruction-bound on them: 1B Q4_K_M decode 43 -> 50 tok/s), x
+ * rounded to 8 bits a 32-block, the offsets still on x's float sums. Included by pk_kernels.h. */
 #ifndef PK_K8_H
 #define PK_K8_H
 
@@ -169,10 +172,10 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
             for (int i = 0; i < nn; i++) {
                 const int64_t b = (c + i) * A->nb + sb * 8 + 2 * q2;
                 const __m512i qh = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 0)), sv);
-                const __m512i ql = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 32)), sv);
                 double d2; /* dx of blocks b, b + 1 */
                 memcpy(&d2, A->dx + b, 8);
                 const __m512 dx = _mm512_permutexvar_ps(half, _mm512_castpd_ps(_mm512_set1_pd(d2)));
+                const __m512i ql = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 32)), sv);
                 const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), rl, _mm512_cvtepi32_ps(qh));
                 part[i] = _mm512_fmadd_ps(f, dx, part[i]);
             }
@@ -190,12 +193,18 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
 #endif
 
 /* output row r for the nn input rows from c on (nn a constant after inlining) */
-static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_args *A, int64_t r, int64_t c, const int nn) {
+static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_args *A, int64_t r, int64_t c, const int nn,
+                                                          const int x1) {
 #if PK_AVX512
-    k8_tile512(kind, A, r, c, nn);
-#else /* 8 lanes: one sub-block a vector; x's two codes meet the scales s * 254 and s in int32
-        * (254 sh + sl: |.| <= 1.04e9, no overflow), one convert and one FMA a sub-block (a row in
-        * pairs sharing x's loads ran slower: 1B Q4_K_M decode 43 -> 31 tok/s, spills) */
+    if (!x1) { /* x's two codes: the 64-byte tiles (on x1 the 8-lane loop below is the faster one
+                * on AVX-512 too: 1B Q4_K_M decode 50 -> 54 tok/s, Q2_K 56 -> 65) */
+        k8_tile512(kind, A, r, c, nn);
+        return;
+    }
+#endif
+    /* 8 lanes: one sub-block a vector; x's two codes meet the scales s * 254 and s in int32
+     * (254 sh + sl: |.| <= 1.04e9, no overflow), one convert and one FMA a sub-block (a row in
+     * pairs sharing x's loads ran slower: 1B Q4_K_M decode 43 -> 31 tok/s, spills) */
     const uint8_t *row = A->w + r * A->rb;
     const int64_t nsb = A->nb / 8;
     __m256 acc[ROW_TILE];
@@ -222,11 +231,12 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
 #pragma GCC unroll 16
             for (int i = 0; i < nn; i++) {
                 const int64_t b = (c + i) * A->nb + sb * 8 + j;
-                const __m256i t = _mm256_add_epi32(k8_dot(u, svh, A->xq + b * 64), k8_dot(u, sv, A->xq + b * 64 + 32));
+                const __m256i t = x1 ? k8_dot(u, sv, A->xq + b * 64)
+                                     : _mm256_add_epi32(k8_dot(u, svh, A->xq + b * 64), k8_dot(u, sv, A->xq + b * 64 + 32));
                 part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(A->dx[b]), part[i]);
             }
         }
-        const __m256 dv = _mm256_set1_ps(S.D * (1.0f / XL_SCALE)), o0 = _mm256_loadu_ps(S.o), o1 = _mm256_loadu_ps(S.o + 8);
+        const __m256 dv = _mm256_set1_ps(x1 ? S.D : S.D * (1.0f / XL_SCALE)), o0 = _mm256_loadu_ps(S.o), o1 = _mm256_loadu_ps(S.o + 8);
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {
             const float *x16 = A->xs16 + ((c + i) * A->nb + sb * 8) * 2;
@@ -237,13 +247,15 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
     }
 #pragma GCC unroll 16
     for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = hsum(acc[i]);
-#endif
 }
 
 static inline __attribute__((always_inline)) void k8_row(int kind, const mm_args *A, int64_t r, int64_t n) {
-#define K8TILE(c, nn) k8_tile(kind, A, r, c, nn)
-    FOR_TILES(n, K8TILE);
+#define K8TILE(c, nn) k8_tile(kind, A, r, c, nn, 0)
+#define K8TILE1(c, nn) k8_tile(kind, A, r, c, nn, 1)
+    if (A->x1) FOR_TILES(n, K8TILE1);
+    else FOR_TILES(n, K8TILE);
 #undef K8TILE
+#undef K8TILE1
 }
 #endif
 

@@ -1,6 +1,6 @@
-"""The K-quant kinds' integer paths of the default ("auto") scheme: one-row products on int8
-activations with two codes (csrc/pk_k8.h), 4 rows or more on int8 panels (csrc/pk_k8i.h), in the
-kernels alone and inside the fused step."""
+"""The K-quant kinds' integer paths of the default ("auto") scheme: one-row products on x's
+first int8 code (csrc/pk_k8.h; both codes with POLY_ACT_Q8=1), 4 rows or more on int8 panels
+(csrc/pk_k8i.h), in the kernels alone and inside the fused step."""
 
 from __future__ import annotations
 
@@ -15,16 +15,23 @@ from tests.tiny_model import random_transformer
 
 @pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
 def test_auto_scheme_takes_int8_activations_for_k_quant_rows_only(scheme):
-    """The default ("auto"): a one-row K-quant product takes int8 activations (csrc/pk_k8.h,
-    within 2e-3 of the exact result), several rows the exact float path."""
+    """The default ("auto"): a one-row K-quant product takes x's first int8 code alone
+    (csrc/pk_k8.h, A->x1, like llama.cpp: exact on the code grid, within 2e-2 of the exact result
+    with a 30x outlier channel), POLY_ACT_Q8=1 both codes (within 2e-3); several rows the exact
+    float path."""
     assert ckernels.act_q8() == ckernels.Q8_AUTO
     qt, x, ref = kernel_case(scheme, 67, 3, seed=2)
+    w = qt.dequantize().astype(np.float64)
+    grid = _on_code_grid(1, x.shape[1], seed=4)
+    exact = grid.astype(np.float64) @ w.T
+    np.testing.assert_allclose(qt.matmul(grid), exact, rtol=1e-5, atol=2e-6 * np.abs(exact).max())
     x[:, 5] *= 30.0
-    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
-    one = qt.matmul(x[:1])
+    ref = x.astype(np.float64) @ w.T
+    one, two = qt.matmul(x[:1]), ckernels.matmul(qt, x[:1], q8=True)
     assert not np.array_equal(one, ckernels.matmul(qt, x[:1], q8=False))
-    assert np.abs(one - ref[:1]).max() <= 2e-3 * np.abs(ref[:1]).max()
-    np.testing.assert_array_equal(one, ckernels.matmul(qt, x[:1], q8=True))
+    scale = np.abs(ref[:1]).max()
+    assert 1e-4 * scale < np.abs(one - ref[:1]).max() <= 2e-2 * scale  # x was rounded
+    assert np.abs(two - ref[:1]).max() <= min(2e-3 * scale, 0.1 * np.abs(one - ref[:1]).max())
     np.testing.assert_array_equal(qt.matmul(x), ckernels.matmul(qt, x, q8=False))
 
 
@@ -73,11 +80,11 @@ def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
 
 @pytest.mark.parametrize("scheme", K_QUANTS)
 def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each_isa):
-    """ "auto": a K-quant model's one-row steps take int8 activations with two codes (pk_k8.h) and
-    its 6-token prompt one int8 code per element (pk_k8i.h, AVX-512), in the fused step as in the
-    Python path; the prompt's 8-bit codes put every step
-    within 3e-2 of the float path (1e-2 to 4e-2 on SmolLM2 / a 1B Q4_K_M, where llama.cpp's
-    Q8_K is 3e-2 to 6e-2), the two-code decode rows alone within 3e-3."""
+    """ "auto": a K-quant model's one-row steps take x's first int8 code (pk_k8.h) and its
+    6-token prompt one int8 code per element (pk_k8i.h), in the fused step as in the Python path;
+    the 8-bit codes put every step within 6e-2 of the float path on this random model (1e-2 to
+    4e-2 on SmolLM2 / a 1B Q4_K_M, where llama.cpp's Q8_K is 3e-2 to 6e-2), the decode rows
+    alone too."""
     tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=5)
     quantize_all(tf, scheme)
     tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
@@ -91,8 +98,10 @@ def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each
     # integer rows and prompt panels on every SIMD build (base: none)
     for a, p, e in zip(auto, python, exact):
         assert np.array_equal(a, e) == (each_isa == "base")
-        assert np.abs(a - e).max() <= (3e-3 if each_isa == "base" else 3e-2) * np.abs(e).max()
-        assert np.abs(p - a).max() <= 3e-3 * np.abs(e).max()
+        assert np.abs(a - e).max() <= (3e-3 if each_isa == "base" else 6e-2) * np.abs(e).max()
+        # the two paths' inputs differ in their last bits, so now and then a code rounds the
+        # other way (one code: a step of dx, not dx / 254)
+        assert np.abs(p - a).max() <= 1e-2 * np.abs(e).max()
     # one-row steps alone: prompt in float, then decode steps auto vs float
     with monkeypatch.context() as m:
         tf.reset()
@@ -107,7 +116,7 @@ def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each
         ckernels.set_act_q8("auto")
         del m
     for a, e in zip(cache, ref):
-        assert np.abs(a - e).max() <= 3e-3 * np.abs(e).max()
+        assert np.abs(a - e).max() <= 6e-2 * np.abs(e).max()
 
 
 @pytest.mark.parametrize("scheme", ["gguf_q4_k", "gguf_q6_k"])

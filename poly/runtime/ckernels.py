@@ -67,11 +67,12 @@ _opts = {"q8": _Q8_ENV.get(os.environ.get("POLY_ACT_Q8", ""), Q8_AUTO)}
 
 
 def set_act_q8(on: bool | str) -> int:
-    """Scheme flag: True = int8 activations for every 4/8-bit kernel (integer dot products,
-    llama.cpp's q8 activations; error documented in docs/performance.md), False = the exact float
+    """Scheme flag: True = int8 activations for every 4/8-bit kernel (integer dot products on
+    two codes per element, ~1e-4 of the float path; docs/performance.md), False = the exact float
     path everywhere, "auto" (the default) = integer paths for the K-quant kinds (Q2_K..Q6_K)
-    where they win: decode rows (csrc/pk_k8.h: 1.5-2.7x the float rows; in the fused step every
-    row of a batched decode too) and prompts of 4 rows or more (csrc/pk_k8i.h: int8 panels)."""
+    where they win, on one int8 code per element like llama.cpp's: decode rows (csrc/pk_k8.h; in
+    the fused step every row of a batched decode too) and prompts of 4 rows or more
+    (csrc/pk_k8i.h: int8 panels)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 
