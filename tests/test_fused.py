@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poly import TransformerConfig, layout
+from poly import layout
 from poly.errors import ContextOverflowError
 from poly.layer import LayerType
 from poly.runtime import ckernels, fused, kernels
 from tests.test_ckernels import MAKERS, block_of
-from tests.tiny_model import random_transformer
+from tests.tiny_model import decode_call, random_transformer, tiny_cfg
 
 pytestmark = [
     pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime.native.ckernels not built"),
@@ -22,12 +22,6 @@ pytestmark = [
 ]
 
 PROMPT = [3, 17, 5, 42, 9, 11]
-
-
-def tiny_cfg(hidden=64, inter=96, **kw) -> TransformerConfig:
-    base = dict(vocab_size=120, num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=64)
-    base.update(kw)
-    return TransformerConfig(hidden_size=hidden, intermediate_size=inter, **base)
 
 
 def run_steps(tf, use_fused: bool, monkeypatch, n: int = 5, prompt=PROMPT) -> list[np.ndarray]:
@@ -156,14 +150,7 @@ def test_context_overflow_keeps_the_cache():
 
 
 def test_extension_checks_the_tuples_itself():
-    tf = random_transformer(tiny_cfg(), seed=8)
-    tf.forward([1])
-    p = fused.plan(tf)
-    caches = []
-    for layer in p.attn:
-        caches += (layer.state.k, layer.state.v)
-    x = np.zeros(64, np.float32)
-    logits = np.empty(p.vocab, np.float32)
+    p, caches, x, logits = decode_call()
     c = ckernels.EXT
     with pytest.raises(ValueError):
         c.decode(p.layers, tuple(caches[:-1]), p.head, x, logits, (1,), False)  # a cache missing

@@ -11,8 +11,7 @@ import pytest
 from poly.errors import DTypeError
 from poly.nn import mha
 from poly.runtime import ckernels, fused
-from tests.test_fused import tiny_cfg
-from tests.tiny_model import random_transformer
+from tests.tiny_model import decode_call, random_transformer, tiny_cfg
 
 pytestmark = [
     pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime.native.ckernels not built"),
@@ -100,14 +99,7 @@ def test_the_option_is_checked_and_halves_the_cache():
 
 
 def test_the_extension_refuses_mixed_or_foreign_caches():
-    tf = random_transformer(tiny_cfg(), seed=8)
-    tf.forward([1])
-    p = fused.plan(tf)
-    caches = []
-    for layer in p.attn:
-        caches += (layer.state.k, layer.state.v)
-    x = np.zeros(64, np.float32)
-    logits = np.empty(p.vocab, np.float32)
+    p, caches, x, logits = decode_call()
     for swap in (np.float16, np.int32, np.float64):
         bad = list(caches)
         bad[1] = np.zeros(caches[1].shape, swap)  # block 0's v cache

@@ -40,3 +40,22 @@ def random_transformer(
     if final_norm_scale is not None:
         tf.final_norm = 1.0 + final_norm_scale * rng.standard_normal(cfg.hidden_size)
     return tf
+
+
+def tiny_cfg(hidden=64, inter=96, **kw) -> TransformerConfig:
+    base = dict(vocab_size=120, num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=64)
+    base.update(kw)
+    return TransformerConfig(hidden_size=hidden, intermediate_size=inter, **base)
+
+
+def decode_call(seed: int = 8):
+    """(plan, caches, x, logits) of a direct ckernels.decode call on a tiny model at position 1."""
+    from poly.runtime import fused
+
+    tf = random_transformer(tiny_cfg(), seed=seed)
+    tf.forward([1])
+    p = fused.plan(tf)
+    caches = []
+    for layer in p.attn:
+        caches += (layer.state.k, layer.state.v)
+    return p, caches, np.zeros(64, np.float32), np.empty(p.vocab, np.float32)
