@@ -172,10 +172,10 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
             for (int i = 0; i < nn; i++) {
                 const int64_t b = (c + i) * A->nb + sb * 8 + 2 * q2;
                 const __m512i qh = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 0)), sv);
+                const __m512i ql = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 32)), sv);
                 double d2; /* dx of blocks b, b + 1 */
                 memcpy(&d2, A->dx + b, 8);
                 const __m512 dx = _mm512_permutexvar_ps(half, _mm512_castpd_ps(_mm512_set1_pd(d2)));
-                const __m512i ql = _mm512_madd_epi16(_mm512_maddubs_epi16(u, k8_x2(A->xq, b, 32)), sv);
                 const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), rl, _mm512_cvtepi32_ps(qh));
                 part[i] = _mm512_fmadd_ps(f, dx, part[i]);
             }
@@ -203,8 +203,9 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
     }
 #endif
     /* 8 lanes: one sub-block a vector; x's two codes meet the scales s * 254 and s in int32
-     * (254 sh + sl: |.| <= 1.04e9, no overflow), one convert and one FMA a sub-block (a row in
-     * pairs sharing x's loads ran slower: 1B Q4_K_M decode 43 -> 31 tok/s, spills) */
+     * (254 sh + sl: |.| <= 1.04e9, no overflow; x1: sh and s alone), one convert and one FMA a
+     * sub-block (a row in pairs sharing x's loads ran slower: 1B Q4_K_M decode 43 -> 31 tok/s,
+     * spills) */
     const uint8_t *row = A->w + r * A->rb;
     const int64_t nsb = A->nb / 8;
     __m256 acc[ROW_TILE];

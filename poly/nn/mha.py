@@ -116,9 +116,6 @@ class KVCache:
         self.length = max(0, min(self.length, n))
 
 
-KV_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
-
-
 def kv_dtype(layer, dtype=np.float32) -> np.dtype:
     """What `layer`'s KV cache stores for activations of `dtype`: the layer's `kv_dtype`
     (float16 halves the bytes attention reads a position, like llama.cpp's default cache) for
