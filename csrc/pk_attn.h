@@ -58,11 +58,10 @@ static inline __attribute__((always_inline)) __m256 dot8x(const uint8_t *const k
 }
 #endif
 
-/* scores sc[t] = q . K_t * scale for t <= pos; returns their max */
-static inline __attribute__((always_inline)) float attn_scores(const step_t *S, int i, const uint8_t *K, int64_t kvd,
+/* scores sc[t] = q . K_t * scale for t <= pos (rb: a position's bytes); returns their max */
+static inline __attribute__((always_inline)) float attn_scores(const step_t *S, int i, const uint8_t *K, int64_t rb,
                                                                 const float *q, int64_t hd, float scale, float *sc,
                                                                 int64_t pos, const int h16) {
-    const int64_t rb = kvd * (h16 ? 2 : 4); /* bytes a position */
     float mx = -INFINITY;
     int64_t t = 0;
 #if PK_SIMD
@@ -107,10 +106,9 @@ static inline float attn_exp(float *sc, int64_t pos, float mx) {
 }
 
 /* o = (sum_t p[t] * V_t) / sum for NV * 8 = head_dim (NV a constant: the row stays in registers) */
-static inline __attribute__((always_inline)) void attn_values(const step_t *S, int i, const uint8_t *V, int64_t kvd,
+static inline __attribute__((always_inline)) void attn_values(const step_t *S, int i, const uint8_t *V, int64_t rb,
                                                               const float *p, int64_t pos, float inv, float *o,
                                                               const int NV, const int h16) {
-    const int64_t rb = kvd * (h16 ? 2 : 4);
     __m256 acc[32];
     for (int c = 0; c < NV; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t t = 0; t <= pos; t++) {
@@ -125,16 +123,16 @@ static inline __attribute__((always_inline)) void attn_values(const step_t *S, i
 /* row i, head h: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos] */
 static inline __attribute__((always_inline)) void attend_kv(const step_t *S, const layer_t *L, const float *q, float *o,
                                                             float *sc, int64_t pos, int i, int h, const int h16) {
-    const int64_t hd = L->hd, kvd = (int64_t)L->kvh * hd, g = h / (L->heads / L->kvh), es = h16 ? 2 : 4;
+    const int64_t hd = L->hd, g = h / (L->heads / L->kvh), es = h16 ? 2 : 4, rb = (int64_t)L->kvh * hd * es;
     const float scale = (float)(1.0 / sqrt((double)hd));
     const uint8_t *K = (const uint8_t *)L->kc[i] + g * hd * es, *V = (const uint8_t *)L->vc[i] + g * hd * es;
-    const float mx = attn_scores(S, i, K, kvd, q, hd, scale, sc, pos, h16);
+    const float mx = attn_scores(S, i, K, rb, q, hd, scale, sc, pos, h16);
 #if PK_SIMD
     if (hd % 8 == 0 && hd <= 256) {
         const float inv = 1.0f / attn_exp(sc, pos, mx);
-        if (hd == 64) attn_values(S, i, V, kvd, sc, pos, inv, o, 8, h16);
-        else if (hd == 128) attn_values(S, i, V, kvd, sc, pos, inv, o, 16, h16);
-        else attn_values(S, i, V, kvd, sc, pos, inv, o, (int)(hd / 8), h16);
+        if (hd == 64) attn_values(S, i, V, rb, sc, pos, inv, o, 8, h16);
+        else if (hd == 128) attn_values(S, i, V, rb, sc, pos, inv, o, 16, h16);
+        else attn_values(S, i, V, rb, sc, pos, inv, o, (int)(hd / 8), h16);
         return;
     }
 #endif
@@ -143,7 +141,7 @@ static inline __attribute__((always_inline)) void attend_kv(const step_t *S, con
     for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
     for (int64_t t = 0; t <= pos; t++) {
         const float p = sc[t] / sum;
-        const uint8_t *v = V + slot(S, i, t) * kvd * es;
+        const uint8_t *v = V + slot(S, i, t) * rb;
         for (int64_t j = 0; j < hd; j++) o[j] += p * kv_ld1(v, j, h16);
     }
 }

@@ -18,15 +18,20 @@ static const void *hold(holds_t *H, PyObject *o, int writable, int64_t want, con
     return b->buf;
 }
 
-/* a KV cache: writable float32 or float16 ('f' / 'e' in the buffer's format) -> *es bytes an element */
+/* whether buffer b holds one native-order item type `code` of `size` bytes ("f" 4, "e" 2, "i" 4) */
+static int buf_is(const Py_buffer *b, const char *code, Py_ssize_t size) {
+    const char *f = b->format ? b->format : "B";
+    f += *f == '<' || *f == '='; /* the byte-order prefix */
+    return b->itemsize == size && !strcmp(f, code);
+}
+
+/* a KV cache: writable float32 or float16 -> *es bytes an element */
 static void *hold_kv(holds_t *H, PyObject *o, int *es, const char *what) {
     if (H->n == H->cap) { PyErr_SetString(PyExc_ValueError, "too many buffers"); return NULL; }
     Py_buffer *b = &H->bufs[H->n];
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return NULL;
     H->n++;
-    const char *f = b->format ? b->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    *es = !strcmp(f, "f") && b->itemsize == 4 ? 4 : !strcmp(f, "e") && b->itemsize == 2 ? 2 : 0;
+    *es = buf_is(b, "f", 4) ? 4 : buf_is(b, "e", 2) ? 2 : 0;
     if (!*es) {
         PyErr_Format(PyExc_ValueError, "%s must be float32 or float16", what);
         return NULL;
@@ -65,10 +70,7 @@ static int parse_paged(holds_t *H, PyObject *o, step_t *S) {
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(tabs, i), b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
         H->n++;
         S->tab[i] = b->buf;
-        if (b->itemsize != 4 || !b->format || (strcmp(b->format, "i") && strcmp(b->format, "<i") && strcmp(b->format, "=i"))) {
-            PyErr_SetString(PyExc_ValueError, "page tables must be int32 arrays");
-            return -1;
-        }
+        if (!buf_is(b, "i", 4)) { PyErr_SetString(PyExc_ValueError, "page tables must be int32 arrays"); return -1; }
         S->ntab[i] = b->len / 4;
     }
     return 0;

@@ -85,14 +85,12 @@ def run_bench(
     """Load `spec` through `entity.load` (timed), then `bench_model`; an MoE model under a
     ``max_experts`` budget adds its expert-cache report ("experts"); ``kv_cache``: "f16" or
     "f32" (`Transformer.kv_cache_dtype`)."""
-    import entity
+    from lucy.actions import load_model
 
     _check(prompt_tokens, new_tokens, runs, None)
     t0 = time.perf_counter()
-    model = entity.load(spec, max_resident_experts=max_experts)
+    model = load_model(spec, max_experts, kv_cache)
     load_s = time.perf_counter() - t0
-    if kv_cache is not None:
-        model.kv_cache_dtype = kv_cache
     result = bench_model(model, prompt_tokens, new_tokens, runs)
     pager = getattr(model, "expert_pager", None)
     if pager is not None:

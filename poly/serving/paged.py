@@ -14,7 +14,7 @@ import mmap
 import numpy as np
 
 from poly.errors import ContextOverflowError, GenerationError
-from poly.nn.mha import kv_dtype
+from poly.nn.mha import KVCache, kv_dtype
 from poly.serving.pages import ROOT, PagePool, chain_hashes
 
 
@@ -187,13 +187,15 @@ class PagedKV:
 
     # --- running --------------------------------------------------------------------------------
 
-    def _scratch_state(self) -> list:
-        from poly.nn.mha import KVCache
+    def _new_caches(self) -> list:
+        """One empty contiguous cache per block, in the pool's dtype (a scratch state)."""
+        return [
+            KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim, kv_dtype(a)) for a in self.layers
+        ]
 
+    def _scratch_state(self) -> list:
         if self._scratch is None:
-            self._scratch = [
-                KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim, kv_dtype(a)) for a in self.layers
-            ]
+            self._scratch = self._new_caches()
         return self._scratch
 
     def prefill(self, seq: PagedSeq, ids: list[int]) -> np.ndarray:
@@ -257,7 +259,7 @@ class PagedKV:
         """Several prompts' next chunks in one pass -> logits [B, V]: up to STEP_ROWS tokens as
         the rows of one fused step; more: each sequence's cached positions gathered into a
         scratch cache of its own, the new ones scattered back."""
-        from poly.nn.mha import KVCache, release_pages
+        from poly.nn.mha import release_pages
         from poly.runtime.batch import forward_batch
 
         got = self._prefill_rows(seqs, chunks)
@@ -265,12 +267,7 @@ class PagedKV:
             return got
 
         while len(self._scratches) < len(seqs):
-            self._scratches.append(
-                [
-                    KVCache(a.max_seq_len, a.num_kv_heads, a.head_dim, kv_dtype(a))
-                    for a in self.layers
-                ]
-            )
+            self._scratches.append(self._new_caches())
         states = self._scratches[: len(seqs)]
         for seq, st in zip(seqs, states):
             n0 = seq.length
