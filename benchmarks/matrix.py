@@ -57,7 +57,14 @@ CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
 # seconds before each request: OpenMP and ggml worker threads spin for a while after their
 # work, and the next engine's short prefill would share the cores with them
 SETTLE = 0.05
-QUICK = {"runs": 1, "new": 8, "prefill": [16, 42], "contexts": [0, 128], "models": ["smollm2"]}
+QUICK = {
+    "runs": 1,
+    "warmup": 0,
+    "new": 8,
+    "prefill": [16, 42],
+    "contexts": [0, 128],
+    "models": ["smollm2"],
+}
 WORK = Path(os.environ.get("POLY_BENCH_DIR", "/tmp/poly-bench"))
 
 
@@ -65,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="poly vs llama.cpp vs transformers: the matrix")
     ap.add_argument("--runs", type=int, default=5, help="alternating rounds (medians)")
     ap.add_argument("--new", type=int, default=64, help="greedy decode tokens per run")
+    ap.add_argument(
+        "--warmup", type=int, default=1, help="untimed runs of each op per engine before its rounds"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
@@ -85,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.runs < 1 or args.new < 1 or args.threads < 1 or args.agree_new < 1:
         ap.error("--runs, --new, --threads and --agree-new must be >= 1")
+    if args.warmup < 0:
+        ap.error("--warmup must be >= 0")
     if min(args.prefill) < 1 or min(args.contexts) < 0:
         ap.error("--prefill lengths must be >= 1 and --contexts >= 0")
     args.precisions = [p for p in PRECISIONS if p in args.precisions]  # F32 first: the base
@@ -266,6 +278,34 @@ def round_ops(args, ids: dict) -> list[tuple[str, int, dict]]:
     return ops
 
 
+def rounds(label: str, workers: list[Worker], entries: dict, args, ids: dict) -> dict:
+    """Each op: `args.warmup` untimed runs per engine (the thread tuners and caches settle on
+    this op's shape), then its rounds, engines in turn; tok/s per engine, op kind and key."""
+    samples: dict = {w.name: {"prefill": {}, "decode": {}} for w in workers}
+    for kind, key, req in round_ops(args, ids):
+        for r in range(-args.warmup, args.runs):
+            parts = []
+            turn = workers[r % len(workers) :] + workers[: r % len(workers)] if workers else []
+            for w in turn:  # the order rotates: no engine always follows the same one
+                time.sleep(SETTLE)  # the previous engine's spinning threads go to sleep first
+                try:
+                    res = w.ask(req)
+                except RuntimeError as exc:
+                    entries[w.name]["error"] = str(exc)
+                    workers.remove(w)
+                    continue
+                tok_s = len(req["ids"]) / res["prefill_s"] if kind == "prefill" else 0.0
+                if kind == "decode":
+                    tok_s = args.new / res["decode_s"]
+                if r >= 0:
+                    samples[w.name][kind].setdefault(str(key), []).append(tok_s)
+                parts.append(f"{w.name} {tok_s:.1f}")
+            what = f"prefill {key}" if kind == "prefill" else f"decode @{key}"
+            which = f"round {r + 1}/{args.runs}" if r >= 0 else "warm-up"
+            progress(f"{label} {which} {what} tok/s: " + ", ".join(parts))
+    return samples
+
+
 def run_cell(model: str, precision: str, args, ids: dict, base_tokens: list | None) -> dict:
     label = f"[{model} {precision}]"
     files = cell_files(model, precision, args.threads)
@@ -283,26 +323,7 @@ def run_cell(model: str, precision: str, args, ids: dict, base_tokens: list | No
             except RuntimeError as exc:
                 entries[w.name]["error"] = str(exc)
                 workers.remove(w)
-    samples: dict = {w.name: {"prefill": {}, "decode": {}} for w in workers}
-    for kind, key, req in round_ops(args, ids):  # each op: its rounds, engines in turn
-        for r in range(args.runs):
-            parts = []
-            turn = workers[r % len(workers) :] + workers[: r % len(workers)] if workers else []
-            for w in turn:  # the order rotates: no engine always follows the same one
-                time.sleep(SETTLE)  # the previous engine's spinning threads go to sleep first
-                try:
-                    res = w.ask(req)
-                except RuntimeError as exc:
-                    entries[w.name]["error"] = str(exc)
-                    workers.remove(w)
-                    continue
-                tok_s = len(req["ids"]) / res["prefill_s"] if kind == "prefill" else 0.0
-                if kind == "decode":
-                    tok_s = args.new / res["decode_s"]
-                samples[w.name][kind].setdefault(str(key), []).append(tok_s)
-                parts.append(f"{w.name} {tok_s:.1f}")
-            what = f"prefill {key}" if kind == "prefill" else f"decode @{key}"
-            progress(f"{label} round {r + 1}/{args.runs} {what} tok/s: " + ", ".join(parts))
+    samples = rounds(label, workers, entries, args, ids)
     for w in workers:
         w.close()
         entries[w.name]["rss_mb"] = w.rss

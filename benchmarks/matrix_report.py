@@ -57,7 +57,8 @@ def header(machine: dict, args: dict) -> str:
         f"CPU: {cpu['model']} ({machine['cpus']} logical CPUs); flags: {' '.join(cpu['flags'])}",
         f"poly ISA: {machine.get('poly_isa', '?')}; llama-cpp-python {machine.get('llama_cpp')}; "
         f"load average at start {' '.join(f'{x:.1f}' for x in machine['load'])}",
-        f"threads {args['threads']}, {args['runs']} alternating rounds (medians), "
+        f"threads {args['threads']}, {args['runs']} alternating rounds (medians) after "
+        f"{args.get('warmup', 0)} untimed warm-up run(s) of each op, "
         f"{args['new']} decode tokens; memory read bandwidth "
         f"{machine['bandwidth'] / 1e9:.1f} GB/s ({args['threads']} threads, plain read loop)",
     ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.matrix import PRECISIONS, QUICK, engine_specs, parse_args, round_ops
+from benchmarks.matrix import PRECISIONS, QUICK, engine_specs, parse_args, round_ops, rounds
 from benchmarks.matrix_report import (
     ceiling_tok_s,
     decode_bytes,
@@ -23,6 +23,7 @@ from benchmarks.workers import Engine
 def test_defaults_cover_the_issue_matrix():
     a = parse_args([])
     assert a.runs == 5 and a.threads == 2 and a.new == 64 and a.agree_new == 64
+    assert a.warmup == 1
     assert a.models == ["smollm2", "synth1b"]
     assert a.precisions == list(PRECISIONS)
     assert list(PRECISIONS) == [
@@ -48,7 +49,13 @@ def test_quick_overrides_and_f32_first():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--runs", "0"], ["--prefill", "0"], ["--contexts", "-1"], ["--precisions", "Q9"]],
+    [
+        ["--runs", "0"],
+        ["--warmup", "-1"],
+        ["--prefill", "0"],
+        ["--contexts", "-1"],
+        ["--precisions", "Q9"],
+    ],
 )
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -202,3 +209,25 @@ def test_decode_prefills_a_context_once_then_cuts_back_to_it():
     e.calls.clear()
     e.decode([1, 2, 3], 1)  # a prefill in between: the context is built again
     assert e.calls == ["reset", "forward 3", "forward 1"]
+
+
+class _Timed:
+    """A worker whose n-th answer takes n seconds: shows which runs the rounds keep."""
+
+    def __init__(self, name: str):
+        self.name, self.calls = name, 0
+
+    def ask(self, req: dict) -> dict:
+        self.calls += 1
+        return {"prefill_s": float(self.calls), "decode_s": float(self.calls)}
+
+
+def test_rounds_drop_the_warm_up_runs(monkeypatch):
+    monkeypatch.setattr("benchmarks.matrix.SETTLE", 0.0)
+    a = parse_args(["--runs", "3", "--warmup", "2", "--prefill", "16", "--contexts", "0"])
+    ids = {"text": list(range(1, 40))}
+    workers = [_Timed("poly"), _Timed("llama")]
+    samples = rounds("[t]", workers, {}, a, ids)
+    assert [w.calls for w in workers] == [10, 10]  # 2 ops x (2 warm-up + 3 timed)
+    assert samples["poly"]["prefill"]["16"] == [16 / 3, 16 / 4, 16 / 5]  # calls 1-2 untimed
+    assert samples["llama"]["decode"]["0"] == [a.new / 8, a.new / 9, a.new / 10]
