@@ -43,11 +43,6 @@ def cmd_chat(args) -> int:
     return _run(args, body)
 
 
-def _tp_kv_check(args) -> None:
-    if getattr(args, "kv_cache", None) == "f16":
-        raise UsageError("--kv-cache f16 is not available with --tp yet")
-
-
 def _run(args, body) -> int:
     """`body(model, info)` on the loaded model; with --tp on rank 0 of the MPI job, each rank
     holding its shard (lucy/tp_cli.py)."""
@@ -55,8 +50,7 @@ def _run(args, body) -> int:
     if getattr(args, "tp", None) is not None:
         from lucy import tp_cli
 
-        _tp_kv_check(args)
-        return tp_cli.run(args.tp, args.model, body)
+        return tp_cli.run(args.tp, args.model, body, kv_cache)
     return body(actions.load_model(args.model, args.max_experts, kv_cache), {})
 
 
@@ -107,8 +101,6 @@ def cmd_bench(args) -> int:
     if args.tp is not None:
         from lucy import tp_cli
 
-        _tp_kv_check(args)
-
         def body(model, info) -> int:
             res = bench.bench_model(model, args.prompt_tokens, args.new_tokens, args.runs)
             res = {"model": str(args.model), **info, **res}
@@ -119,7 +111,7 @@ def cmd_bench(args) -> int:
                 make_console().print(views.bench_table(res))
             return 0
 
-        return tp_cli.run(args.tp, args.model, body)
+        return tp_cli.run(args.tp, args.model, body, args.kv_cache)
     result = bench.run_bench(
         args.model,
         args.prompt_tokens,

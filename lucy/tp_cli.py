@@ -65,9 +65,9 @@ def _rank_error(comm, err: BaseException) -> PolyError:
     return out
 
 
-def run(tp: int, spec: str, body: Callable[[Any, dict], int]) -> int:
+def run(tp: int, spec: str, body: Callable[[Any, dict], int], kv_cache: str | None = None) -> int:
     """Load `spec` sharded over the world; rank 0 runs `body(model, info)`, the others follow.
-    info: load_s, tp, threads."""
+    info: load_s, tp, threads. kv_cache: every rank's KV caches ("f16": half the memory)."""
     import entity
     from poly.runtime import lockstep
 
@@ -76,6 +76,8 @@ def run(tp: int, spec: str, body: Callable[[Any, dict], int]) -> int:
         threads = set_rank_threads(comm)
         t0 = time.perf_counter()
         model = entity.load(spec, tp=comm, lockstep=True)
+        if kv_cache is not None:  # before lockstep: each rank sets its own shard's caches
+            model.kv_cache_dtype = kv_cache
         info = {"load_s": time.perf_counter() - t0, "tp": comm.size, "threads": threads}
         if comm.rank != 0:
             lockstep.follow(model)

@@ -127,8 +127,6 @@ def test_unknown_subcommand_is_usage_error(world):
 def test_kv_cache_choices_are_checked(world):
     proc = lucy(world, "bench", str(world["snapshot"]), "--kv-cache", "bf16")
     assert proc.returncode == 2 and "--kv-cache" in proc.stderr
-    proc = lucy(world, "bench", str(world["snapshot"]), "--kv-cache", "f16", "--tp", "2")
-    assert proc.returncode == 2 and "--tp" in proc.stderr
 
 
 def test_bad_quant_is_usage_error(world):

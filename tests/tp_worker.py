@@ -53,7 +53,8 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def mode_logits(comm, out: Path, quantized: bool, specs: list[str]) -> None:
+def mode_logits(comm, out: Path, quantized: bool, specs: list[str], kv: str | None = None) -> None:
+    """kv: every model's KV cache dtype ("f16"), else the default float32."""
     from poly.runtime import ckernels, kernels
 
     # quantized: the float kernels on both sides (TP = 1 decodes GGUF Q4_1 rows on int8 codes of
@@ -64,6 +65,8 @@ def mode_logits(comm, out: Path, quantized: bool, specs: list[str]) -> None:
         for backend in ("c",) if is_smol else ("c", "numpy"):
             kernels.set_backend(backend)
             model = load(spec, comm, quantized)
+            if kv is not None:
+                model.kv_cache_dtype = kv
             ids = model.prompt_ids(SMOL_CHAT, chat=True) if is_smol else PROMPT
             res = logits_run(model, ids, all_rows=not is_smol)
             if comm.rank == 0:
@@ -122,7 +125,7 @@ def main() -> None:
     comm = world()
     out = Path(out)
     if mode == "logits":
-        mode_logits(comm, out, flag == "q", specs)
+        mode_logits(comm, out, flag == "q", specs, "f16" if flag == "h" else None)
     elif mode == "greedy":
         mode_greedy(comm, out, flag == "q", specs)
     elif mode == "fault":
