@@ -210,6 +210,11 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
 #pragma omp barrier
 }
 
+/* floats of one head's attention scores (positions 0 .. maxpos, 64-byte multiples) */
+static inline int64_t sc_stride(const step_t *S) {
+    return (S->maxpos + 1 + 15) & ~(int64_t)15;
+}
+
 static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
     const int64_t n = S->n, q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
     int64_t r0, r1;
@@ -233,12 +238,14 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
     }
     /* a head's output is whole blocks: prep them here (not when the codes take groups of 256) */
     const int want_o = wants_codes(S, &L->o, 1), inline_prep = L->hd % 32 == 0 && q8_group(S, want_o) != 8;
-    for (int64_t e = r0; e < r1; e++) {
-        const int i = (int)(e / L->heads), h = (int)(e % L->heads);
-        float *o = B->att + i * q + h * L->hd;
-        attend(S, L, B->qkv + i * w + h * L->hd, o, B->sc + tid * (S->maxpos + 1), S->pos[i], i, h);
-        if (inline_prep) prep_blocks(&B->P, B->att, (i * q + h * L->hd) / 32, (i * q + (h + 1) * L->hd) / 32,
-                                     S->loom, q8_group(S, want_o));
+    const int64_t sst = sc_stride(S);
+    for (int64_t e = r0; e < r1;) { /* this thread's heads of row i: h0 .. h1 */
+        const int i = (int)(e / L->heads), h0 = (int)(e % L->heads);
+        const int h1 = r1 - e < L->heads - h0 ? h0 + (int)(r1 - e) : L->heads;
+        attend_heads(S, L, B->qkv + i * w, B->att + i * q, B->sc + tid * sst * S->maxh, sst, S->pos[i], i, h0, h1);
+        if (inline_prep) prep_blocks(&B->P, B->att, (i * q + h0 * L->hd) / 32, (i * q + h1 * L->hd) / 32, S->loom,
+                                     q8_group(S, want_o));
+        e += h1 - h0;
     }
 #pragma omp barrier
     add_projection(S, &L->o, B, B->att, q, tid, nt, inline_prep);
@@ -284,7 +291,7 @@ static size_t pk_scratch_floats(const step_t *S, int nt) {
     const int64_t R = S->mrows > n ? S->mrows : n, kp = kmax > S->d ? kmax : S->d;
     const int64_t moe = S->mrows ? n * S->mE + 2 * S->mE + 2 * R + R * (2 * S->d + 3 * S->inter)
                                        + (S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 16 : 0;
-    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + (S->maxpos + 1) * nt + moe + 64 + 24 * 16 /* take()'s padding */
+    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + sc_stride(S) * S->maxh * nt + moe + 64 + 24 * 16 /* take()'s padding */
                     + (gemm_bufs(S, R) ? nt * gemm_stride(S) : 0));
 }
 
@@ -315,7 +322,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     f += S->mrows ? ((S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 15) & ~(int64_t)15 : 0;
     B->h = take(&f, n * S->d); B->qkv = take(&f, n * S->maxw); B->att = take(&f, n * S->maxq);
     B->tmp = take(&f, n * S->d); B->gu = take(&f, 2 * n * S->inter); B->hid = take(&f, n * S->inter);
-    B->sc = take(&f, (S->maxpos + 1) * nt);
+    B->sc = take(&f, sc_stride(S) * S->maxh * nt);
     B->P.xs = take(&f, R * kp / 32 + 1);
     B->P.dx = take(&f, R * kp / 32 + 1);
     B->P.xs16 = take(&f, R * kp / 16 + 1);

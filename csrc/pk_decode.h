@@ -48,6 +48,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
 
 typedef struct {
     layer_t *L; int nl, n; int64_t d, inter, maxpos, maxq, maxw; int loom;
+    int maxh; /* the most query heads of a layer (the attention's score rows a thread) */
     int q8; /* 0 float, 1 int8 codes for every 4/8-bit kind, 2 auto (K-quants), 3 repacked rows only */
     int seq1; /* the n rows are one sequence's tokens (a prompt): they share every cache */
     int indep; /* no two rows share a cache (and page table): each row attends only its own keys */

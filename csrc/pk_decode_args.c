@@ -237,6 +237,7 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
         if (parse_layer(H, PyTuple_GET_ITEM(layers, l), caches, l, S, L, S->d, S->maxpos, &S->inter)) return -1;
         const int64_t q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
         if (q > S->maxq) S->maxq = q;
+        if (L->heads > S->maxh) S->maxh = L->heads;
         if (w > S->maxw) S->maxw = w;
         for (int i = 0; i < L->nqkv; i++) S->loom |= L->qkv[i].kind == K_LOOM_Q4;
         S->loom |= L->o.kind == K_LOOM_Q4 || L->down.kind == K_LOOM_Q4;
