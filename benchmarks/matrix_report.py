@@ -60,7 +60,9 @@ def header(machine: dict, args: dict) -> str:
         f"threads {args['threads']}, {args['runs']} alternating rounds (medians) after "
         f"{args.get('warmup', 0)} untimed warm-up run(s) of each op, "
         f"{args['new']} decode tokens; memory read bandwidth "
-        f"{machine['bandwidth'] / 1e9:.1f} GB/s ({args['threads']} threads, plain read loop)",
+        f"{machine['bandwidth'] / 1e9:.1f} GB/s ({args['threads']} threads, plain read loop; the "
+        f"most of {len(machine.get('bandwidth_runs', [0]))} measurements, "
+        f"least {min(machine.get('bandwidth_runs', [machine['bandwidth']])) / 1e9:.1f})",
     ]
     return "\n".join(lines)
 

@@ -136,6 +136,7 @@ def _report() -> dict:
         "cpus": 2,
         "load": [1.0, 2.0, 3.0],
         "bandwidth": 25e9,
+        "bandwidth_runs": [20e9, 25e9, 21e9],
     }
     return {"machine": machine, "args": args, "cells": cells}
 
@@ -159,7 +160,7 @@ def test_ratio_table():
 def test_render_has_header_and_both_tables():
     text = render(_report())
     assert "CPU: Test CPU (2 logical CPUs); flags: avx2" in text
-    assert "read bandwidth 25.0 GB/s" in text
+    assert "read bandwidth 25.0 GB/s" in text and "the most of 3 measurements, least 20.0" in text
     assert "## smollm2" in text and "Ratios (smollm2):" in text
 
 
