@@ -294,8 +294,9 @@ def rounds(label: str, workers: list[Worker], entries: dict, args, ids: dict) ->
                     entries[w.name]["error"] = str(exc)
                     workers.remove(w)
                     continue
-                tok_s = len(req["ids"]) / res["prefill_s"] if kind == "prefill" else 0.0
-                if kind == "decode":
+                if kind == "prefill":
+                    tok_s = len(req["ids"]) / res["prefill_s"]
+                else:
                     tok_s = args.new / res["decode_s"]
                 if r >= 0:
                     samples[w.name][kind].setdefault(str(key), []).append(tok_s)

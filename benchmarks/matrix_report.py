@@ -53,6 +53,7 @@ def parse_cpuinfo(text: str) -> dict:
 
 def header(machine: dict, args: dict) -> str:
     cpu = machine["cpu"]
+    bws = machine.get("bandwidth_runs") or [machine["bandwidth"]]  # older reports: one value
     lines = [
         f"CPU: {cpu['model']} ({machine['cpus']} logical CPUs); flags: {' '.join(cpu['flags'])}",
         f"poly ISA: {machine.get('poly_isa', '?')}; llama-cpp-python {machine.get('llama_cpp')}; "
@@ -61,8 +62,7 @@ def header(machine: dict, args: dict) -> str:
         f"{args.get('warmup', 0)} untimed warm-up run(s) of each op, "
         f"{args['new']} decode tokens; memory read bandwidth "
         f"{machine['bandwidth'] / 1e9:.1f} GB/s ({args['threads']} threads, plain read loop; the "
-        f"most of {len(machine.get('bandwidth_runs', [0]))} measurements, "
-        f"least {min(machine.get('bandwidth_runs', [machine['bandwidth']])) / 1e9:.1f})",
+        f"most of {len(bws)} measurements, least {min(bws) / 1e9:.1f})",
     ]
     return "\n".join(lines)
 
