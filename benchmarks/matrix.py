@@ -49,7 +49,19 @@ PRECISIONS = {
     "Q4_K_M": 15,
     "Q3_K_M": 12,
     "Q2_K": 10,
+    # the other presets llama.cpp's quantizer writes (not in the default run: --precisions)
+    "BF16": 32,
+    "Q6_K": 18,
+    "Q5_1": 9,
+    "Q5_0": 8,
+    "Q5_K_S": 16,
+    "Q4_K_S": 14,
+    "IQ4_NL": 25,
+    "IQ4_XS": 30,
+    "Q3_K_L": 13,
+    "Q3_K_S": 11,
 }
+DEFAULT_PRECISIONS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
 ENTITY_IN = {"F16": "f16", "Q8_0": "q8", "Q4_0": "q4"}  # .entity quant run in that GGUF's cell
 AGREE_IN = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M")  # 8-bit and 4-bit cells (and the f32 base)
 MODELS = ("smollm2", "synth1b")
@@ -77,7 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    ap.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
+    ap.add_argument(
+        "--precisions", nargs="+", choices=list(PRECISIONS), default=list(DEFAULT_PRECISIONS)
+    )
     ap.add_argument("--prefill", nargs="+", type=int, default=[16, 42, 128, 512])
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 1000])
     ap.add_argument("--agree-new", type=int, default=64, help="greedy tokens compared with f32")

@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.matrix import PRECISIONS, QUICK, engine_specs, parse_args, round_ops, rounds
+from benchmarks.matrix import (
+    DEFAULT_PRECISIONS,
+    PRECISIONS,
+    QUICK,
+    engine_specs,
+    parse_args,
+    round_ops,
+    rounds,
+)
 from benchmarks.matrix_report import (
     ceiling_tok_s,
     decode_bytes,
@@ -25,10 +33,10 @@ def test_defaults_cover_the_issue_matrix():
     assert a.runs == 5 and a.threads == 2 and a.new == 64 and a.agree_new == 64
     assert a.warmup == 1
     assert a.models == ["smollm2", "synth1b"]
-    assert a.precisions == list(PRECISIONS)
-    assert list(PRECISIONS) == [
+    assert a.precisions == list(DEFAULT_PRECISIONS) == [
         "F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K",
     ]  # fmt: skip
+    assert list(PRECISIONS)[: len(DEFAULT_PRECISIONS)] == a.precisions  # F32 first: the base
     assert a.prefill == [16, 42, 128, 512] and a.contexts == [0, 1000]
 
 
