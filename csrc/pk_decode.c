@@ -57,10 +57,13 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.x = P->x; A.xs = P->xs;
     A.xq = P->xq; A.dx = P->dx; A.xs16 = P->xs16;
     A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
-    A.x1 = q8 == 2; /* auto mode: K-quant rows on x's first code (csrc/pk_k8.h) */
+    A.x1 = q8 == 2; /* auto mode: K-quant, Q5_0/Q5_1/IQ4 rows on x's first code (csrc/pk_k8.h) */
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
+    /* auto mode, Q5_0/Q5_1/IQ4 rows of independent sequences (not a prompt: gemm_from above
+     * MAX_N): x's first code (pk_k8.h pq8_kind); a prompt's rows the float paths, as in Python */
+    const int pq8 = q8 == 2 && PK_SIMD && pq8_kind(M->kind) && P->grp == 1 && P->gemm_from > MAX_N;
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
-                             : (k8 && P->grp != 8) || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && P->grp == 1);
+                             : (k8 && P->grp != 8) || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && P->grp == 1) || pq8;
     /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
     const int r16 = PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */

@@ -291,7 +291,7 @@ static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
     return 0;
 }
 
-/* the auto mode's q8: 2 for K-quants, int8 rows (csrc/pk_k8.h) for independent rows (batched
+/* the auto mode's q8: 2 for K-quants (and Q5_0/Q5_1/IQ4), int8 rows (csrc/pk_k8.h) for independent rows (batched
  * decode: a row's numbers do not depend on its company), int8 panels (pk_k8i.h) for prompts
  * of 4 tokens or more; else 3 when only repacked 4-bit rows (pk_r16.h) read codes; else 0 */
 static int auto_q8(const step_t *S) {

@@ -38,12 +38,17 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
         for (; j < k; j++) dst[j] = h2f(row + 2 * j);
         return;
     }
-    case K_BF16:
-        for (int64_t j = 0; j < k; j++) {
+    case K_BF16: {
+        int64_t j = 0;
+#if PK_SIMD
+        for (; j + 8 <= k; j += 8) _mm256_storeu_ps(dst + j, load8(K_BF16, row, j));
+#endif
+        for (; j < k; j++) {
             uint32_t u = (uint32_t)((const uint16_t *)row)[j] << 16;
             memcpy(dst + j, &u, 4);
         }
         return;
+    }
     case K_I8: {
         const int8_t *c = (const int8_t *)row;
         const float s = A->aux[r];

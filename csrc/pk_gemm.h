@@ -132,26 +132,26 @@ static void gemm_chunk(const float *P, const float *x, int64_t n, int64_t ldx, i
 
 
 /* P[kk][r] = src[r * lds + kk] for kk < kc, r < rows (rows past them zero): k-major panel; src
- * float32, or float16 (esz 2: the stored F16 rows packed straight, no dequantized copy) */
+ * float32, float16 or bfloat16 (kind K_F32/K_F16/K_BF16: the stored rows packed straight, no
+ * dequantized copy) */
 static inline __attribute__((always_inline)) void gemm_pack_any(const void *src, int64_t lds, int64_t rows, int64_t kc,
-                                                                float *P, const int esz) {
+                                                                float *P, const int kind) {
     int64_t kk = 0;
-    const float *s4 = (const float *)src;
-    const uint8_t *s2 = (const uint8_t *)src;
+    const int64_t esz = kind == K_F32 ? 4 : 2;
+    const uint8_t *s = (const uint8_t *)src;
 #if PK_SIMD
     if (rows == GR) /* whole 8 x 8 blocks on 8 lanes: ~0.4 instructions an element, not 2 */
         for (; kk + 8 <= kc; kk += 8)
             for (int64_t r = 0; r < GR; r += 8)
-                transpose8(esz == 2 ? (const void *)(s2 + 2 * (r * lds + kk)) : (const void *)(s4 + r * lds + kk), lds,
-                           P + kk * GR + r, GR, esz);
+                transpose8(s + esz * (r * lds + kk), lds, P + kk * GR + r, GR, kind == K_F32 ? 0 : kind == K_F16 ? 1 : 2);
 #endif
     if (rows < GR) memset(P, 0, (size_t)(kc * GR) * 4);
     for (; kk < kc; kk++)
-        for (int64_t r = 0; r < rows; r++) P[kk * GR + r] = esz == 2 ? h2f(s2 + 2 * (r * lds + kk)) : s4[r * lds + kk];
+        for (int64_t r = 0; r < rows; r++) P[kk * GR + r] = load1(kind, s + esz * r * lds, kk);
 }
 
 static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, float *P) {
-    gemm_pack_any(src, lds, rows, kc, P, 4);
+    gemm_pack_any(src, lds, rows, kc, P, K_F32);
 }
 
 /* row r of a Q4_0/Q4_1/Q8_0/int8 matrix repacked by 16 (csrc/pk_r16.h) as its stored rows again,
@@ -236,15 +236,16 @@ static inline pf_cur pf_chunk(int kind, const dq_args *D, int64_t r0, int64_t ro
 static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
                        int64_t rows, float *tmp, float *P, int64_t next) {
     const int64_t k = D->k;
-    if (kind == K_F16 || kind == K_F32) { /* packed straight from the stored rows (1B [8192 x 2048], 17 / 42
-                                            * rows: 1.4x / 1.17x), the next chunk asked for meanwhile */
-        const int esz = kind == K_F16 ? 2 : 4;
+    if (kind == K_F16 || kind == K_BF16 || kind == K_F32) { /* packed straight from the stored rows (1B
+                                            * [8192 x 2048], 17 / 42 rows: 1.4x / 1.17x), the next chunk asked for meanwhile */
+        const int esz = kind == K_F32 ? 4 : 2;
         const uint8_t *w = D->w + r0 * D->rb;
         for (int64_t c0 = 0; c0 < k; c0 += KC) {
             const int64_t kc = k - c0 < KC ? k - c0 : KC;
             pf_cur pf = pf_chunk(kind, D, r0, rows, next, c0 + kc, esz);
-            if (esz == 2) gemm_pack_any(w + 2 * c0, k, rows, kc, P, 2);
-            else gemm_pack_any(w + 4 * c0, k, rows, kc, P, 4);
+            if (kind == K_F16) gemm_pack_any(w + 2 * c0, k, rows, kc, P, K_F16);
+            else if (kind == K_BF16) gemm_pack_any(w + 2 * c0, k, rows, kc, P, K_BF16);
+            else gemm_pack_any(w + 4 * c0, k, rows, kc, P, K_F32);
             gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0, &pf);
         }
         return;

@@ -22,6 +22,13 @@ static inline int k8_kind(int kind) {
     return kind == K_Q2_K || kind == K_Q3_K || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K;
 }
 
+/* the 32-block kinds without repacked rows whose decode rows take x's first int8 code in the auto
+ * mode (pk_q8.h quant_row_q8), like the K-quants: their float rows were compute-bound (1B Q5_0
+ * decode 0.85x llama.cpp's) */
+static inline int pq8_kind(int kind) {
+    return kind == K_Q5_0 || kind == K_Q5_1 || kind == K_IQ4_NL || kind == K_IQ4_XS;
+}
+
 #if PK_SIMD
 
 typedef struct {

@@ -115,7 +115,7 @@ typedef struct {
     int64_t cb, ocb;   /* ... and xq's bytes a block (64 in the fused step's buffers, 32 packed) */
     int64_t n, k, m, rb, nb; /* rb = bytes per stored row, nb = 32-blocks per row */
     int64_t ldo;             /* out row stride (floats): m, or wider when out is a slice */
-    int x1; /* K-quant int8 rows (csrc/pk_k8.h): x's first code only (the q8 "auto" mode) */
+    int x1; /* K-quant, Q5_0/Q5_1/IQ4 int8 rows (pk_k8.h, pk_q8.h): x's first code only (the q8 "auto" mode) */
 } mm_args;
 
 #include "pk_half.h"

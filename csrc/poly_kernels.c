@@ -132,8 +132,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     /* rp: the rows repacked by 16 (csrc/pk_r16.h), read instead of w unless q8 is 0 */
     PyObject *orp = nargs == 10 && q8 && PK_R16 ? args[9] : Py_None;
     const int k8i = q8 == 2 && k8_kind((int)kind) && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
-    A.x1 = q8 == 2; /* as the fused step: K-quant rows on x's first code in the auto mode */
-    if (q8 == 2) q8 = (k8_kind((int)kind) || (PK_LOOM8 && kind == K_LOOM_Q4)) && A.n <= K8_ROWS; /* as the fused step */
+    A.x1 = q8 == 2; /* as the fused step: K-quant, Q5_0/Q5_1/IQ4 rows on x's first code in the auto mode */
+    if (q8 == 2) /* as the fused step */
+        q8 = (k8_kind((int)kind) || (PK_SIMD && pq8_kind((int)kind)) || (PK_LOOM8 && kind == K_LOOM_Q4)) && A.n <= K8_ROWS;
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
         return NULL;

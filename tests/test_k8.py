@@ -12,11 +12,24 @@ from tests.test_ckernels import MAKERS, QUANTIZED, block_of, kernel_case, random
 from tests.test_fused import K_QUANTS, PROMPT, quantize_all, run_steps, tiny_cfg
 from tests.tiny_model import random_transformer
 
+# the kinds whose one-row products take x's first int8 code in the auto mode: the K-quants
+# (pk_k8.h) and the 32-block kinds without repacked rows (pk_q8.h, pq8_kind)
+ONE_CODE = [
+    s for s in QUANTIZED if s not in ("int8", "loom_q4", "gguf_q4_0", "gguf_q4_1", "gguf_q8_0")
+]
+PQ8 = ["gguf_q5_0", "gguf_q5_1", "gguf_iq4_nl", "gguf_iq4_xs"]
 
-@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
-def test_auto_scheme_takes_int8_activations_for_k_quant_rows_only(scheme):
-    """The default ("auto"): a one-row K-quant product takes x's first int8 code alone
-    (csrc/pk_k8.h, A->x1, like llama.cpp: exact on the code grid, within 2e-2 of the exact result
+
+def test_one_code_kinds():
+    assert sorted(ONE_CODE) == sorted(
+        PQ8 + [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s]
+    )
+
+
+@pytest.mark.parametrize("scheme", ONE_CODE)
+def test_auto_scheme_takes_int8_activations_for_one_code_rows_only(scheme):
+    """The default ("auto"): a one-row K-quant, Q5_0/Q5_1/IQ4 product takes x's first int8 code
+    alone (csrc/pk_k8.h, pk_q8.h, A->x1, like llama.cpp: exact on the code grid, within 2e-2 of the exact result
     with a 30x outlier channel), POLY_ACT_Q8=1 both codes (within 2e-3); several rows the exact
     float path."""
     assert ckernels.act_q8() == ckernels.Q8_AUTO
@@ -76,6 +89,28 @@ def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
         assert 1e-4 < err <= 4e-2
         coded = _int8_codes(x) @ w.T
         assert np.abs(out - coded).max() <= 2e-5 * np.abs(coded).max()
+
+
+@pytest.mark.parametrize("scheme", PQ8)
+def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, each_isa):
+    """ "auto": a Q5_0/Q5_1/IQ4 model's one-row steps take x's first int8 code (pk_q8.h, like
+    llama.cpp's q8_0 activations), in the fused step as in the Python path; its prompt the float
+    paths (bitwise the q8-off step's). Within 6e-2 of the float path on this random model."""
+    tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=5)
+    quantize_all(tf, scheme)
+    tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
+    auto = run_steps(tf, True, monkeypatch)
+    python = run_steps(tf, False, monkeypatch)
+    ckernels.set_act_q8(False)
+    try:
+        exact = run_steps(tf, True, monkeypatch)
+    finally:
+        ckernels.set_act_q8("auto")
+    np.testing.assert_array_equal(auto[0], exact[0])  # the prompt
+    for a, p, e in zip(auto[1:], python[1:], exact[1:]):
+        assert np.array_equal(a, e) == (each_isa == "base")
+        assert np.abs(a - e).max() <= (0 if each_isa == "base" else 6e-2) * np.abs(e).max()
+        assert np.abs(p - a).max() <= 1e-2 * np.abs(e).max()
 
 
 @pytest.mark.parametrize("scheme", K_QUANTS)

@@ -51,6 +51,7 @@ STEP_ROWS = 64  # rows of one fused step (csrc/pk_decode.h STEP_MAX)
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = qs.C_Q4_0, qs.C_Q4_1, qs.C_Q8_0, qs.C_Q4_K, qs.C_Q6_K
 K8_KINDS = frozenset({qs.C_Q2_K, qs.C_Q3_K, qs.C_Q4_K, qs.C_Q5_K, qs.C_Q6_K})  # k8_kind (pk_k8.h)
+PQ8_KINDS = frozenset({qs.C_Q5_0, qs.C_Q5_1, qs.C_IQ4_NL, qs.C_IQ4_XS})  # pq8_kind (pk_k8.h)
 DENSE_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is DenseMatrix}
 GGUF_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is GGUFMatrix}
 GGUF_BLOCK = {r.c_kind: r.block for r in qs.SCHEMES.values() if r.qtensor is GGUFMatrix}
@@ -72,18 +73,24 @@ def set_act_q8(on: bool | str) -> int:
     path everywhere, "auto" (the default) = integer paths for the K-quant kinds (Q2_K..Q6_K)
     where they win, on one int8 code per element like llama.cpp's: decode rows (csrc/pk_k8.h; in
     the fused step every row of a batched decode too) and prompts of 4 rows or more
-    (csrc/pk_k8i.h: int8 panels)."""
+    (csrc/pk_k8i.h: int8 panels); Q5_0/Q5_1/IQ4_NL/IQ4_XS the same way for decode rows and
+    prompts below the gemm panels (csrc/pk_q8.h)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 
 
 def prompt_kinds() -> frozenset:
     """The kinds whose prompts (one sequence's rows) take another path in the auto mode than
-    the same rows in company: the K-quants (int8 panels), and on 8-lane builds Loom Q4 (int8
-    rows in company, the float paths alone: PK_LOOM8)."""
+    the same rows in company: the K-quants (int8 panels), Q5_0/Q5_1/IQ4 (long prompts on the
+    float gemm panels, int8 rows in company), and on 8-lane builds Loom Q4 (int8 rows in
+    company, the float paths alone: PK_LOOM8)."""
     if _opts["q8"] != Q8_AUTO or not AVAILABLE:
         return frozenset()
-    return K8_KINDS | (frozenset({LOOM_Q4}) if LOOM8 else frozenset())
+    return (
+        K8_KINDS
+        | (PQ8_KINDS if SIMD else frozenset())
+        | (frozenset({LOOM_Q4}) if LOOM8 else frozenset())
+    )
 
 
 def act_q8() -> int:
@@ -107,14 +114,14 @@ def isas() -> tuple[str, ...]:
 def use_isa(name: str) -> str:
     """Run the `name` build of the kernels from now on (tests, benchmarks); returns the previous
     one. UsageError when this CPU cannot run it. The thread count carries over."""
-    global EXT, GEMM_ROWS, LOOM8
+    global EXT, GEMM_ROWS, LOOM8, SIMD
     if name not in isas():
         raise UsageError(f"no {name!r} build of the C kernels runs here (have {isas()})")
     old, threads = EXT.ISA, EXT.info()["threads"]
     if name != old:
         EXT = _MAIN if name == _MAIN.ISA else _MAIN.variant(name)
         EXT.set_threads(threads)
-        GEMM_ROWS, LOOM8 = _gemm_rows(), _loom8()
+        GEMM_ROWS, LOOM8, SIMD = _gemm_rows(), _loom8(), _simd()
     return old
 
 
@@ -302,7 +309,12 @@ def _loom8() -> bool:
     return bool(EXT.info().get("loom8")) if AVAILABLE else False
 
 
-LOOM8 = _loom8()  # follows use_isa; read per scheduler step by prompt_kinds
+def _simd() -> bool:
+    """Whether this build has the SIMD kernels (the base build: plain loops, float paths only)."""
+    return bool(EXT.info().get("simd")) if AVAILABLE else False
+
+
+LOOM8, SIMD = _loom8(), _simd()  # follow use_isa; read per scheduler step by prompt_kinds
 
 
 def aligned(x: np.ndarray) -> np.ndarray:
