@@ -339,6 +339,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->P.gbuf = NULL;
     B->P.grp = q8_group(S, 2) == 8 ? 8 : 0; /* set again by each prep (the codes its readers take) */
     B->P.gemm_from = S->seq1 ? GEMM_ROWS : MAX_N + 1;
+    B->P.x1 = S->q8 == 2;
     if (gemm_bufs(S, R)) {
         B->P.gbuf = S->mrows ? f : m; /* the MoE region only with MoE */
         B->P.gstride = gemm_stride(S);

@@ -42,6 +42,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
     float *gbuf; int64_t gstride; /* per-thread gemm panels (GEMM_ROWS rows and more) */
     int grp; /* the codes prep wrote (q8_group): 0 none, 1 two int8 codes per element (the int8
               * rows, repacked rows), 8 one (the K-quant prompt panels, pk_k8i.h) */
+    int x1; /* the auto mode: the K-quant rows take x's first code, their offsets its sums (xs16) */
     int64_t gemm_from; /* rows from which a product runs as gemm panels: GEMM_ROWS for a prompt,
                         * else MAX_N + 1 (the row kernels: a row's sums alone and in company) */
 } px_t;

@@ -5,12 +5,13 @@
  * (Q4_K/Q5_K/Q2_K: o = dmin * min; Q3_K/Q6_K: the code offset, o = D * s * 4 or 32). The codes
  * meet x's int8 codes (xh, xl per 32-block, pk_vec.h quantize_x) in maddubs, the scales in madd:
  * integer sums per sub-block, one float multiply by dx per sub-block and by D per super-block.
- * The offsets take the float sums of x per 16 elements (xs16), so they add no rounding of x.
+ * The offsets take the sums of x per 16 elements (xs16): float sums with x's two codes, the
+ * first codes' sums in the auto mode (pk_vec.h code_sums16: the stored weights times x's codes).
  * llama.cpp's Q8_K dots work the same way with one activation code per element; the residual
  * code xl keeps ours within ~1e-4 of the float path (POLY_ACT_Q8=1). The "auto" mode (the
  * default) takes xh alone (A->x1), like llama.cpp and like the K-quant prompt panels: half the
  * integer products (AVX2 was instruction-bound on them: 1B Q4_K_M decode 43 -> 50 tok/s), x
- * rounded to 8 bits a 32-block, the offsets still on x's float sums. Included by pk_kernels.h. */
+ * rounded to 8 bits a 32-block. Included by pk_kernels.h. */
 #ifndef PK_K8_H
 #define PK_K8_H
 

@@ -16,8 +16,9 @@ static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loo
     if (loom) loom_order(x + b0 * 32, P->xp + b0 * 32, (b1 - b0) * 32);
     if (q8 == 8) quantize_xi(x, P->xq, K8I_PX_CB, K8I_PX_XO(P->xq), K8I_PX_OCB, P->dx, P->xs16, b0, b1, -1); /* one code each */
     else if (q8) {
-        sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0);
         quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);
+        if (P->x1) code_sums16(P->xq + b0 * 64, P->dx + b0, P->xs16 + b0 * 2, b1 - b0);
+        else sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0);
         if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0);
     }
 }

@@ -93,6 +93,18 @@ static inline void sums16(const float *x, float *xs16, int64_t nblocks) {
     }
 }
 
+/* the auto mode's K-quant offsets (x's first code alone, pk_k8.h): per 16 elements dx * the sum of
+ * x's first codes, so a row's sum is the stored weights times x's codes (llama.cpp's Q8_K bsums;
+ * on x's float sums the rounding error doubled: a Q6_K row 1.0e-2 of the output, 0.55e-2 so) */
+static inline void code_sums16(const int8_t *xq, const float *dx, float *xs16, int64_t nblocks) {
+    for (int64_t b = 0; b < nblocks; b++)
+        for (int h = 0; h < 2; h++) {
+            int t = 0;
+            for (int l = 0; l < 16; l++) t += xq[b * 64 + 16 * h + l];
+            xs16[2 * b + h] = dx[b] * (float)t;
+        }
+}
+
 #if PK_SIMD
 /* exp(x) on 8 lanes: Cephes' expf polynomial (relative error ~2e-7), x clamped to +-88.38 so it
  * never overflows (exp(-inf) -> ~0, not NaN; NaN lanes give garbage: callers handle NaN). */

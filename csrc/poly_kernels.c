@@ -91,8 +91,9 @@ static int run(int kind, mm_args *A, int nt, int q8, const uint8_t *rp) {
         if (kind == K_LOOM_Q4 && !rp) { loom_order(A->x, xp, nk); A->x = xp; } /* repacked: Q4_0's order */
         if (q8) {
             int8_t *xq = (int8_t *)(xp + nk);
-            sums16(A->x, xs16, nbs);
             quantize_x(A->x, xq, dx, nbs);
+            if (A->x1) code_sums16(xq, dx, xs16, nbs); /* as the fused step's prep */
+            else sums16(A->x, xs16, nbs);
             A->xq = xq; A->dx = dx; A->xs16 = xs16;
         }
     }

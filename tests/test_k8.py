@@ -29,9 +29,10 @@ def test_one_code_kinds():
 @pytest.mark.parametrize("scheme", ONE_CODE)
 def test_auto_scheme_takes_int8_activations_for_one_code_rows_only(scheme):
     """The default ("auto"): a one-row K-quant, Q5_0/Q5_1/IQ4 product takes x's first int8 code
-    alone (csrc/pk_k8.h, pk_q8.h, A->x1, like llama.cpp: exact on the code grid, within 2e-2 of the exact result
-    with a 30x outlier channel), POLY_ACT_Q8=1 both codes (within 2e-3); several rows the exact
-    float path."""
+    alone (csrc/pk_k8.h, pk_q8.h, A->x1, like llama.cpp: exact on the code grid, within 2e-2 of
+    the exact result with a 30x outlier channel, and the stored weights times x's codes: the
+    offsets and mins on the codes' sums too), POLY_ACT_Q8=1 both codes (within 2e-3); several
+    rows the exact float path."""
     assert ckernels.act_q8() == ckernels.Q8_AUTO
     qt, x, ref = kernel_case(scheme, 67, 3, seed=2)
     w = qt.dequantize().astype(np.float64)
@@ -44,6 +45,8 @@ def test_auto_scheme_takes_int8_activations_for_one_code_rows_only(scheme):
     assert not np.array_equal(one, ckernels.matmul(qt, x[:1], q8=False))
     scale = np.abs(ref[:1]).max()
     assert 1e-4 * scale < np.abs(one - ref[:1]).max() <= 2e-2 * scale  # x was rounded
+    codes = _int8_codes(x[:1]) @ w.T  # on x's float sums, the offsets doubled the error
+    np.testing.assert_allclose(one, codes, rtol=0, atol=1e-5 * scale)
     assert np.abs(two - ref[:1]).max() <= min(2e-3 * scale, 0.1 * np.abs(one - ref[:1]).max())
     np.testing.assert_array_equal(qt.matmul(x), ckernels.matmul(qt, x, q8=False))
 
