@@ -291,9 +291,9 @@ static int parse_reduce(holds_t *H, PyObject *o, step_t *S) {
     return 0;
 }
 
-/* the auto mode's q8: 2 for K-quants (and Q5_0/Q5_1/IQ4), int8 rows (csrc/pk_k8.h) for independent rows (batched
- * decode: a row's numbers do not depend on its company), int8 panels (pk_k8i.h) for prompts
- * of 4 tokens or more; else 3 when only repacked 4-bit rows (pk_r16.h) read codes; else 0 */
+/* the auto mode's q8: 2 for K-quants (Q5_0/Q5_1/IQ4 outside prompts), int8 rows (pk_k8.h) for
+ * independent rows (batched decode: a row's numbers alone = in company), int8 panels (pk_k8i.h)
+ * for prompts of 4 tokens or more; else 3 when only repacked 4-bit rows read codes; else 0 */
 static int auto_q8(const step_t *S) {
     int any = auto8(S, S->lm.kind), rp = S->lm.rp != NULL;
     for (int l = 0; l < S->nl; l++) {

@@ -24,7 +24,7 @@ static inline int k8_kind(int kind) {
 }
 
 /* the 32-block kinds without repacked rows whose decode rows take x's first int8 code in the auto
- * mode (pk_q8.h quant_row_q8), like the K-quants: their float rows were compute-bound (1B Q5_0
+ * mode (pk_q8.h pq8_row), like the K-quants: their float rows were compute-bound (1B Q5_0
  * decode 0.85x llama.cpp's) */
 static inline int pq8_kind(int kind) {
     return kind == K_Q5_0 || kind == K_Q5_1 || kind == K_IQ4_NL || kind == K_IQ4_XS;

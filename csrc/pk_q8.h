@@ -26,11 +26,6 @@ static inline __m256i nib16_i(const uint8_t *p, uint8_t x) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
 }
 
-/* Q5_0/Q5_1/IQ4 rows on x's first code alone (the auto mode, pk_k8.h pq8_kind), like llama.cpp's
- * q8_0 activations: the stored weights times x's codes (Q5_0 signed, Q5_1's min on the codes'
- * sums too: on x's float sums the rounding error doubled), exact int32 sums a block. Two blocks
- * an iteration into two accumulators: one chain of dependent FMAs bound the row (1B Q5_1
- * decode 29 tok/s, 8 cycles a block). */
 /* pq8_row for IQ4_XS a super-block at a time: its 8 scales and d decoded once, not per
  * sub-block (the row was instruction-bound on them: 1B decode 35 tok/s, IQ4_NL's 50) */
 static inline __attribute__((always_inline)) void iq4xs_row(const mm_args *A, int64_t r, int64_t n) {
@@ -59,6 +54,11 @@ static inline __attribute__((always_inline)) void iq4xs_row(const mm_args *A, in
     for (int64_t i = 0; i < n; i++) A->out[i * A->ldo + r] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
 }
 
+/* Q5_0/Q5_1/IQ4 rows on x's first code alone (the auto mode, pk_k8.h pq8_kind), like llama.cpp's
+ * q8_0 activations: the stored weights times x's codes (Q5_0 signed, Q5_1's min on the codes'
+ * sums too: on x's float sums the rounding error doubled), exact int32 sums a block. Two blocks
+ * an iteration into two accumulators: one chain of dependent FMAs bound the row (1B Q5_1
+ * decode 29 tok/s, 8 cycles a block). */
 static inline __attribute__((always_inline)) void pq8_row(int kind, const mm_args *A, int64_t r, int64_t n) {
     if (kind == K_IQ4_XS) { iq4xs_row(A, r, n); return; }
     const uint8_t *row = A->w + r * A->rb;

@@ -94,11 +94,9 @@ def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
         assert np.abs(out - coded).max() <= 2e-5 * np.abs(coded).max()
 
 
-@pytest.mark.parametrize("scheme", PQ8)
-def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, each_isa):
-    """ "auto": a Q5_0/Q5_1/IQ4 model's one-row steps take x's first int8 code (pk_q8.h, like
-    llama.cpp's q8_0 activations), in the fused step as in the Python path; its prompt the float
-    paths (bitwise the q8-off step's). Within 6e-2 of the float path on this random model."""
+def _three_runs(scheme, monkeypatch):
+    """A random model with every matrix in `scheme`: (model, (the fused step in the auto mode,
+    the Python path in the auto mode, the fused step on the float path))."""
     tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=5)
     quantize_all(tf, scheme)
     tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
@@ -109,6 +107,15 @@ def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, e
         exact = run_steps(tf, True, monkeypatch)
     finally:
         ckernels.set_act_q8("auto")
+    return tf, (auto, python, exact)
+
+
+@pytest.mark.parametrize("scheme", PQ8)
+def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, each_isa):
+    """ "auto": a Q5_0/Q5_1/IQ4 model's one-row steps take x's first int8 code (pk_q8.h, like
+    llama.cpp's q8_0 activations), in the fused step as in the Python path; its prompt the float
+    paths (bitwise the q8-off step's). Within 6e-2 of the float path on this random model."""
+    tf, (auto, python, exact) = _three_runs(scheme, monkeypatch)
     np.testing.assert_array_equal(auto[0], exact[0])  # the prompt
     for a, p, e in zip(auto[1:], python[1:], exact[1:]):
         assert np.array_equal(a, e) == (each_isa == "base")
@@ -123,16 +130,7 @@ def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each
     the 8-bit codes put every step within 6e-2 of the float path on this random model (1e-2 to
     4e-2 on SmolLM2 / a 1B Q4_K_M, where llama.cpp's Q8_K is 3e-2 to 6e-2), the decode rows
     alone too."""
-    tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=5)
-    quantize_all(tf, scheme)
-    tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
-    auto = run_steps(tf, True, monkeypatch)
-    python = run_steps(tf, False, monkeypatch)
-    ckernels.set_act_q8(False)
-    try:
-        exact = run_steps(tf, True, monkeypatch)
-    finally:
-        ckernels.set_act_q8("auto")
+    tf, (auto, python, exact) = _three_runs(scheme, monkeypatch)
     # integer rows and prompt panels on every SIMD build (base: none)
     for a, p, e in zip(auto, python, exact):
         assert np.array_equal(a, e) == (each_isa == "base")
