@@ -30,23 +30,12 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
     if (pq_kind(kind) && PK_SIMD) { pq_dq_row(kind, row, k, dst); return; }
     switch (kind) {
     case K_F32: memcpy(dst, row, (size_t)k * 4); return;
-    case K_F16: {
+    case K_F16: case K_BF16: {
         int64_t j = 0;
 #if PK_SIMD
-        for (; j + 8 <= k; j += 8) _mm256_storeu_ps(dst + j, load8(K_F16, row, j));
+        for (; j + 8 <= k; j += 8) _mm256_storeu_ps(dst + j, load8(kind, row, j));
 #endif
-        for (; j < k; j++) dst[j] = h2f(row + 2 * j);
-        return;
-    }
-    case K_BF16: {
-        int64_t j = 0;
-#if PK_SIMD
-        for (; j + 8 <= k; j += 8) _mm256_storeu_ps(dst + j, load8(K_BF16, row, j));
-#endif
-        for (; j < k; j++) {
-            uint32_t u = (uint32_t)((const uint16_t *)row)[j] << 16;
-            memcpy(dst + j, &u, 4);
-        }
+        for (; j < k; j++) dst[j] = load1(kind, row, j);
         return;
     }
     case K_I8: {

@@ -143,7 +143,7 @@ static inline __attribute__((always_inline)) void gemm_pack_any(const void *src,
     if (rows == GR) /* whole 8 x 8 blocks on 8 lanes: ~0.4 instructions an element, not 2 */
         for (; kk + 8 <= kc; kk += 8)
             for (int64_t r = 0; r < GR; r += 8)
-                transpose8(s + esz * (r * lds + kk), lds, P + kk * GR + r, GR, kind == K_F32 ? 0 : kind == K_F16 ? 1 : 2);
+                transpose8(s + esz * (r * lds + kk), lds, P + kk * GR + r, GR, kind);
 #endif
     if (rows < GR) memset(P, 0, (size_t)(kc * GR) * 4);
     for (; kk < kc; kk++)

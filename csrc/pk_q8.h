@@ -30,19 +30,17 @@ static inline __m256i nib16_i(const uint8_t *p, uint8_t x) {
  * sub-block (the row was instruction-bound on them: 1B decode 35 tok/s, IQ4_NL's 50) */
 static inline __attribute__((always_inline)) void iq4xs_row(const mm_args *A, int64_t r, int64_t n) {
     const uint8_t *row = A->w + r * A->rb;
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)PQ_KVALUES));
     __m256 acc[2][MAX_N];
     for (int64_t i = 0; i < n; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < A->nb / 8; sb++) {
         const uint8_t *p = row + sb * 136;
         const float d = h2f(p);
-        const int sh = p[2] | (p[3] << 8);
-        float D[8]; /* as pq_scales_one: d * (6-bit scale - 32) */
+        float D[8]; /* as pq_scales_one */
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) D[j] = d * (float)((((p[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
+        for (int j = 0; j < 8; j++) D[j] = d * (float)pq_iq4xs_scale(p, j);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            const __m256i q = _mm256_shuffle_epi8(lut, pq_nib32(p + 8 + 16 * j));
+            const __m256i q = pq_codes_simd(K_IQ4_XS, p, j);
             const int64_t b = sb * 8 + j;
             for (int64_t i = 0; i < n; i++) {
                 const __m256i xh = _mm256_loadu_si256((const __m256i *)(A->xq + (i * A->nb + b) * 64));

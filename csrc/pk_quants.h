@@ -27,6 +27,13 @@ static inline int pq_k3_scale(const uint8_t *s, int j) {
     return (lo | (((s[8 + (j & 3)] >> (2 * (j >> 2))) & 3) << 4)) - 32;
 }
 
+/* IQ4_XS: 6-bit scale j of 8 of super-block p (low 4 bits in bytes 4-7, high 2 in the uint16 at
+ * bytes 2-3), minus 32 */
+static inline int pq_iq4xs_scale(const uint8_t *p, int j) {
+    const int sh = p[2] | (p[3] << 8);
+    return (((p[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+}
+
 /* Q4_K / Q5_K: scale and min j of 8, 6 bits each in 12 bytes (gguf-py Q4_K.get_scale_min) */
 static inline void pq_k4_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
     if (j < 4) { *sc = s[j] & 63; *mn = s[j + 4] & 63; }
@@ -46,9 +53,7 @@ static inline __attribute__((always_inline)) const uint8_t *pq_scales_one(int ki
     case K_IQ4_NL: { const uint8_t *p = row + b * 18; pq_same(s, h2f(p), 0.0f, 0); return p; }
     case K_IQ4_XS: {
         const uint8_t *p = row + (b >> 3) * 136;
-        const int sh = p[2] | (p[3] << 8);
-        const int ls = ((p[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
-        pq_same(s, h2f(p) * (float)(ls - 32), 0.0f, 0);
+        pq_same(s, h2f(p) * (float)pq_iq4xs_scale(p, j), 0.0f, 0);
         return p;
     }
     case K_Q2_K: {

@@ -146,22 +146,14 @@ static inline void silu_mul(const float *g, const float *u, float *out, int64_t 
 }
 
 #if PK_SIMD
-/* 8 floats from float32 (form 0), float16 (1) or bfloat16 (2: the high halves of float32) */
-static inline __attribute__((always_inline)) __m256 ld8_form(const void *p, const int form) {
-    if (form == 0) return _mm256_loadu_ps((const float *)p);
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return form == 1 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* 8 rows of 8 floats (src, row stride lds elements; stored as ld8_form's form) stored transposed
- * (the gemm panels' packing, the K-quant prompt panels' codes and scales on AVX2):
- * dst[j * ldd + i] = src[i * lds + j] */
+/* 8 rows of 8 floats (src, row stride lds elements of kind K_F32, K_F16 or K_BF16, read by
+ * load8) stored transposed (the gemm panels' packing, the K-quant prompt panels' codes and
+ * scales on AVX2): dst[j * ldd + i] = src[i * lds + j] */
 static inline __attribute__((always_inline)) void transpose8(const void *src, int64_t lds, float *dst, int64_t ldd,
-                                                             const int form) {
+                                                             const int kind) {
+    const int64_t esz = kind == K_F32 ? 4 : 2;
     __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++)
-        r[i] = ld8_form(form ? (const void *)((const uint16_t *)src + i * lds) : (const void *)((const float *)src + i * lds),
-                        form);
+    for (int i = 0; i < 8; i++) r[i] = load8(kind, (const uint8_t *)src + i * lds * esz, 0);
     for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
