@@ -67,8 +67,9 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
     const int r16 = PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
+    const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 gemm panels on vdpbf16ps */
 #if PK_SIMD
-    if (k8 && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
+    if (q8 == 2 && k8i_kind(M->kind) && A.nb % 8 == 0 && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
     } else
 #endif
@@ -77,7 +78,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     } else if (n >= P->gemm_from && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
         float *tmp = P->gbuf + pk_tid() * P->gstride;
         float *pk = (float *)(((uintptr_t)(tmp + GR * A.k) + 63) & ~(uintptr_t)63);
-        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp}; /* rp: read the repacked copy */
+        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp, bf}; /* rp: read the repacked copy */
         for (int64_t rp = r0; rp < r1; rp += GR)
             gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk, rp + GR < r1 ? rp + GR : -1);
     } else if (n > (use8 ? MAX_N : row_piece(&A))) { /* pieces of rows, see row_piece */
@@ -340,6 +341,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->P.grp = q8_group(S, 2) == 8 ? 8 : 0; /* set again by each prep (the codes its readers take) */
     B->P.gemm_from = S->seq1 ? GEMM_ROWS : MAX_N + 1;
     B->P.x1 = S->q8 == 2;
+    B->P.bf = S->bf && S->seq1;
     if (gemm_bufs(S, R)) {
         B->P.gbuf = S->mrows ? f : m; /* the MoE region only with MoE */
         B->P.gstride = gemm_stride(S);

@@ -43,6 +43,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
     int grp; /* the codes prep wrote (q8_group): 0 none, 1 two int8 codes per element (the int8
               * rows, repacked rows), 8 one (the K-quant prompt panels, pk_k8i.h) */
     int x1; /* the auto mode: the K-quant rows take x's first code, their offsets its sums (xs16) */
+    int bf; /* a prompt's BF16 gemm panels (GEMM_ROWS rows and more) on vdpbf16ps (csrc/pk_bf16.h) */
     int64_t gemm_from; /* rows from which a product runs as gemm panels: GEMM_ROWS for a prompt,
                         * else MAX_N + 1 (the row kernels: a row's sums alone and in company) */
 } px_t;
@@ -52,6 +53,7 @@ typedef struct {
     int maxh; /* the most query heads of a layer (the attention's score rows a thread) */
     int q8; /* 0 float, 1 int8 codes for every 4/8-bit kind, 2 auto (K-quants), 3 repacked rows only */
     int seq1; /* the n rows are one sequence's tokens (a prompt): they share every cache */
+    int bf;   /* the auto mode on a CPU with AVX512_BF16: BF16 prompts on vdpbf16ps (pk_bf16.h) */
     int indep; /* no two rows share a cache (and page table): each row attends only its own keys */
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
     int64_t pos[STEP_MAX];

@@ -20,9 +20,11 @@ typedef struct {
     float *out;       /* [r1 - r0, k] */
     int64_t k, rb, r0, r1;
     const uint8_t *rp; /* the rows repacked by 16 (csrc/pk_r16.h) to read instead of w, or NULL */
+    int bf;            /* BF16 gemm panels on vdpbf16ps, x rounded to bf16 (csrc/pk_bf16.h) */
 } dq_args;
 
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8);
+static inline int bf16_rows(int kind, int q8, int64_t k); /* csrc/pk_bf16.h */
 
 static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
     const int64_t k = A->k;

@@ -230,12 +230,17 @@ static inline pf_cur pf_chunk(int kind, const dq_args *D, int64_t r0, int64_t ro
     return c;
 }
 
+#include "pk_bf16.h"
+
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk
  * packed k-major (zero rows past the end) and multiplied into out[:, r0..]; next: the first row
  * of the panel this thread takes next (-1: none), asked for meanwhile */
 static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
                        int64_t rows, float *tmp, float *P, int64_t next) {
     const int64_t k = D->k;
+#if PK_AVX512
+    if (kind == K_BF16 && D->bf) { bf16_panel(D, x, n, out, m, r0, rows, P, next); return; }
+#endif
     if (kind == K_F16 || kind == K_BF16 || kind == K_F32) { /* packed straight from the stored rows (1B
                                             * [8192 x 2048], 17 / 42 rows: 1.4x / 1.17x), the next chunk asked for meanwhile */
         const int esz = kind == K_F32 ? 4 : 2;
@@ -310,8 +315,11 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
         A.aux = D->aux; /* int8 rows: the row scales */
         return run(kind, &A, nt, 1, D->rp);
     }
-    if (!(q8 == 2 && k8_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) /* K8I_MAX 0: no SIMD */
-        return gemm_run(kind, D, x, n, out, m, nt, NULL);
+    if (!(q8 == 2 && k8i_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) { /* K8I_MAX 0: no SIMD */
+        dq_args T = *D;
+        T.bf = bf16_rows(kind, q8, D->k);
+        return gemm_run(kind, &T, x, n, out, m, nt, NULL);
+    }
     mm_args A = {0};
     A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32;
     void *buf = malloc((size_t)(n * D->k + 5 * n * A.nb * 4) + 64); /* codes, offsets, dx, sums per 16 */

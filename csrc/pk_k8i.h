@@ -29,6 +29,19 @@
 #define K8I_PX_OCB 16
 #define K8I_PX_XO(xq) ((int32_t *)((xq) + 32))
 #define K8I_ROWS 16              /* weight rows per panel: one per 32-bit lane */
+/* IQ4_NL/IQ4_XS prompts on the panels too where vpdpbusd is built in (AVX-512 VNNI): their
+ * table codes + 128 (1..241) as the unsigned side, offset 128 on x's code sums; maddubs (AVX2)
+ * would saturate on them (1B IQ4_XS 128-token prompt: 0.59x llama.cpp on the float gemm) */
+#define K8I_IQ4 PK_AVX512
+
+/* the kinds whose prompts (auto mode) take the panels: the K-quants, IQ4 with K8I_IQ4 (rows of
+ * whole 256-element super-blocks: IQ4_NL's 8 blocks a record) */
+static inline int k8i_kind(int kind) {
+    return k8_kind(kind) || (K8I_IQ4 && (kind == K_IQ4_NL || kind == K_IQ4_XS));
+}
+
+/* bytes of 256 elements of a row of kind (IQ4_NL: 8 blocks of 18) */
+static inline int64_t k8i_sbb(int kind) { return (int64_t)BLOCK_BYTES[kind] * (256 / BLOCK_ELEMS[kind]); }
 #if PK_AVX512
 #define K8I_T 8 /* inputs per register tile: 8 int32 + 8 float accumulators */
 #else
@@ -55,14 +68,15 @@ static inline mm_args k8i_from(const mm_args *A, int64_t t) {
 
 /* how a kind's offsets are taken: K8I_MIN16 dmin * min per 16 (Q2_K), K8I_MIN32 per 32 with one
  * scale per 32 (Q4_K, Q5_K: one int32 sum per 32), K8I_OFF32 / K8I_OFF4 the code offsets 32 / 4
- * (Q6_K, Q3_K: folded into the integer sums, quantize_xi's -32 / -4 code sums start them) */
-enum { K8I_MIN16, K8I_MIN32, K8I_OFF32, K8I_OFF4 };
+ * (Q6_K, Q3_K: folded into the integer sums, quantize_xi's -32 / -4 code sums start them),
+ * K8I_OFF128 the IQ4 codes' 128, one scale and one int32 sum per 32 */
+enum { K8I_MIN16, K8I_MIN32, K8I_OFF32, K8I_OFF4, K8I_OFF128 };
 
-#define K8I_SLOTS 5 /* x's int32 slots a block (quantize_xi) */
+#define K8I_SLOTS 6 /* x's int32 slots a block (quantize_xi) */
 
 /* where form F's values sit in a block's slots: all slots written (fused step) or F's only */
 static inline int k8i_slot(int F, int all) {
-    return !all ? 0 : F == K8I_OFF4 ? 2 : F == K8I_MIN32 ? 4 : 0;
+    return !all ? 0 : F == K8I_OFF4 ? 2 : F == K8I_MIN32 ? 4 : F == K8I_OFF128 ? 5 : 0;
 }
 
 static inline int k8i_form(int kind) {
@@ -70,6 +84,7 @@ static inline int k8i_form(int kind) {
     case K_Q4_K: case K_Q5_K: return K8I_MIN32;
     case K_Q6_K: return K8I_OFF32;
     case K_Q3_K: return K8I_OFF4;
+    case K_IQ4_NL: case K_IQ4_XS: return K8I_OFF128;
     default: return K8I_MIN16;
     }
 }
@@ -103,9 +118,9 @@ static inline int32_t k8i_c4(const k8i_at *X, int64_t t, int h, int q) {
 static inline void k8i_prefetch(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows,
                                 int64_t sb) {
     if (sb + K8I_PF >= nsb) return;
+    const int64_t sbb = k8i_sbb(kind);
     for (int64_t r = 0; r < rows; r++)
-        for (int l = 0; l < BLOCK_BYTES[kind]; l += 64)
-            prefetch_line((const char *)w + (r0 + r) * rb + (sb + K8I_PF) * BLOCK_BYTES[kind] + l);
+        for (int64_t l = 0; l < sbb; l += 64) prefetch_line((const char *)w + (r0 + r) * rb + (sb + K8I_PF) * sbb + l);
 }
 
 /* x's codes for the 32-blocks [b0, b1): the 32 codes c at xq + cb b; at xo + ocb b int32 -32 and
@@ -145,9 +160,9 @@ static inline void quantize_xi(const float *x, int8_t *xq, int64_t cb, int32_t *
         }
 #endif
         const float s32 = d * (float)(s[0] + s[1]); /* Q4_K/Q5_K: one min per 32 */
-        int32_t o[K8I_SLOTS] = {-32 * s[0], -32 * s[1], -4 * s[0], -4 * s[1], 0};
+        int32_t o[K8I_SLOTS + 2] = {-32 * s[0], -32 * s[1], -4 * s[0], -4 * s[1], 0, -128 * (s[0] + s[1])}; /* ocb 2: room */
         memcpy(o + 4, &s32, 4);
-        if (form < 0) memcpy(xo + b * ocb, o, sizeof(o));
+        if (form < 0) memcpy(xo + b * ocb, o, K8I_SLOTS * 4);
         else memcpy(xo + b * ocb, o + k8i_slot(form, 1), (size_t)ocb * 4);
         dx[b] = d;
         xs16[2 * b] = d * (float)s[0];
@@ -188,20 +203,33 @@ static inline void k8i_transpose(__m512i v[16]) {
 }
 
 /* rows [r0, r0 + rows) (rows <= 16; missing rows decode as zeros) into the panel: nsb records */
+/* IQ4 super-block p's scale per 16 (two of each: one per 32) */
+static inline __m512 k8i_iq4_scales(int kind, const uint8_t *p) {
+    float s[16];
+    for (int j = 0; j < 8; j++) s[2 * j] = s[2 * j + 1] = kind == K_IQ4_NL ? h2f(p + 18 * j) : h2f(p) * (float)pq_iq4xs_scale(p, j);
+    return _mm512_loadu_ps(s);
+}
+
 static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
+    const int64_t sbb = k8i_sbb(kind);
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
         __m512i v[16], o[16];
         k8i_prefetch(kind, w, rb, nsb, r0, rows, sb);
         for (int c = 0; c < 4; c++) { /* 64 weights of each row: 16 lanes of 4 codes */
             for (int r = 0; r < 16; r++)
-                v[r] = r < rows ? k8_codes2(kind, w + (r0 + r) * rb + sb * BLOCK_BYTES[kind], c) : _mm512_setzero_si512();
+                v[r] = r < rows ? k8_codes2(kind, w + (r0 + r) * rb + sb * sbb, c) : _mm512_setzero_si512();
             k8i_transpose(v);
             for (int q = 0; q < 16; q++) _mm512_storeu_si512((void *)(d + (16 * c + q) * 64), v[q]);
         }
         for (int r = 0; r < 16; r++) { /* row r's 16 S and o, then lanes: S[j][r], o[j][r] */
+            if (k8i_form(kind) == K8I_OFF128) { /* no o: the offset is in the integer sums */
+                v[r] = r < rows ? _mm512_castps_si512(k8i_iq4_scales(kind, w + (r0 + r) * rb + sb * sbb)) : _mm512_setzero_si512();
+                o[r] = _mm512_setzero_si512();
+                continue;
+            }
             k8_sb B = {0};
-            if (r < rows) k8_scales(kind, w + (r0 + r) * rb + sb * BLOCK_BYTES[kind], &B);
+            if (r < rows) k8_scales(kind, w + (r0 + r) * rb + sb * sbb, &B);
             const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)B.s)));
             v[r] = _mm512_castps_si512(_mm512_mul_ps(s, _mm512_set1_ps(B.D)));
             o[r] = _mm512_castps_si512(_mm512_loadu_ps(B.o));
@@ -219,7 +247,8 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
 static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, const uint8_t *panel, int64_t nsb, int64_t t0,
                                                            float *out, int64_t ldo, int64_t col, int64_t rows,
                                                            const int F, const int T) {
-    const int off = F == K8I_OFF32 || F == K8I_OFF4, sub = F == K8I_MIN32 ? 1 : 2; /* int sums per 32 */
+    const int off = F == K8I_OFF32 || F == K8I_OFF4 || F == K8I_OFF128;
+    const int sub = F == K8I_MIN32 || F == K8I_OFF128 ? 1 : 2; /* int sums per 32 */
     __m512 f[K8I_T];
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++) f[t] = _mm512_setzero_ps();
@@ -312,6 +341,9 @@ static void k8i_rows(int kind, const mm_args *A, int64_t n, float *out, int64_t 
     case K8I_MIN32: K8I_TILES(K8I_MIN32) break;
     case K8I_OFF32: K8I_TILES(K8I_OFF32) break;
     case K8I_OFF4: K8I_TILES(K8I_OFF4) break;
+#if K8I_IQ4
+    case K8I_OFF128: K8I_TILES(K8I_OFF128) break;
+#endif
     default: K8I_TILES(K8I_MIN16) break;
     }
 }

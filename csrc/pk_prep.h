@@ -41,7 +41,7 @@ static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->
 static inline int loom8(const step_t *S, int kind) { return PK_LOOM8 && !S->seq1 && kind == K_LOOM_Q4; }
 /* the kinds whose rows take int8 codes in step S's auto mode */
 static inline int auto8(const step_t *S, int kind) {
-    return k8_kind(kind) || loom8(S, kind) || (PK_SIMD && !S->seq1 && pq8_kind(kind));
+    return k8i_kind(kind) || loom8(S, kind) || (PK_SIMD && !S->seq1 && pq8_kind(kind));
 }
 
 /* which codes the cnt matrices at M read from an input: 2 a K-quant in the auto mode (a prompt's
@@ -51,7 +51,7 @@ static inline int auto8(const step_t *S, int kind) {
 static inline int wants_codes(const step_t *S, const mat_t *M, int cnt) {
     int any = 0;
     for (int i = 0; i < cnt; i++) {
-        if (S->q8 == 2 && k8_kind(M[i].kind)) any = 2;
+        if (S->q8 == 2 && k8i_kind(M[i].kind)) any = 2;
         else if (any < 1 && (S->q8 == 1 || (S->q8 && PK_R16 && M[i].rp) ||
                              (S->q8 == 2 && (loom8(S, M[i].kind) || (PK_SIMD && !S->seq1 && pq8_kind(M[i].kind))))))
             any = 1;

@@ -132,7 +132,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (q8 == -1 && PyErr_Occurred()) return NULL;
     /* rp: the rows repacked by 16 (csrc/pk_r16.h), read instead of w unless q8 is 0 */
     PyObject *orp = nargs == 10 && q8 && PK_R16 ? args[9] : Py_None;
-    const int k8i = q8 == 2 && k8_kind((int)kind) && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
+    const int k8i = q8 == 2 && k8i_kind((int)kind) && A.k % 256 == 0 && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
     A.x1 = q8 == 2; /* as the fused step: K-quant, Q5_0/Q5_1/IQ4 rows on x's first code in the auto mode */
     if (q8 == 2) /* as the fused step */
         q8 = (k8_kind((int)kind) || (PK_SIMD && pq8_kind((int)kind)) || (PK_LOOM8 && kind == K_LOOM_Q4)) && A.n <= K8_ROWS;
@@ -249,8 +249,8 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 #else
     int omp = 0;
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16,
-                         "r16p", PK_R16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8);
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16,
+                         "r16p", PK_R16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_rows(K_BF16, 2, 2));
 }
 
 static PyMethodDef methods[] = {

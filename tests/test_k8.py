@@ -68,13 +68,24 @@ def _int8_codes(x: np.ndarray) -> np.ndarray:
     return (c.astype(np.float64) * dx).reshape(x.shape)
 
 
-@pytest.mark.parametrize("scheme", [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s])
+K_QUANT = [s for s in QUANTIZED if block_of(s) == 256 and "iq4" not in s]
+IQ4 = ["gguf_iq4_nl", "gguf_iq4_xs"]
+
+
+def _panels(scheme: str, isa: str) -> bool:
+    """Whether `scheme`'s prompts take the int8 panels on build `isa`: the K-quants on every SIMD
+    build, IQ4 where vpdpbusd is built in (AVX-512: its codes + 128 would saturate maddubs)."""
+    return (scheme in K_QUANT and isa != "base") or (scheme in IQ4 and isa == "avx512")
+
+
+@pytest.mark.parametrize("scheme", K_QUANT + IQ4)
 @pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 131))  # tiles of 8 inputs, ragged tails
 def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
     """The default ("auto") on SIMD builds, 4 input rows or more (csrc/pk_k8i.h): x as one int8 code
     per element, one scale per 32. On the code grid the integer products are exact; on Gaussian x
     (an outlier channel too) the result is the stored weights times x's codes (to float rounding),
-    and x's rounding stays within 1e-2 of the output scale."""
+    and x's rounding stays within 1e-2 of the output scale. IQ4 prompts: panels on AVX-512, the
+    float path elsewhere."""
     m, k = 39, 768  # panels of 16 + 16 + 7 rows
     qt = MAKERS[scheme](random_weights(m, k, seed=n))
     w = qt.dequantize().astype(np.float64)
@@ -86,7 +97,7 @@ def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
     ref = x.astype(np.float64) @ w.T
     out = qt.matmul(x)
     err = np.abs(out - ref).max() / np.abs(ref).max()
-    if each_isa == "base":  # the float path (no SIMD build of the panels)
+    if not _panels(scheme, each_isa):  # the float path
         assert err <= 1e-5
     else:  # the codes' rounding really happened (30x outlier: its block's codes are coarse)
         assert 1e-4 < err <= 4e-2
@@ -114,9 +125,13 @@ def _three_runs(scheme, monkeypatch):
 def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, each_isa):
     """ "auto": a Q5_0/Q5_1/IQ4 model's one-row steps take x's first int8 code (pk_q8.h, like
     llama.cpp's q8_0 activations), in the fused step as in the Python path; its prompt the float
-    paths (bitwise the q8-off step's). Within 6e-2 of the float path on this random model."""
+    paths (bitwise the q8-off step's), but IQ4's on AVX-512: the int8 panels (pk_k8i.h). Within
+    6e-2 of the float path on this random model."""
     tf, (auto, python, exact) = _three_runs(scheme, monkeypatch)
-    np.testing.assert_array_equal(auto[0], exact[0])  # the prompt
+    a, p, e = auto[0], python[0], exact[0]  # the prompt
+    assert np.array_equal(a, e) == (not _panels(scheme, each_isa))
+    assert np.abs(a - e).max() <= 6e-2 * np.abs(e).max()
+    assert np.abs(p - a).max() <= 1e-2 * np.abs(e).max()
     for a, p, e in zip(auto[1:], python[1:], exact[1:]):
         assert np.array_equal(a, e) == (each_isa == "base")
         assert np.abs(a - e).max() <= (0 if each_isa == "base" else 6e-2) * np.abs(e).max()
