@@ -29,10 +29,11 @@
 #define K8I_PX_OCB 16
 #define K8I_PX_XO(xq) ((int32_t *)((xq) + 32))
 #define K8I_ROWS 16              /* weight rows per panel: one per 32-bit lane */
-/* IQ4_NL/IQ4_XS prompts on the panels too where vpdpbusd is built in (AVX-512 VNNI): their
- * table codes + 128 (1..241) as the unsigned side, offset 128 on x's code sums; maddubs (AVX2)
- * would saturate on them (1B IQ4_XS 128-token prompt: 0.59x llama.cpp on the float gemm) */
-#define K8I_IQ4 PK_AVX512
+/* IQ4_NL/IQ4_XS prompts on the panels too (1B IQ4_XS 128-token prompt: 0.59x llama.cpp on the
+ * float gemm): on AVX-512 VNNI their table codes + 128 (1..241) as vpdpbusd's unsigned side,
+ * offset 128 on x's code sums; on AVX2 (maddubs would saturate on them) the signed codes with
+ * llama.cpp's sign trick (pk_k8i_avx2.h) */
+#define K8I_IQ4 PK_SIMD
 
 /* the kinds whose prompts (auto mode) take the panels: the K-quants, IQ4 with K8I_IQ4 (rows of
  * whole 256-element super-blocks: IQ4_NL's 8 blocks a record) */
@@ -308,6 +309,7 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
     do {                                                                                     \
         switch (k8i_pairs(kind)) {                                                           \
         case 8: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 8, T); break;              \
+        case 1: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 1, T); break;              \
         case 2: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 2, T); break;              \
         default: k8i_tile(A, panel, nsb, t, out, ldo, r0, rows, F, 4, T); break;             \
         }                                                                                    \

@@ -10,14 +10,24 @@
 static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
     uint32_t codes[16 * 64]; /* row r's 256 codes as 64 words */
     float s[16 * 16], o[16 * 16];
+    const int64_t sbb = k8i_sbb(kind);
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
         float *S = (float *)(d + 4096), *O = S + 256;
         k8i_prefetch(kind, w, rb, nsb, r0, rows, sb);
         for (int r = 0; r < 16; r++) {
             k8_sb B = {0};
+            if (r < rows && k8i_form(kind) == K8I_OFF128) { /* IQ4: the table's signed codes, d * scale per 32 */
+                const uint8_t *p = w + (r0 + r) * rb + sb * sbb;
+                for (int j = 0; j < 8; j++) {
+                    _mm256_storeu_si256((__m256i *)(codes + r * 64 + 8 * j), pq_codes_simd(kind, kind == K_IQ4_NL ? p + 18 * j : p, j));
+                    s[16 * r + 2 * j] = s[16 * r + 2 * j + 1] = kind == K_IQ4_NL ? h2f(p + 18 * j) : h2f(p) * (float)pq_iq4xs_scale(p, j);
+                    o[16 * r + 2 * j] = o[16 * r + 2 * j + 1] = 0.0f;
+                }
+                continue;
+            }
             if (r < rows) {
-                const uint8_t *p = w + (r0 + r) * rb + sb * BLOCK_BYTES[kind];
+                const uint8_t *p = w + (r0 + r) * rb + sb * sbb;
                 for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(codes + r * 64 + 8 * j), k8_codes(kind, p, j));
                 k8_scales(kind, p, &B);
             } else
@@ -36,12 +46,14 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
 
 /* the panel's rows (two halves of 8) x inputs t0.. (T of them): out[t][col .. col + rows) */
 /* maddubs results a kind's int16 lanes can sum before madd widens them: a pair of products is at
- * most 2 * 127 * max code (Q4_K 15: 8 of them, Q5_K 31: 4, Q6_K 63: 2, Q3_K 7 and Q2_K 3: all 4) */
+ * most 2 * 127 * max code (Q4_K 15: 8 of them, Q5_K 31: 4, Q6_K 63: 2, Q3_K 7 and Q2_K 3: all 4;
+ * IQ4's |code| 127: 1) */
 static inline int k8i_pairs(int kind) {
     switch (kind) {
     case K_Q4_K: return 8;
     case K_Q5_K: return 4;
     case K_Q6_K: return 2;
+    case K_IQ4_NL: case K_IQ4_XS: return 1;
     default: return 4;
     }
 }
@@ -49,7 +61,8 @@ static inline int k8i_pairs(int kind) {
 static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, const uint8_t *panel, int64_t nsb, int64_t t0,
                                                            float *out, int64_t ldo, int64_t col, int64_t rows,
                                                            const int F, const int G, const int T) {
-    const int off = F == K8I_OFF32 || F == K8I_OFF4, sub = F == K8I_MIN32 ? 1 : 2;
+    /* IQ4 (K8I_OFF128): signed codes v, no offset; maddubs(|v|, sign(c, v)), llama.cpp's sign trick */
+    const int off = F == K8I_OFF32 || F == K8I_OFF4, sub = F == K8I_MIN32 || F == K8I_OFF128 ? 1 : 2;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h8 = 0; h8 < 2 && 8 * h8 < rows; h8++) {
         __m256 f[K8I_T];
@@ -67,10 +80,12 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
                     for (int t = 0; t < T; t++) acc[t] = off ? _mm256_set1_epi32(X.ob[(t0 + t) * X.orr + h]) : _mm256_setzero_si256();
 #pragma GCC unroll 8
                     for (int q = 0; q < 8 / sub; q++) {
-                        const __m256i u = _mm256_loadu_si256((const __m256i *)(d + (8 * j + 4 * h + q) * 64));
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(d + (8 * j + 4 * h + q) * 64));
+                        const __m256i u = F == K8I_OFF128 ? _mm256_sign_epi8(v, v) : v;
 #pragma GCC unroll 4
                         for (int t = 0; t < T; t++) {
-                            const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(k8i_c4(&X, t0 + t, h, q)));
+                            const __m256i c = _mm256_set1_epi32(k8i_c4(&X, t0 + t, h, q));
+                            const __m256i p = _mm256_maddubs_epi16(u, F == K8I_OFF128 ? _mm256_sign_epi8(c, v) : c);
                             p16[t] = q % G ? _mm256_add_epi16(p16[t], p) : p; /* int16 sums of G (k8i_pairs) */
                             if (q % G == G - 1 || q == 8 / sub - 1) acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p16[t], ones));
                             __asm__("" : "+x"(p16[t]), "+x"(acc[t])); /* one chain each (GCC's add trees spilled) */

@@ -73,9 +73,9 @@ IQ4 = ["gguf_iq4_nl", "gguf_iq4_xs"]
 
 
 def _panels(scheme: str, isa: str) -> bool:
-    """Whether `scheme`'s prompts take the int8 panels on build `isa`: the K-quants on every SIMD
-    build, IQ4 where vpdpbusd is built in (AVX-512: its codes + 128 would saturate maddubs)."""
-    return (scheme in K_QUANT and isa != "base") or (scheme in IQ4 and isa == "avx512")
+    """Whether `scheme`'s prompts take the int8 panels on build `isa`: the K-quants and IQ4 on
+    every SIMD build (IQ4: codes + 128 on vpdpbusd, AVX2 the sign trick)."""
+    return scheme in K_QUANT + IQ4 and isa != "base"
 
 
 @pytest.mark.parametrize("scheme", K_QUANT + IQ4)
@@ -84,8 +84,7 @@ def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
     """The default ("auto") on SIMD builds, 4 input rows or more (csrc/pk_k8i.h): x as one int8 code
     per element, one scale per 32. On the code grid the integer products are exact; on Gaussian x
     (an outlier channel too) the result is the stored weights times x's codes (to float rounding),
-    and x's rounding stays within 1e-2 of the output scale. IQ4 prompts: panels on AVX-512, the
-    float path elsewhere."""
+    and x's rounding stays within 1e-2 of the output scale. IQ4 too."""
     m, k = 39, 768  # panels of 16 + 16 + 7 rows
     qt = MAKERS[scheme](random_weights(m, k, seed=n))
     w = qt.dequantize().astype(np.float64)
@@ -125,8 +124,8 @@ def _three_runs(scheme, monkeypatch):
 def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, each_isa):
     """ "auto": a Q5_0/Q5_1/IQ4 model's one-row steps take x's first int8 code (pk_q8.h, like
     llama.cpp's q8_0 activations), in the fused step as in the Python path; its prompt the float
-    paths (bitwise the q8-off step's), but IQ4's on AVX-512: the int8 panels (pk_k8i.h). Within
-    6e-2 of the float path on this random model."""
+    paths (bitwise the q8-off step's), but IQ4's on SIMD builds: the int8 panels (pk_k8i.h).
+    Within 6e-2 of the float path on this random model."""
     tf, (auto, python, exact) = _three_runs(scheme, monkeypatch)
     a, p, e = auto[0], python[0], exact[0]  # the prompt
     assert np.array_equal(a, e) == (not _panels(scheme, each_isa))

@@ -75,7 +75,8 @@ def set_act_q8(on: bool | str) -> int:
     the fused step every row of a batched decode too) and prompts of 4 rows or more
     (csrc/pk_k8i.h: int8 panels); Q5_0/Q5_1/IQ4_NL/IQ4_XS the same way for decode rows (and
     every row of a batched decode, csrc/pk_q8.h), their prompts on the float paths, but IQ4's
-    on the int8 panels too on the AVX-512 build (VNNI)."""
+    on the int8 panels too; BF16 prompts of GEMM_ROWS rows or more on vdpbf16ps where the CPU has
+    AVX512_BF16 (x rounded to bf16, csrc/pk_bf16.h)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 
@@ -83,8 +84,8 @@ def set_act_q8(on: bool | str) -> int:
 def prompt_kinds() -> frozenset:
     """The kinds whose prompts (one sequence's rows) take another path in the auto mode than
     the same rows in company: the K-quants (int8 panels), Q5_0/Q5_1/IQ4 (a prompt on the float
-    paths or, IQ4 on AVX-512, the int8 panels; int8 rows in company), and on 8-lane builds Loom
-    Q4 (int8 rows in company, the float paths alone: PK_LOOM8)."""
+    paths or, IQ4, the int8 panels; int8 rows in company), and on 8-lane builds Loom Q4 (int8 rows
+    in company, the float paths alone: PK_LOOM8)."""
     if _opts["q8"] != Q8_AUTO or not AVAILABLE:
         return frozenset()
     return (
