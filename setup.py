@@ -44,6 +44,7 @@ KERNEL_SOURCES = [
     "csrc/pk_moe.h",
     "csrc/pk_gemm.h",
     "csrc/pk_bf16.h",
+    "csrc/pk_bf16g.h",
     "csrc/pk_softmax.h",
     "csrc/pk_moe_args.h",
     "csrc/pk_avx512.h",

@@ -67,7 +67,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
     const int r16 = PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
-    const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 gemm panels on vdpbf16ps */
+    const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
 #if PK_SIMD
     if (q8 == 2 && k8i_kind(M->kind) && A.nb % 8 == 0 && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
@@ -81,6 +81,11 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp, bf}; /* rp: read the repacked copy */
         for (int64_t rp = r0; rp < r1; rp += GR)
             gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk, rp + GR < r1 ? rp + GR : -1);
+    } else if (bf && bf16_tiles(n) && P->gbuf) { /* a prompt's BF16 rows: x as bf16 once (csrc/pk_bf16.h) */
+        uint16_t *xb = (uint16_t *)(P->gbuf + pk_tid() * P->gstride);
+        for (int64_t i = 0; i < n; i++) bf16_x(P->x + i * A.k, A.k, xb + i * A.k);
+        A.xb = xb;
+        bf16_range(&A, r0, r1);
     } else if (n > (use8 ? MAX_N : row_piece(&A))) { /* pieces of rows, see row_piece */
         const int64_t piece = use8 ? MAX_N : row_piece(&A);
         for (int64_t c = 0; c < n; c += piece) {
@@ -285,7 +290,7 @@ static int64_t gemm_stride(const step_t *S) {
 
 /* whether a step of R rows (prepared inputs) needs the per-thread panel buffers */
 static inline int gemm_bufs(const step_t *S, int64_t R) {
-    return R >= GEMM_ROWS || (S->q8 == 2 && R >= K8I_MIN);
+    return R >= GEMM_ROWS || ((S->q8 == 2 || (S->bf && S->seq1)) && R >= K8I_MIN); /* pk_k8i.h, pk_bf16.h */
 }
 
 /* scratch floats for step S with nt threads (see carve); the prepared-input pools cover the

@@ -43,7 +43,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
     int grp; /* the codes prep wrote (q8_group): 0 none, 1 two int8 codes per element (the int8
               * rows, repacked rows), 8 one (the K-quant prompt panels, pk_k8i.h) */
     int x1; /* the auto mode: the K-quant rows take x's first code, their offsets its sums (xs16) */
-    int bf; /* a prompt's BF16 gemm panels (GEMM_ROWS rows and more) on vdpbf16ps (csrc/pk_bf16.h) */
+    int bf; /* a prompt's BF16 products on vdpbf16ps (K8I_MIN rows and more, csrc/pk_bf16.h) */
     int64_t gemm_from; /* rows from which a product runs as gemm panels: GEMM_ROWS for a prompt,
                         * else MAX_N + 1 (the row kernels: a row's sums alone and in company) */
 } px_t;

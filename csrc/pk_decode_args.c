@@ -320,8 +320,8 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (parse_pos(args[5], &S)) return NULL;
     const long q8 = PyLong_AsLong(args[6]); /* 0 float, 1 int8 activations, 2 auto (k8_auto) */
     if (q8 == -1 && PyErr_Occurred()) return NULL;
-    if (q8 < 0 || q8 > 2) { PyErr_SetString(PyExc_ValueError, "q8 must be 0, 1 or 2"); return NULL; }
-    S.q8 = PK_SIMD ? (int)q8 : 0;
+    if (q8 < 0 || q8 > 6 || (q8 & 3) > 2) { PyErr_SetString(PyExc_ValueError, "q8 must be 0, 1 or 2 (| 4)"); return NULL; }
+    S.q8 = PK_SIMD ? (int)(q8 & 3) : 0;
     holds_t H = {0};
     Py_ssize_t nl = PyTuple_Check(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
     if (nl > MAX_LAYERS) nl = MAX_LAYERS;
@@ -334,7 +334,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (nargs >= 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
     pk_row_sharing(&S); /* seq1 and indep */
-    if (S.q8 == 2) S.bf = pk_bf16_ok(), S.q8 = auto_q8(&S); /* q8 0: no int8 activations, no prep for them */
+    if (S.q8 == 2) S.bf = bf16_rows(K_BF16, (int)q8, 2), S.q8 = auto_q8(&S); /* q8 0: no int8 codes, no prep */
     if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
     if (S.red && S.mrows) { PyErr_SetString(PyExc_ValueError, "MoE layers take no reduce"); goto done; }
     const int nt = want_nt ? (int)want_nt : pk_threads;

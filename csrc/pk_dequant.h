@@ -24,7 +24,6 @@ typedef struct {
 } dq_args;
 
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8);
-static inline int bf16_rows(int kind, int q8, int64_t k); /* csrc/pk_bf16.h */
 
 static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
     const int64_t k = A->k;

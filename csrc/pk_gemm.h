@@ -230,7 +230,7 @@ static inline pf_cur pf_chunk(int kind, const dq_args *D, int64_t r0, int64_t ro
     return c;
 }
 
-#include "pk_bf16.h"
+#include "pk_bf16g.h"
 
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk
  * packed k-major (zero rows past the end) and multiplied into out[:, r0..]; next: the first row
@@ -309,6 +309,8 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
 
 /* gemm_run, K-quants of K8I_MIN rows or more in the auto mode on int8 panels (SIMD builds) */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
+    const int bf = bf16_rows(kind, q8, D->k); /* q8 with Q8_EXACT_BF16 is not 2 */
+    q8 &= 3;
     if (q8 && D->rp && n >= R16P_MIN && r16p_kind(kind)) { /* 8-lane prompts: the repacked rows (pk_r16_avx2.h), as matmul */
         mm_args A = {0};
         A.x = x; A.out = out; A.n = n; A.k = D->k; A.m = m; A.ldo = m; A.nb = D->k / 32;
@@ -317,7 +319,7 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
     }
     if (!(q8 == 2 && k8i_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) { /* K8I_MAX 0: no SIMD */
         dq_args T = *D;
-        T.bf = bf16_rows(kind, q8, D->k);
+        T.bf = bf;
         return gemm_run(kind, &T, x, n, out, m, nt, NULL);
     }
     mm_args A = {0};

@@ -116,6 +116,7 @@ typedef struct {
     int64_t n, k, m, rb, nb; /* rb = bytes per stored row, nb = 32-blocks per row */
     int64_t ldo;             /* out row stride (floats): m, or wider when out is a slice */
     int x1; /* K-quant, Q5_0/Q5_1/IQ4 int8 rows (pk_k8.h, pk_q8.h): x's first code only (the q8 "auto" mode) */
+    const uint16_t *xb; /* a prompt's BF16 rows (pk_bf16.h): x rounded to bf16 [n, k], or NULL */
 } mm_args;
 
 #include "pk_half.h"
@@ -371,6 +372,7 @@ static inline int check_matrix(int kind, Py_buffer *bw, Py_buffer *ba, mm_args *
 
 #include "pk_vec.h"
 #include "pk_k8i.h"
+#include "pk_bf16.h"
 
 static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

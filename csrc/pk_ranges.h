@@ -37,6 +37,7 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
 #define RANGED(NAME, KIND)                                                                   \
     static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
         int64_t r = r0;                                                                      \
+        if (KIND == K_BF16 && A->xb) { bf16_range(A, r0, r1); return; } /* pk_bf16.h */       \
         if (A->n > 1) {                                                                      \
             for (; r + 3 < r1; r += 4) {                                                     \
                 dense_row4(KIND, A, r);                                                      \

@@ -105,7 +105,7 @@ static int run(int kind, mm_args *A, int nt, int q8, const uint8_t *rp) {
         free(scratch);
         return bad ? -1 : 0;
     }
-    const int64_t piece = q8 ? A->n : row_piece(A); /* pieces of rows that stay in L1 */
+    const int64_t piece = q8 || A->xb ? A->n : row_piece(A); /* pieces of rows that stay in L1 */
     for (int64_t c = 0; c < A->n; c += piece) {
         mm_args P = *A;
         P.n = A->n - c < piece ? A->n - c : piece;
@@ -128,8 +128,10 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     mm_args A = {0};
     A.n = PyLong_AsLongLong(args[5]); A.k = PyLong_AsLongLong(args[6]); A.m = PyLong_AsLongLong(args[7]);
     A.ldo = A.m;
-    long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants) */
+    long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants); | Q8_EXACT_BF16 */
     if (q8 == -1 && PyErr_Occurred()) return NULL;
+    const int q8in = (int)q8;
+    q8 &= 3;
     /* rp: the rows repacked by 16 (csrc/pk_r16.h), read instead of w unless q8 is 0 */
     PyObject *orp = nargs == 10 && q8 && PK_R16 ? args[9] : Py_None;
     const int k8i = q8 == 2 && k8i_kind((int)kind) && A.k % 256 == 0 && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
@@ -162,6 +164,14 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (want_len(&br, r16_bytes((int)kind, A.m, A.k), "rp")) { PyBuffer_Release(&br); goto done_a; }
     }
     int rc;
+    uint16_t *xb = NULL; /* a prompt's BF16 rows on vdpbf16ps, as the fused step (csrc/pk_bf16.h) */
+    if (bf16_rows((int)kind, q8in, A.k) && bf16_tiles(A.n) && !(xb = malloc((size_t)(A.n * A.k) * 2))) {
+        if (br.buf) PyBuffer_Release(&br);
+        PyErr_NoMemory();
+        goto done_a;
+    }
+    for (int64_t i = 0; xb && i < A.n; i++) bf16_x(A.x + i * A.k, A.k, xb + i * A.k);
+    A.xb = xb;
     Py_BEGIN_ALLOW_THREADS
     if (k8i) {
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, A.m};
@@ -169,6 +179,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     } else
         rc = run((int)kind, &A, pk_threads, q8 != 0, br.buf);
     Py_END_ALLOW_THREADS
+    free(xb);
     if (br.buf) PyBuffer_Release(&br);
     if (rc < 0) PyErr_NoMemory();
     else ret = Py_NewRef(Py_None);

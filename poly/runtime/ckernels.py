@@ -63,6 +63,9 @@ GGUF_TYPE_KINDS = {
 }
 _F32 = np.dtype(np.float32)
 Q8_OFF, Q8_ON, Q8_AUTO = 0, 1, 2
+# a flag on q8 for HF bfloat16 weights: their rows stay exact in the auto mode (parity with
+# transformers); GGUF's BF16 takes llama.cpp's bf16 dots there (csrc/pk_bf16.h)
+Q8_EXACT_BF16 = 4
 _Q8_ENV = {"0": Q8_OFF, "1": Q8_ON}
 _opts = {"q8": _Q8_ENV.get(os.environ.get("POLY_ACT_Q8", ""), Q8_AUTO)}
 
@@ -75,7 +78,7 @@ def set_act_q8(on: bool | str) -> int:
     the fused step every row of a batched decode too) and prompts of 4 rows or more
     (csrc/pk_k8i.h: int8 panels); Q5_0/Q5_1/IQ4_NL/IQ4_XS the same way for decode rows (and
     every row of a batched decode, csrc/pk_q8.h), their prompts on the float paths, but IQ4's
-    on the int8 panels too; BF16 prompts of GEMM_ROWS rows or more on vdpbf16ps where the CPU has
+    on the int8 panels too; BF16 prompts of 4 rows or more on vdpbf16ps where the CPU has
     AVX512_BF16 (x rounded to bf16, csrc/pk_bf16.h)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
@@ -84,14 +87,16 @@ def set_act_q8(on: bool | str) -> int:
 def prompt_kinds() -> frozenset:
     """The kinds whose prompts (one sequence's rows) take another path in the auto mode than
     the same rows in company: the K-quants (int8 panels), Q5_0/Q5_1/IQ4 (a prompt on the float
-    paths or, IQ4, the int8 panels; int8 rows in company), and on 8-lane builds Loom Q4 (int8 rows
-    in company, the float paths alone: PK_LOOM8)."""
+    paths or, IQ4, the int8 panels; int8 rows in company), on 8-lane builds Loom Q4 (int8 rows in
+    company, the float paths alone: PK_LOOM8), and BF16 where the CPU has AVX512_BF16 (a prompt's
+    rows on vdpbf16ps with x rounded to bf16, in company the float rows)."""
     if _opts["q8"] != Q8_AUTO or not AVAILABLE:
         return frozenset()
     return (
         K8_KINDS
         | (PQ8_KINDS if SIMD else frozenset())
         | (frozenset({LOOM_Q4}) if LOOM8 else frozenset())
+        | (frozenset({BF16}) if BF16_DOT else frozenset())
     )
 
 
@@ -116,14 +121,14 @@ def isas() -> tuple[str, ...]:
 def use_isa(name: str) -> str:
     """Run the `name` build of the kernels from now on (tests, benchmarks); returns the previous
     one. UsageError when this CPU cannot run it. The thread count carries over."""
-    global EXT, GEMM_ROWS, LOOM8, SIMD
+    global EXT, GEMM_ROWS, LOOM8, SIMD, BF16_DOT
     if name not in isas():
         raise UsageError(f"no {name!r} build of the C kernels runs here (have {isas()})")
     old, threads = EXT.ISA, EXT.info()["threads"]
     if name != old:
         EXT = _MAIN if name == _MAIN.ISA else _MAIN.variant(name)
         EXT.set_threads(threads)
-        GEMM_ROWS, LOOM8, SIMD = _gemm_rows(), _loom8(), _simd()
+        GEMM_ROWS, LOOM8, SIMD, BF16_DOT = _facts()
     return old
 
 
@@ -227,15 +232,15 @@ def silu_mul(gate_up: np.ndarray, out: np.ndarray, up: np.ndarray | None = None)
     return out
 
 
-def decode(
-    layers, caches, head, x, logits, positions, threads: int, paged=None, reduce=None
-) -> None:
+def decode(layers, caches, head, x, logits, pos, threads, paged=None, reduce=None, exact=False):
     """The fused decode step (csrc/pk_decode.c): every block, the final norm and the LM head
     for the rows of x [n, d] in one OpenMP region (argument tuples: poly.runtime.fused).
     ``paged`` = (page_size, int32 page table per row): caches are page pools (poly.serving).
     ``reduce`` (tensor parallel) = (buf float32 [n, d], fn): fn() sums buf over the ranks in
-    place; it runs after the O and the down projection of every block."""
-    args = (layers, caches, head, x, logits, positions, _opts["q8"], threads)
+    place; it runs after the O and the down projection of every block. ``exact``: the model's
+    BF16 rows are HF weights (Q8_EXACT_BF16)."""
+    q8 = _opts["q8"] | (Q8_EXACT_BF16 if exact else 0)
+    args = (layers, caches, head, x, logits, pos, q8, threads)
     if reduce is not None:
         EXT.decode(*args, paged, reduce)
     elif paged is None:
@@ -273,9 +278,14 @@ def matmul(qt, x: np.ndarray, out: np.ndarray | None = None, q8: bool | None = N
         out = np.empty((x.shape[0], m), dtype=np.float32)
     _check_io(x, out, m, k)
     kind, w, aux = ops
-    q8 = _opts["q8"] if q8 is None else (Q8_ON if q8 else Q8_OFF)
+    q8 = _q8(w) if q8 is None else (Q8_ON if q8 else Q8_OFF)
     EXT.matmul(kind, x, out, w, aux, x.shape[0], k, m, q8)
     return out
+
+
+def _q8(w: np.ndarray) -> int:
+    """The scheme flag for stored rows w: HF bfloat16 arrays exact (Q8_EXACT_BF16)."""
+    return _opts["q8"] | (Q8_EXACT_BF16 if w.dtype.name == "bfloat16" else 0)
 
 
 def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
@@ -296,27 +306,19 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
     EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], int(threads))
 
 
-def _gemm_rows() -> int:
-    """Rows from which `gemm` beats the row kernels' tiles: the build's (csrc/pk_kernels.h; 9 on
-    8-lane builds, MAX_N + 1 on AVX-512), the fused step's switch too."""
-    return int(EXT.info().get("gemm_rows", MAX_N + 1)) if AVAILABLE else MAX_N + 1
+def _facts() -> tuple[int, bool, bool, bool]:
+    """The build's (GEMM_ROWS, LOOM8, SIMD, BF16_DOT): rows from which `gemm` beats the row
+    kernels' tiles (csrc/pk_kernels.h; 9 on 8-lane builds, MAX_N + 1 on AVX-512; the fused
+    step's switch too); whether the auto mode runs Loom Q4 rows in company on x's int8 codes and
+    a prompt alone on the float paths (PK_LOOM8, 8-lane builds, matrices not repacked by 16);
+    whether it has the SIMD kernels (base: plain loops, float paths only); whether it runs GGUF
+    BF16 prompts on vdpbf16ps (AVX-512 with AVX512_BF16)."""
+    info = EXT.info() if AVAILABLE else {}
+    rows = int(info.get("gemm_rows", MAX_N + 1))
+    return rows, bool(info.get("loom8")), bool(info.get("simd")), bool(info.get("bf16"))
 
 
-GEMM_ROWS = _gemm_rows()  # follows use_isa
-
-
-def _loom8() -> bool:
-    """Whether this build's auto mode runs Loom Q4 rows in company on x's int8 codes and a
-    prompt alone on the float paths (PK_LOOM8, 8-lane builds; matrices not repacked by 16)."""
-    return bool(EXT.info().get("loom8")) if AVAILABLE else False
-
-
-def _simd() -> bool:
-    """Whether this build has the SIMD kernels (the base build: plain loops, float paths only)."""
-    return bool(EXT.info().get("simd")) if AVAILABLE else False
-
-
-LOOM8, SIMD = _loom8(), _simd()  # follow use_isa; read per scheduler step by prompt_kinds
+GEMM_ROWS, LOOM8, SIMD, BF16_DOT = _facts()  # follow use_isa; read by prompt_kinds
 
 
 def aligned(x: np.ndarray) -> np.ndarray:
@@ -387,9 +389,9 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
     rp = getattr(qt, "r16", None)  # the copy repacked by 16 (fused._mat), read instead of w
     if n >= GEMM_ROWS:
-        EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _opts["q8"], rp)
+        EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _q8(w), rp)
     else:  # as the fused step's rows: the repacked rows on x's int8 codes unless q8 is off
-        EXT.matmul(kind, aligned(x2), dst, w, aux, n, k, m, _opts["q8"], rp)
+        EXT.matmul(kind, aligned(x2), dst, w, aux, n, k, m, _q8(w), rp)
     if dst is not res:
         res[...] = dst
 

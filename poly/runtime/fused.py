@@ -139,6 +139,8 @@ class Plan:
         ]
         self.layers = layers
         self.kinds = frozenset(_kinds((layers, lm)))
+        # HF bfloat16 arrays: exact rows in the auto mode too (ckernels.Q8_EXACT_BF16)
+        self.exact_bf16 = any(w.dtype.name == "bfloat16" for w in _weights((layers, lm)))
         self.head = (final, float(model.config.rms_norm_eps), lm)
         self.vocab = lm[3]
         self.tuners: dict[int, ThreadTuner] = {}  # decode threads per batch size
@@ -157,6 +159,16 @@ def _kinds(args):
                 yield from _kinds(a)
 
 
+def _weights(args):
+    """The stored rows (w) of every matrix record inside the nested argument tuples."""
+    if isinstance(args, tuple):
+        if len(args) in (6, 7) and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
+            yield args[1]
+        else:
+            for a in args:
+                yield from _weights(a)
+
+
 def rows_alike(model) -> bool:
     """Whether a row's results in a fused call of at most MAX_N rows are the same whatever the
     other rows (prompt rows beside decode rows): false without the fused step, and in the q8
@@ -165,7 +177,8 @@ def rows_alike(model) -> bool:
     p = plan(model)
     if p is None:
         return False
-    return not p.kinds & ckernels.prompt_kinds()
+    kinds = p.kinds - {ckernels.BF16} if p.exact_bf16 else p.kinds
+    return not kinds & ckernels.prompt_kinds()
 
 
 def plan(model) -> Plan | None:
@@ -233,7 +246,7 @@ def _run(
     if reduce is not None:  # tensor parallel: reduce(buf) sums [n, d] over the ranks in place
         buf = np.empty_like(x)  # [n, d]
         hook = (buf, lambda: reduce(buf))
-    ckernels.decode(p.layers, tuple(caches), p.head, x, out, pos, nt, None, hook)
+    ckernels.decode(p.layers, tuple(caches), p.head, x, out, pos, nt, None, hook, p.exact_bf16)
     tuner.record(nt, time.perf_counter() - t0)
     _report_experts(p, x.shape[0])
     for r, at in zip(rows, pos):
@@ -286,7 +299,7 @@ def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
         # window met another process's spinning threads kept every later prompt on one thread)
         nt = full
     pos = tuple(range(start, start + n))
-    ckernels.decode(p.layers, tuple(pairs), p.head, x, logits, pos, nt, None, None)
+    ckernels.decode(p.layers, tuple(pairs), p.head, x, logits, pos, nt, None, None, p.exact_bf16)
     _report_experts(p, n)
     for c in caches:
         c.length = start + n
@@ -341,7 +354,18 @@ def step_paged(
     tuner = p.tuners.setdefault(n, ThreadTuner())
     nt = tuner.threads(kernels.num_threads())
     t0 = time.perf_counter()
-    ckernels.decode(p.layers, tuple(caches), p.head, x, out, pos, nt, (page_size, tables))
+    ckernels.decode(
+        p.layers,
+        tuple(caches),
+        p.head,
+        x,
+        out,
+        pos,
+        nt,
+        (page_size, tables),
+        None,
+        p.exact_bf16,
+    )
     tuner.record(nt, time.perf_counter() - t0)
     _report_experts(p, n)
     return logits
