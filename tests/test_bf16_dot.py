@@ -12,8 +12,8 @@ import pytest
 
 from poly.runtime import ckernels, fused
 from tests.test_ckernels import MAKERS, random_weights
-from tests.test_fused import PROMPT, quantize_all, run_steps, tiny_cfg
-from tests.tiny_model import random_transformer
+from tests.test_fused import PROMPT
+from tests.test_k8 import _three_runs
 
 BF16 = ["bfloat16", "gguf_bf16"]
 
@@ -56,15 +56,7 @@ def test_bf16_model_prompt_in_bf16_decode_in_float(scheme, monkeypatch, each_isa
     """A BF16 model: the fused step's prompt equals the Python path's (both x in bf16 where the
     dots run: GGUF's rows), within 1e-2 of the float path; its one-row decode steps are the float
     path's. HF bfloat16 weights stay exact."""
-    tf = random_transformer(tiny_cfg(hidden=64, inter=96), seed=3)
-    quantize_all(tf, scheme)
-    auto = run_steps(tf, True, monkeypatch)
-    python = run_steps(tf, False, monkeypatch)
-    ckernels.set_act_q8(False)
-    try:
-        exact = run_steps(tf, True, monkeypatch)
-    finally:
-        ckernels.set_act_q8("auto")
+    tf, (auto, python, exact) = _three_runs(scheme, monkeypatch)
     assert len(PROMPT) >= 4
     # the server's scheduler keeps such prompts apart from decode rows (poly.serving.scheduler)
     assert fused.rows_alike(tf) == (not _dot(each_isa, scheme))
