@@ -13,7 +13,7 @@ import pytest
 from poly.runtime import ckernels, fused
 from tests.test_ckernels import MAKERS, random_weights
 from tests.test_fused import PROMPT
-from tests.test_k8 import _three_runs
+from tests.test_k8 import three_runs
 
 BF16 = ["bfloat16", "gguf_bf16"]
 
@@ -56,7 +56,7 @@ def test_bf16_model_prompt_in_bf16_decode_in_float(scheme, monkeypatch, each_isa
     """A BF16 model: the fused step's prompt equals the Python path's (both x in bf16 where the
     dots run: GGUF's rows), within 1e-2 of the float path; its one-row decode steps are the float
     path's. HF bfloat16 weights stay exact."""
-    tf, (auto, python, exact) = _three_runs(scheme, monkeypatch)
+    tf, (auto, python, exact) = three_runs(scheme, monkeypatch)
     assert len(PROMPT) >= 4
     # the server's scheduler keeps such prompts apart from decode rows (poly.serving.scheduler)
     assert fused.rows_alike(tf) == (not _dot(each_isa, scheme))

@@ -104,7 +104,7 @@ def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
         assert np.abs(out - coded).max() <= 2e-5 * np.abs(coded).max()
 
 
-def _three_runs(scheme, monkeypatch):
+def three_runs(scheme, monkeypatch):
     """A random model with every matrix in `scheme`: (model, (the fused step in the auto mode,
     the Python path in the auto mode, the fused step on the float path))."""
     tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=5)
@@ -126,7 +126,7 @@ def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, e
     llama.cpp's q8_0 activations), in the fused step as in the Python path; its prompt the float
     paths (bitwise the q8-off step's), but IQ4's on SIMD builds: the int8 panels (pk_k8i.h).
     Within 6e-2 of the float path on this random model."""
-    tf, (auto, python, exact) = _three_runs(scheme, monkeypatch)
+    tf, (auto, python, exact) = three_runs(scheme, monkeypatch)
     a, p, e = auto[0], python[0], exact[0]  # the prompt
     assert np.array_equal(a, e) == (not _panels(scheme, each_isa))
     assert np.abs(a - e).max() <= 6e-2 * np.abs(e).max()
@@ -144,7 +144,7 @@ def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each
     the 8-bit codes put every step within 6e-2 of the float path on this random model (1e-2 to
     4e-2 on SmolLM2 / a 1B Q4_K_M, where llama.cpp's Q8_K is 3e-2 to 6e-2), the decode rows
     alone too."""
-    tf, (auto, python, exact) = _three_runs(scheme, monkeypatch)
+    tf, (auto, python, exact) = three_runs(scheme, monkeypatch)
     # integer rows and prompt panels on every SIMD build (base: none)
     for a, p, e in zip(auto, python, exact):
         assert np.array_equal(a, e) == (each_isa == "base")
