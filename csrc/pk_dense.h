@@ -114,6 +114,39 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
 #endif
 #endif
 
+#if PK_SIMD
+#if PK_AVX512
+#define DADD(a, b) _mm512_add_ps(a, b)
+#else
+#define DADD(a, b) _mm256_add_ps(a, b)
+#endif
+/* `rows` dense rows from r (1..4, a constant after inlining) times one input, two accumulators a
+ * row: each x load feeds every row of the group, and a row's sums do not depend on `rows` (so
+ * on how the rows were split between threads) */
+static inline __attribute__((always_inline)) void dense_group1(int kind, const mm_args *A, int64_t r, const int rows) {
+    const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2), k = A->k, k2 = k / (2 * DL) * (2 * DL);
+    const uint8_t *row = A->w + r * k * esz;
+    dvec a[4], b[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < rows; q++) a[q] = b[q] = DZERO();
+    int64_t j = 0;
+    for (; j < k2; j += 2 * DL) {
+        const dvec x0 = DLOADX(A->x + j), x1 = DLOADX(A->x + j + DL);
+#pragma GCC unroll 4
+        for (int q = 0; q < rows; q++) {
+            a[q] = DFMA(DLOAD(kind, row + q * k * esz, j), x0, a[q]);
+            b[q] = DFMA(DLOAD(kind, row + q * k * esz, j + DL), x1, b[q]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < rows; q++) {
+        float s = DSUM(DADD(a[q], b[q]));
+        for (int64_t t = j; t < k; t++) s += load1(kind, row + q * k * esz, t) * A->x[t];
+        A->out[r + q] = (kind == K_I8 ? A->aux[r + q] : 1.0f) * s;
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void dense_row(int kind, const mm_args *A, int64_t r) {
     const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2);
     const int64_t n = A->n;
@@ -160,6 +193,26 @@ static inline __attribute__((always_inline)) void dense_row4(int kind, const mm_
     dense_row2(kind, A, r);
     dense_row2(kind, A, r + 2);
 #endif
+}
+
+/* A decode step's dense rows (one input). No prefetch_row bursts: one sequential stream a row
+ * keeps the hardware prefetcher ahead, and a burst of a row's lines filled the miss buffers
+ * (Zen 4 f16 [8192 x 2048]: 18-23 -> 23-31 GB/s). Past DENSE_X1 bytes of x (the FFN's down rows,
+ * k = 8192: 32 KB of float32, all of Zen 4's L1d) x would come from L2 for every row: rows go in
+ * fours sharing each x load ([2048 x 8192]: 19-20 -> 27-28 GB/s). */
+#ifndef DENSE_X1
+#define DENSE_X1 16384
+#endif
+static inline __attribute__((always_inline)) void dense_rows1(int kind, const mm_args *A, int64_t r0, int64_t r1) {
+    int64_t r = r0;
+#if PK_SIMD
+    if (A->k * 4 > DENSE_X1) {
+        for (; r + 3 < r1; r += 4) dense_group1(kind, A, r, 4);
+        for (; r < r1; r++) dense_group1(kind, A, r, 1);
+        return;
+    }
+#endif
+    for (; r < r1; r++) dense_row(kind, A, r);
 }
 
 #endif /* PK_DENSE_H */

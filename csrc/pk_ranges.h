@@ -44,10 +44,8 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
             }                                                                                \
             if (r + 1 < r1) { dense_row2(KIND, A, r); r += 2; }                              \
         }                                                                                    \
-        for (; r < r1; r++) {                                                                \
-            if (A->n == 1) prefetch_row(A, r); /* more inputs: the tiles ask for their rows */ \
-            dense_row(KIND, A, r);                                                           \
-        }                                                                                    \
+        if (A->n == 1) { dense_rows1(KIND, A, r, r1); return; } /* pk_dense.h */            \
+        for (; r < r1; r++) dense_row(KIND, A, r); /* the tiles ask for their rows */        \
     }
 RANGED(r_f32, K_F32)
 RANGED(r_f16, K_F16)
