@@ -69,7 +69,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
     const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
 #if PK_SIMD
-    if (q8 == 2 && k8i_kind(M->kind) && A.nb % 8 == 0 && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
+    if (q8 == 2 && k8i_fits(M->kind, A.k) && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
     } else
 #endif

@@ -317,7 +317,7 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
         A.aux = D->aux; /* int8 rows: the row scales */
         return run(kind, &A, nt, 1, D->rp);
     }
-    if (!(q8 == 2 && k8i_kind(kind) && n >= K8I_MIN && n <= K8I_MAX && D->k % 256 == 0)) { /* K8I_MAX 0: no SIMD */
+    if (!(q8 == 2 && k8i_fits(kind, D->k) && n >= K8I_MIN && n <= K8I_MAX)) { /* K8I_MAX 0: no SIMD */
         dq_args T = *D;
         T.bf = bf;
         return gemm_run(kind, &T, x, n, out, m, nt, NULL);

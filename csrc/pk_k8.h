@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) __m512i k8_codes2(int kind, const u
     case K_Q3_K:
         return _mm512_or_si512(k8_field2(p + 32 + 32 * (q2 >> 1), e, e + 2, 3), _mm512_slli_epi16(k8_field2(p, j, j + 1, 1), 2));
     case K_IQ4_NL: case K_IQ4_XS: { /* the table's codes + 128 (v ^ 0x80: the unsigned side of vpdpbusd) */
-        const uint8_t *a = kind == K_IQ4_NL ? p + 18 * j + 2 : p + 8 + 16 * j, *b = a + (kind == K_IQ4_NL ? 18 : 16);
+        const uint8_t *a = pq_iq4_nibs(kind, p, j), *b = pq_iq4_nibs(kind, p, j + 1);
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(pq_lut(pq_nib32(a))), pq_lut(pq_nib32(b)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     }

@@ -41,6 +41,9 @@ static inline int k8i_kind(int kind) {
     return k8_kind(kind) || (K8I_IQ4 && (kind == K_IQ4_NL || kind == K_IQ4_XS));
 }
 
+/* the int8 panels read rows of kind in runs of 256 elements */
+static inline int k8i_fits(int kind, int64_t k) { return k8i_kind(kind) && k % 256 == 0; }
+
 /* bytes of 256 elements of a row of kind (IQ4_NL: 8 blocks of 18) */
 static inline int64_t k8i_sbb(int kind) { return (int64_t)BLOCK_BYTES[kind] * (256 / BLOCK_ELEMS[kind]); }
 #if PK_AVX512
@@ -207,7 +210,7 @@ static inline void k8i_transpose(__m512i v[16]) {
 /* IQ4 super-block p's scale per 16 (two of each: one per 32) */
 static inline __m512 k8i_iq4_scales(int kind, const uint8_t *p) {
     float s[16];
-    for (int j = 0; j < 8; j++) s[2 * j] = s[2 * j + 1] = kind == K_IQ4_NL ? h2f(p + 18 * j) : h2f(p) * (float)pq_iq4xs_scale(p, j);
+    for (int j = 0; j < 8; j++) s[2 * j] = s[2 * j + 1] = pq_iq4_d(kind, p, j);
     return _mm512_loadu_ps(s);
 }
 

@@ -21,7 +21,7 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
                 const uint8_t *p = w + (r0 + r) * rb + sb * sbb;
                 for (int j = 0; j < 8; j++) {
                     _mm256_storeu_si256((__m256i *)(codes + r * 64 + 8 * j), pq_codes_simd(kind, kind == K_IQ4_NL ? p + 18 * j : p, j));
-                    s[16 * r + 2 * j] = s[16 * r + 2 * j + 1] = kind == K_IQ4_NL ? h2f(p + 18 * j) : h2f(p) * (float)pq_iq4xs_scale(p, j);
+                    s[16 * r + 2 * j] = s[16 * r + 2 * j + 1] = pq_iq4_d(kind, p, j);
                     o[16 * r + 2 * j] = o[16 * r + 2 * j + 1] = 0.0f;
                 }
                 continue;

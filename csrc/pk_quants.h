@@ -34,6 +34,15 @@ static inline int pq_iq4xs_scale(const uint8_t *p, int j) {
     return (((p[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
 }
 
+/* sub-block j (32 elements) of 256 IQ4 elements from p (IQ4_NL: 8 blocks of 18 bytes, a scale
+ * each; IQ4_XS: one super-block, the scales in its header): its scale and its 16 nibble bytes */
+static inline float pq_iq4_d(int kind, const uint8_t *p, int j) {
+    return kind == K_IQ4_NL ? h2f(p + 18 * j) : h2f(p) * (float)pq_iq4xs_scale(p, j);
+}
+static inline const uint8_t *pq_iq4_nibs(int kind, const uint8_t *p, int j) {
+    return kind == K_IQ4_NL ? p + 18 * j + 2 : p + 8 + 16 * j;
+}
+
 /* Q4_K / Q5_K: scale and min j of 8, 6 bits each in 12 bytes (gguf-py Q4_K.get_scale_min) */
 static inline void pq_k4_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
     if (j < 4) { *sc = s[j] & 63; *mn = s[j + 4] & 63; }

@@ -134,7 +134,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     q8 &= 3;
     /* rp: the rows repacked by 16 (csrc/pk_r16.h), read instead of w unless q8 is 0 */
     PyObject *orp = nargs == 10 && q8 && PK_R16 ? args[9] : Py_None;
-    const int k8i = q8 == 2 && k8i_kind((int)kind) && A.k % 256 == 0 && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
+    const int k8i = q8 == 2 && k8i_fits((int)kind, A.k) && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
     A.x1 = q8 == 2; /* as the fused step: K-quant, Q5_0/Q5_1/IQ4 rows on x's first code in the auto mode */
     if (q8 == 2) /* as the fused step */
         q8 = (k8_kind((int)kind) || (PK_SIMD && pq8_kind((int)kind)) || (PK_LOOM8 && kind == K_LOOM_Q4)) && A.n <= K8_ROWS;
