@@ -48,6 +48,16 @@ static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, in
 #include "pk_prep.h"
 
 
+/* a prompt's F16 (and exact BF16) rows: the row kernels' register tiles read the stored rows
+ * (pk_dense.h dense_row4: 4 rows x 4 inputs, a weight vector converted once for four inputs),
+ * DENSE_PIECE inputs a pass (their x, 8 KB a row at k 2,048, stays in L2). The gemm panels'
+ * packing lost to them on Zen 4 (1B f16 42-token prompt 67 -> 86-90 tok/s); float32 rows gained
+ * nothing and stay on the panels. */
+#ifndef DENSE_PIECE
+#define DENSE_PIECE 64
+#endif
+static inline int dense_tiles(int kind, int bf) { return kind == K_F16 || (kind == K_BF16 && !bf); }
+
 /* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo */
 static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1,
                      int q8, int64_t n) {
@@ -68,6 +78,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     const int r16 = PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
     const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
+    const int dense = n > 1 && !use8 && dense_tiles(M->kind, bf);
 #if PK_SIMD
     if (q8 == 2 && k8i_fits(M->kind, A.k) && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
@@ -75,7 +86,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
 #endif
     if (r16) {
         /* done */
-    } else if (n >= P->gemm_from && !use8 && P->gbuf) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
+    } else if (n >= P->gemm_from && !use8 && P->gbuf && !dense) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
         float *tmp = P->gbuf + pk_tid() * P->gstride;
         float *pk = (float *)(((uintptr_t)(tmp + GR * A.k) + 63) & ~(uintptr_t)63);
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp, bf}; /* rp: read the repacked copy */
@@ -86,8 +97,8 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
         for (int64_t i = 0; i < n; i++) bf16_x(P->x + i * A.k, A.k, xb + i * A.k);
         A.xb = xb;
         bf16_range(&A, r0, r1);
-    } else if (n > (use8 ? MAX_N : row_piece(&A))) { /* pieces of rows, see row_piece */
-        const int64_t piece = use8 ? MAX_N : row_piece(&A);
+    } else if (n > (use8 ? MAX_N : dense ? DENSE_PIECE : row_piece(&A))) { /* pieces of rows, see row_piece */
+        const int64_t piece = use8 ? MAX_N : dense ? DENSE_PIECE : row_piece(&A);
         for (int64_t c = 0; c < n; c += piece) {
             const px_t V = px_view(P, P->x + c * A.k, c * A.k);
             mat_rows(M, &V, out + c * ldo, ldo, r0, r1, q8, n - c < piece ? n - c : piece);
