@@ -52,11 +52,14 @@ static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, in
  * (pk_dense.h dense_row4: 4 rows x 4 inputs, a weight vector converted once for four inputs),
  * DENSE_PIECE inputs a pass (their x, 8 KB a row at k 2,048, stays in L2). The gemm panels'
  * packing lost to them on Zen 4 (1B f16 42-token prompt 67 -> 86-90 tok/s); float32 rows gained
- * nothing and stay on the panels. */
+ * nothing and stay on the panels, and so do AVX2's (its tiles are one row by up to 4 inputs: two
+ * loads an FMA, 1B f16 42-token prompt 0.48x llama.cpp's). */
 #ifndef DENSE_PIECE
 #define DENSE_PIECE 64
 #endif
-static inline int dense_tiles(int kind, int bf) { return kind == K_F16 || (kind == K_BF16 && !bf); }
+static inline int dense_tiles(int kind, int bf) {
+    return PK_AVX512 && (kind == K_F16 || (kind == K_BF16 && !bf));
+}
 
 /* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo */
 static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1,

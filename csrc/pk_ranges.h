@@ -32,20 +32,16 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
 #define RANGEQ(NAME, KIND)                                                                   \
     RANGE2(NAME, if (A->n == 1) quant_row(KIND, A, r, 1); else quant_row(KIND, A, r, A->n),   \
            quant_row2(KIND, A, r, A->n))
-/* dense rows: quads, then a pair, then one (dense_row4: x loads shared by four rows); the tiles
- * of several inputs prefetch their rows themselves (pk_dense.h tile_prefetch) */
+/* dense rows: one input, pk_dense.h dense_rows1; several, quads, then a pair, then one
+ * (dense_row4: x loads shared by four rows), the tiles asking for their rows (tile_prefetch) */
 #define RANGED(NAME, KIND)                                                                   \
     static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
         int64_t r = r0;                                                                      \
         if (KIND == K_BF16 && A->xb) { bf16_range(A, r0, r1); return; } /* pk_bf16.h */       \
-        if (A->n > 1) {                                                                      \
-            for (; r + 3 < r1; r += 4) {                                                     \
-                dense_row4(KIND, A, r);                                                      \
-            }                                                                                \
-            if (r + 1 < r1) { dense_row2(KIND, A, r); r += 2; }                              \
-        }                                                                                    \
-        if (A->n == 1) { dense_rows1(KIND, A, r, r1); return; } /* pk_dense.h */            \
-        for (; r < r1; r++) dense_row(KIND, A, r); /* the tiles ask for their rows */        \
+        if (A->n == 1) { dense_rows1(KIND, A, r0, r1); return; }                             \
+        for (; r + 3 < r1; r += 4) dense_row4(KIND, A, r);                                   \
+        if (r + 1 < r1) { dense_row2(KIND, A, r); r += 2; }                                  \
+        for (; r < r1; r++) dense_row(KIND, A, r);                                           \
     }
 RANGED(r_f32, K_F32)
 RANGED(r_f16, K_F16)
