@@ -3,6 +3,9 @@
 #ifndef PK_DENSE_H
 #define PK_DENSE_H
 
+/* bytes an element of a dense row: float32, int8 codes, or a 16-bit float */
+static inline int64_t dense_esz(int kind) { return kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2); }
+
 #if PK_SIMD
 #if PK_AVX512
 #define DL 16 /* lanes of the dense tiles */
@@ -51,7 +54,7 @@ static inline __attribute__((always_inline)) void dense_sums(int kind, const mm_
  * 16), each weight vector converted once for all inputs, one accumulator per (row, input) */
 static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_args *A, int64_t r, int64_t c,
                                                              const int nn, const int rows) {
-    const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2), k = A->k, k2 = k / (2 * DL) * (2 * DL);
+    const int64_t esz = dense_esz(kind), k = A->k, k2 = k / (2 * DL) * (2 * DL);
     const uint8_t *row = A->w + r * k * esz;
     dvec a[4][ROW_TILE];
 #pragma GCC unroll 4
@@ -85,7 +88,7 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
  * 16-token prompt 762 -> 510 tok/s) */
 static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_args *A, int64_t r, int64_t c,
                                                              const int nn, const int rows) {
-    const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2), k = A->k, k2 = k / (2 * DL) * (2 * DL);
+    const int64_t esz = dense_esz(kind), k = A->k, k2 = k / (2 * DL) * (2 * DL);
     const uint8_t *row = A->w + r * k * esz;
     const float scale = kind == K_I8 ? A->aux[r] : 1.0f;
     dvec a0[ROW_TILE], a1[ROW_TILE];
@@ -124,7 +127,7 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
  * row: each x load feeds every row of the group, and a row's sums do not depend on `rows` (so
  * on how the rows were split between threads) */
 static inline __attribute__((always_inline)) void dense_group1(int kind, const mm_args *A, int64_t r, const int rows) {
-    const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2), k = A->k, k2 = k / (2 * DL) * (2 * DL);
+    const int64_t esz = dense_esz(kind), k = A->k, k2 = k / (2 * DL) * (2 * DL);
     const uint8_t *row = A->w + r * k * esz;
     dvec a[4], b[4];
 #pragma GCC unroll 4
@@ -148,7 +151,7 @@ static inline __attribute__((always_inline)) void dense_group1(int kind, const m
 #endif
 
 static inline __attribute__((always_inline)) void dense_row(int kind, const mm_args *A, int64_t r) {
-    const int64_t esz = kind == K_F32 ? 4 : (kind == K_I8 ? 1 : 2);
+    const int64_t esz = dense_esz(kind);
     const int64_t n = A->n;
 #if PK_SIMD
     if (n > 1) { /* several input rows: register tiles (one row keeps dense_dot's four chains: the
