@@ -68,15 +68,15 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     mm_args A = M->A;
     A.n = n; A.out = out; A.ldo = ldo;
     A.x = P->x; A.xs = P->xs;
-    A.xq = P->xq; A.dx = P->dx; A.xs16 = P->xs16;
+    A.xq = P->xq; A.dx = P->dx; A.xs16 = P->xs16; A.xk = P->xk; A.dk = P->dk;
     A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
-    A.x1 = q8 == 2; /* auto mode: K-quant, Q5_0/Q5_1/IQ4 rows on x's first code (csrc/pk_k8.h) */
-    const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind); /* auto mode: K-quants (csrc/pk_k8*.h) */
+    A.x1 = q8 == 2; /* auto mode: K-quant rows on xk (csrc/pk_k8.h), Q5_0/Q5_1/IQ4 on x's first code */
+    const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind) && P->grp == 3; /* auto mode: K-quants (csrc/pk_k8*.h) */
     /* auto mode, Q5_0/Q5_1/IQ4 rows of independent sequences (not a prompt: gemm_from above
      * MAX_N): x's first code (pk_k8.h pq8_kind); a prompt's rows the float paths, as in Python */
-    const int pq8 = q8 == 2 && PK_SIMD && pq8_kind(M->kind) && P->grp == 1 && P->gemm_from > MAX_N;
+    const int pq8 = q8 == 2 && PK_SIMD && pq8_kind(M->kind) && grp_pairs(P->grp) && P->gemm_from > MAX_N;
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
-                             : (k8 && P->grp != 8) || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && P->grp == 1) || pq8;
+                             : k8 || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && grp_pairs(P->grp)) || pq8;
     /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
     const int r16 = PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
@@ -211,9 +211,11 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
     int64_t r0, r1;
     px_t V = B->P; /* this thread's own view of `in` (B->P.x is left alone) */
     V.x = in; V.k = n * k; V.grp = grp;
-    if (!prepped && k % 32 == 0) { /* the 32-blocks split over the threads */
+    if (!prepped && k % 32 == 0) { /* the 32-blocks split over the threads (groups of 8 with the codes per 256) */
+        const int64_t g = grp == 3 ? 8 : 1;
         int64_t b0, b1;
-        part(n * k / 32, tid, nt, &b0, &b1);
+        part(n * k / 32 / g, tid, nt, &b0, &b1);
+        b0 *= g; b1 *= g;
         prep_blocks(&B->P, in, b0, b1, S->loom, grp);
 #pragma omp barrier
     } else if (!prepped) {
@@ -259,8 +261,8 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
         for (int i = 0; i < n; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], i);
         part(n * L->heads, tid, nt, &r0, &r1);
     }
-    /* a head's output is whole blocks: prep them here (not when the codes take groups of 256) */
-    const int want_o = wants_codes(S, &L->o, 1), inline_prep = L->hd % 32 == 0 && q8_group(S, want_o) != 8;
+    /* a head's output is whole blocks: prep them here (not when codes take groups of 256) */
+    const int want_o = wants_codes(S, &L->o, 1), inline_prep = L->hd % 32 == 0 && q8_group(S, want_o) < 3;
     const int64_t sst = sc_stride(S);
     for (int64_t e = r0; e < r1;) { /* this thread's heads of row i: h0 .. h1 */
         const int i = (int)(e / L->heads), h0 = (int)(e % L->heads);
@@ -352,6 +354,8 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->P.xp = take(&f, R * kp);
     B->P.xq = (int8_t *)take(&f, R * kp / 2);
     B->P.xqp = (int8_t *)take(&f, R * kp / 2);
+    B->P.xk = (int8_t *)take(&f, R * kp / 256 * XK_BYTES / 4 + 1);
+    B->P.dk = take(&f, R * kp / 256 + 1);
     float *m = f;
     B->rl = take(&f, n * S->mE); B->prob = take(&f, 2 * S->mE); B->aw = take(&f, R);
     B->arow = (int32_t *)take(&f, R); B->mx = take(&f, R * S->d);

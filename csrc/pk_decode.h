@@ -38,11 +38,13 @@ typedef struct {
 typedef struct { int e; int64_t row0, cnt, goff, hoff; } slot_t; /* expert e's gathered rows */
 
 typedef struct { /* one input vector prepared for every kernel kind */
-    const float *x; float *xs, *xp, *dx, *xs16; int8_t *xq, *xqp; int64_t k;
+    const float *x; float *xs, *xp, *dx, *xs16, *dk; int8_t *xq, *xqp, *xk; int64_t k;
     float *gbuf; int64_t gstride; /* per-thread gemm panels (GEMM_ROWS rows and more) */
     int grp; /* the codes prep wrote (q8_group): 0 none, 1 two int8 codes per element (the int8
-              * rows, repacked rows), 8 one (the K-quant prompt panels, pk_k8i.h) */
-    int x1; /* the auto mode: the K-quant rows take x's first code, their offsets its sums (xs16) */
+              * rows, repacked rows), 3 those and one code per element with a scale per 256 (xk,
+              * dk: the auto mode's K-quant rows, pk_vec.h quantize_k), 8 one (the K-quant prompt
+              * panels, pk_k8i.h) */
+    int x1; /* the auto mode: Q5_0/Q5_1/IQ4 rows take x's first code, K-quant rows xk */
     int bf; /* a prompt's BF16 products on vdpbf16ps (K8I_MIN rows and more, csrc/pk_bf16.h) */
     int64_t gemm_from; /* rows from which a product runs as gemm panels: GEMM_ROWS for a prompt,
                         * else MAX_N + 1 (the row kernels: a row's sums alone and in company) */

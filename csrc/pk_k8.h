@@ -1,17 +1,14 @@
-/* K-quant rows (Q2_K ... Q6_K) with int8 activations (the q8 scheme): each 256-element super-block
- * is decoded once per row into unsigned codes u (one 32-byte vector per sub-block), integer scales
- * s per 16 elements and float offsets o per 16 elements, so that
- *     value = D * s * u - o
- * (Q4_K/Q5_K/Q2_K: o = dmin * min; Q3_K/Q6_K: the code offset, o = D * s * 4 or 32). The codes
- * meet x's int8 codes (xh, xl per 32-block, pk_vec.h quantize_x) in maddubs, the scales in madd:
- * integer sums per sub-block, one float multiply by dx per sub-block and by D per super-block.
- * The offsets take the sums of x per 16 elements (xs16): float sums with x's two codes, the
- * first codes' sums in the auto mode (pk_vec.h code_sums16: the stored weights times x's codes).
- * llama.cpp's Q8_K dots work the same way with one activation code per element; the residual
- * code xl keeps ours within ~1e-4 of the float path (POLY_ACT_Q8=1). The "auto" mode (the
- * default) takes xh alone (A->x1), like llama.cpp and like the K-quant prompt panels: half the
- * integer products (AVX2 was instruction-bound on them: 1B Q4_K_M decode 43 -> 50 tok/s), x
- * rounded to 8 bits a 32-block. Included by pk_kernels.h. */
+/* K-quant rows (Q2_K ... Q6_K) with int8 activations: each 256-element super-block is decoded
+ * once per row into unsigned codes u (one 32-byte vector per sub-block), integer scales s per 16
+ * elements and integer offsets o per 16 elements times a float om, so that
+ *     value = D * s * u - om * o
+ * (Q4_K/Q5_K/Q2_K: om = dmin, o = the min; Q3_K/Q6_K: the code offset, om = 4 D or 32 D, o = s).
+ * The codes meet x's int8 codes in maddubs, the scales in madd. The "auto" mode (the default,
+ * A->x1) takes x as one code per element with one scale a super-block (pk_vec.h quantize_k, like
+ * llama.cpp's Q8_K): a super-block's integer sums and the offsets' o * sum(x's codes) stay in
+ * int32 and convert once. POLY_ACT_Q8=1 takes x's two codes per 32-block (xh, xl: pk_vec.h
+ * quantize_x), a float multiply by dx per sub-block, the offsets on x's float sums (xs16):
+ * within ~1e-4 of the float path. Included by pk_kernels.h. */
 #ifndef PK_K8_H
 #define PK_K8_H
 
@@ -34,16 +31,21 @@ static inline int pq8_kind(int kind) {
 
 typedef struct {
     int16_t s[16]; /* integer scale per 16 elements */
-    float o[16];   /* offset per 16 elements */
-    float D;
+    int16_t o[16]; /* integer offset per 16 elements: the offset is om * o */
+    float D, om;
 } k8_sb;
 
 /* the 16 scales (int8 s8) and offsets (om * the int8 o8) of a super-block into S */
 static inline void k8_put(k8_sb *S, __m128i s8, __m128i o8, float om) {
-    const __m256 m = _mm256_set1_ps(om);
     _mm256_storeu_si256((__m256i *)S->s, _mm256_cvtepi8_epi16(s8));
-    _mm256_storeu_ps(S->o, _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(o8))));
-    _mm256_storeu_ps(S->o + 8, _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(o8, 8)))));
+    _mm256_storeu_si256((__m256i *)S->o, _mm256_cvtepi8_epi16(o8));
+    S->om = om;
+}
+
+/* the float offsets of groups 8 h .. 8 h + 7 (x's two codes: offsets meet x's float sums) */
+static inline __m256 k8_off8(const k8_sb *S, int h) {
+    const __m128i o = _mm_loadu_si128((const __m128i *)(S->o + 8 * h));
+    return _mm256_mul_ps(_mm256_set1_ps(S->om), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(o)));
 }
 
 /* scales, offsets and D of super-block p (BLOCK_BYTES[kind] bytes), layouts as in pk_quants.h */
@@ -193,7 +195,7 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
                 part[i] = _mm512_fmadd_ps(f, dx, part[i]);
             }
         }
-        const __m512 dv = _mm512_set1_ps(S.D), ov = _mm512_loadu_ps(S.o);
+        const __m512 dv = _mm512_set1_ps(S.D), ov = _mm512_insertf32x8(_mm512_castps256_ps512(k8_off8(&S, 0)), k8_off8(&S, 1), 1);
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {
             acc[i] = _mm512_fmadd_ps(part[i], dv, acc[i]);
@@ -205,20 +207,63 @@ static inline __attribute__((always_inline)) void k8_tile512(int kind, const mm_
 }
 #endif
 
-/* output row r for the nn input rows from c on (nn a constant after inlining) */
-static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_args *A, int64_t r, int64_t c, const int nn,
-                                                          const int x1) {
-#if PK_AVX512
-    if (!x1) { /* x's two codes: the 64-byte tiles (on x1 the 8-lane loop below is the faster one
-                * on AVX-512 too: 1B Q4_K_M decode 50 -> 54 tok/s, Q2_K 56 -> 65) */
-        k8_tile512(kind, A, r, c, nn);
-        return;
+/* scales of sub-block j from the 16 (sl: s[0..7] in both lanes, then s[8..15]): s[2 j] in the
+ * low 8 lanes, s[2 j + 1] in the high ones */
+static inline __m256i k8_sub_scales(const __m256i sl[2], int j) {
+    const char e = (char)(4 * (j & 3));
+    const __m256i pick = _mm256_setr_epi8(e, e + 1, e, e + 1, e, e + 1, e, e + 1, e, e + 1, e, e + 1, e, e + 1, e, e + 1,
+                                          e + 2, e + 3, e + 2, e + 3, e + 2, e + 3, e + 2, e + 3, e + 2, e + 3, e + 2,
+                                          e + 3, e + 2, e + 3, e + 2, e + 3);
+    return _mm256_shuffle_epi8(sl[j >> 2], pick);
+}
+
+/* the auto mode (x1): output row r for the nn input rows from c on, x as one code per element
+ * with one scale a super-block (xk, dk: pk_vec.h quantize_k). The eight sub-blocks' sums s * u *
+ * xc add up in int32 and the offsets' o * sum(xc) per 16 too: two converts and two FMAs a
+ * super-block (llama.cpp's Q8_K dots; with x's scale per 32-block a convert and an FMA a
+ * sub-block, Zen 4 Q4_K rows ran compute-bound at 12.8 GB/s a thread) */
+static inline __attribute__((always_inline)) void k8_tile_k(int kind, const mm_args *A, int64_t r, int64_t c, const int nn) {
+    const uint8_t *row = A->w + r * A->rb;
+    const int64_t nsb = A->nb / 8;
+    __m256 acc[ROW_TILE];
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        k8_sb S;
+        const uint8_t *p = row + sb * BLOCK_BYTES[kind];
+        k8_scales(kind, p, &S);
+        const __m256i s16 = _mm256_loadu_si256((const __m256i *)S.s), o16 = _mm256_loadu_si256((const __m256i *)S.o);
+        const __m256i sl[2] = {_mm256_permute2x128_si256(s16, s16, 0x00), _mm256_permute2x128_si256(s16, s16, 0x11)};
+        __m256i isum[ROW_TILE];
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) isum[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i sv = k8_sub_scales(sl, j), u = k8_codes(kind, p, j);
+#pragma GCC unroll 16
+            for (int i = 0; i < nn; i++)
+                isum[i] = _mm256_add_epi32(isum[i], k8_dot(u, sv, A->xk + ((c + i) * nsb + sb) * XK_BYTES + 32 * j));
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < nn; i++) {
+            const int64_t g = (c + i) * nsb + sb;
+            const __m256i io = _mm256_madd_epi16(o16, _mm256_loadu_si256((const __m256i *)(A->xk + g * XK_BYTES + 256)));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(S.D * A->dk[g]), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(io), _mm256_set1_ps(S.om * A->dk[g]), acc[i]);
+        }
     }
-#endif
+#pragma GCC unroll 16
+    for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = hsum(acc[i]);
+}
+
+/* x's two codes per 32-block (POLY_ACT_Q8=1): output row r for the nn input rows from c on (nn a
+ * constant after inlining) */
+static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_args *A, int64_t r, int64_t c, const int nn) {
+#if PK_AVX512
+    k8_tile512(kind, A, r, c, nn);
+#else
     /* 8 lanes: one sub-block a vector; x's two codes meet the scales s * 254 and s in int32
-     * (254 sh + sl: |.| <= 1.04e9, no overflow; x1: sh and s alone), one convert and one FMA a
-     * sub-block (a row in pairs sharing x's loads ran slower: 1B Q4_K_M decode 43 -> 31 tok/s,
-     * spills) */
+     * (254 sh + sl: |.| <= 1.04e9, no overflow), one convert and one FMA a sub-block */
     const uint8_t *row = A->w + r * A->rb;
     const int64_t nsb = A->nb / 8;
     __m256 acc[ROW_TILE];
@@ -235,22 +280,15 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
         for (int i = 0; i < nn; i++) part[i] = _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            /* scales of sub-block j: s[2 j] in the low 8 lanes, s[2 j + 1] in the high */
-            const char e = (char)(4 * (j & 3));
-            const __m256i pick = _mm256_setr_epi8(e, e + 1, e, e + 1, e, e + 1, e, e + 1, e, e + 1, e, e + 1, e, e + 1,
-                                                  e, e + 1, e + 2, e + 3, e + 2, e + 3, e + 2, e + 3, e + 2, e + 3,
-                                                  e + 2, e + 3, e + 2, e + 3, e + 2, e + 3, e + 2, e + 3);
-            const __m256i sv = _mm256_shuffle_epi8(sl[j >> 2], pick), svh = _mm256_shuffle_epi8(sh[j >> 2], pick);
-            const __m256i u = k8_codes(kind, p, j);
+            const __m256i sv = k8_sub_scales(sl, j), svh = k8_sub_scales(sh, j), u = k8_codes(kind, p, j);
 #pragma GCC unroll 16
             for (int i = 0; i < nn; i++) {
                 const int64_t b = (c + i) * A->nb + sb * 8 + j;
-                const __m256i t = x1 ? k8_dot(u, sv, A->xq + b * 64)
-                                     : _mm256_add_epi32(k8_dot(u, svh, A->xq + b * 64), k8_dot(u, sv, A->xq + b * 64 + 32));
+                const __m256i t = _mm256_add_epi32(k8_dot(u, svh, A->xq + b * 64), k8_dot(u, sv, A->xq + b * 64 + 32));
                 part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(A->dx[b]), part[i]);
             }
         }
-        const __m256 dv = _mm256_set1_ps(x1 ? S.D : S.D * (1.0f / XL_SCALE)), o0 = _mm256_loadu_ps(S.o), o1 = _mm256_loadu_ps(S.o + 8);
+        const __m256 dv = _mm256_set1_ps(S.D * (1.0f / XL_SCALE)), o0 = k8_off8(&S, 0), o1 = k8_off8(&S, 1);
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) {
             const float *x16 = A->xs16 + ((c + i) * A->nb + sb * 8) * 2;
@@ -261,15 +299,16 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
     }
 #pragma GCC unroll 16
     for (int i = 0; i < nn; i++) A->out[(c + i) * A->ldo + r] = hsum(acc[i]);
+#endif
 }
 
 static inline __attribute__((always_inline)) void k8_row(int kind, const mm_args *A, int64_t r, int64_t n) {
-#define K8TILE(c, nn) k8_tile(kind, A, r, c, nn, 0)
-#define K8TILE1(c, nn) k8_tile(kind, A, r, c, nn, 1)
-    if (A->x1) FOR_TILES(n, K8TILE1);
+#define K8TILE(c, nn) k8_tile(kind, A, r, c, nn)
+#define K8TILEK(c, nn) k8_tile_k(kind, A, r, c, nn)
+    if (A->x1) FOR_TILES(n, K8TILEK);
     else FOR_TILES(n, K8TILE);
 #undef K8TILE
-#undef K8TILE1
+#undef K8TILEK
 }
 #endif
 

@@ -236,7 +236,8 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
             if (r < rows) k8_scales(kind, w + (r0 + r) * rb + sb * sbb, &B);
             const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)B.s)));
             v[r] = _mm512_castps_si512(_mm512_mul_ps(s, _mm512_set1_ps(B.D)));
-            o[r] = _mm512_castps_si512(_mm512_loadu_ps(B.o));
+            const __m512 ov = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)B.o)));
+            o[r] = _mm512_castps_si512(_mm512_mul_ps(ov, _mm512_set1_ps(B.om)));
         }
         k8i_transpose(v);
         k8i_transpose(o);

@@ -32,7 +32,7 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
                 k8_scales(kind, p, &B);
             } else
                 memset(codes + r * 64, 0, 256);
-            for (int j = 0; j < 16; j++) { s[16 * r + j] = B.D * (float)B.s[j]; o[16 * r + j] = B.o[j]; }
+            for (int j = 0; j < 16; j++) { s[16 * r + j] = B.D * (float)B.s[j]; o[16 * r + j] = B.om * (float)B.o[j]; }
         }
         for (int h = 0; h < 16; h += 8) { /* lanes: word q of row r at q * 16 + r; S, o at j * 16 + r */
             for (int q = 0; q < 64; q += 8) transpose8(codes + h * 64 + q, 64, (float *)d + q * 16 + h, 16, K_F32);

@@ -100,6 +100,7 @@ static int pk_threads; /* set_threads(); defined in poly_kernels.c (one unity bu
         }                                                                                    \
     } while (0)
 #define XL_SCALE 254.0f /* q8 scheme: residual code step, dx / 254 */
+#define XK_BYTES 288 /* the auto mode's K-quant x: 256 int8 codes + 16 int16 sums a group (pk_vec.h quantize_k) */
 #define SERIAL_WORK 65536 /* below this many weights one thread is faster than waking others */
 
 typedef struct {
@@ -111,6 +112,8 @@ typedef struct {
     const int8_t *xq; /* q8 scheme: x as int8 per 32-block, [n, k] */
     const float *dx;  /* q8 scheme: block scales of xq, [n, nb] */
     const float *xs16; /* q8 scheme: sums of x per 16 elements, [n, 2 nb] (the K-quant offsets) */
+    const int8_t *xk;  /* the auto mode's K-quant rows: x's codes per 256 (pk_vec.h quantize_k), [n, nb / 8] groups */
+    const float *dk;   /* ... and their scales */
     const int32_t *xo; /* K-quant prompt panels (pk_k8i.h): x's code-offset sums, ocb int32 a block */
     int64_t cb, ocb;   /* ... and xq's bytes a block (64 in the fused step's buffers, 32 packed) */
     int64_t n, k, m, rb, nb; /* rb = bytes per stored row, nb = 32-blocks per row */

@@ -75,7 +75,7 @@ static void moe_route(const step_t *S, const moe_t *M, bufs_t *B) {
         s->cnt = row - s->row0;
         goff += s->cnt * 2 * M->ex[e].I; hoff += s->cnt * M->ex[e].I;
     }
-    prep(&B->P, B->mx, row * d, S->loom, q8_group(S, S->q8 != 0 ? 2 : 0));
+    prep(&B->P, B->mx, row * d, S->loom, q8_group(S, S->q8 != 0 ? 3 : 0));
 }
 
 /* gate|up rows [r0, r1) of expert X for the slot's rows, then SiLU(gate) * up into hid */
@@ -93,7 +93,7 @@ static void block_moe(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     const int64_t n = S->n, d = S->d;
     int64_t r0, r1;
 #pragma omp single
-    norm_prep(S, S->x, L->g_mlp, L->eps, B, S->q8 != 0);
+    norm_prep(S, S->x, L->g_mlp, L->eps, B, wants_codes(S, &M->router, 1));
     part(M->E, tid, nt, &r0, &r1);
     mat_rows(&M->router, &B->P, B->rl, M->E, r0, r1, S->q8, n);
 #pragma omp barrier
@@ -111,7 +111,7 @@ static void block_moe(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     for (int u = 0; u < B->nslots; u++) {
         const slot_t *s = &B->slots[u];
         px_t V = px_view(&B->P, B->mhid + s->hoff, s->hoff);
-        prep(&V, B->mhid + s->hoff, s->cnt * M->ex[s->e].I, S->loom, q8_group(S, S->q8 != 0 ? 2 : 0));
+        prep(&V, B->mhid + s->hoff, s->cnt * M->ex[s->e].I, S->loom, q8_group(S, S->q8 != 0 ? 3 : 0));
     }
     part(d, tid, nt, &r0, &r1);
     for (int u = 0; u < B->nslots; u++) {

@@ -78,8 +78,8 @@ static int run(int kind, mm_args *A, int nt, int q8, const uint8_t *rp) {
     else if (kind <= K_I8) q8 = 0;
     if (!PK_SIMD || !RF8[kind]) q8 = 0; /* kinds without an int8 kernel: the float path */
     if (kind > K_I8 || q8) {
-        const int64_t nk = A->n * A->k, nbs = A->n * A->nb;
-        scratch = malloc((size_t)(4 * nbs + nk) * 4 + 2 * nk + 64);
+        const int64_t nk = A->n * A->k, nbs = A->n * A->nb, ng = k8_kind(kind) && A->x1 ? nbs / 8 : 0;
+        scratch = malloc((size_t)(4 * nbs + nk + ng) * 4 + 2 * nk + ng * XK_BYTES + 64);
         if (!scratch) return -1;
         float *xs = scratch, *dx = scratch + nbs, *xs16 = scratch + 2 * nbs, *xp = scratch + 4 * nbs;
         for (int64_t i = 0; i < nbs; i++) {
@@ -92,9 +92,14 @@ static int run(int kind, mm_args *A, int nt, int q8, const uint8_t *rp) {
         if (q8) {
             int8_t *xq = (int8_t *)(xp + nk);
             quantize_x(A->x, xq, dx, nbs);
-            if (A->x1) code_sums16(xq, dx, xs16, nbs); /* as the fused step's prep */
-            else sums16(A->x, xs16, nbs);
+            if (!A->x1) sums16(A->x, xs16, nbs); /* the two-code K-quant rows' offsets */
             A->xq = xq; A->dx = dx; A->xs16 = xs16;
+            if (ng) { /* the K-quant rows' codes per 256, as the fused step's prep (q8 group 3) */
+                float *dk = xp + nk + nk / 2;
+                int8_t *xk = (int8_t *)(dk + ng);
+                quantize_k(A->x, xk, dk, 0, ng);
+                A->xk = xk; A->dk = dk;
+            }
         }
     }
     if (A->m * A->k < SERIAL_WORK) nt = 1;

@@ -28,15 +28,17 @@ def test_one_code_kinds():
 
 @pytest.mark.parametrize("scheme", ONE_CODE)
 def test_auto_scheme_takes_int8_activations_for_one_code_rows_only(scheme):
-    """The default ("auto"): a one-row K-quant, Q5_0/Q5_1/IQ4 product takes x's first int8 code
-    alone (csrc/pk_k8.h, pk_q8.h, A->x1, like llama.cpp: exact on the code grid, within 2e-2 of
-    the exact result with a 30x outlier channel, and the stored weights times x's codes: the
-    offsets and mins on the codes' sums too), POLY_ACT_Q8=1 both codes (within 2e-3); several
-    rows the exact float path."""
+    """The default ("auto"): a one-row K-quant, Q5_0/Q5_1/IQ4 product takes x as one int8 code
+    per element (csrc/pk_k8.h, pk_q8.h, A->x1, like llama.cpp: one scale per 256 for the K-quants
+    (Q8_K), per 32 for the others (Q8_0)): exact on the code grid, within 3e-2 of the exact result
+    with a 30x outlier channel, and the stored weights times x's codes (the offsets and mins on
+    the codes' sums too); POLY_ACT_Q8=1 two codes per 32 (within 2e-3); several rows the exact
+    float path."""
     assert ckernels.act_q8() == ckernels.Q8_AUTO
+    group = 256 if block_of(scheme) == 256 and "iq4" not in scheme else 32
     qt, x, ref = kernel_case(scheme, 67, 3, seed=2)
     w = qt.dequantize().astype(np.float64)
-    grid = _on_code_grid(1, x.shape[1], seed=4)
+    grid = _on_code_grid(1, x.shape[1], seed=4, group=group)
     exact = grid.astype(np.float64) @ w.T
     np.testing.assert_allclose(qt.matmul(grid), exact, rtol=1e-5, atol=2e-6 * np.abs(exact).max())
     x[:, 5] *= 30.0
@@ -44,25 +46,26 @@ def test_auto_scheme_takes_int8_activations_for_one_code_rows_only(scheme):
     one, two = qt.matmul(x[:1]), ckernels.matmul(qt, x[:1], q8=True)
     assert not np.array_equal(one, ckernels.matmul(qt, x[:1], q8=False))
     scale = np.abs(ref[:1]).max()
-    assert 1e-4 * scale < np.abs(one - ref[:1]).max() <= 2e-2 * scale  # x was rounded
-    codes = _int8_codes(x[:1]) @ w.T  # on x's float sums, the offsets doubled the error
+    assert 1e-4 * scale < np.abs(one - ref[:1]).max() <= 3e-2 * scale  # x was rounded
+    codes = _int8_codes(x[:1], group) @ w.T  # on x's float sums, the offsets doubled the error
     np.testing.assert_allclose(one, codes, rtol=0, atol=1e-5 * scale)
     assert np.abs(two - ref[:1]).max() <= min(2e-3 * scale, 0.1 * np.abs(one - ref[:1]).max())
     np.testing.assert_array_equal(qt.matmul(x), ckernels.matmul(qt, x, q8=False))
 
 
-def _on_code_grid(n: int, k: int, seed: int) -> np.ndarray:
-    """x whose int8 codes with one scale per 32 (max |x| / 127) are exact: integers times a power
-    of two, each 32-block holding +-127 once."""
+def _on_code_grid(n: int, k: int, seed: int, group: int = 32) -> np.ndarray:
+    """x whose int8 codes with one scale per `group` (max |x| / 127) are exact: integers times a
+    power of two, each group holding +-127 once."""
     rng = np.random.default_rng(seed)
     x = rng.integers(-126, 127, (n, k)).astype(np.float32)
-    x[:, ::32] = 127.0 * np.sign(rng.standard_normal((n, k // 32)) + 0.5)
+    x[:, ::group] = 127.0 * np.sign(rng.standard_normal((n, k // group)) + 0.5)
     return x * np.float32(2.0**-5)
 
 
-def _int8_codes(x: np.ndarray) -> np.ndarray:
-    """x as the panels read it: round(x / dx) * dx, dx = max|x| / 127 per 32 (ties to even)."""
-    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+def _int8_codes(x: np.ndarray, group: int = 32) -> np.ndarray:
+    """x as the int8 rows read it: round(x / dx) * dx, dx = max|x| / 127 per `group` (ties to
+    even)."""
+    b = x.reshape(x.shape[0], -1, group).astype(np.float32)
     dx = np.abs(b).max(axis=2, keepdims=True) / np.float32(127.0)
     c = np.rint(b * np.where(dx > 0, np.float32(1.0) / dx, np.float32(0.0)))
     return (c.astype(np.float64) * dx).reshape(x.shape)
