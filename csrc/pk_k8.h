@@ -51,16 +51,18 @@ static inline __m256 k8_off8(const k8_sb *S, int h) {
 /* scales, offsets and D of super-block p (BLOCK_BYTES[kind] bytes), layouts as in pk_quants.h */
 static inline __attribute__((always_inline)) void k8_scales(int kind, const uint8_t *p, k8_sb *S) {
     switch (kind) {
-    case K_Q4_K: case K_Q5_K: { /* 6-bit scales and mins of the 8 sub-blocks, as pq_fill */
-        uint32_t w[3], sm[4];
-        memcpy(w, p + 4, 12);
-        sm[0] = w[0] & 0x3f3f3f3fu; sm[2] = w[1] & 0x3f3f3f3fu;
-        sm[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
-        sm[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
-        /* 8 scales, 8 mins (built in registers: a 16-byte load of four 4-byte stores stalls) */
-        const __m128i v = _mm_set_epi32((int)sm[3], (int)sm[2], (int)sm[1], (int)sm[0]);
+    case K_Q4_K: case K_Q5_K: { /* 6-bit scales and mins of the 8 sub-blocks (bytes 4-15), as pq_fill */
+        /* in vector lanes (the scalar unpack and its four inserts cost a quarter of a Q4_K row):
+         * bytes 0-3 sc0-3 = q[0-3] & 63, 4-7 sc4-7 = q[8-11] & 15 | (q[0-3] >> 6) << 4, 8-11 m0-3
+         * = q[4-7] & 63, 12-15 m4-7 = q[8-11] >> 4 | (q[4-7] >> 6) << 4 (q: the 12 bytes at p + 4) */
+        const __m128i v = _mm_loadu_si128((const __m128i *)p);
+        const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+        const __m128i lo = _mm_or_si128(_mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+                                        _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+        const __m128i hi = _mm_shuffle_epi8(_mm_srli_epi16(v, 2), _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+        const __m128i sm = _mm_or_si128(lo, _mm_and_si128(hi, _mm_set1_epi8(0x30)));
         S->D = h2f(p);
-        k8_put(S, _mm_unpacklo_epi8(v, v), _mm_unpackhi_epi8(v, v), h2f(p + 2)); /* one per 16 */
+        k8_put(S, _mm_unpacklo_epi8(sm, sm), _mm_unpackhi_epi8(sm, sm), h2f(p + 2)); /* one per 16 */
         return;
     }
     case K_Q6_K: {
@@ -69,14 +71,15 @@ static inline __attribute__((always_inline)) void k8_scales(int kind, const uint
         k8_put(S, s8, s8, 32.0f * S->D);
         return;
     }
-    case K_Q3_K: { /* 16 6-bit scales: low 4 bits in bytes 0-7, high 2 in bytes 8-11 (pq_k3_scale) */
-        uint32_t w[3], sc[4];
-        memcpy(w, p + 96, 12);
-        sc[0] = (w[0] & 0x0f0f0f0fu) | ((w[2] & 0x03030303u) << 4);
-        sc[1] = (w[1] & 0x0f0f0f0fu) | (((w[2] >> 2) & 0x03030303u) << 4);
-        sc[2] = ((w[0] >> 4) & 0x0f0f0f0fu) | (((w[2] >> 4) & 0x03030303u) << 4);
-        sc[3] = ((w[1] >> 4) & 0x0f0f0f0fu) | (((w[2] >> 6) & 0x03030303u) << 4);
-        const __m128i s8 = _mm_sub_epi8(_mm_set_epi32((int)sc[3], (int)sc[2], (int)sc[1], (int)sc[0]), _mm_set1_epi8(32));
+    case K_Q3_K: { /* 16 6-bit scales (pq_k3_scale): low 4 bits in bytes 0-7 (scales 0-7 the low
+                    * nibbles, 8-15 the high ones), high 2 in bytes 8-11 (scale 4 g + b: bits 2 g of
+                    * byte b); the 16 bytes at p + 94 end with the block (scales at 2-13) */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(p + 94));
+        const __m128i l = _mm_shuffle_epi8(v, _mm_setr_epi8(2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7, 8, 9));
+        const __m128i lo = _mm_or_si128(_mm_and_si128(l, _mm_setr_epi8(15, 15, 15, 15, 15, 15, 15, 15, 0, 0, 0, 0, 0, 0, 0, 0)),
+                                        _mm_and_si128(_mm_srli_epi16(l, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15, 15, 15, 15, 15)));
+        const __m128i h = _mm_srlv_epi32(_mm_shuffle_epi32(_mm_srli_si128(v, 10), 0), _mm_setr_epi32(0, 2, 4, 6));
+        const __m128i s8 = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi8(3)), 4)), _mm_set1_epi8(32));
         S->D = h2f(p + 108);
         k8_put(S, s8, s8, 4.0f * S->D);
         return;
