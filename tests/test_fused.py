@@ -361,6 +361,41 @@ def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
     np.testing.assert_allclose(got, tf.forward(PROMPT), rtol=0, atol=1e-5 * np.abs(got).max())
 
 
+def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
+    """Past STEP_ROWS tokens a prompt runs as ceil(n / 64) fused calls of equal size where
+    fused.calls_win (F16 rows on the AVX-512 build), with the reference path's logits."""
+    tf = random_transformer(tiny_cfg(max_seq_len=256), seed=4)
+    quantize_all(tf, "float16")
+    p = fused.plan(tf)
+    assert fused.calls_win(p) == (ckernels.info()["isa"] == "avx512")
+    calls = []
+    real = ckernels.decode
+
+    def spy(layers, caches, head, x, logits, pos, *rest):
+        calls.append((x.shape[0], pos[0]))
+        return real(layers, caches, head, x, logits, pos, *rest)
+
+    monkeypatch.setattr(ckernels, "decode", spy)
+    monkeypatch.setattr(fused, "calls_win", lambda plan: True)
+    prompt = [(7 * i + 3) % 120 for i in range(129)]
+    tf.reset()
+    got = tf.forward(prompt)
+    assert calls == [(43, 0), (43, 43), (43, 86)] and tf.position == 129
+    monkeypatch.setattr(fused, "plan", lambda model: None)
+    tf.reset()
+    np.testing.assert_allclose(got, tf.forward(prompt), rtol=0, atol=2e-5 * np.abs(got).max())
+
+
+def test_a_long_fused_prompt_past_the_context_is_refused_with_nothing_written(monkeypatch):
+    monkeypatch.setattr(fused, "calls_win", lambda plan: True)
+    tf = random_transformer(tiny_cfg(max_seq_len=100), seed=4)
+    tf.reset()
+    tf.forward(PROMPT)
+    with pytest.raises(ContextOverflowError):
+        tf.forward(list(range(1, 100)))
+    assert tf.position == 6
+
+
 def test_a_fused_prompt_past_the_context_is_refused():
     tf = random_transformer(tiny_cfg(max_seq_len=8), seed=4)
     tf.reset()

@@ -2,7 +2,8 @@
 
 A one-token `Transformer.forward` under the C backend, on float32 activations, runs the fused
 step (poly/runtime/fused.py) when its plan applies, and so does a prompt of up to 64 tokens (its
-tokens as the step's rows, sharing each block's cache); everything else (prompts, tiling, other
+tokens as the step's rows, sharing each block's cache), and a longer one as calls of up to 64
+where those win (fused.calls_win); everything else (prompts, tiling, other
 activations, forms without a C kernel, the numpy/numba backends, float64) runs the reference
 path of the model (poly/model/transformer.py), whose blocks run on the thread count the prefill
 tuner picks (poly/runtime/prefill.py).
@@ -29,11 +30,12 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
             logits = fused.step(model, p, lookup(model.embeddings, ids)[0])  # x [H]
             if logits is not None:
                 return logits
-    if 1 < ids.size <= FUSED_PREFILL_MAX and model.activation_dtype == np.float32:
+    if ids.size > 1 and model.activation_dtype == np.float32:
         p = fused.plan(model)
-        if p is not None:  # a short prompt: its tokens are the rows of fused calls
+        # a short prompt, or a longer one where fused calls win: its tokens are their rows
+        if p is not None and (ids.size <= FUSED_PREFILL_MAX or fused.calls_win(p)):
             x = np.ascontiguousarray(lookup(model.embeddings, ids), dtype=np.float32)  # [n, H]
-            logits = fused.prefill(model, p, x)
+            logits = fused.prefill_calls(model, p, x)
             if logits is not None:
                 return logits
     if ids.size == 1:  # a decode step off the fused path: no per-block trial

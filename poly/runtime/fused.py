@@ -306,6 +306,35 @@ def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     return logits[0]
 
 
+def calls_win(p: Plan) -> bool:
+    """Whether a prompt longer than one call (STEP_ROWS) runs faster as fused calls of at most
+    STEP_ROWS rows than on the reference path: where the step's dense row tiles take its rows
+    (F16 on the AVX-512 build, csrc/pk_decode.c dense_tiles; Zen 4 1B F16 128 tokens 67-73 ->
+    85-92 tok/s, 512 53-65 -> 76-83). The reference path's gemm won for F32 (85 against 74) and
+    the K-quants (196 against 172), and tied for Q8_0/Q4_0/BF16."""
+    blocks = frozenset(_kinds(p.layers))  # the LM head runs for the last row alone
+    return blocks == {ckernels.F16} and ckernels.info().get("isa") == "avx512"
+
+
+def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
+    """prefill for any n >= 2: x [n, d] (overwritten) in ceil(n / STEP_ROWS) calls of equal
+    size (none of one row); None when the caches are not at one position or, with more than
+    one call, would overflow (the reference path then runs and refuses it: nothing written)."""
+    n = x.shape[0]
+    calls = -(-n // ckernels.STEP_ROWS)
+    if calls == 1:
+        return prefill(model, p, x)
+    caches = [mha.live_cache(layer) for layer in p.attn]
+    if any(c.capacity < c.length + n for c in caches):
+        return None
+    logits = None
+    for i in range(calls):  # rows n * i // calls .. n * (i + 1) // calls, contiguous
+        logits = prefill(model, p, x[n * i // calls : n * (i + 1) // calls])
+        if logits is None:  # only the first call can find the caches apart
+            return None
+    return logits
+
+
 def step_rows(p: Plan, x: np.ndarray, states: list[list], reduce=None) -> np.ndarray | None:
     """Batched decode: x [B, d] (overwritten), row b continuing states[b] (one KVCache or None
     per block, created here on first use) -> logits [B, V]; None = use the Python path."""
