@@ -1,0 +1,87 @@
+"""Prompts on the fused step (poly/runtime/dispatch.py, fused.prefill_calls): a short prompt as
+one call sharing each block's cache, a longer one as equal calls where they win, and a prompt
+past the context refused with nothing written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poly.errors import ContextOverflowError
+from poly.runtime import ckernels, fused
+from tests.test_fused import PROMPT, quantize_all
+from tests.tiny_model import random_transformer, tiny_cfg
+
+pytestmark = [
+    pytest.mark.skipif(not ckernels.AVAILABLE, reason="poly.runtime.native.ckernels not built"),
+    pytest.mark.usefixtures("c_backend"),
+]
+
+
+def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
+    tf = random_transformer(tiny_cfg(max_seq_len=128), seed=4)
+    calls = []
+    real = ckernels.decode
+
+    def spy(layers, caches, head, x, logits, pos, *rest):
+        calls.append((x.shape[0], logits.shape, pos))
+        return real(layers, caches, head, x, logits, pos, *rest)
+
+    monkeypatch.setattr(ckernels, "decode", spy)
+    tf.reset()
+    got = tf.forward(PROMPT)
+    assert calls == [(6, (1, 120), (0, 1, 2, 3, 4, 5))]  # 6 rows at positions 0..5, 1 logits row
+    tf.forward(list(range(1, 11)))  # 10 more rows continue the same caches
+    assert calls[-1] == (10, (1, 120), tuple(range(6, 16)))
+    assert tf.position == 16
+    tf.forward(list(range(20, 37)))  # 17 tokens: still one call (up to STEP_ROWS)
+    assert calls[-1] == (17, (1, 120), tuple(range(16, 33)))
+    tf.forward([5] * 65)  # 65 tokens: the reference path
+    assert len(calls) == 3 and tf.position == 98
+    monkeypatch.setattr(fused, "plan", lambda model: None)
+    tf.reset()
+    np.testing.assert_allclose(got, tf.forward(PROMPT), rtol=0, atol=1e-5 * np.abs(got).max())
+
+
+def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
+    """Past STEP_ROWS tokens a prompt runs as ceil(n / 64) fused calls of equal size where
+    fused.calls_win (F16 rows on the AVX-512 build), with the reference path's logits."""
+    tf = random_transformer(tiny_cfg(max_seq_len=256), seed=4)
+    quantize_all(tf, "float16")
+    p = fused.plan(tf)
+    assert fused.calls_win(p) == (ckernels.info()["isa"] == "avx512")
+    calls = []
+    real = ckernels.decode
+
+    def spy(layers, caches, head, x, logits, pos, *rest):
+        calls.append((x.shape[0], pos[0]))
+        return real(layers, caches, head, x, logits, pos, *rest)
+
+    monkeypatch.setattr(ckernels, "decode", spy)
+    monkeypatch.setattr(fused, "calls_win", lambda plan: True)
+    prompt = [(7 * i + 3) % 120 for i in range(129)]
+    tf.reset()
+    got = tf.forward(prompt)
+    assert calls == [(43, 0), (43, 43), (43, 86)] and tf.position == 129
+    monkeypatch.setattr(fused, "plan", lambda model: None)
+    tf.reset()
+    np.testing.assert_allclose(got, tf.forward(prompt), rtol=0, atol=2e-5 * np.abs(got).max())
+
+
+def test_a_long_fused_prompt_past_the_context_is_refused_with_nothing_written(monkeypatch):
+    monkeypatch.setattr(fused, "calls_win", lambda plan: True)
+    tf = random_transformer(tiny_cfg(max_seq_len=100), seed=4)
+    tf.reset()
+    tf.forward(PROMPT)
+    with pytest.raises(ContextOverflowError):
+        tf.forward(list(range(1, 100)))
+    assert tf.position == 6
+
+
+def test_a_fused_prompt_past_the_context_is_refused():
+    tf = random_transformer(tiny_cfg(max_seq_len=8), seed=4)
+    tf.reset()
+    tf.forward(PROMPT)
+    with pytest.raises(ContextOverflowError, match="6 cached \\+ 3 new tokens > max_seq_len 8"):
+        tf.forward([1, 2, 3])
+    assert tf.position == 6  # nothing written
