@@ -37,7 +37,7 @@ static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
 static inline int q8_group_n(const step_t *S, int64_t n, int want) {
     if (!(S->q8 && want)) return 0;
     if (want >= 2 && S->q8 == 2 && S->seq1 && n >= K8I_MIN && n <= K8I_MAX) return 8;
-    return want == 3 && S->q8 == 2 ? 3 : 1;
+    return want == 3 && S->q8 == 2 && PK_SIMD ? 3 : 1; /* the base build's K-quant rows are float */
 }
 
 /* whether grp's codes include quantize_x's pairs */
