@@ -220,6 +220,17 @@ static inline __m256i k8_sub_scales(const __m256i sl[2], int j) {
     return _mm256_shuffle_epi8(sl[j >> 2], pick);
 }
 
+/* super-block sb of a row: its scales into S, sl as k8_sub_scales takes them; returns its bytes */
+static inline __attribute__((always_inline)) const uint8_t *k8_super(int kind, const uint8_t *row, int64_t sb, k8_sb *S,
+                                                                     __m256i sl[2]) {
+    const uint8_t *p = row + sb * BLOCK_BYTES[kind];
+    k8_scales(kind, p, S);
+    const __m256i s16 = _mm256_loadu_si256((const __m256i *)S->s);
+    sl[0] = _mm256_permute2x128_si256(s16, s16, 0x00);
+    sl[1] = _mm256_permute2x128_si256(s16, s16, 0x11);
+    return p;
+}
+
 /* the auto mode (x1): output row r for the nn input rows from c on, x as one code per element
  * with one scale a super-block (xk, dk: pk_vec.h quantize_k). The eight sub-blocks' sums s * u *
  * xc add up in int32 and the offsets' o * sum(xc) per 16 too: two converts and two FMAs a
@@ -233,10 +244,9 @@ static inline __attribute__((always_inline)) void k8_tile_k(int kind, const mm_a
     for (int i = 0; i < nn; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         k8_sb S;
-        const uint8_t *p = row + sb * BLOCK_BYTES[kind];
-        k8_scales(kind, p, &S);
-        const __m256i s16 = _mm256_loadu_si256((const __m256i *)S.s), o16 = _mm256_loadu_si256((const __m256i *)S.o);
-        const __m256i sl[2] = {_mm256_permute2x128_si256(s16, s16, 0x00), _mm256_permute2x128_si256(s16, s16, 0x11)};
+        __m256i sl[2];
+        const uint8_t *p = k8_super(kind, row, sb, &S, sl);
+        const __m256i o16 = _mm256_loadu_si256((const __m256i *)S.o);
         __m256i isum[ROW_TILE];
 #pragma GCC unroll 16
         for (int i = 0; i < nn; i++) isum[i] = _mm256_setzero_si256();
@@ -274,10 +284,9 @@ static inline __attribute__((always_inline)) void k8_tile(int kind, const mm_arg
     for (int i = 0; i < nn; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         k8_sb S;
-        const uint8_t *p = row + sb * BLOCK_BYTES[kind];
-        k8_scales(kind, p, &S);
-        const __m256i s16 = _mm256_loadu_si256((const __m256i *)S.s), f = _mm256_set1_epi16((short)XL_SCALE);
-        const __m256i sl[2] = {_mm256_permute2x128_si256(s16, s16, 0x00), _mm256_permute2x128_si256(s16, s16, 0x11)};
+        __m256i sl[2];
+        const uint8_t *p = k8_super(kind, row, sb, &S, sl);
+        const __m256i f = _mm256_set1_epi16((short)XL_SCALE);
         const __m256i sh[2] = {_mm256_mullo_epi16(sl[0], f), _mm256_mullo_epi16(sl[1], f)};
         __m256 part[ROW_TILE];
         for (int i = 0; i < nn; i++) part[i] = _mm256_setzero_ps();
