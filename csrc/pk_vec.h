@@ -44,16 +44,20 @@ static inline __m256i pack32(__m256 a, __m256 b, __m256 c, __m256 d) {
     return pack32i(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b), _mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
 }
 
+/* v rounded to the nearest integer, clamped to [-127, 127] (an int8 code, as a float) */
+static inline __m256 code8(__m256 v) {
+    const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+}
+
 /* quantize_x's codes of one block, the same float operations on 8 lanes (bitwise equal) */
 static inline void codes32(const float *xb, float id, int8_t *h, int8_t *lo) {
-    const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), neg = _mm256_set1_ps(-127.0f);
-    const __m256 r = _mm256_set1_ps(XL_SCALE);
+    const __m256 vid = _mm256_set1_ps(id), r = _mm256_set1_ps(XL_SCALE);
     __m256 hv[4], lv[4];
     for (int q = 0; q < 4; q++) {
         const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * q), vid);
-        hv[q] = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), neg), hi);
-        const __m256 w = _mm256_mul_ps(_mm256_sub_ps(v, hv[q]), r);
-        lv[q] = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), neg), hi);
+        hv[q] = code8(v);
+        lv[q] = code8(_mm256_mul_ps(_mm256_sub_ps(v, hv[q]), r));
     }
     _mm256_storeu_si256((__m256i *)h, pack32(hv[0], hv[1], hv[2], hv[3]));
     _mm256_storeu_si256((__m256i *)lo, pack32(lv[0], lv[1], lv[2], lv[3]));
@@ -122,12 +126,10 @@ static inline void quantize_k(const float *x, int8_t *xk, float *dk, int64_t g0,
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         l = 0;
 #if PK_SIMD
-        const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), neg = _mm256_set1_ps(-127.0f);
+        const __m256 vid = _mm256_set1_ps(id);
         for (; l < 256; l += 32) {
             __m256 v[4];
-            for (int q = 0; q < 4; q++)
-                v[q] = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + l + 8 * q), vid),
-                                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), neg), hi);
+            for (int q = 0; q < 4; q++) v[q] = code8(_mm256_mul_ps(_mm256_loadu_ps(xb + l + 8 * q), vid));
             _mm256_storeu_si256((__m256i *)(c + l), pack32(v[0], v[1], v[2], v[3]));
         }
 #endif

@@ -78,7 +78,7 @@ static int run(int kind, mm_args *A, int nt, int q8, const uint8_t *rp) {
     else if (kind <= K_I8) q8 = 0;
     if (!PK_SIMD || !RF8[kind]) q8 = 0; /* kinds without an int8 kernel: the float path */
     if (kind > K_I8 || q8) {
-        const int64_t nk = A->n * A->k, nbs = A->n * A->nb, ng = k8_kind(kind) && A->x1 ? nbs / 8 : 0;
+        const int64_t nk = A->n * A->k, nbs = A->n * A->nb, ng = q8 && k8_kind(kind) && A->x1 ? nbs / 8 : 0;
         scratch = malloc((size_t)(4 * nbs + nk + ng) * 4 + 2 * nk + ng * XK_BYTES + 64);
         if (!scratch) return -1;
         float *xs = scratch, *dx = scratch + nbs, *xs16 = scratch + 2 * nbs, *xp = scratch + 4 * nbs;
