@@ -71,15 +71,15 @@ static PK_BF16_TARGET void bf16_chunk(const uint32_t *P, const float *x, int64_t
 }
 
 /* gemm_panel for BF16 rows [r0, r0 + rows) with D->bf (k even): chunks packed as 32-bit words */
-static PK_BF16_TARGET void bf16_panel(const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
-                                      int64_t rows, float *P, int64_t next) {
+static PK_BF16_TARGET void bf16_panel(const dq_args *D, const float *x, int64_t ldx, int64_t n, float *out, int64_t m,
+                                      int64_t r0, int64_t rows, float *P, int64_t next) {
     const int64_t k = D->k;
     const uint8_t *w = D->w + r0 * D->rb;
     for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = k - c0 < KC ? k - c0 : KC;
         pf_cur pf = pf_chunk(K_BF16, D, r0, rows, next, c0 + kc, 2);
         gemm_pack_any(w + 2 * c0, k / 2, rows, kc / 2, P, K_F32); /* bf16 pairs as 32-bit words */
-        bf16_chunk((const uint32_t *)P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0, &pf);
+        bf16_chunk((const uint32_t *)P, x + c0, n, ldx, kc, out + r0, m, rows, c0 > 0, &pf);
     }
 }
 #endif

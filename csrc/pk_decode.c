@@ -90,11 +90,8 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     if (r16) {
         /* done */
     } else if (n >= P->gemm_from && !use8 && P->gbuf && !dense) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
-        float *tmp = P->gbuf + pk_tid() * P->gstride;
-        float *pk = (float *)(((uintptr_t)(tmp + GR * A.k) + 63) & ~(uintptr_t)63);
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp, bf}; /* rp: read the repacked copy */
-        for (int64_t rp = r0; rp < r1; rp += GR)
-            gemm_panel(M->kind, &D, P->x, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, tmp, pk, rp + GR < r1 ? rp + GR : -1);
+        gemm_rows(M->kind, &D, P->x, n, out, ldo, r0, r1, P->gbuf + pk_tid() * P->gstride, P->gpad);
     } else if (bf && bf16_tiles(n) && P->gbuf) { /* a prompt's BF16 rows: x as bf16 once (csrc/pk_bf16.h) */
         uint16_t *xb = (uint16_t *)(P->gbuf + pk_tid() * P->gstride);
         for (int64_t i = 0; i < n; i++) bf16_x(P->x + i * A.k, A.k, xb + i * A.k);
@@ -301,7 +298,7 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
 static int64_t gemm_stride(const step_t *S) {
     int64_t k = S->d > S->maxq ? S->d : S->maxq;
     if (S->inter > k) k = S->inter;
-    return GR * k + GR * KC + 32;
+    return gemm_buf_floats(k, S->n);
 }
 
 /* whether a step of R rows (prepared inputs) needs the per-thread panel buffers */
@@ -368,6 +365,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     if (gemm_bufs(S, R)) {
         B->P.gbuf = S->mrows ? f : m; /* the MoE region only with MoE */
         B->P.gstride = gemm_stride(S);
+        B->P.gpad = S->n;
     }
 }
 

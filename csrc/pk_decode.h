@@ -40,6 +40,7 @@ typedef struct { int e; int64_t row0, cnt, goff, hoff; } slot_t; /* expert e's g
 typedef struct { /* one input vector prepared for every kernel kind */
     const float *x; float *xs, *xp, *dx, *xs16, *dk; int8_t *xq, *xqp, *xk; int64_t k;
     float *gbuf; int64_t gstride; /* per-thread gemm panels (GEMM_ROWS rows and more) */
+    int64_t gpad; /* inputs a panel buffer's copy of x at gemm_ldx's stride holds */
     int grp; /* the codes prep wrote (q8_group): 0 none, 1 two int8 codes per element (the int8
               * rows, repacked rows), 3 those and one code per element with a scale per 256 (xk,
               * dk: the auto mode's K-quant rows, pk_vec.h quantize_k), 8 one (the K-quant prompt

@@ -140,10 +140,14 @@ static inline __attribute__((always_inline)) void gemm_pack_any(const void *src,
     const int64_t esz = kind == K_F32 ? 4 : 2;
     const uint8_t *s = (const uint8_t *)src;
 #if PK_SIMD
-    if (rows == GR) /* whole 8 x 8 blocks on 8 lanes: ~0.4 instructions an element, not 2 */
-        for (; kk + 8 <= kc; kk += 8)
-            for (int64_t r = 0; r < GR; r += 8)
-                transpose8(s + esz * (r * lds + kk), lds, P + kk * GR + r, GR, kind);
+    if (rows == GR) { /* whole 8 x 8 blocks on 8 lanes: ~0.4 instructions an element, not 2; eight rows
+                       * at a time (at k 2048 all GR rows' lines at one column share an L1 set:
+                       * a column of blocks at a time re-read each line from L2, 42 tokens 0.7x) */
+        for (int64_t r = 0; r < GR; r += 8)
+            for (int64_t c = 0; c + 8 <= kc; c += 8)
+                transpose8(s + esz * (r * lds + c), lds, P + c * GR + r, GR, kind);
+        kk = kc & ~(int64_t)7;
+    }
 #endif
     if (rows < GR) memset(P, 0, (size_t)(kc * GR) * 4);
     for (; kk < kc; kk++)
@@ -154,58 +158,7 @@ static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, f
     gemm_pack_any(src, lds, rows, kc, P, K_F32);
 }
 
-/* row r of a Q4_0/Q4_1/Q8_0/int8 matrix repacked by 16 (csrc/pk_r16.h) as its stored rows again,
- * then dq_row: a prompt's GEMM reads the copy, so the stored rows, released after the repack,
- * stay out of memory (a 1B Q4_0 model resident 1.33 GB with both, 0.74 with one) */
-static void dq_row_r16_loom(const dq_args *D, int64_t r, float *dst);
-static void dq_row_r16(int kind, const dq_args *D, int64_t r, float *dst) {
-    if (kind == K_LOOM_Q4) { dq_row_r16_loom(D, r, dst); return; }
-    const int i8 = kind == K_I8; /* int8 rows: the codes alone, the scale per row (aux) */
-    const int64_t nb = D->k / 32, bb = kind == K_Q4_0 ? 18 : kind == K_Q4_1 ? 20 : i8 ? 32 : 34, l = r % 16;
-    const int64_t rec = r16_rec(kind), nq = kind == K_Q8_0 || i8 ? 8 : 4, co = r16_codes_at(kind); /* code quads a row holds */
-    const uint8_t *g = D->rp + (r / 16) * nb * rec;
-    uint8_t row[nb * bb];
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = g + b * rec;
-        uint8_t *o = row + b * bb;
-        if (!i8) memcpy(o, p + 2 * l, 2);
-        if (kind == K_Q4_1) memcpy(o + 2, p + 32 + 2 * l, 2);
-        for (int q = 0; q < nq; q++) memcpy(o + bb - 4 * nq + 4 * q, p + co + 64 * q + 4 * l, 4);
-    }
-    dq_args T = *D;
-    T.w = row; T.rb = nb * bb; T.rp = NULL;
-    if (i8) T.aux = D->aux + r;
-    dq_row(kind, &T, 0, dst);
-}
-
-/* Loom Q4's row r from its repacked copy (float32 D, Q4_0's nibbles of code + 8): (u - 8) * D,
- * the stored rows' dq_row values bit for bit (code * D, one rounding either way) */
-static void dq_row_r16_loom(const dq_args *D, int64_t r, float *dst) {
-    const int64_t nb = D->k / 32, l = r % 16;
-    const uint8_t *g = D->rp + (r / 16) * nb * R16_REC;
-    for (int64_t b = 0; b < nb; b++, dst += 32) {
-        const uint8_t *p = g + b * R16_REC;
-        uint8_t q[16]; /* as Q4_0 stores them: element j low, j + 16 high */
-        float d;
-        memcpy(&d, p + 4 * l, 4);
-        for (int v = 0; v < 4; v++) memcpy(q + 4 * v, p + 64 + 64 * v + 4 * l, 4);
-#if PK_SIMD
-        const __m128i c = _mm_loadu_si128((const __m128i *)q), m15 = _mm_set1_epi8(15);
-        const __m128i lo = _mm_and_si128(c, m15), hi = _mm_and_si128(_mm_srli_epi16(c, 4), m15);
-        const __m256i e8 = _mm256_set1_epi32(8);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int t = 0; t < 4; t++) {
-            const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[t]), e8));
-            _mm256_storeu_ps(dst + 8 * t, _mm256_mul_ps(v, _mm256_set1_ps(d)));
-        }
-#else
-        for (int j = 0; j < 16; j++) {
-            dst[j] = (float)((q[j] & 15) - 8) * d;
-            dst[16 + j] = (float)((q[j] >> 4) - 8) * d;
-        }
-#endif
-    }
-}
+#include "pk_gemm_r16.h"
 
 /* where panel r0's stored bytes start, their stride and a row's length (rows repacked by 16: the
  * groups' records, one run) */
@@ -232,14 +185,19 @@ static inline pf_cur pf_chunk(int kind, const dq_args *D, int64_t r0, int64_t ro
 
 #include "pk_bf16g.h"
 
+/* x's row stride for the tiles: k, or k + 16 when rows k floats apart fall in the same L1 sets (k a
+ * multiple of 256: a tile's 12 broadcasts at one column thrashed an 8-way set; one thread, F32 rows
+ * of k 2048, 42 tokens 62 -> 96 GFLOP/s) */
+static inline int64_t gemm_ldx(int64_t k) { return k % 256 ? k : k + 16; }
+
 /* rows [r0, r0 + rows) of W (rows <= GR) dequantized into tmp [rows, k], then chunk by chunk
  * packed k-major (zero rows past the end) and multiplied into out[:, r0..]; next: the first row
  * of the panel this thread takes next (-1: none), asked for meanwhile */
-static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int64_t r0,
-                       int64_t rows, float *tmp, float *P, int64_t next) {
+static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t ldx, int64_t n, float *out, int64_t m,
+                       int64_t r0, int64_t rows, float *tmp, float *P, int64_t next) {
     const int64_t k = D->k;
 #if PK_AVX512
-    if (kind == K_BF16 && D->bf) { bf16_panel(D, x, n, out, m, r0, rows, P, next); return; }
+    if (kind == K_BF16 && D->bf) { bf16_panel(D, x, ldx, n, out, m, r0, rows, P, next); return; }
 #endif
     if (kind == K_F16 || kind == K_BF16 || kind == K_F32) { /* packed straight from the stored rows (1B
                                             * [8192 x 2048], 17 / 42 rows: 1.4x / 1.17x), the next chunk asked for meanwhile */
@@ -251,7 +209,7 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, fl
             if (kind == K_F16) gemm_pack_any(w + 2 * c0, k, rows, kc, P, K_F16);
             else if (kind == K_BF16) gemm_pack_any(w + 2 * c0, k, rows, kc, P, K_BF16);
             else gemm_pack_any(w + 4 * c0, k, rows, kc, P, K_F32);
-            gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0, &pf);
+            gemm_chunk(P, x + c0, n, ldx, kc, out + r0, m, rows, c0 > 0, &pf);
         }
         return;
     }
@@ -263,20 +221,44 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t n, fl
     for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = k - c0 < KC ? k - c0 : KC;
         gemm_pack(tmp + c0, k, rows, kc, P);
-        gemm_chunk(P, x + c0, n, k, kc, out + r0, m, rows, c0 > 0, &pf);
+        gemm_chunk(P, x + c0, n, ldx, kc, out + r0, m, rows, c0 > 0, &pf);
     }
 }
+
+/* rows [r0, r1) against n inputs x (row stride k) on this thread, panel by panel; buf: the
+ * thread's panel buffer (gemm_buf_floats), whose tail takes x at gemm_ldx's stride when n <= gpad */
+static void gemm_rows(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t ldo, int64_t r0,
+                      int64_t r1, float *buf, int64_t gpad) {
+    const int64_t k = D->k, ldx = n <= gpad ? gemm_ldx(k) : k;
+    float *P = (float *)(((uintptr_t)(buf + GR * k) + 63) & ~(uintptr_t)63);
+    if (ldx != k) {
+        float *xp = (float *)(((uintptr_t)(P + GR * KC) + 63) & ~(uintptr_t)63);
+        for (int64_t i = 0; i < n; i++) memcpy(xp + i * ldx, x + i * k, (size_t)k * 4);
+        x = xp;
+    }
+    for (int64_t rp = r0; rp < r1; rp += GR)
+        gemm_panel(kind, D, x, ldx, n, out, ldo, rp, r1 - rp < GR ? r1 - rp : GR, buf, P, rp + GR < r1 ? rp + GR : -1);
+}
+
+/* floats of a gemm_rows buffer for k columns and gpad inputs copied */
+static inline int64_t gemm_buf_floats(int64_t k, int64_t gpad) { return GR * k + GR * KC + 160 + gpad * (k + 16); }
 
 /* the whole product on nt threads; -1 when a buffer cannot be allocated. x8 (not NULL): buffers
  * for the inputs' int8 codes, scales and code sums, filled here, for the K-quant panels of the
  * auto mode (csrc/pk_k8i.h) */
 static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt,
                     mm_args *x8) {
-    const int64_t k = D->k, panels = (m + GR - 1) / GR;
+    const int64_t k = D->k, panels = (m + GR - 1) / GR, ldx = x8 ? k : gemm_ldx(k);
     if (panels < nt) nt = (int)(panels > 0 ? panels : 1);
+    float *xp = NULL; /* x at row stride ldx */
+    if (ldx != k && posix_memalign((void **)&xp, 64, (size_t)(n * ldx) * 4)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
+        if (xp) {
+#pragma omp for
+            for (int64_t i = 0; i < n; i++) memcpy(xp + i * ldx, x + i * k, (size_t)k * 4);
+        }
         float *tmp = thread_buffer((size_t)(GR * k + GR * KC + 16));
         if (!tmp) failed = 1;
         float *P = tmp ? (float *)(((uintptr_t)(tmp + GR * k) + 63) & ~(uintptr_t)63) : NULL;
@@ -301,9 +283,10 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
         for (int64_t p = 0; p < panels; p++) {
             if (!tmp) continue;
             const int64_t r0 = p * GR, rows = m - r0 < GR ? m - r0 : GR;
-            gemm_panel(kind, D, x, n, out, m, r0, rows, tmp, P, p + pk_nth() < panels ? r0 + pk_nth() * GR : -1);
+            gemm_panel(kind, D, xp ? xp : x, ldx, n, out, m, r0, rows, tmp, P, p + pk_nth() < panels ? r0 + pk_nth() * GR : -1);
         }
     }
+    free(xp);
     return failed ? -1 : 0;
 }
 

@@ -85,3 +85,18 @@ def test_a_fused_prompt_past_the_context_is_refused():
     with pytest.raises(ContextOverflowError, match="6 cached \\+ 3 new tokens > max_seq_len 8"):
         tf.forward([1, 2, 3])
     assert tf.position == 6  # nothing written
+
+
+@pytest.mark.parametrize("scheme", ["float32", "bfloat16"])
+def test_a_prompt_on_gemm_panels_with_x_at_a_padded_stride(scheme, each_isa, monkeypatch):
+    """40 rows of width 256 (a multiple of 256: the panels read x copied at a padded stride,
+    csrc/pk_gemm.h gemm_ldx) in one fused call, equal to the reference path."""
+    tf = random_transformer(tiny_cfg(hidden=256, inter=512, max_seq_len=64), seed=5)
+    if scheme != "float32":
+        quantize_all(tf, scheme)
+    prompt = [(5 * i + 1) % 120 for i in range(40)]
+    tf.reset()
+    got = tf.forward(prompt)
+    monkeypatch.setattr(fused, "plan", lambda model: None)
+    tf.reset()
+    np.testing.assert_allclose(got, tf.forward(prompt), rtol=0, atol=2e-5 * np.abs(got).max())

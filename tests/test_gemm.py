@@ -34,6 +34,14 @@ def test_gemm_matches_the_dequantized_product(scheme, each_isa):
     _check(qt, 29)  # token tiles of 12 / 6 and a tail
 
 
+@pytest.mark.parametrize("scheme", ["float32", "float16", "bfloat16", "gguf_q8_0"])
+@pytest.mark.parametrize("k", [768, 1283])  # x copied at a padded stride; a chunk of 259 columns
+def test_gemm_padded_x_and_ragged_columns(scheme, k, each_isa):
+    if k % block_of(scheme):
+        pytest.skip("whole blocks only")
+    _check(MAKERS[scheme](random_weights(70, k, seed=k)), 29, 2)
+
+
 @pytest.mark.parametrize("n", [1, 5, 6, 7, 11, 12, 13, 17, 24, 100])
 def test_gemm_every_token_tail(n, each_isa):
     _check(MAKERS["gguf_q8_0"](random_weights(40, 96, seed=n)), n)
