@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) void dense_sums(int kind, const mm_
  * from c on; nn and rows are constants after inlining (accumulators in registers, rows * nn <=
  * 16), each weight vector converted once for all inputs, one accumulator per (row, input) */
 static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_args *A, int64_t r, int64_t c,
-                                                             const int nn, const int rows) {
+                                                             const int nn, const int rows, const uint8_t *pf, int64_t pstep) {
     const int64_t esz = dense_esz(kind), k = A->k, k2 = k / (2 * DL) * (2 * DL);
     const uint8_t *row = A->w + r * k * esz;
     dvec a[4][ROW_TILE];
@@ -64,9 +64,11 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
     int64_t j = 0;
     for (; j < k2; j += 2 * DL) {
         dvec w0[4], w1[4];
+        if (pstep) /* the next group's rows, spread over this group's passes (dense_row4) */
+            for (int64_t o = 0; o < pstep; o += 64) prefetch_l2((const char *)pf + j / (2 * DL) * pstep + o);
 #pragma GCC unroll 4
         for (int q = 0; q < rows; q++) {
-            tile_prefetch(row + (q * k + j) * esz, 2 * DL * esz);
+            if (!pstep) tile_prefetch(row + (q * k + j) * esz, 2 * DL * esz);
             w0[q] = DLOAD(kind, row + q * k * esz, j);
             w1[q] = DLOAD(kind, row + q * k * esz, j + DL);
         }
@@ -87,12 +89,12 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
  * an input: with one, the chain of two dependent FMAs a step bound the 4-input tile (SmolLM2 f16
  * 16-token prompt 762 -> 510 tok/s) */
 static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_args *A, int64_t r, int64_t c,
-                                                             const int nn, const int rows) {
+                                                             const int nn, const int rows, const uint8_t *pf, int64_t pstep) {
     const int64_t esz = dense_esz(kind), k = A->k, k2 = k / (2 * DL) * (2 * DL);
     const uint8_t *row = A->w + r * k * esz;
     const float scale = kind == K_I8 ? A->aux[r] : 1.0f;
     dvec a0[ROW_TILE], a1[ROW_TILE];
-    (void)rows;
+    (void)rows; (void)pf; (void)pstep;
 #pragma GCC unroll 16
     for (int i = 0; i < nn; i++) a0[i] = a1[i] = DZERO();
     int64_t j = 0;
@@ -156,7 +158,7 @@ static inline __attribute__((always_inline)) void dense_row(int kind, const mm_a
 #if PK_SIMD
     if (n > 1) { /* several input rows: register tiles (one row keeps dense_dot's four chains: the
                   * tiles' one chain of dependent FMAs a row bound a 1B int8 decode, 43 -> 30 tok/s) */
-#define DTILE(c, nn) dense_tile(kind, A, r, c, nn, 1)
+#define DTILE(c, nn) dense_tile(kind, A, r, c, nn, 1, NULL, 0)
         FOR_TILES(n, DTILE);
 #undef DTILE
         return;
@@ -172,7 +174,7 @@ static inline __attribute__((always_inline)) void dense_row(int kind, const mm_a
  * x load between the two rows (a 16-token 1B f32 prompt read its x from L2 once per row) */
 static inline __attribute__((always_inline)) void dense_row2(int kind, const mm_args *A, int64_t r) {
 #if PK_AVX512
-#define DTILE2(c, nn) dense_tile(kind, A, r, c, nn, 2)
+#define DTILE2(c, nn) dense_tile(kind, A, r, c, nn, 2, NULL, 0)
     FOR_TILES(A->n, DTILE2);
 #undef DTILE2
 #else
@@ -186,7 +188,15 @@ static inline __attribute__((always_inline)) void dense_row2(int kind, const mm_
  * rows); the same sums as dense_row */
 static inline __attribute__((always_inline)) void dense_row4(int kind, const mm_args *A, int64_t r) {
 #if PK_AVX512
-#define DTILE4(c, nn) dense_tile(kind, A, r, c, nn, 4)
+    /* the passes over the inputs (tiles of 4) share asking for the next four rows, into L2 (into
+     * L1 they evicted this group's f32 rows): each pass asking for its own rows ahead needed the
+     * group's bytes in flight at once (one thread, [8192 x 2048] 16 inputs: f32 60 -> 80 GFLOP/s,
+     * f16 78 -> 106) */
+    const int64_t esz = dense_esz(kind), gb = 4 * A->k * esz, steps = A->k / (2 * DL), passes = (A->n + 3) / 4;
+    const int64_t pstep = steps ? ((gb + passes * steps - 1) / (passes * steps) + 63) & ~(int64_t)63 : 0;
+    const uint8_t *pf = A->w + (r + 4) * A->k * esz;
+    const int ok = r + 8 <= A->m && pstep;
+#define DTILE4(c, nn) dense_tile(kind, A, r, c, nn, 4, ok ? pf + (c) / 4 * steps * pstep : NULL, ok ? pstep : 0)
     int64_t c = 0;
     for (; c + 4 <= A->n; c += 4) DTILE4(c, 4);
     if (A->n - c >= 2) { DTILE4(c, 2); c += 2; }

@@ -146,6 +146,15 @@ static inline void prefetch_line(const char *p) {
 #endif
 }
 
+/* a line into L2 only: bytes wanted a while ahead, which in L1 would evict the ones in use */
+static inline void prefetch_l2(const char *p) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ volatile("prefetcht1 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 #include "pk_quants.h"
 #include "pk_avx512.h"
 
