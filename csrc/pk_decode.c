@@ -71,14 +71,14 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     A.xq = P->xq; A.dx = P->dx; A.xs16 = P->xs16; A.xk = P->xk; A.dk = P->dk;
     A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
     A.x1 = q8 == 2; /* auto mode: K-quant rows on xk (csrc/pk_k8.h), Q5_0/Q5_1/IQ4 on x's first code */
-    const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind) && P->grp == 3; /* auto mode: K-quants (csrc/pk_k8*.h) */
+    const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind) && grp_k256(P->grp); /* auto mode: K-quants (csrc/pk_k8*.h) */
     /* auto mode, Q5_0/Q5_1/IQ4 rows of independent sequences (not a prompt: gemm_from above
      * MAX_N): x's first code (pk_k8.h pq8_kind); a prompt's rows the float paths, as in Python */
     const int pq8 = q8 == 2 && PK_SIMD && pq8_kind(M->kind) && grp_pairs(P->grp) && P->gemm_from > MAX_N;
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
                              : k8 || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && grp_pairs(P->grp)) || pq8;
     /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
-    const int r16 = PK_R16 && M->rp && q8 && P->grp != 8 && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
+    const int r16 = PK_R16 && M->rp && q8 && grp_pairs(P->grp) && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
     const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
     const int dense = n > 1 && !use8 && dense_tiles(M->kind, bf);
@@ -209,7 +209,7 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
     px_t V = B->P; /* this thread's own view of `in` (B->P.x is left alone) */
     V.x = in; V.k = n * k; V.grp = grp;
     if (!prepped && k % 32 == 0) { /* the 32-blocks split over the threads (groups of 8 with the codes per 256) */
-        const int64_t g = grp == 3 ? 8 : 1;
+        const int64_t g = grp_k256(grp) ? 8 : 1;
         int64_t b0, b1;
         part(n * k / 32 / g, tid, nt, &b0, &b1);
         b0 *= g; b1 *= g;

@@ -4,6 +4,10 @@
 #ifndef PK_PREP_H
 #define PK_PREP_H
 
+/* whether grp's codes include quantize_x's pairs; quantize_k's codes per 256 */
+static inline int grp_pairs(int grp) { return grp == 1 || grp == 3; }
+static inline int grp_k256(int grp) { return grp == 3 || grp == 4; }
+
 /* prep's work for the 32-blocks [b0, b1) of x: block sums (the offset term of the quantized
  * kinds), Loom's reordered copy, int8 codes. Blocks are independent, so threads split them; with
  * the codes per 256 (q8 3) at multiples of 8 blocks (a group's codes are written by the thread
@@ -18,9 +22,10 @@ static void prep_blocks(px_t *P, const float *x, int64_t b0, int64_t b1, int loo
     if (loom) loom_order(x + b0 * 32, P->xp + b0 * 32, (b1 - b0) * 32);
     if (q8 == 8) quantize_xi(x, P->xq, K8I_PX_CB, K8I_PX_XO(P->xq), K8I_PX_OCB, P->dx, P->xs16, b0, b1, -1); /* one code each */
     else if (q8) {
+        if (grp_k256(q8)) quantize_k(x, P->xk, P->dk, (b0 + 7) / 8, b1 / 8);
+        if (!grp_pairs(q8)) return; /* 4: every reader a K-quant row on the codes per 256 */
         quantize_x(x + b0 * 32, P->xq + b0 * 64, P->dx + b0, b1 - b0);
         if (!P->x1) sums16(x + b0 * 32, P->xs16 + b0 * 2, b1 - b0); /* the two-code K-quant rows' offsets */
-        if (q8 == 3) quantize_k(x, P->xk, P->dk, (b0 + 7) / 8, b1 / 8);
         if (loom) quantize_x(P->xp + b0 * 32, P->xqp + b0 * 64, P->dx + b0, b1 - b0);
     }
 }
@@ -32,16 +37,16 @@ static void prep(px_t *P, const float *x, int64_t k, int loom, int q8) {
 
 /* the codes prep writes for an input of n rows of step S that `want`s them (wants_codes): 0
  * none, 1 quantize_x's int8 pairs per 32-block, 3 those and quantize_k's codes per 256 (the auto
- * mode's K-quant rows), 8 quantize_xi's one code per element of the K-quant prompt panels (auto
- * mode, a prompt's rows only: csrc/pk_k8i.h) */
+ * mode's K-quant rows), 4 the codes per 256 alone (every reader a K-quant row), 8 quantize_xi's
+ * one code per element of the K-quant prompt panels (auto mode, a prompt's rows only:
+ * csrc/pk_k8i.h) */
 static inline int q8_group_n(const step_t *S, int64_t n, int want) {
     if (!(S->q8 && want)) return 0;
     if (want >= 2 && S->q8 == 2 && S->seq1 && n >= K8I_MIN && n <= K8I_MAX) return 8;
-    return want == 3 && S->q8 == 2 && PK_SIMD ? 3 : 1; /* the base build's K-quant rows are float */
+    if (grp_k256(want)) /* the base build's K-quant rows are float */
+        return S->q8 == 2 && PK_SIMD ? want : want == 3;
+    return 1;
 }
-
-/* whether grp's codes include quantize_x's pairs */
-static inline int grp_pairs(int grp) { return grp == 1 || grp == 3; }
 
 static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->n, want); }
 
@@ -52,20 +57,22 @@ static inline int auto8(const step_t *S, int kind) {
     return k8i_kind(kind) || loom8(S, kind) || (PK_SIMD && !S->seq1 && pq8_kind(kind));
 }
 
-/* which codes the cnt matrices at M read from an input: 3 a K-quant in the auto mode (a prompt's
- * rows: the int8 panels, else the codes per 256), 2 an IQ4 kind in the auto mode (the panels), 1
- * int8 pairs (every quantized kind with q8 = 1, repacked rows, the auto mode's Q5_0/Q5_1/IQ4 rows
- * outside a prompt), 0 none (an input that only float kernels read is not quantized) */
+/* which codes the cnt matrices at M read from an input: 3 or 4 a K-quant in the auto mode (a
+ * prompt's rows: the int8 panels, else the codes per 256; 4 when no reader takes the pairs), 2
+ * an IQ4 kind in the auto mode (the panels), 1 int8 pairs (every quantized kind with q8 = 1,
+ * repacked rows, the auto mode's Q5_0/Q5_1/IQ4 rows outside a prompt), 0 none (an input that
+ * only float kernels read is not quantized) */
 static inline int wants_codes(const step_t *S, const mat_t *M, int cnt) {
-    int any = 0;
+    int kq = 0, iq = 0, pairs = 0;
     for (int i = 0; i < cnt; i++) {
-        if (S->q8 == 2 && k8_kind(M[i].kind)) any = 3;
-        else if (S->q8 == 2 && k8i_kind(M[i].kind) && any < 2) any = 2;
-        else if (any < 1 && (S->q8 == 1 || (S->q8 && PK_R16 && M[i].rp) ||
-                             (S->q8 == 2 && (loom8(S, M[i].kind) || (PK_SIMD && !S->seq1 && pq8_kind(M[i].kind))))))
-            any = 1;
+        if (S->q8 == 2 && k8_kind(M[i].kind)) kq = 1;
+        else if (S->q8 == 2 && k8i_kind(M[i].kind)) iq = 1;
+        else if (S->q8 == 1 || (S->q8 && PK_R16 && M[i].rp) ||
+                 (S->q8 == 2 && (loom8(S, M[i].kind) || (PK_SIMD && !S->seq1 && pq8_kind(M[i].kind)))))
+            pairs = 1;
     }
-    return any;
+    if (kq) return pairs || iq ? 3 : 4;
+    return iq ? 2 : pairs;
 }
 
 /* P's buffers seen from element `off` on, with input x (rows of k, k % 32 == 0 for the block
