@@ -46,15 +46,16 @@ def _assert_same(tf, monkeypatch, rtol=1e-5, prompt=PROMPT):
     assert tf.position == len(prompt) + 5
 
 
-def quantize_all(tf, scheme: str) -> None:
-    """Every MHA/SwiGLU matrix as a stored version in `scheme` (biases and gammas float32)."""
-    make = MAKERS[scheme]
+def quantize_all(tf, scheme: str, by_name: dict | None = None) -> None:
+    """Every MHA/SwiGLU matrix as a stored version in `scheme`, or by_name[component] (biases
+    and gammas float32)."""
     for layer in tf.network.walk():
         if layer.type not in (LayerType.MHA, LayerType.SWIGLU):
             continue
         comps = {}
         for name, view in layout.views(layer).items():
             if view is not None and name in layout.MATRIX_COMPONENTS:
+                make = MAKERS[(by_name or {}).get(name, scheme)]
                 comps[name] = make(np.ascontiguousarray(view))
             else:
                 comps[name] = None if view is None else np.array(view, dtype=np.float32)

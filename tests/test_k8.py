@@ -7,8 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poly import layout
-from poly.layer import LayerType
 from poly.runtime import ckernels
 from tests.test_ckernels import MAKERS, QUANTIZED, block_of, kernel_case, random_weights
 from tests.test_fused import K_QUANTS, PROMPT, quantize_all, run_steps, tiny_cfg
@@ -115,6 +113,12 @@ def three_runs(scheme, monkeypatch):
     tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=5)
     quantize_all(tf, scheme)
     tf.lm_head = MAKERS[scheme](np.ascontiguousarray(tf.lm_head))
+    return tf, _runs(tf, monkeypatch)
+
+
+def _runs(tf, monkeypatch):
+    """(the fused step in the auto mode, the Python path in the auto mode, the fused step on
+    the float path) of run_steps on tf."""
     auto = run_steps(tf, True, monkeypatch)
     python = run_steps(tf, False, monkeypatch)
     ckernels.set_act_q8(False)
@@ -122,7 +126,7 @@ def three_runs(scheme, monkeypatch):
         exact = run_steps(tf, True, monkeypatch)
     finally:
         ckernels.set_act_q8("auto")
-    return tf, (auto, python, exact)
+    return auto, python, exact
 
 
 @pytest.mark.parametrize("scheme", PQ8)
@@ -199,36 +203,13 @@ def test_k_quant_batched_decode_rows_equal_each_alone(scheme, each_isa):
 MIXED = {"w_q": "gguf_q4_k", "w_k": "gguf_q4_k", "w_v": "gguf_q8_0", "w_o": "gguf_q6_k"}
 
 
-def _quantize_mixed(tf) -> None:
-    """q/k and o as K-quants, v as Q8_0 (repacked by 16: a reader of x's pairs, so the attention
-    input takes the pairs and the codes per 256, the output of attention the codes alone), the
-    FFN as Q4_K (codes per 256 alone)."""
-    for layer in tf.network.walk():
-        if layer.type not in (LayerType.MHA, LayerType.SWIGLU):
-            continue
-        comps = {}
-        for name, view in layout.views(layer).items():
-            if view is not None and name in layout.MATRIX_COMPONENTS:
-                comps[name] = MAKERS[MIXED.get(name, "gguf_q4_k")](np.ascontiguousarray(view))
-            else:
-                comps[name] = None if view is None else np.array(view, dtype=np.float32)
-        layer.weights.set_version("mixed", comps, activate=True)
-
-
 def test_an_input_read_by_k_quant_and_pair_rows_gets_both_codes(monkeypatch, each_isa):
     """The auto mode's prep writes x's pairs only where a reader takes them (wants_codes 3 vs 4;
     repacked rows without the pairs would take the float path, never stale codes): a model
     mixing K-quant rows with repacked Q8_0 rows on one input decodes as the Python path does and
     within 6e-2 of the float path."""
     tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=6)
-    _quantize_mixed(tf)
-    auto = run_steps(tf, True, monkeypatch)
-    python = run_steps(tf, False, monkeypatch)
-    ckernels.set_act_q8(False)
-    try:
-        exact = run_steps(tf, True, monkeypatch)
-    finally:
-        ckernels.set_act_q8("auto")
-    for a, p, e in zip(auto, python, exact):
+    quantize_all(tf, "gguf_q4_k", MIXED)  # q/k, o and the FFN K-quants, v Q8_0
+    for a, p, e in zip(*_runs(tf, monkeypatch)):
         assert np.abs(a - e).max() <= 6e-2 * np.abs(e).max()
         assert np.abs(p - a).max() <= 1e-2 * np.abs(e).max()
