@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 
 HF_DIR_NAME = "SmolLM2-135M-Instruct-hf"
+
+
+def pytest_configure(config):
+    """A shell starting pytest in the background (`cmd &` without job control) leaves SIGINT
+    ignored, and children inherit that: the Ctrl-C tests' subprocesses would never see it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # exec resets this to SIG_DFL
 
 
 @pytest.fixture(scope="session")
