@@ -57,8 +57,12 @@ static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, in
 #ifndef DENSE_PIECE
 #define DENSE_PIECE 64
 #endif
-static inline int dense_tiles(int kind, int bf) {
-    return PK_AVX512 && (kind == K_F16 || (kind == K_BF16 && !bf));
+#ifndef DENSE_AVX2
+#define DENSE_AVX2 MAX_N /* as poly.runtime.ckernels.kernel */
+#endif
+static inline int dense_tiles(int kind, int bf, int64_t n) {
+    if (!PK_AVX512) return PK_SIMD && n <= DENSE_AVX2 && (kind == K_F32 || kind == K_F16 || (kind == K_BF16 && !bf));
+    return kind == K_F16 || (kind == K_BF16 && !bf);
 }
 
 /* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo */
@@ -81,7 +85,7 @@ static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int
     const int r16 = PK_R16 && M->rp && q8 && grp_pairs(P->grp) && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
     const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
-    const int dense = n > 1 && !use8 && dense_tiles(M->kind, bf);
+    const int dense = n > 1 && !use8 && dense_tiles(M->kind, bf, n);
 #if PK_SIMD
     if (q8 == 2 && k8i_fits(M->kind, A.k) && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));

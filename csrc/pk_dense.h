@@ -15,6 +15,9 @@ typedef __m512 dvec;
 #define DFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define DZERO() _mm512_setzero_ps()
 #define DSUM(v) _mm512_reduce_add_ps(v)
+#define DG 4           /* rows a tile of dense_row4 */
+#define DSTEP (2 * DL) /* k a tile step */
+#define DN 4           /* inputs a pass of dense_group */
 #else
 #define DL 8
 typedef __m256 dvec;
@@ -23,6 +26,13 @@ typedef __m256 dvec;
 #define DFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define DZERO() _mm256_setzero_ps()
 #define DSUM(v) hsum(v)
+#ifndef DG
+#define DG 4
+#endif
+#define DSTEP DL
+#ifndef DN
+#define DN 3 /* inputs a pass of dense_group: 12 accumulators, 3 x vectors and a row's */
+#endif
 #endif
 /* With several inputs a row's bytes are asked for in the tile's loop, TILE_PF ahead (one
  * burst of prefetch_row's per row stalled on the full miss buffers: 1B f16 16-token prompt
@@ -56,7 +66,7 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
                                                              const int nn, const int rows, const uint8_t *pf, int64_t pstep) {
     const int64_t esz = dense_esz(kind), k = A->k, k2 = k / (2 * DL) * (2 * DL);
     const uint8_t *row = A->w + r * k * esz;
-    dvec a[4][ROW_TILE];
+    dvec a[4][8];
 #pragma GCC unroll 4
     for (int q = 0; q < rows; q++)
 #pragma GCC unroll 16
@@ -65,7 +75,7 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
     for (; j < k2; j += 2 * DL) {
         dvec w0[4], w1[4];
         if (pstep) /* the next group's rows, spread over this group's passes (dense_row4) */
-            for (int64_t o = 0; o < pstep; o += 64) prefetch_l2((const char *)pf + j / (2 * DL) * pstep + o);
+            for (int64_t o = 0; o < pstep; o += 64) prefetch_l2((const char *)pf + j / DSTEP * pstep + o);
 #pragma GCC unroll 4
         for (int q = 0; q < rows; q++) {
             if (!pstep) tile_prefetch(row + (q * k + j) * esz, 2 * DL * esz);
@@ -85,36 +95,59 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
         dense_sums(kind, A, row + q * k * esz, r + q, c, nn, kind == K_I8 ? A->aux[r + q] : 1.0f, a[q], j);
 }
 #else
-/* AVX2: one row (dense_row2/4 call dense_row) times the nn input rows from c on, two accumulators
- * an input: with one, the chain of two dependent FMAs a step bound the 4-input tile (SmolLM2 f16
- * 16-token prompt 762 -> 510 tok/s) */
+/* AVX2: `rows` dense rows from r (1, 2 or 4, a constant after inlining) times the nn input rows
+ * from c on, one accumulator a (row, input) over steps of 8. Four rows x 3 inputs hold the 3 x
+ * vectors and load the rows' one at a time (16 registers: 7 loads for 12 FMAs); the one-row tile
+ * before it, two loads an FMA, ran a [8192 x 2048] f32 product of 16 inputs at 33 GFLOP/s one
+ * thread, this one 80. A row's sums do not depend on `rows` (nor so on how threads split rows). */
 static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_args *A, int64_t r, int64_t c,
                                                              const int nn, const int rows, const uint8_t *pf, int64_t pstep) {
-    const int64_t esz = dense_esz(kind), k = A->k, k2 = k / (2 * DL) * (2 * DL);
+    const int64_t esz = dense_esz(kind), k = A->k, k1 = k / DL * DL;
     const uint8_t *row = A->w + r * k * esz;
-    const float scale = kind == K_I8 ? A->aux[r] : 1.0f;
-    dvec a0[ROW_TILE], a1[ROW_TILE];
-    (void)rows; (void)pf; (void)pstep;
-#pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) a0[i] = a1[i] = DZERO();
+    dvec a[4][8];
+#pragma GCC unroll 4
+    for (int q = 0; q < rows; q++)
+#pragma GCC unroll 8
+        for (int i = 0; i < nn; i++) a[q][i] = DZERO();
     int64_t j = 0;
-    for (; j < k2; j += 2 * DL) {
-        tile_prefetch(row + j * esz, 2 * DL * esz);
-        const dvec w0 = DLOAD(kind, row, j), w1 = DLOAD(kind, row, j + DL);
-#pragma GCC unroll 16
-        for (int i = 0; i < nn; i++) {
-            const float *xi = A->x + (c + i) * k + j;
-            a0[i] = DFMA(w0, DLOADX(xi), a0[i]);
-            a1[i] = DFMA(w1, DLOADX(xi + DL), a1[i]);
+    for (; j < k1; j += DL) {
+        dvec x[8];
+        if (pstep) /* the next group's rows, spread over this group's passes (dense_row4) */
+            for (int64_t o = 0; o < pstep; o += 64) prefetch_l2((const char *)pf + j / DSTEP * pstep + o);
+        if (rows <= 2) { /* the rows' vectors held, x loaded an input at a time */
+            dvec w[2];
+#pragma GCC unroll 2
+            for (int q = 0; q < rows; q++) {
+                if (!pstep && !(j & (2 * DL - 1))) tile_prefetch(row + (q * k + j) * esz, 2 * DL * esz);
+                w[q] = DLOAD(kind, row + q * k * esz, j);
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < nn; i++) {
+                const dvec xi = DLOADX(A->x + (c + i) * k + j);
+#pragma GCC unroll 2
+                for (int q = 0; q < rows; q++) a[q][i] = DFMA(w[q], xi, a[q][i]);
+            }
+            continue;
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < nn; i++) x[i] = DLOADX(A->x + (c + i) * k + j);
+#pragma GCC unroll 4
+        for (int q = 0; q < rows; q++) {
+            if (!pstep && !(j & (2 * DL - 1))) tile_prefetch(row + (q * k + j) * esz, 2 * DL * esz);
+            const dvec w = DLOAD(kind, row + q * k * esz, j);
+#pragma GCC unroll 8
+            for (int i = 0; i < nn; i++) a[q][i] = DFMA(w, x[i], a[q][i]);
         }
     }
-#pragma GCC unroll 16
-    for (int i = 0; i < nn; i++) {
-        const float *xi = A->x + (c + i) * k;
-        float t = DSUM(a0[i]) + DSUM(a1[i]);
-        for (int64_t q = j; q < k; q++) t += load1(kind, row, q) * xi[q];
-        A->out[(c + i) * A->ldo + r] = scale * t;
-    }
+#pragma GCC unroll 4
+    for (int q = 0; q < rows; q++)
+#pragma GCC unroll 8
+        for (int i = 0; i < nn; i++) {
+            const float *xi = A->x + (c + i) * k;
+            float t = DSUM(a[q][i]);
+            for (int64_t u = j; u < k; u++) t += load1(kind, row + q * k * esz, u) * xi[u];
+            A->out[(c + i) * A->ldo + r + q] = (kind == K_I8 ? A->aux[r + q] : 1.0f) * t;
+        }
 }
 #endif
 #endif
@@ -170,10 +203,10 @@ static inline __attribute__((always_inline)) void dense_row(int kind, const mm_a
         A->out[i * A->ldo + r] = scale * dense_dot(kind, row, A->x + i * A->k, A->k);
 }
 
-/* rows r and r + 1 for several inputs (n > 1): the same sums as dense_row, AVX-512 sharing each
- * x load between the two rows (a 16-token 1B f32 prompt read its x from L2 once per row) */
+/* rows r and r + 1 for several inputs (n > 1): the same sums as dense_row, sharing each x load
+ * between the two rows (a 16-token 1B f32 prompt read its x from L2 once per row) */
 static inline __attribute__((always_inline)) void dense_row2(int kind, const mm_args *A, int64_t r) {
-#if PK_AVX512
+#if PK_SIMD
 #define DTILE2(c, nn) dense_tile(kind, A, r, c, nn, 2, NULL, 0)
     FOR_TILES(A->n, DTILE2);
 #undef DTILE2
@@ -183,25 +216,31 @@ static inline __attribute__((always_inline)) void dense_row2(int kind, const mm_
 #endif
 }
 
-/* rows r .. r + 3 for several inputs: AVX-512 tiles of 4 rows x up to 4 inputs, each x load
- * feeding eight FMAs (a 1B f16 16-token prompt was bound by reading x from L2 for every pair of
- * rows); the same sums as dense_row */
-static inline __attribute__((always_inline)) void dense_row4(int kind, const mm_args *A, int64_t r) {
-#if PK_AVX512
-    /* the passes over the inputs (tiles of 4) share asking for the next four rows, into L2 (into
-     * L1 they evicted this group's f32 rows): each pass asking for its own rows ahead needed the
-     * group's bytes in flight at once (one thread, [8192 x 2048] 16 inputs: f32 60 -> 80 GFLOP/s,
-     * f16 78 -> 106) */
-    const int64_t esz = dense_esz(kind), gb = 4 * A->k * esz, steps = A->k / (2 * DL), passes = (A->n + 3) / 4;
+/* rows r .. r + 3 for several inputs: tiles of DG rows (AVX-512 4 rows x up to 4 inputs, each x
+ * load feeding eight FMAs: a 1B f16 16-token prompt was bound by reading x from L2 for every pair of
+ * rows; AVX2 2 x 4), the inputs in passes of 4; the same sums as dense_row. The passes share
+ * asking for the next group's rows, into L2 (into L1 they evicted this group's f32 rows): each
+ * pass asking for its own rows ahead needed the group's bytes in flight at once (one thread,
+ * [8192 x 2048] 16 inputs: f32 60 -> 80 GFLOP/s, f16 78 -> 106) */
+#if PK_SIMD
+static inline __attribute__((always_inline)) void dense_group(int kind, const mm_args *A, int64_t r) {
+    const int64_t esz = dense_esz(kind), gb = DG * A->k * esz, steps = A->k / DSTEP, passes = (A->n + DN - 1) / DN;
     const int64_t pstep = steps ? ((gb + passes * steps - 1) / (passes * steps) + 63) & ~(int64_t)63 : 0;
-    const uint8_t *pf = A->w + (r + 4) * A->k * esz;
-    const int ok = r + 8 <= A->m && pstep;
-#define DTILE4(c, nn) dense_tile(kind, A, r, c, nn, 4, ok ? pf + (c) / 4 * steps * pstep : NULL, ok ? pstep : 0)
+    const uint8_t *pf = A->w + (r + DG) * A->k * esz;
+    const int ok = r + 2 * DG <= A->m && pstep;
+#define DTILE4(c, nn) dense_tile(kind, A, r, c, nn, DG, ok ? pf + (c) / DN * steps * pstep : NULL, ok ? pstep : 0)
     int64_t c = 0;
-    for (; c + 4 <= A->n; c += 4) DTILE4(c, 4);
+    for (; c + DN <= A->n; c += DN) DTILE4(c, DN);
     if (A->n - c >= 2) { DTILE4(c, 2); c += 2; }
     if (A->n - c >= 1) DTILE4(c, 1);
 #undef DTILE4
+}
+
+#endif
+
+static inline __attribute__((always_inline)) void dense_row4(int kind, const mm_args *A, int64_t r) {
+#if PK_SIMD
+    for (int64_t q = 0; q < 4; q += DG) dense_group(kind, A, r + q);
 #else
     dense_row2(kind, A, r);
     dense_row2(kind, A, r + 2);

@@ -48,7 +48,9 @@ static inline void gv_store(float *p, gv v) { for (int l = 0; l < 4; l++) p[l] =
 #else
 #define GT 6 /* 12 of the 16 */
 #endif
+#ifndef KC
 #define KC 512 /* k per packed chunk: GR * KC floats (64 KiB on AVX-512, in L2; 256 or 384: the same speed) */
+#endif
 
 /* The bytes a panel reads next (the next chunk of its F16 rows, or the next panel's stored rows),
  * asked for a cache line an iteration of the tiles' loops: the packing otherwise waited on

@@ -71,7 +71,10 @@ def test_prefill_products_route_through_gemm(monkeypatch):
     qt.matmul(x[:g])  # GEMM_ROWS rows: gemm
     qt.matmul(x[: g - 1])  # fewer: the row kernels' register tiles
     kernels.dense_matmul(x[: g - 1], random_weights(64, 128, seed=4))  # float32 too
+    kernels.dense_matmul(x[: ckernels.MAX_N], random_weights(64, 128, seed=4))  # tiles to MAX_N
     assert calls == ["gemm", "gemm", "gemm"]
+    kernels.dense_matmul(x[: ckernels.MAX_N + 1], random_weights(64, 128, seed=4))
+    assert calls == ["gemm", "gemm", "gemm", "gemm"]
 
 
 def test_gemm_bad_inputs_raise():

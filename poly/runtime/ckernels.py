@@ -309,8 +309,8 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
 def _facts() -> tuple[int, bool, bool, bool]:
     """The build's (GEMM_ROWS, LOOM8, SIMD, BF16_DOT): rows from which `gemm` beats the row
     kernels' tiles (csrc/pk_kernels.h; 9 on 8-lane builds, MAX_N + 1 on AVX-512; the fused
-    step's switch too); whether the auto mode runs Loom Q4 rows in company on x's int8 codes and
-    a prompt alone on the float paths (PK_LOOM8, 8-lane builds, matrices not repacked by 16);
+    step's switch too; dense rows stay on the tiles up to MAX_N on every build); whether the
+    auto mode runs Loom Q4 rows in company on x's int8 codes and a prompt alone on the float paths (PK_LOOM8, 8-lane builds, matrices not repacked by 16);
     whether it has the SIMD kernels (base: plain loops, float paths only); whether it runs GGUF
     BF16 prompts on vdpbf16ps (AVX-512 with AVX512_BF16)."""
     info = EXT.info() if AVAILABLE else {}
@@ -372,9 +372,10 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int)
 def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     """The `poly.quant.qtensor.KERNELS` entry: C for a supported form, else numpy.
 
-    Below GEMM_ROWS rows the matrix-vector kernels (each weight row streamed once); from there
-    the register-tiled `gemm` (1.5-1.8x OpenBLAS sgemm on SmolLM2's shapes, no dequantized copy;
-    at 8-16 rows 1.1-1.6x the row kernels); forms without a C reader: dequantize + BLAS."""
+    Below GEMM_ROWS rows (dense rows: up to MAX_N) the matrix-vector kernels (each weight row
+    streamed once); from there the register-tiled `gemm` (1.5-1.8x OpenBLAS sgemm on SmolLM2's
+    shapes, no dequantized copy; at 8-16 rows 1.1-1.6x the row kernels); forms without a C
+    reader: dequantize + BLAS."""
     n = x2.shape[0]
     ops = operands(qt)
     if ops is None:
@@ -388,7 +389,8 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
     rp = getattr(qt, "r16", None)  # the copy repacked by 16 (fused._mat), read instead of w
-    if n >= GEMM_ROWS:
+    tiles = kind in (F32, F16, BF16) and n <= MAX_N  # dense rows: the register tiles to MAX_N
+    if n >= GEMM_ROWS and not tiles:
         EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _q8(w), rp)
     else:  # as the fused step's rows: the repacked rows on x's int8 codes unless q8 is off
         EXT.matmul(kind, aligned(x2), dst, w, aux, n, k, m, _q8(w), rp)

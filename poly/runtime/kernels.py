@@ -210,17 +210,17 @@ def _kernel(adapter: Callable) -> Callable:
 
 def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x [n, k] @ w.T for a float32 w [m, k]. One row: BLAS sgemv (measured fastest: SmolLM2 f32
-    decode 37.9 tok/s vs 25.1 with the C kernel). 2..GEMM_ROWS-1 rows under the C backend:
-    the C kernel, which streams each weight row once for all rows (OpenBLAS packs the whole
-    weight for a small-m sgemm: B=4 lm_head 15 ms vs 5 ms); from GEMM_ROWS rows the C gemm.
+    decode 37.9 tok/s vs 25.1 with the C kernel). 2..MAX_N rows under the C backend: the C
+    kernel's register tiles, which stream each weight row once for all rows (OpenBLAS packs the
+    whole weight for a small-m sgemm: B=4 lm_head 15 ms vs 5 ms); from there the C gemm.
     numba when chosen explicitly."""
     if out is None:
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
     chosen, n = _state["backend"], x.shape[0]
     small = w.flags.c_contiguous and x.flags.c_contiguous
-    if chosen == "c" and 2 <= n < ckernels.GEMM_ROWS and small and ckernels.dense_matmul(x, w, out):
+    if chosen == "c" and 2 <= n <= ckernels.MAX_N and small and ckernels.dense_matmul(x, w, out):
         return out
-    if chosen == "c" and n >= ckernels.GEMM_ROWS and small and _gemm_ok(x, w, out):
+    if chosen == "c" and n > ckernels.MAX_N and small and _gemm_ok(x, w, out):
         ckernels.gemm(ckernels.F32, w, None, x, out)  # prefill: no OpenBLAS threads to fight
         return out
     if chosen == "numba" and n <= SMALL_N and small:
