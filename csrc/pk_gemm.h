@@ -227,15 +227,23 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t ldx, 
     }
 }
 
+/* a thread's packed chunk P: after its GR x k dequantized rows in buf, on a 64-byte boundary */
+static inline float *gemm_p(float *buf, int64_t k) { return (float *)(((uintptr_t)(buf + GR * k) + 63) & ~(uintptr_t)63); }
+
+/* rows [i0, i1) of x (row stride k) to xp at row stride ldx */
+static inline void gemm_copy_x(const float *x, int64_t k, int64_t ldx, float *xp, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) memcpy(xp + i * ldx, x + i * k, (size_t)k * 4);
+}
+
 /* rows [r0, r1) against n inputs x (row stride k) on this thread, panel by panel; buf: the
  * thread's panel buffer (gemm_buf_floats), whose tail takes x at gemm_ldx's stride when n <= gpad */
 static void gemm_rows(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t ldo, int64_t r0,
                       int64_t r1, float *buf, int64_t gpad) {
     const int64_t k = D->k, ldx = n <= gpad ? gemm_ldx(k) : k;
-    float *P = (float *)(((uintptr_t)(buf + GR * k) + 63) & ~(uintptr_t)63);
+    float *P = gemm_p(buf, k);
     if (ldx != k) {
         float *xp = (float *)(((uintptr_t)(P + GR * KC) + 63) & ~(uintptr_t)63);
-        for (int64_t i = 0; i < n; i++) memcpy(xp + i * ldx, x + i * k, (size_t)k * 4);
+        gemm_copy_x(x, k, ldx, xp, 0, n);
         x = xp;
     }
     for (int64_t rp = r0; rp < r1; rp += GR)
@@ -259,11 +267,11 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
     {
         if (xp) {
 #pragma omp for
-            for (int64_t i = 0; i < n; i++) memcpy(xp + i * ldx, x + i * k, (size_t)k * 4);
+            for (int64_t i = 0; i < n; i++) gemm_copy_x(x, k, ldx, xp, i, i + 1);
         }
         float *tmp = thread_buffer((size_t)(GR * k + GR * KC + 16));
         if (!tmp) failed = 1;
-        float *P = tmp ? (float *)(((uintptr_t)(tmp + GR * k) + 63) & ~(uintptr_t)63) : NULL;
+        float *P = tmp ? gemm_p(tmp, k) : NULL;
 #if PK_SIMD
         if (x8) {
 #pragma omp for
