@@ -372,10 +372,9 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int)
 def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     """The `poly.quant.qtensor.KERNELS` entry: C for a supported form, else numpy.
 
-    Below GEMM_ROWS rows (dense rows: up to MAX_N) the matrix-vector kernels (each weight row
-    streamed once); from there the register-tiled `gemm` (1.5-1.8x OpenBLAS sgemm on SmolLM2's
-    shapes, no dequantized copy; at 8-16 rows 1.1-1.6x the row kernels); forms without a C
-    reader: dequantize + BLAS."""
+    Below GEMM_ROWS rows (dense rows: to MAX_N) the row kernels (each weight row streamed once);
+    from there the register-tiled `gemm` (1.5-1.8x OpenBLAS sgemm on SmolLM2's shapes, no
+    dequantized copy); forms without a C reader: dequantize + BLAS."""
     n = x2.shape[0]
     ops = operands(qt)
     if ops is None:
