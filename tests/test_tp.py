@@ -292,8 +292,10 @@ def test_hung_rank_ends_through_mpiexec_timeout(tmp_path, tiny_specs):
     t0 = time.monotonic()
     proc, pids = _start_fault(tmp_path, "hang", tiny_specs[0], 8)
     code, out = _ends_within(proc, pids, 8 + 10 - (time.monotonic() - t0))
-    assert code != 0
     assert "APPLICATION TIMED OUT, TIMEOUT = 8s" in out
+    # 255; hydra now and then loses the ranks' exit status and exits 0 (seen once in a fresh-clone
+    # CI: pmodels/mpich#7057), so the banner and no rank left are what this asserts on
+    assert code in (0, 255), out[-2000:]
 
 
 def test_lockstep_followers_load_no_tokenizer(smol_f32):
