@@ -53,15 +53,13 @@ static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, in
  * DENSE_PIECE inputs a pass (their x, 8 KB a row at k 2,048, stays in L2). The gemm panels'
  * packing lost to them on Zen 4 (1B f16 42-token prompt 67 -> 86-90 tok/s); float32 rows gained
  * nothing and stay on the panels. AVX2 (tiles of 4 rows x 3 inputs): F32/F16/BF16 rows up to
- * DENSE_AVX2 inputs, the panels past it (1B 16-token prompt f32 0.77x -> 1.1x llama.cpp's). */
+ * MAX_N inputs, as poly.runtime.ckernels.kernel, the panels past it (1B 16-token prompt f32
+ * 0.77x -> 1.1x llama.cpp's). */
 #ifndef DENSE_PIECE
 #define DENSE_PIECE 64
 #endif
-#ifndef DENSE_AVX2
-#define DENSE_AVX2 MAX_N /* as poly.runtime.ckernels.kernel */
-#endif
 static inline int dense_tiles(int kind, int bf, int64_t n) {
-    if (!PK_AVX512) return PK_SIMD && n <= DENSE_AVX2 && (kind == K_F32 || kind == K_F16 || (kind == K_BF16 && !bf));
+    if (!PK_AVX512) return PK_SIMD && n <= MAX_N && (kind == K_F32 || kind == K_F16 || (kind == K_BF16 && !bf));
     return kind == K_F16 || (kind == K_BF16 && !bf);
 }
 

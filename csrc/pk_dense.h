@@ -15,7 +15,6 @@ typedef __m512 dvec;
 #define DFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define DZERO() _mm512_setzero_ps()
 #define DSUM(v) _mm512_reduce_add_ps(v)
-#define DG 4           /* rows a tile of dense_row4 */
 #define DSTEP (2 * DL) /* k a tile step */
 #define DN 4           /* inputs a pass of dense_group */
 #else
@@ -26,14 +25,10 @@ typedef __m256 dvec;
 #define DFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define DZERO() _mm256_setzero_ps()
 #define DSUM(v) hsum(v)
-#ifndef DG
-#define DG 4
-#endif
 #define DSTEP DL
-#ifndef DN
-#define DN 3 /* inputs a pass of dense_group: 12 accumulators, 3 x vectors and a row's */
+#define DN 3 /* 12 accumulators, 3 x vectors and a row's: the 16 ymm registers */
 #endif
-#endif
+#define DG 4 /* rows a tile of dense_group */
 /* With several inputs a row's bytes are asked for in the tile's loop, TILE_PF ahead (one
  * burst of prefetch_row's per row stalled on the full miss buffers: 1B f16 16-token prompt
  * 117 -> 127 tok/s without it, 140 with these) */
@@ -111,7 +106,6 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
         for (int i = 0; i < nn; i++) a[q][i] = DZERO();
     int64_t j = 0;
     for (; j < k1; j += DL) {
-        dvec x[8];
         if (pstep) /* the next group's rows, spread over this group's passes (dense_row4) */
             for (int64_t o = 0; o < pstep; o += 64) prefetch_l2((const char *)pf + j / DSTEP * pstep + o);
         if (rows <= 2) { /* the rows' vectors held, x loaded an input at a time */
@@ -127,16 +121,17 @@ static inline __attribute__((always_inline)) void dense_tile(int kind, const mm_
 #pragma GCC unroll 2
                 for (int q = 0; q < rows; q++) a[q][i] = DFMA(w[q], xi, a[q][i]);
             }
-            continue;
-        }
+        } else { /* x's vectors held, the rows' loaded one at a time */
+            dvec x[8];
 #pragma GCC unroll 8
-        for (int i = 0; i < nn; i++) x[i] = DLOADX(A->x + (c + i) * k + j);
+            for (int i = 0; i < nn; i++) x[i] = DLOADX(A->x + (c + i) * k + j);
 #pragma GCC unroll 4
-        for (int q = 0; q < rows; q++) {
-            if (!pstep && !(j & (2 * DL - 1))) tile_prefetch(row + (q * k + j) * esz, 2 * DL * esz);
-            const dvec w = DLOAD(kind, row + q * k * esz, j);
+            for (int q = 0; q < rows; q++) {
+                if (!pstep && !(j & (2 * DL - 1))) tile_prefetch(row + (q * k + j) * esz, 2 * DL * esz);
+                const dvec w = DLOAD(kind, row + q * k * esz, j);
 #pragma GCC unroll 8
-            for (int i = 0; i < nn; i++) a[q][i] = DFMA(w, x[i], a[q][i]);
+                for (int i = 0; i < nn; i++) a[q][i] = DFMA(w, x[i], a[q][i]);
+            }
         }
     }
 #pragma GCC unroll 4
@@ -216,9 +211,9 @@ static inline __attribute__((always_inline)) void dense_row2(int kind, const mm_
 #endif
 }
 
-/* rows r .. r + 3 for several inputs: tiles of DG rows (AVX-512 4 rows x up to 4 inputs, each x
- * load feeding eight FMAs: a 1B f16 16-token prompt was bound by reading x from L2 for every pair of
- * rows; AVX2 2 x 4), the inputs in passes of 4; the same sums as dense_row. The passes share
+/* rows r .. r + 3 for several inputs: tiles of DG rows x DN inputs (AVX-512 4 x 4, each x load
+ * feeding eight FMAs: a 1B f16 16-token prompt was bound by reading x from L2 for every pair of
+ * rows; AVX2 4 x 3), the inputs in passes of DN; the same sums as dense_row. The passes share
  * asking for the next group's rows, into L2 (into L1 they evicted this group's f32 rows): each
  * pass asking for its own rows ahead needed the group's bytes in flight at once (one thread,
  * [8192 x 2048] 16 inputs: f32 60 -> 80 GFLOP/s, f16 78 -> 106) */
@@ -228,12 +223,12 @@ static inline __attribute__((always_inline)) void dense_group(int kind, const mm
     const int64_t pstep = steps ? ((gb + passes * steps - 1) / (passes * steps) + 63) & ~(int64_t)63 : 0;
     const uint8_t *pf = A->w + (r + DG) * A->k * esz;
     const int ok = r + 2 * DG <= A->m && pstep;
-#define DTILE4(c, nn) dense_tile(kind, A, r, c, nn, DG, ok ? pf + (c) / DN * steps * pstep : NULL, ok ? pstep : 0)
+#define DTILE_G(c, nn) dense_tile(kind, A, r, c, nn, DG, ok ? pf + (c) / DN * steps * pstep : NULL, ok ? pstep : 0)
     int64_t c = 0;
-    for (; c + DN <= A->n; c += DN) DTILE4(c, DN);
-    if (A->n - c >= 2) { DTILE4(c, 2); c += 2; }
-    if (A->n - c >= 1) DTILE4(c, 1);
-#undef DTILE4
+    for (; c + DN <= A->n; c += DN) DTILE_G(c, DN);
+    if (A->n - c >= 2) { DTILE_G(c, 2); c += 2; }
+    if (A->n - c >= 1) DTILE_G(c, 1);
+#undef DTILE_G
 }
 
 #endif

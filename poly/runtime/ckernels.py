@@ -309,10 +309,10 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
 def _facts() -> tuple[int, bool, bool, bool]:
     """The build's (GEMM_ROWS, LOOM8, SIMD, BF16_DOT): rows from which `gemm` beats the row
     kernels' tiles (csrc/pk_kernels.h; 9 on 8-lane builds, MAX_N + 1 on AVX-512; the fused
-    step's switch too; dense rows stay on the tiles up to MAX_N on every build); whether the
-    auto mode runs Loom Q4 rows in company on x's int8 codes and a prompt alone on the float paths (PK_LOOM8, 8-lane builds, matrices not repacked by 16);
-    whether it has the SIMD kernels (base: plain loops, float paths only); whether it runs GGUF
-    BF16 prompts on vdpbf16ps (AVX-512 with AVX512_BF16)."""
+    step's switch too; dense rows stay on the tiles to MAX_N on every build); whether the auto
+    mode runs Loom Q4 rows in company on x's int8 codes and a prompt alone on the float paths
+    (PK_LOOM8, 8-lane builds, matrices not repacked by 16); whether it has the SIMD kernels
+    (base: plain loops, float paths only); whether it runs GGUF BF16 prompts on vdpbf16ps."""
     info = EXT.info() if AVAILABLE else {}
     rows = int(info.get("gemm_rows", MAX_N + 1))
     return rows, bool(info.get("loom8")), bool(info.get("simd")), bool(info.get("bf16"))
