@@ -43,6 +43,8 @@ KERNEL_SOURCES = [
     "csrc/pk_attn.h",
     "csrc/pk_moe.h",
     "csrc/pk_gemm.h",
+    "csrc/pk_gv.h",
+    "csrc/pk_mat.h",
     "csrc/pk_gemm_r16.h",
     "csrc/pk_bf16.h",
     "csrc/pk_bf16g.h",

@@ -48,74 +48,7 @@ static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, in
 #include "pk_prep.h"
 
 
-/* a prompt's F16 (and exact BF16) rows: the row kernels' register tiles read the stored rows
- * (pk_dense.h dense_row4: 4 rows x 4 inputs, a weight vector converted once for four inputs),
- * DENSE_PIECE inputs a pass (their x, 8 KB a row at k 2,048, stays in L2). The gemm panels'
- * packing lost to them on Zen 4 (1B f16 42-token prompt 67 -> 86-90 tok/s); float32 rows gained
- * nothing and stay on the panels. AVX2 (tiles of 4 rows x 3 inputs): F32/F16/BF16 rows up to
- * MAX_N inputs, as poly.runtime.ckernels.kernel, the panels past it (1B 16-token prompt f32
- * 0.77x -> 1.1x llama.cpp's). */
-#ifndef DENSE_PIECE
-#define DENSE_PIECE 64
-#endif
-static inline int dense_tiles(int kind, int bf, int64_t n) {
-    if (!PK_AVX512) return PK_SIMD && n <= MAX_N && (kind == K_F32 || kind == K_F16 || (kind == K_BF16 && !bf));
-    return kind == K_F16 || (kind == K_BF16 && !bf);
-}
-
-/* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo */
-static void mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1,
-                     int q8, int64_t n) {
-    if (r0 >= r1) return;
-    mm_args A = M->A;
-    A.n = n; A.out = out; A.ldo = ldo;
-    A.x = P->x; A.xs = P->xs;
-    A.xq = P->xq; A.dx = P->dx; A.xs16 = P->xs16; A.xk = P->xk; A.dk = P->dk;
-    A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
-    A.x1 = q8 == 2; /* auto mode: K-quant rows on xk (csrc/pk_k8.h), Q5_0/Q5_1/IQ4 on x's first code */
-    const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind) && grp_k256(P->grp); /* auto mode: K-quants (csrc/pk_k8*.h) */
-    /* auto mode, Q5_0/Q5_1/IQ4 rows of independent sequences (not a prompt: gemm_from above
-     * MAX_N): x's first code (pk_k8.h pq8_kind); a prompt's rows the float paths, as in Python */
-    const int pq8 = q8 == 2 && PK_SIMD && pq8_kind(M->kind) && grp_pairs(P->grp) && P->gemm_from > MAX_N;
-    const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
-                             : k8 || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && grp_pairs(P->grp)) || pq8;
-    /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
-    const int r16 = PK_R16 && M->rp && q8 && grp_pairs(P->grp) && (n <= MAX_N || r16p_kind(M->kind)) && !r16_range(M->kind, &A, M->rp, r0, r1);
-    if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
-    const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
-    const int dense = n > 1 && !use8 && dense_tiles(M->kind, bf, n);
-#if PK_SIMD
-    if (q8 == 2 && k8i_fits(M->kind, A.k) && P->grp == 8 && P->gbuf) { /* int8 panels: the codes prep wrote (q8_group 8) */
-        k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
-    } else
-#endif
-    if (r16) {
-        /* done */
-    } else if (n >= P->gemm_from && !use8 && P->gbuf && !dense) { /* many rows: dequantized panels (csrc/pk_gemm.h) */
-        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp, bf}; /* rp: read the repacked copy */
-        gemm_rows(M->kind, &D, P->x, n, out, ldo, r0, r1, P->gbuf + pk_tid() * P->gstride, P->gpad);
-    } else if (bf && bf16_tiles(n) && P->gbuf) { /* a prompt's BF16 rows: x as bf16 once (csrc/pk_bf16.h) */
-        uint16_t *xb = (uint16_t *)(P->gbuf + pk_tid() * P->gstride);
-        for (int64_t i = 0; i < n; i++) bf16_x(P->x + i * A.k, A.k, xb + i * A.k);
-        A.xb = xb;
-        bf16_range(&A, r0, r1);
-    } else if (n > (use8 ? MAX_N : dense ? DENSE_PIECE : row_piece(&A))) { /* pieces of rows, see row_piece */
-        const int64_t piece = use8 ? MAX_N : dense ? DENSE_PIECE : row_piece(&A);
-        for (int64_t c = 0; c < n; c += piece) {
-            const px_t V = px_view(P, P->x + c * A.k, c * A.k);
-            mat_rows(M, &V, out + c * ldo, ldo, r0, r1, q8, n - c < piece ? n - c : piece);
-        }
-        return; /* each piece added its bias */
-    } else
-        (use8 ? RF8 : RF)[M->kind](&A, r0, r1);
-    if (M->bias)
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t r = r0; r < r1; r++) out[i * ldo + r] += M->bias[r];
-}
-
-static inline void part(int64_t m, int tid, int nt, int64_t *r0, int64_t *r1) {
-    *r0 = m * tid / nt; *r1 = m * (tid + 1) / nt;
-}
+#include "pk_mat.h"
 
 /* the cache slot of position t of row i (its page table, or t itself when contiguous) */
 static inline int64_t slot(const step_t *S, int i, int64_t t) {
@@ -201,9 +134,17 @@ static void reduce_call(step_t *S) {
     PyGILState_Release(g);
 }
 
+/* the counter of product `slot` (< HAND_SLOTS) of block L over m rows, in h; NULL when the rows
+ * are split evenly (not a prompt: decode's threads keep reading the same rows) */
+static inline const hand_t *hand(const step_t *S, const bufs_t *B, const layer_t *L, int slot, int64_t m, hand_t *h) {
+    if (!B->ctr) return NULL;
+    h->ctr = B->ctr + (L - S->L) * HAND_SLOTS + slot; h->m0 = 0; h->m1 = m;
+    return h;
+}
+
 /* `prepped`: the threads already ran prep_blocks over `in` (before their last barrier) */
 static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const float *in, int64_t k,
-                           int tid, int nt, int prepped) {
+                           int tid, int nt, int prepped, const hand_t *h) {
     const int64_t d = S->d, n = S->n;
     float *out = S->red ? S->red : B->tmp;
     const int grp = q8_group(S, wants_codes(S, M, 1));
@@ -222,7 +163,9 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
         prep(&B->P, in, n * k, S->loom, grp);
     }
     part(d, tid, nt, &r0, &r1);
-    mat_rows(M, &V, out, d, r0, r1, S->q8, n);
+    if (mat_rows(M, &V, out, d, r0, r1, S->q8, n, h) && !S->red) {
+#pragma omp barrier /* rows handed out: every row written before this thread adds its own */
+    }
     if (S->red) { /* all partial rows written, summed over the ranks on the calling thread */
 #pragma omp barrier
 #pragma omp master
@@ -242,10 +185,11 @@ static inline int64_t sc_stride(const step_t *S) {
 static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
     const int64_t n = S->n, q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
     int64_t r0, r1;
+    hand_t h;
     norm_prep_par(S, S->x, L->g_attn, L->eps, B, tid, nt, wants_codes(S, L->qkv, L->nqkv));
     for (int i = 0, off = 0; i < L->nqkv; off += (int)L->qkv[i].A.m, i++) {
         part(L->qkv[i].A.m, tid, nt, &r0, &r1);
-        mat_rows(&L->qkv[i], &B->P, B->qkv + off, w, r0, r1, S->q8, n);
+        mat_rows(&L->qkv[i], &B->P, B->qkv + off, w, r0, r1, S->q8, n, hand(S, B, L, i, L->qkv[i].A.m, &h));
     }
 #pragma omp barrier
     /* independent rows in equal shares: each thread RoPEs, appends and attends its own (no serial
@@ -272,7 +216,7 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
         e += h1 - h0;
     }
 #pragma omp barrier
-    add_projection(S, &L->o, B, B->att, q, tid, nt, inline_prep);
+    add_projection(S, &L->o, B, B->att, q, tid, nt, inline_prep, hand(S, B, L, 3, S->d, &h));
 }
 
 static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
@@ -281,17 +225,22 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     int64_t r0, r1;
     norm_prep_par(S, S->x, L->g_mlp, L->eps, B, tid, nt, wants_codes(S, L->gu, L->ngu));
     part(I, tid, nt, &r0, &r1);
+    hand_t h, h2;
+    int handed; /* gate|up rows handed out: all of them written before silu_mul's own rows */
     if (L->ngu == 1) {
-        mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n);
-        mat_rows(&L->gu[0], &B->P, gu, 2 * I, I + r0, I + r1, S->q8, n);
+        handed = mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n, hand(S, B, L, 5, 2 * I, &h));
+        if (!handed) mat_rows(&L->gu[0], &B->P, gu, 2 * I, I + r0, I + r1, S->q8, n, NULL);
     } else {
-        mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n);
-        mat_rows(&L->gu[1], &B->P, gu + I, 2 * I, r0, r1, S->q8, n);
+        handed = mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n, hand(S, B, L, 5, I, &h));
+        handed |= mat_rows(&L->gu[1], &B->P, gu + I, 2 * I, r0, r1, S->q8, n, hand(S, B, L, 6, I, &h2));
+    }
+    if (handed) {
+#pragma omp barrier
     }
     for (int64_t i = 0; i < n; i++)
         silu_mul(gu + i * 2 * I + r0, gu + i * 2 * I + I + r0, B->hid + i * I + r0, r1 - r0);
 #pragma omp barrier /* no thread still reads the prepared h (its block sums are overwritten next) */
-    add_projection(S, &L->down, B, B->hid, I, tid, nt, 0);
+    add_projection(S, &L->down, B, B->hid, I, tid, nt, 0, hand(S, B, L, 4, S->d, &h));
 }
 
 #include "pk_moe.h"
@@ -315,7 +264,8 @@ static size_t pk_scratch_floats(const step_t *S, int nt) {
     const int64_t R = S->mrows > n ? S->mrows : n, kp = kmax > S->d ? kmax : S->d;
     const int64_t moe = S->mrows ? n * S->mE + 2 * S->mE + 2 * R + R * (2 * S->d + 3 * S->inter)
                                        + (S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 16 : 0;
-    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + sc_stride(S) * S->maxh * nt + moe + 64 + 24 * 16 /* take()'s padding */
+    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + sc_stride(S) * S->maxh * nt + moe + 64 + 25 * 16 /* take()'s padding */
+                    + 2 * S->nl * HAND_SLOTS /* int64 counters */
                     + (gemm_bufs(S, R) ? nt * gemm_stride(S) : 0));
 }
 
@@ -355,7 +305,10 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->P.xqp = (int8_t *)take(&f, R * kp / 2);
     B->P.xk = (int8_t *)take(&f, R * kp / 256 * XK_BYTES / 4 + 1);
     B->P.dk = take(&f, R * kp / 256 + 1);
-    float *m = f;
+    B->ctr = (int64_t *)take(&f, 2 * S->nl * HAND_SLOTS);
+    memset(B->ctr, 0, (size_t)(S->nl * HAND_SLOTS) * 8);
+    if (!S->seq1) B->ctr = NULL;
+    float *m = f; /* without MoE its buffers' room is the gemm panels' */
     B->rl = take(&f, n * S->mE); B->prob = take(&f, 2 * S->mE); B->aw = take(&f, R);
     B->arow = (int32_t *)take(&f, R); B->mx = take(&f, R * S->d);
     B->my = take(&f, R * S->d); B->mgu = take(&f, 2 * R * S->inter); B->mhid = take(&f, R * S->inter);
@@ -392,6 +345,6 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
             prep(&B.P, B.h, S->nsel * S->d, S->loom, g);
         }
         part(S->lm.A.m, tid, nth, &r0, &r1);
-        mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->nsel);
+        mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->nsel, NULL);
     }
 }

@@ -74,6 +74,7 @@ typedef struct {
     /* MoE: router logits [n, E], gathered rows [R, d], their weights and source rows, the
      * experts' gate|up [R, 2I], hidden [R, I] and outputs [R, d], slots by expert id */
     float *rl, *mx, *aw, *mgu, *mhid, *my, *prob; int32_t *arow; slot_t *slots; int nslots;
+    int64_t *ctr; /* a prompt's hand-out counters (pk_mat.h), HAND_SLOTS a block; NULL: even splits */
 } bufs_t;
 
 static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n); /* one row */

@@ -82,9 +82,9 @@ static void moe_route(const step_t *S, const moe_t *M, bufs_t *B) {
 static void expert_gate_up(const step_t *S, const expert_t *X, const px_t *V, float *gu, float *hid,
                            int64_t cnt, int64_t r0, int64_t r1) {
     const int64_t I = X->I;
-    mat_rows(&X->gu[0], V, gu, 2 * I, r0, r1, S->q8, cnt);
-    if (X->ngu == 1) mat_rows(&X->gu[0], V, gu, 2 * I, I + r0, I + r1, S->q8, cnt);
-    else mat_rows(&X->gu[1], V, gu + I, 2 * I, r0, r1, S->q8, cnt);
+    mat_rows(&X->gu[0], V, gu, 2 * I, r0, r1, S->q8, cnt, NULL);
+    if (X->ngu == 1) mat_rows(&X->gu[0], V, gu, 2 * I, I + r0, I + r1, S->q8, cnt, NULL);
+    else mat_rows(&X->gu[1], V, gu + I, 2 * I, r0, r1, S->q8, cnt, NULL);
     for (int64_t i = 0; i < cnt; i++) silu_mul(gu + i * 2 * I + r0, gu + i * 2 * I + I + r0, hid + i * I + r0, r1 - r0);
 }
 
@@ -95,7 +95,7 @@ static void block_moe(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
 #pragma omp single
     norm_prep(S, S->x, L->g_mlp, L->eps, B, wants_codes(S, &M->router, 1));
     part(M->E, tid, nt, &r0, &r1);
-    mat_rows(&M->router, &B->P, B->rl, M->E, r0, r1, S->q8, n);
+    mat_rows(&M->router, &B->P, B->rl, M->E, r0, r1, S->q8, n, NULL);
 #pragma omp barrier
 #pragma omp single
     moe_route(S, M, B);
@@ -117,7 +117,7 @@ static void block_moe(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     for (int u = 0; u < B->nslots; u++) {
         const slot_t *s = &B->slots[u];
         const px_t V = px_view(&B->P, B->mhid + s->hoff, s->hoff);
-        mat_rows(&M->ex[s->e].down, &V, B->my + s->row0 * d, d, r0, r1, S->q8, s->cnt);
+        mat_rows(&M->ex[s->e].down, &V, B->my + s->row0 * d, d, r0, r1, S->q8, s->cnt, NULL);
     }
     /* like the reference: out = sum over experts (ascending id) of w * y, then x += out */
     for (int64_t i = 0; i < n; i++)
