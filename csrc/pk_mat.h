@@ -26,13 +26,14 @@ typedef struct { int64_t *ctr, m0, m1; } hand_t;
 
 static inline int64_t hand_next(const hand_t *h) { return __atomic_fetch_add(h->ctr, 1, __ATOMIC_RELAXED); }
 
-#define HAND_ROWS 32 /* rows a piece for the dense tiles (gemm: a panel, GR) */
+#define HAND_ROWS 32 /* rows a piece (gemm: a panel, GR rows) */
 #define HAND_SLOTS 8 /* counters a block: q, k, v, o, down, gate, up */
 
-/* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo. h (not NULL): when
- * the rows run as gemm panels or dense tiles, every thread takes pieces of [h->m0, h->m1) from
- * h's counter instead and 1 is returned (the same on every thread: the route does not depend on
- * the thread's rows), so the caller waits on a barrier before it reads its own rows */
+/* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo. h (not NULL): every
+ * thread takes pieces of [h->m0, h->m1) from h's counter instead (gemm panels, or HAND_ROWS rows
+ * on any other route but the BF16 tiles) and 1 is returned (the same on every thread: the route
+ * does not depend on the thread's rows), so the caller waits on a barrier before it reads its own
+ * rows */
 static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1, int q8,
                     int64_t n, const hand_t *h) {
     mm_args A = M->A;
@@ -52,8 +53,14 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     const int k8i = PK_SIMD && q8 == 2 && k8i_fits(M->kind, A.k) && P->grp == 8 && P->gbuf;
     /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
     const int r16c = !k8i && PK_R16 && M->rp && q8 && grp_pairs(P->grp) && (n <= MAX_N || r16p_kind(M->kind));
-    const int gemm = n >= P->gemm_from && !use8 && P->gbuf && !dense; /* many rows: dequantized panels */
-    if (k8i || r16c || !(gemm || dense)) h = NULL;
+    const int panels = n >= P->gemm_from && !use8 && P->gbuf && !dense; /* dequantized panels (pk_gemm.h) */
+    const int gemm = panels && !k8i && !r16c; /* surely the panels: they take their rows from h */
+    if (bf && !gemm) h = NULL; /* the BF16 tiles convert x per call */
+    if (h && !gemm) { /* HAND_ROWS rows at a time, each on the route below */
+        for (int64_t a; (a = h->m0 + hand_next(h) * HAND_ROWS) < h->m1;)
+            mat_rows(M, P, out, ldo, a, a + HAND_ROWS < h->m1 ? a + HAND_ROWS : h->m1, q8, n, NULL);
+        return 1;
+    }
     if (r0 >= r1 && !h) return 0;
     const int r16 = r16c && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
@@ -64,15 +71,11 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
 #endif
     if (r16) {
         /* done */
-    } else if (gemm) { /* csrc/pk_gemm.h; the bias added panel by panel */
+    } else if (panels) { /* the bias added panel by panel */
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp, bf}; /* rp: read the repacked copy */
         gemm_rows(M->kind, &D, P->x, n, out, ldo, h ? h->m0 : r0, h ? h->m1 : r1, P->gbuf + pk_tid() * P->gstride,
                   P->gpad, M->bias, h ? h->ctr : NULL);
         return h != NULL;
-    } else if (h) { /* dense tiles, HAND_ROWS rows at a time */
-        for (int64_t a; (a = h->m0 + hand_next(h) * HAND_ROWS) < h->m1;)
-            mat_rows(M, P, out, ldo, a, a + HAND_ROWS < h->m1 ? a + HAND_ROWS : h->m1, q8, n, NULL);
-        return 1;
     } else if (bf && bf16_tiles(n) && P->gbuf) { /* a prompt's BF16 rows: x as bf16 once (csrc/pk_bf16.h) */
         uint16_t *xb = (uint16_t *)(P->gbuf + pk_tid() * P->gstride);
         for (int64_t i = 0; i < n; i++) bf16_x(P->x + i * A.k, A.k, xb + i * A.k);
