@@ -306,9 +306,8 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->P.xqp = (int8_t *)take(&f, R * kp / 2);
     B->P.xk = (int8_t *)take(&f, R * kp / 256 * XK_BYTES / 4 + 1);
     B->P.dk = take(&f, R * kp / 256 + 1);
-    B->ctr = (int64_t *)take(&f, 2 * S->nl * HAND_SLOTS);
-    memset(B->ctr, 0, (size_t)(S->nl * HAND_SLOTS) * 8);
-    if (!S->seq1) B->ctr = NULL;
+    B->ctr = S->seq1 ? (int64_t *)take(&f, 2 * S->nl * HAND_SLOTS) : NULL; /* a prompt's only */
+    if (B->ctr) memset(B->ctr, 0, (size_t)(S->nl * HAND_SLOTS) * 8);
     float *m = f; /* without MoE its buffers' room is the gemm panels' */
     B->rl = take(&f, n * S->mE); B->prob = take(&f, 2 * S->mE); B->aw = take(&f, R);
     B->arow = (int32_t *)take(&f, R); B->mx = take(&f, R * S->d);

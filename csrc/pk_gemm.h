@@ -210,6 +210,11 @@ static inline void gemm_copy_x(const float *x, int64_t k, int64_t ldx, float *xp
     for (int64_t i = i0; i < i1; i++) memcpy(xp + i * ldx, x + i * k, (size_t)k * 4);
 }
 
+/* the piece after p: p + 1, or the next one nobody took from the counter ctr the threads share */
+static inline int64_t next_piece(int64_t *ctr, int64_t p) {
+    return ctr ? __atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED) : p + 1;
+}
+
 /* out[i, r0..r1) += bias[r0..r1) for i < n (no bias: NULL) */
 static inline void add_bias(const float *bias, float *out, int64_t ldo, int64_t n, int64_t r0, int64_t r1) {
     if (bias)
@@ -230,8 +235,7 @@ static void gemm_rows(int kind, const dq_args *D, const float *x, int64_t n, flo
         gemm_copy_x(x, k, ldx, xp, 0, n);
         x = xp;
     }
-    for (int64_t p = ctr ? __atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED) : 0; p < panels;
-         p = ctr ? __atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED) : p + 1) {
+    for (int64_t p = next_piece(ctr, -1); p < panels; p = next_piece(ctr, p)) {
         const int64_t rp = r0 + p * GR, rows = r1 - rp < GR ? r1 - rp : GR;
         gemm_panel(kind, D, x, ldx, n, out, ldo, rp, rows, buf, P, p + step < panels ? rp + step * GR : -1);
         add_bias(bias, out, ldo, n, rp, rp + rows);

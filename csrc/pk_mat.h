@@ -24,8 +24,6 @@ static inline int dense_tiles(int kind, int bf, int64_t n) {
  * waiting at the barrier (libgomp's spin 6 % of an AVX2 1B f16 42-token prompt under perf). */
 typedef struct { int64_t *ctr, m0, m1; } hand_t;
 
-static inline int64_t hand_next(const hand_t *h) { return __atomic_fetch_add(h->ctr, 1, __ATOMIC_RELAXED); }
-
 #define HAND_ROWS 32 /* rows a piece (gemm: a panel, GR rows) */
 #define HAND_SLOTS 8 /* counters a block: q, k, v, o, down, gate, up */
 
@@ -57,7 +55,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     const int gemm = panels && !k8i && !r16c; /* surely the panels: they take their rows from h */
     if (bf && !gemm) h = NULL; /* the BF16 tiles convert x per call */
     if (h && !gemm) { /* HAND_ROWS rows at a time, each on the route below */
-        for (int64_t a; (a = h->m0 + hand_next(h) * HAND_ROWS) < h->m1;)
+        for (int64_t a; (a = h->m0 + next_piece(h->ctr, -1) * HAND_ROWS) < h->m1;)
             mat_rows(M, P, out, ldo, a, a + HAND_ROWS < h->m1 ? a + HAND_ROWS : h->m1, q8, n, NULL);
         return 1;
     }
