@@ -76,8 +76,8 @@ static int parse_paged(holds_t *H, PyObject *o, step_t *S) {
     return 0;
 }
 
-/* (kind, w, aux|None, m, k, bias|None[, rp|None]) with m rows of k inputs; rp: Q4_0/Q4_1 rows
- * repacked by 16 (csrc/pk_r16.h) */
+/* (kind, w, aux|None, m, k, bias|None[, rp|None]) with m rows of k inputs; rp: Q4_0/Q4_1/Q8_0/int8
+ * rows repacked by 16 (csrc/pk_r16.h), or float16 rows by 16, k-major (csrc/pk_f16k.h: M->hk) */
 static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     if (as_tuple(t, -1, "a matrix") || (PyTuple_GET_SIZE(t) != 6 && as_tuple(t, 7, "a matrix"))) return -1;
     long kind = PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
@@ -103,10 +103,12 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     if (kind == K_LOOM_Q4 && k % 32) { PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks"); return -1; }
     PyObject *ob = PyTuple_GET_ITEM(t, 5), *orp = PyTuple_GET_SIZE(t) == 7 ? PyTuple_GET_ITEM(t, 6) : Py_None;
     if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
-    if (orp == Py_None) return 0;
-    const int64_t nrp = r16_bytes((int)kind, m, k);
+    if (orp == Py_None) return 0; /* nothing repacked */
+    const int64_t nhk = f16k_bytes((int)kind, m, k), nrp = nhk > 0 ? nhk : r16_bytes((int)kind, m, k);
     if (nrp < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8, rows by 16"); return -1; }
-    return (M->rp = hold(H, orp, 0, nrp, "rp")) ? 0 : -1;
+    const void *p = hold(H, orp, 0, nrp, "rp");
+    if (nhk > 0) M->hk = p; else M->rp = p;
+    return p ? 0 : -1;
 }
 
 /* gate/up (1 or 2 matrices) and down of a SwiGLU with d inputs; *inter = max(*inter, I) */
@@ -352,49 +354,5 @@ done:
     for (Py_ssize_t l = 0; S.L && l < nl; l++)
         if (S.L[l].moe) { free(S.L[l].moe->ex); free(S.L[l].moe); }
     free(S.L);
-    return ret;
-}
-
-/* ---- serial row helpers for the prefill path (no OpenMP: they run between BLAS calls) ----- */
-
-/* rope(x, cos, sin, start): x float32 [n, heads, hd] rotated in place at positions start.. */
-static PyObject *pk_py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "rope(x, cos, sin, start, n, hd)"); return NULL; }
-    const int64_t start = PyLong_AsLongLong(args[3]), n = PyLong_AsLongLong(args[4]), hd = PyLong_AsLongLong(args[5]);
-    if (PyErr_Occurred()) return NULL;
-    if (start < 0 || n < 1 || hd < 2 || hd % 2) { PyErr_SetString(PyExc_ValueError, "bad rope dims"); return NULL; }
-    Py_buffer bx = {0}, bc = {0}, bs = {0};
-    PyObject *ret = NULL;
-    if (PyObject_GetBuffer(args[0], &bx, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &bc, PyBUF_C_CONTIGUOUS) < 0) goto done_x;
-    if (PyObject_GetBuffer(args[2], &bs, PyBUF_C_CONTIGUOUS) < 0) goto done_c;
-    const int64_t half = hd / 2, heads = bx.len / (4 * n * hd);
-    if (heads < 1 || bx.len != heads * n * hd * 4 || bc.len != bs.len || bc.len < (start + n) * half * 4) {
-        PyErr_SetString(PyExc_ValueError, "rope buffers do not match [n, heads, hd] and the tables");
-        goto done_s;
-    }
-    float *x = bx.buf;
-    const float *cs = bc.buf, *sn = bs.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (int64_t i = 0; i < n; i++) {
-        const float *c = cs + (start + i) * half, *s = sn + (start + i) * half;
-        for (int64_t h = 0; h < heads; h++) {
-            float *v = x + (i * heads + h) * hd;
-            for (int64_t j = 0; j < half; j++) {
-                const float x1 = v[j], x2 = v[j + half];
-                v[j] = x1 * c[j] - x2 * s[j];
-                v[j + half] = x2 * c[j] + x1 * s[j];
-            }
-        }
-    }
-    Py_END_ALLOW_THREADS
-    ret = Py_NewRef(Py_None);
-done_s:
-    PyBuffer_Release(&bs);
-done_c:
-    PyBuffer_Release(&bc);
-done_x:
-    PyBuffer_Release(&bx);
     return ret;
 }

@@ -136,6 +136,7 @@ static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, f
 }
 
 #include "pk_gemm_r16.h"
+#include "pk_f16k.h"
 
 /* where panel r0's stored bytes start, their stride and a row's length (rows repacked by 16: the
  * groups' records, one run) */
@@ -176,6 +177,11 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t ldx, 
 #if PK_AVX512
     if (kind == K_BF16 && D->bf) { bf16_panel(D, x, ldx, n, out, m, r0, rows, P, next); return; }
 #endif
+    if (PK_F16K && D->hk) { /* laid out by 16 at load: no packing (csrc/pk_f16k.h) */
+        if (r0 % 16) f16k_range(D->hk, k, x, ldx, n, out, m, r0, r0 + rows);
+        else f16k_group(D->hk, k, x, ldx, n, out + r0, m, r0 / 16, rows, next);
+        return;
+    }
     if (kind == K_F16 || kind == K_BF16 || kind == K_F32) { /* packed straight from the stored rows (1B
                                             * [8192 x 2048], 17 / 42 rows: 1.4x / 1.17x), the next chunk asked for meanwhile */
         const int esz = kind == K_F32 ? 4 : 2;
@@ -234,6 +240,11 @@ static void gemm_rows(int kind, const dq_args *D, const float *x, int64_t n, flo
         float *xp = (float *)(((uintptr_t)(P + GR * KC) + 63) & ~(uintptr_t)63);
         gemm_copy_x(x, k, ldx, xp, 0, n);
         x = xp;
+    }
+    if (PK_F16K && D->hk && !ctr) { /* whole groups of 16 rows: the ends of an even split cut through two */
+        f16k_range(D->hk, k, x, ldx, n, out, ldo, r0, r1);
+        add_bias(bias, out, ldo, n, r0, r1);
+        return;
     }
     for (int64_t p = next_piece(ctr, -1); p < panels; p = next_piece(ctr, p)) {
         const int64_t rp = r0 + p * GR, rows = r1 - rp < GR ? r1 - rp : GR;
@@ -323,66 +334,6 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
     return rc;
 }
 
-/* gemm(kind, x, out, w, aux, n, k, m, threads): shapes and byte sizes checked like dequantize's */
-static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs < 9 || nargs > 11) {
-        PyErr_SetString(PyExc_TypeError, "gemm(kind, x, out, w, aux, n, k, m, threads[, q8[, rp]])");
-        return NULL;
-    }
-    const long kind = PyLong_AsLong(args[0]), nt = PyLong_AsLong(args[8]), q8 = nargs >= 10 ? PyLong_AsLong(args[9]) : 0;
-    const int64_t n = PyLong_AsLongLong(args[5]), k = PyLong_AsLongLong(args[6]), m = PyLong_AsLongLong(args[7]);
-    if (PyErr_Occurred()) return NULL;
-    if (kind < 0 || kind >= K_COUNT || n < 1 || k < 1 || m < 1 || nt < 0) {
-        PyErr_SetString(PyExc_ValueError, "bad kind, shape or threads");
-        return NULL;
-    }
-    const int scaled = kind == K_I8 || kind == K_LOOM_Q4; /* the kinds with a scales array */
-    if (scaled != (args[4] != Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "int8 rows and Loom Q4 need their scales; other kinds take none");
-        return NULL;
-    }
-    if (kind == K_LOOM_Q4 && k % 32) {
-        PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks");
-        return NULL;
-    }
-    Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
-    PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/pk_r16.h) */
-    if (orp != Py_None && r16_bytes((int)kind, m, k) < 0) {
-        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16");
-        return NULL;
-    }
-    PyObject *ret = NULL;
-    mm_args A = {0};
-    A.n = n; A.k = k; A.m = m;
-    if (PyObject_GetBuffer(args[1], &bx, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(args[2], &bo, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_x;
-    if (PyObject_GetBuffer(args[3], &bw, PyBUF_C_CONTIGUOUS) < 0) goto done_o;
-    if (scaled && PyObject_GetBuffer(args[4], &ba, PyBUF_C_CONTIGUOUS) < 0) goto done_w;
-    if (check_sizes((int)kind, &bx, &bo, &bw, scaled ? &ba : NULL, &A) < 0) goto done_a;
-    dq_args D = {0};
-    D.w = bw.buf; D.aux = scaled ? ba.buf : NULL; D.k = k; D.rb = A.rb; D.r0 = 0; D.r1 = m;
-    if (orp != Py_None) {
-        if (PyObject_GetBuffer(orp, &br, PyBUF_C_CONTIGUOUS) < 0) goto done_a;
-        if (want_len(&br, r16_bytes((int)kind, m, k), "rp")) { PyBuffer_Release(&br); goto done_a; }
-        D.rp = br.buf;
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = gemm_any((int)kind, &D, bx.buf, n, bo.buf, m, nt ? (int)nt : pk_threads, (int)q8);
-    Py_END_ALLOW_THREADS
-    if (D.rp) PyBuffer_Release(&br);
-    if (rc < 0) PyErr_NoMemory();
-    else ret = Py_NewRef(Py_None);
-done_a:
-    if (scaled) PyBuffer_Release(&ba);
-done_w:
-    PyBuffer_Release(&bw);
-done_o:
-    PyBuffer_Release(&bo);
-done_x:
-    PyBuffer_Release(&bx);
-    return ret;
-}
+#include "pk_gemm_py.h"
 
 #endif /* PK_GEMM_H */

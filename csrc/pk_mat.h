@@ -47,11 +47,12 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
                              : k8 || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && grp_pairs(P->grp)) || pq8;
     const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
-    const int dense = n > 1 && !use8 && dense_tiles(M->kind, bf, n);
+    const int hk = PK_F16K && M->hk; /* float16 by 16, k-major: the rows themselves are not read */
+    const int dense = n > 1 && !use8 && !hk && dense_tiles(M->kind, bf, n);
     const int k8i = PK_SIMD && q8 == 2 && k8i_fits(M->kind, A.k) && P->grp == 8 && P->gbuf;
     /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
     const int r16c = !k8i && PK_R16 && M->rp && q8 && grp_pairs(P->grp) && (n <= MAX_N || r16p_kind(M->kind));
-    const int panels = n >= P->gemm_from && !use8 && P->gbuf && !dense; /* dequantized panels (pk_gemm.h) */
+    const int panels = (hk ? n > 1 : n >= P->gemm_from) && !use8 && P->gbuf && !dense; /* dequantized panels (pk_gemm.h) */
     const int gemm = panels && !k8i && !r16c; /* surely the panels: they take their rows from h */
     if (bf && !gemm) h = NULL; /* the BF16 tiles convert x per call */
     if (h && !gemm) { /* HAND_ROWS rows at a time, each on the route below */
@@ -70,7 +71,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     if (r16) {
         /* done */
     } else if (panels) { /* the bias added panel by panel */
-        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp, bf}; /* rp: read the repacked copy */
+        const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, 0, M->rp, bf, M->hk}; /* rp, hk: read the copy */
         gemm_rows(M->kind, &D, P->x, n, out, ldo, h ? h->m0 : r0, h ? h->m1 : r1, P->gbuf + pk_tid() * P->gstride,
                   P->gpad, M->bias, h ? h->ctr : NULL);
         return h != NULL;
@@ -79,6 +80,8 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
         for (int64_t i = 0; i < n; i++) bf16_x(P->x + i * A.k, A.k, xb + i * A.k);
         A.xb = xb;
         bf16_range(&A, r0, r1);
+    } else if (hk) {
+        f16k_range(M->hk, A.k, A.x, A.k, n, out, ldo, r0, r1);
     } else if (n > (use8 ? MAX_N : dense ? DENSE_PIECE : row_piece(&A))) { /* pieces of rows, see row_piece */
         const int64_t piece = use8 ? MAX_N : dense ? DENSE_PIECE : row_piece(&A);
         for (int64_t c = 0; c < n; c += piece) {

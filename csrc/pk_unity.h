@@ -11,4 +11,5 @@ PyObject *PK_MAKER(void);
 #include "pk_gemm.h"
 #include "pk_decode.c"
 #include "pk_decode_args.c"
+#include "pk_rope.h"
 #include "pk_softmax.h"

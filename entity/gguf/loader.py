@@ -211,7 +211,7 @@ class _Loader:
         raw = self.gg.tensor_bytes(name)  # [out, row_bytes]
         if order is not None:
             raw = np.ascontiguousarray(raw[order])  # whole quantized rows reordered
-        elif info.ggml_type in FLOAT_TYPES:
+        elif info.ggml_type in FLOAT_TYPES and not _by16(info):
             raw = _on_huge_pages(self.gg, name, raw)
         return GGUFMatrix(raw, info.ggml_type, info.shape)
 
@@ -232,6 +232,14 @@ class _Loader:
 
 
 FLOAT_TYPES = (0, 1, 30)  # ggml type ids of float32, float16, bfloat16
+
+
+def _by16(info) -> bool:
+    """float16 rows the fused plan lays out by 16 (poly.runtime.repack.f16k): left on the file's
+    mapping, whose pages the copy releases (read into memory first, they would be held twice)."""
+    from poly.runtime import ckernels, repack
+
+    return info.ggml_type == 1 and repack.f16k_wanted(ckernels.F16, int(info.shape[0]))
 
 
 def _on_huge_pages(gg: GGUFFile, name: str, raw: np.ndarray) -> np.ndarray:

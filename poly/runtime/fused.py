@@ -27,7 +27,7 @@ from poly.weights import Generations, PlanCache
 _F32 = np.dtype(np.float32)
 
 
-def _mat(w, bias=None) -> tuple | None:
+def _mat(w, bias=None, by16: bool = True) -> tuple | None:
     """(kind, w, aux, m, k, bias[, rp]) for the C side, None when no C kernel reads `w`."""
     if bias is not None and not _is_f32(bias):
         return None
@@ -35,36 +35,35 @@ def _mat(w, bias=None) -> tuple | None:
         kind = ckernels.DENSE_KINDS.get(w.dtype.name)
         if kind is None or w.ndim != 2 or not w.flags.c_contiguous:
             return None
-        return (kind, w, None, w.shape[0], w.shape[1], bias)
+        hk = repack.f16k(kind, w, w, *w.shape) if by16 else None  # float16 by 16 (pk_f16k.h)
+        return (kind, w, None, w.shape[0], w.shape[1], bias) + (() if hk is None else (hk,))
     ops = ckernels.operands(w) if ckernels.AVAILABLE else None
     if ops is None:
         return None
     kind, data, aux = ops
     m, k = int(w.shape[0]), int(w.shape[1])
     rp = getattr(w, "r16", None)  # rows by 16 (csrc/pk_r16.h, repack.py's kinds): made once
-    if rp is None and not hasattr(w, "r16"):
-        rp = w.r16 = repack.repack16(kind, data, m, k, aux)  # the prompt GEMM reads it too
+    if rp is None and not hasattr(w, "r16"):  # the prompt GEMM reads it too
+        rp = w.r16 = repack.repack16(kind, data, m, k, aux, w if by16 else None)
     return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
 
 
-def _mats(pairs) -> tuple | None:
-    out = tuple(_mat(w, b) for w, b in pairs)
+def _mats(pairs, by16: bool = True) -> tuple | None:
+    out = tuple(_mat(w, b, by16) for w, b in pairs)
     return None if any(m is None for m in out) else out
 
 
-def _ffn_args(mlp) -> tuple | None:
+def _ffn_args(mlp, by16: bool = True) -> tuple | None:
     """(gate_up_mats, down_mat) of a SwiGLU for the C side, or None."""
     if mlp.is_disabled or mlp.use_tiling:
         return None
     fp = swiglu.plan(mlp)
     if not fp.silu:
         return None
-    gu = (
-        _mats([(fp.w_gu, fp.b_gu)])
-        if fp.w_gu is not None
-        else _mats([(fp.comps["w_gate"], fp.comps["b_gate"]), (fp.comps["w_up"], fp.comps["b_up"])])
-    )
-    down = _mat(fp.comps["w_down"], fp.comps["b_down"])
+    c = fp.comps
+    pairs = [(c["w_gate"], c["b_gate"]), (c["w_up"], c["b_up"])]
+    gu = _mats([(fp.w_gu, fp.b_gu)] if fp.w_gu is not None else pairs, by16)
+    down = _mat(c["w_down"], c["b_down"], by16)
     return None if gu is None or down is None else (gu, down)
 
 
@@ -74,7 +73,8 @@ def _moe_args(mlp) -> tuple | None:
     cfg = mlp.moe
     v = moe.views(mlp)
     router = _mat(np.ascontiguousarray(v.router, dtype=np.float32))
-    experts = tuple(_ffn_args(sub) for sub in mlp.sequential_layers)
+    # the experts' float16 rows stay as stored: a pager drops and reads them from the file
+    experts = tuple(_ffn_args(sub, by16=False) for sub in mlp.sequential_layers)
     if cfg.top_k > 64 or router is None or any(a is None for a in experts):
         return None
     gate = None if v.shared_gate is None else v.shared_gate.reshape(-1)  # [1, d] -> [d]

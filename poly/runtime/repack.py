@@ -2,22 +2,24 @@
 (csrc/pk_r16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
 its row's lane and the block scale applies to 16 rows in one FMA. Made once per matrix when the
 fused plan is built (`fused._mat`, kept as the QTensor's `r16`); the stored rows' pages are then
-released, and a prompt's GEMM dequantizes the copy."""
+released, and a prompt's GEMM dequantizes the copy. On 8-lane builds, float16 rows mapped from a
+file are laid out by 16, k-major (`f16k`, csrc/pk_f16k.h): the gemm panels' packed form."""
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
 from poly.runtime import ckernels
-from poly.runtime.ckernels import I8, LOOM_Q4, Q4_0, Q4_1, Q8_0
+from poly.runtime.ckernels import F16, I8, LOOM_Q4, Q4_0, Q4_1, Q8_0
 
 R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
 R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
 
 
-def release_mapped(arr: np.ndarray) -> None:
-    """Drop the whole pages of `arr` from this process when it views a read-only file mapping
-    (an mmap.mmap or np.memmap base): they stay in the page cache and fault back in when read."""
+def _mapping(arr: np.ndarray):
+    """The open mmap.mmap that `arr` views (through np.memmap, memoryview or ndarray bases), or None."""
     import mmap
 
     b = arr
@@ -26,6 +28,17 @@ def release_mapped(arr: np.ndarray) -> None:
         nxt = "obj" if isinstance(b, memoryview) else "base"
         b = mm if isinstance(mm, mmap.mmap) else getattr(b, nxt, None)
     if b is None or not hasattr(b, "madvise") or b.closed:
+        return None
+    return b
+
+
+def release_mapped(arr: np.ndarray) -> None:
+    """Drop the whole pages of `arr` from this process when it views a read-only file mapping
+    (an mmap.mmap or np.memmap base): they stay in the page cache and fault back in when read."""
+    import mmap
+
+    b = _mapping(arr)
+    if b is None:
         return
     a0 = arr.ctypes.data - np.frombuffer(b, np.uint8).ctypes.data
     page = mmap.PAGESIZE
@@ -35,7 +48,7 @@ def release_mapped(arr: np.ndarray) -> None:
 
 
 def repack16(
-    kind: int, raw: np.ndarray, m: int, k: int, aux: np.ndarray | None = None
+    kind: int, raw: np.ndarray, m: int, k: int, aux: np.ndarray | None = None, owner=None
 ) -> np.ndarray | None:
     """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/pk_r16.h (the fused step's decode
     and prompt rows on int8 codes of x, every SIMD build), or None where this build or
@@ -46,7 +59,10 @@ def repack16(
     read once here, they stay out of the resident set (a prompt's GEMM reads the copy). int8
     rows with a scale per row (.entity q8, kind I8: `raw` the [m, k] codes): S[16] and the
     codes alone (`_repack_i8`). Loom Q4 (.entity q4, `aux` its float32 block scales): D[16] as
-    float32 and the codes as Q4_0's (`_repack_loom`)."""
+    float32 and the codes as Q4_0's (`_repack_loom`). float16 rows: `f16k` when `owner` (the
+    weight object the copy lives with) is given."""
+    if kind == F16:
+        return None if owner is None else f16k(kind, owner, raw, m, k)
     ok = kind in (Q4_0, Q4_1, Q8_0, I8, LOOM_Q4) and not (m % 16 or k % 32)
     if not (ok and ckernels.AVAILABLE and ckernels.EXT.info().get("r16")):
         return None
@@ -113,4 +129,36 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
     codes = q.reshape(g, 16, nb, 4, 4)  # [g, row, nb, q, i]
     out[..., 64:].reshape(g, nb, 4, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
     release_mapped(packed)
+    return out
+
+
+def f16k_wanted(kind: int, m: int) -> bool:
+    """Whether this build lays [m, k] rows of `kind` out by 16, k-major (float16, 8-lane builds)."""
+    return (
+        kind == F16 and m % 16 == 0 and ckernels.AVAILABLE and bool(ckernels.EXT.info().get("f16k"))
+    )
+
+
+def f16k(kind: int, w, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+    """float16 rows [m, k] as [m / 16, k, 16] (group g: rows 16 g .. 16 g + 15, k-major) for
+    csrc/pk_f16k.h, made once per array, or None where the build or shape takes none or `raw` is
+    not mapped from a file (a copy would double the resident weights). The mapped pages are then
+    released (`release_mapped`): they stay in the page cache and fault back in if a path reads
+    the rows. `w`: the weight object the copy lives with (the array, or its QTensor)."""
+    key = id(w)
+    got = ckernels.F16K.get(key)
+    if got is not None or not f16k_wanted(kind, m) or _mapping(raw) is None:
+        return got
+    from poly.weights import aligned_zeros
+
+    out = aligned_zeros(m * k, np.uint16).reshape(m // 16, k, 16)  # [g, k, 16]
+    src = np.asarray(raw).view(np.uint16).reshape(m, k)
+    step = max(16, (1 << 24) // (32 * k) * 16)  # rows a piece: 16 MB read, then released
+    for r in range(0, m, step):
+        ckernels.EXT.f16k(
+            src[r : r + step], out[r // 16 : (r + step) // 16], len(src[r : r + step]), k
+        )
+        release_mapped(src[r : r + step])
+    ckernels.F16K[key] = out
+    weakref.finalize(w, ckernels.F16K.pop, key, None)
     return out
