@@ -44,7 +44,7 @@ KERNEL_SOURCES = [
     "csrc/pk_moe.h",
     "csrc/pk_gemm.h",
     "csrc/pk_gv.h",
-    "csrc/pk_f16k.h",
+    "csrc/pk_k16.h",
     "csrc/pk_gemm_py.h",
     "csrc/pk_rope.h",
     "csrc/pk_mat.h",

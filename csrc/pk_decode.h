@@ -13,7 +13,7 @@ typedef struct {
     int kind;
     const float *bias;
     const uint8_t *rp; /* Q4_0/Q4_1 rows repacked by 16 (csrc/pk_r16.h), or NULL */
-    const uint16_t *hk; /* float16 rows laid out by 16, k-major (csrc/pk_f16k.h), or NULL */
+    const void *hk; /* float16/float32 rows laid out by 16, k-major (csrc/pk_k16.h), or NULL */
 } mat_t;
 
 typedef struct { /* one SwiGLU expert: gate/up as (w_gate_up,) or (w_gate, w_up), then down */

@@ -77,7 +77,7 @@ static int parse_paged(holds_t *H, PyObject *o, step_t *S) {
 }
 
 /* (kind, w, aux|None, m, k, bias|None[, rp|None]) with m rows of k inputs; rp: Q4_0/Q4_1/Q8_0/int8
- * rows repacked by 16 (csrc/pk_r16.h), or float16 rows by 16, k-major (csrc/pk_f16k.h: M->hk) */
+ * rows repacked by 16 (csrc/pk_r16.h), or float16 rows by 16, k-major (csrc/pk_k16.h: M->hk) */
 static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     if (as_tuple(t, -1, "a matrix") || (PyTuple_GET_SIZE(t) != 6 && as_tuple(t, 7, "a matrix"))) return -1;
     long kind = PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
@@ -104,7 +104,7 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     PyObject *ob = PyTuple_GET_ITEM(t, 5), *orp = PyTuple_GET_SIZE(t) == 7 ? PyTuple_GET_ITEM(t, 6) : Py_None;
     if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
     if (orp == Py_None) return 0; /* nothing repacked */
-    const int64_t nhk = f16k_bytes((int)kind, m, k), nrp = nhk > 0 ? nhk : r16_bytes((int)kind, m, k);
+    const int64_t nhk = k16_bytes((int)kind, m, k), nrp = nhk > 0 ? nhk : r16_bytes((int)kind, m, k);
     if (nrp < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8, rows by 16"); return -1; }
     const void *p = hold(H, orp, 0, nrp, "rp");
     if (nhk > 0) M->hk = p; else M->rp = p;

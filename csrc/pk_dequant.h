@@ -21,19 +21,21 @@ typedef struct {
     int64_t k, rb, r0, r1;
     const uint8_t *rp; /* the rows repacked by 16 (csrc/pk_r16.h) to read instead of w, or NULL */
     int bf;            /* BF16 gemm panels on vdpbf16ps, x rounded to bf16 (csrc/pk_bf16.h) */
-    const uint16_t *hk; /* float16 rows by 16, k-major (csrc/pk_f16k.h) to read instead of w, or NULL */
+    const void *hk;    /* float16/float32 rows by 16, k-major (csrc/pk_k16.h) to read instead of w, or NULL */
 } dq_args;
 
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8);
-/* float16 rows laid out by 16, k-major (csrc/pk_f16k.h) */
-#define PK_F16K (PK_SIMD && !PK_AVX512) /* GR 16: a gemm panel is one group */
+/* float32 (and, on AVX2, float16) rows laid out by 16, k-major (csrc/pk_k16.h): the kinds as bits.
+ * AVX-512 keeps float16 on the dense row tiles (1B f16 16-token prompt 91 -> 81-88 tok/s laid out) */
+#define PK_K16 PK_SIMD /* a gemm panel is one group (AVX2) or two (AVX-512) */
+#define K16_KINDS (PK_K16 ? (1 << K_F32) | (PK_AVX512 ? 0 : 1 << K_F16) : 0)
 
-/* the bytes of an [m, k] float16 matrix laid out by 16, or -1 where this build or shape takes none */
-static inline int64_t f16k_bytes(int kind, int64_t m, int64_t k) {
-    return PK_F16K && kind == K_F16 && m % 16 == 0 && k > 0 ? m * k * 2 : -1;
+/* the bytes of an [m, k] matrix laid out by 16, or -1 where this build, kind or shape takes none */
+static inline int64_t k16_bytes(int kind, int64_t m, int64_t k) {
+    return (K16_KINDS >> kind & 1) && m % 16 == 0 && k > 0 ? m * k * (kind == K_F32 ? 4 : 2) : -1;
 }
-static void f16k_range(const uint16_t *hk, int64_t k, const float *x, int64_t ldx, int64_t n, float *out, int64_t ldo,
-                       int64_t r0, int64_t r1);
+static void k16_range(int kind, const void *hk, int64_t k, const float *x, int64_t ldx, int64_t n, float *out,
+                      int64_t ldo, int64_t r0, int64_t r1);
 
 static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
     const int64_t k = A->k;

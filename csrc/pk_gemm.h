@@ -136,7 +136,7 @@ static void gemm_pack(const float *src, int64_t lds, int64_t rows, int64_t kc, f
 }
 
 #include "pk_gemm_r16.h"
-#include "pk_f16k.h"
+#include "pk_k16.h"
 
 /* where panel r0's stored bytes start, their stride and a row's length (rows repacked by 16: the
  * groups' records, one run) */
@@ -177,9 +177,9 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t ldx, 
 #if PK_AVX512
     if (kind == K_BF16 && D->bf) { bf16_panel(D, x, ldx, n, out, m, r0, rows, P, next); return; }
 #endif
-    if (PK_F16K && D->hk) { /* laid out by 16 at load: no packing (csrc/pk_f16k.h) */
-        if (r0 % 16) f16k_range(D->hk, k, x, ldx, n, out, m, r0, r0 + rows);
-        else f16k_group(D->hk, k, x, ldx, n, out + r0, m, r0 / 16, rows, next);
+    if (PK_K16 && D->hk) { /* laid out by 16 at load: no packing (csrc/pk_k16.h) */
+        if (r0 % 16) k16_range(kind, D->hk, k, x, ldx, n, out, m, r0, r0 + rows);
+        else k16_group(kind, D->hk, k, r0 + rows, x, ldx, n, out + r0, m, r0, rows, next);
         return;
     }
     if (kind == K_F16 || kind == K_BF16 || kind == K_F32) { /* packed straight from the stored rows (1B
@@ -241,8 +241,8 @@ static void gemm_rows(int kind, const dq_args *D, const float *x, int64_t n, flo
         gemm_copy_x(x, k, ldx, xp, 0, n);
         x = xp;
     }
-    if (PK_F16K && D->hk && !ctr) { /* whole groups of 16 rows: the ends of an even split cut through two */
-        f16k_range(D->hk, k, x, ldx, n, out, ldo, r0, r1);
+    if (PK_K16 && D->hk && !ctr) { /* whole groups of 16 rows: the ends of an even split cut through two */
+        k16_range(kind, D->hk, k, x, ldx, n, out, ldo, r0, r1);
         add_bias(bias, out, ldo, n, r0, r1);
         return;
     }

@@ -47,7 +47,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
                              : k8 || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && grp_pairs(P->grp)) || pq8;
     const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
-    const int hk = PK_F16K && M->hk; /* float16 by 16, k-major: the rows themselves are not read */
+    const int hk = PK_K16 && M->hk; /* rows by 16, k-major: the stored rows are not read */
     const int dense = n > 1 && !use8 && !hk && dense_tiles(M->kind, bf, n);
     const int k8i = PK_SIMD && q8 == 2 && k8i_fits(M->kind, A.k) && P->grp == 8 && P->gbuf;
     /* repacked rows on x's int8 codes (csrc/pk_r16.h; x in Q4_0's order, Loom's too) */
@@ -81,7 +81,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
         A.xb = xb;
         bf16_range(&A, r0, r1);
     } else if (hk) {
-        f16k_range(M->hk, A.k, A.x, A.k, n, out, ldo, r0, r1);
+        k16_range(M->kind, M->hk, A.k, A.x, A.k, n, out, ldo, r0, r1);
     } else if (n > (use8 ? MAX_N : dense ? DENSE_PIECE : row_piece(&A))) { /* pieces of rows, see row_piece */
         const int64_t piece = use8 ? MAX_N : dense ? DENSE_PIECE : row_piece(&A);
         for (int64_t c = 0; c < n; c += piece) {

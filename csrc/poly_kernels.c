@@ -138,7 +138,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     const int q8in = (int)q8;
     q8 &= 3;
     /* rp: the rows repacked by 16 (csrc/pk_r16.h), read instead of w unless q8 is 0 */
-    const int64_t nhk = f16k_bytes((int)kind, A.m, A.k); /* float16 by 16 (csrc/pk_f16k.h): read whatever q8 */
+    const int64_t nhk = k16_bytes((int)kind, A.m, A.k); /* rows by 16 (csrc/pk_k16.h): read whatever q8 */
     PyObject *orp = nargs == 10 && ((q8 && PK_R16) || nhk > 0) ? args[9] : Py_None;
     const int k8i = q8 == 2 && k8i_fits((int)kind, A.k) && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
     A.x1 = q8 == 2; /* as the fused step: K-quant, Q5_0/Q5_1/IQ4 rows on x's first code in the auto mode */
@@ -182,7 +182,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (nhk > 0 && br.buf) {
         rc = 0;
 #pragma omp parallel num_threads(A.m * A.k < SERIAL_WORK ? 1 : pk_threads)
-        f16k_range(br.buf, A.k, A.x, A.k, A.n, A.out, A.m, A.m * pk_tid() / pk_nth(), A.m * (pk_tid() + 1) / pk_nth());
+        k16_range((int)kind, br.buf, A.k, A.x, A.k, A.n, A.out, A.m, A.m * pk_tid() / pk_nth(), A.m * (pk_tid() + 1) / pk_nth());
     } else if (k8i) {
         const dq_args D = {A.w, A.aux, NULL, A.k, A.rb, 0, A.m};
         rc = gemm_any((int)kind, &D, A.x, A.n, A.out, A.m, pk_threads, 2);
@@ -254,26 +254,31 @@ done_w:
     return ret;
 }
 
-/* f16k(src, dst, m, k): float16 rows [m, k] laid out by 16, k-major (csrc/pk_f16k.h), into dst */
-static PyObject *py_f16k(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* k16(src, dst, m, k, esz): rows [m, k] of esz-byte elements (2: float16, 4: float32) laid out by
+ * 16, k-major (csrc/pk_k16.h), into dst */
+static PyObject *py_k16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "f16k(src, dst, m, k)"); return NULL; }
-    const int64_t m = PyLong_AsLongLong(args[2]), k = PyLong_AsLongLong(args[3]);
+    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "k16(src, dst, m, k, esz)"); return NULL; }
+    const int64_t m = PyLong_AsLongLong(args[2]), k = PyLong_AsLongLong(args[3]), esz = PyLong_AsLongLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    if (m < 0 || m % 16 || k < 1) { PyErr_SetString(PyExc_ValueError, "f16k: rows a multiple of 16"); return NULL; }
+    if (m < 0 || m % 16 || k < 1 || (esz != 2 && esz != 4)) {
+        PyErr_SetString(PyExc_ValueError, "k16: rows a multiple of 16, elements of 2 or 4 bytes");
+        return NULL;
+    }
     Py_buffer bs = {0}, bd = {0};
     PyObject *ret = NULL;
     if (PyObject_GetBuffer(args[0], &bs, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (PyObject_GetBuffer(args[1], &bd, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_s;
-    if (want_len(&bs, m * k * 2, "src") || want_len(&bd, m * k * 2, "dst")) goto done_d;
-    const uint16_t *s = bs.buf;
-    uint16_t *d = bd.buf;
+    if (want_len(&bs, m * k * esz, "src") || want_len(&bd, m * k * esz, "dst")) goto done_d;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(pk_threads) schedule(static)
     for (int64_t g = 0; g < m / 16; g++)
-        for (int64_t c = 0; c < k; c += 64) /* 16 rows x 64 halves: 2 KB read, 2 KB written */
+        for (int64_t c = 0; c < k; c += 64) /* 16 rows x 64 elements a block */
             for (int64_t r = 0; r < 16; r++)
-                for (int64_t kk = c; kk < k && kk < c + 64; kk++) d[(g * k + kk) * 16 + r] = s[(g * 16 + r) * k + kk];
+                for (int64_t kk = c; kk < k && kk < c + 64; kk++) {
+                    if (esz == 2) ((uint16_t *)bd.buf)[(g * k + kk) * 16 + r] = ((const uint16_t *)bs.buf)[(g * 16 + r) * k + kk];
+                    else ((uint32_t *)bd.buf)[(g * k + kk) * 16 + r] = ((const uint32_t *)bs.buf)[(g * 16 + r) * k + kk];
+                }
     Py_END_ALLOW_THREADS
     ret = Py_NewRef(Py_None);
 done_d:
@@ -299,7 +304,7 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 #else
     int omp = 0;
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16, "f16k", PK_F16K,
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16, "k16", K16_KINDS,
                          "r16p", PK_R16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_rows(K_BF16, 2, 2));
 }
 
@@ -311,7 +316,7 @@ static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))pk_py_decode, METH_FASTCALL, "one decode step of a whole model (see csrc/pk_decode.c)"},
     {"rope", (PyCFunction)(void (*)(void))pk_py_rope, METH_FASTCALL, "rotate [n, heads, hd] in place (HF half split)"},
     {"silu_mul", (PyCFunction)(void (*)(void))pk_py_silu_mul, METH_FASTCALL, "out = silu(gate) * up from [n, 2I], or from gate and up"},
-    {"f16k", (PyCFunction)(void (*)(void))py_f16k, METH_FASTCALL, "float16 rows laid out by 16, k-major (csrc/pk_f16k.h)"},
+    {"k16", (PyCFunction)(void (*)(void))py_k16, METH_FASTCALL, "float16/float32 rows laid out by 16, k-major (csrc/pk_k16.h)"},
     {"set_threads", py_set_threads, METH_O, "threads for the parallel row loop"},
     {"info", py_info, METH_NOARGS, "build facts: simd, openmp, threads"},
     {NULL, NULL, 0, NULL},

@@ -235,11 +235,12 @@ FLOAT_TYPES = (0, 1, 30)  # ggml type ids of float32, float16, bfloat16
 
 
 def _by16(info) -> bool:
-    """float16 rows the fused plan lays out by 16 (poly.runtime.repack.f16k): left on the file's
-    mapping, whose pages the copy releases (read into memory first, they would be held twice)."""
+    """float16/float32 rows the fused plan lays out by 16 (poly.runtime.repack.k16): left on the
+    file's mapping, whose pages the copy releases (read into memory first, they would be held twice)."""
     from poly.runtime import ckernels, repack
 
-    return info.ggml_type == 1 and repack.f16k_wanted(ckernels.F16, int(info.shape[0]))
+    kind = {0: ckernels.F32, 1: ckernels.F16}.get(info.ggml_type)
+    return kind is not None and repack.k16_wanted(kind, int(info.shape[0]))
 
 
 def _on_huge_pages(gg: GGUFFile, name: str, raw: np.ndarray) -> np.ndarray:

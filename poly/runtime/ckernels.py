@@ -46,7 +46,7 @@ _MAIN = EXT  # the build chosen at import
 
 MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
 STEP_ROWS = 64  # rows of one fused step (csrc/pk_decode.h STEP_MAX)
-F16K: dict[int, np.ndarray] = {}  # id(float16 array or QTensor) -> rows by 16 (repack.f16k)
+K16: dict[int, np.ndarray] = {}  # id(f16/f32 array or QTensor) -> rows by 16 (repack.k16)
 
 # kind ids of csrc/poly_kernels.c, from the scheme records (poly.quant.schemes)
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
@@ -387,7 +387,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    rp = getattr(qt, "r16", F16K.get(id(w)))  # the copy by 16 (fused._mat), read instead of w
+    rp = getattr(qt, "r16", K16.get(id(w)))  # the copy by 16 (fused._mat), read instead of w
     tiles = kind in (F32, F16, BF16) and n <= MAX_N  # dense rows: the register tiles to MAX_N
     if n >= GEMM_ROWS and not tiles:
         EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _q8(w), rp)

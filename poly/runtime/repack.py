@@ -2,8 +2,8 @@
 (csrc/pk_r16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
 its row's lane and the block scale applies to 16 rows in one FMA. Made once per matrix when the
 fused plan is built (`fused._mat`, kept as the QTensor's `r16`); the stored rows' pages are then
-released, and a prompt's GEMM dequantizes the copy. On 8-lane builds, float16 rows mapped from a
-file are laid out by 16, k-major (`f16k`, csrc/pk_f16k.h): the gemm panels' packed form."""
+released, and a prompt's GEMM dequantizes the copy. Float16/float32 rows mapped from a file are
+laid out by 16, k-major (`k16`, csrc/pk_k16.h): the gemm panels' packed form."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ import weakref
 import numpy as np
 
 from poly.runtime import ckernels
-from poly.runtime.ckernels import F16, I8, LOOM_Q4, Q4_0, Q4_1, Q8_0
+from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q8_0
 
 R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
 R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
 
 
 def _mapping(arr: np.ndarray):
-    """The open mmap.mmap that `arr` views (through np.memmap, memoryview or ndarray bases), or None."""
+    """The open read-only mmap.mmap that `arr` views (through np.memmap, memoryview or ndarray
+    bases), or None. Read-only: a file's pages, dropped and read again unchanged; an anonymous
+    or copy-on-write mapping (poly.weights' huge-page buffers) would lose its bytes."""
     import mmap
 
     b = arr
@@ -27,7 +29,7 @@ def _mapping(arr: np.ndarray):
         mm = getattr(b, "_mmap", None)
         nxt = "obj" if isinstance(b, memoryview) else "base"
         b = mm if isinstance(mm, mmap.mmap) else getattr(b, nxt, None)
-    if b is None or not hasattr(b, "madvise") or b.closed:
+    if b is None or not hasattr(b, "madvise") or b.closed or not memoryview(b).readonly:
         return None
     return b
 
@@ -59,10 +61,10 @@ def repack16(
     read once here, they stay out of the resident set (a prompt's GEMM reads the copy). int8
     rows with a scale per row (.entity q8, kind I8: `raw` the [m, k] codes): S[16] and the
     codes alone (`_repack_i8`). Loom Q4 (.entity q4, `aux` its float32 block scales): D[16] as
-    float32 and the codes as Q4_0's (`_repack_loom`). float16 rows: `f16k` when `owner` (the
-    weight object the copy lives with) is given."""
-    if kind == F16:
-        return None if owner is None else f16k(kind, owner, raw, m, k)
+    float32 and the codes as Q4_0's (`_repack_loom`). float16/float32 rows: `k16` when `owner`
+    (the weight object the copy lives with) is given."""
+    if kind in (F16, F32):
+        return None if owner is None else k16(kind, owner, raw, m, k)
     ok = kind in (Q4_0, Q4_1, Q8_0, I8, LOOM_Q4) and not (m % 16 or k % 32)
     if not (ok and ckernels.AVAILABLE and ckernels.EXT.info().get("r16")):
         return None
@@ -132,33 +134,33 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
     return out
 
 
-def f16k_wanted(kind: int, m: int) -> bool:
-    """Whether this build lays [m, k] rows of `kind` out by 16, k-major (float16, 8-lane builds)."""
-    return (
-        kind == F16 and m % 16 == 0 and ckernels.AVAILABLE and bool(ckernels.EXT.info().get("f16k"))
-    )
+def k16_wanted(kind: int, m: int) -> bool:
+    """Whether this build lays [m, k] rows of `kind` out by 16, k-major: float32 on the SIMD
+    builds, float16 on AVX2 (info()["k16"]: the kinds as bits)."""
+    laid = ckernels.EXT.info().get("k16", 0) if ckernels.AVAILABLE else 0
+    return kind in (F16, F32) and m % 16 == 0 and bool(laid >> kind & 1)
 
 
-def f16k(kind: int, w, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
-    """float16 rows [m, k] as [m / 16, k, 16] (group g: rows 16 g .. 16 g + 15, k-major) for
-    csrc/pk_f16k.h, made once per array, or None where the build or shape takes none or `raw` is
-    not mapped from a file (a copy would double the resident weights). The mapped pages are then
-    released (`release_mapped`): they stay in the page cache and fault back in if a path reads
-    the rows. `w`: the weight object the copy lives with (the array, or its QTensor)."""
+def k16(kind: int, w, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+    """float16/float32 rows [m, k] as [m / 16, k, 16] (group g: rows 16 g .. 16 g + 15, k-major)
+    for csrc/pk_k16.h, made once per array, or None where the build or shape takes none or `raw`
+    is not mapped from a file (a copy would double the resident weights). The mapped pages are
+    then released (`release_mapped`): they stay in the page cache and fault back in if a path
+    reads the rows. `w`: the weight object the copy lives with (the array, or its QTensor)."""
     key = id(w)
-    got = ckernels.F16K.get(key)
-    if got is not None or not f16k_wanted(kind, m) or _mapping(raw) is None:
+    got = ckernels.K16.get(key)
+    if got is not None or not k16_wanted(kind, m) or _mapping(raw) is None:
         return got
     from poly.weights import aligned_zeros
 
-    out = aligned_zeros(m * k, np.uint16).reshape(m // 16, k, 16)  # [g, k, 16]
-    src = np.asarray(raw).view(np.uint16).reshape(m, k)
-    step = max(16, (1 << 24) // (32 * k) * 16)  # rows a piece: 16 MB read, then released
+    el = np.uint32 if kind == F32 else np.uint16  # the elements' bits, moved as they are
+    out = aligned_zeros(m * k, el).reshape(m // 16, k, 16)  # [g, k, 16]
+    src = np.asarray(raw).view(el).reshape(m, k)
+    step = max(16, (1 << 24) // (16 * el().nbytes * k) * 16)  # rows a piece: 16 MB, then released
     for r in range(0, m, step):
-        ckernels.EXT.f16k(
-            src[r : r + step], out[r // 16 : (r + step) // 16], len(src[r : r + step]), k
-        )
-        release_mapped(src[r : r + step])
-    ckernels.F16K[key] = out
-    weakref.finalize(w, ckernels.F16K.pop, key, None)
+        piece = src[r : r + step]
+        ckernels.EXT.k16(piece, out[r // 16 : (r + step) // 16], len(piece), k, el().nbytes)
+        release_mapped(piece)
+    ckernels.K16[key] = out
+    weakref.finalize(w, ckernels.K16.pop, key, None)
     return out
