@@ -14,7 +14,7 @@ import pytest
 from poly import layout
 from poly.layer import LayerType
 from poly.runtime import ckernels, fused, kernels, repack
-from poly.runtime.batch import forward_batch
+from tests.test_r16 import _decode
 from tests.tiny_model import random_transformer, tiny_cfg
 
 needs_c = pytest.mark.skipif(not ckernels.AVAILABLE, reason="the C kernels are not built")
@@ -147,14 +147,6 @@ def test_a_model_on_mapped_rows_matches_the_same_weights_in_memory(tmp_path, dty
         scale = max(float(np.abs(r).max()) for r in outs[1])
         for g, r in zip(*outs):
             np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * scale)
-
-
-def _decode(tf, prompts, steps):
-    """Each prompt prefilled alone, then the decode steps of all of them as one batch."""
-    states = [tf.new_state() for _ in prompts]
-    for p, st in zip(prompts, states):
-        forward_batch(tf, [p], [st])
-    return [forward_batch(tf, [[s[j]] for s in steps], states) for j in range(len(steps[0]))]
 
 
 @needs_c

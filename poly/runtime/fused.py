@@ -73,7 +73,7 @@ def _moe_args(mlp) -> tuple | None:
     cfg = mlp.moe
     v = moe.views(mlp)
     router = _mat(np.ascontiguousarray(v.router, dtype=np.float32))
-    # the experts' float16 rows stay as stored: a pager drops and reads them from the file
+    # the experts' float rows stay as stored: a pager drops and reads them from the file
     experts = tuple(_ffn_args(sub, by16=False) for sub in mlp.sequential_layers)
     if cfg.top_k > 64 or router is None or any(a is None for a in experts):
         return None
