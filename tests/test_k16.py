@@ -14,7 +14,7 @@ import pytest
 from poly import layout
 from poly.layer import LayerType
 from poly.runtime import ckernels, fused, kernels, repack
-from tests.test_r16 import _decode
+from tests.test_r16 import decode_steps
 from tests.tiny_model import random_transformer, tiny_cfg
 
 needs_c = pytest.mark.skipif(not ckernels.AVAILABLE, reason="the C kernels are not built")
@@ -159,8 +159,8 @@ def test_a_sequence_decodes_the_same_alone_and_batched_on_the_layout(tmp_path, d
     if not _laid(KINDS[dtype]):
         pytest.skip("the stored rows: the tiles' sums differ from the decode rows'")
     prompts, steps = [[5, 6, 7], [11, 3], [90, 1, 2, 4]], [[20, 21], [30, 31], [40, 41]]
-    got = _decode(tf, prompts, steps)
-    alone = _decode(tf, [prompts[0]], [steps[0]])
+    got = decode_steps(tf, prompts, steps)
+    alone = decode_steps(tf, [prompts[0]], [steps[0]])
     for a, g in zip(alone, got):
         np.testing.assert_array_equal(g[0], a[0])
 

@@ -75,7 +75,7 @@ def _model(scheme: str, seed: int = 11):
     return tf
 
 
-def _decode(tf, prompts, steps):
+def decode_steps(tf, prompts, steps):
     """Each prompt prefilled alone, then the decode steps of all of them as one batch."""
     states = [tf.new_state() for _ in prompts]
     for p, st in zip(prompts, states):
@@ -90,9 +90,9 @@ def test_repacked_rows_stay_close_to_the_float_rows(scheme, float_path):
     p = fused.plan(tf)
     assert len(p.layers[0][10]) == 7, "the O projection was not repacked"
     prompts, steps = [[1, 2, 3], [4, 5]], [[20, 21], [30, 31]]
-    ref = _decode(tf, prompts, steps)  # float rows (float_path)
+    ref = decode_steps(tf, prompts, steps)  # float rows (float_path)
     ckernels.set_act_q8("auto")
-    got = _decode(tf, prompts, steps)
+    got = decode_steps(tf, prompts, steps)
     for r, g in zip(ref, got):
         scale = float(np.abs(r).max())
         err = float(np.abs(g - r).max())
@@ -109,10 +109,10 @@ def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
     tf = _model(scheme)
     tf.lm_head = MAKERS["gguf_q8_0"](np.ascontiguousarray(tf.lm_head, dtype=np.float32))
     prompt, toks = [5, 6, 7], [40, 41, 42]
-    alone = _decode(tf, [prompt], [toks])
+    alone = decode_steps(tf, [prompt], [toks])
     for n in (2, 5, 9):
         others = [[1 + i, 2 + i] for i in range(n - 1)]
-        got = _decode(tf, [prompt, *others], [toks, *[[50 + i] * 3 for i in range(n - 1)]])
+        got = decode_steps(tf, [prompt, *others], [toks, *[[50 + i] * 3 for i in range(n - 1)]])
         for a, g in zip(alone, got):
             np.testing.assert_array_equal(g[0], a[0])
 
@@ -360,12 +360,12 @@ def test_loom_q4_rows_are_repacked_and_take_x_codes(each_isa):
     tf.lm_head = MAKERS["gguf_q8_0"](np.ascontiguousarray(tf.lm_head, dtype=np.float32))
     assert len(fused.plan(tf).layers[0][10]) == 7, "the O projection was not repacked"
     prompts, steps = [[1, 2, 3], [4, 5]], [[20, 21], [30, 31]]
-    got = _decode(tf, prompts, steps)
-    ref = _float_rows(_decode, tf, prompts, steps)
+    got = decode_steps(tf, prompts, steps)
+    ref = _float_rows(decode_steps, tf, prompts, steps)
     for r, g in zip(ref, got):
         err = float(np.abs(g - r).max())
         assert 0 < err <= 2e-4 * float(np.abs(r).max())
-    alone = _decode(tf, [prompts[0]], [steps[0]])
+    alone = decode_steps(tf, [prompts[0]], [steps[0]])
     for a, g in zip(alone, got):
         np.testing.assert_array_equal(g[0], a[0])
     assert fused.rows_alike(tf)
