@@ -25,10 +25,9 @@ typedef struct {
 } dq_args;
 
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8);
-/* float32 (and, on AVX2, float16) rows laid out by 16, k-major (csrc/pk_k16.h): the kinds as bits.
- * AVX-512 keeps float16 on the dense row tiles (1B f16 16-token prompt 91 -> 81-88 tok/s laid out) */
+/* float32 and float16 rows laid out by 16, k-major (csrc/pk_k16.h): the kinds as bits */
 #define PK_K16 PK_SIMD /* a gemm panel is one group (AVX2) or two (AVX-512) */
-#define K16_KINDS (PK_K16 ? (1 << K_F32) | (PK_AVX512 ? 0 : 1 << K_F16) : 0)
+#define K16_KINDS (PK_K16 ? (1 << K_F32) | (1 << K_F16) : 0)
 
 /* the bytes of an [m, k] matrix laid out by 16, or -1 where this build, kind or shape takes none */
 static inline int64_t k16_bytes(int kind, int64_t m, int64_t k) {

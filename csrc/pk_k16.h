@@ -1,5 +1,5 @@
 /* Float32 / float16 rows laid out by 16, k-major (poly.runtime.repack.k16, made once per matrix
- * when the fused plan is built; float16 on AVX2 only, K16_KINDS): group g holds rows 16 g .. 16 g
+ * when the fused plan is built, K16_KINDS): group g holds rows 16 g .. 16 g
  * + 15 as [k][16] elements, i.e. already the gemm panels' packed chunk P[kk][GR] (AVX-512: two
  * groups' vectors a panel). A prompt's panels read it in the tile (float16: a vcvtph2ps per vector)
  * instead of packing the stored rows chunk by chunk (13 % of an AVX2 1B f16 42-token prompt; one
@@ -58,6 +58,30 @@ static inline __attribute__((always_inline)) void k16_chunk(const void *H0, cons
     }
 }
 
+#if PK_AVX512
+/* AVX-512 float16: the tile converts the panel's elements again for every 12 tokens; past two
+ * tiles the chunk is converted once into P and the packed tiles take it (one thread [8192 x 2048]:
+ * 42 rows 101 -> 103 GFLOP/s, 128 rows 102 -> 108; 16 or 24 rows lose 3-6 %). The same FMA chains
+ * as k16_tile: the same bits on every route. */
+static inline void h1_convert(const uint16_t *A, const uint16_t *B, int64_t kc, float *P) {
+    for (int64_t kk = 0; kk < kc; kk++) {
+        GV_STORE(P + kk * GR, K16_H(A + kk * 16));
+        GV_STORE(P + kk * GR + GL, K16_H(B + kk * 16));
+    }
+}
+
+/* k16_chunk for float16 on AVX-512 (P: KC * GR floats when n > 2 GT) */
+static void k16_chunk_h(const void *A, const void *B, const float *x, int64_t n, int64_t ldx, int64_t kc,
+                           float *out, int64_t ldo, int64_t rows, int add, pf_cur *pf, float *P) {
+    if (n <= 2 * GT) {
+        k16_chunk(A, B, x, n, ldx, kc, out, ldo, rows, add, pf, 0);
+        return;
+    }
+    h1_convert((const uint16_t *)A, (const uint16_t *)B, kc, P);
+    gemm_chunk(P, x, n, ldx, kc, out, ldo, rows, add, pf);
+}
+#endif
+
 /* the panel from row r0 (a multiple of 16; rows <= GR of it to out, the matrix's m rows) against n
  * inputs, chunk by chunk; next: the first row of the panel this thread takes next (-1: none), its
  * first chunk asked for meanwhile. On AVX-512 a last panel of one group reads it twice. */
@@ -65,6 +89,9 @@ static void k16_group(int kind, const void *hk, int64_t k, int64_t m, const floa
                       float *out, int64_t ldo, int64_t r0, int64_t rows, int64_t next) {
     const int64_t es = kind == K_F32 ? 4 : 2, gb = 16 * k * es; /* a group's bytes */
     const char *G0 = (const char *)hk + r0 * k * es, *G1 = FG == 1 ? G0 + 8 * es : r0 + 16 < m ? G0 + gb : G0;
+#if PK_AVX512
+    float P[n > 2 * GT && kind == K_F16 ? KC * GR : 1] __attribute__((aligned(64)));
+#endif
     for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = k - c0 < KC ? k - c0 : KC, c1 = c0 + kc;
         pf_cur pf = {0};
@@ -74,7 +101,11 @@ static void k16_group(int kind, const void *hk, int64_t k, int64_t m, const floa
         pf.rows = pf.p ? FG : 0; /* past the matrix's last row: a prefetch never faults */
         const char *A = G0 + c0 * 16 * es, *B = G1 + c0 * 16 * es;
         if (kind == K_F32) k16_chunk(A, B, x + c0, n, ldx, kc, out, ldo, rows, c0 > 0, &pf, 1);
+#if PK_AVX512
+        else k16_chunk_h(A, B, x + c0, n, ldx, kc, out, ldo, rows, c0 > 0, &pf, P);
+#else
         else k16_chunk(A, B, x + c0, n, ldx, kc, out, ldo, rows, c0 > 0, &pf, 0);
+#endif
     }
 }
 

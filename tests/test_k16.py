@@ -21,7 +21,7 @@ needs_c = pytest.mark.skipif(not ckernels.AVAILABLE, reason="the C kernels are n
 
 
 def _laid(kind: int) -> bool:
-    """Whether the build in use lays `kind` out by 16 (float32 on SIMD builds, float16 on AVX2)."""
+    """Whether the build in use lays `kind` out by 16 (float32 and float16 on the SIMD builds)."""
     return bool(ckernels.EXT.info().get("k16", 0) >> kind & 1)
 
 

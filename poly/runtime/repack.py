@@ -136,7 +136,7 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
 
 def k16_wanted(kind: int, m: int) -> bool:
     """Whether this build lays [m, k] rows of `kind` out by 16, k-major: float32 on the SIMD
-    builds, float16 on AVX2 (info()["k16"]: the kinds as bits)."""
+    builds and float16 too (info()["k16"]: the kinds as bits)."""
     laid = ckernels.EXT.info().get("k16", 0) if ckernels.AVAILABLE else 0
     return kind in (F16, F32) and m % 16 == 0 and bool(laid >> kind & 1)
 
