@@ -61,8 +61,8 @@ static inline __attribute__((always_inline)) void k16_chunk(const void *H0, cons
 #if PK_AVX512
 /* AVX-512 float16: the tile converts the panel's elements again for every 12 tokens; past two
  * tiles the chunk is converted once into P and the packed tiles take it (one thread [8192 x 2048]:
- * 42 rows 101 -> 103 GFLOP/s, 128 rows 102 -> 108; 16 or 24 rows lose 3-6 %). The same FMA chains
- * as k16_tile: the same bits on every route. */
+ * 42 rows 101 -> 103 GFLOP/s, 128 rows 102 -> 108; 16 or 24 rows lose 3-6 %; on AVX2 every
+ * count loses: its 128-bit conversions are cheap). The same FMA chains as k16_tile: the same bits. */
 static inline void h1_convert(const uint16_t *A, const uint16_t *B, int64_t kc, float *P) {
     for (int64_t kk = 0; kk < kc; kk++) {
         GV_STORE(P + kk * GR, K16_H(A + kk * 16));
