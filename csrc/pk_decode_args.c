@@ -104,10 +104,11 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     PyObject *ob = PyTuple_GET_ITEM(t, 5), *orp = PyTuple_GET_SIZE(t) == 7 ? PyTuple_GET_ITEM(t, 6) : Py_None;
     if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
     if (orp == Py_None) return 0; /* nothing repacked */
-    const int64_t nhk = k16_bytes((int)kind, m, k), nrp = nhk > 0 ? nhk : r16_bytes((int)kind, m, k);
+    int hk;
+    const int64_t nrp = rp_bytes((int)kind, m, k, &hk);
     if (nrp < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8, rows by 16"); return -1; }
     const void *p = hold(H, orp, 0, nrp, "rp");
-    if (nhk > 0) M->hk = p; else M->rp = p;
+    if (hk) M->hk = p; else M->rp = p;
     return p ? 0 : -1;
 }
 

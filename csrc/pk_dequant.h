@@ -31,7 +31,15 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
 
 /* the bytes of an [m, k] matrix laid out by 16, or -1 where this build, kind or shape takes none */
 static inline int64_t k16_bytes(int kind, int64_t m, int64_t k) {
-    return (K16_KINDS >> kind & 1) && m % 16 == 0 && k > 0 ? m * k * (kind == K_F32 ? 4 : 2) : -1;
+    return kind >= 0 && kind < K_COUNT && (K16_KINDS >> kind & 1) && m % 16 == 0 && k > 0 ? m * k * (kind == K_F32 ? 4 : 2) : -1;
+}
+
+/* the bytes of the copy an entry's `rp` argument holds (*hk: laid out by 16, else repacked by 16:
+ * csrc/pk_r16.h), or -1 where neither applies */
+static inline int64_t rp_bytes(int kind, int64_t m, int64_t k, int *hk) {
+    const int64_t b = k16_bytes(kind, m, k);
+    *hk = b > 0;
+    return *hk ? b : r16_bytes(kind, m, k);
 }
 static void k16_range(int kind, const void *hk, int64_t k, const float *x, int64_t ldx, int64_t n, float *out,
                       int64_t ldo, int64_t r0, int64_t r1);

@@ -28,7 +28,8 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
     PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/pk_r16.h) */
-    const int64_t nrp = k16_bytes((int)kind, m, k) > 0 ? k16_bytes((int)kind, m, k) : r16_bytes((int)kind, m, k);
+    int hk;
+    const int64_t nrp = rp_bytes((int)kind, m, k, &hk);
     if (orp != Py_None && nrp < 0) {
         PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16, float16 by 16 on 8-lane builds");
         return NULL;
@@ -46,7 +47,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (orp != Py_None) {
         if (PyObject_GetBuffer(orp, &br, PyBUF_C_CONTIGUOUS) < 0) goto done_a;
         if (want_len(&br, nrp, "rp")) { PyBuffer_Release(&br); goto done_a; }
-        if (k16_bytes((int)kind, m, k) > 0) D.hk = br.buf;
+        if (hk) D.hk = br.buf;
         else D.rp = br.buf;
     }
     int rc;

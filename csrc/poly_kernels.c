@@ -138,8 +138,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     const int q8in = (int)q8;
     q8 &= 3;
     /* rp: the rows repacked by 16 (csrc/pk_r16.h), read instead of w unless q8 is 0 */
-    const int64_t nhk = k16_bytes((int)kind, A.m, A.k); /* rows by 16 (csrc/pk_k16.h): read whatever q8 */
-    PyObject *orp = nargs == 10 && ((q8 && PK_R16) || nhk > 0) ? args[9] : Py_None;
+    int hk; /* rows laid out by 16 (csrc/pk_k16.h): read whatever q8 */
+    const int64_t nrp = rp_bytes((int)kind, A.m, A.k, &hk);
+    PyObject *orp = nargs == 10 && ((q8 && PK_R16) || hk) ? args[9] : Py_None;
     const int k8i = q8 == 2 && k8i_fits((int)kind, A.k) && A.n >= K8I_MIN && A.n <= K8I_MAX; /* int8 panels */
     A.x1 = q8 == 2; /* as the fused step: K-quant, Q5_0/Q5_1/IQ4 rows on x's first code in the auto mode */
     if (q8 == 2) /* as the fused step */
@@ -148,7 +149,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
         return NULL;
     }
-    if (orp != Py_None && nhk < 0 && r16_bytes((int)kind, A.m, A.k) < 0) {
+    if (orp != Py_None && nrp < 0) {
         PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16");
         return NULL;
     }
@@ -167,7 +168,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     A.x = bx.buf; A.out = bo.buf; A.w = bw.buf; A.aux = have_aux ? ba.buf : NULL;
     if (orp != Py_None) {
         if (PyObject_GetBuffer(orp, &br, PyBUF_C_CONTIGUOUS) < 0) goto done_a;
-        if (want_len(&br, nhk > 0 ? nhk : r16_bytes((int)kind, A.m, A.k), "rp")) { PyBuffer_Release(&br); goto done_a; }
+        if (want_len(&br, nrp, "rp")) { PyBuffer_Release(&br); goto done_a; }
     }
     int rc;
     uint16_t *xb = NULL; /* a prompt's BF16 rows on vdpbf16ps, as the fused step (csrc/pk_bf16.h) */
@@ -179,7 +180,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     for (int64_t i = 0; xb && i < A.n; i++) bf16_x(A.x + i * A.k, A.k, xb + i * A.k);
     A.xb = xb;
     Py_BEGIN_ALLOW_THREADS
-    if (nhk > 0 && br.buf) {
+    if (hk && br.buf) {
         rc = 0;
 #pragma omp parallel num_threads(A.m * A.k < SERIAL_WORK ? 1 : pk_threads)
         k16_range((int)kind, br.buf, A.k, A.x, A.k, A.n, A.out, A.m, A.m * pk_tid() / pk_nth(), A.m * (pk_tid() + 1) / pk_nth());
@@ -256,6 +257,17 @@ done_w:
 
 /* k16(src, dst, m, k, esz): rows [m, k] of esz-byte elements (2: float16, 4: float32) laid out by
  * 16, k-major (csrc/pk_k16.h), into dst */
+/* rows [m, k] of T as [m / 16, k, 16] (csrc/pk_k16.h), 16 rows x 64 elements a block */
+#define K16_COPY(T)                                                                                 \
+    do {                                                                                            \
+        const T *s = (const T *)bs.buf;                                                             \
+        T *d = (T *)bd.buf;                                                                         \
+        _Pragma("omp parallel for num_threads(pk_threads) schedule(static)")                        \
+        for (int64_t g = 0; g < m / 16; g++)                                                        \
+            for (int64_t c = 0; c < k; c += 64)                                                     \
+                for (int64_t r = 0; r < 16; r++)                                                    \
+                    for (int64_t kk = c; kk < k && kk < c + 64; kk++) d[(g * k + kk) * 16 + r] = s[(g * 16 + r) * k + kk]; \
+    } while (0)
 static PyObject *py_k16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "k16(src, dst, m, k, esz)"); return NULL; }
@@ -271,14 +283,8 @@ static PyObject *py_k16(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[1], &bd, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_s;
     if (want_len(&bs, m * k * esz, "src") || want_len(&bd, m * k * esz, "dst")) goto done_d;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for num_threads(pk_threads) schedule(static)
-    for (int64_t g = 0; g < m / 16; g++)
-        for (int64_t c = 0; c < k; c += 64) /* 16 rows x 64 elements a block */
-            for (int64_t r = 0; r < 16; r++)
-                for (int64_t kk = c; kk < k && kk < c + 64; kk++) {
-                    if (esz == 2) ((uint16_t *)bd.buf)[(g * k + kk) * 16 + r] = ((const uint16_t *)bs.buf)[(g * 16 + r) * k + kk];
-                    else ((uint32_t *)bd.buf)[(g * k + kk) * 16 + r] = ((const uint32_t *)bs.buf)[(g * 16 + r) * k + kk];
-                }
+    if (esz == 2) K16_COPY(uint16_t);
+    else K16_COPY(uint32_t);
     Py_END_ALLOW_THREADS
     ret = Py_NewRef(Py_None);
 done_d:
