@@ -106,7 +106,7 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     if (orp == Py_None) return 0; /* nothing repacked */
     int hk;
     const int64_t nrp = rp_bytes((int)kind, m, k, &hk);
-    if (nrp < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8, rows by 16"); return -1; }
+    if (nrp < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16, float32/float16 by 16 on SIMD builds"); return -1; }
     const void *p = hold(H, orp, 0, nrp, "rp");
     if (hk) M->hk = p; else M->rp = p;
     return p ? 0 : -1;

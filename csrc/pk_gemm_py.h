@@ -31,7 +31,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     int hk;
     const int64_t nrp = rp_bytes((int)kind, m, k, &hk);
     if (orp != Py_None && nrp < 0) {
-        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16, float16 by 16 on 8-lane builds");
+        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16, float32/float16 by 16 on SIMD builds");
         return NULL;
     }
     PyObject *ret = NULL;

@@ -71,8 +71,8 @@ static inline void h1_convert(const uint16_t *A, const uint16_t *B, int64_t kc, 
 }
 
 /* k16_chunk for float16 on AVX-512 (P: KC * GR floats when n > 2 GT) */
-static void k16_chunk_h(const void *A, const void *B, const float *x, int64_t n, int64_t ldx, int64_t kc,
-                           float *out, int64_t ldo, int64_t rows, int add, pf_cur *pf, float *P) {
+static void k16_chunk_h(const void *A, const void *B, const float *x, int64_t n, int64_t ldx, int64_t kc, float *out,
+                        int64_t ldo, int64_t rows, int add, pf_cur *pf, float *P) {
     if (n <= 2 * GT) {
         k16_chunk(A, B, x, n, ldx, kc, out, ldo, rows, add, pf, 0);
         return;

@@ -150,7 +150,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     if (orp != Py_None && nrp < 0) {
-        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16");
+        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16, float32/float16 by 16 on SIMD builds");
         return NULL;
     }
     Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
@@ -255,8 +255,6 @@ done_w:
     return ret;
 }
 
-/* k16(src, dst, m, k, esz): rows [m, k] of esz-byte elements (2: float16, 4: float32) laid out by
- * 16, k-major (csrc/pk_k16.h), into dst */
 /* rows [m, k] of T as [m / 16, k, 16] (csrc/pk_k16.h), 16 rows x 64 elements a block */
 #define K16_COPY(T)                                                                                 \
     do {                                                                                            \
@@ -268,6 +266,9 @@ done_w:
                 for (int64_t r = 0; r < 16; r++)                                                    \
                     for (int64_t kk = c; kk < k && kk < c + 64; kk++) d[(g * k + kk) * 16 + r] = s[(g * 16 + r) * k + kk]; \
     } while (0)
+
+/* k16(src, dst, m, k, esz): rows [m, k] of esz-byte elements (2: float16, 4: float32) laid out by
+ * 16, k-major (csrc/pk_k16.h), into dst */
 static PyObject *py_k16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "k16(src, dst, m, k, esz)"); return NULL; }
