@@ -101,6 +101,9 @@ def _stats(xs: list[float]) -> dict:
 def measure(args, prompts: dict[str, list[int]]) -> dict:
     workers = []
     for name in args.engines:
+        if name.startswith("hf-") and not (Path(args.hf_dir) / "config.json").is_file():
+            print(f"skip {name}: no HF snapshot at {args.hf_dir}", file=sys.stderr)
+            continue  # the worker would die with transformers' traceback
         try:
             workers.append(Worker(name, engine_spec(name, args)))
         except (RuntimeError, OSError) as exc:
