@@ -267,7 +267,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _write_tiny_gguf(path, arch: str, model) -> None:
+def write_tiny_gguf(path, arch: str, model, dtype=np.float32) -> None:
     import gguf
 
     cfg = model.config
@@ -302,7 +302,7 @@ def _write_tiny_gguf(path, arch: str, model) -> None:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
-        w.add_tensor(gname, arr)
+        w.add_tensor(gname, arr.astype(dtype) if arr.ndim == 2 else arr)  # matrices as `dtype`
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -335,7 +335,7 @@ def test_tiny_arch_logits_match_transformers(tmp_path, arch, keep_quantized):
             if name.endswith("bias") or "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
     path = tmp_path / f"{arch}.gguf"
-    _write_tiny_gguf(path, arch, model)
+    write_tiny_gguf(path, arch, model)
     ids = [3, 17, 42, 5, 77, 8, 13, 21, 34, 55, 89, 1]
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
@@ -356,7 +356,7 @@ def _tiny_qwen2(tmp_path):
                                      num_hidden_layers=1, num_attention_heads=4,
                                      num_key_value_heads=2, **extra)  # fmt: skip
     path = tmp_path / "q.gguf"
-    _write_tiny_gguf(path, "qwen2", transformers.AutoModelForCausalLM.from_config(cfg).eval())
+    write_tiny_gguf(path, "qwen2", transformers.AutoModelForCausalLM.from_config(cfg).eval())
     return path
 
 

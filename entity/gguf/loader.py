@@ -203,15 +203,20 @@ class _Loader:
 
     def matrix(self, name: str, comp: str) -> Any:
         from poly.quant.qtensor import GGUFMatrix
+        from poly.runtime.repack import k16_stored
 
         info, order = self.gg.tensors[name], self.orders.get(comp)
         if not self.keep:
             w = self.gg.dequantize(name)  # [out, in]
             return w if order is None else np.ascontiguousarray(w[order])
         raw = self.gg.tensor_bytes(name)  # [out, row_bytes]
+        if info.ggml_type in FLOAT_TYPES and _by16(info):  # laid out from the mapping
+            w = GGUFMatrix(raw, info.ggml_type, info.shape, order)
+            k16_stored(w)  # permuted q/k rows now, in order (others when the plan is made)
+            return w
         if order is not None:
             raw = np.ascontiguousarray(raw[order])  # whole quantized rows reordered
-        elif info.ggml_type in FLOAT_TYPES and not _by16(info):
+        elif info.ggml_type in FLOAT_TYPES:
             raw = _on_huge_pages(self.gg, name, raw)
         return GGUFMatrix(raw, info.ggml_type, info.shape)
 

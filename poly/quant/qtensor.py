@@ -304,9 +304,13 @@ def gguf_supported() -> frozenset[GGMLType]:
 
 
 class GGUFMatrix(QTensor):
-    """A GGUF tensor's raw bytes (numpy row-major shape (out, in)), dequantized per row block."""
+    """A GGUF tensor's raw bytes (numpy row-major shape (out, in)), dequantized per row block.
 
-    def __init__(self, raw: np.ndarray, ggml_type: int, shape):
+    `order` (optional): the rows of `raw` in this matrix's order (llama.cpp's q/k permutation),
+    applied by a copy made when a path first reads `raw`; `stored` keeps the file's order (the
+    fused step lays float rows out by 16 from it, `repack.k16`, and never asks for the copy)."""
+
+    def __init__(self, raw: np.ndarray, ggml_type: int, shape, order: np.ndarray | None = None):
         try:
             qtype = GGMLType(int(ggml_type))
         except ValueError as exc:
@@ -327,13 +331,24 @@ class GGUFMatrix(QTensor):
                 f"{qtype.name} tensor {self.shape} needs {self.shape[0] * row_bytes} bytes, "
                 f"got {flat.size} (size_mismatch)"
             )
-        self.raw = flat.reshape(self.shape[0], row_bytes)  # [out, row_bytes], a view
+        self.stored = flat.reshape(self.shape[0], row_bytes)  # [out, row_bytes], a view
+        if order is not None and not np.array_equal(np.sort(order), np.arange(self.shape[0])):
+            raise GGUFFormatError(f"row order is not a permutation of {self.shape[0]} rows")
+        self.order = order
+        self._raw = self.stored if order is None else None
         self.ggml_type = qtype
         self.scheme = "gguf_" + qtype.name.lower()
 
     @property
+    def raw(self) -> np.ndarray:
+        """The rows [out, row_bytes] in this matrix's order."""
+        if self._raw is None:  # whole rows reordered (quantized rows too)
+            self._raw = np.ascontiguousarray(self.stored[self.order])
+        return self._raw
+
+    @property
     def nbytes(self) -> int:
-        return int(self.raw.nbytes)
+        return int(self.stored.nbytes)
 
     def matmul_reference(self, x2: np.ndarray, res: np.ndarray) -> None:
         if self.ggml_type == GGMLType.F32:  # the stored rows are the matrix: one BLAS call

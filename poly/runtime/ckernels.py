@@ -168,6 +168,14 @@ def operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
     return kind, raw, None
 
 
+def laid(qt) -> tuple | None:
+    """(kind, stored rows, None) of a GGUF float matrix whose rows the file permutes, laid out by 16
+    in order (`repack.k16_stored`): read with its `r16` alone, never as the reordered `qt.raw`."""
+    if getattr(qt, "order", None) is not None and getattr(qt, "r16", None) is not None:
+        return GGUF_KINDS[qt.scheme], qt.stored, None
+    return None
+
+
 def supports(qt) -> bool:
     """True when the C kernels read this QTensor directly."""
     return AVAILABLE and operands(qt) is not None
@@ -226,10 +234,7 @@ def dequantize(
 def silu_mul(gate_up: np.ndarray, out: np.ndarray, up: np.ndarray | None = None) -> np.ndarray:
     """out [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:] in one vectorized pass, or with `up`
     silu(gate_up) * up (gate and up [n, I] apart); rows over the threads."""
-    if up is None:
-        EXT.silu_mul(gate_up, out)
-    else:
-        EXT.silu_mul(gate_up, out, up)
+    EXT.silu_mul(gate_up, out, *(() if up is None else (up,)))
     return out
 
 
@@ -241,13 +246,8 @@ def decode(layers, caches, head, x, logits, pos, threads, paged=None, reduce=Non
     place; it runs after the O and the down projection of every block. ``exact``: the model's
     BF16 rows are HF weights (Q8_EXACT_BF16)."""
     q8 = _opts["q8"] | (Q8_EXACT_BF16 if exact else 0)
-    args = (layers, caches, head, x, logits, pos, q8, threads)
-    if reduce is not None:
-        EXT.decode(*args, paged, reduce)
-    elif paged is None:
-        EXT.decode(*args)
-    else:
-        EXT.decode(*args, paged)
+    tail = (paged, reduce) if reduce is not None else () if paged is None else (paged,)
+    EXT.decode(layers, caches, head, x, logits, pos, q8, threads, *tail)
 
 
 def _check_io(x, out, m: int, k: int) -> None:
@@ -377,7 +377,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     from there the register-tiled `gemm` (1.5-1.8x OpenBLAS sgemm on SmolLM2's shapes, no
     dequantized copy); forms without a C reader: dequantize + BLAS."""
     n = x2.shape[0]
-    ops = operands(qt)
+    ops = laid(qt) or operands(qt)
     if ops is None:
         qt.matmul_reference(x2, res)
         return

@@ -37,7 +37,7 @@ def _mat(w, bias=None, by16: bool = True) -> tuple | None:
             return None
         hk = repack.k16(kind, w, w, *w.shape) if by16 else None  # rows by 16 (pk_k16.h)
         return (kind, w, None, w.shape[0], w.shape[1], bias) + (() if hk is None else (hk,))
-    ops = ckernels.operands(w) if ckernels.AVAILABLE else None
+    ops = (ckernels.laid(w) or ckernels.operands(w)) if ckernels.AVAILABLE else None
     if ops is None:
         return None
     kind, data, aux = ops

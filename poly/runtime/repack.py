@@ -141,12 +141,13 @@ def k16_wanted(kind: int, m: int) -> bool:
     return kind in (F16, F32) and m % 16 == 0 and bool(laid >> kind & 1)
 
 
-def k16(kind: int, w, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray | None:
     """float16/float32 rows [m, k] as [m / 16, k, 16] (group g: rows 16 g .. 16 g + 15, k-major)
     for csrc/pk_k16.h, made once per array, or None where the build or shape takes none or `raw`
     is not mapped from a file (a copy would double the resident weights). The mapped pages are
     then released (`release_mapped`): they stay in the page cache and fault back in if a path
-    reads the rows. `w`: the weight object the copy lives with (the array, or its QTensor)."""
+    reads the rows. `w`: the weight object the copy lives with (the array, or its QTensor);
+    `order` (optional): row i of the layout is stored row order[i] (a GGUF file's q/k rows)."""
     key = id(w)
     got = ckernels.K16.get(key)
     if got is not None or not k16_wanted(kind, m) or _mapping(raw) is None:
@@ -158,9 +159,22 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     src = np.asarray(raw).view(el).reshape(m, k)
     step = max(16, (1 << 24) // (16 * el().nbytes * k) * 16)  # rows a piece: 16 MB, then released
     for r in range(0, m, step):
-        piece = src[r : r + step]
+        rows = np.arange(r, min(m, r + step)) if order is None else order[r : r + step]
+        piece = src[r : r + step] if order is None else src[rows]  # [rows, k]
         ckernels.EXT.k16(piece, out[r // 16 : (r + step) // 16], len(piece), k, el().nbytes)
-        release_mapped(piece)
+        release_mapped(src[rows.min() : rows.max() + 1])
     ckernels.K16[key] = out
     weakref.finalize(w, ckernels.K16.pop, key, None)
     return out
+
+
+def k16_stored(w) -> np.ndarray | None:
+    """`w.r16`: a GGUF float matrix whose file permutes its rows (`GGUFMatrix.order`: llama.cpp's
+    q/k) laid out by 16 in the matrix's order straight from the file's mapping (at load), so the
+    reordered copy (`w.raw`) is never made: the C side reads the layout alone (csrc/pk_mat.h:
+    hk; `ckernels.laid`). None where the build or shape takes none."""
+    kind = ckernels.GGUF_KINDS.get(w.scheme)
+    if w.order is None or kind not in (F16, F32):
+        return None
+    w.r16 = k16(kind, w, w.stored, int(w.shape[0]), int(w.shape[1]), w.order)
+    return w.r16
