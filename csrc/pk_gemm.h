@@ -287,7 +287,7 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t p = 0; p < np; p++) {
                     const int64_t r0 = p * K8I_ROWS, rows = m - r0 < K8I_ROWS ? m - r0 : K8I_ROWS;
-                    if (tmp) k8i_rows(kind, &V, n - t < tb ? n - t : tb, out + t * m, m, r0, rows, (uint8_t *)tmp);
+                    if (tmp) k8i_rows(kind, &V, n - t < tb ? n - t : tb, out + t * m, m, r0, rows, (uint8_t *)tmp, r0 + pk_nth() * K8I_ROWS);
                 }
             }
         } else
