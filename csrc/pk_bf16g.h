@@ -42,21 +42,7 @@ static inline __attribute__((always_inline)) PK_BF16_TARGET void bf16_tile(const
 static inline __attribute__((always_inline)) PK_BF16_TARGET void bf16_span(const uint32_t *P, const float *x, int64_t i, int64_t nt,
                                                                           int64_t ldx, int64_t kc, float *out, int64_t ldo,
                                                                           int64_t rows, int add, pf_cur *pf) {
-    switch (nt) {
-    case 12: BF_TILE(12); break;
-    case 11: BF_TILE(11); break;
-    case 10: BF_TILE(10); break;
-    case 9: BF_TILE(9); break;
-    case 8: BF_TILE(8); break;
-    case 7: BF_TILE(7); break;
-    case 6: BF_TILE(6); break;
-    case 5: BF_TILE(5); break;
-    case 4: BF_TILE(4); break;
-    case 3: BF_TILE(3); break;
-    case 2: BF_TILE(2); break;
-    case 1: BF_TILE(1); break;
-    default: break;
-    }
+    GT_SWITCH(nt, BF_TILE)
 }
 
 /* tiles of equal size (16 tokens: 8 + 8, not 12 + 4: a small tile loads the weights for few dots) */

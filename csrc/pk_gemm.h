@@ -19,6 +19,20 @@
 #else
 #define GT 6 /* 12 of the 16 */
 #endif
+/* TILE(nt) for a count nt of tokens 1..GT, each case a tile of constant size (the tiles' loops
+ * and registers unrolled per size); other counts: nothing */
+#if GT > 6
+#define GT_WIDE(TILE) case 12: TILE(12); break; case 11: TILE(11); break; case 10: TILE(10); break; \
+    case 9: TILE(9); break; case 8: TILE(8); break; case 7: TILE(7); break;
+#else
+#define GT_WIDE(TILE)
+#endif
+#define GT_SWITCH(nt, TILE)                                                                                 \
+    switch (nt) {                                                                                           \
+    GT_WIDE(TILE)                                                                                           \
+    case 6: TILE(6); break; case 5: TILE(5); break; case 4: TILE(4); break; case 3: TILE(3); break;        \
+    case 2: TILE(2); break; case 1: TILE(1); break; default: break;                                        \
+    }
 #ifndef KC
 #define KC 512 /* k per packed chunk: GR * KC floats (64 KiB on AVX-512, in L2; 256 or 384: the same speed) */
 #endif
@@ -88,23 +102,10 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *P, cons
 static void gemm_chunk(const float *P, const float *x, int64_t n, int64_t ldx, int64_t kc, float *out, int64_t ldo,
                        int64_t rows, int add, pf_cur *pf) {
     int64_t i = 0;
-    for (; i + GT <= n; i += GT) gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, GT, pf);
-    switch (n - i) {
-#if GT > 6
-    case 11: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 11, pf); break;
-    case 10: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 10, pf); break;
-    case 9: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 9, pf); break;
-    case 8: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 8, pf); break;
-    case 7: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 7, pf); break;
-    case 6: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 6, pf); break;
-#endif
-    case 5: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 5, pf); break;
-    case 4: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 4, pf); break;
-    case 3: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 3, pf); break;
-    case 2: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 2, pf); break;
-    case 1: gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, 1, pf); break;
-    default: break;
-    }
+#define G_TILE(NT) gemm_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, NT, pf)
+    for (; i + GT <= n; i += GT) G_TILE(GT);
+    GT_SWITCH(n - i, G_TILE)
+#undef G_TILE
 }
 
 

@@ -40,47 +40,31 @@ static inline __attribute__((always_inline)) void k16_chunk(const void *H0, cons
                                                             int64_t rows, int add, pf_cur *pf, const int F32) {
     int64_t i = 0;
     for (; i + GT <= n; i += GT) K16_T(GT);
-    switch (n - i) {
-#if GT > 6
-    case 11: K16_T(11); break;
-    case 10: K16_T(10); break;
-    case 9: K16_T(9); break;
-    case 8: K16_T(8); break;
-    case 7: K16_T(7); break;
-    case 6: K16_T(6); break;
-#endif
-    case 5: K16_T(5); break;
-    case 4: K16_T(4); break;
-    case 3: K16_T(3); break;
-    case 2: K16_T(2); break;
-    case 1: K16_T(1); break;
-    default: break;
-    }
+    GT_SWITCH(n - i, K16_T)
 }
 
-#if PK_AVX512
 /* AVX-512 float16: the tile converts the panel's elements again for every 12 tokens; past two
  * tiles the chunk is converted once into P and the packed tiles take it (one thread [8192 x 2048]:
  * 42 rows 101 -> 103 GFLOP/s, 128 rows 102 -> 108; 16 or 24 rows lose 3-6 %; on AVX2 every
  * count loses: its 128-bit conversions are cheap). The same FMA chains as k16_tile: the same bits. */
-static inline void h1_convert(const uint16_t *A, const uint16_t *B, int64_t kc, float *P) {
+#define K16_CONVERT PK_AVX512
+static inline void k16_convert_h(const uint16_t *A, const uint16_t *B, int64_t kc, float *P) {
     for (int64_t kk = 0; kk < kc; kk++) {
         GV_STORE(P + kk * GR, K16_H(A + kk * 16));
         GV_STORE(P + kk * GR + GL, K16_H(B + kk * 16));
     }
 }
 
-/* k16_chunk for float16 on AVX-512 (P: KC * GR floats when n > 2 GT) */
+/* k16_chunk for float16 (P: KC * GR floats when K16_CONVERT and n > 2 GT) */
 static void k16_chunk_h(const void *A, const void *B, const float *x, int64_t n, int64_t ldx, int64_t kc, float *out,
                         int64_t ldo, int64_t rows, int add, pf_cur *pf, float *P) {
-    if (n <= 2 * GT) {
+    if (!K16_CONVERT || n <= 2 * GT) {
         k16_chunk(A, B, x, n, ldx, kc, out, ldo, rows, add, pf, 0);
         return;
     }
-    h1_convert((const uint16_t *)A, (const uint16_t *)B, kc, P);
+    k16_convert_h((const uint16_t *)A, (const uint16_t *)B, kc, P);
     gemm_chunk(P, x, n, ldx, kc, out, ldo, rows, add, pf);
 }
-#endif
 
 /* the panel from row r0 (a multiple of 16; rows <= GR of it to out, the matrix's m rows) against n
  * inputs, chunk by chunk; next: the first row of the panel this thread takes next (-1: none), its
@@ -89,9 +73,7 @@ static void k16_group(int kind, const void *hk, int64_t k, int64_t m, const floa
                       float *out, int64_t ldo, int64_t r0, int64_t rows, int64_t next) {
     const int64_t es = kind == K_F32 ? 4 : 2, gb = 16 * k * es; /* a group's bytes */
     const char *G0 = (const char *)hk + r0 * k * es, *G1 = FG == 1 ? G0 + 8 * es : r0 + 16 < m ? G0 + gb : G0;
-#if PK_AVX512
-    float P[n > 2 * GT && kind == K_F16 ? KC * GR : 1] __attribute__((aligned(64)));
-#endif
+    float P[K16_CONVERT && n > 2 * GT && kind == K_F16 ? KC * GR : 1] __attribute__((aligned(64)));
     for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = k - c0 < KC ? k - c0 : KC, c1 = c0 + kc;
         pf_cur pf = {0};
@@ -101,11 +83,7 @@ static void k16_group(int kind, const void *hk, int64_t k, int64_t m, const floa
         pf.rows = pf.p ? FG : 0; /* past the matrix's last row: a prefetch never faults */
         const char *A = G0 + c0 * 16 * es, *B = G1 + c0 * 16 * es;
         if (kind == K_F32) k16_chunk(A, B, x + c0, n, ldx, kc, out, ldo, rows, c0 > 0, &pf, 1);
-#if PK_AVX512
         else k16_chunk_h(A, B, x + c0, n, ldx, kc, out, ldo, rows, c0 > 0, &pf, P);
-#else
-        else k16_chunk(A, B, x + c0, n, ldx, kc, out, ldo, rows, c0 > 0, &pf, 0);
-#endif
     }
 }
 
