@@ -62,7 +62,8 @@ def header(machine: dict, args: dict) -> str:
         f"{args.get('warmup', 0)} untimed warm-up run(s) of each op, "
         f"{args['new']} decode tokens; memory read bandwidth "
         f"{machine['bandwidth'] / 1e9:.1f} GB/s ({args['threads']} threads, plain read loop; the "
-        f"most of {len(bws)} measurements, least {min(bws) / 1e9:.1f})",
+        f"{machine.get('bandwidth_stat', 'most')} of {len(bws)} measurements, "
+        f"{min(bws) / 1e9:.1f}-{max(bws) / 1e9:.1f})",
     ]
     return "\n".join(lines)
 

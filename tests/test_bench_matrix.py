@@ -168,8 +168,11 @@ def test_ratio_table():
 def test_render_has_header_and_both_tables():
     text = render(_report())
     assert "CPU: Test CPU (2 logical CPUs); flags: avx2" in text
-    assert "read bandwidth 25.0 GB/s" in text and "the most of 3 measurements, least 20.0" in text
+    assert "read bandwidth 25.0 GB/s" in text and "the most of 3 measurements, 20.0-25.0" in text
     assert "## smollm2" in text and "Ratios (smollm2):" in text
+    r = _report()  # reports since session 23: the median of the measurements
+    r["machine"].update(bandwidth=21e9, bandwidth_stat="median")
+    assert "read bandwidth 21.0 GB/s" in render(r) and "the median of 3 measurements" in render(r)
 
 
 def test_compare_engine_specs_from_the_shared_workers(tmp_path):
