@@ -307,8 +307,8 @@ class GGUFMatrix(QTensor):
     """A GGUF tensor's raw bytes (numpy row-major shape (out, in)), dequantized per row block.
 
     `order` (optional): the rows of `raw` in this matrix's order (llama.cpp's q/k permutation),
-    applied by a copy made when a path first reads `raw`; `stored` keeps the file's order (the
-    fused step lays float rows out by 16 from it, `repack.k16`, and never asks for the copy)."""
+    applied by a copy made when a path first reads `raw`; `stored` keeps the file's order (float
+    rows are laid out by 16 from it, `repack.k16_stored`, and never ask for the copy)."""
 
     def __init__(self, raw: np.ndarray, ggml_type: int, shape, order: np.ndarray | None = None):
         try:

@@ -159,10 +159,10 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
     src = np.asarray(raw).view(el).reshape(m, k)
     step = max(16, (1 << 24) // (16 * el().nbytes * k) * 16)  # rows a piece: 16 MB, then released
     for r in range(0, m, step):
-        rows = np.arange(r, min(m, r + step)) if order is None else order[r : r + step]
-        piece = src[r : r + step] if order is None else src[rows]  # [rows, k]
+        rows = slice(r, r + step) if order is None else order[r : r + step]
+        piece = src[rows]  # [rows, k]: a view, or the rows gathered in order
         ckernels.EXT.k16(piece, out[r // 16 : (r + step) // 16], len(piece), k, el().nbytes)
-        release_mapped(src[rows.min() : rows.max() + 1])
+        release_mapped(piece if order is None else src[rows.min() : rows.max() + 1])
     ckernels.K16[key] = out
     weakref.finalize(w, ckernels.K16.pop, key, None)
     return out
