@@ -308,12 +308,12 @@ def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
 
 def calls_win(p: Plan) -> bool:
     """Whether a prompt longer than one call (STEP_ROWS) runs faster as fused calls of at most
-    STEP_ROWS rows than on the reference path: where the step's dense row tiles take its rows
-    (F16 on the AVX-512 build, csrc/pk_decode.c dense_tiles; Zen 4 1B F16 128 tokens 67-73 ->
-    85-92 tok/s, 512 53-65 -> 76-83). The reference path's gemm won for F32 (85 against 74) and
-    the K-quants (196 against 172), and tied for Q8_0/Q4_0/BF16."""
+    STEP_ROWS rows than on the reference path: F16 rows on the SIMD builds (AVX-512: the dense
+    row tiles, Zen 4 1B 128 tokens 67-73 -> 85-92 tok/s; AVX2: the layout's panels without the
+    per-layer numpy, Zen 3 1B 128 tokens 53.8 -> 59.1, 512 52.7 -> 57.2, Zen 4 a tie). The
+    reference path's gemm won for F32 (85 against 74) and K-quants, tied for Q8_0/Q4_0/BF16."""
     blocks = frozenset(_kinds(p.layers))  # the LM head runs for the last row alone
-    return blocks == {ckernels.F16} and ckernels.info().get("isa") == "avx512"
+    return blocks == {ckernels.F16} and ckernels.info().get("isa") in ("avx512", "avx2")
 
 
 def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
