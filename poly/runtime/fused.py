@@ -147,16 +147,16 @@ class Plan:
         self.ok = True
 
 
-def _kinds(args):
-    """The C kinds of every matrix record not repacked by 16 (_mat's 6-tuples; a repacked
-    one's rows are alike on every path, csrc/pk_r16.h) inside the nested argument tuples."""
+def _kinds(args, repacked=False):
+    """The C kinds of the matrix records inside the nested argument tuples: those not repacked by
+    16 (_mat's 6-tuples; a repacked one's rows are alike on every path), or all of them."""
     if isinstance(args, tuple):
         if len(args) in (6, 7) and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
-            if len(args) == 6:
+            if len(args) == 6 or repacked:
                 yield args[0]
         else:
             for a in args:
-                yield from _kinds(a)
+                yield from _kinds(a, repacked)
 
 
 def _weights(args):
@@ -312,7 +312,7 @@ def calls_win(p: Plan) -> bool:
     row tiles, Zen 4 1B 128 tokens 67-73 -> 85-92 tok/s; AVX2: the layout's panels without the
     per-layer numpy, Zen 3 1B 128 tokens 53.8 -> 59.1, 512 52.7 -> 57.2, Zen 4 a tie). The
     reference path's gemm won for F32 (85 against 74) and K-quants, tied for Q8_0/Q4_0/BF16."""
-    blocks = frozenset(_kinds(p.layers))  # the LM head runs for the last row alone
+    blocks = frozenset(_kinds(p.layers, True))  # the LM head runs for the last row alone
     return blocks == {ckernels.F16} and ckernels.info().get("isa") in ("avx512", "avx2")
 
 
