@@ -313,7 +313,7 @@ def calls_win(p: Plan) -> bool:
     per-layer numpy, Zen 3 1B 128 tokens 53.8 -> 59.1, 512 52.7 -> 57.2, Zen 4 a tie). The
     reference path's gemm won for F32 (85 against 74) and K-quants, tied for Q8_0/Q4_0/BF16."""
     blocks = frozenset(_kinds(p.layers, True))  # the LM head runs for the last row alone
-    return blocks == {ckernels.F16} and ckernels.info().get("isa") in ("avx512", "avx2")
+    return blocks == {ckernels.F16} and ckernels.SIMD  # the AVX2 and AVX-512 builds, as use_isa set
 
 
 def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
