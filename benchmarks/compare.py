@@ -24,7 +24,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.workers import Worker  # noqa: E402
+from benchmarks.workers import start_worker  # noqa: E402
 
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
 ENGINES = (
@@ -52,9 +52,10 @@ def engine_spec(name: str, args) -> dict:
     elif name.startswith("poly-entity-"):
         spec.update(kind="poly", path=str(WORK / f"smollm2-{name.rsplit('-', 1)[1]}.entity"))
     elif name == "llama-q4_1":
-        spec.update(kind="llama", path=str(args.gguf), n_ctx=512)
+        spec.update(kind="llama", path=str(args.gguf), n_ctx=512, buffers=args.llama_buffers)
     elif name.startswith("llama-"):
-        spec.update(kind="llama", path=str(WORK / f"smollm2-{name.split('-')[1]}.gguf"), n_ctx=512)
+        path = WORK / f"smollm2-{name.split('-')[1]}.gguf"
+        spec.update(kind="llama", path=str(path), n_ctx=512, buffers=args.llama_buffers)
     else:
         spec.update(kind="hf", path=str(args.hf_dir))
     return spec
@@ -99,24 +100,23 @@ def _stats(xs: list[float]) -> dict:
 
 
 def measure(args, prompts: dict[str, list[int]]) -> dict:
-    workers = []
+    workers, warm = [], {"op": "run", "ids": prompts["chat"][:8], "new": 12}
     for name in args.engines:
         if name.startswith("hf-") and not (Path(args.hf_dir) / "config.json").is_file():
             print(f"skip {name}: no HF snapshot at {args.hf_dir}", file=sys.stderr)
             continue  # the worker would die with transformers' traceback
-        try:
-            workers.append(Worker(name, engine_spec(name, args)))
-        except (RuntimeError, OSError) as exc:
+        spec = engine_spec(name, args)
+        try:  # warm-up: weights paged in, kernels compiled, poly's thread count chosen
+            workers.append(start_worker(name, spec, warm))
+        except (RuntimeError, OSError) as exc:  # e.g. a llama.cpp build that crashes in decode
             print(f"skip {name}: {exc}", file=sys.stderr)
-    alive = []
-    for w in workers:  # warm-up: weights paged in, kernels compiled, poly's thread count chosen
-        try:
-            w.ask({"op": "run", "ids": prompts["chat"][:8], "new": 12})
-            alive.append(w)
-        except RuntimeError as exc:  # e.g. a llama.cpp build that crashes in decode
-            print(f"skip {w.name}: {exc}", file=sys.stderr)
-    workers = alive
+            continue
+        if spec.get("buffers") == "plain":
+            print(f"{name}: llama.cpp on plain weight buffers", file=sys.stderr)
     results = {w.name: {"prefill": {}, "decode": {}, "tokens": {}} for w in workers}
+    for w in workers:
+        if "buffers" in w.spec:  # the llama.cpp weight buffers measured
+            results[w.name]["buffers"] = w.spec["buffers"]
     for run in range(args.runs):
         print(f"run {run + 1}/{args.runs} …", file=sys.stderr, flush=True)  # progress
         for key, ids in prompts.items():
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", nargs="*", default=list(ENGINES))
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--hf-dir", default=None)
+    ap.add_argument("--llama-buffers", dest="llama_buffers", choices=("default", "plain"),
+                    default="default", help="llama.cpp's weight buffers: its default (repacked "
+                    "Q4_0/Q4_K/... layouts; plain if it crashes) or plain")  # fmt: skip
     ap.add_argument(
         "--json", default=None, help="write the report as JSON to this file ('-': stdout only)"
     )

@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.matrix_report import decode_bytes, parse_cpuinfo, render, stats  # noqa: E402
-from benchmarks.workers import Worker  # noqa: E402
+from benchmarks.workers import Worker, start_worker  # noqa: E402
 
 # llama_ftype of each preset (llama.h); F32 is the source file itself. The default run: the
 # issue's nine; --precisions takes the other presets llama.cpp's quantizer writes too
@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--kv-cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
                     help="poly's KV cache (llama.cpp's is f16, its default)")  # fmt: skip
+    ap.add_argument("--llama-buffers", dest="llama_buffers", choices=("default", "plain"),
+                    default="default", help="llama.cpp's weight buffers: its default (repacked "
+                    "Q4_0/Q4_K/... layouts; plain if it crashes) or plain")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
     ap.add_argument("--json", default=None, help="write the report as JSON ('-': stdout only)")
     ap.add_argument(
@@ -244,7 +247,8 @@ def engine_specs(model: str, precision: str, files: dict, args) -> dict[str, dic
     specs = {"poly": dict(ours, path=str(files["gguf"]))}
     if "entity" in files:
         specs[f"poly-entity-{ENTITY_IN[precision]}"] = dict(ours, path=str(files["entity"]))
-    specs["llama"] = dict(base, kind="llama", path=str(files["gguf"]), n_ctx=n_ctx)
+    llama = dict(base, kind="llama", path=str(files["gguf"]), n_ctx=n_ctx)
+    specs["llama"] = dict(llama, buffers=args.llama_buffers)
     if precision == "F32" and not args.no_hf:
         specs["hf"] = dict(base, kind="hf", path=str(files["gguf"]))
     return specs
@@ -256,14 +260,16 @@ def start(specs: dict, label: str, entries: dict, ids: dict, args) -> list[Worke
     workers = []
     for name, spec in specs.items():
         try:
-            w = Worker(name, spec)
-            w.ask({"op": "decode", "ids": ids["text"][:8], "new": 12})
+            w = start_worker(name, spec, {"op": "decode", "ids": ids["text"][:8], "new": 12})
         except (RuntimeError, OSError, ValueError) as exc:
             entries[name] = {"error": str(exc)}
             progress(f"{label} {name}: {exc}")
             continue
         entries[name].update(load_s=w.load_s, rss_mb=w.rss)
-        progress(f"{label} {name}: loaded in {w.load_s:.2f} s, {w.rss:.0f} MB")
+        if spec.get("kind") == "llama":
+            entries[name]["buffers"] = spec["buffers"]
+        note = f", {spec['buffers']} buffers" if spec.get("kind") == "llama" else ""
+        progress(f"{label} {name}: loaded in {w.load_s:.2f} s, {w.rss:.0f} MB{note}")
         workers.append(w)
     return workers
 

@@ -64,6 +64,9 @@ def header(machine: dict, args: dict) -> str:
         f"{machine['bandwidth'] / 1e9:.1f} GB/s ({args['threads']} threads, plain read loop; the "
         f"{machine.get('bandwidth_stat', 'most')} of {len(bws)} measurements, "
         f"{min(bws) / 1e9:.1f}-{max(bws) / 1e9:.1f})",
+        # reports before session 25 have no key: their llama.cpp ran on plain buffers
+        f"llama.cpp weight buffers: {args.get('llama_buffers', 'plain')} (a cell marked "
+        "'plain' fell back: its default buffers crashed)",
     ]
     return "\n".join(lines)
 
@@ -99,7 +102,9 @@ def speed_table(cells: list[dict], args: dict, bandwidth: float) -> str:
                 roof = roofline_fraction(d0, e["bytes_per_token"], bandwidth)
             vals += [_fmt(roof, 2), _fmt(e.get("load_s"), 2), _fmt(e.get("rss_mb"), 0)]
             vals.append("-" if e.get("agree") is None else str(e["agree"]))
-            lines.append(f"| {cell['precision']} | {name} | " + " | ".join(vals) + " |")
+            fell = e.get("buffers") == "plain" and args.get("llama_buffers") == "default"
+            label = f"{name} (plain)" if fell else name
+            lines.append(f"| {cell['precision']} | {label} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
 

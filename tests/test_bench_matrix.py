@@ -78,6 +78,9 @@ def test_engine_specs_per_cell(tmp_path):
     assert list(specs) == ["poly", "poly-entity-q4", "llama"]
     assert specs["llama"]["path"] == specs["poly"]["path"] == str(files["gguf"])
     assert specs["llama"]["n_ctx"] >= 512 + 1000 + 64
+    assert specs["llama"]["buffers"] == "default"  # llama.cpp's own (repacked) buffers
+    plain = engine_specs("smollm2", "Q4_0", files, parse_args(["--llama-buffers", "plain"]))
+    assert plain["llama"]["buffers"] == "plain"
     f32 = engine_specs("smollm2", "F32", {"gguf": files["gguf"]}, a)
     assert list(f32) == ["poly", "llama", "hf"]
     assert "hf" not in engine_specs(
@@ -156,6 +159,9 @@ def test_speed_table_rows_and_roofline():
     assert lines[2] == "| F32 | poly | 300 | 50.0 | 40.0 | 0.80 | 0.50 | 700 | 64 |"
     assert lines[3] == "| F32 | llama | 200 | 40.0 | 50.0 | 0.64 | - | - | - |"
     assert lines[4] == "| Q2_K | poly | failed: died |"
+    r["cells"][0]["engines"]["llama"]["buffers"] = "plain"  # fell back from the default
+    lines = speed_table(r["cells"], r["args"], 25e9).splitlines()
+    assert lines[3].startswith("| F32 | llama (plain) | 200 |")
 
 
 def test_ratio_table():
@@ -170,6 +176,10 @@ def test_render_has_header_and_both_tables():
     assert "CPU: Test CPU (2 logical CPUs); flags: avx2" in text
     assert "read bandwidth 25.0 GB/s" in text and "the most of 3 measurements, 20.0-25.0" in text
     assert "## smollm2" in text and "Ratios (smollm2):" in text
+    assert "llama.cpp weight buffers: default" in text
+    old = _report()  # reports before session 25 name no buffers: they ran on plain ones
+    del old["args"]["llama_buffers"]
+    assert "llama.cpp weight buffers: plain" in render(old)
     r = _report()  # reports since session 23: the median of the measurements
     r["machine"].update(bandwidth=21e9, bandwidth_stat="median")
     assert "read bandwidth 21.0 GB/s" in render(r) and "the median of 3 measurements" in render(r)
@@ -178,7 +188,8 @@ def test_render_has_header_and_both_tables():
 def test_compare_engine_specs_from_the_shared_workers(tmp_path):
     from benchmarks.compare import ENGINES, WORK, engine_spec
 
-    args = type("A", (), {"threads": 2, "gguf": "m.gguf", "hf_dir": str(tmp_path)})()
+    fields = {"threads": 2, "gguf": "m.gguf", "hf_dir": str(tmp_path), "llama_buffers": "default"}
+    args = type("A", (), fields)()
     specs = {name: engine_spec(name, args) for name in ENGINES}
     assert specs["poly-f32"] == {
         "threads": 2, "kind": "poly", "path": "m.gguf", "keep_quantized": False,
@@ -187,7 +198,37 @@ def test_compare_engine_specs_from_the_shared_workers(tmp_path):
     assert specs["poly-entity-q8"]["path"] == str(WORK / "smollm2-q8.entity")
     assert specs["llama-f16"]["path"] == str(WORK / "smollm2-f16.gguf")
     assert specs["llama-q4_1"]["path"] == "m.gguf"
+    assert specs["llama-q4_1"]["buffers"] == specs["llama-f16"]["buffers"] == "default"
     assert specs["hf-f32"] == {"threads": 2, "kind": "hf", "path": str(tmp_path)}
+
+
+class _Dying:
+    """A Worker stand-in: a llama.cpp worker on default buffers dies in its warm-up."""
+
+    started: list = []
+
+    def __init__(self, name, spec):
+        self.name, self.spec = name, spec
+        _Dying.started.append(dict(spec))
+
+    def ask(self, req):
+        if self.spec.get("buffers") == "default":
+            raise RuntimeError(f"worker {self.name} died (exit -11)")
+        return {}
+
+
+def test_start_worker_falls_back_to_plain_buffers_and_says_so(monkeypatch):
+    import benchmarks.workers as workers
+
+    monkeypatch.setattr(workers, "Worker", _Dying)
+    _Dying.started = []
+    spec = {"kind": "llama", "path": "m.gguf", "buffers": "default"}
+    w = workers.start_worker("llama", spec, {"op": "decode"})
+    assert [s["buffers"] for s in _Dying.started] == ["default", "plain"]
+    assert w.spec["buffers"] == spec["buffers"] == "plain"
+    with pytest.raises(RuntimeError):  # plain asked for, or a poly worker: no second try
+        workers.start_worker("poly", {"kind": "poly", "buffers": "default"}, {"op": "decode"})
+    assert len(_Dying.started) == 3
 
 
 class FakeEngine(Engine):
