@@ -115,7 +115,7 @@ class PolyEngine(Engine):
 
 def llama_plain_buffers() -> None:
     """Keep llama.cpp's weights in plain CPU buffers: no "extra" buffer types (AMX tiles, the
-    Q4_0/Q4_K/IQ4_NL/Q2_K layouts repacked for its AVX2 gemm). Only a fallback (`start_worker`):
+    Q4_0, Q4_K and more repacked for its gemm, per build and CPU). Only a fallback (`start_worker`):
     those types are llama.cpp's default, and faster (Zen 3, 1B Q4_0: 128-token prompt 40 -> 57
     tok/s, decode 16.6 -> 19.3), but llama-cpp-python 0.3.36 crashed with them in llama_decode
     on a VM that hides AMX from the guest. llama-cpp-python has no keyword for it, so the
