@@ -37,6 +37,7 @@
 
 #include "pk_ranges.h"
 #include "pk_r16.h"
+#include "pk_r8k.h"
 
 static void pk_rmsnorm(const float *x, const float *g, float eps, float *out, int64_t n) {
     double ss = 0.0;

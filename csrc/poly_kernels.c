@@ -16,6 +16,7 @@ static int pk_threads = 1;
 
 #include "pk_ranges.h"
 #include "pk_r16.h"
+#include "pk_r8k.h"
 
 /* rows [0, m) split over nt threads, each range through the fused step's range function f
  * (pairs and quads of rows as there, so both give the same sums) */
@@ -311,8 +312,8 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 #else
     int omp = 0;
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16, "k16", K16_KINDS,
-                         "r16p", PK_R16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_rows(K_BF16, 2, 2));
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_R16, "k16", K16_KINDS,
+                         "r8k", PK_R8K, "r16p", PK_R16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_rows(K_BF16, 2, 2));
 }
 
 static PyMethodDef methods[] = {

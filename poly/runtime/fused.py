@@ -42,9 +42,14 @@ def _mat(w, bias=None, by16: bool = True) -> tuple | None:
         return None
     kind, data, aux = ops
     m, k = int(w.shape[0]), int(w.shape[1])
-    rp = getattr(w, "r16", None)  # rows by 16 (csrc/pk_r16.h, repack.py's kinds): made once
-    if rp is None and not hasattr(w, "r16"):  # the prompt GEMM reads it too
-        rp = w.r16 = repack.repack16(kind, data, m, k, aux, w if by16 else None)
+    if kind == ckernels.Q4_K:  # rows by 8 for the decode rows (csrc/pk_r8k.h): made once
+        if not hasattr(w, "r8k"):
+            w.r8k = repack.repack8k(data, m, k) if by16 else None
+        rp = w.r8k
+    else:  # rows by 16 (csrc/pk_r16.h, repack.py's kinds): made once
+        rp = getattr(w, "r16", None)
+        if rp is None and not hasattr(w, "r16"):  # the prompt GEMM reads it too
+            rp = w.r16 = repack.repack16(kind, data, m, k, aux, w if by16 else None)
     return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
 
 
@@ -149,10 +154,11 @@ class Plan:
 
 def _kinds(args, repacked=False):
     """The C kinds of the matrix records inside the nested argument tuples: those not repacked by
-    16 (_mat's 6-tuples; a repacked one's rows are alike on every path), or all of them."""
+    16 (_mat's 6-tuples; a repacked one's rows are alike on every path; Q4_K rows by 8 serve
+    decode rows alone, a prompt takes the int8 panels), or all of them."""
     if isinstance(args, tuple):
         if len(args) in (6, 7) and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
-            if len(args) == 6 or repacked:
+            if len(args) == 6 or repacked or args[0] == ckernels.Q4_K:
                 yield args[0]
         else:
             for a in args:

@@ -16,6 +16,7 @@ from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q8_0
 
 R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
 R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
+R8K_REC = 1184  # bytes per 8 Q4_K rows and super-block (csrc/pk_r8k.h)
 
 
 def _mapping(arr: np.ndarray):
@@ -97,6 +98,35 @@ def repack16(
     codes = blocks[..., bb - 4 * nq :].reshape(g, 16, nb, nq, 4)  # [g, row, nb, q, i]
     out[..., 64:].reshape(g, nb, nq, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
     release_mapped(raw)
+    return out
+
+
+def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+    """GGUF Q4_K rows [m, k] regrouped 8 at a time for csrc/pk_r8k.h (the auto mode's decode
+    rows, one vector lane per row), or None where this build or shape takes none. Per 8 rows and
+    super-block: D[8], Dmin[8] as float16, the 6-bit scales (byte 8 j + r) and mins (byte 16 i +
+    2 r + e: sub-block 2 i + e) unpacked, then 32 code vectors, byte 4 r + b of vector 8 i + t =
+    stored code byte 32 i + 4 t + b of row r. The stored rows stay mapped: a prompt's int8 panels
+    read them (csrc/pk_k8i.h)."""
+    if m % 8 or k % 256 or not (ckernels.AVAILABLE and ckernels.EXT.info().get("r8k")):
+        return None
+    g, ns = m // 8, k // 256
+    blocks = np.asarray(raw).reshape(g, 8, ns, 144)  # the stored bytes [group, row, sb, block]
+    out = np.empty((g, ns, R8K_REC), dtype=np.uint8)
+    for j, lo in enumerate((0, 2)):  # D, Dmin: [g, 8, ns, 2] -> [g, ns, 8 rows, 2]
+        half = blocks[..., lo : lo + 2]
+        out[..., 16 * j : 16 * j + 16].reshape(g, ns, 8, 2)[...] = half.transpose(0, 2, 1, 3)
+    q = blocks[..., 4:16].transpose(0, 2, 1, 3).astype(np.uint8)  # [g, ns, row, 12]
+    sc = np.empty((g, ns, 8, 8), dtype=np.uint8)  # [g, ns, row, j]
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = q[..., 0:4] & 63, q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    out[..., 32:96].reshape(g, ns, 8, 8)[...] = sc.transpose(0, 1, 3, 2)  # byte 8 j + r
+    pairs = mn.reshape(g, ns, 8, 4, 2)  # [g, ns, row, i, e]
+    out[..., 96:160].reshape(g, ns, 4, 8, 2)[...] = pairs.transpose(0, 1, 3, 2, 4)
+    codes = blocks[..., 16:].reshape(g, 8, ns, 32, 4)  # [g, row, sb, 8 i + t, b]
+    out[..., 160:].reshape(g, ns, 32, 8, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
     return out
 
 
