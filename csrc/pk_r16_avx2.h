@@ -10,7 +10,9 @@
  * exact. Included by pk_r16.h. */
 #ifndef PK_R16_AVX2_H
 #define PK_R16_AVX2_H
+#ifndef R16_PF
 #define R16_PF 4096
+#endif
 
 /* the 8 code vectors of one half of a Q4 block's record (p: the record + 32 h), nibbles as bytes
  * (low: elements 4 q + i, high: 16 + 4 q + i) */
