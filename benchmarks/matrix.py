@@ -247,8 +247,8 @@ def engine_specs(model: str, precision: str, files: dict, args) -> dict[str, dic
     specs = {"poly": dict(ours, path=str(files["gguf"]))}
     if "entity" in files:
         specs[f"poly-entity-{ENTITY_IN[precision]}"] = dict(ours, path=str(files["entity"]))
-    llama = dict(base, kind="llama", path=str(files["gguf"]), n_ctx=n_ctx)
-    specs["llama"] = dict(llama, buffers=args.llama_buffers)
+    specs["llama"] = dict(base, kind="llama", path=str(files["gguf"]), n_ctx=n_ctx)
+    specs["llama"]["buffers"] = args.llama_buffers
     if precision == "F32" and not args.no_hf:
         specs["hf"] = dict(base, kind="hf", path=str(files["gguf"]))
     return specs
@@ -265,9 +265,7 @@ def start(specs: dict, label: str, entries: dict, ids: dict, args) -> list[Worke
             entries[name] = {"error": str(exc)}
             progress(f"{label} {name}: {exc}")
             continue
-        entries[name].update(load_s=w.load_s, rss_mb=w.rss)
-        if spec.get("kind") == "llama":
-            entries[name]["buffers"] = spec["buffers"]
+        entries[name].update(load_s=w.load_s, rss_mb=w.rss, buffers=spec.get("buffers"))
         note = f", {spec['buffers']} buffers" if spec.get("kind") == "llama" else ""
         progress(f"{label} {name}: loaded in {w.load_s:.2f} s, {w.rss:.0f} MB{note}")
         workers.append(w)

@@ -42,14 +42,7 @@ def _mat(w, bias=None, by16: bool = True) -> tuple | None:
         return None
     kind, data, aux = ops
     m, k = int(w.shape[0]), int(w.shape[1])
-    if kind == ckernels.Q4_K:  # rows by 8 for the decode rows (csrc/pk_r8k.h): made once
-        if not hasattr(w, "r8k"):
-            w.r8k = repack.repack8k(data, m, k) if by16 else None
-        rp = w.r8k
-    else:  # rows by 16 (csrc/pk_r16.h, repack.py's kinds): made once
-        rp = getattr(w, "r16", None)
-        if rp is None and not hasattr(w, "r16"):  # the prompt GEMM reads it too
-            rp = w.r16 = repack.repack16(kind, data, m, k, aux, w if by16 else None)
+    rp = repack.copy_for(w, kind, data, m, k, aux, by16)  # rows by 16 (Q4_K: by 8), made once
     return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
 
 

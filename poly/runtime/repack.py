@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from poly.runtime import ckernels
-from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q8_0
+from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q8_0
 
 R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
 R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
@@ -99,6 +99,20 @@ def repack16(
     out[..., 64:].reshape(g, nb, nq, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
     release_mapped(raw)
     return out
+
+
+def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) -> np.ndarray | None:
+    """The copy of `w`'s rows the fused step reads (`_mat`'s rp), made once per matrix and kept
+    on w: Q4_K rows by 8 (`w.r8k`, decode rows only: not for experts, by16 False), the other
+    kinds by 16 (`w.r16`, which a prompt's GEMM reads too), or None."""
+    if kind == Q4_K:
+        if not hasattr(w, "r8k"):
+            w.r8k = repack8k(data, m, k) if by16 else None
+        return w.r8k
+    rp = getattr(w, "r16", None)
+    if rp is None and not hasattr(w, "r16"):
+        rp = w.r16 = repack16(kind, data, m, k, aux, w if by16 else None)
+    return rp
 
 
 def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
