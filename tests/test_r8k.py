@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from poly.runtime import ckernels, kernels, repack
+from poly.runtime import ckernels, fused, kernels, repack
 from tests.test_fused import quantize_all, run_steps, tiny_cfg
 from tests.tiny_model import random_transformer
 
@@ -74,6 +74,8 @@ def test_decode_rows_read_the_copy(threads, monkeypatch):
         quantize_all(tf, "gguf_q4_k")
         auto = run_steps(tf, True, monkeypatch)
         assert copies and all(c is not None for c in copies), "Q4_K matrices repacked by 8"
+        # a prompt still takes the int8 panels: its rows are not a decode row's (server mixing)
+        assert ckernels.Q4_K in fused.plan(tf).kinds and not fused.rows_alike(tf)
         python = run_steps(tf, False, monkeypatch)
         for a, p in zip(auto[1:], python[1:]):  # the decode steps (the prompt: int8 panels)
             np.testing.assert_allclose(a, p, rtol=0, atol=1e-5 * np.abs(p).max())
