@@ -315,6 +315,7 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
         mm_args A = {0};
         A.x = x; A.out = out; A.n = n; A.k = D->k; A.m = m; A.ldo = m; A.nb = D->k / 32;
         A.aux = D->aux; /* int8 rows: the row scales */
+        A.x1 = q8 == 2; /* the auto mode's Q4 rows on x's first code, as the fused step */
         return run(kind, &A, nt, 1, D->rp);
     }
     if (!(q8 == 2 && k8i_fits(kind, D->k) && n >= K8I_MIN && n <= K8I_MAX)) { /* K8I_MAX 0: no SIMD */

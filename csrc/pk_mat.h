@@ -39,7 +39,9 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     A.x = P->x; A.xs = P->xs;
     A.xq = P->xq; A.dx = P->dx; A.xs16 = P->xs16; A.xk = P->xk; A.dk = P->dk;
     A.xo = K8I_PX_XO(P->xq); A.cb = K8I_PX_CB; A.ocb = K8I_PX_OCB; /* quantize_xi's interleaved blocks */
-    A.x1 = q8 == 2; /* auto mode: K-quant rows on xk (csrc/pk_k8.h), Q5_0/Q5_1/IQ4 on x's first code */
+    /* auto mode (3: only repacked rows read codes): K-quant rows on xk (csrc/pk_k8.h), Q5_0/Q5_1/IQ4
+     * and the repacked Q4 rows (pk_r16.h r16_x1) on x's first code */
+    A.x1 = q8 >= 2;
     const int k8 = q8 == 2 && PK_SIMD && k8_kind(M->kind) && grp_k256(P->grp); /* auto mode: K-quants (csrc/pk_k8*.h) */
     /* auto mode, Q5_0/Q5_1/IQ4 rows of independent sequences (not a prompt: gemm_from above
      * MAX_N): x's first code (pk_k8.h pq8_kind); a prompt's rows the float paths, as in Python */

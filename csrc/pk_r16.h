@@ -5,7 +5,8 @@
  * horizontal work). Per 16 rows and block: D[16], M[16] as float16, then 4 x 64 code bytes,
  * byte 4 r + i of vector q = the stored byte 4 q + i of row r (low nibble: element 4 q + i,
  * high: 16 + 4 q + i). x takes the q8 scheme's two int8 codes per element (quantize_x:
- * x ~= dx * (h + l / 254), ~1/32000 of the block's max|x|).
+ * x ~= dx * (h + l / 254), ~1/32000 of the block's max|x|), or in the auto mode for Q4_0 and
+ * Loom Q4 the first code alone (r16_x1).
  * Why: batched decode (the server's 8 streams) is compute-bound, and the float tiles reach
  * ~80 % of two FMA pipes; vpdpbusd does 64 multiply-adds an instruction. A row's result does
  * not depend on the other rows or inputs of the call (lanes and inputs are independent), so a
@@ -56,10 +57,26 @@ static inline void r16w_x(const int8_t *xq, int16_t *o) {
 }
 enum { R16X_COPY, R16X_FLIP, R16X_WIDE }; /* r16_inputs' forms: x's two codes, Q8_0's on VNNI, on 8 lanes */
 
+/* whether A's rows take x's first code alone: the auto mode's Q4_0 and Loom Q4 (8 byte products
+ * a block and 8 rows where two codes took 16, as llama.cpp's Q8_0 activations; 1B Q4_0 prompts
+ * of 128/512 tokens +45 %, decode +5 % on Zen 3). The symmetric 4-bit formats' own rounding
+ * dwarfs x's one code. Q4_1 (the shipped SmolLM2 file: greedy equal to transformers, 64/64 with
+ * our f32 where one code gave 33), Q8_0 and int8 keep both codes. */
+static inline int r16_x1(int kind, const mm_args *A) { return A->x1 && (kind == K_Q4_0 || kind == K_LOOM_Q4); }
+/* the offset term's x sum of block xb: with one code the codes' own sum times dx, so a block's
+ * result is exactly the weights times the quantized x (the rounding errors weighted by the
+ * weights, not by the unsigned codes: ~half the error on Q4_0); else the float sum */
+static inline float r16_xsum(const mm_args *A, int x1, int64_t xb) {
+    if (!x1) return A->xs[xb];
+    int32_t t = 0;
+    for (int l = 0; l < 32; l++) t += A->xq[xb * 64 + l];
+    return A->dx[xb] * (float)t;
+}
+
 /* the nn (<= 8) inputs' codes, block by block, as r16_tile reads them: codes [nb][8][64] then
  * (dx, xs) [nb][8][2] (Q8_0: dx / 254), so one pointer and constant offsets reach every input (with a pointer
  * per input the tile ran out of general registers and spilled in its inner loop) */
-static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form) {
+static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form, int x1) {
     int8_t *X = (int8_t *)thread_buffer((size_t)A->nb * 8 * (64 + 8) / 4);
     if (!X) return NULL;
     float *sc = (float *)(X + A->nb * 8 * 64);
@@ -72,7 +89,7 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form) {
             if (form == R16X_FLIP) /* Q8_0: the codes as unsigned bytes, c + 128 (vpdpbusd's u8 side) */
                 for (int j = 0; j < 64; j++) o[j] = (int8_t)((uint8_t)o[j] ^ 0x80);
             sc[(b * 8 + i) * 2] = form == R16X_COPY ? A->dx[xb] : A->dx[xb] * (1.0f / XL_SCALE); /* Q8_0: dx / 254 */
-            sc[(b * 8 + i) * 2 + 1] = A->xs[xb];
+            sc[(b * 8 + i) * 2 + 1] = r16_xsum(A, x1, xb);
         }
     return X;
 }
@@ -85,7 +102,7 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form) {
  * row's code sum (S), so the int32 sums are the signed products; int8 rows (K_I8) as Q8_0 with
  * D = 1, the row scales (aux) applied once at the end. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
-                                                           const int8_t *X, int64_t c, __mmask16 keep, const int nn) {
+                                                           const int8_t *X, int64_t c, __mmask16 keep, const int nn, const int x1) {
     const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, loom = kind == K_LOOM_Q4;
     const int64_t rec = r16_rec(kind), co = r16_codes_at(kind);
     __m512 acc[8];
@@ -124,7 +141,7 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
             for (int q = 0; q < 8; q++) {
                 const __m512i xh = _mm512_set1_epi32(h[q]), xl = _mm512_set1_epi32(h[8 + q]);
                 ih = q8 ? _mm512_dpbusd_epi32(ih, xh, w[q]) : _mm512_dpbusd_epi32(ih, w[q], xh);
-                il = q8 ? _mm512_dpbusd_epi32(il, xl, w[q]) : _mm512_dpbusd_epi32(il, w[q], xl);
+                if (!x1) il = q8 ? _mm512_dpbusd_epi32(il, xl, w[q]) : _mm512_dpbusd_epi32(il, w[q], xl);
             }
             if (q8) { /* float(254 sum(w h) + sum(w l)), one rounding of the exact sum (r16w_sums) */
                 const __m512 I = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ih, S)), _mm512_set1_ps(XL_SCALE),
@@ -132,7 +149,7 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
                 acc[i] = _mm512_fmadd_ps(I, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
                 continue;
             }
-            const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
+            const __m512 s = x1 ? _mm512_cvtepi32_ps(ih) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), rl, _mm512_cvtepi32_ps(ih));
             acc[i] = _mm512_fmadd_ps(s, _mm512_mul_ps(D, _mm512_set1_ps(sc[2 * i])), acc[i]);
             acc[i] = _mm512_fmadd_ps(M, _mm512_set1_ps(sc[2 * i + 1]), acc[i]);
         }
@@ -145,25 +162,29 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
 /* rows [r0, r1) for A's n inputs, 8 at a time: the groups they touch; a group that straddles r0
  * or r1 is computed whole and stores its own rows (the same lanes, bit for bit, whatever the
  * split between threads). -1: no buffer for the inputs */
+#define R16_TILE(KIND, NN) /* x1 (r16_x1) a constant too: Q4 kinds only */                  \
+    if (x1 && (KIND) != K_Q8_0 && (KIND) != K_I8) r16_tile(KIND, A, rp, g, X, c, keep, NN, 1); \
+    else r16_tile(KIND, A, rp, g, X, c, keep, NN, 0);
 #define R16_CASES(KIND)                                                                      \
     switch (nn) {                                                                            \
-    case 8: r16_tile(KIND, A, rp, g, X, c, keep, 8); break;                                  \
-    case 7: r16_tile(KIND, A, rp, g, X, c, keep, 7); break;                                  \
-    case 6: r16_tile(KIND, A, rp, g, X, c, keep, 6); break;                                  \
-    case 5: r16_tile(KIND, A, rp, g, X, c, keep, 5); break;                                  \
-    case 4: r16_tile(KIND, A, rp, g, X, c, keep, 4); break;                                  \
-    case 3: r16_tile(KIND, A, rp, g, X, c, keep, 3); break;                                  \
-    case 2: r16_tile(KIND, A, rp, g, X, c, keep, 2); break;                                  \
-    default: r16_tile(KIND, A, rp, g, X, c, keep, 1);                                        \
+    case 8: R16_TILE(KIND, 8) break;                                                         \
+    case 7: R16_TILE(KIND, 7) break;                                                         \
+    case 6: R16_TILE(KIND, 6) break;                                                         \
+    case 5: R16_TILE(KIND, 5) break;                                                         \
+    case 4: R16_TILE(KIND, 4) break;                                                         \
+    case 3: R16_TILE(KIND, 3) break;                                                         \
+    case 2: R16_TILE(KIND, 2) break;                                                         \
+    default: R16_TILE(KIND, 1)                                                               \
     }
 #define R16_L2 (384 << 10) /* bytes of records a block of groups keeps in L2 while every 8 inputs pass */
 static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     const int64_t g0 = r0 / 16, g1 = (r1 + 15) / 16, per = R16_L2 / (A->nb * r16_rec(kind));
     const int64_t gb = A->n <= 8 ? g1 - g0 : per > 1 ? per : 1; /* groups a block */
+    const int x1 = r16_x1(kind, A);
     for (int64_t b0 = g0; b0 < g1; b0 += gb) /* a prompt's rows read from memory once, not once per 8 inputs */
         for (int64_t c = 0; c < A->n; c += 8) {
             const int nn = A->n - c < 8 ? (int)(A->n - c) : 8;
-            const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0 || kind == K_I8 ? R16X_FLIP : R16X_COPY);
+            const int8_t *X = r16_inputs(A, c, nn, kind == K_Q8_0 || kind == K_I8 ? R16X_FLIP : R16X_COPY, x1);
             if (!X) return -1;
             for (int64_t g = b0; g < g1 && g < b0 + gb; g++) {
                 const __mmask16 keep = (__mmask16)r16_keep(g, r0, r1);

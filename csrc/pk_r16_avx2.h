@@ -27,8 +27,8 @@ static inline __attribute__((always_inline)) void r16_codes8(const uint8_t *p, _
 }
 
 /* the 8 rows' Q4 dot products of a block with an input's two codes x64 (32 high, then 32 low),
- * as the VNNI tile forms them: float(low sums) / 254 + float(high sums) */
-static inline __attribute__((always_inline)) __m256 r16_dot8(const __m256i w[8], const int8_t *x64) {
+ * as the VNNI tile forms them: float(low sums) / 254 + float(high sums); x1: float(high sums) */
+static inline __attribute__((always_inline)) __m256 r16_dot8(const __m256i w[8], const int8_t *x64, const int x1) {
     const __m256i one = _mm256_set1_epi16(1);
     __m256i ih = _mm256_setzero_si256(), il = ih;
 #pragma GCC unroll 8
@@ -37,10 +37,11 @@ static inline __attribute__((always_inline)) __m256 r16_dot8(const __m256i w[8],
         memcpy(&ch, x64 + 4 * q, 4);
         memcpy(&cl, x64 + 32 + 4 * q, 4);
         ih = _mm256_add_epi16(ih, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(ch)));
-        il = _mm256_add_epi16(il, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(cl)));
+        if (!x1) il = _mm256_add_epi16(il, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(cl)));
         __asm__("" : "+x"(ih), "+x"(il)); /* one chain each (r16w_sums) */
     }
     ih = _mm256_madd_epi16(ih, one);
+    if (x1) return _mm256_cvtepi32_ps(ih);
     il = _mm256_madd_epi16(il, one);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(1.0f / XL_SCALE), _mm256_cvtepi32_ps(ih));
 }
@@ -106,7 +107,7 @@ static inline __attribute__((always_inline)) void r16_store8(int kind, const mm_
  * of `keep` stored. Both halves of a block in turn: each code vector is a cache line, read while
  * it is at hand. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
-                                                            const int8_t *X, unsigned keep, const int nn) {
+                                                            const int8_t *X, unsigned keep, const int nn, const int x1) {
     const int q8 = kind == K_Q8_0 || kind == K_I8;
     const int64_t rec = r16_rec(kind);
     __m256 acc[2][3];
@@ -128,7 +129,7 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
                 __m256i w[8];
                 r16_codes8(p + 32 * h, w);
 #pragma GCC unroll 3
-                for (int i = 0; i < nn; i++) s[i] = r16_dot8(w, X + i * 64);
+                for (int i = 0; i < nn; i++) s[i] = r16_dot8(w, X + i * 64, x1);
             }
 #pragma GCC unroll 3
             for (int i = 0; i < nn; i++) {
@@ -147,15 +148,19 @@ static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
 
 /* pk_r16.h's r16_range: per group of 16 rows, the inputs 4 at a time; from R16P_MIN inputs
  * r16p_range (the same bits: 1B Q4_0 16-token prompt 1.38 vs 3.5 ms a [8192 x 2048] matrix) */
+#define R16_TILE8(KIND, NN) /* x1 (r16_x1) a constant too: Q4 kinds only */                  \
+    if (x1 && (KIND) != K_Q8_0 && (KIND) != K_I8) r16_tile8(KIND, A, rp, g, X, keep, NN, 1);  \
+    else r16_tile8(KIND, A, rp, g, X, keep, NN, 0);
 #define R16_CASES8(KIND)                                                                     \
     switch (A->n) {                                                                          \
-    case 3: r16_tile8(KIND, A, rp, g, X, keep, 3); break;                                    \
-    case 2: r16_tile8(KIND, A, rp, g, X, keep, 2); break;                                    \
-    default: r16_tile8(KIND, A, rp, g, X, keep, 1);                                          \
+    case 3: R16_TILE8(KIND, 3) break;                                                        \
+    case 2: R16_TILE8(KIND, 2) break;                                                        \
+    default: R16_TILE8(KIND, 1)                                                              \
     }
 static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     if (A->n >= R16P_MIN) return r16p_range(kind, A, rp, r0, r1);
-    const int8_t *X = r16_inputs(A, 0, (int)A->n, kind == K_Q8_0 || kind == K_I8 ? R16X_WIDE : R16X_COPY);
+    const int x1 = r16_x1(kind, A);
+    const int8_t *X = r16_inputs(A, 0, (int)A->n, kind == K_Q8_0 || kind == K_I8 ? R16X_WIDE : R16X_COPY, x1);
     if (!X) return -1;
     for (int64_t g = r0 / 16; g * 16 < r1; g++) {
         const unsigned keep = r16_keep(g, r0, r1);
@@ -171,7 +176,8 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
  * and float steps per lane as r16_tile8: the same bits whichever tile a row takes. kind is a
  * constant here; out rows t0.. (A->out, A->ldo), the rows of `keep` (8 bits). */
 static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g, int h, int64_t t0,
-                                                            const int16_t *xw, unsigned keep, int first, const int nn) {
+                                                            const int16_t *xw, const float *xs, unsigned keep, int first, const int nn,
+                                                            const int x1) {
     const int q8 = kind == K_Q8_0 || kind == K_I8;
     const int64_t rec = r16_rec(kind);
     __m256 acc[4];
@@ -191,25 +197,28 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
             __m256i w[8];
             r16_codes8(p, w);
 #pragma GCC unroll 4
-            for (int i = 0; i < nn; i++) s[i] = r16_dot8(w, A->xq + ((t0 + i) * A->nb + b) * 64); /* quantize_x: 64 bytes a block */
+            for (int i = 0; i < nn; i++) s[i] = r16_dot8(w, A->xq + ((t0 + i) * A->nb + b) * 64, x1); /* quantize_x: 64 bytes a block */
         }
 #pragma GCC unroll 4
         for (int i = 0; i < nn; i++) {
             const int64_t xi = (t0 + i) * A->nb + b;
             acc[i] = _mm256_fmadd_ps(s[i], _mm256_mul_ps(D, _mm256_set1_ps(q8 ? A->dx[xi] * (1.0f / XL_SCALE) : A->dx[xi])), acc[i]);
-            if (!q8) acc[i] = _mm256_fmadd_ps(M, _mm256_set1_ps(A->xs[xi]), acc[i]);
+            if (!q8) acc[i] = _mm256_fmadd_ps(M, _mm256_set1_ps(xs[xi]), acc[i]); /* r16p_range's sums (r16_xsum) */
         }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < nn; i++) r16_store8(kind, A, A->out + (t0 + i) * A->ldo, g, keep, h, acc[i]);
 }
 
+#define R16P_TILE(KIND, NN)                                                                  \
+    if (x1 && (KIND) != K_Q8_0 && (KIND) != K_I8) r16p_tile(KIND, A, rp, g, h, t, xt, xs, keep, t == t0 && !h, NN, 1); \
+    else r16p_tile(KIND, A, rp, g, h, t, xt, xs, keep, t == t0 && !h, NN, 0);
 #define R16P_CASES(KIND)                                                                     \
     switch (nn) {                                                                            \
-    case 4: r16p_tile(KIND, A, rp, g, h, t, xt, keep, t == t0 && !h, 4); break;                                   \
-    case 3: r16p_tile(KIND, A, rp, g, h, t, xt, keep, t == t0 && !h, 3); break;                                   \
-    case 2: r16p_tile(KIND, A, rp, g, h, t, xt, keep, t == t0 && !h, 2); break;                                   \
-    default: r16p_tile(KIND, A, rp, g, h, t, xt, keep, t == t0 && !h, 1);                                         \
+    case 4: R16P_TILE(KIND, 4) break;                                                        \
+    case 3: R16P_TILE(KIND, 3) break;                                                        \
+    case 2: R16P_TILE(KIND, 2) break;                                                        \
+    default: R16P_TILE(KIND, 1)                                                              \
     }
 
 /* rows [r0, r1) for A's n inputs (one thread) with r16p_tile: inputs in blocks whose codes (1 MB)
@@ -220,6 +229,14 @@ static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
     if (blk < 16) blk = 16;
     int16_t *xw = NULL;
     if ((kind == K_Q8_0 || kind == K_I8) && !(xw = (int16_t *)thread_buffer((size_t)((blk < A->n ? blk : A->n) + 3) * A->nb * 16))) return -1;
+    const int x1 = r16_x1(kind, A);
+    const float *xs = A->xs;
+    if (x1) { /* the offsets' x sums as r16_inputs forms them (Q4 kinds; xw is Q8's) */
+        float *o = thread_buffer((size_t)(A->n * A->nb));
+        if (!o) return -1;
+        for (int64_t i = 0; i < A->n * A->nb; i++) o[i] = r16_xsum(A, 1, i);
+        xs = o;
+    }
     for (int64_t t0 = 0; t0 < A->n; t0 += blk) {
         const int64_t t1 = A->n - t0 < blk ? A->n : t0 + blk;
         if (xw)

@@ -14,11 +14,10 @@ Scheme flag `set_act_q8(True)` (or POLY_ACT_Q8=1): the 4/8-bit kinds and int8 ta
 int8 codes per element per 32-block (x ~= dx * (xh + xl / 254), dx = max|x| / 127) and use
 integer dot products (maddubs/madd, or AVX-VNNI). Measured error vs the exact float path:
 ~1e-4 of max|out| (tests/test_ckernels.py asserts <= 2e-3 with an outlier channel); ~1.7x
-faster for Q4_1 rows. The default, "auto", does so only where it wins: K-quant (Q2_K..Q6_K)
-decode rows (csrc/pk_k8.h, whole super-blocks; error ~1e-4 of max|out|) and prompts of 4 rows
-or more (csrc/pk_k8i.h: x as one int8 code per element, one scale per 32, vpdpbusd / maddubs on
-16-row panels; x's rounding is the error, ~5e-3 of max|out| on Gaussian x, tests/test_k8.py).
-Everything else stays on the exact float path. False or POLY_ACT_Q8=0: the float path always.
+faster for Q4_1 rows. The default, "auto", takes integer paths where they win, on one int8
+code per element for the K-quants, the repacked Q4_0 and Loom Q4 rows (x's rounding is the
+error, ~5e-3 of max|out| on Gaussian x; tests/test_k8.py, tests/test_r16_codes.py), on two for
+the other repacked rows (`set_act_q8`). False or POLY_ACT_Q8=0: the float path always.
 
 `AVAILABLE` is False when the extension was not built (no compiler at install time).
 """
@@ -72,15 +71,16 @@ _opts = {"q8": _Q8_ENV.get(os.environ.get("POLY_ACT_Q8", ""), Q8_AUTO)}
 
 
 def set_act_q8(on: bool | str) -> int:
-    """Scheme flag: True = int8 activations for every 4/8-bit kernel (integer dot products on
-    two codes per element, ~1e-4 of the float path; docs/performance.md), False = the exact float
-    path everywhere, "auto" (the default) = integer paths for the K-quant kinds (Q2_K..Q6_K)
-    where they win, on one int8 code per element like llama.cpp's: decode rows (csrc/pk_k8.h; in
-    the fused step every row of a batched decode too) and prompts of 4 rows or more
-    (csrc/pk_k8i.h: int8 panels); Q5_0/Q5_1/IQ4_NL/IQ4_XS the same way for decode rows (and
-    every row of a batched decode, csrc/pk_q8.h), their prompts on the float paths, but IQ4's
-    on the int8 panels too; BF16 prompts of 4 rows or more on vdpbf16ps where the CPU has
-    AVX512_BF16 (x rounded to bf16, csrc/pk_bf16.h)."""
+    """Scheme flag: True = int8 activations for every 4/8-bit kernel (two codes per element,
+    ~1e-4 of the float path; docs/performance.md), False = the exact float path everywhere,
+    "auto" (the default) = integer paths where they win, on one int8 code per element like
+    llama.cpp's for: the K-quants (Q2_K..Q6_K) in decode rows (csrc/pk_k8.h; in the fused step
+    every row of a batched decode too) and prompts of 4 rows or more (csrc/pk_k8i.h: int8
+    panels); the repacked Q4_0 and Loom Q4 rows, every row alike (csrc/pk_r16.h r16_x1; Q4_1,
+    Q8_0, int8 keep two); Q5_0/Q5_1/IQ4_NL/IQ4_XS decode rows (and every row of a batched
+    decode, csrc/pk_q8.h), their prompts on the float paths, but IQ4's on the int8 panels too;
+    BF16 prompts of 4 rows or more on vdpbf16ps where the CPU has AVX512_BF16 (x rounded to
+    bf16, csrc/pk_bf16.h)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 
