@@ -5,7 +5,9 @@
 CPU seconds per prefill and per decode step instead of wall time: on a machine shared with other
 work the wall clock mostly measures the others, the CPU time of a one-thread run much less so
 (caches are still shared). Best of --runs (the median step of each run's decode). Also prints the
-first greedy tokens of both engines. POLY_ISA / POLY_ACT_Q8 apply to poly as usual.
+first greedy tokens of both engines. POLY_ISA / POLY_ACT_Q8 apply to poly as usual. llama.cpp
+runs on its default weight buffers (its repacked Q4_0/Q4_K/... layouts, as its users run it);
+`--llama-buffers plain` switches them off (in this process: no fallback if llama.cpp crashes).
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ def _poly(path: Path, ids: list[int], new: int):
     return run
 
 
-def _llama(path: Path, ids: list[int], new: int):
+def _llama(path: Path, ids: list[int], new: int, buffers: str = "default"):
     import llama_cpp
 
     from benchmarks.workers import llama_plain_buffers
 
-    llama_plain_buffers()
+    if buffers == "plain":
+        llama_plain_buffers()
     llm = llama_cpp.Llama(
         model_path=str(path), n_ctx=len(ids) + new + 8, n_threads=1, n_threads_batch=1,
         n_batch=512, verbose=False,
@@ -76,10 +79,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--engines", nargs="+", default=["poly", "llama"])
+    ap.add_argument("--llama-buffers", choices=["default", "plain"], default="default")
     args = ap.parse_args(argv)
     ids = [int(t) for t in np.random.default_rng(0).integers(100, 40000, args.prompt)]
     for name in args.engines:
-        run = (_poly if name == "poly" else _llama)(args.gguf, ids, args.new)
+        if name == "poly":
+            run = _poly(args.gguf, ids, args.new)
+        else:
+            run = _llama(args.gguf, ids, args.new, args.llama_buffers)
         run()  # warm-up: pages in the weights
         res = [run() for _ in range(args.runs)]
         pf, dc = min(r[0] for r in res), min(r[1] for r in res)
