@@ -289,12 +289,14 @@ def test_rounds_drop_the_warm_up_runs(monkeypatch):
 @pytest.mark.parametrize("buffers,plain", [("default", 0), ("plain", 1)])
 def test_gguf_cpu_runs_llama_on_its_default_buffers(monkeypatch, buffers, plain):
     """benchmarks/gguf_cpu.py: llama.cpp as its users run it unless plain buffers are asked for."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import sys
+    import types
+
     import benchmarks.workers as workers
     from benchmarks import gguf_cpu
 
     asked = []
     monkeypatch.setattr(workers, "llama_plain_buffers", lambda: asked.append(1))
-    monkeypatch.setattr(llama_cpp, "Llama", lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=lambda **kw: kw))
     gguf_cpu._llama("m.gguf", [1, 2], 2, buffers)
     assert len(asked) == plain
