@@ -13,7 +13,7 @@ typedef struct {
     int kind;
     const float *bias;
     const uint8_t *rp; /* Q4_0/Q4_1 rows repacked by 16 (csrc/pk_r16.h), or NULL */
-    const uint8_t *rk; /* Q4_K rows repacked by 8 (csrc/pk_r8k.h: the auto mode's decode rows), or NULL */
+    const uint8_t *rk; /* Q4_K/Q6_K rows repacked by 8 (csrc/pk_r8k.h: the auto mode's decode rows), or NULL */
     const void *hk; /* float16/float32 rows laid out by 16, k-major (csrc/pk_k16.h), or NULL */
 } mat_t;
 

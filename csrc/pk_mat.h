@@ -91,7 +91,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
             mat_rows(M, &V, out + c * ldo, ldo, r0, r1, q8, n - c < piece ? n - c : piece, NULL);
         }
         return 0; /* each piece added its bias */
-    } else if (!(k8 && M->rk && !r8k_range(&A, M->rk, r0, r1))) /* Q4_K rows by 8 (csrc/pk_r8k.h) */
+    } else if (!(k8 && M->rk && !r8k_range(M->kind, &A, M->rk, r0, r1))) /* Q4_K/Q6_K rows by 8 (csrc/pk_r8k.h) */
         (use8 ? RF8 : RF)[M->kind](&A, r0, r1);
     add_bias(M->bias, out, ldo, n, r0, r1);
     return 0;

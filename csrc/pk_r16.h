@@ -63,6 +63,9 @@ enum { R16X_COPY, R16X_FLIP, R16X_WIDE }; /* r16_inputs' forms: x's two codes, Q
  * dwarfs x's one code. Q4_1 (the shipped SmolLM2 file: greedy equal to transformers, 64/64 with
  * our f32 where one code gave 33), Q8_0 and int8 keep both codes. */
 static inline int r16_x1(int kind, const mm_args *A) { return A->x1 && (kind == K_Q4_0 || kind == K_LOOM_Q4); }
+/* a tile of KIND on x's one code: x1 (r16_x1, a run-time flag) and a Q4 kind (a constant, so the
+ * Q8 tiles never instantiate a one-code variant) */
+#define R16_ONE(KIND) (x1 && (KIND) != K_Q8_0 && (KIND) != K_I8)
 /* the offset term's x sum of block xb: with one code the codes' own sum times dx, so a block's
  * result is exactly the weights times the quantized x (the rounding errors weighted by the
  * weights, not by the unsigned codes: ~half the error on Q4_0); else the float sum */
@@ -163,7 +166,7 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
  * or r1 is computed whole and stores its own rows (the same lanes, bit for bit, whatever the
  * split between threads). -1: no buffer for the inputs */
 #define R16_TILE(KIND, NN) /* x1 (r16_x1) a constant too: Q4 kinds only */                  \
-    if (x1 && (KIND) != K_Q8_0 && (KIND) != K_I8) r16_tile(KIND, A, rp, g, X, c, keep, NN, 1); \
+    if (R16_ONE(KIND)) r16_tile(KIND, A, rp, g, X, c, keep, NN, 1);                          \
     else r16_tile(KIND, A, rp, g, X, c, keep, NN, 0);
 #define R16_CASES(KIND)                                                                      \
     switch (nn) {                                                                            \

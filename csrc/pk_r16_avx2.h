@@ -149,7 +149,7 @@ static int r16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
 /* pk_r16.h's r16_range: per group of 16 rows, the inputs 4 at a time; from R16P_MIN inputs
  * r16p_range (the same bits: 1B Q4_0 16-token prompt 1.38 vs 3.5 ms a [8192 x 2048] matrix) */
 #define R16_TILE8(KIND, NN) /* x1 (r16_x1) a constant too: Q4 kinds only */                  \
-    if (x1 && (KIND) != K_Q8_0 && (KIND) != K_I8) r16_tile8(KIND, A, rp, g, X, keep, NN, 1);  \
+    if (R16_ONE(KIND)) r16_tile8(KIND, A, rp, g, X, keep, NN, 1);                             \
     else r16_tile8(KIND, A, rp, g, X, keep, NN, 0);
 #define R16_CASES8(KIND)                                                                     \
     switch (A->n) {                                                                          \
@@ -211,7 +211,7 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
 }
 
 #define R16P_TILE(KIND, NN)                                                                  \
-    if (x1 && (KIND) != K_Q8_0 && (KIND) != K_I8) r16p_tile(KIND, A, rp, g, h, t, xt, xs, keep, t == t0 && !h, NN, 1); \
+    if (R16_ONE(KIND)) r16p_tile(KIND, A, rp, g, h, t, xt, xs, keep, t == t0 && !h, NN, 1);  \
     else r16p_tile(KIND, A, rp, g, h, t, xt, xs, keep, t == t0 && !h, NN, 0);
 #define R16P_CASES(KIND)                                                                     \
     switch (nn) {                                                                            \

@@ -12,11 +12,20 @@
  *                 of row r (low nibble: element 64 i + 4 t + b, high: 64 i + 32 + 4 t + b)
  * x is the auto mode's codes per 256 (pk_vec.h quantize_k: xk, dk). The integer sums are k8_tile_k's
  * exactly (sum of s * u * xc and of the mins times x's code sums, int32) and the float steps the
- * same formula once a super-block, per row in its lane. Included by pk_decode.c. */
+ * same formula once a super-block, per row in its lane.
+ * Q6_K rows by 8 the same way (R8K6_REC bytes, the stored 8 x 210: no bigger; the output head of
+ * most Q4_K_M files, a quarter of their decode kernel time on the stored rows):
+ *     [0, 16)       D[8] float16            [16, 144)  scales: byte 16 i + 2 r + e = the int8
+ *                                                      scale of 16-group 2 i + e of row r
+ *     [144, 1168)   ql: vector 16 h + v, byte 4 r + b = ql byte 64 h + 4 v + b of row r
+ *     [1168, 1680)  qh: vector 8 h + t, byte 4 r + b = qh byte 32 h + 4 t + b of row r
+ * value = D s (u - 32) as pk_k8.h takes it: the offsets 32 D s meet x's code sums per 16.
+ * Included by pk_decode.c. */
 #ifndef PK_R8K_H
 #define PK_R8K_H
 
 #define R8K_REC 1184
+#define R8K6_REC 1680
 /* each super-block asks for the records two ahead (Zen 3 1B Q4_K_M decode, alternating builds:
  * 22.1-24.3 -> 23.5-24.4 tok/s; four ahead no better) */
 #ifndef R8K_PF
@@ -26,7 +35,8 @@
  * build takes the argument: a plan made on a SIMD build stays valid when use_isa picks base,
  * which reads the stored rows) */
 static inline int64_t r8k_bytes(int kind, int64_t m, int64_t k) {
-    return kind == K_Q4_K && m % 8 == 0 && k % 256 == 0 ? m / 8 * (k / 256) * R8K_REC : -1;
+    if ((kind != K_Q4_K && kind != K_Q6_K) || m % 8 || k % 256) return -1;
+    return m / 8 * (k / 256) * (kind == K_Q4_K ? R8K_REC : R8K6_REC);
 }
 
 #if PK_SIMD
@@ -83,29 +93,99 @@ static inline __attribute__((always_inline)) __m256 r8k_group(const mm_args *A, 
     return acc;
 }
 
+/* int32 lanes r: the sums over 16-group s of u * xc for row r, from the int16 pair sums of its
+ * four vectors (two a pair: 2 * 2 * 63 * 127 < 2^15) */
+#define R6_GROUP(G, P0, P1) G = _mm256_add_epi32(_mm256_madd_epi16(P0, ones), _mm256_madd_epi16(P1, ones))
+
+/* Q6_K: the 8 rows of group g x input c (row r in lane r) */
+static inline __attribute__((always_inline)) __m256 r8k6_group(const mm_args *A, const uint8_t *rk, int64_t g, int64_t c,
+                                                               int64_t nsb) {
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    const uint8_t *R = rk + g * nsb * R8K6_REC;
+    for (int64_t sb = 0; sb < nsb; sb++, R += R8K6_REC) {
+#if R8K_PF
+        for (int l = 0; l < R8K6_REC; l += 64) prefetch_line((const char *)R + 2 * R8K6_REC + l);
+#endif
+        const int8_t *x = A->xk + (c * nsb + sb) * XK_BYTES;
+        __m256i isum = _mm256_setzero_si256(), io = isum;
+        for (int h = 0; h < 2; h++) {
+            for (int u = 0; u < 2; u++) { /* elements 128 h + 32 q + 16 u ..: 16-group 8 h + 2 q + u */
+                __m256i G[4];
+                for (int tp = 0; tp < 2; tp++) {
+                    __m256i p[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 2
+                    for (int tt = 0; tt < 2; tt++) {
+                        const int t = 4 * u + 2 * tp + tt;
+                        const __m256i va = _mm256_loadu_si256((const __m256i *)(R + 144 + (16 * h + t) * 32));
+                        const __m256i vb = _mm256_loadu_si256((const __m256i *)(R + 144 + (16 * h + 8 + t) * 32));
+                        const __m256i vh = _mm256_loadu_si256((const __m256i *)(R + 1168 + (8 * h + t) * 32));
+                        __m256i cq[4]; /* the codes of elements 128 h + 32 q + 4 t + b */
+                        cq[0] = _mm256_or_si256(_mm256_and_si256(va, m15), _mm256_and_si256(_mm256_slli_epi16(vh, 4), m48));
+                        cq[1] = _mm256_or_si256(_mm256_and_si256(vb, m15), _mm256_and_si256(_mm256_slli_epi16(vh, 2), m48));
+                        cq[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(va, 4), m15), _mm256_and_si256(vh, m48));
+                        cq[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vb, 4), m15), _mm256_and_si256(_mm256_srli_epi16(vh, 2), m48));
+#pragma GCC unroll 4
+                        for (int q = 0; q < 4; q++) {
+                            int32_t a;
+                            memcpy(&a, x + 128 * h + 32 * q + 4 * t, 4);
+                            p[q] = _mm256_add_epi16(p[q], _mm256_maddubs_epi16(cq[q], _mm256_set1_epi32(a)));
+                        }
+                    }
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; q++) {
+                        const __m256i m = _mm256_madd_epi16(p[q], ones);
+                        G[q] = tp ? _mm256_add_epi32(G[q], m) : m;
+                    }
+                }
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) { /* group s = 8 h + 2 q + u: byte 16 i + 2 r + e, s = 2 i + e */
+                    const int sg = 8 * h + 2 * q + u;
+                    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(R + 16 + 16 * (sg >> 1))));
+                    const __m256i sc = sg & 1 ? _mm256_srai_epi32(w, 16) : _mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16);
+                    isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(G[q], sc));
+                }
+            }
+        }
+        const int32_t *xs = (const int32_t *)(x + 256); /* x's code sums per 16, two a word */
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(R + 16 + 16 * i)));
+            io = _mm256_add_epi32(io, _mm256_madd_epi16(w, _mm256_set1_epi32(xs[i])));
+        }
+        const __m256 D = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)R)), _mm256_set1_ps(A->dk[c * nsb + sb]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), D, acc);
+        acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(io), _mm256_mul_ps(D, _mm256_set1_ps(32.0f)), acc);
+    }
+    return acc;
+}
+
 /* rows [r0, r1) for A's n inputs (out row i at A->out + i * A->ldo): whole groups of 8, a group
  * that straddles r0 or r1 stores its own rows only (the same lanes whatever the split); each
  * input alone through a group (its records stay in L1), so a row's result does not depend on the
  * other inputs of the call. -1: no thread buffer */
-static int r8k_range(const mm_args *A, const uint8_t *rk, int64_t r0, int64_t r1) {
+static int r8k_range(int kind, const mm_args *A, const uint8_t *rk, int64_t r0, int64_t r1) {
     const int64_t nsb = A->k / 256;
-    int32_t *xp = (int32_t *)thread_buffer((size_t)(A->n * nsb * 4)) /* int32 words */;
-    if (!xp) return -1;
-    for (int64_t c = 0; c < A->n; c++) r8k_xpairs(A, c, nsb, xp + c * nsb * 4);
+    int32_t *xp = NULL;
+    if (kind == K_Q4_K) {
+        if (!(xp = (int32_t *)thread_buffer((size_t)(A->n * nsb * 4)) /* int32 words */)) return -1;
+        for (int64_t c = 0; c < A->n; c++) r8k_xpairs(A, c, nsb, xp + c * nsb * 4);
+    }
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t g = r0 / 8; g * 8 < r1; g++) {
         const int64_t lo = r0 - g * 8, hi = r1 - g * 8; /* lanes [lo, hi) are this range's */
         const __m256i keep = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32((int)lo - 1)),
                                               _mm256_cmpgt_epi32(_mm256_set1_epi32((int)hi), lane));
         for (int64_t c = 0; c < A->n; c++)
-            _mm256_maskstore_ps(A->out + c * A->ldo + 8 * g, keep, r8k_group(A, rk, g, c, nsb, xp + c * nsb * 4));
+            _mm256_maskstore_ps(A->out + c * A->ldo + 8 * g, keep,
+                                xp ? r8k_group(A, rk, g, c, nsb, xp + c * nsb * 4) : r8k6_group(A, rk, g, c, nsb));
     }
     return 0;
 }
 #define PK_R8K 1
 #else
-static int r8k_range(const mm_args *A, const uint8_t *rk, int64_t r0, int64_t r1) {
-    (void)A; (void)rk; (void)r0; (void)r1;
+static int r8k_range(int kind, const mm_args *A, const uint8_t *rk, int64_t r0, int64_t r1) {
+    (void)kind; (void)A; (void)rk; (void)r0; (void)r1;
     return -1;
 }
 #define PK_R8K 0

@@ -1,7 +1,7 @@
-"""Q4_K rows repacked by 8 (poly.runtime.repack.repack8k, csrc/pk_r8k.h): the auto mode's decode
-rows read one vector lane per weight row. The record is checked field by field against gguf-py's
-reading of the stored block, and the fused step's decode rows on it against the stored rows'
-kernel (pk_k8.h: the same integer sums) and against the float path."""
+"""Q4_K and Q6_K rows repacked by 8 (poly.runtime.repack.repack8k/repack8k6, csrc/pk_r8k.h): the
+auto mode's decode rows read one vector lane per weight row. The records are checked field by
+field against gguf-py's reading of the stored blocks, and the fused step's decode rows on them
+against the stored rows' kernel (pk_k8.h: the same integer sums) and against the float path."""
 
 from __future__ import annotations
 
@@ -54,33 +54,87 @@ def test_record_fields_match_gguf_py():
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
 
 
+def _q6k_rows(m: int, k: int, seed: int) -> np.ndarray:
+    """[m, k / 256 * 210] random Q6_K bytes with a finite d in [2^-8, 2^-4]."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (m, k // 256, 210), dtype=np.uint8)
+    d = rng.uniform(2.0**-8, 2.0**-4, (m, k // 256, 1)).astype(np.float16)
+    raw[..., 208:210] = d.view(np.uint8).reshape(m, k // 256, 2)
+    return raw.reshape(m, -1)
+
+
+def _q6k_codes(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """A row's 256 6-bit codes from its 128 ql and 64 qh bytes (ggml's element order)."""
+    q = np.empty(256, dtype=np.int32)
+    for h in range(2):
+        lo, hi = (
+            ql[64 * h : 64 * h + 64].astype(np.int32),
+            qh[32 * h : 32 * h + 32].astype(np.int32),
+        )
+        base = 128 * h
+        q[base : base + 32] = (lo[:32] & 15) | ((hi & 3) << 4)
+        q[base + 32 : base + 64] = (lo[32:] & 15) | (((hi >> 2) & 3) << 4)
+        q[base + 64 : base + 96] = (lo[:32] >> 4) | (((hi >> 4) & 3) << 4)
+        q[base + 96 : base + 128] = (lo[32:] >> 4) | (((hi >> 6) & 3) << 4)
+    return q
+
+
+def test_q6k_record_fields_match_gguf_py():
+    """Each 8-row Q6_K record: D as stored, the int8 scales by pairs of 16-groups, the ql and qh
+    bytes interleaved 4 a row (checked by rebuilding every weight as D * s * (code - 32) against
+    gguf-py's dequantization); no bigger than the stored rows."""
+    m, k = 16, 512
+    raw = _q6k_rows(m, k, seed=3)
+    rk = repack.repack8k6(raw, m, k)
+    assert rk.shape == (m // 8, k // 256, repack.R8K6_REC) and rk.nbytes == raw.nbytes
+    ref = dequantize(raw.reshape(-1), T.Q6_K).reshape(m, k)
+    got = np.empty((m, k), dtype=np.float32)
+    for g in range(m // 8):
+        for sb in range(k // 256):
+            rec = rk[g, sb]
+            d = rec[0:16].view(np.float16).astype(np.float32)
+            sc = rec[16:144].view(np.int8).reshape(8, 8, 2).transpose(1, 0, 2).reshape(8, 16)
+            ql, qh = rec[144:1168].reshape(32, 8, 4), rec[1168:].reshape(16, 8, 4)
+            for r in range(8):
+                q = _q6k_codes(ql[:, r, :].reshape(-1), qh[:, r, :].reshape(-1))
+                w = d[r] * np.repeat(sc[r].astype(np.float32), 16) * (q - 32)
+                got[8 * g + r, 256 * sb : 256 * sb + 256] = w
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+
+
 def test_shapes_without_whole_groups_are_not_repacked():
     assert repack.repack8k(_q4k_rows(12, 256, seed=2), 12, 256) is None  # m % 8
     raw = _q4k_rows(8, 512, seed=2)
     assert repack.repack8k(raw[:, :144], 8, 256) is not None
+    assert repack.repack8k6(_q6k_rows(12, 256, seed=2), 12, 256) is None
+    assert repack.repack8k6(_q6k_rows(8, 256, seed=2), 8, 256) is not None
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_decode_rows_read_the_copy(threads, monkeypatch):
-    """A Q4_K model's fused decode steps read the rows by 8 (a zeroed copy changes them) and
-    agree with the Python path (the stored rows' kernel, the same integer sums: 1e-5); with 3
-    threads the row ranges cut through 8-row groups."""
-    copies, make = [], repack.repack8k
-    monkeypatch.setattr(repack, "repack8k", lambda *a: copies.append(make(*a)) or copies[-1])
+@pytest.mark.parametrize(
+    "scheme, maker, kind",
+    [("gguf_q4_k", "repack8k", ckernels.Q4_K), ("gguf_q6_k", "repack8k6", ckernels.Q6_K)],
+)
+def test_decode_rows_read_the_copy(threads, scheme, maker, kind, monkeypatch):
+    """A Q4_K (Q6_K) model's fused decode steps read the rows by 8 (a zeroed copy changes them)
+    and agree with the Python path (the stored rows' kernel, the same integer sums: 1e-5); with
+    3 threads the row ranges cut through 8-row groups."""
+    copies, make = [], getattr(repack, maker)
+    monkeypatch.setattr(repack, maker, lambda *a: copies.append(make(*a)) or copies[-1])
     old = kernels.num_threads()
     kernels.set_num_threads(threads)
     try:
         tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=11)
-        quantize_all(tf, "gguf_q4_k")
+        quantize_all(tf, scheme)
         auto = run_steps(tf, True, monkeypatch)
-        assert copies and all(c is not None for c in copies), "Q4_K matrices repacked by 8"
+        assert copies and all(c is not None for c in copies), "matrices repacked by 8"
         # a prompt still takes the int8 panels: its rows are not a decode row's (server mixing)
-        assert ckernels.Q4_K in fused.plan(tf).kinds and not fused.rows_alike(tf)
+        assert kind in fused.plan(tf).kinds and not fused.rows_alike(tf)
         python = run_steps(tf, False, monkeypatch)
         for a, p in zip(auto[1:], python[1:]):  # the decode steps (the prompt: int8 panels)
             np.testing.assert_allclose(a, p, rtol=0, atol=1e-5 * np.abs(p).max())
         for c in copies:
-            c[..., 160:] = 0  # every code 0: the rows' sums change
+            c[..., 160 if kind == ckernels.Q4_K else 144 :] = 0  # every code 0: the sums change
         zeroed = run_steps(tf, True, monkeypatch)
         assert not np.allclose(zeroed[1], auto[1], atol=1e-3 * np.abs(auto[1]).max())
     finally:

@@ -42,7 +42,7 @@ def _mat(w, bias=None, by16: bool = True) -> tuple | None:
         return None
     kind, data, aux = ops
     m, k = int(w.shape[0]), int(w.shape[1])
-    rp = repack.copy_for(w, kind, data, m, k, aux, by16)  # rows by 16 (Q4_K: by 8), made once
+    rp = repack.copy_for(w, kind, data, m, k, aux, by16)  # rows by 16 (Q4_K/Q6_K: by 8), made once
     return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
 
 
@@ -147,11 +147,11 @@ class Plan:
 
 def _kinds(args, repacked=False):
     """The C kinds of the matrix records inside the nested argument tuples: those not repacked by
-    16 (_mat's 6-tuples; a repacked one's rows are alike on every path; Q4_K rows by 8 serve
-    decode rows alone, a prompt takes the int8 panels), or all of them."""
+    16 (_mat's 6-tuples; a repacked one's rows are alike on every path; Q4_K/Q6_K rows by 8
+    serve decode rows alone, a prompt takes the int8 panels), or all of them."""
     if isinstance(args, tuple):
         if len(args) in (6, 7) and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
-            if len(args) == 6 or repacked or args[0] == ckernels.Q4_K:
+            if len(args) == 6 or repacked or args[0] in (ckernels.Q4_K, ckernels.Q6_K):
                 yield args[0]
         else:
             for a in args:

@@ -12,11 +12,12 @@ import weakref
 import numpy as np
 
 from poly.runtime import ckernels
-from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q8_0
+from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
 R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
 R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
 R8K_REC = 1184  # bytes per 8 Q4_K rows and super-block (csrc/pk_r8k.h)
+R8K6_REC = 1680  # bytes per 8 Q6_K rows and super-block: the stored 8 x 210
 
 
 def _mapping(arr: np.ndarray):
@@ -103,11 +104,11 @@ def repack16(
 
 def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) -> np.ndarray | None:
     """The copy of `w`'s rows the fused step reads (`_mat`'s rp), made once per matrix and kept
-    on w: Q4_K rows by 8 (`w.r8k`, decode rows only: not for experts, by16 False), the other
-    kinds by 16 (`w.r16`, which a prompt's GEMM reads too), or None."""
-    if kind == Q4_K:
+    on w: Q4_K/Q6_K rows by 8 (`w.r8k`, decode rows only: not for experts, by16 False), the
+    other kinds by 16 (`w.r16`, which a prompt's GEMM reads too), or None."""
+    if kind in (Q4_K, Q6_K):
         if not hasattr(w, "r8k"):
-            w.r8k = repack8k(data, m, k) if by16 else None
+            w.r8k = (repack8k if kind == Q4_K else repack8k6)(data, m, k) if by16 else None
         return w.r8k
     rp = getattr(w, "r16", None)
     if rp is None and not hasattr(w, "r16"):
@@ -141,6 +142,28 @@ def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     out[..., 96:160].reshape(g, ns, 4, 8, 2)[...] = pairs.transpose(0, 1, 3, 2, 4)
     codes = blocks[..., 16:].reshape(g, 8, ns, 32, 4)  # [g, row, sb, 8 i + t, b]
     out[..., 160:].reshape(g, ns, 32, 8, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
+    return out
+
+
+def repack8k6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+    """GGUF Q6_K rows [m, k] regrouped 8 at a time for csrc/pk_r8k.h (the auto mode's decode
+    rows), or None where this build or shape takes none. Per 8 rows and super-block: D[8] as
+    float16, the int8 scales (byte 16 i + 2 r + e: 16-group 2 i + e of row r), the ql bytes
+    (vector 16 h + v, byte 4 r + b = ql[64 h + 4 v + b] of row r), the qh bytes (vector 8 h + t,
+    byte 4 r + b = qh[32 h + 4 t + b]): the stored bytes moved, not one more."""
+    if m % 8 or k % 256 or not (ckernels.AVAILABLE and ckernels.EXT.info().get("r8k")):
+        return None
+    g, ns = m // 8, k // 256
+    blocks = np.asarray(raw).reshape(g, 8, ns, 210)  # the stored bytes [group, row, sb, block]
+    out = np.empty((g, ns, R8K6_REC), dtype=np.uint8)
+    d = blocks[..., 208:210]  # [g, row, ns, 2] -> [g, ns, row, 2]
+    out[..., 0:16].reshape(g, ns, 8, 2)[...] = d.transpose(0, 2, 1, 3)
+    sc = blocks[..., 192:208].reshape(g, 8, ns, 8, 2)  # [g, row, ns, i, e]
+    out[..., 16:144].reshape(g, ns, 8, 8, 2)[...] = sc.transpose(0, 2, 3, 1, 4)
+    ql = blocks[..., 0:128].reshape(g, 8, ns, 32, 4)  # [g, row, ns, 16 h + v, b]
+    out[..., 144:1168].reshape(g, ns, 32, 8, 4)[...] = ql.transpose(0, 2, 3, 1, 4)
+    qh = blocks[..., 128:192].reshape(g, 8, ns, 16, 4)  # [g, row, ns, 8 h + t, b]
+    out[..., 1168:].reshape(g, ns, 16, 8, 4)[...] = qh.transpose(0, 2, 3, 1, 4)
     return out
 
 
