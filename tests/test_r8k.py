@@ -19,13 +19,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _q4k_rows(m: int, k: int, seed: int) -> np.ndarray:
-    """[m, k / 256 * 144] random Q4_K bytes with finite scales d, dmin in [2^-8, 2^-4]."""
+def _rows(m: int, k: int, seed: int, block: int, at: int, nd: int) -> np.ndarray:
+    """[m, k / 256 * block] random super-block bytes whose nd float16 scales at byte `at` are
+    finite, in [2^-8, 2^-4]."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (m, k // 256, 144), dtype=np.uint8)
-    d = rng.uniform(2.0**-8, 2.0**-4, (m, k // 256, 2)).astype(np.float16)
-    raw[..., 0:4] = d.view(np.uint8).reshape(m, k // 256, 4)
+    raw = rng.integers(0, 256, (m, k // 256, block), dtype=np.uint8)
+    d = rng.uniform(2.0**-8, 2.0**-4, (m, k // 256, nd)).astype(np.float16)
+    raw[..., at : at + 2 * nd] = d.view(np.uint8).reshape(m, k // 256, 2 * nd)
     return raw.reshape(m, -1)
+
+
+def _q4k_rows(m: int, k: int, seed: int) -> np.ndarray:
+    """Q4_K: d and dmin at bytes 0-3."""
+    return _rows(m, k, seed, 144, 0, 2)
 
 
 def test_record_fields_match_gguf_py():
@@ -55,12 +61,8 @@ def test_record_fields_match_gguf_py():
 
 
 def _q6k_rows(m: int, k: int, seed: int) -> np.ndarray:
-    """[m, k / 256 * 210] random Q6_K bytes with a finite d in [2^-8, 2^-4]."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (m, k // 256, 210), dtype=np.uint8)
-    d = rng.uniform(2.0**-8, 2.0**-4, (m, k // 256, 1)).astype(np.float16)
-    raw[..., 208:210] = d.view(np.uint8).reshape(m, k // 256, 2)
-    return raw.reshape(m, -1)
+    """Q6_K: d at bytes 208-209."""
+    return _rows(m, k, seed, 210, 208, 1)
 
 
 def _q6k_codes(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
