@@ -93,10 +93,6 @@ static inline __attribute__((always_inline)) __m256 r8k_group(const mm_args *A, 
     return acc;
 }
 
-/* int32 lanes r: the sums over 16-group s of u * xc for row r, from the int16 pair sums of its
- * four vectors (two a pair: 2 * 2 * 63 * 127 < 2^15) */
-#define R6_GROUP(G, P0, P1) G = _mm256_add_epi32(_mm256_madd_epi16(P0, ones), _mm256_madd_epi16(P1, ones))
-
 /* Q6_K: the 8 rows of group g x input c (row r in lane r) */
 static inline __attribute__((always_inline)) __m256 r8k6_group(const mm_args *A, const uint8_t *rk, int64_t g, int64_t c,
                                                                int64_t nsb) {
@@ -108,6 +104,7 @@ static inline __attribute__((always_inline)) __m256 r8k6_group(const mm_args *A,
         for (int l = 0; l < R8K6_REC; l += 64) prefetch_line((const char *)R + 2 * R8K6_REC + l);
 #endif
         const int8_t *x = A->xk + (c * nsb + sb) * XK_BYTES;
+        const int32_t *xs = (const int32_t *)(x + 256); /* x's code sums per 16, two a word */
         __m256i isum = _mm256_setzero_si256(), io = isum;
         for (int h = 0; h < 2; h++) {
             for (int u = 0; u < 2; u++) { /* elements 128 h + 32 q + 16 u ..: 16-group 8 h + 2 q + u */
@@ -144,14 +141,10 @@ static inline __attribute__((always_inline)) __m256 r8k6_group(const mm_args *A,
                     const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(R + 16 + 16 * (sg >> 1))));
                     const __m256i sc = sg & 1 ? _mm256_srai_epi32(w, 16) : _mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16);
                     isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(G[q], sc));
+                    if (!u) /* the pair's offsets, once: both scales against x's two sums */
+                        io = _mm256_add_epi32(io, _mm256_madd_epi16(w, _mm256_set1_epi32(xs[sg >> 1])));
                 }
             }
-        }
-        const int32_t *xs = (const int32_t *)(x + 256); /* x's code sums per 16, two a word */
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) {
-            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(R + 16 + 16 * i)));
-            io = _mm256_add_epi32(io, _mm256_madd_epi16(w, _mm256_set1_epi32(xs[i])));
         }
         const __m256 D = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)R)), _mm256_set1_ps(A->dk[c * nsb + sb]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), D, acc);
@@ -178,7 +171,7 @@ static int r8k_range(int kind, const mm_args *A, const uint8_t *rk, int64_t r0, 
                                               _mm256_cmpgt_epi32(_mm256_set1_epi32((int)hi), lane));
         for (int64_t c = 0; c < A->n; c++)
             _mm256_maskstore_ps(A->out + c * A->ldo + 8 * g, keep,
-                                xp ? r8k_group(A, rk, g, c, nsb, xp + c * nsb * 4) : r8k6_group(A, rk, g, c, nsb));
+                                kind == K_Q4_K ? r8k_group(A, rk, g, c, nsb, xp + c * nsb * 4) : r8k6_group(A, rk, g, c, nsb));
     }
     return 0;
 }

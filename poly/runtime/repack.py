@@ -116,6 +116,11 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
     return rp
 
 
+def _by8(m: int, k: int) -> bool:
+    """Whether this build reads [m, k] K-quant rows by 8 (csrc/pk_r8k.h)."""
+    return not (m % 8 or k % 256) and ckernels.AVAILABLE and bool(ckernels.EXT.info().get("r8k"))
+
+
 def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     """GGUF Q4_K rows [m, k] regrouped 8 at a time for csrc/pk_r8k.h (the auto mode's decode
     rows, one vector lane per row), or None where this build or shape takes none. Per 8 rows and
@@ -123,7 +128,7 @@ def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     2 r + e: sub-block 2 i + e) unpacked, then 32 code vectors, byte 4 r + b of vector 8 i + t =
     stored code byte 32 i + 4 t + b of row r. The stored rows stay mapped: a prompt's int8 panels
     read them (csrc/pk_k8i.h)."""
-    if m % 8 or k % 256 or not (ckernels.AVAILABLE and ckernels.EXT.info().get("r8k")):
+    if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
     blocks = np.asarray(raw).reshape(g, 8, ns, 144)  # the stored bytes [group, row, sb, block]
@@ -151,7 +156,7 @@ def repack8k6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     float16, the int8 scales (byte 16 i + 2 r + e: 16-group 2 i + e of row r), the ql bytes
     (vector 16 h + v, byte 4 r + b = ql[64 h + 4 v + b] of row r), the qh bytes (vector 8 h + t,
     byte 4 r + b = qh[32 h + 4 t + b]): the stored bytes moved, not one more."""
-    if m % 8 or k % 256 or not (ckernels.AVAILABLE and ckernels.EXT.info().get("r8k")):
+    if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
     blocks = np.asarray(raw).reshape(g, 8, ns, 210)  # the stored bytes [group, row, sb, block]
