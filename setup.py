@@ -34,6 +34,7 @@ KERNEL_SOURCES = [
     "csrc/pk_r16.h",
     "csrc/pk_r16_avx2.h",
     "csrc/pk_r8k.h",
+    "csrc/pk_r8k_sb.h",
     "csrc/pk_quants.h",
     "csrc/pk_k8.h",
     "csrc/pk_k8i.h",

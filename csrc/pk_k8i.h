@@ -15,6 +15,8 @@
 #ifndef PK_K8I_H
 #define PK_K8I_H
 
+#include "pk_r8k_sb.h"
+
 /* auto mode: K-quant products of K8I_MIN input rows or more (below, the int8 rows of pk_k8.h),
  * on every SIMD build (AVX2: csrc/pk_k8i_avx2.h, 1.4-1.9x its float path). Against the
  * float gemm (1B Q4_K [8192 x 2048], 2 threads): 16 rows 2.8x, 128 rows 2.6x, 512 rows 2.2x;
@@ -119,12 +121,26 @@ static inline int32_t k8i_c4(const k8i_at *X, int64_t t, int h, int q) {
  * ask for each row's super-block K8I_PF ahead (1B Q5_K_M 128-token prompt 352 -> 382 tok/s;
  * 4 ahead 368) */
 #define K8I_PF 2
-static inline void k8i_prefetch(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows,
-                                int64_t sb) {
+static inline void k8i_prefetch(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb, int64_t r0,
+                                int64_t rows, int64_t sb) {
     if (sb + K8I_PF >= nsb) return;
+    if (rk) { /* the records of the panel's groups of 8 */
+        const int64_t rec = kind == K_Q4_K ? R8K_REC : R8K6_REC;
+        for (int64_t g = r0 / 8; g <= (r0 + rows - 1) / 8; g++)
+            for (int64_t l = 0; l < rec; l += 64) prefetch_line((const char *)rk + (g * nsb + sb + K8I_PF) * rec + l);
+        return;
+    }
     const int64_t sbb = k8i_sbb(kind);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t l = 0; l < sbb; l += 64) prefetch_line((const char *)w + (r0 + r) * rb + (sb + K8I_PF) * sbb + l);
+}
+
+/* row `row`'s super-block sb: in the stored rows w, or rebuilt into tmp (256 bytes) from rk's records */
+static inline const uint8_t *k8i_sbp(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb,
+                                     int64_t row, int64_t sb, uint8_t *tmp) {
+    if (!rk) return w + row * rb + sb * k8i_sbb(kind);
+    r8k_sb(kind, rk, nsb, row, sb, tmp);
+    return tmp;
 }
 
 /* x's codes for the 32-blocks [b0, b1): the 32 codes c at xq + cb b; at xo + ocb b int32 -32 and
@@ -214,26 +230,29 @@ static inline __m512 k8i_iq4_scales(int kind, const uint8_t *p) {
     return _mm512_loadu_ps(s);
 }
 
-static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
-    const int64_t sbb = k8i_sbb(kind);
+static void k8i_decode(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb, int64_t r0, int64_t rows,
+                       uint8_t *panel) {
+    uint8_t tmp[16][256];
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
         __m512i v[16], o[16];
-        k8i_prefetch(kind, w, rb, nsb, r0, rows, sb);
+        const uint8_t *p[16];
+        k8i_prefetch(kind, w, rb, rk, nsb, r0, rows, sb);
+        for (int r = 0; r < 16; r++) p[r] = r < rows ? k8i_sbp(kind, w, rb, rk, nsb, r0 + r, sb, tmp[r]) : NULL;
         for (int c = 0; c < 4; c++) { /* 64 weights of each row: 16 lanes of 4 codes */
             for (int r = 0; r < 16; r++)
-                v[r] = r < rows ? k8_codes2(kind, w + (r0 + r) * rb + sb * sbb, c) : _mm512_setzero_si512();
+                v[r] = r < rows ? k8_codes2(kind, p[r], c) : _mm512_setzero_si512();
             k8i_transpose(v);
             for (int q = 0; q < 16; q++) _mm512_storeu_si512((void *)(d + (16 * c + q) * 64), v[q]);
         }
         for (int r = 0; r < 16; r++) { /* row r's 16 S and o, then lanes: S[j][r], o[j][r] */
             if (k8i_form(kind) == K8I_OFF128) { /* no o: the offset is in the integer sums */
-                v[r] = r < rows ? _mm512_castps_si512(k8i_iq4_scales(kind, w + (r0 + r) * rb + sb * sbb)) : _mm512_setzero_si512();
+                v[r] = r < rows ? _mm512_castps_si512(k8i_iq4_scales(kind, p[r])) : _mm512_setzero_si512();
                 o[r] = _mm512_setzero_si512();
                 continue;
             }
             k8_sb B = {0};
-            if (r < rows) k8_scales(kind, w + (r0 + r) * rb + sb * sbb, &B);
+            if (r < rows) k8_scales(kind, p[r], &B);
             const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)B.s)));
             v[r] = _mm512_castps_si512(_mm512_mul_ps(s, _mm512_set1_ps(B.D)));
             const __m512 ov = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)B.o)));
@@ -334,7 +353,7 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
     {                                                                                                 \
         for (; t + K8I_T <= n; t += K8I_T) {                                                          \
             K8I_TILE(F, K8I_T);                                                                       \
-            k8i_pf_next(A, next, t, n);                                                               \
+            k8i_pf_next(kind, A, next, t, n);                                                         \
         }                                                                                             \
         K8I_TAIL(F)                                                                                   \
     }
@@ -342,11 +361,13 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
 /* the stored rows of the panel this thread takes next ([next, next + 16), next < 0: none) asked
  * into L2 a slice after each register tile, while this panel's tiles compute: its decode found
  * them in DRAM, its first loads stalled (11.6 % of a 1B Q5_K_M 128-token prompt in k8i_decode) */
-static inline void k8i_pf_next(const mm_args *A, int64_t next, int64_t t, int64_t n) {
+static inline void k8i_pf_next(int kind, const mm_args *A, int64_t next, int64_t t, int64_t n) {
     if (next < 0 || next >= A->m) return;
     const int64_t rows = A->m - next < K8I_ROWS ? A->m - next : K8I_ROWS, tiles = n / K8I_T;
-    const int64_t bytes = rows * A->rb, lo = bytes * (t / K8I_T) / tiles, hi = bytes * (t / K8I_T + 1) / tiles;
-    const char *w = (const char *)A->w + next * A->rb; /* rows follow each other: one run */
+    const int64_t rec = kind == K_Q4_K ? R8K_REC : R8K6_REC, g0 = next / 8; /* rows by 8: the records of its groups, one run */
+    const int64_t bytes = A->rk ? ((next + rows - 1) / 8 - g0 + 1) * (A->nb / 8) * rec : rows * A->rb;
+    const int64_t lo = bytes * (t / K8I_T) / tiles, hi = bytes * (t / K8I_T + 1) / tiles;
+    const char *w = A->rk ? (const char *)A->rk + g0 * (A->nb / 8) * rec : (const char *)A->w + next * A->rb; /* one run */
     for (int64_t o = lo & ~(int64_t)63; o < hi; o += 64) prefetch_l2(w + o);
 }
 
@@ -356,7 +377,7 @@ static inline void k8i_pf_next(const mm_args *A, int64_t next, int64_t t, int64_
 static void k8i_rows(int kind, const mm_args *A, int64_t n, float *out, int64_t ldo, int64_t r0, int64_t rows,
                      uint8_t *panel, int64_t next) {
     const int64_t nsb = A->nb / 8;
-    k8i_decode(kind, A->w, A->rb, nsb, r0, rows, panel);
+    k8i_decode(kind, A->w, A->rb, A->rk, nsb, r0, rows, panel);
     int64_t t = 0;
     switch (k8i_form(kind)) {
     case K8I_MIN32: K8I_TILES(K8I_MIN32) break;

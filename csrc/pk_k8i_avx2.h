@@ -7,18 +7,19 @@
 #define PK_K8I_AVX2_H
 
 /* rows [r0, r0 + rows) (rows <= 16; missing rows decode as zeros) into the panel: nsb records */
-static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
+static void k8i_decode(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb, int64_t r0, int64_t rows,
+                       uint8_t *panel) {
     uint32_t codes[16 * 64]; /* row r's 256 codes as 64 words */
     float s[16 * 16], o[16 * 16];
-    const int64_t sbb = k8i_sbb(kind);
+    uint8_t tmp[256]; /* a super-block rebuilt from rk */
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
         float *S = (float *)(d + 4096), *O = S + 256;
-        k8i_prefetch(kind, w, rb, nsb, r0, rows, sb);
+        k8i_prefetch(kind, w, rb, rk, nsb, r0, rows, sb);
         for (int r = 0; r < 16; r++) {
             k8_sb B = {0};
             if (r < rows && k8i_form(kind) == K8I_OFF128) { /* IQ4: the table's signed codes, d * scale per 32 */
-                const uint8_t *p = w + (r0 + r) * rb + sb * sbb;
+                const uint8_t *p = w + (r0 + r) * rb + sb * k8i_sbb(kind);
                 for (int j = 0; j < 8; j++) {
                     _mm256_storeu_si256((__m256i *)(codes + r * 64 + 8 * j), pq_codes_simd(kind, kind == K_IQ4_NL ? p + 18 * j : p, j));
                     s[16 * r + 2 * j] = s[16 * r + 2 * j + 1] = pq_iq4_d(kind, p, j);
@@ -27,7 +28,7 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, int64_t nsb, int6
                 continue;
             }
             if (r < rows) {
-                const uint8_t *p = w + (r0 + r) * rb + sb * sbb;
+                const uint8_t *p = k8i_sbp(kind, w, rb, rk, nsb, r0 + r, sb, tmp);
                 for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(codes + r * 64 + 8 * j), k8_codes(kind, p, j));
                 k8_scales(kind, p, &B);
             } else

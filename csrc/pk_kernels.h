@@ -120,6 +120,7 @@ typedef struct {
     int64_t ldo;             /* out row stride (floats): m, or wider when out is a slice */
     int x1; /* K-quant, Q5_0/Q5_1/IQ4 int8 rows (pk_k8.h, pk_q8.h): x's first code only (the q8 "auto" mode) */
     const uint16_t *xb; /* a prompt's BF16 rows (pk_bf16.h): x rounded to bf16 [n, k], or NULL */
+    const uint8_t *rk;  /* Q4_K/Q6_K rows by 8 (pk_r8k_sb.h): the prompt panels decode them, not w; or NULL */
 } mm_args;
 
 #include "pk_half.h"

@@ -66,7 +66,8 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     const int r16 = r16c && !r16_range(M->kind, &A, M->rp, r0, r1);
     if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
 #if PK_SIMD
-    if (k8i) { /* int8 panels: the codes prep wrote (q8_group 8) */
+    if (k8i) { /* int8 panels: the codes prep wrote (q8_group 8); Q4_K/Q6_K from their rows by 8 */
+        A.rk = M->rk;
         k8i_range(M->kind, &A, n, out, ldo, r0, r1, (uint8_t *)(P->gbuf + pk_tid() * P->gstride));
     } else
 #endif

@@ -24,8 +24,7 @@
 #ifndef PK_R8K_H
 #define PK_R8K_H
 
-#define R8K_REC 1184
-#define R8K6_REC 1680
+/* R8K_REC, R8K6_REC: pk_r8k_sb.h (the prompt panels rebuild the stored bytes from the records) */
 /* each super-block asks for the records two ahead (Zen 3 1B Q4_K_M decode, alternating builds:
  * 22.1-24.3 -> 23.5-24.4 tok/s; four ahead no better) */
 #ifndef R8K_PF

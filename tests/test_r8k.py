@@ -141,3 +141,40 @@ def test_decode_rows_read_the_copy(threads, scheme, maker, kind, monkeypatch):
         assert not np.allclose(zeroed[1], auto[1], atol=1e-3 * np.abs(auto[1]).max())
     finally:
         kernels.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(
+    "scheme, maker, kind",
+    [("gguf_q4_k", "repack8k", ckernels.Q4_K), ("gguf_q6_k", "repack8k6", ckernels.Q6_K)],
+)
+def test_prompt_panels_read_the_copy(threads, scheme, maker, kind, monkeypatch):
+    """A prompt's int8 panels decode the rows by 8 when they exist (csrc/pk_r8k_sb.h rebuilds
+    each stored super-block from its record): the logits are bitwise those of the stored rows'
+    panels (no copy made), and a zeroed copy changes them."""
+    make, copies = getattr(repack, maker), []
+
+    def model():
+        tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=12)
+        quantize_all(tf, scheme)
+        return tf
+
+    old = kernels.num_threads()
+    kernels.set_num_threads(threads)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(repack, maker, lambda *a: None)  # no copy: the panels read the stored rows
+            tf = model()
+            stored = run_steps(tf, True, monkeypatch, n=0)[0]
+            assert kind in fused.plan(tf).kinds
+        monkeypatch.setattr(repack, maker, lambda *a: copies.append(make(*a)) or copies[-1])
+        tf = model()
+        got = run_steps(tf, True, monkeypatch, n=0)[0]
+        assert copies and all(c is not None for c in copies), "matrices repacked by 8"
+        np.testing.assert_array_equal(got, stored)
+        for c in copies:
+            c[..., 160 if kind == ckernels.Q4_K else 144 :] = 0  # every code 0
+        zeroed = run_steps(tf, True, monkeypatch, n=0)[0]
+        assert not np.allclose(zeroed, got, atol=1e-3 * np.abs(got).max())
+    finally:
+        kernels.set_num_threads(old)
