@@ -22,6 +22,7 @@ typedef struct {
     const uint8_t *rp; /* the rows repacked by 16 (csrc/pk_r16.h) to read instead of w, or NULL */
     int bf;            /* BF16 gemm panels on vdpbf16ps, x rounded to bf16 (csrc/pk_bf16.h) */
     const void *hk;    /* float16/float32 rows by 16, k-major (csrc/pk_k16.h) to read instead of w, or NULL */
+    const uint8_t *rk; /* Q4_K/Q6_K rows by 8 (csrc/pk_r8k_sb.h): the int8 panels decode them, not w; or NULL */
 } dq_args;
 
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8);

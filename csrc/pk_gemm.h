@@ -324,7 +324,7 @@ static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float
         return gemm_run(kind, &T, x, n, out, m, nt, NULL);
     }
     mm_args A = {0};
-    A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32;
+    A.w = D->w; A.k = D->k; A.m = m; A.rb = D->rb; A.nb = D->k / 32; A.rk = D->rk;
     void *buf = malloc((size_t)(n * D->k + 5 * n * A.nb * 4) + 64); /* codes, offsets, dx, sums per 16 */
     if (!buf) return -1;
     A.xq = (const int8_t *)buf;

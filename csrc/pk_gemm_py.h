@@ -27,11 +27,13 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
-    PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/pk_r16.h) */
-    int hk;
-    const int64_t nrp = rp_bytes((int)kind, m, k, &hk);
+    PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/pk_r16.h) or 8 (pk_r8k_sb.h) */
+    int hk = 0;
+    const int by8 = kind == K_Q4_K || kind == K_Q6_K;
+    const int64_t nrp = by8 ? r8k_bytes((int)kind, m, k) : rp_bytes((int)kind, m, k, &hk);
     if (orp != Py_None && nrp < 0) {
-        PyErr_SetString(PyExc_ValueError, "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16, float32/float16 by 16 on SIMD builds");
+        PyErr_SetString(PyExc_ValueError,
+                        "rp: Q4_0/Q4_1/Q8_0/int8 rows by 16, float32/float16 by 16 on SIMD builds, Q4_K/Q6_K by 8");
         return NULL;
     }
     PyObject *ret = NULL;
@@ -48,6 +50,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
         if (PyObject_GetBuffer(orp, &br, PyBUF_C_CONTIGUOUS) < 0) goto done_a;
         if (want_len(&br, nrp, "rp")) { PyBuffer_Release(&br); goto done_a; }
         if (hk) D.hk = br.buf;
+        else if (by8) D.rk = br.buf;
         else D.rp = br.buf;
     }
     int rc;

@@ -135,6 +135,22 @@ static inline void k8i_prefetch(int kind, const uint8_t *w, int64_t rb, const ui
         for (int64_t l = 0; l < sbb; l += 64) prefetch_line((const char *)w + (r0 + r) * rb + (sb + K8I_PF) * sbb + l);
 }
 
+/* the panel of rows r0 .. r0 + 16 (r0 a multiple of 8) straight from rk's records (r8k_panel);
+ * 0 when rk is NULL or the rows cut a group of 8 (then the stored bytes are rebuilt, k8i_sbp) */
+static inline int k8i_decode_rk(int kind, const uint8_t *rk, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
+#if PK_SIMD
+    if (!rk || rows != 16 || r0 % 8) return 0;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        k8i_prefetch(kind, NULL, 0, rk, nsb, r0, rows, sb);
+        r8k_panel(kind, rk, nsb, r0 / 8, sb, panel + sb * K8I_SB);
+    }
+    return 1;
+#else /* no panels on the base build */
+    (void)kind; (void)rk; (void)nsb; (void)r0; (void)rows; (void)panel;
+    return 0;
+#endif
+}
+
 /* row `row`'s super-block sb: in the stored rows w, or rebuilt into tmp (256 bytes) from rk's records */
 static inline const uint8_t *k8i_sbp(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb,
                                      int64_t row, int64_t sb, uint8_t *tmp) {
@@ -233,6 +249,7 @@ static inline __m512 k8i_iq4_scales(int kind, const uint8_t *p) {
 static void k8i_decode(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb, int64_t r0, int64_t rows,
                        uint8_t *panel) {
     uint8_t tmp[16][256];
+    if (k8i_decode_rk(kind, rk, nsb, r0, rows, panel)) return;
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
         __m512i v[16], o[16];

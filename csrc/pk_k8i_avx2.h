@@ -12,6 +12,7 @@ static void k8i_decode(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk
     uint32_t codes[16 * 64]; /* row r's 256 codes as 64 words */
     float s[16 * 16], o[16 * 16];
     uint8_t tmp[256]; /* a super-block rebuilt from rk */
+    if (k8i_decode_rk(kind, rk, nsb, r0, rows, panel)) return;
     for (int64_t sb = 0; sb < nsb; sb++) {
         uint8_t *d = panel + sb * K8I_SB;
         float *S = (float *)(d + 4096), *O = S + 256;

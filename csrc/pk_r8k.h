@@ -30,13 +30,6 @@
 #ifndef R8K_PF
 #define R8K_PF (2 * R8K_REC)
 #endif
-/* the bytes of an [m, k] Q4_K matrix repacked by 8, or -1 when its kind or shape takes none (every
- * build takes the argument: a plan made on a SIMD build stays valid when use_isa picks base,
- * which reads the stored rows) */
-static inline int64_t r8k_bytes(int kind, int64_t m, int64_t k) {
-    if ((kind != K_Q4_K && kind != K_Q6_K) || m % 8 || k % 256) return -1;
-    return m / 8 * (k / 256) * (kind == K_Q4_K ? R8K_REC : R8K6_REC);
-}
 
 #if PK_SIMD
 /* input c's min pairs: word 4 sb + i = (sum of x's codes over sub-block 2 i, over 2 i + 1) as

@@ -9,6 +9,14 @@
 #define R8K_REC 1184  /* Q4_K: 8 rows x 144 bytes + 32 */
 #define R8K6_REC 1680 /* Q6_K: 8 rows x 210 bytes */
 
+/* the bytes of an [m, k] Q4_K matrix repacked by 8, or -1 when its kind or shape takes none (every
+ * build takes the argument: a plan made on a SIMD build stays valid when use_isa picks base,
+ * which reads the stored rows) */
+static inline int64_t r8k_bytes(int kind, int64_t m, int64_t k) {
+    if ((kind != K_Q4_K && kind != K_Q6_K) || m % 8 || k % 256) return -1;
+    return m / 8 * (k / 256) * (kind == K_Q4_K ? R8K_REC : R8K6_REC);
+}
+
 /* the 144 (Q4_K) or 210 (Q6_K) stored bytes of row `row`, super-block sb into p, from the records rk
  * of a matrix of nsb super-blocks a row */
 static inline void r8k_sb(int kind, const uint8_t *rk, int64_t nsb, int64_t row, int64_t sb, uint8_t *p) {
@@ -34,5 +42,63 @@ static inline void r8k_sb(int kind, const uint8_t *rk, int64_t nsb, int64_t row,
         memcpy(p + 208, R + 2 * r, 2);                                                       /* d */
     }
 }
+
+#if PK_SIMD
+/* bytes e, 2 + e, .., 14 + e of the 16 at p: a field stored "byte 2 r + e" for the 8 rows r */
+static inline __m128i r8k_pairs(const uint8_t *p, int e) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm_shuffle_epi8(v, e ? _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                                 : _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+}
+
+/* the int8 panel (pk_k8i.h: per super-block the 64 code words of 16 rows, word q of row r at 4
+ * (16 q + r), then S[16 j + r] and o[16 j + r] as floats) of rows 8 g .. 8 g + 15 straight from
+ * their two records: a record's code vector already holds 8 rows' words side by side, so each
+ * is masked and stored (rebuilding the stored bytes first cost a 16-42-token 1B Q4_K_M prompt
+ * 15 %). The same codes and the same float products as k8i_decode on the stored rows. */
+static inline void r8k_panel(int kind, const uint8_t *rk, int64_t nsb, int64_t g, int64_t sb, uint8_t *d) {
+    const int64_t rec = kind == K_Q4_K ? R8K_REC : R8K6_REC;
+    float *S = (float *)(d + 4096), *O = S + 256;
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) { /* rows 0-7: group g, 8-15: g + 1 */
+        const uint8_t *R = rk + ((g + h) * nsb + sb) * rec;
+        const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)R));
+        uint8_t *c = d + 32 * h;
+        if (kind == K_Q4_K) { /* word 16 i + 8 e + t: nibble e of vector 8 i + t */
+            for (int v = 0; v < 32; v++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(R + 160 + 32 * v));
+                const int w = 16 * (v / 8) + v % 8;
+                _mm256_storeu_si256((__m256i *)(c + 64 * w), _mm256_and_si256(q, m4));
+                _mm256_storeu_si256((__m256i *)(c + 64 * (w + 8)), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+            }
+            const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(R + 16)));
+            for (int j = 0; j < 8; j++) { /* sub-block j: the scale and min of both its 16-groups */
+                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(R + 32 + 8 * j))));
+                const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(r8k_pairs(R + 96 + 16 * (j / 2), j & 1)));
+                const __m256 s = _mm256_mul_ps(sc, D), o = _mm256_mul_ps(mn, Dm);
+                for (int e = 0; e < 2; e++) {
+                    _mm256_storeu_ps(S + 16 * (2 * j + e) + 8 * h, s);
+                    _mm256_storeu_ps(O + 16 * (2 * j + e) + 8 * h, o);
+                }
+            }
+        } else { /* K_Q6_K: word q of sub-block j = q / 8 (hh = j / 4, t = j % 4), u = q % 8 */
+            for (int q = 0; q < 64; q++) {
+                const int j = q / 8, hh = j >> 2, t = j & 3, u = q % 8;
+                const __m256i l = _mm256_loadu_si256((const __m256i *)(R + 144 + 32 * (16 * hh + 8 * (t & 1) + u)));
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(R + 1168 + 32 * (8 * hh + u)));
+                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(l, 4 * (t >> 1)), m4);
+                const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(x, 2 * t), m2), 4);
+                _mm256_storeu_si256((__m256i *)(c + 64 * q), _mm256_or_si256(lo, hi));
+            }
+            const __m256 Dom = _mm256_mul_ps(_mm256_set1_ps(32.0f), D); /* k8_scales' om = 32 D */
+            for (int j = 0; j < 16; j++) { /* 16-group j's int8 scales */
+                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r8k_pairs(R + 16 + 16 * (j / 2), j & 1)));
+                _mm256_storeu_ps(S + 16 * j + 8 * h, _mm256_mul_ps(sc, D));
+                _mm256_storeu_ps(O + 16 * j + 8 * h, _mm256_mul_ps(sc, Dom));
+            }
+        }
+    }
+}
+#endif
 
 #endif /* PK_R8K_SB_H */

@@ -104,6 +104,38 @@ def test_q6k_record_fields_match_gguf_py():
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
 
 
+def _rss_kb(arr: np.ndarray) -> int:
+    """This process's resident kB of the mapping that holds arr (/proc/self/smaps)."""
+    addr, inside = arr.ctypes.data, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(h, 16) for h in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the array")
+
+
+@pytest.mark.parametrize("maker, block", [("repack8k", 144), ("repack8k6", 210)])
+def test_stored_rows_are_released_after_the_repack(tmp_path, maker, block):
+    """The prompt panels read the records too: the stored rows' pages leave the resident set
+    once repacked (and still read back the same from the file)."""
+    m, k = 64, 1024
+    raw = _rows(
+        m, k, seed=5, block=block, at=0 if block == 144 else 208, nd=2 if block == 144 else 1
+    )
+    (tmp_path / "w.bin").write_bytes(raw.tobytes())
+    mm = np.memmap(tmp_path / "w.bin", dtype=np.uint8, mode="r").reshape(m, -1)
+    assert int(mm.sum(dtype=np.int64)) == int(raw.sum(dtype=np.int64))  # touched: resident
+    assert _rss_kb(mm) > 0
+    rk = getattr(repack, maker)(mm, m, k)
+    assert (
+        rk is not None and _rss_kb(mm) <= 4
+    )  # whole pages only: Q6_K's file ends in a part of one
+    np.testing.assert_array_equal(mm, raw)
+
+
 def test_shapes_without_whole_groups_are_not_repacked():
     assert repack.repack8k(_q4k_rows(12, 256, seed=2), 12, 256) is None  # m % 8
     raw = _q4k_rows(8, 512, seed=2)
@@ -143,19 +175,21 @@ def test_decode_rows_read_the_copy(threads, scheme, maker, kind, monkeypatch):
         kernels.set_num_threads(old)
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads, tokens", [(1, 6), (3, 6), (2, 80)])
 @pytest.mark.parametrize(
     "scheme, maker, kind",
     [("gguf_q4_k", "repack8k", ckernels.Q4_K), ("gguf_q6_k", "repack8k6", ckernels.Q6_K)],
 )
-def test_prompt_panels_read_the_copy(threads, scheme, maker, kind, monkeypatch):
+def test_prompt_panels_read_the_copy(threads, tokens, scheme, maker, kind, monkeypatch):
     """A prompt's int8 panels decode the rows by 8 when they exist (csrc/pk_r8k_sb.h rebuilds
-    each stored super-block from its record): the logits are bitwise those of the stored rows'
-    panels (no copy made), and a zeroed copy changes them."""
+    each stored super-block from its record), in the fused step's rows (6 tokens) and in the
+    reference path's gemm (80: past the fused prompt): the logits are bitwise those of the
+    stored rows' panels (no copy made), and a zeroed copy changes them."""
+    prompt = [(7 * i + 3) % 100 for i in range(tokens)]
     make, copies = getattr(repack, maker), []
 
     def model():
-        tf = random_transformer(tiny_cfg(hidden=256, inter=512), seed=12)
+        tf = random_transformer(tiny_cfg(hidden=256, inter=512, max_seq_len=96), seed=12)
         quantize_all(tf, scheme)
         return tf
 
@@ -165,16 +199,16 @@ def test_prompt_panels_read_the_copy(threads, scheme, maker, kind, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(repack, maker, lambda *a: None)  # no copy: the panels read the stored rows
             tf = model()
-            stored = run_steps(tf, True, monkeypatch, n=0)[0]
+            stored = run_steps(tf, True, monkeypatch, n=0, prompt=prompt)[0]
             assert kind in fused.plan(tf).kinds
         monkeypatch.setattr(repack, maker, lambda *a: copies.append(make(*a)) or copies[-1])
         tf = model()
-        got = run_steps(tf, True, monkeypatch, n=0)[0]
+        got = run_steps(tf, True, monkeypatch, n=0, prompt=prompt)[0]
         assert copies and all(c is not None for c in copies), "matrices repacked by 8"
         np.testing.assert_array_equal(got, stored)
         for c in copies:
             c[..., 160 if kind == ckernels.Q4_K else 144 :] = 0  # every code 0
-        zeroed = run_steps(tf, True, monkeypatch, n=0)[0]
+        zeroed = run_steps(tf, True, monkeypatch, n=0, prompt=prompt)[0]
         assert not np.allclose(zeroed, got, atol=1e-3 * np.abs(got).max())
     finally:
         kernels.set_num_threads(old)

@@ -126,8 +126,9 @@ def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     rows, one vector lane per row), or None where this build or shape takes none. Per 8 rows and
     super-block: D[8], Dmin[8] as float16, the 6-bit scales (byte 8 j + r) and mins (byte 16 i +
     2 r + e: sub-block 2 i + e) unpacked, then 32 code vectors, byte 4 r + b of vector 8 i + t =
-    stored code byte 32 i + 4 t + b of row r. The stored rows stay mapped: a prompt's int8 panels
-    read them (csrc/pk_k8i.h)."""
+    stored code byte 32 i + 4 t + b of row r. A prompt's int8 panels decode the records too
+    (csrc/pk_r8k_sb.h), so the stored rows' pages are released (`release_mapped`): one copy of
+    the weights resident, not two."""
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
@@ -147,6 +148,7 @@ def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     out[..., 96:160].reshape(g, ns, 4, 8, 2)[...] = pairs.transpose(0, 1, 3, 2, 4)
     codes = blocks[..., 16:].reshape(g, 8, ns, 32, 4)  # [g, row, sb, 8 i + t, b]
     out[..., 160:].reshape(g, ns, 32, 8, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
+    release_mapped(raw)
     return out
 
 
@@ -155,7 +157,8 @@ def repack8k6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     rows), or None where this build or shape takes none. Per 8 rows and super-block: D[8] as
     float16, the int8 scales (byte 16 i + 2 r + e: 16-group 2 i + e of row r), the ql bytes
     (vector 16 h + v, byte 4 r + b = ql[64 h + 4 v + b] of row r), the qh bytes (vector 8 h + t,
-    byte 4 r + b = qh[32 h + 4 t + b]): the stored bytes moved, not one more."""
+    byte 4 r + b = qh[32 h + 4 t + b]): the stored bytes moved, not one more. The stored rows'
+    pages are released as repack8k's."""
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
@@ -169,6 +172,7 @@ def repack8k6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     out[..., 144:1168].reshape(g, ns, 32, 8, 4)[...] = ql.transpose(0, 2, 3, 1, 4)
     qh = blocks[..., 128:192].reshape(g, 8, ns, 16, 4)  # [g, row, ns, 8 h + t, b]
     out[..., 1168:].reshape(g, ns, 16, 8, 4)[...] = qh.transpose(0, 2, 3, 1, 4)
+    release_mapped(raw)
     return out
 
 
