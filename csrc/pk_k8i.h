@@ -15,8 +15,6 @@
 #ifndef PK_K8I_H
 #define PK_K8I_H
 
-#include "pk_r8k_sb.h"
-
 /* auto mode: K-quant products of K8I_MIN input rows or more (below, the int8 rows of pk_k8.h),
  * on every SIMD build (AVX2: csrc/pk_k8i_avx2.h, 1.4-1.9x its float path). Against the
  * float gemm (1B Q4_K [8192 x 2048], 2 threads): 16 rows 2.8x, 128 rows 2.6x, 512 rows 2.2x;
@@ -121,42 +119,14 @@ static inline int32_t k8i_c4(const k8i_at *X, int64_t t, int h, int q) {
  * ask for each row's super-block K8I_PF ahead (1B Q5_K_M 128-token prompt 352 -> 382 tok/s;
  * 4 ahead 368) */
 #define K8I_PF 2
+#include "pk_r8k_sb.h" /* the panels of the rows by 8 */
 static inline void k8i_prefetch(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb, int64_t r0,
                                 int64_t rows, int64_t sb) {
     if (sb + K8I_PF >= nsb) return;
-    if (rk) { /* the records of the panel's groups of 8 */
-        const int64_t rec = kind == K_Q4_K ? R8K_REC : R8K6_REC;
-        for (int64_t g = r0 / 8; g <= (r0 + rows - 1) / 8; g++)
-            for (int64_t l = 0; l < rec; l += 64) prefetch_line((const char *)rk + (g * nsb + sb + K8I_PF) * rec + l);
-        return;
-    }
+    if (rk) { r8k_prefetch(kind, rk, nsb, r0, rows, sb + K8I_PF); return; }
     const int64_t sbb = k8i_sbb(kind);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t l = 0; l < sbb; l += 64) prefetch_line((const char *)w + (r0 + r) * rb + (sb + K8I_PF) * sbb + l);
-}
-
-/* the panel of rows r0 .. r0 + 16 (r0 a multiple of 8) straight from rk's records (r8k_panel);
- * 0 when rk is NULL or the rows cut a group of 8 (then the stored bytes are rebuilt, k8i_sbp) */
-static inline int k8i_decode_rk(int kind, const uint8_t *rk, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
-#if PK_SIMD
-    if (!rk || rows != 16 || r0 % 8) return 0;
-    for (int64_t sb = 0; sb < nsb; sb++) {
-        k8i_prefetch(kind, NULL, 0, rk, nsb, r0, rows, sb);
-        r8k_panel(kind, rk, nsb, r0 / 8, sb, panel + sb * K8I_SB);
-    }
-    return 1;
-#else /* no panels on the base build */
-    (void)kind; (void)rk; (void)nsb; (void)r0; (void)rows; (void)panel;
-    return 0;
-#endif
-}
-
-/* row `row`'s super-block sb: in the stored rows w, or rebuilt into tmp (256 bytes) from rk's records */
-static inline const uint8_t *k8i_sbp(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb,
-                                     int64_t row, int64_t sb, uint8_t *tmp) {
-    if (!rk) return w + row * rb + sb * k8i_sbb(kind);
-    r8k_sb(kind, rk, nsb, row, sb, tmp);
-    return tmp;
 }
 
 /* x's codes for the 32-blocks [b0, b1): the 32 codes c at xq + cb b; at xo + ocb b int32 -32 and

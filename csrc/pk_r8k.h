@@ -1,6 +1,7 @@
 /* GGUF Q4_K rows repacked in groups of 8 (poly.runtime.repack.repack8k) for the fused step's
- * decode rows in the auto mode: one 32-bit vector lane per weight row, so a sub-block's integer
- * dot product lands in its row's lane and no row needs a horizontal sum or its own scale unpack.
+ * decode rows in the auto mode (the prompt panels are built from them too: pk_r8k_sb.h): one
+ * 32-bit vector lane per weight row, so a sub-block's integer dot product lands in its row's lane
+ * and no row needs a horizontal sum or its own scale unpack.
  * Why: the stored rows' decode (pk_k8.h k8_tile_k, one row at a time: 6-bit scales unpacked,
  * shuffled per sub-block, a horizontal sum a row) was compute-bound on AVX2 without VNNI (Zen 3
  * 1B Q4_K_M decode at 0.7 of the read bandwidth, level with llama.cpp's repacked Q4_K).

@@ -1,8 +1,8 @@
-/* A row's stored K-quant super-block rebuilt from its 8-row record (csrc/pk_r8k.h has the layouts):
- * the prompt panels (pk_k8i.h) decode the records of a matrix repacked by 8, so its stored rows are
- * read once at load (the repack) and their pages released: one copy resident, not two (1B Q4_K_M
- * 1606 MB with both). The bytes are the stored ones exactly, so the panels are too. Included by
- * pk_k8i.h. */
+/* The prompt panels (pk_k8i.h) of a Q4_K/Q6_K matrix repacked by 8 (csrc/pk_r8k.h has the record
+ * layouts), built from its records: r8k_panel for whole groups of 8, r8k_sb (a row's stored
+ * super-block rebuilt byte for byte) where a range cuts a group. The stored rows are then read
+ * once, at load (the repack), and their pages released: one copy resident, not two (1B Q4_K_M
+ * 1436 -> 937 MB). The panels are bitwise those of the stored rows. Included by pk_k8i.h (it uses K8I_SB, K8I_PF, k8i_sbb). */
 #ifndef PK_R8K_SB_H
 #define PK_R8K_SB_H
 
@@ -41,6 +41,13 @@ static inline void r8k_sb(int kind, const uint8_t *rk, int64_t nsb, int64_t row,
         for (int i = 0; i < 8; i++) memcpy(p + 192 + 2 * i, R + 16 + 16 * i + 2 * r, 2);    /* int8 scales */
         memcpy(p + 208, R + 2 * r, 2);                                                       /* d */
     }
+}
+
+/* the records of rows [r0, r0 + rows)' groups of 8 at super-block sb, asked for */
+static inline void r8k_prefetch(int kind, const uint8_t *rk, int64_t nsb, int64_t r0, int64_t rows, int64_t sb) {
+    const int64_t rec = kind == K_Q4_K ? R8K_REC : R8K6_REC;
+    for (int64_t g = r0 / 8; g <= (r0 + rows - 1) / 8; g++)
+        for (int64_t l = 0; l < rec; l += 64) prefetch_line((const char *)rk + (g * nsb + sb) * rec + l);
 }
 
 #if PK_SIMD
@@ -100,5 +107,29 @@ static inline void r8k_panel(int kind, const uint8_t *rk, int64_t nsb, int64_t g
     }
 }
 #endif
+
+/* the panel of rows r0 .. r0 + 16 (r0 a multiple of 8) straight from rk's records (r8k_panel);
+ * 0 when rk is NULL or the rows cut a group of 8 (then the stored bytes are rebuilt, k8i_sbp) */
+static inline int k8i_decode_rk(int kind, const uint8_t *rk, int64_t nsb, int64_t r0, int64_t rows, uint8_t *panel) {
+#if PK_SIMD
+    if (!rk || rows != 16 || r0 % 8) return 0;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        if (sb + K8I_PF < nsb) r8k_prefetch(kind, rk, nsb, r0, rows, sb + K8I_PF);
+        r8k_panel(kind, rk, nsb, r0 / 8, sb, panel + sb * K8I_SB);
+    }
+    return 1;
+#else /* no panels on the base build */
+    (void)kind; (void)rk; (void)nsb; (void)r0; (void)rows; (void)panel;
+    return 0;
+#endif
+}
+
+/* row `row`'s super-block sb: in the stored rows w, or rebuilt into tmp (256 bytes) from rk's records */
+static inline const uint8_t *k8i_sbp(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk, int64_t nsb,
+                                     int64_t row, int64_t sb, uint8_t *tmp) {
+    if (!rk) return w + row * rb + sb * k8i_sbb(kind);
+    r8k_sb(kind, rk, nsb, row, sb, tmp);
+    return tmp;
+}
 
 #endif /* PK_R8K_SB_H */

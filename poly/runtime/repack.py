@@ -104,8 +104,8 @@ def repack16(
 
 def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) -> np.ndarray | None:
     """The copy of `w`'s rows the fused step reads (`_mat`'s rp), made once per matrix and kept
-    on w: Q4_K/Q6_K rows by 8 (`w.r8k`, decode rows only: not for experts, by16 False), the
-    other kinds by 16 (`w.r16`, which a prompt's GEMM reads too), or None."""
+    on w: Q4_K/Q6_K rows by 8 (`w.r8k`: the decode rows and the prompt panels; not for experts,
+    by16 False), the other kinds by 16 (`w.r16`, which a prompt's GEMM reads too), or None."""
     if kind in (Q4_K, Q6_K):
         if not hasattr(w, "r8k"):
             w.r8k = (repack8k if kind == Q4_K else repack8k6)(data, m, k) if by16 else None
