@@ -351,7 +351,7 @@ static inline __attribute__((always_inline)) void k8i_tile(const mm_args *A, con
 static inline void k8i_pf_next(int kind, const mm_args *A, int64_t next, int64_t t, int64_t n) {
     if (next < 0 || next >= A->m) return;
     const int64_t rows = A->m - next < K8I_ROWS ? A->m - next : K8I_ROWS, tiles = n / K8I_T;
-    const int64_t rec = kind == K_Q4_K ? R8K_REC : R8K6_REC, g0 = next / 8; /* rows by 8: the records of its groups, one run */
+    const int64_t rec = r8k_rec(kind), g0 = next / 8; /* rows by 8: the records of its groups, one run */
     const int64_t bytes = A->rk ? ((next + rows - 1) / 8 - g0 + 1) * (A->nb / 8) * rec : rows * A->rb;
     const int64_t lo = bytes * (t / K8I_T) / tiles, hi = bytes * (t / K8I_T + 1) / tiles;
     const char *w = A->rk ? (const char *)A->rk + g0 * (A->nb / 8) * rec : (const char *)A->w + next * A->rb; /* one run */

@@ -2,19 +2,21 @@
  * layouts), built from its records: r8k_panel for whole groups of 8, r8k_sb (a row's stored
  * super-block rebuilt byte for byte) where a range cuts a group. The stored rows are then read
  * once, at load (the repack), and their pages released: one copy resident, not two (1B Q4_K_M
- * 1436 -> 937 MB). The panels are bitwise those of the stored rows. Included by pk_k8i.h (it uses K8I_SB, K8I_PF, k8i_sbb). */
+ * 1436 -> 937 MB). The panels are bitwise those of the stored rows. Included by pk_k8i.h (it
+ * uses K8I_SB, K8I_PF, k8i_sbb). */
 #ifndef PK_R8K_SB_H
 #define PK_R8K_SB_H
 
 #define R8K_REC 1184  /* Q4_K: 8 rows x 144 bytes + 32 */
 #define R8K6_REC 1680 /* Q6_K: 8 rows x 210 bytes */
+static inline int64_t r8k_rec(int kind) { return kind == K_Q4_K ? R8K_REC : R8K6_REC; } /* a record's bytes */
 
 /* the bytes of an [m, k] Q4_K matrix repacked by 8, or -1 when its kind or shape takes none (every
  * build takes the argument: a plan made on a SIMD build stays valid when use_isa picks base,
  * which reads the stored rows) */
 static inline int64_t r8k_bytes(int kind, int64_t m, int64_t k) {
     if ((kind != K_Q4_K && kind != K_Q6_K) || m % 8 || k % 256) return -1;
-    return m / 8 * (k / 256) * (kind == K_Q4_K ? R8K_REC : R8K6_REC);
+    return m / 8 * (k / 256) * r8k_rec(kind);
 }
 
 /* the 144 (Q4_K) or 210 (Q6_K) stored bytes of row `row`, super-block sb into p, from the records rk
@@ -45,7 +47,7 @@ static inline void r8k_sb(int kind, const uint8_t *rk, int64_t nsb, int64_t row,
 
 /* the records of rows [r0, r0 + rows)' groups of 8 at super-block sb, asked for */
 static inline void r8k_prefetch(int kind, const uint8_t *rk, int64_t nsb, int64_t r0, int64_t rows, int64_t sb) {
-    const int64_t rec = kind == K_Q4_K ? R8K_REC : R8K6_REC;
+    const int64_t rec = r8k_rec(kind);
     for (int64_t g = r0 / 8; g <= (r0 + rows - 1) / 8; g++)
         for (int64_t l = 0; l < rec; l += 64) prefetch_line((const char *)rk + (g * nsb + sb) * rec + l);
 }
@@ -64,7 +66,7 @@ static inline __m128i r8k_pairs(const uint8_t *p, int e) {
  * is masked and stored (rebuilding the stored bytes first cost a 16-42-token 1B Q4_K_M prompt
  * 15 %). The same codes and the same float products as k8i_decode on the stored rows. */
 static inline void r8k_panel(int kind, const uint8_t *rk, int64_t nsb, int64_t g, int64_t sb, uint8_t *d) {
-    const int64_t rec = kind == K_Q4_K ? R8K_REC : R8K6_REC;
+    const int64_t rec = r8k_rec(kind);
     float *S = (float *)(d + 4096), *O = S + 256;
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     for (int h = 0; h < 2; h++) { /* rows 0-7: group g, 8-15: g + 1 */

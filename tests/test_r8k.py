@@ -117,22 +117,19 @@ def _rss_kb(arr: np.ndarray) -> int:
     raise AssertionError("no mapping holds the array")
 
 
-@pytest.mark.parametrize("maker, block", [("repack8k", 144), ("repack8k6", 210)])
-def test_stored_rows_are_released_after_the_repack(tmp_path, maker, block):
+@pytest.mark.parametrize("maker, rows", [("repack8k", _q4k_rows), ("repack8k6", _q6k_rows)])
+def test_stored_rows_are_released_after_the_repack(tmp_path, maker, rows):
     """The prompt panels read the records too: the stored rows' pages leave the resident set
     once repacked (and still read back the same from the file)."""
     m, k = 64, 1024
-    raw = _rows(
-        m, k, seed=5, block=block, at=0 if block == 144 else 208, nd=2 if block == 144 else 1
-    )
+    raw = rows(m, k, seed=5)
     (tmp_path / "w.bin").write_bytes(raw.tobytes())
     mm = np.memmap(tmp_path / "w.bin", dtype=np.uint8, mode="r").reshape(m, -1)
     assert int(mm.sum(dtype=np.int64)) == int(raw.sum(dtype=np.int64))  # touched: resident
     assert _rss_kb(mm) > 0
     rk = getattr(repack, maker)(mm, m, k)
-    assert (
-        rk is not None and _rss_kb(mm) <= 4
-    )  # whole pages only: Q6_K's file ends in a part of one
+    assert rk is not None
+    assert _rss_kb(mm) <= 4  # whole pages only: Q6_K's file ends in a part of one
     np.testing.assert_array_equal(mm, raw)
 
 
