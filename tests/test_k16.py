@@ -85,6 +85,29 @@ def test_products_on_the_layout_equal_the_stored_rows_panels(m, k, threads, dtyp
 
 
 @needs_c
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_inputs_past_the_block_size_run_in_blocks_with_the_same_bits(dtype, each_isa):
+    """An x of more than 8 MB (700 tokens of k 4096) runs in blocks of tokens (pk_gemm.h
+    gemm_tblock): every row equals the same row's product in calls of 100 tokens (one block),
+    bit for bit, on the layout and on the stored rows, and the float64 product."""
+    m, k, n = 48, 4096, 700
+    w, kind = np.random.default_rng(5).standard_normal((m, k)).astype(dtype), KINDS[dtype]
+    x = ckernels.aligned(np.random.default_rng(6).standard_normal((n, k)).astype(np.float32))
+    hk = _by16(w) if _laid(kind) else None
+    for extra in ((), (0, hk)) if hk is not None else ((),):
+        got = np.full((n, m), np.nan, np.float32)
+        ckernels.EXT.gemm(kind, x, got, w, None, n, k, m, 2, *extra)
+        for a in range(0, n, 100):
+            part = np.full((100, m), np.nan, np.float32)
+            ckernels.EXT.gemm(
+                kind, ckernels.aligned(x[a : a + 100]), part, w, None, 100, k, m, 2, *extra
+            )
+            np.testing.assert_array_equal(got[a : a + 100], part, err_msg=f"tokens {a}..{a + 100}")
+    exact = x.astype(np.float64) @ w.astype(np.float64).T  # [n, m]
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4 * np.abs(exact).max())
+
+
+@needs_c
 def test_a_layout_of_the_wrong_size_is_refused(each_isa):
     if not _laid(ckernels.F32):
         pytest.skip("this build reads the stored rows")
