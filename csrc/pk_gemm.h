@@ -260,8 +260,8 @@ static void gemm_rows(int kind, const dq_args *D, const float *x, int64_t n, flo
 /* inputs a block: all n, or when x passes 2 GEMM_XB bytes, even blocks of at most GEMM_XB (whole
  * tiles), so each panel re-reads a block from cache instead of streaming all of x again (the
  * reference path's prompts: 512 tokens of k 8192 are 16 MB; [2048 x 8192] on two threads, f16
- * 86-98 -> 117-122 GFLOP/s, f32 x1.06-1.21; blocking an x of 4 MB lost 3 %: each block re-reads
- * the weights) */
+ * 86-111 -> 117-133 GFLOP/s median, x1.12-1.38, f32 x1.06-1.21; blocking an x of 4 MB lost 3 %:
+ * each block re-reads the weights) */
 static inline int64_t gemm_tblock(int64_t n, int64_t ldx) {
     const int64_t bytes = 4 * n * ldx, nb = (bytes + GEMM_XB - 1) / GEMM_XB;
     return bytes <= 2 * (int64_t)GEMM_XB ? n : ((n + nb - 1) / nb + GT - 1) / GT * GT;
