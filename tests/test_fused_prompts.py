@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from poly.errors import ContextOverflowError
-from poly.runtime import ckernels, fused
+from poly.runtime import ckernels, dispatch, fused
 from tests.test_fused import PROMPT, quantize_all
 from tests.tiny_model import random_transformer, tiny_cfg
 
@@ -36,20 +36,47 @@ def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
     assert tf.position == 16
     tf.forward(list(range(20, 37)))  # 17 tokens: still one call (up to STEP_ROWS)
     assert calls[-1] == (17, (1, 120), tuple(range(16, 33)))
-    tf.forward([5] * 65)  # 65 tokens: the reference path
-    assert len(calls) == 3 and tf.position == 98
+    tf.forward([5] * 65)  # 65 tokens on a model this narrow: two calls where fused calls win
+    if ckernels.SIMD:
+        assert calls[3:] == [
+            (32, (1, 120), tuple(range(33, 65))),
+            (33, (1, 120), tuple(range(65, 98))),
+        ]
+    else:
+        assert len(calls) == 3  # the reference path
+    assert tf.position == 98
     monkeypatch.setattr(fused, "plan", lambda model: None)
     tf.reset()
     np.testing.assert_allclose(got, tf.forward(PROMPT), rtol=0, atol=1e-5 * np.abs(got).max())
 
 
+@pytest.mark.parametrize(
+    ("hidden", "scheme", "wins"),
+    [
+        (64, "float32", True),  # as narrow as dispatch.SMALL_WIDTH or narrower: every form
+        (64, "gguf_q4_0", True),
+        (1280, "float32", False),  # wider: the block kinds of dispatch.CALLS_WIN alone
+        (1280, "float16", True),
+        (1280, "gguf_q4_1", True),
+        (1280, "gguf_q4_0", False),
+        (1280, "gguf_q4_k", False),
+    ],
+)
+def test_which_long_prompts_run_as_fused_calls(hidden, scheme, wins):
+    cfg = tiny_cfg(
+        hidden=hidden, inter=256, num_layers=1, num_heads=hidden // 64, num_kv_heads=hidden // 256
+    )
+    tf = random_transformer(cfg, seed=4)
+    if scheme != "float32":
+        quantize_all(tf, scheme)
+    assert dispatch.calls_win(tf, fused.plan(tf)) == (wins and ckernels.SIMD)
+
+
 def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
     """Past STEP_ROWS tokens a prompt runs as ceil(n / 64) fused calls of equal size where
-    fused.calls_win (F16 rows on the SIMD builds), with the reference path's logits."""
+    dispatch.calls_win, with the reference path's logits."""
     tf = random_transformer(tiny_cfg(max_seq_len=256), seed=4)
     quantize_all(tf, "float16")
-    p = fused.plan(tf)
-    assert fused.calls_win(p) == (ckernels.info()["isa"] in ("avx512", "avx2"))
     calls = []
     real = ckernels.decode
 
@@ -58,7 +85,7 @@ def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
         return real(layers, caches, head, x, logits, pos, *rest)
 
     monkeypatch.setattr(ckernels, "decode", spy)
-    monkeypatch.setattr(fused, "calls_win", lambda plan: True)
+    monkeypatch.setattr(dispatch, "calls_win", lambda model, plan: True)
     prompt = [(7 * i + 3) % 120 for i in range(129)]
     tf.reset()
     got = tf.forward(prompt)
@@ -69,7 +96,7 @@ def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
 
 
 def test_a_long_fused_prompt_past_the_context_is_refused_with_nothing_written(monkeypatch):
-    monkeypatch.setattr(fused, "calls_win", lambda plan: True)
+    monkeypatch.setattr(dispatch, "calls_win", lambda model, plan: True)
     tf = random_transformer(tiny_cfg(max_seq_len=100), seed=4)
     tf.reset()
     tf.forward(PROMPT)

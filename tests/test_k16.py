@@ -13,7 +13,7 @@ import pytest
 
 from poly import layout
 from poly.layer import LayerType
-from poly.runtime import ckernels, fused, kernels, repack
+from poly.runtime import ckernels, dispatch, fused, kernels, repack
 from tests.test_r16 import decode_steps
 from tests.tiny_model import random_transformer, tiny_cfg
 
@@ -152,10 +152,12 @@ def _model(tmp_path=None, seed=21, dtype=np.float16):
 
 @needs_c
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_a_model_on_mapped_rows_matches_the_same_weights_in_memory(tmp_path, dtype):
+def test_a_model_on_mapped_rows_matches_the_same_weights_in_memory(tmp_path, dtype, monkeypatch):
     """Mapped rows are laid out by 16 when the plan is made (SIMD builds; elsewhere, and for
     arrays in memory, the stored rows are read): prompts in one fused call (3 and 20 tokens),
-    a prompt past one call (70 tokens: the reference path's gemm), then decode steps."""
+    a prompt past one call (70 tokens: float32 on the reference path's gemm, as a wide model's;
+    float16 as fused calls), then decode steps."""
+    monkeypatch.setattr(dispatch, "SMALL_WIDTH", 0)
     mapped, memory = _model(tmp_path, dtype=dtype), _model(dtype=dtype)
     assert fused.plan(mapped) is not None and fused.plan(memory) is not None
     assert (id(mapped.lm_head) in ckernels.K16) == _laid(KINDS[dtype])

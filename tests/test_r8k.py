@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from poly.runtime import ckernels, fused, kernels, repack
+from poly.runtime import ckernels, dispatch, fused, kernels, repack
 from tests.test_fused import quantize_all, run_steps, tiny_cfg
 from tests.tiny_model import random_transformer
 
@@ -182,6 +182,7 @@ def test_prompt_panels_read_the_copy(threads, tokens, scheme, maker, kind, monke
     each stored super-block from its record), in the fused step's rows (6 tokens) and in the
     reference path's gemm (80: past the fused prompt): the logits are bitwise those of the
     stored rows' panels (no copy made), and a zeroed copy changes them."""
+    monkeypatch.setattr(dispatch, "SMALL_WIDTH", 0)  # 80 tokens on the gemm, as a wide model's
     prompt = [(7 * i + 3) % 100 for i in range(tokens)]
     make, copies = getattr(repack, maker), []
 

@@ -137,6 +137,7 @@ class Plan:
         ]
         self.layers = layers
         self.kinds = frozenset(_kinds((layers, lm)))
+        self.block_kinds = frozenset(_kinds(layers, True))  # all, repacked or not; no LM head
         # HF bfloat16 arrays: exact rows in the auto mode too (ckernels.Q8_EXACT_BF16)
         self.exact_bf16 = any(w.dtype.name == "bfloat16" for w in _weights((layers, lm)))
         self.head = (final, float(model.config.rms_norm_eps), lm)
@@ -303,16 +304,6 @@ def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     for c in caches:
         c.length = start + n
     return logits[0]
-
-
-def calls_win(p: Plan) -> bool:
-    """Whether a prompt longer than one call (STEP_ROWS) runs faster as fused calls of at most
-    STEP_ROWS rows than on the reference path: F16 rows on the SIMD builds (AVX-512: the dense
-    row tiles, Zen 4 1B 128 tokens 67-73 -> 85-92 tok/s; AVX2: the layout's panels without the
-    per-layer numpy, Zen 3 1B 128 tokens 53.8 -> 59.1, 512 52.7 -> 57.2, Zen 4 a tie). The
-    reference path's gemm won for F32 (85 against 74) and K-quants, tied for Q8_0/Q4_0/BF16."""
-    blocks = frozenset(_kinds(p.layers, True))  # the LM head runs for the last row alone
-    return blocks == {ckernels.F16} and ckernels.SIMD  # the AVX2 and AVX-512 builds, as use_isa set
 
 
 def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
