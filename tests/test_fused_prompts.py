@@ -55,6 +55,7 @@ def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
     [
         (64, "float32", True),  # as narrow as dispatch.SMALL_WIDTH or narrower: every form
         (64, "gguf_q4_0", True),
+        (64, "loom_q4", False),  # dispatch.NARROW_EXCEPT
         (1280, "float32", False),  # wider: the block kinds of dispatch.CALLS_WIN alone
         (1280, "float16", True),
         (1280, "gguf_q4_1", True),

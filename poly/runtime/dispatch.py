@@ -31,6 +31,9 @@ SMALL_WIDTH = 1024
 # 53.8 -> 59.1, 512 52.7 -> 57.2) and Q4_1 (Zen 3 1B 96-512 tokens 1.06-1.26x, three runs). The
 # reference path's gemm ties or wins for the others on the 1B model (Q4_0 and .entity q4 by 5-19 %)
 CALLS_WIN = frozenset({ckernels.F16, ckernels.Q4_1})
+# ... but not Loom q4 rows: SmolLM2 .entity q4 at 512 tokens x0.90 as fused calls (1.25 -> 0.96x
+# llama.cpp in the matrix), although 65-128 tokens won 1.19-1.32x
+NARROW_EXCEPT = frozenset({ckernels.LOOM_Q4})
 
 
 def calls_win(model, p: fused.Plan) -> bool:
@@ -38,7 +41,8 @@ def calls_win(model, p: fused.Plan) -> bool:
     STEP_ROWS rows than on the reference path (the AVX2 and AVX-512 builds only)."""
     if not ckernels.SIMD:
         return False
-    return model.config.hidden_size <= SMALL_WIDTH or p.block_kinds <= CALLS_WIN
+    narrow = model.config.hidden_size <= SMALL_WIDTH and not p.block_kinds & NARROW_EXCEPT
+    return narrow or p.block_kinds <= CALLS_WIN
 
 
 def forward(model, ids: np.ndarray) -> np.ndarray:
