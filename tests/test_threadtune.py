@@ -189,9 +189,8 @@ def test_prefill_pacing_keeps_the_numbers_and_restores_the_threads(monkeypatch, 
     from poly.runtime import dispatch, kernels
     from tests.tiny_model import random_transformer
 
-    monkeypatch.setattr(
-        dispatch, "SMALL_WIDTH", 0
-    )  # long prompts on the paced blocks, as a wide model's
+    # long prompts on the paced blocks, as a wide model's
+    monkeypatch.setattr(dispatch, "SMALL_WIDTH", 0)
 
     cfg = TransformerConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_layers=6,
                             num_heads=4, num_kv_heads=2, max_seq_len=128)  # fmt: skip

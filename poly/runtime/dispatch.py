@@ -23,7 +23,8 @@ FUSED_PREFILL_MAX = 64  # = ckernels.STEP_ROWS
 
 # models this wide or narrower run every longer prompt as fused calls: the reference path's
 # per-layer work outweighs its gemm's edge there (Zen 3 AVX2, 65-512 tokens, in-process A/B:
-# SmolLM2, 576 wide, 1.00-1.36x on all 12 forms of the matrix; a synthetic 1024-wide model
+# SmolLM2, 576 wide, 1.00-1.36x on 9 of the matrix's 12 forms, Q4_0 and Q4_K_M 0.98-1.10x,
+# .entity q4 (NARROW_EXCEPT) 1.32x at 65 tokens but 0.90x at 512; a synthetic 1024-wide model
 # 0.93-1.13x, F32 and Q4_0 ties, Q8_0 and Q4_K_M ahead; the 2048-wide 1B mostly ties)
 SMALL_WIDTH = 1024
 # block kinds whose longer prompts win as fused calls at any width: F16 on the layout's panels
