@@ -51,26 +51,28 @@ def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("hidden", "scheme", "wins"),
+    ("hidden", "scheme", "n", "wins"),
     [
-        (64, "float32", True),  # as narrow as dispatch.SMALL_WIDTH or narrower: every form
-        (64, "gguf_q4_0", True),
-        (64, "loom_q4", False),  # dispatch.NARROW_EXCEPT
-        (1280, "float32", False),  # wider: the block kinds of dispatch.CALLS_WIN alone
-        (1280, "float16", True),
-        (1280, "gguf_q4_1", True),
-        (1280, "gguf_q4_0", False),
-        (1280, "gguf_q4_k", False),
+        (64, "float32", 512, True),  # as narrow as dispatch.SMALL_WIDTH or narrower: every form
+        (64, "gguf_q4_0", 512, True),
+        (64, "loom_q4", 320, True),  # dispatch.NARROW_EXCEPT: up to NARROW_EXCEPT_MAX tokens
+        (64, "loom_q4", 321, False),
+        (1280, "float32", 65, False),  # wider: the block kinds of dispatch.CALLS_WIN alone
+        (1280, "float16", 512, True),
+        (1280, "gguf_q4_1", 512, True),
+        (1280, "gguf_q4_0", 65, False),
+        (1280, "gguf_q4_k", 65, False),
+        (1280, "loom_q4", 65, False),
     ],
 )
-def test_which_long_prompts_run_as_fused_calls(hidden, scheme, wins):
+def test_which_long_prompts_run_as_fused_calls(hidden, scheme, n, wins):
     cfg = tiny_cfg(
         hidden=hidden, inter=256, num_layers=1, num_heads=hidden // 64, num_kv_heads=hidden // 256
     )
     tf = random_transformer(cfg, seed=4)
     if scheme != "float32":
         quantize_all(tf, scheme)
-    assert dispatch.calls_win(tf, fused.plan(tf)) == (wins and ckernels.SIMD)
+    assert dispatch.calls_win(tf, fused.plan(tf), n) == (wins and ckernels.SIMD)
 
 
 def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
@@ -86,7 +88,7 @@ def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
         return real(layers, caches, head, x, logits, pos, *rest)
 
     monkeypatch.setattr(ckernels, "decode", spy)
-    monkeypatch.setattr(dispatch, "calls_win", lambda model, plan: True)
+    monkeypatch.setattr(dispatch, "calls_win", lambda model, plan, n: True)
     prompt = [(7 * i + 3) % 120 for i in range(129)]
     tf.reset()
     got = tf.forward(prompt)
@@ -97,7 +99,7 @@ def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
 
 
 def test_a_long_fused_prompt_past_the_context_is_refused_with_nothing_written(monkeypatch):
-    monkeypatch.setattr(dispatch, "calls_win", lambda model, plan: True)
+    monkeypatch.setattr(dispatch, "calls_win", lambda model, plan, n: True)
     tf = random_transformer(tiny_cfg(max_seq_len=100), seed=4)
     tf.reset()
     tf.forward(PROMPT)
