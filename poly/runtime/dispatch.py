@@ -25,7 +25,7 @@ FUSED_PREFILL_MAX = 64  # = ckernels.STEP_ROWS
 # per-layer work outweighs its gemm's edge there (Zen 3 AVX2, 65-512 tokens, in-process A/B:
 # SmolLM2, 576 wide, 1.00-1.36x on 9 of the matrix's 12 forms, Q4_0 and Q4_K_M 0.98-1.10x,
 # .entity q4 see NARROW_EXCEPT; a synthetic 1024-wide model 0.93-1.13x, F32 and Q4_0 ties,
-# Q8_0 and Q4_K_M ahead; the 2048-wide 1B mostly ties)
+# Q8_0 and Q4_K_M ahead; a synthetic 1536-wide one 0.87-1.07x; the 2048-wide 1B mostly ties)
 SMALL_WIDTH = 1024
 # block kinds whose longer prompts win as fused calls at any width: F16 on the layout's panels
 # (AVX-512 dense row tiles: Zen 4 1B 128 tokens 67-73 -> 85-92 tok/s; AVX2 Zen 3 1B 128 tokens
