@@ -32,9 +32,10 @@ SMALL_WIDTH = 1024
 # 53.8 -> 59.1, 512 52.7 -> 57.2) and Q4_1 (Zen 3 1B 96-512 tokens 1.06-1.26x, three runs). The
 # reference path's gemm ties or wins for the others on the 1B model (Q4_0 and .entity q4 by 5-19 %)
 CALLS_WIN = frozenset({ckernels.F16, ckernels.Q4_1})
-# ... but Loom q4 rows only up to NARROW_EXCEPT_MAX tokens: SmolLM2 .entity q4, A/B of 5-7
-# rounds, x1.07-1.19 at 96-224 tokens, x0.93-1.20 at 256-384 (three runs), x0.90-1.04 at 448-512
-# (the matrix at 512: 1.25x llama.cpp on the reference path, 0.96x as fused calls)
+# the SMALL_WIDTH rule takes Loom q4 rows (.entity q4) only up to NARROW_EXCEPT_MAX tokens:
+# SmolLM2 .entity q4, A/B of 5-7 rounds, x1.07-1.19 at 96-224 tokens, x0.93-1.20 at 256-384
+# (three runs), x0.90-1.04 at 448-512 (the matrix at 512: 1.25x llama.cpp on the reference path,
+# 0.96x as fused calls)
 NARROW_EXCEPT = frozenset({ckernels.LOOM_Q4})
 NARROW_EXCEPT_MAX = 320
 
