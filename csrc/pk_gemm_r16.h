@@ -27,17 +27,18 @@ static void dq_row_r16(int kind, const dq_args *D, int64_t r, float *dst) {
     dq_row(kind, &T, 0, dst);
 }
 
-/* Loom Q4's row r from its repacked copy (float32 D, Q4_0's nibbles of code + 8): (u - 8) * D,
+/* Loom Q4's row r from its repacked copy's codes (Q4_0's nibbles of code + 8) and the stored
+ * float32 scales (aux; the record's D is their float16 rounding, the decode rows'): (u - 8) * D,
  * the stored rows' dq_row values bit for bit (code * D, one rounding either way) */
 static void dq_row_r16_loom(const dq_args *D, int64_t r, float *dst) {
     const int64_t nb = D->k / 32, l = r % 16;
-    const uint8_t *g = D->rp + (r / 16) * nb * R16_REC;
+    const int64_t rec = r16_rec(K_LOOM_Q4), co = r16_codes_at(K_LOOM_Q4);
+    const uint8_t *g = D->rp + (r / 16) * nb * rec;
     for (int64_t b = 0; b < nb; b++, dst += 32) {
-        const uint8_t *p = g + b * R16_REC;
+        const uint8_t *p = g + b * rec;
         uint8_t q[16]; /* as Q4_0 stores them: element j low, j + 16 high */
-        float d;
-        memcpy(&d, p + 4 * l, 4);
-        for (int v = 0; v < 4; v++) memcpy(q + 4 * v, p + 64 + 64 * v + 4 * l, 4);
+        const float d = D->aux[r * nb + b];
+        for (int v = 0; v < 4; v++) memcpy(q + 4 * v, p + co + 64 * v + 4 * l, 4);
 #if PK_SIMD
         const __m128i c = _mm_loadu_si128((const __m128i *)q), m15 = _mm_set1_epi8(15);
         const __m128i lo = _mm_and_si128(c, m15), hi = _mm_and_si128(_mm_srli_epi16(c, 4), m15);

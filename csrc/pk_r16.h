@@ -2,11 +2,12 @@
  * step's decode and short-prompt rows (AVX-512 VNNI here, 8-lane builds in pk_r16_avx2.h): one vector lane per weight row, so
  * the integer dot product of a whole 32-block lands in that row's lane and the block's scale
  * applies to 16 rows in one FMA (in the stored layout each row's block needs its own
- * horizontal work). Per 16 rows and block: D[16], M[16] as float16, then 4 x 64 code bytes,
- * byte 4 r + i of vector q = the stored byte 4 q + i of row r (low nibble: element 4 q + i,
- * high: 16 + 4 q + i). x takes the q8 scheme's two int8 codes per element (quantize_x:
- * x ~= dx * (h + l / 254), ~1/32000 of the block's max|x|), or in the auto mode for Q4_0 and
- * Loom Q4 the first code alone (r16_x1).
+ * horizontal work). Per 16 rows and block: D[16] as float16 (Q4_1: then M[16]), then 4 x 64
+ * code bytes, byte 4 r + i of vector q = the stored byte 4 q + i of row r (low nibble: element
+ * 4 q + i, high: 16 + 4 q + i). Q4_0 and Loom Q4 take M = -8 D in the tile (no M stored: 288
+ * bytes a block, Q4_0's stored size, where a stored M made it 320). x takes the q8 scheme's two
+ * int8 codes per element (quantize_x: x ~= dx * (h + l / 254), ~1/32000 of the block's
+ * max|x|), or in the auto mode for Q4_0 and Loom Q4 the first code alone (r16_x1).
  * Why: batched decode (the server's 8 streams) is compute-bound, and the float tiles reach
  * ~80 % of two FMA pipes; vpdpbusd does 64 multiply-adds an instruction. A row's result does
  * not depend on the other rows or inputs of the call (lanes and inputs are independent), so a
@@ -14,19 +15,24 @@
 #ifndef PK_R16_H
 #define PK_R16_H
 
-#define R16_REC 320 /* bytes per 16 rows and 32-block of Q4_0/Q4_1: the stored size */
+#define R16_REC 320 /* bytes per 16 rows and 32-block of Q4_1: D[16], M[16] float16, 4 x 64 codes (stored: 320) */
+#define R16_REC4 288 /* Q4_0 and Loom Q4: D[16] float16, 4 x 64 codes (Q4_0 stored: 288) */
 #define R16_REC8 576 /* Q8_0: D[16] float16, S[16] int16 (each row's code sum), 8 x 64 code bytes */
 #define R16_RECI 544 /* int8 rows (.entity q8): S[16], 8 x 64 code bytes; the scales are per row (aux) */
-static inline int64_t r16_rec(int kind) { return kind == K_Q8_0 ? R16_REC8 : kind == K_I8 ? R16_RECI : R16_REC; }
-/* where a record's code vectors and S start */
-static inline int64_t r16_codes_at(int kind) { return kind == K_I8 ? 32 : 64; }
+/* the symmetric 4-bit kinds: M = -8 D, not stored */
+static inline int r16_sym(int kind) { return kind == K_Q4_0 || kind == K_LOOM_Q4; }
+static inline int64_t r16_rec(int kind) {
+    return kind == K_Q8_0 ? R16_REC8 : kind == K_I8 ? R16_RECI : r16_sym(kind) ? R16_REC4 : R16_REC;
+}
+/* where a record's code vectors and S (or M) start */
+static inline int64_t r16_codes_at(int kind) { return kind == K_I8 || r16_sym(kind) ? 32 : 64; }
 static inline int64_t r16_sums_at(int kind) { return kind == K_I8 ? 0 : 32; }
-/* CASES(K) with the tiles' kind a constant: Q4_0 takes Q4_1's (its M in the record) */
+/* CASES(K) with the tiles' kind a constant: Loom Q4 takes Q4_0's (the same record) */
 #define R16_KIND_SWITCH(kind, CASES)                                                         \
     if ((kind) == K_Q8_0) CASES(K_Q8_0)                                                      \
     else if ((kind) == K_I8) CASES(K_I8)                                                     \
-    else if ((kind) == K_LOOM_Q4) CASES(K_LOOM_Q4)                                           \
-    else CASES(K_Q4_1)
+    else if ((kind) == K_Q4_1) CASES(K_Q4_1)                                                 \
+    else CASES(K_Q4_0)
 /* the bytes of an [m, k] matrix repacked by 16, or -1 when its kind or shape is not repacked
  * (the `rp` arguments of decode and gemm) */
 static inline int64_t r16_bytes(int kind, int64_t m, int64_t k) {
@@ -106,7 +112,7 @@ static const int8_t *r16_inputs(const mm_args *A, int64_t c, int nn, int form, i
  * D = 1, the row scales (aux) applied once at the end. kind is a constant here. */
 static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn, const int x1) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, loom = kind == K_LOOM_Q4;
+    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, sym = r16_sym(kind);
     const int64_t rec = r16_rec(kind), co = r16_codes_at(kind);
     __m512 acc[8];
     const __m512i m15 = _mm512_set1_epi8(15);
@@ -118,11 +124,10 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
     for (int64_t b = 0; b < A->nb; b++, p += rec, X += 8 * 64, sc += 16) {
 #pragma GCC unroll 9
         for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + 2048 + l);
-        const __m512 D = i8     ? _mm512_set1_ps(1.0f)
-                         : loom ? _mm512_loadu_ps((const float *)p) /* Loom: float32 scales, M = -8 D */
-                                : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m256i second = _mm256_loadu_si256((const __m256i *)(p + r16_sums_at(kind))); /* M, or S */
-        const __m512 M = loom ? _mm512_mul_ps(D, _mm512_set1_ps(-8.0f)) : _mm512_cvtph_ps(second);
+        const __m512 D = i8 ? _mm512_set1_ps(1.0f) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        /* M, or S (Q4_0 and Loom: no second field, M = -8 D) */
+        const __m256i second = sym ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(p + r16_sums_at(kind)));
+        const __m512 M = sym ? _mm512_mul_ps(D, _mm512_set1_ps(-8.0f)) : _mm512_cvtph_ps(second);
         const __m512i S = _mm512_slli_epi32(_mm512_cvtepi16_epi32(second), 7);
         __m512i w[8];
         if (q8) {
@@ -131,7 +136,7 @@ static inline __attribute__((always_inline)) void r16_tile(int kind, const mm_ar
         } else {
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++) { /* low nibbles: elements 4 q + i, high: 16 + 4 q + i */
-                const __m512i v = _mm512_loadu_si512((const void *)(p + 64 + 64 * q));
+                const __m512i v = _mm512_loadu_si512((const void *)(p + co + 64 * q));
                 w[q] = _mm512_and_si512(v, m15);
                 w[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
             }

@@ -14,13 +14,13 @@
 #define R16_PF 4096
 #endif
 
-/* the 8 code vectors of one half of a Q4 block's record (p: the record + 32 h), nibbles as bytes
- * (low: elements 4 q + i, high: 16 + 4 q + i) */
-static inline __attribute__((always_inline)) void r16_codes8(const uint8_t *p, __m256i w[8]) {
+/* the 8 code vectors of one half of a Q4 block's record (c: its first code vector, the record +
+ * r16_codes_at + 32 h), nibbles as bytes (low: elements 4 q + i, high: 16 + 4 q + i) */
+static inline __attribute__((always_inline)) void r16_codes8(const uint8_t *c, __m256i w[8]) {
     const __m256i m15 = _mm256_set1_epi8(15);
 #pragma GCC unroll 4
     for (int q = 0; q < 4; q++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 + 64 * q));
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * q));
         w[q] = _mm256_and_si256(v, m15);
         w[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
     }
@@ -76,10 +76,9 @@ static inline __attribute__((always_inline)) void r16w_sums(const uint8_t *c, co
     }
 }
 
-/* the block scales D of half h (rows 8 h ..) of record p: float16, float32 (Loom), 1 (int8) */
+/* the block scales D of half h (rows 8 h ..) of record p: float16, 1 (int8) */
 static inline __attribute__((always_inline)) __m256 r16_scales8(int kind, const uint8_t *p, int h) {
     if (kind == K_I8) return _mm256_set1_ps(1.0f);
-    if (kind == K_LOOM_Q4) return _mm256_loadu_ps((const float *)p + 8 * h);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
 }
 
@@ -89,9 +88,9 @@ static inline __m256i r16_mask8(unsigned keep, int h) {
     return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(keep >> (8 * h))), bits), bits);
 }
 
-/* the block offsets M of half h of record p (Q4 kinds): float16, or -8 D (Loom, D float32) */
+/* the block offsets M of half h of record p (Q4 kinds): float16 (Q4_1), or -8 D (Q4_0, Loom) */
 static inline __attribute__((always_inline)) __m256 r16_mins8(int kind, const uint8_t *p, int h, __m256 D) {
-    if (kind == K_LOOM_Q4) return _mm256_mul_ps(D, _mm256_set1_ps(-8.0f));
+    if (r16_sym(kind)) return _mm256_mul_ps(D, _mm256_set1_ps(-8.0f));
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
 }
 
@@ -127,7 +126,7 @@ static inline __attribute__((always_inline)) void r16_tile8(int kind, const mm_a
                 r16w_sums(p + r16_codes_at(kind) + 32 * h, (const int16_t *)X, nn, s);
             else {
                 __m256i w[8];
-                r16_codes8(p + 32 * h, w);
+                r16_codes8(p + r16_codes_at(kind) + 32 * h, w);
 #pragma GCC unroll 3
                 for (int i = 0; i < nn; i++) s[i] = r16_dot8(w, X + i * 64, x1);
             }
@@ -170,7 +169,7 @@ static int r16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, 
 }
 
 /* 4 inputs or more (prompts, batched decode): rows [16 g + 8 h, +8) x inputs t0..t0+nn (nn <=
- * 4), one half at a time (a group's records, k / 32 x 320 bytes, stay in L1/L2 for the input
+ * 4), one half at a time (a group's records, k / 32 x 288-576 bytes, stay in L1/L2 for the input
  * tiles; 8 code vectors + 4 accumulators fit the 16 registers, where r16_tile8's two halves
  * spilled), x's two codes read in place (quantize_x: 64 bytes a block) and the same integer sums
  * and float steps per lane as r16_tile8: the same bits whichever tile a row takes. kind is a
@@ -195,7 +194,7 @@ static inline __attribute__((always_inline)) void r16p_tile(int kind, const mm_a
             r16w_sums(p + r16_codes_at(kind), xw + 128 * b, nn, s); /* r16p_range: [b][4][32] */
         else {
             __m256i w[8];
-            r16_codes8(p, w);
+            r16_codes8(p + r16_codes_at(kind), w);
 #pragma GCC unroll 4
             for (int i = 0; i < nn; i++) s[i] = r16_dot8(w, A->xq + ((t0 + i) * A->nb + b) * 64, x1); /* quantize_x: 64 bytes a block */
         }

@@ -48,6 +48,18 @@ def _one_code(x):
 ONE_CODE = ("gguf_q4_0", "loom_q4")  # the kinds the auto mode reads on x's first code
 
 
+def _held(qt, scheme: str) -> np.ndarray:
+    """The weights as the repacked rows hold them, float64: the stored matrix's, but Loom Q4's
+    block scales rounded to float16 (repack._repack_loom: Q4_0's record)."""
+    wf = qt.dequantize().astype(np.float64)
+    if scheme != "loom_q4":
+        return wf
+    m, k = qt.shape
+    s = np.asarray(ckernels.operands(qt)[2], np.float32).reshape(m, k // 32, 1).astype(np.float64)
+    codes = np.rint(wf.reshape(m, k // 32, 32) / np.where(s == 0, 1, s))  # [m, block, 32]
+    return (codes * s.astype(np.float16).astype(np.float64)).reshape(m, k)
+
+
 @needs_r16
 @pytest.mark.parametrize("mode", ["on", "auto"])
 @pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8", "loom_q4"])
@@ -61,7 +73,7 @@ def test_the_repacked_rows_give_the_same_bits_on_every_build(scheme, mode):
     kind, raw, aux = ckernels.operands(qt)
     rp = repack.repack16(kind, raw, 80, 256, aux)
     x = ckernels.aligned(rng.standard_normal((11, 256)).astype(np.float32))
-    wf = qt.dequantize().astype(np.float64)
+    wf = _held(qt, scheme)
     ref = x.astype(np.float64) @ wf.T
     q8 = ckernels.Q8_AUTO if mode == "auto" else ckernels.Q8_ON
     builds = _r16_builds()
@@ -127,7 +139,7 @@ def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa)
     qt = MAKERS[scheme](rng.standard_normal((m, k)).astype(np.float32))
     kind, raw, aux = ckernels.operands(qt)
     rp = repack.repack16(kind, raw, m, k, aux)
-    wf = qt.dequantize().astype(np.float64)
+    wf = _held(qt, scheme)
     # past 16 rows SIMD builds keep the repacked rows (r16p: 8 lanes' prompt tile, AVX-512's by blocks)
     for n in (5, 20) if ckernels.info().get("r16p") else (5,):
         for grid in (True, False):

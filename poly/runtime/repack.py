@@ -14,7 +14,8 @@ import numpy as np
 from poly.runtime import ckernels
 from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
-R16_REC = 320  # bytes per 16 rows and 32-block of Q4_0/Q4_1 (csrc/pk_r16.h): the stored size
+R16_REC = 320  # bytes per 16 rows and 32-block of Q4_1 (csrc/pk_r16.h): the stored size
+R16_REC4 = 288  # Q4_0 and Loom Q4: D[16] float16 and the codes (M = -8 D in the tiles)
 R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
 R8K_REC = 1184  # bytes per 8 Q4_K rows and super-block (csrc/pk_r8k.h)
 R8K6_REC = 1680  # bytes per 8 Q6_K rows and super-block: the stored 8 x 210
@@ -56,14 +57,14 @@ def repack16(
 ) -> np.ndarray | None:
     """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/pk_r16.h (the fused step's decode
     and prompt rows on int8 codes of x, every SIMD build), or None where this build or
-    shape does not take them. Per 16 rows and 32-block: D[16] as float16, then M[16] as float16
-    (Q4_0: -8 D, exact) or for Q8_0 S[16] as int16 (each row's code sum), then the codes as
-    64-byte vectors, byte 4 r + i of vector q = stored code byte 4 q + i of row r (4 vectors of
-    Q4 bytes, 8 of Q8_0 codes). The stored rows' pages are then released (`release_mapped`):
+    shape does not take them. Per 16 rows and 32-block: D[16] as float16, then for Q4_1 M[16]
+    as float16 or for Q8_0 S[16] as int16 (each row's code sum; Q4_0: no M, the tiles take
+    -8 D), then the codes as 64-byte vectors, byte 4 r + i of vector q = stored code byte
+    4 q + i of row r (4 vectors of Q4 bytes, 8 of Q8_0 codes). The stored rows' pages are then released (`release_mapped`):
     read once here, they stay out of the resident set (a prompt's GEMM reads the copy). int8
     rows with a scale per row (.entity q8, kind I8: `raw` the [m, k] codes): S[16] and the
-    codes alone (`_repack_i8`). Loom Q4 (.entity q4, `aux` its float32 block scales): D[16] as
-    float32 and the codes as Q4_0's (`_repack_loom`). float16/float32 rows: `k16` when `owner`
+    codes alone (`_repack_i8`). Loom Q4 (.entity q4, `aux` its float32 block scales): Q4_0's
+    record, D[16] rounded to float16 (`_repack_loom`). float16/float32 rows: `k16` when `owner`
     (the weight object the copy lives with) is given."""
     if kind in (F16, F32):
         return None if owner is None else k16(kind, owner, raw, m, k)
@@ -78,26 +79,22 @@ def repack16(
     bb, nq = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}[kind]  # block bytes, code quads
     blocks = np.asarray(raw).reshape(m, nb, bb)  # the stored bytes [m, nb, block]
     d = blocks[..., 0:2]  # float16 bytes [m, nb, 2]
+    fields = [d]  # Q4_0: D alone (M = -8 D)
     if kind == Q4_1:
-        second = blocks[..., 2:4]
+        fields.append(blocks[..., 2:4])
     elif kind == Q8_0:  # each row's code sum per block: the unsigned-x correction
         sums = blocks[..., 2:].view(np.int8).sum(axis=-1, dtype=np.int16)  # no copy of the codes
-        second = sums[..., None].view(np.uint8)  # [m, nb, 2]
-    else:  # -8 d in float16: exact (a power of two) unless |d| > 65504 / 8
-        with np.errstate(over="ignore"):
-            m16 = d.copy().view(np.float16) * np.float16(-8.0)
-        if not np.isfinite(m16).all():
-            return None  # the float kernels compute -8 d in float32
-        second = m16.view(np.uint8)
-    out = np.empty((g, nb, 64 + 64 * nq), dtype=np.uint8)
+        fields.append(sums[..., None].view(np.uint8))  # [m, nb, 2]
+    co = 32 * len(fields)  # where the code vectors start
+    out = np.empty((g, nb, co + 64 * nq), dtype=np.uint8)
     # element-wise copies into views of `out` (no transposed temporaries: a 49,152-row head's
     # would double the peak memory of the repack)
-    for j, v in enumerate((d, second)):  # [m, nb, 2] -> [g, nb, 16 rows, 2] -> 32 bytes
+    for j, v in enumerate(fields):  # [m, nb, 2] -> [g, nb, 16 rows, 2] -> 32 bytes
         out[..., 32 * j : 32 * j + 32].reshape(g, nb, 16, 2)[...] = v.reshape(
             g, 16, nb, 2
         ).transpose(0, 2, 1, 3)
     codes = blocks[..., bb - 4 * nq :].reshape(g, 16, nb, nq, 4)  # [g, row, nb, q, i]
-    out[..., 64:].reshape(g, nb, nq, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
+    out[..., co:].reshape(g, nb, nq, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
     release_mapped(raw)
     return out
 
@@ -192,20 +189,29 @@ def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
 
 def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.ndarray:
     """Loom Q4 blocks (low nibble element 2 j, high 2 j + 1, 4-bit two's complement codes, a
-    float32 scale per block) by 16 rows: D[16] as float32 (64 bytes), then Q4_0's code vectors
-    of code + 8 (element j low, j + 16 high), so the tiles take Q4_0's path with M = -8 D."""
+    float32 scale per block) by 16 rows as Q4_0's record: D[16] as float16, then the code
+    vectors of code + 8 (element j low, j + 16 high), so the tiles take Q4_0's path with
+    M = -8 D. Why float16: the decode rows read 288 bytes a block, not 320 (1B .entity q4
+    decode +12 % on Zen 3). Its rounding (2^-12 relative at most) is far below the 4-bit codes'
+    own and the auto mode's one code of x (1/254); with q8 on (two codes of x) it is the larger
+    error, within 6e-4 of the float rows (tests/test_r16.py). A prompt's GEMM reads the stored
+    float32 scales (csrc/pk_gemm_r16.h). None where a scale overflows float16 (the float
+    kernels then take the stored rows)."""
     g, nb = m // 16, k // 32
+    with np.errstate(over="ignore"):
+        d16 = np.asarray(scales, dtype=np.float32).astype(np.float16)
+    if not np.isfinite(d16).all():
+        return None
     p = np.asarray(packed).reshape(m, nb, 16)
     u = np.empty((m, nb, 32), dtype=np.uint8)  # code + 8 per element
     u[..., 0::2] = p & 15
     u[..., 1::2] = p >> 4
     u ^= 8
     q = u[..., :16] | (u[..., 16:] << 4)  # [m, nb, 16] as Q4_0 stores them
-    out = np.empty((g, nb, R16_REC), dtype=np.uint8)
-    d = np.asarray(scales, dtype=np.float32).reshape(g, 16, nb).transpose(0, 2, 1)  # [g, nb, 16]
-    out[..., 0:64].view(np.float32)[...] = d
+    out = np.empty((g, nb, R16_REC4), dtype=np.uint8)
+    out[..., 0:32].view(np.float16)[...] = d16.reshape(g, 16, nb).transpose(0, 2, 1)  # [g, nb, 16]
     codes = q.reshape(g, 16, nb, 4, 4)  # [g, row, nb, q, i]
-    out[..., 64:].reshape(g, nb, 4, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
+    out[..., 32:].reshape(g, nb, 4, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
     release_mapped(packed)
     return out
 
