@@ -14,13 +14,16 @@
  * x is the auto mode's codes per 256 (pk_vec.h quantize_k: xk, dk). The integer sums are k8_tile_k's
  * exactly (sum of s * u * xc and of the mins times x's code sums, int32) and the float steps the
  * same formula once a super-block, per row in its lane.
- * Q6_K rows by 8 the same way (R8K6_REC bytes, the stored 8 x 210: no bigger; the output head of
- * most Q4_K_M files, a quarter of their decode kernel time on the stored rows):
+ * Q6_K rows by 8 (R8K6_REC bytes, the stored 8 x 210: no bigger; the output head of most Q4_K_M,
+ * Q5_K_M and Q3_K_M files and a third of Q4_K_M's body), the 6-bit codes in natural order:
  *     [0, 16)       D[8] float16            [16, 144)  scales: byte 16 i + 2 r + e = the int8
  *                                                      scale of 16-group 2 i + e of row r
- *     [144, 1168)   ql: vector 16 h + v, byte 4 r + b = ql byte 64 h + 4 v + b of row r
- *     [1168, 1680)  qh: vector 8 h + t, byte 4 r + b = qh byte 32 h + 4 t + b of row r
- * value = D s (u - 32) as pk_k8.h takes it: the offsets 32 D s meet x's code sums per 16.
+ *     [144, 1680)   16-group j in vectors 3 j + k (k < 3): byte 4 r + b = the code of element
+ *                   16 j + 4 k + b of row r in bits 0-5, and in bits 6-7 bits 4 - 2 k, 5 - 2 k
+ *                   of the code of element 16 j + 12 + b
+ * value = D s (u - 32) as pk_k8.h takes it: the offsets 32 D s meet x's code sums per 16. Why three
+ * vectors per four codes: a group's codes come out in 11 vector ops, where the stored ql/qh split
+ * (a nibble vector and a 2-bit vector per code vector) took 17 (Zen 3 decode: +N %).
  * Included by pk_decode.c. */
 #ifndef PK_R8K_H
 #define PK_R8K_H
@@ -89,7 +92,9 @@ static inline __attribute__((always_inline)) __m256 r8k_group(const mm_args *A, 
 /* Q6_K: the 8 rows of group g x input c (row r in lane r) */
 static inline __attribute__((always_inline)) __m256 r8k6_group(const mm_args *A, const uint8_t *rk, int64_t g, int64_t c,
                                                                int64_t nsb) {
-    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    /* a pair's scales as int16 (s, s) in row r's two words: bytes 2 r + e twice, e = 0 or 1 */
+    const __m128i dup0 = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+    const __m128i dup1 = _mm_add_epi8(dup0, _mm_set1_epi8(1));
     __m256 acc = _mm256_setzero_ps();
     const uint8_t *R = rk + g * nsb * R8K6_REC;
     for (int64_t sb = 0; sb < nsb; sb++, R += R8K6_REC) {
@@ -98,49 +103,31 @@ static inline __attribute__((always_inline)) __m256 r8k6_group(const mm_args *A,
 #endif
         const int8_t *x = A->xk + (c * nsb + sb) * XK_BYTES;
         const int32_t *xs = (const int32_t *)(x + 256); /* x's code sums per 16, two a word */
-        __m256i isum = _mm256_setzero_si256(), io = isum;
-        for (int h = 0; h < 2; h++) {
-            for (int u = 0; u < 2; u++) { /* elements 128 h + 32 q + 16 u ..: 16-group 8 h + 2 q + u */
-                __m256i G[4];
-                for (int tp = 0; tp < 2; tp++) {
-                    __m256i p[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i i0 = _mm256_setzero_si256(), i1 = i0, io = i0;
 #pragma GCC unroll 2
-                    for (int tt = 0; tt < 2; tt++) {
-                        const int t = 4 * u + 2 * tp + tt;
-                        const __m256i va = _mm256_loadu_si256((const __m256i *)(R + 144 + (16 * h + t) * 32));
-                        const __m256i vb = _mm256_loadu_si256((const __m256i *)(R + 144 + (16 * h + 8 + t) * 32));
-                        const __m256i vh = _mm256_loadu_si256((const __m256i *)(R + 1168 + (8 * h + t) * 32));
-                        __m256i cq[4]; /* the codes of elements 128 h + 32 q + 4 t + b */
-                        cq[0] = _mm256_or_si256(_mm256_and_si256(va, m15), _mm256_and_si256(_mm256_slli_epi16(vh, 4), m48));
-                        cq[1] = _mm256_or_si256(_mm256_and_si256(vb, m15), _mm256_and_si256(_mm256_slli_epi16(vh, 2), m48));
-                        cq[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(va, 4), m15), _mm256_and_si256(vh, m48));
-                        cq[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vb, 4), m15), _mm256_and_si256(_mm256_srli_epi16(vh, 2), m48));
-#pragma GCC unroll 4
-                        for (int q = 0; q < 4; q++) {
-                            int32_t a;
-                            memcpy(&a, x + 128 * h + 32 * q + 4 * t, 4);
-                            p[q] = _mm256_add_epi16(p[q], _mm256_maddubs_epi16(cq[q], _mm256_set1_epi32(a)));
-                        }
-                    }
-#pragma GCC unroll 4
-                    for (int q = 0; q < 4; q++) {
-                        const __m256i m = _mm256_madd_epi16(p[q], ones);
-                        G[q] = tp ? _mm256_add_epi32(G[q], m) : m;
-                    }
-                }
-#pragma GCC unroll 4
-                for (int q = 0; q < 4; q++) { /* group s = 8 h + 2 q + u: byte 16 i + 2 r + e, s = 2 i + e */
-                    const int sg = 8 * h + 2 * q + u;
-                    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(R + 16 + 16 * (sg >> 1))));
-                    const __m256i sc = sg & 1 ? _mm256_srai_epi32(w, 16) : _mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16);
-                    isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(G[q], sc));
-                    if (!u) /* the pair's offsets, once: both scales against x's two sums */
-                        io = _mm256_add_epi32(io, _mm256_madd_epi16(w, _mm256_set1_epi32(xs[sg >> 1])));
-                }
+        for (int i = 0; i < 8; i++) { /* 16-groups 2 i, 2 i + 1 */
+            const __m128i sb8 = _mm_loadu_si128((const __m128i *)(R + 16 + 16 * i));
+            /* the pair's offsets: both scales against x's two sums */
+            io = _mm256_add_epi32(io, _mm256_madd_epi16(_mm256_cvtepi8_epi16(sb8), _mm256_set1_epi32(xs[i])));
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                const int j = 2 * i + e;
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sb8, e ? dup1 : dup0));
+                __m256i cq[4];
+                r8k6_split(R + 144 + 96 * j, cq);
+                int32_t xw[4];
+                memcpy(xw, x + 16 * j, 16);
+                /* int16: two pairs of 63 * 127 <= 32,004 */
+                const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(cq[0], _mm256_set1_epi32(xw[0])),
+                                                    _mm256_maddubs_epi16(cq[1], _mm256_set1_epi32(xw[1])));
+                const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(cq[2], _mm256_set1_epi32(xw[2])),
+                                                    _mm256_maddubs_epi16(cq[3], _mm256_set1_epi32(xw[3])));
+                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(pa, sc));
+                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(pb, sc));
             }
         }
         const __m256 D = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)R)), _mm256_set1_ps(A->dk[c * nsb + sb]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), D, acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), D, acc);
         acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(io), _mm256_mul_ps(D, _mm256_set1_ps(32.0f)), acc);
     }
     return acc;

@@ -36,11 +36,18 @@ static inline void r8k_sb(int kind, const uint8_t *rk, int64_t nsb, int64_t row,
             p[12 + j] = (uint8_t)((sc[j + 4] & 15) | (mn[j + 4] & 15) << 4);
         }
         for (int v = 0; v < 32; v++) memcpy(p + 16 + 4 * v, R + 160 + 32 * v + 4 * r, 4); /* byte 32 i + 4 t + b */
-    } else { /* K_Q6_K */
+    } else { /* K_Q6_K: each code from its 16-group's vectors, put back as ggml stores it */
         const uint8_t *R = rk + (row / 8 * nsb + sb) * R8K6_REC;
-        for (int v = 0; v < 32; v++) memcpy(p + 4 * v, R + 144 + 32 * v + 4 * r, 4);        /* ql */
-        for (int v = 0; v < 16; v++) memcpy(p + 128 + 4 * v, R + 1168 + 32 * v + 4 * r, 4); /* qh */
-        for (int i = 0; i < 8; i++) memcpy(p + 192 + 2 * i, R + 16 + 16 * i + 2 * r, 2);    /* int8 scales */
+        memset(p, 0, 192);
+        for (int e = 0; e < 256; e++) {
+            const uint8_t *V = R + 144 + 96 * (e / 16) + 4 * r + e % 4; /* byte 4 r + b of vector 3 j */
+            const int k = e % 16 / 4;
+            const int u = k < 3 ? V[32 * k] & 63 : (V[0] >> 6) << 4 | (V[32] >> 6) << 2 | V[64] >> 6;
+            const int h = e / 128, q = e % 128 / 32, l = e % 32; /* ggml: ql[64 h + 32 (q & 1) + l], nibble q >> 1 */
+            p[64 * h + 32 * (q & 1) + l] |= (uint8_t)((u & 15) << 4 * (q >> 1));
+            p[128 + 32 * h + l] |= (uint8_t)((u >> 4) << 2 * q);
+        }
+        for (int i = 0; i < 8; i++) memcpy(p + 192 + 2 * i, R + 16 + 16 * i + 2 * r, 2); /* int8 scales */
         memcpy(p + 208, R + 2 * r, 2);                                                       /* d */
     }
 }
@@ -60,6 +67,19 @@ static inline __m128i r8k_pairs(const uint8_t *p, int e) {
                                  : _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
 }
 
+/* the four code vectors (8 rows x 4 elements, byte 4 r + b) of a Q6_K record's 16-group from its
+ * three vectors at V (csrc/pk_r8k.h: codes k < 3 in bits 0-5, code 3 from the bits 6-7) */
+static inline __attribute__((always_inline)) void r8k6_split(const uint8_t *V, __m256i cq[4]) {
+    const __m256i m63 = _mm256_set1_epi8(63), m192 = _mm256_set1_epi8((char)0xC0);
+    const __m256i va = _mm256_loadu_si256((const __m256i *)V), vb = _mm256_loadu_si256((const __m256i *)(V + 32)),
+                  vc = _mm256_loadu_si256((const __m256i *)(V + 64));
+    const __m256i hb = _mm256_or_si256(_mm256_srli_epi16(_mm256_and_si256(vb, m192), 2), _mm256_srli_epi16(_mm256_and_si256(vc, m192), 4));
+    cq[0] = _mm256_and_si256(va, m63);
+    cq[1] = _mm256_and_si256(vb, m63);
+    cq[2] = _mm256_and_si256(vc, m63);
+    cq[3] = _mm256_srli_epi16(_mm256_or_si256(_mm256_and_si256(va, m192), hb), 2);
+}
+
 /* the int8 panel (pk_k8i.h: per super-block the 64 code words of 16 rows, word q of row r at 4
  * (16 q + r), then S[16 j + r] and o[16 j + r] as floats) of rows 8 g .. 8 g + 15 straight from
  * their two records: a record's code vector already holds 8 rows' words side by side, so each
@@ -68,7 +88,7 @@ static inline __m128i r8k_pairs(const uint8_t *p, int e) {
 static inline void r8k_panel(int kind, const uint8_t *rk, int64_t nsb, int64_t g, int64_t sb, uint8_t *d) {
     const int64_t rec = r8k_rec(kind);
     float *S = (float *)(d + 4096), *O = S + 256;
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(15);
     for (int h = 0; h < 2; h++) { /* rows 0-7: group g, 8-15: g + 1 */
         const uint8_t *R = rk + ((g + h) * nsb + sb) * rec;
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)R));
@@ -90,14 +110,11 @@ static inline void r8k_panel(int kind, const uint8_t *rk, int64_t nsb, int64_t g
                     _mm256_storeu_ps(O + 16 * (2 * j + e) + 8 * h, o);
                 }
             }
-        } else { /* K_Q6_K: word q of sub-block j = q / 8 (hh = j / 4, t = j % 4), u = q % 8 */
-            for (int q = 0; q < 64; q++) {
-                const int j = q / 8, hh = j >> 2, t = j & 3, u = q % 8;
-                const __m256i l = _mm256_loadu_si256((const __m256i *)(R + 144 + 32 * (16 * hh + 8 * (t & 1) + u)));
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(R + 1168 + 32 * (8 * hh + u)));
-                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(l, 4 * (t >> 1)), m4);
-                const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(x, 2 * t), m2), 4);
-                _mm256_storeu_si256((__m256i *)(c + 64 * q), _mm256_or_si256(lo, hi));
+        } else { /* K_Q6_K: words 4 j + k of 16-group j, k < 3 in vector 3 j + k's bits 0-5; k = 3 in their bits 6-7 */
+            for (int j = 0; j < 16; j++) {
+                __m256i cq[4];
+                r8k6_split(R + 144 + 96 * j, cq);
+                for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(c + 64 * (4 * j + k)), cq[k]);
             }
             const __m256 Dom = _mm256_mul_ps(_mm256_set1_ps(32.0f), D); /* k8_scales' om = 32 D */
             for (int j = 0; j < 16; j++) { /* 16-group j's int8 scales */

@@ -65,26 +65,21 @@ def _q6k_rows(m: int, k: int, seed: int) -> np.ndarray:
     return _rows(m, k, seed, 210, 208, 1)
 
 
-def _q6k_codes(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
-    """A row's 256 6-bit codes from its 128 ql and 64 qh bytes (ggml's element order)."""
-    q = np.empty(256, dtype=np.int32)
-    for h in range(2):
-        lo, hi = (
-            ql[64 * h : 64 * h + 64].astype(np.int32),
-            qh[32 * h : 32 * h + 32].astype(np.int32),
-        )
-        base = 128 * h
-        q[base : base + 32] = (lo[:32] & 15) | ((hi & 3) << 4)
-        q[base + 32 : base + 64] = (lo[32:] & 15) | (((hi >> 2) & 3) << 4)
-        q[base + 64 : base + 96] = (lo[:32] >> 4) | (((hi >> 4) & 3) << 4)
-        q[base + 96 : base + 128] = (lo[32:] >> 4) | (((hi >> 6) & 3) << 4)
-    return q
+def _record_codes(v: np.ndarray) -> np.ndarray:
+    """Row r's 256 codes from a Q6_K record's vectors v [16 j, 3 k, 8 r, 4 b] -> [8 r, 256]:
+    element 16 j + 4 k + b in bits 0-5 of v[j, k] (k < 3); element 16 j + 12 + b spread over
+    their bits 6-7, high bits first."""
+    v = v.astype(np.int32)
+    q = np.empty((16, 4, 8, 4), dtype=np.int32)  # [j, k, r, b]
+    q[:, :3] = v & 63
+    q[:, 3] = (v[:, 0] >> 6) << 4 | (v[:, 1] >> 6) << 2 | v[:, 2] >> 6
+    return q.transpose(2, 0, 1, 3).reshape(8, 256)
 
 
 def test_q6k_record_fields_match_gguf_py():
-    """Each 8-row Q6_K record: D as stored, the int8 scales by pairs of 16-groups, the ql and qh
-    bytes interleaved 4 a row (checked by rebuilding every weight as D * s * (code - 32) against
-    gguf-py's dequantization); no bigger than the stored rows."""
+    """Each 8-row Q6_K record: D as stored, the int8 scales by pairs of 16-groups, the 6-bit
+    codes three vectors a 16-group (checked by rebuilding every weight as D * s * (code - 32)
+    against gguf-py's dequantization); no bigger than the stored rows."""
     m, k = 16, 512
     raw = _q6k_rows(m, k, seed=3)
     rk = repack.repack8k6(raw, m, k)
@@ -96,10 +91,9 @@ def test_q6k_record_fields_match_gguf_py():
             rec = rk[g, sb]
             d = rec[0:16].view(np.float16).astype(np.float32)
             sc = rec[16:144].view(np.int8).reshape(8, 8, 2).transpose(1, 0, 2).reshape(8, 16)
-            ql, qh = rec[144:1168].reshape(32, 8, 4), rec[1168:].reshape(16, 8, 4)
+            codes = _record_codes(rec[144:].reshape(16, 3, 8, 4))
             for r in range(8):
-                q = _q6k_codes(ql[:, r, :].reshape(-1), qh[:, r, :].reshape(-1))
-                w = d[r] * np.repeat(sc[r].astype(np.float32), 16) * (q - 32)
+                w = d[r] * np.repeat(sc[r].astype(np.float32), 16) * (codes[r] - 32)
                 got[8 * g + r, 256 * sb : 256 * sb + 256] = w
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
 
@@ -182,12 +176,26 @@ def test_prompt_panels_read_the_copy(threads, tokens, scheme, maker, kind, monke
     each stored super-block from its record), in the fused step's rows (6 tokens) and in the
     reference path's gemm (80: past the fused prompt): the logits are bitwise those of the
     stored rows' panels (no copy made), and a zeroed copy changes them."""
+    _panels_case(threads, tokens, maker, kind, monkeypatch, scheme=scheme)
+
+
+@pytest.mark.parametrize(
+    "scheme, maker, kind",
+    [("gguf_q4_k", "repack8k", ckernels.Q4_K), ("gguf_q6_k", "repack8k6", ckernels.Q6_K)],
+)
+def test_prompt_panels_of_a_lone_group(scheme, maker, kind, monkeypatch):
+    """k and v of one 8-head-wide KV head: 8 rows, a panel that is not two whole groups, so each
+    stored super-block is rebuilt byte for byte from its record (pk_r8k_sb.h r8k_sb)."""
+    _panels_case(1, 6, maker, kind, monkeypatch, scheme=scheme, num_heads=32, num_kv_heads=1)
+
+
+def _panels_case(threads, tokens, maker, kind, monkeypatch, scheme, **kw):
     monkeypatch.setattr(dispatch, "SMALL_WIDTH", 0)  # 80 tokens on the gemm, as a wide model's
     prompt = [(7 * i + 3) % 100 for i in range(tokens)]
     make, copies = getattr(repack, maker), []
 
     def model():
-        tf = random_transformer(tiny_cfg(hidden=256, inter=512, max_seq_len=96), seed=12)
+        tf = random_transformer(tiny_cfg(hidden=256, inter=512, max_seq_len=96, **kw), seed=12)
         quantize_all(tf, scheme)
         return tf
 

@@ -151,11 +151,12 @@ def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
 
 def repack8k6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     """GGUF Q6_K rows [m, k] regrouped 8 at a time for csrc/pk_r8k.h (the auto mode's decode
-    rows), or None where this build or shape takes none. Per 8 rows and super-block: D[8] as
-    float16, the int8 scales (byte 16 i + 2 r + e: 16-group 2 i + e of row r), the ql bytes
-    (vector 16 h + v, byte 4 r + b = ql[64 h + 4 v + b] of row r), the qh bytes (vector 8 h + t,
-    byte 4 r + b = qh[32 h + 4 t + b]): the stored bytes moved, not one more. The stored rows'
-    pages are released as repack8k's."""
+    rows and the prompt panels), or None where this build or shape takes none. Per 8 rows and
+    super-block: D[8] as float16, the int8 scales (byte 16 i + 2 r + e: 16-group 2 i + e of row
+    r), then the 6-bit codes in natural order, three vectors per 16-group j: byte 4 r + b of
+    vector 3 j + k holds the code of element 16 j + 4 k + b in bits 0-5 and bits 4 - 2 k,
+    5 - 2 k of the code of element 16 j + 12 + b in bits 6-7. As many bytes as stored. The
+    stored rows' pages are released as repack8k's."""
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
@@ -165,12 +166,25 @@ def repack8k6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     out[..., 0:16].reshape(g, ns, 8, 2)[...] = d.transpose(0, 2, 1, 3)
     sc = blocks[..., 192:208].reshape(g, 8, ns, 8, 2)  # [g, row, ns, i, e]
     out[..., 16:144].reshape(g, ns, 8, 8, 2)[...] = sc.transpose(0, 2, 3, 1, 4)
-    ql = blocks[..., 0:128].reshape(g, 8, ns, 32, 4)  # [g, row, ns, 16 h + v, b]
-    out[..., 144:1168].reshape(g, ns, 32, 8, 4)[...] = ql.transpose(0, 2, 3, 1, 4)
-    qh = blocks[..., 128:192].reshape(g, 8, ns, 16, 4)  # [g, row, ns, 8 h + t, b]
-    out[..., 1168:].reshape(g, ns, 16, 8, 4)[...] = qh.transpose(0, 2, 3, 1, 4)
+    for g0 in range(0, g, 256):  # bounded temporaries: 256 groups at a time
+        sl = slice(g0, g0 + 256)
+        c = _q6k_codes(blocks[sl]).reshape(-1, 8, ns, 16, 4, 4)  # [g, row, ns, j, k, b]
+        top = c[..., 3, :]
+        v = c[..., :3, :] | ((top[..., None, :] >> np.array([4, 2, 0], np.uint8)[:, None]) << 6)
+        out[sl, :, 144:].reshape(-1, ns, 16, 3, 8, 4)[...] = v.transpose(0, 2, 3, 4, 1, 5)
     release_mapped(raw)
     return out
+
+
+def _q6k_codes(blocks: np.ndarray) -> np.ndarray:
+    """The 6-bit codes [..., 256] (natural order) of Q6_K blocks [..., 210]: element
+    128 h + 32 q + l is nibble q >> 1 of ql[64 h + 32 (q & 1) + l], over bits 2 q of qh[32 h + l]."""
+    ql = blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 2, 32)  # [.., h, q & 1, l]
+    qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)  # [.., h, 1, l]
+    lo = np.stack([ql & 15, ql >> 4], axis=-3)  # [.., h, q >> 1, q & 1, l]
+    lo = lo.reshape(*blocks.shape[:-1], 2, 4, 32)  # [.., h, q, l]
+    hi = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3  # [.., h, q, l]
+    return (lo | hi << 4).reshape(*blocks.shape[:-1], 256)
 
 
 def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
