@@ -174,8 +174,10 @@ def test_decode_rows_read_the_copy(threads, scheme, maker, kind, monkeypatch):
 def test_prompt_panels_read_the_copy(threads, tokens, scheme, maker, kind, monkeypatch):
     """A prompt's int8 panels decode the rows by 8 when they exist (csrc/pk_r8k_sb.h rebuilds
     each stored super-block from its record), in the fused step's rows (6 tokens) and in the
-    reference path's gemm (80: past the fused prompt): the logits are bitwise those of the
-    stored rows' panels (no copy made), and a zeroed copy changes them."""
+    reference path's gemm (80: past the fused prompt): every block's cached keys and values are
+    bitwise those of the stored rows' panels (no copy made), the logits within 1e-5 (the last
+    block's FFN runs the last row alone: the decode rows, pk_r8k.h against pk_k8.h), and a
+    zeroed copy changes them."""
     _panels_case(threads, tokens, maker, kind, monkeypatch, scheme=scheme)
 
 
@@ -187,6 +189,15 @@ def test_prompt_panels_of_a_lone_group(scheme, maker, kind, monkeypatch):
     """k and v of one 8-head-wide KV head: 8 rows, a panel that is not two whole groups, so each
     stored super-block is rebuilt byte for byte from its record (pk_r8k_sb.h r8k_sb)."""
     _panels_case(1, 6, maker, kind, monkeypatch, scheme=scheme, num_heads=32, num_kv_heads=1)
+
+
+def _caches(tf) -> list[np.ndarray]:
+    """Every block's cached keys and values, copied."""
+    out = []
+    for i in range(tf.config.num_layers):
+        st = tf.attn(i).state
+        out += [np.array(st.k[: st.length]), np.array(st.v[: st.length])]
+    return out
 
 
 def _panels_case(threads, tokens, maker, kind, monkeypatch, scheme, **kw):
@@ -206,12 +217,15 @@ def _panels_case(threads, tokens, maker, kind, monkeypatch, scheme, **kw):
             m.setattr(repack, maker, lambda *a: None)  # no copy: the panels read the stored rows
             tf = model()
             stored = run_steps(tf, True, monkeypatch, n=0, prompt=prompt)[0]
+            kv = _caches(tf)
             assert kind in fused.plan(tf).kinds
         monkeypatch.setattr(repack, maker, lambda *a: copies.append(make(*a)) or copies[-1])
         tf = model()
         got = run_steps(tf, True, monkeypatch, n=0, prompt=prompt)[0]
         assert copies and all(c is not None for c in copies), "matrices repacked by 8"
-        np.testing.assert_array_equal(got, stored)
+        for a, b in zip(_caches(tf), kv):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(got, stored, rtol=0, atol=1e-5 * np.abs(stored).max())
         for c in copies:
             c[..., 160 if kind == ckernels.Q4_K else 144 :] = 0  # every code 0
         zeroed = run_steps(tf, True, monkeypatch, n=0, prompt=prompt)[0]

@@ -104,16 +104,17 @@ def is_plain_block(blk: VolumetricLayer) -> bool:
 
 
 def run_block(
-    blk: VolumetricLayer, x: np.ndarray, caches: list | None = None, bounds=None
+    blk: VolumetricLayer, x: np.ndarray, caches: list | None = None, bounds=None, rows=None
 ) -> np.ndarray:
     """x + attn(norm(x)), then + mlp(norm(.)): the plain block without per-sub-layer dispatch.
     With `caches` the rows are several sequences: segment b (rows `bounds[b]`, default row b)
-    continues caches[b] (`mha.forward_rows`)."""
+    continues caches[b] (`mha.forward_rows`). `rows` (an index): only those rows go on through
+    the FFN and are returned (every row attends and is cached)."""
     subs = blk.sequential_layers
     norm1, attn, norm2, mlp = subs[ATTN_NORM], subs[ATTN], subs[MLP_NORM], subs[MLP]
     h = rms_norm(x, rmsnorm.gamma(norm1), norm1.rms_norm_eps)
     a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches, bounds)
-    x = x + a
+    x = x + a if rows is None else x[rows] + a[rows]  # [n or len(rows), H]
     h = rms_norm(x, rmsnorm.gamma(norm2), norm2.rms_norm_eps)
     x += _FFN_FORWARD[mlp.type](mlp, h)
     return x

@@ -170,25 +170,30 @@ class Transformer(Generic[T]):
             raise InvalidTokenError("empty token sequence")
         return arr
 
-    def hidden_states(self, ids: Sequence[int], pace: Any = None) -> np.ndarray:
+    def hidden_states(self, ids: Sequence[int], pace: Any = None, last: bool = False) -> np.ndarray:
         """Run the blocks on new tokens (continuing the KV cache) -> normed hidden [n, H] in the
         activation dtype (the reference path: no fused step). `pace` (optional) gets
-        `before(i)` / `after(i)` around block i (the runtime's prefill thread tuner)."""
+        `before(i)` / `after(i)` around block i (the runtime's prefill thread tuner). `last`:
+        the last token's row only, [1, H]: the last block's FFN skips the other rows, which no
+        later block reads (every row's keys and values are cached all the same)."""
         x = lookup(self._embeddings, self.check_ids(ids), self.activation_dtype)  # [n, H]
-        for i, blk in enumerate(self.network.layers):
-            if blk.is_disabled:
-                continue
+        live = [i for i, blk in enumerate(self.network.layers) if not blk.is_disabled]
+        for i in live:
+            blk = self.network.layers[i]
             if pace is not None:
                 pace.before(i)
-            x = run_block(blk, x) if is_plain_block(blk) else blk.forward(x)
+            rows = slice(-1, None) if last and i == live[-1] else None
+            x = run_block(blk, x, rows=rows) if is_plain_block(blk) else blk.forward(x)
             if pace is not None:
                 pace.after(i)
         final = rmsnorm.gamma(self.final_norm_layer)
-        return rms_norm(x, final, self.config.rms_norm_eps)
+        return rms_norm(x[-1:] if last else x, final, self.config.rms_norm_eps)
 
     def reference_forward(self, ids: Sequence[int], pace: Any = None) -> np.ndarray:
         """Logits [V] of the last new token by the reference path (`pace`: see hidden_states)."""
-        return linear(self.hidden_states(ids, pace)[-1:], self._lm_head)[0]  # [1, H] @ [V, H].T
+        return linear(self.hidden_states(ids, pace, last=True), self._lm_head)[
+            0
+        ]  # [1, H] @ [V, H].T
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [V] (activation dtype) of the last of the new tokens. The runtime decides
