@@ -130,3 +130,41 @@ def test_a_prompt_on_gemm_panels_with_x_at_a_padded_stride(scheme, each_isa, mon
     monkeypatch.setattr(fused, "plan", lambda model: None)
     tf.reset()
     np.testing.assert_allclose(got, tf.forward(prompt), rtol=0, atol=2e-5 * np.abs(got).max())
+
+
+@pytest.mark.parametrize("scheme", ["float32", "float16", "gguf_q4_k", "gguf_q8_0"])
+def test_the_last_block_runs_its_ffn_on_the_last_row_only(scheme, monkeypatch):
+    """A prompt's logits (the fused step's, and the reference path's) skip the last block's FFN
+    for every row but the last (no later block reads them): they equal forward_all's last row,
+    which runs every row, and every row's keys and values are cached as forward_all caches them
+    (bitwise on the reference path, which runs the same products for them). Float weights within
+    1e-5; quantized ones within 3e-2 (one row's decode rows take other int8 codes of x than a
+    prompt's panels)."""
+    tf = random_transformer(tiny_cfg(hidden=256, inter=512, max_seq_len=128), seed=9)
+    if scheme != "float32":
+        quantize_all(tf, scheme)
+    ids = [(5 * i + 2) % 120 for i in range(12)]
+
+    def run(fn):
+        tf.reset()
+        out = fn(ids)
+        kv = [
+            np.array(a[: tf.attn(i).state.length])
+            for i in range(3)
+            for a in (tf.attn(i).state.k, tf.attn(i).state.v)
+        ]
+        return out, kv
+
+    every, kv_all = run(tf.forward_all)  # [12, V]: every row through every block
+    ref, kv_ref = run(tf.reference_forward)
+    scale = np.abs(every[-1]).max()
+    # one row takes the decode rows (x's int8 codes of that row in the auto mode), 12 the panels
+    tol = 1e-5 if scheme in ("float32", "float16") else 3e-2
+    np.testing.assert_allclose(ref, every[-1], rtol=0, atol=tol * scale)
+    for a, b in zip(kv_ref, kv_all):
+        np.testing.assert_array_equal(a, b)
+    assert fused.plan(tf) is not None
+    got, kv_fused = run(tf.forward)  # one fused call, its logits of the last row only
+    np.testing.assert_allclose(got, every[-1], rtol=0, atol=tol * scale)
+    for a, b in zip(kv_fused, kv_all):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())

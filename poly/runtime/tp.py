@@ -123,7 +123,7 @@ class TPTransformer(Transformer):
                 local = fused.step(self, p, x, reduce=self.comm.allreduce)
                 if local is not None:
                     return _row0(self._gather(local.reshape(1, -1)))
-        h = self.hidden_states(arr, last=True)  # [1, H]
+        h = self.hidden_states(arr)[-1:]  # [1, H]
         return _row0(self._gather(linear(h, self._lm_head)))
 
     def forward_all(self, ids: Sequence[int]) -> np.ndarray:
