@@ -90,27 +90,30 @@ class TPTransformer(Transformer):
     def _norm(self, x: np.ndarray, layer) -> np.ndarray:
         return rms_norm(x, rmsnorm.gamma(layer), layer.rms_norm_eps)
 
-    def _block(self, blk, x: np.ndarray, caches: list | None = None) -> np.ndarray:
-        """x + allreduce(attn(norm(x))), then + allreduce(mlp(norm(.)))."""
+    def _block(self, blk, x: np.ndarray, caches: list | None = None, rows=None) -> np.ndarray:
+        """x + allreduce(attn(norm(x))), then + allreduce(mlp(norm(.))); `rows` (an index): only
+        those rows go on through the MLP (every rank cuts the same rows)."""
         subs = blk.sequential_layers
         h = self._norm(x, subs[ATTN_NORM])
         attn = subs[ATTN]
         a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches)
         a = np.ascontiguousarray(a, dtype=x.dtype)
         self.comm.allreduce(a)
-        x = x + a
+        x = x + a if rows is None else x[rows] + a[rows]  # [n or len(rows), H]
         f = swiglu.forward(subs[MLP], self._norm(x, subs[MLP_NORM]))
         f = np.ascontiguousarray(f, dtype=x.dtype)
         self.comm.allreduce(f)
         x += f
         return x
 
-    def hidden_states(self, ids: Sequence[int]) -> np.ndarray:
+    def hidden_states(self, ids: Sequence[int], last: bool = False) -> np.ndarray:
+        """Normed hidden [n, H], or [1, H] with `last` (the last block's MLP on the last row
+        only, as Transformer.hidden_states)."""
         x = lookup(self._embeddings, self.check_ids(ids), self.activation_dtype)  # [n, H]
-        for blk in self.network.layers:
-            if not blk.is_disabled:
-                x = self._block(blk, x)
-        return self._norm(x, self.final_norm_layer)
+        live = [blk for blk in self.network.layers if not blk.is_disabled]
+        for i, blk in enumerate(live):
+            x = self._block(blk, x, rows=slice(-1, None) if last and i == len(live) - 1 else None)
+        return self._norm(x[-1:] if last else x, self.final_norm_layer)
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         arr = self.check_ids(ids)
@@ -123,7 +126,7 @@ class TPTransformer(Transformer):
                 local = fused.step(self, p, x, reduce=self.comm.allreduce)
                 if local is not None:
                     return _row0(self._gather(local.reshape(1, -1)))
-        h = self.hidden_states(arr)[-1:]  # [1, H]
+        h = self.hidden_states(arr, last=True)  # [1, H]
         return _row0(self._gather(linear(h, self._lm_head)))
 
     def forward_all(self, ids: Sequence[int]) -> np.ndarray:
