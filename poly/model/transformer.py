@@ -191,9 +191,8 @@ class Transformer(Generic[T]):
 
     def reference_forward(self, ids: Sequence[int], pace: Any = None) -> np.ndarray:
         """Logits [V] of the last new token by the reference path (`pace`: see hidden_states)."""
-        return linear(self.hidden_states(ids, pace, last=True), self._lm_head)[
-            0
-        ]  # [1, H] @ [V, H].T
+        h = self.hidden_states(ids, pace, last=True)  # [1, H]
+        return linear(h, self._lm_head)[0]  # [1, H] @ [V, H].T
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [V] (activation dtype) of the last of the new tokens. The runtime decides
