@@ -263,3 +263,33 @@ def test_short_prompt_takes_fewer_threads_only_while_others_run(busy, monkeypatc
         fused.SHARED.found(0, 0)
         kernels.set_num_threads(before)
     assert seen == [1 if busy else 2]
+
+
+class _PaceSpy:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def before(self, i: int) -> None:
+        self.calls.append(("before", i))
+
+    def after(self, i: int) -> None:
+        self.calls.append(("after", i))
+
+
+def test_the_reference_prefill_does_not_time_its_cut_last_block():
+    """A prompt's last block runs its FFN on the last row only (hidden_states(last=True)): far
+    less work than the other blocks, so the prefill tuner must not take its time as a block's.
+    It did in session 33: its best time per token became the cut block's, every full block of
+    a later prompt looked 4x slow, and a 1B Q8_0 512-token prompt fell to one thread (62 -> 42
+    tok/s) every other prompt."""
+    from tests.tiny_model import random_transformer, tiny_cfg
+
+    tf = random_transformer(tiny_cfg(), seed=1)
+    spy = _PaceSpy()
+    tf.reset()
+    tf.reference_forward([1, 2, 3, 4], spy)
+    assert spy.calls == [("before", 0), ("after", 0), ("before", 1), ("after", 1), ("before", 2)]
+    spy = _PaceSpy()
+    tf.reset()
+    tf.hidden_states([1, 2, 3, 4], spy)  # every row through every block: each one timed
+    assert [c for c in spy.calls if c[0] == "after"] == [("after", 0), ("after", 1), ("after", 2)]

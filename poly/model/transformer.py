@@ -173,7 +173,8 @@ class Transformer(Generic[T]):
     def hidden_states(self, ids: Sequence[int], pace: Any = None, last: bool = False) -> np.ndarray:
         """Run the blocks on new tokens (continuing the KV cache) -> normed hidden [n, H] in the
         activation dtype (the reference path: no fused step). `pace` (optional) gets
-        `before(i)` / `after(i)` around block i (the runtime's prefill thread tuner). `last`:
+        `before(i)` / `after(i)` around block i (the runtime's prefill thread tuner, which
+        compares the blocks' times: no `after` for a block cut to one row). `last`:
         the last token's row only, [1, H]: the last block's FFN skips the other rows, which no
         later block reads (every row's keys and values are cached all the same)."""
         x = lookup(self._embeddings, self.check_ids(ids), self.activation_dtype)  # [n, H]
@@ -184,7 +185,7 @@ class Transformer(Generic[T]):
                 pace.before(i)
             rows = slice(-1, None) if last and i == live[-1] else None
             x = run_block(blk, x, rows=rows) if is_plain_block(blk) else blk.forward(x)
-            if pace is not None:
+            if pace is not None and rows is None:  # a cut block's time compares with no other
                 pace.after(i)
         final = rmsnorm.gamma(self.final_norm_layer)
         return rms_norm(x[-1:] if last else x, final, self.config.rms_norm_eps)
