@@ -19,7 +19,8 @@
  *   x: float32 [n, d] embeddings of the tokens (overwritten: the residual streams)
  *   logits: float32 [n, V] output, or [1, V]: the last row's only (a prompt's rows sharing one
  *     cache, pos start..start+n-1: each row writes its k/v before any row attends), or
- *     (logits [k, V], rows): the logits of those k ascending rows only (prompts' last rows);
+ *     (logits [k, V], rows): the logits of those k ascending rows only (prompts' last rows), or
+ *     None: no logits, the last block only caches its k and v (a long prompt's calls but its last);
  *   pos: tuple of n positions written (each < its T);
  *   q8: int8 activations; threads (optional): OpenMP threads for this call, 0 = set_threads().
  *   reduce (optional, 10th, tensor parallel): (red, fn), red float32 [n, d]: the O and down
@@ -184,7 +185,7 @@ static inline int64_t sc_stride(const step_t *S) {
     return (S->maxpos + 1 + 15) & ~(int64_t)15;
 }
 
-static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
+static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt, int kv_only) {
     const int64_t n = S->n, q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
     int64_t r0, r1;
     hand_t h;
@@ -206,6 +207,7 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
         for (int i = 0; i < n; i++) rope_append(S, L, B->qkv + i * w, S->pos[i], i);
         part(n * L->heads, tid, nt, &r0, &r1);
     }
+    if (kv_only) return; /* no later block, no logits: the rows' k and v were all this block owed */
     /* a head's output is whole blocks: prep them here (not when codes take groups of 256) */
     const int want_o = wants_codes(S, &L->o, 1), inline_prep = L->hd % 32 == 0 && q8_group(S, want_o) < 3;
     const int64_t sst = sc_stride(S);
@@ -341,14 +343,16 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
     carve(S, scratch, nt, &B);
     step_t T;
     const int cut = S->nsel < S->n && S->nl && !S->L[S->nl - 1].moe;
-    if (cut) pk_sel_step(S, &T);
+    if (cut && S->nsel) pk_sel_step(S, &T);
 #pragma omp parallel num_threads(nt)
     {
         const int tid = pk_tid(), nth = pk_nth();
         int64_t r0, r1;
         const step_t *F = S; /* the rows the FFN and the head run on */
         for (int l = 0; l < S->nl; l++) {
-            block_attn(S, &S->L[l], &B, tid, nth);
+            const int kv_only = !S->nsel && l == S->nl - 1;
+            block_attn(S, &S->L[l], &B, tid, nth, kv_only);
+            if (kv_only) break;
             if (cut && l == S->nl - 1) { /* every row's k and v are cached: keep the selected rows */
 #pragma omp single
                 for (int j = 0; j < S->nsel; j++)
@@ -358,15 +362,17 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
             if (S->L[l].moe) block_moe(F, &S->L[l], &B, tid, nth);
             else block_ffn(F, &S->L[l], &B, tid, nth);
         }
+        if (S->nsel) { /* else no logits (None): no final norm, no head */
 #pragma omp single
-        { /* the selected rows (every row, or each prompt's last one), packed */
-            for (int j = 0; j < F->nsel; j++)
-                pk_rmsnorm(F->x + F->sel[j] * F->d, F->g_final, F->eps_final, B.h + j * F->d, F->d);
-            const int g = q8_group_n(F, F->nsel, wants_codes(F, &F->lm, 1)); /* by the rows it has */
-            B.P.grp = g;
-            prep(&B.P, B.h, F->nsel * F->d, F->loom, g);
+            { /* the selected rows (every row, or each prompt's last one), packed */
+                for (int j = 0; j < F->nsel; j++)
+                    pk_rmsnorm(F->x + F->sel[j] * F->d, F->g_final, F->eps_final, B.h + j * F->d, F->d);
+                const int g = q8_group_n(F, F->nsel, wants_codes(F, &F->lm, 1)); /* by the rows it has */
+                B.P.grp = g;
+                prep(&B.P, B.h, F->nsel * F->d, F->loom, g);
+            }
+            part(S->lm.A.m, tid, nth, &r0, &r1);
+            mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->nsel, NULL);
         }
-        part(S->lm.A.m, tid, nth, &r0, &r1);
-        mat_rows(&S->lm, &B.P, S->logits, S->lm.A.m, r0, r1, S->q8, S->nsel, NULL);
     }
 }

@@ -263,6 +263,7 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
     PyObject *lo = args[4];
     S->nsel = S->n;
     for (int i = 0; i < S->n; i++) S->sel[i] = i;
+    if (lo == Py_None) { S->nsel = 0; S->logits = NULL; return 0; } /* k and v only (pk_run_step) */
     if (PyTuple_Check(lo)) { /* (logits [k, V], rows): the logits of those k ascending rows */
         if (as_tuple(lo, 2, "logits") || parse_sel(PyTuple_GET_ITEM(lo, 1), S)) return -1;
         lo = PyTuple_GET_ITEM(lo, 0);

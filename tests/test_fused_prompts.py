@@ -24,7 +24,7 @@ def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
     real = ckernels.decode
 
     def spy(layers, caches, head, x, logits, pos, *rest):
-        calls.append((x.shape[0], logits.shape, pos))
+        calls.append((x.shape[0], None if logits is None else logits.shape, pos))
         return real(layers, caches, head, x, logits, pos, *rest)
 
     monkeypatch.setattr(ckernels, "decode", spy)
@@ -37,9 +37,9 @@ def test_a_short_prompt_is_one_fused_call_with_the_last_logits(monkeypatch):
     tf.forward(list(range(20, 37)))  # 17 tokens: still one call (up to STEP_ROWS)
     assert calls[-1] == (17, (1, 120), tuple(range(16, 33)))
     tf.forward([5] * 65)  # 65 tokens on a model this narrow: two calls where fused calls win
-    if ckernels.SIMD:
+    if ckernels.SIMD:  # the first without logits (its last block stops at k and v)
         assert calls[3:] == [
-            (32, (1, 120), tuple(range(33, 65))),
+            (32, None, tuple(range(33, 65))),
             (33, (1, 120), tuple(range(65, 98))),
         ]
     else:
@@ -96,6 +96,54 @@ def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
     monkeypatch.setattr(fused, "plan", lambda model: None)
     tf.reset()
     np.testing.assert_allclose(got, tf.forward(prompt), rtol=0, atol=2e-5 * np.abs(got).max())
+
+
+@pytest.mark.parametrize("scheme", ["float32", "float16", "gguf_q4_k", "gguf_q8_0"])
+def test_a_long_prompts_calls_but_the_last_skip_the_head(scheme, monkeypatch):
+    """The fused calls of a long prompt but its last take no logits (None): their last block
+    stops at its k and v, no FFN, no head. The logits and every cache equal, bitwise, those of
+    the same calls each running the head (as before), and the reference path's within 2e-5
+    (float) or 3e-2 (quantized)."""
+    tf = random_transformer(tiny_cfg(hidden=256, inter=512, max_seq_len=256), seed=5)
+    if scheme != "float32":
+        quantize_all(tf, scheme)
+    monkeypatch.setattr(dispatch, "calls_win", lambda model, plan, n: True)
+    prompt = [(11 * i + 4) % 120 for i in range(150)]
+    heads = []
+    real = ckernels.decode
+
+    def spy(layers, caches, head, x, logits, pos, *rest):
+        heads.append(logits is not None)
+        return real(layers, caches, head, x, logits, pos, *rest)
+
+    def run(fn):
+        tf.reset()
+        out = fn()
+        kv = [np.array(a[:150]) for i in range(3) for a in (tf.attn(i).state.k, tf.attn(i).state.v)]
+        return out, kv
+
+    monkeypatch.setattr(ckernels, "decode", spy)
+    got, kv = run(lambda: tf.forward(prompt))
+    assert heads == [False, False, True] and tf.position == 150
+    p, x = fused.plan(tf), dispatch.lookup(tf.embeddings, np.array(prompt))  # x [150, d]
+
+    def every_call_with_its_head():
+        caches = fused._prompt_caches(p, 150)
+        return [
+            fused._prompt_call(p, np.array(x[r : r + 50], np.float32), caches, True)
+            for r in (0, 50, 100)
+        ]
+
+    old, kv_old = run(every_call_with_its_head)
+    np.testing.assert_array_equal(got, old[-1])
+    for a, b in zip(kv, kv_old):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr(fused, "plan", lambda model: None)
+    ref, kv_ref = run(lambda: tf.forward(prompt))
+    tol = 2e-5 if scheme in ("float32", "float16") else 3e-2
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())
+    for a, b in zip(kv, kv_ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
 
 
 def test_a_long_fused_prompt_past_the_context_is_refused_with_nothing_written(monkeypatch):

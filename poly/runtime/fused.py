@@ -272,12 +272,26 @@ def step(model, p: Plan, x: np.ndarray, reduce=None) -> np.ndarray | None:
     return None if logits is None else logits[0]
 
 
-def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
-    """Logits [V] of the last of a short prompt: x [n, d] (overwritten, 2 <= n <= STEP_ROWS) the
-    embeddings of n new tokens continuing the model's own caches, run as n rows of one fused
-    call that share each block's cache (row i at position start + i). No Python per block and
-    the LM head for the last row only; None when the caches are not at one position."""
+def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
+    """Logits [V] of the last of a prompt: x [n, d] (overwritten, n >= 2) the embeddings of n
+    new tokens continuing the model's own caches, in ceil(n / STEP_ROWS) fused calls of equal
+    size (none of one row). A call's rows share each block's cache (row i at position start +
+    i): no Python per block. The LM head runs in the last call, for its last row only; the other
+    calls stop at their last block's k and v (no later call reads more of them). None when the
+    caches are not at one position (the reference path then runs)."""
     n = x.shape[0]
+    calls = -(-n // ckernels.STEP_ROWS)
+    caches = _prompt_caches(p, n)
+    if caches is None:
+        return None
+    for i in range(calls):  # rows n * i // calls .. n * (i + 1) // calls, contiguous
+        logits = _prompt_call(p, x[n * i // calls : n * (i + 1) // calls], caches, i == calls - 1)
+    return logits
+
+
+def _prompt_caches(p: Plan, n: int) -> list | None:
+    """The model's caches for n prompt rows (every block's at one position, room for n more),
+    or None where the fused call does not take them (the reference path then runs)."""
     if any(getattr(layer, "expert_cache", None) is not None for layer, _ in p.moe):
         return None  # paged experts: the grouped path reports each before use (the budget holds)
     caches = [mha.live_cache(layer) for layer in p.attn]
@@ -288,10 +302,17 @@ def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
         raise ContextOverflowError(
             f"context overflow: {start} cached + {n} new tokens > max_seq_len {caches[0].capacity}"
         )
+    return caches
+
+
+def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool) -> np.ndarray | None:
+    """One fused call over the rows x [n, d] of a prompt, appended to `caches`: logits [V] of
+    the last row, or (head False) None and only the last block's k and v."""
+    n, start = x.shape[0], caches[0].length
     pairs = []
     for c in caches:
         pairs += (c.k, c.v) * n  # every row of block li reads and writes the same cache
-    logits = np.empty((1, p.vocab), dtype=np.float32)  # [1, V]: the last row's only
+    logits = np.empty((1, p.vocab), dtype=np.float32) if head else None  # [1, V]: the last row's
     full = kernels.num_threads()
     nt = SHARED.advice(full)  # what the tuners found, no trial of its own
     if nt < full and room_for(full):
@@ -303,26 +324,7 @@ def prefill(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     _report_experts(p, n)
     for c in caches:
         c.length = start + n
-    return logits[0]
-
-
-def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
-    """prefill for any n >= 2: x [n, d] (overwritten) in ceil(n / STEP_ROWS) calls of equal
-    size (none of one row); None when the caches are not at one position or, with more than
-    one call, would overflow (the reference path then runs and refuses it: nothing written)."""
-    n = x.shape[0]
-    calls = -(-n // ckernels.STEP_ROWS)
-    if calls == 1:
-        return prefill(model, p, x)
-    caches = [mha.live_cache(layer) for layer in p.attn]
-    if any(c.capacity < c.length + n for c in caches):
-        return None
-    logits = None
-    for i in range(calls):  # rows n * i // calls .. n * (i + 1) // calls, contiguous
-        logits = prefill(model, p, x[n * i // calls : n * (i + 1) // calls])
-        if logits is None:  # only the first call can find the caches apart
-            return None
-    return logits
+    return None if logits is None else logits[0]
 
 
 def step_rows(p: Plan, x: np.ndarray, states: list[list], reduce=None) -> np.ndarray | None:
