@@ -85,18 +85,30 @@ def repack16(
     elif kind == Q8_0:  # each row's code sum per block: the unsigned-x correction
         sums = blocks[..., 2:].view(np.int8).sum(axis=-1, dtype=np.int16)  # no copy of the codes
         fields.append(sums[..., None].view(np.uint8))  # [m, nb, 2]
-    co = 32 * len(fields)  # where the code vectors start
-    out = np.empty((g, nb, co + 64 * nq), dtype=np.uint8)
-    # element-wise copies into views of `out` (no transposed temporaries: a 49,152-row head's
-    # would double the peak memory of the repack)
-    for j, v in enumerate(fields):  # [m, nb, 2] -> [g, nb, 16 rows, 2] -> 32 bytes
-        out[..., 32 * j : 32 * j + 32].reshape(g, nb, 16, 2)[...] = v.reshape(
-            g, 16, nb, 2
-        ).transpose(0, 2, 1, 3)
-    codes = blocks[..., bb - 4 * nq :].reshape(g, 16, nb, nq, 4)  # [g, row, nb, q, i]
-    out[..., co:].reshape(g, nb, nq, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
+    out = np.empty((g, nb, 32 * len(fields) + 64 * nq), dtype=np.uint8)
+    for j, v in enumerate(fields):
+        _place_fields(out, 32 * j, v)
+    _place_codes(out, 32 * len(fields), blocks[..., bb - 4 * nq :])
     release_mapped(raw)
     return out
+
+
+# Element-wise copies into views of the record array `out` [g, nb, bytes] (no transposed
+# temporaries: a 49,152-row head's would double the peak memory of a repack)
+def _place_fields(out: np.ndarray, at: int, v: np.ndarray) -> None:
+    """A 2-byte field per row and 32-block, v [m, nb, 2], as out[..., at : at + 32]: row r's
+    at bytes 2 r, 2 r + 1 (the record's D[16], M[16] or S[16])."""
+    g, nb = out.shape[:2]
+    rows = v.reshape(g, 16, nb, 2).transpose(0, 2, 1, 3)  # [g, nb, row, 2]
+    out[..., at : at + 32].reshape(g, nb, 16, 2)[...] = rows
+
+
+def _place_codes(out: np.ndarray, at: int, codes: np.ndarray) -> None:
+    """Code bytes [m, nb, 4 nq] as out[..., at:], nq vectors of 64 bytes: byte 4 r + i of
+    vector q = code byte 4 q + i of row r's block."""
+    g, nb = out.shape[:2]
+    c = codes.reshape(g, 16, nb, -1, 4)  # [g, row, nb, q, i]
+    out[..., at:].reshape(g, nb, c.shape[3], 16, 4)[...] = c.transpose(0, 2, 3, 1, 4)
 
 
 def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) -> np.ndarray | None:
@@ -192,11 +204,11 @@ def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
     unsigned-x correction), then 8 vectors of 64 bytes, byte 4 r + i of vector q = code
     4 q + i of row r's block (Q8_0's record without its scales: those are per row)."""
     g, nb = m // 16, k // 32
-    c = np.asarray(codes).reshape(g, 16, nb, 8, 4)  # [g, row, nb, q, i]
+    c = np.asarray(codes).view(np.uint8).reshape(m, nb, 32)  # [m, nb, 32]
     out = np.empty((g, nb, R16_REC_I8), dtype=np.uint8)
-    sums = c.reshape(g, 16, nb, 32).sum(axis=-1, dtype=np.int16)  # [g, row, nb]
-    out[..., 0:32].view(np.int16)[...] = sums.transpose(0, 2, 1)
-    out[..., 32:].reshape(g, nb, 8, 16, 4)[...] = c.transpose(0, 2, 3, 1, 4).view(np.uint8)
+    sums = c.view(np.int8).sum(axis=-1, dtype=np.int16)  # [m, nb]
+    _place_fields(out, 0, sums[..., None].view(np.uint8))
+    _place_codes(out, 32, c)
     release_mapped(codes)
     return out
 
@@ -223,9 +235,8 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
     u ^= 8
     q = u[..., :16] | (u[..., 16:] << 4)  # [m, nb, 16] as Q4_0 stores them
     out = np.empty((g, nb, R16_REC4), dtype=np.uint8)
-    out[..., 0:32].view(np.float16)[...] = d16.reshape(g, 16, nb).transpose(0, 2, 1)  # [g, nb, 16]
-    codes = q.reshape(g, 16, nb, 4, 4)  # [g, row, nb, q, i]
-    out[..., 32:].reshape(g, nb, 4, 16, 4)[...] = codes.transpose(0, 2, 3, 1, 4)
+    _place_fields(out, 0, d16.reshape(m, nb, 1).view(np.uint8))
+    _place_codes(out, 32, q)
     release_mapped(packed)
     return out
 
