@@ -156,15 +156,17 @@ def machine_info(args) -> dict:
 
 QUANTIZE = """import sys, llama_cpp
 p = llama_cpp.llama_model_quantize_default_params()
-p.ftype, p.nthread = int(sys.argv[3]), int(sys.argv[4])
+p.ftype, p.nthread, p.pure = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))"""
 
 
-def quantize(src: Path, dst: Path, ftype: int, threads: int) -> None:
-    """llama.cpp's quantizer in a child process (its log goes to quantize.log, not our stderr)."""
+def quantize(src: Path, dst: Path, ftype: int, threads: int, pure: bool = False) -> None:
+    """llama.cpp's quantizer in a child process (its log goes to quantize.log, not our stderr).
+    `pure`: every tensor in the preset's main type (no Q6_K head, no mixed layers)."""
     tmp = dst.with_name(dst.name + ".tmp")
     with open(dst.parent / "quantize.log", "ab") as log:
-        cmd = [sys.executable, "-c", QUANTIZE, str(src), str(tmp), str(ftype), str(threads)]
+        args = [str(src), str(tmp), str(ftype), str(threads), str(int(pure))]
+        cmd = [sys.executable, "-c", QUANTIZE, *args]
         code = subprocess.run(cmd, stdout=log, stderr=log).returncode
     if code != 0 or not tmp.is_file():
         raise RuntimeError(f"llama_model_quantize {dst.name} failed (exit {code})")

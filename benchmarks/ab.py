@@ -1,0 +1,100 @@
+"""A/B of two builds of poly on one model file: is a change faster?
+
+Each tree (a checkout with its extension built in place, e.g. a `git worktree` of the old
+revision) runs in its own process, one process per tree and round, the trees alternating
+(ABBA...), so drift in the machine's load hits both alike. A round: a warm-up, then `--reps`
+timed prompts of each `--prefill` length from an empty cache and `--reps` greedy decodes of
+`--new` tokens after a `--context`-token prompt. Printed: medians per tree and B/A.
+
+    git worktree add /tmp/old HEAD~1 && (cd /tmp/old && python setup.py build_ext --inplace)
+    python -m benchmarks.ab MODEL.gguf --a /tmp/old --b . --rounds 6 --prefill 16 42 --new 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# One round in one tree: the worker imports poly from the tree given in POLY_AB_TREE
+ROUND = r"""
+import json, os, sys
+sys.path.insert(0, os.environ["POLY_AB_TREE"])
+from benchmarks.workers import PolyEngine
+a = json.loads(sys.argv[1])
+e = PolyEngine(a["model"], a["threads"], kv_cache=a["kv_cache"])
+ids = lambda n: list(range(100, 100 + n))  # token ids every vocabulary has
+e.prefill(ids(8)); e.decode(ids(a["context"]), 4)  # warm-up: pages in, threads chosen
+out = {f"prefill {n}": [n / e.prefill(ids(n)) for _ in range(a["reps"])] for n in a["prefill"]}
+if a["new"]:
+    runs = [e.decode(ids(a["context"]), a["new"])[0] for _ in range(a["reps"])]
+    out[f"decode {a['new']} @{a['context']}"] = [a["new"] / s for s in runs]
+import poly
+print(json.dumps({"poly": poly.__file__, "ops": out}))
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="A/B two builds of poly on one model (tok/s)")
+    ap.add_argument("model", help="a .gguf or .entity file")
+    ap.add_argument("--a", default=".", help="tree A (the baseline)")
+    ap.add_argument("--b", required=True, help="tree B (the change)")
+    ap.add_argument("--rounds", type=int, default=6, help="processes per tree, alternating")
+    ap.add_argument("--reps", type=int, default=2, help="timed runs of each op per process")
+    ap.add_argument("--prefill", nargs="*", type=int, default=[16, 42])
+    ap.add_argument("--new", type=int, default=64, help="decode tokens (0: no decode)")
+    ap.add_argument("--context", type=int, default=16, help="prompt before the decode")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache", default="f16", choices=["f16", "f32"])
+    ap.add_argument("--json", help="write every run here")
+    a = ap.parse_args(argv)
+    for tree in (a.a, a.b):
+        if not (Path(tree) / "poly" / "__init__.py").is_file():
+            ap.error(f"{tree}: not a poly checkout")
+    if a.rounds < 1 or a.reps < 1 or a.context < 1 or min(a.prefill, default=1) < 1:
+        ap.error("--rounds, --reps, --context and --prefill must be at least 1")
+    return a
+
+
+def one_round(tree: str, a: argparse.Namespace) -> dict[str, list[float]]:
+    """tok/s of every op in one fresh process importing poly from `tree`."""
+    job = {k: getattr(a, k) for k in ("model", "threads", "kv_cache", "reps", "prefill", "new")}
+    job.update(model=str(Path(a.model).resolve()), context=a.context)
+    env = {**os.environ, "POLY_AB_TREE": str(Path(tree).resolve())}
+    run = subprocess.run(
+        [sys.executable, "-c", ROUND, json.dumps(job)],
+        env=env, cwd=tree, capture_output=True, text=True,
+    )  # fmt: skip
+    if run.returncode:
+        raise SystemExit(f"{tree}: the round failed\n{run.stderr[-2000:]}")
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    if not Path(got["poly"]).resolve().is_relative_to(env["POLY_AB_TREE"]):
+        raise SystemExit(f"{tree}: the round imported poly from {got['poly']}")
+    return got["ops"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    runs: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
+    for r in range(a.rounds):
+        order = ("A", "B") if r % 2 == 0 else ("B", "A")
+        for side in order:
+            for op, v in one_round(a.a if side == "A" else a.b, a).items():
+                runs[side].setdefault(op, []).extend(v)
+        print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
+    print(f"A = {a.a}\nB = {a.b}\n")
+    print("| op | A tok/s | B tok/s | B/A |\n|---|---|---|---|")
+    for op, va in runs["A"].items():
+        ma, mb = statistics.median(va), statistics.median(runs["B"][op])
+        print(f"| {op} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
