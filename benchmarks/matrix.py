@@ -161,13 +161,11 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 
 
 def quantize(src: Path, dst: Path, ftype: int, threads: int, pure: bool = False) -> None:
-    """llama.cpp's quantizer in a child process (its log goes to quantize.log, not our stderr).
-    `pure`: every tensor in the preset's main type (no Q6_K head, no mixed layers)."""
+    """llama.cpp's quantizer in a child process, its log in quantize.log (`pure`: one type)."""
     tmp = dst.with_name(dst.name + ".tmp")
     with open(dst.parent / "quantize.log", "ab") as log:
-        args = [str(src), str(tmp), str(ftype), str(threads), str(int(pure))]
-        cmd = [sys.executable, "-c", QUANTIZE, *args]
-        code = subprocess.run(cmd, stdout=log, stderr=log).returncode
+        cmd = [sys.executable, "-c", QUANTIZE, str(src), str(tmp), str(ftype), str(threads)]
+        code = subprocess.run([*cmd, str(int(pure))], stdout=log, stderr=log).returncode
     if code != 0 or not tmp.is_file():
         raise RuntimeError(f"llama_model_quantize {dst.name} failed (exit {code})")
     os.replace(tmp, dst)
