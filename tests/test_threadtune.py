@@ -146,6 +146,32 @@ def test_prefill_watch_compares_time_per_token():
     assert used == [2] * 30
 
 
+def test_prefill_watch_is_not_set_off_by_one_cheap_block():
+    """One full block far cheaper than the rest (a block that did less work: a cut last block, an
+    MoE layer whose tokens met few experts) is no reference: the median of the recent ones is."""
+    tuner = PrefillTuner()
+    quiet = lambda t, i: 0.005 if t == 2 else 0.008  # noqa: E731
+    _prefill(tuner, quiet)
+    cheap = lambda t, i: 0.0005 if i == 29 else quiet(t, i)  # noqa: E731
+    assert _prefill(tuner, cheap) == [2] * 30
+    assert _prefill(tuner, quiet) == [2] * 30  # the best ever was 10x faster than these
+    load = lambda t, i: 0.05 if t == 2 and i >= 3 else quiet(t, i)  # noqa: E731
+    assert _prefill(tuner, load) == [2] * 5 + [1] * 25  # real load is still seen
+
+
+def test_prefill_trials_loaded_full_block_is_no_reference():
+    """The trial's full block that showed load does not enter the watch's reference: a later
+    loaded prefill is still seen as loaded."""
+    tuner = PrefillTuner()
+    assert _prefill(tuner, lambda t, i: 2.0 if t == 2 else 0.02) == [1, 2] + [1] * 28
+    assert tuner.recent == []
+    quiet = lambda t, i: 0.005 if t == 2 else 0.008  # noqa: E731
+    _prefill(tuner, quiet)
+    assert max(tuner.recent) == pytest.approx(0.005)
+    load = lambda t, i: 0.05 if t == 2 and i >= 3 else quiet(t, i)  # noqa: E731
+    assert _prefill(tuner, load) == [2] * 5 + [1] * 25
+
+
 def test_prefill_trial_stops_at_the_first_slow_full_block():
     """Load the snapshot missed: one slow block, then the rest on fewer threads."""
     used = _prefill(PrefillTuner(), lambda t, i: 2.0 if t == 2 else 0.02)

@@ -184,7 +184,9 @@ class PrefillTuner:
     for blocks 0-3 (low first: cheap) and the faster count runs the rest; a full block
     `PREFILL_SLOW` times slower than a low one ends the trial at once. Once full was found faster, later
     prefills skip the trial and run on full while a block's time per token stays within
-    `PREFILL_SLOW` of the best seen (`WATCH_SLOW` slower blocks in a row mean load the snapshot missed: low for the rest).
+    `PREFILL_SLOW` of the median of the latest `RECENT_BLOCKS` full blocks (not the best ever:
+    one block that did less work would make every later one look slow); `WATCH_SLOW` slower
+    blocks in a row mean load the snapshot missed: low for the rest.
     The decision is shared (`Shared`) with the decode step's tuner. Use:
     `pace = tuner.begin(full, tokens)`, then `pace.threads(i)` before block i,
     `pace.record(i, threads, seconds)` after it, `pace.end()`.
@@ -193,7 +195,11 @@ class PrefillTuner:
     def __init__(self, shared: Shared | None = None) -> None:
         self.shared = shared
         self.current = 0  # the last decision (0: none yet)
-        self.per_token = 0.0  # the best seconds per token of a full block (0: none yet)
+        self.recent: list[float] = []  # seconds per token of the latest full blocks not slow
+
+    def reference(self) -> float:
+        """Seconds per token of a full block, the median of the recent ones (0: none yet)."""
+        return statistics.median(self.recent) if self.recent else 0.0
 
     def begin(self, full: int, tokens: int = 1) -> PrefillPace:
         return PrefillPace(self, full, max(1, tokens))
@@ -206,6 +212,7 @@ class PrefillTuner:
 
 PREFILL_TRIAL = 4  # blocks: low, full, low, full
 WATCH_SLOW = 2  # consecutive slow full blocks that mean load (one can be an interrupt)
+RECENT_BLOCKS = 9  # full blocks whose median time per token is the watch's reference
 # A block slower than this many times the reference means load. Load costs 10-100x here (two
 # BLAS threads wait at every barrier for a core); noise after a decode step reached 2.5x.
 PREFILL_SLOW = 4.0
@@ -221,7 +228,7 @@ class PrefillPace:
         if adaptive() and full > 1:
             if not room_for(full):
                 self._decide(self.low)
-            elif tuner.current == full and tuner.per_token > 0:
+            elif tuner.current == full and tuner.recent:
                 self.watch = True  # full was faster before: no trial, watch for load
             else:
                 self.trial = True
@@ -232,26 +239,29 @@ class PrefillPace:
         return self.chosen
 
     def record(self, i: int, threads: int, seconds: float) -> None:
+        lows = self.times[self.low]
+        # a trial's full block this much slower than a low one: loaded after all
+        loaded = self.trial and threads == self.full and lows and seconds > PREFILL_SLOW * min(lows)
         if threads == self.full and threads > 1:
-            self._full_block(seconds)
+            self._full_block(seconds, bool(loaded))
         if not self.trial or threads not in self.times:
             return
         self.times[threads].append(seconds)
-        lows = self.times[self.low]
-        if threads == self.full and lows and seconds > PREFILL_SLOW * min(lows):
-            self._decide(self.low)  # loaded after all: no more full blocks in this prefill
+        if loaded:
+            self._decide(self.low)  # no more full blocks in this prefill
         elif i + 1 >= PREFILL_TRIAL:
             self.end()
 
-    def _full_block(self, seconds: float) -> None:
+    def _full_block(self, seconds: float, loaded: bool) -> None:
         tuner, per_token = self.tuner, seconds / self.tokens
-        slow = self.watch and tuner.per_token > 0 and per_token > PREFILL_SLOW * tuner.per_token
+        ref = tuner.reference()
+        slow = self.watch and ref > 0 and per_token > PREFILL_SLOW * ref
         self.slow = self.slow + 1 if slow else 0
-        if self.slow >= WATCH_SLOW:  # slower than ever seen on full threads: load appeared
+        if self.slow >= WATCH_SLOW:  # far slower than full threads lately: load appeared
             self.watch = False
             self._decide(self.low)
-        elif tuner.per_token == 0 or per_token < tuner.per_token:
-            tuner.per_token = per_token
+        elif not (slow or loaded):  # a loaded block is no reference
+            tuner.recent = [*tuner.recent[-(RECENT_BLOCKS - 1) :], per_token]
 
     def _decide(self, threads: int) -> None:
         self.trial, self.chosen = False, threads
