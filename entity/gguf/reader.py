@@ -130,6 +130,31 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int, what: str, cap: int) -> list[str]:
+        """`count` strings in a row: a vocabulary's ~50-150k, in one tight loop (string() per item
+        took 0.37 s of a 1B GGUF's 0.85 s load); anything off goes through string(), which raises
+        the error it would have."""
+        buf, pos, end, out = self.buf, self.pos, self.end, []
+        length = _U64.unpack_from
+        for _ in range(count):
+            if end - pos >= 8:
+                (n,) = length(buf, pos)
+                if n <= cap and n <= end - pos - 8:
+                    try:
+                        out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8"))
+                        pos += 8 + n
+                        continue
+                    except UnicodeDecodeError:
+                        pass
+            self.pos = pos
+            out.append(self.string(what, cap))  # raises: truncated, too long or not UTF-8
+            pos = self.pos
+        self.pos = pos
+        return out
+
+
+_U64 = struct.Struct("<Q")
+
 
 def _read_value(cur: _Cursor, vtype: int, key: str) -> tuple[Any, int | None]:
     """Returns (value, element type for arrays or None)."""
@@ -164,7 +189,7 @@ def _read_array(cur: _Cursor, key: str) -> tuple[Any, int]:
                 f"array {key!r}: {n} strings (limit {MAX_STRING_ARRAY})", path=cur.path
             )
         cap = min(cur.remaining, MAX_STRING)
-        return [cur.string(f"element of {key!r}", cap) for _ in range(n)], etype
+        return cur.strings(n, f"element of {key!r}", cap), etype
     dtype = SCALAR_TYPES[etype][1]
     arr = np.frombuffer(cur.buf, dtype=dtype, count=n, offset=cur.pos).copy()
     cur.pos += n * dtype.itemsize
