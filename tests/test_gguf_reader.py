@@ -157,23 +157,6 @@ def test_duplicate_key_and_bad_utf8(tmp_path):
     assert_bad(tmp_path, write_gguf([("general.name", STRING, b"\xc3")], TENSORS), "UTF-8")
 
 
-def test_string_array_elements_are_checked_like_strings(tmp_path):
-    """The vocabulary's fast loop (GGUFFile reads ~100k strings) gives the same errors, at the
-    same offsets, as one string read at a time."""
-    tokens = ("tokenizer.ggml.tokens", ARRAY, (STRING, ["a", b"\xc3", "c"]))
-    err = assert_bad(tmp_path, write_gguf([*KVS[:4], tokens], TENSORS), "element of .*UTF-8")
-    data = write_gguf([*KVS[:4], tokens], TENSORS)
-    assert err.offset == data.index(_str(b"\xc3")) + 8  # past the length, as string() says
-    data = valid_bytes()
-    second = _key_value_at(data, "tokenizer.ggml.tokens") + 4 + 8 + 8 + 1  # element "b"'s length
-    assert data[second : second + 9] == _str("b")
-    err = assert_bad(tmp_path, _patch(data, second, "<Q", 2**40), "element of .*length")
-    assert err.offset == second
-    many = ("tokenizer.ggml.tokens", ARRAY, (STRING, [f"t{i}ü" for i in range(5000)]))
-    gg = open_bytes(tmp_path, write_gguf([*KVS[:4], many], TENSORS))
-    assert gg.metadata["tokenizer.ggml.tokens"] == [f"t{i}ü" for i in range(5000)]
-
-
 @pytest.mark.parametrize("alignment", [0, 13, 48, 2**31])
 def test_bad_alignment_value(tmp_path, alignment):
     kvs = [*KVS, ("general.alignment", U32, alignment)]

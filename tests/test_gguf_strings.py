@@ -1,0 +1,39 @@
+"""GGUF string arrays (a vocabulary, its merges): read in one fast loop, checked like strings."""
+
+from __future__ import annotations
+
+import struct
+
+from tests.fuzz.corpus import ARRAY, STRING
+from tests.fuzz.corpus import gguf_pack as write_gguf
+from tests.fuzz.corpus import gstr as _str
+from tests.test_gguf_reader import (
+    KVS,
+    TENSORS,
+    assert_bad,
+    open_bytes,
+    valid_bytes,
+)
+
+
+def test_string_array_elements_are_checked_like_strings(tmp_path):
+    """The vocabulary's fast loop (GGUFFile reads ~100k strings) gives the same errors, at the
+    same offsets, as one string read at a time."""
+    tokens = ("tokenizer.ggml.tokens", ARRAY, (STRING, ["a", b"\xc3", "c"]))
+    err = assert_bad(tmp_path, write_gguf([*KVS[:4], tokens], TENSORS), "element of .*UTF-8")
+    data = write_gguf([*KVS[:4], tokens], TENSORS)
+    assert err.offset == data.index(_str(b"\xc3")) + 8  # past the length, as string() says
+    data = valid_bytes()
+    # past the key, its type, the array's element type and count, and element "a": "b"'s length
+    key = "tokenizer.ggml.tokens"
+    second = data.index(_str(key)) + 8 + len(key) + 4 + 4 + 8 + 8 + 1
+    assert data[second : second + 9] == _str("b")
+    err = assert_bad(
+        tmp_path,
+        data[:second] + struct.pack("<Q", 2**40) + data[second + 8 :],
+        "element of .*length",
+    )
+    assert err.offset == second
+    many = ("tokenizer.ggml.tokens", ARRAY, (STRING, [f"t{i}ü" for i in range(5000)]))
+    gg = open_bytes(tmp_path, write_gguf([*KVS[:4], many], TENSORS))
+    assert gg.metadata["tokenizer.ggml.tokens"] == [f"t{i}ü" for i in range(5000)]
