@@ -361,7 +361,7 @@ def test_sweeps_stale_temps_of_dead_processes(tmp_path):
 
 
 def test_the_checksum_is_zlibs_crc32_over_chunks():
-    """The fast crc32 (ISA-L's where installed) is zlib's, chained over chunks as the reader runs it."""
+    """The fast crc32 (ISA-L's) is zlib's, chained over chunks as the reader runs it."""
     from entity.dotentity import container
 
     data = np.random.default_rng(0).integers(0, 256, 3_000_001, dtype=np.uint8).tobytes()

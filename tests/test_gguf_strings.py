@@ -20,8 +20,8 @@ def test_string_array_elements_are_checked_like_strings(tmp_path):
     """The vocabulary's fast loop (GGUFFile reads ~100k strings) gives the same errors, at the
     same offsets, as one string read at a time."""
     tokens = ("tokenizer.ggml.tokens", ARRAY, (STRING, ["a", b"\xc3", "c"]))
-    err = assert_bad(tmp_path, write_gguf([*KVS[:4], tokens], TENSORS), "element of .*UTF-8")
     data = write_gguf([*KVS[:4], tokens], TENSORS)
+    err = assert_bad(tmp_path, data, "element of .*UTF-8")
     assert err.offset == data.index(_str(b"\xc3")) + 8  # past the length, as string() says
     data = valid_bytes()
     # past the key, its type, the array's element type and count, and element "a": "b"'s length

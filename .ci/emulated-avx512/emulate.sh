@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Run pytest on an emulated AVX-512 CPU: Bochs (Debian's build has AVX-512 and VNNI) as an Intel
 # Tiger Lake, booting Debian's kernel. For machines without AVX-512, where the kernels' AVX-512
-# build is otherwise never run. Slow (about 40 million instructions a second, one core): pick
+# build is otherwise never run. Slow (about 24 million instructions a second, one core): pick
 # a few tests.
 #
-#   bash .ci/avx512/emulate.sh "tests/test_ckernels.py -k avx512"
+#   bash .ci/emulated-avx512/emulate.sh "tests/test_ckernels.py -k avx512"
 #
 # Exit status: pytest's inside the guest (2: the guest never reported one). The guest's serial
 # console is copied to stdout; WORK (default /tmp/poly-avx512) keeps the images and logs.
-set -euo pipefail
+set -euo pipefail  # STATUS: boots, not yet a working check (README beside this file)
 here=$(cd "$(dirname "$0")" && pwd)
 TREE=${TREE:-$(cd "$here/../.." && pwd)}
 WORK=${WORK:-/tmp/poly-avx512}
