@@ -149,7 +149,8 @@ class Scheduler:
         tok = getattr(self.model, "tokenizer", None)
         seqs = []
         for i in range(p.n):
-            sampler = Sampler(p.gen_options(i, budget), self.model.config.vocab_size, self.eos)
+            opts = p.gen_options(i, budget)
+            sampler = Sampler(opts, self.model.config.vocab_size, self.eos, tok)
             dec = None
             if tok is not None:
                 from poly.text.tokenizer import StreamDecoder

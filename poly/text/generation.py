@@ -282,7 +282,8 @@ def stream_tokens(
     prompt, budget = _plan_context(n_cached, prompt, options, cfg.max_seq_len, start_fresh)
     should_stop, extra_stops = _stop_checker(stop)
     if sampler is None:
-        sampler = Sampler(options, cfg.vocab_size, tuple(getattr(model, "eos_token_ids", ())))
+        eos = tuple(getattr(model, "eos_token_ids", ()))
+        sampler = Sampler(options, cfg.vocab_size, eos, getattr(model, "tokenizer", None))
     lock = model_lock(model)
     if not lock.acquire(blocking=False):
         raise ModelBusyError("the model is in use by another generation; one stream at a time")

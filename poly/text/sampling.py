@@ -1,9 +1,9 @@
 """Generation options, logit processors and the seeded sampler.
 
 Processors are small pure functions on a float32 logits vector ``[V]`` and run in Loom's order:
-repetition penalty -> banned mask (and EOS before ``min_tokens``) -> no-repeat n-gram mask ->
-temperature -> top-k -> top-p -> min-p -> softmax -> draw. Their semantics follow HF transformers'
-logits processors so results can be compared one to one.
+repetition penalty -> DRY -> banned mask (and EOS before ``min_tokens``) -> no-repeat n-gram mask
+-> temperature -> top-k -> top-p -> min-p -> softmax -> draw. Their semantics follow HF
+transformers' logits processors (DRY: llama.cpp's) so results can be compared one to one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from poly.errors import NumericalError, SamplingParamsError
+from poly.text.dry import DEFAULT_BREAKERS, NO_BREAKERS, apply_dry, dry_penalties, sequence_breakers
 
 NEG_INF = np.float32(-np.inf)
 TRUNCATE_MODES = ("none", "output", "left")
@@ -60,6 +61,18 @@ _CHECKS: tuple[tuple[str, object, str], ...] = (
     ),
     ("repetition_window", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = all)"),
     ("no_repeat_ngram", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    (
+        "dry_multiplier",
+        lambda v: _is_real(v) and 0 <= v < math.inf,
+        "a finite number >= 0 (0 = off)",
+    ),
+    ("dry_base", lambda v: _is_real(v) and 1 <= v < math.inf, "a finite number >= 1"),
+    ("dry_allowed_length", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    (
+        "dry_penalty_last_n",
+        lambda v: _is_int(v) and v >= -1,
+        "an integer >= -1 (-1 = all, 0 = off)",
+    ),
     ("seed", lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
     ("deterministic", lambda v: isinstance(v, bool), "a bool"),
     ("penalize_prompt", lambda v: isinstance(v, bool), "a bool"),
@@ -80,6 +93,11 @@ class GenOptions:
     repetition_penalty: float = 1.0
     repetition_window: int = 0
     no_repeat_ngram: int = 0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
     banned_tokens: tuple[int, ...] = ()
     eos_tokens: tuple[int, ...] | None = None
     seed: int | None = None
@@ -106,10 +124,18 @@ class GenOptions:
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
             raise SamplingParamsError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
+        brk = self.dry_sequence_breakers
+        brk = (brk,) if isinstance(brk, str) else brk
+        if not isinstance(brk, Sequence) or not all(isinstance(s, str) and s for s in brk):
+            raise SamplingParamsError(
+                f"dry_sequence_breakers must be non-empty strings, got {brk!r}"
+            )
+        object.__setattr__(self, "dry_sequence_breakers", tuple(brk))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "min_p", float(self.min_p))
-        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        for name in ("repetition_penalty", "dry_multiplier", "dry_base"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
@@ -234,9 +260,16 @@ def check_finite(logits: np.ndarray, step: int | None = None) -> None:
 
 
 class Sampler:
-    """Turns logits into token ids with ``options``; owns an explicit seeded PCG64 generator."""
+    """Turns logits into token ids with ``options``; owns an explicit seeded PCG64 generator.
+    ``tokenizer`` maps DRY's sequence breakers to ids (without one, DRY runs with no breakers)."""
 
-    def __init__(self, options: GenOptions, vocab_size: int, eos_tokens: Sequence[int] = ()):
+    def __init__(
+        self,
+        options: GenOptions,
+        vocab_size: int,
+        eos_tokens: Sequence[int] = (),
+        tokenizer=None,
+    ):
         if not _is_int(vocab_size) or vocab_size < 1:
             raise SamplingParamsError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
         self.options = options
@@ -250,12 +283,20 @@ class Sampler:
                 )
         self.eos_tokens = tuple(int(t) for t in eos)
         self.rng = np.random.Generator(np.random.PCG64(options.seed))
+        self.breakers = NO_BREAKERS
+        if options.dry_multiplier > 0 and tokenizer is not None:
+            self.breakers = sequence_breakers(tokenizer, options.dry_sequence_breakers)
 
     def _context(self, tokens: Sequence[int], n_prompt: int) -> Sequence[int]:
         """Ids the penalties look at: prompt + output (HF), or output only; then the window."""
         ctx = tokens if self.options.penalize_prompt else tokens[n_prompt:]
         w = self.options.repetition_window
         return ctx[len(ctx) - w :] if 0 < w < len(ctx) else ctx
+
+    def _dry(self, ctx: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        o = self.options
+        return dry_penalties(ctx, o.dry_multiplier, o.dry_base, o.dry_allowed_length,
+                             o.dry_penalty_last_n, self.breakers)  # fmt: skip
 
     def process(
         self, logits: np.ndarray, tokens: Sequence[int] = (), n_prompt: int = 0
@@ -269,6 +310,9 @@ class Sampler:
         x = logits.astype(np.float32, copy=False)
         ctx = self._context(tokens, n_prompt)
         x = apply_repetition_penalty(x, ctx, o.repetition_penalty)
+        if o.dry_multiplier > 0:
+            dry_ctx = tokens if o.penalize_prompt else tokens[n_prompt:]
+            x = apply_dry(x, *self._dry(dry_ctx))
         banned = list(o.banned_tokens)
         if len(tokens) - n_prompt < o.min_tokens:
             banned += self.eos_tokens  # suppress EOS until min_tokens (Loom accepts it early)

@@ -116,7 +116,8 @@ class ChatSession:
 
     def _new_sampler(self) -> Sampler:
         eos = tuple(getattr(self.model, "eos_token_ids", ()))
-        return Sampler(self.options, self.model.config.vocab_size, eos)
+        tok = getattr(self.model, "tokenizer", None)
+        return Sampler(self.options, self.model.config.vocab_size, eos, tok)
 
     def _encode(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.model.chat_template.render(messages, add_generation_prompt=True)
