@@ -22,10 +22,25 @@ def load_model(spec: str, max_experts: int | None = None, kv_cache: str | None =
     `.entity`'s experts under that resident budget; ``kv_cache`` "f16" halves the KV cache."""
     import entity
 
-    model = entity.load(spec, max_resident_experts=max_experts, **kw)
+    try:
+        model = entity.load(spec, max_resident_experts=max_experts, **kw)
+    except ModelNotFoundError as err:
+        raise _with_hint(err, str(spec)) from None
     if kv_cache is not None:
         model.kv_cache_dtype = kv_cache
     return model
+
+
+def _with_hint(err: ModelNotFoundError, spec: str) -> ModelNotFoundError:
+    """A model id that is not in the cache: say how to get it (lucy owns the command name)."""
+    if type(err) is not ModelNotFoundError or Path(spec).expanduser().exists():
+        return err
+    org, _, name = spec.partition("/")
+    if org and name and "/" not in name and not spec.startswith((".", "~")):
+        hint = f"download it with `lucy download {spec}`"
+    else:
+        hint = "no such file, and not an org/name model id"
+    return ModelNotFoundError(f"{err.message}; {hint}", path=err.path)
 
 
 def convert_with_progress(

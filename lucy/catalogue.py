@@ -1,4 +1,5 @@
-"""The local model catalogue: HF-cache snapshots and `.entity` files, as `ModelRow`s.
+"""The local model catalogue: HF-cache snapshots, `.entity` files and the GGUF files of the
+models dir, as `ModelRow`s.
 
 `.entity` names come from `entity.paths` (the one rule `lucy convert`, `lucy demo` and the menu
 share), so a file any of them wrote is found by the others.
@@ -23,7 +24,7 @@ class ModelRow:
     """One runnable thing: an HF-cache snapshot or an .entity file."""
 
     name: str
-    kind: str  # "hf" | "entity"
+    kind: str  # "hf" | "entity" | "gguf"
     path: str
     architecture: str | None = None
     parameters: int | None = None
@@ -153,8 +154,55 @@ def _entity_info(path: Path) -> dict:
     return info
 
 
+def gguf_rows() -> list[ModelRow]:
+    """The GGUF files of the models dir (`lucy demo` fetches its SmolLM2 there)."""
+    from entity.paths import models_dir
+
+    root = models_dir()
+    files = sorted(root.glob("*.gguf")) if root.is_dir() else []
+    rows = []
+    for f in files:
+        info = _gguf_info(f)
+        rows.append(
+            ModelRow(
+                name=f.stem,
+                kind="gguf",
+                path=str(f),
+                architecture=info.get("architecture"),
+                parameters=info.get("parameters"),
+                dtype=info.get("dtype"),
+                size_bytes=f.stat().st_size,
+                supported="error" not in info,
+                reason=info.get("error", ".gguf"),
+            )
+        )
+    return rows
+
+
+def _gguf_info(path: Path) -> dict:
+    """Architecture, the matrices' most common tensor type and the parameter count, from the
+    GGUF header and tensor table (mapped, never read in full). {"error": ...} if unusable."""
+    from collections import Counter
+
+    from entity.gguf.loader import gguf_config
+    from entity.gguf.reader import open_gguf
+    from poly.errors import PolyError
+
+    try:
+        gg = open_gguf(path)
+        cfg = gguf_config(gg)
+    except PolyError as err:
+        return {"error": err.code}
+    types = Counter(t.type_name for t in gg.tensors.values() if len(t.shape) == 2)
+    return {
+        "architecture": gg.metadata.get("general.architecture"),
+        "parameters": cfg.parameter_count,
+        "dtype": types.most_common(1)[0][0] if types else None,
+    }
+
+
 def list_models() -> list[ModelRow]:
-    return hf_rows() + entity_rows()
+    return hf_rows() + entity_rows() + gguf_rows()
 
 
 def entity_path(row: ModelRow, quant: str = "q4") -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 import traceback
 
@@ -204,7 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", dest="api_key", default=None, help="required bearer token")
     p.add_argument("--max-queue", dest="max_queue", type=int, default=64,
                    help="waiting requests before 429")  # fmt: skip
-    p.add_argument("--log-level", dest="log_level", default="warning", help="uvicorn's log level")
+    p.add_argument("--log-level", dest="log_level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's and the request lines' (info) log level")  # fmt: skip
+    p.add_argument("--header-timeout", dest="header_timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's head")  # fmt: skip
+    p.add_argument("--body-timeout", dest="body_timeout", type=float, default=60.0,
+                   help="seconds a client has to send a request's body")  # fmt: skip
     _add_kv_cache(p)
     return parser
 
@@ -217,6 +224,15 @@ def _fail(message: str, code: int, debug: bool) -> int:
         traceback.print_exc()
     print(f"{PROG}: error: {one_line(message)}", file=sys.stderr, flush=True)
     return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the flush at exit does not hit the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (embedded, tests): nothing to protect
+        pass
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -235,7 +251,8 @@ def run(argv: list[str] | None = None) -> int:
         return _fail(str(err), err.exit_code, debug)
     except KeyboardInterrupt:
         return _fail("interrupted", 130, debug)
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader left (`lucy inspect M | head`): a normal end, quietly
+        _silence_stdout()
         return 0
     except Exception as err:  # noqa: BLE001 - the CLI's last line of defence
         return _fail(f"{type(err).__name__}: {err}", 1, debug)

@@ -66,9 +66,15 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def _write_token(text: str) -> None:
-    sys.stdout.write(clean(text))
-    sys.stdout.flush()
+class _Stream:
+    """Tokens to stdout as they come; remembers whether a line is open (Ctrl-C closes it)."""
+
+    open_line = False
+
+    def __call__(self, text: str) -> None:
+        sys.stdout.write(clean(text))
+        sys.stdout.flush()
+        self.open_line = True
 
 
 def cmd_generate(args) -> int:
@@ -78,10 +84,15 @@ def cmd_generate(args) -> int:
     def body(model, info) -> int:
         if args.verbose:
             _settings_note(model, overrides)
-        on_token = None if args.json else _write_token
-        result = actions.generate(
-            model, args.prompt, overrides, chat=args.chat, system=args.system, on_token=on_token
-        )
+        stream = None if args.json else _Stream()
+        try:
+            result = actions.generate(
+                model, args.prompt, overrides, chat=args.chat, system=args.system, on_token=stream
+            )
+        except KeyboardInterrupt:  # end the partial reply's line before "lucy: error: ..."
+            if stream is not None and stream.open_line:
+                print(flush=True)
+            raise
         if args.json:
             print(json.dumps({**result, **info}))
         else:

@@ -1,13 +1,16 @@
 """The `lucy` entry point, stdlib imports only: a Ctrl-C while poly/entity/lucy are still being
 imported (numpy, tokenizers ... take most of a second) ends with the one-line message and exit
 code 130 like any other interrupt, not with a traceback. (A KeyboardInterrupt raised inside
-numpy's C import surfaces as an ImportError, so the start-up handler exits at once instead.)"""
+numpy's C import surfaces as an ImportError, so the start-up handler exits at once instead.)
+The POLY_* environment variables are checked here too, before poly's import reads them."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+
+from lucy import environment
 
 
 def _interrupted_at_startup(signum, frame) -> None:
@@ -16,9 +19,22 @@ def _interrupted_at_startup(signum, frame) -> None:
     os._exit(130)
 
 
+def _fail(message: str, code: int) -> None:
+    sys.stderr.write(f"lucy: error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+    sys.exit(code)
+
+
 def main() -> None:
     previous = signal.signal(signal.SIGINT, _interrupted_at_startup)
-    from lucy.cli import run
-
+    bad = environment.problems()  # before poly's import reads them (POLY_ISA, POLY_BACKEND ...)
+    if bad:
+        _fail(bad[0], environment.USAGE_EXIT)
+    try:
+        from lucy.cli import run
+    except Exception as err:  # noqa: BLE001 - a typed error while importing poly: one line too
+        if "--debug" in sys.argv or not hasattr(err, "exit_code"):
+            raise
+        _fail(str(err), int(err.exit_code))
     signal.signal(signal.SIGINT, previous)  # from here on, run() reports Ctrl-C itself
     sys.exit(run())

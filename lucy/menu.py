@@ -1,8 +1,8 @@
 """`lucy` with no arguments: the numbered menu (Loom's Lucy, inventory §7).
 
 Every prompt shows its default in brackets and Enter accepts it; unknown input re-asks; EOF on
-stdin at any prompt leaves with exit 0. Errors from the library print one line and return to
-the menu.
+stdin at any prompt leaves with exit 0; a model list offers [0] to go back to the menu. Errors
+from the library print one line and return to the menu.
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ class Menu:
             )
             return None
         self.con.print(views.models_table(rows, title=title))
-        valid = {str(i) for i in range(1, len(rows) + 1)}
-        return rows[int(self.ask("Select model number", "1", valid)) - 1]
+        self.con.print("\\[0] back to the menu")
+        valid = {str(i) for i in range(len(rows) + 1)}
+        answer = int(self.ask("Select model number", "1", valid))
+        return rows[answer - 1] if answer else None
 
     # --- main loop ------------------------------------------------------------------------------
 
@@ -107,6 +109,8 @@ class Menu:
         """Library errors and Ctrl-C end the action, never the menu."""
         try:
             action()
+        except MenuExit:  # EOF inside an action leaves the menu too, not "error: MenuExit"
+            raise
         except PolyError as err:
             self.con.print(f"error: {clean(str(err))}", markup=False)
         except KeyboardInterrupt:
@@ -132,15 +136,15 @@ class Menu:
     def entity_talk(self) -> None:
         """Loom's ENTITY Talk: catalogue, convert some, choose quant, then chat."""
         hf = [r for r in catalogue.hf_rows() if r.supported]
-        if hf:
-            self.con.print(views.catalogue_table(hf))
-        else:
+        if not hf:  # nothing to do here: back to the menu ([1] chats with .entity files)
             self.con.print(
                 f"nothing to convert: no supported model in the HF cache "
-                f"({catalogue.hf_cache_dir()}); try [3] Download",
+                f"({catalogue.hf_cache_dir()}); try [3] Download ([1] chats with .entity files)",
                 markup=False,
             )
-        picks = self._convert_choice(hf) if hf else []
+            return
+        self.con.print(views.catalogue_table(hf))
+        picks = self._convert_choice(hf)
         if picks:
             quant = QUANT_ALIASES[self.ask("Quant (q4/q8/f16/bf16/f32)", "q4", QUANT_ALIASES)]
             force = self.ask_yes("Force reconvert?", False)

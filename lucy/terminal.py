@@ -13,9 +13,15 @@ def make_console(stderr: bool = False):
     """Rich console; into a pipe it is wide (no truncated tables) and writes no colour codes."""
     from rich.console import Console
 
-    con = Console(stderr=stderr, highlight=False, soft_wrap=True)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits 1 here; `lucy ... | head` is a normal end: lucy.cli.run exits 0
+            self.quiet = True
+            raise BrokenPipeError
+
+    con = _Console(stderr=stderr, highlight=False, soft_wrap=True)
     if not con.is_terminal and "COLUMNS" not in os.environ:
-        con = Console(stderr=stderr, highlight=False, soft_wrap=True, width=160)
+        con = _Console(stderr=stderr, highlight=False, soft_wrap=True, width=160)
     return con
 
 

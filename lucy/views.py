@@ -110,6 +110,8 @@ def bench_table(result: dict) -> Table:
         "runs",
         "prefill_tok_s",
         "decode_tok_s",
+        "first_turn_ttft_s",
+        "second_turn_ttft_s",
         "peak_rss_mb",
     ):
         if key in result:
@@ -130,6 +132,7 @@ def _layer_rows(layer, index: str) -> list[dict]:
         "index": index,
         "type": kind,
         "dtype": getattr(layer.dtype, "label", str(layer.dtype)),
+        "weights": _stored_as(weights),
         "active": str(getattr(weights, "active", None) or "float32"),
         "params": int(layout.param_count(layer)),
         "bytes": int(weights.nbytes()) if weights is not None else 0,
@@ -140,10 +143,24 @@ def _layer_rows(layer, index: str) -> list[dict]:
         row["params"] += sum(int(layout.param_count(s)) for s in subs)
         row["bytes"] += sum(int(s.weights.nbytes()) for s in subs)
         row["active"] = ",".join(sorted({str(s.weights.active or "float32") for s in subs}))
+        row["weights"] = ",".join(sorted({_stored_as(s.weights) for s in subs}))
         return rows
     for j, child in enumerate(getattr(layer, "sequential_layers", None) or []):
         rows += _layer_rows(child, f"{index}.{j}")
     return rows
+
+
+def _stored_as(weights) -> str:
+    """How a layer's matrices are held: the quant schemes of its active version (gguf_q4_1,
+    q4 ...), else the float32 masters; "" for a layer without weights. The layer's `dtype` is
+    what it computes in, which for quantized files is float32 whatever the file holds."""
+    if weights is None:
+        return ""
+    version = weights.versions.get(weights.active) if weights.active else None
+    schemes = {t.scheme for t in (version or {}).values() if getattr(t, "scheme", None)}
+    if schemes:
+        return ",".join(sorted(schemes))
+    return "float32" if int(weights.nbytes()) else ""
 
 
 def _experts_data(model) -> dict | None:
@@ -179,6 +196,7 @@ def inspect_data(model) -> dict:
         "grid": grid,
         "layers": layers,
         "dtypes": sorted({row["dtype"] for row in layers}),
+        "weights": sorted({w for row in layers for w in row["weights"].split(",") if w}),
         "memory": memory,
         "source": json.loads(json.dumps(source, default=str)),
         **({"experts": experts} if (experts := _experts_data(model)) else {}),
@@ -195,16 +213,18 @@ def print_inspect(con, data: dict) -> None:
     g = data["grid"]
     con.print(
         f"grid: depth={g['depth']} rows={g['rows']} cols={g['cols']} "
-        f"layers_per_cell={g['layers_per_cell']}  dtypes: {', '.join(data['dtypes'])}"
+        f"layers_per_cell={g['layers_per_cell']}  weights: {', '.join(data['weights'])}  "
+        f"computes in: {', '.join(data['dtypes'])}"
     )
     layers = Table(title="layers")
-    for col in ("index", "type", "dtype", "active", "params", "bytes"):
+    for col in ("index", "type", "dtype", "weights", "active", "params", "bytes"):
         layers.add_column(col, justify="right" if col in ("params", "bytes") else "left")
     for row in data["layers"]:
         layers.add_row(
             row["index"],
             row["type"],
             row["dtype"],
+            row["weights"],
             row["active"],
             human_count(row["params"]),
             human_bytes(row["bytes"]),

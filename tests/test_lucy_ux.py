@@ -131,8 +131,8 @@ def test_missing_model_is_one_plain_line(world):  # noqa: F811
     line = one_error_line(proc)
     hub = str(world["base"] / "hf" / "hub")
     assert line == (
-        f"lucy: error: 'no-such-org/no-such-model' is not a local path and not in the HF cache "
-        f"[{hub}]"
+        f"lucy: error: 'no-such-org/no-such-model' is not a local path and not in the HF cache; "
+        f"download it with `lucy download no-such-org/no-such-model` [{hub}]"
     )
     assert proc.returncode == 3 and "Error" not in line
 
