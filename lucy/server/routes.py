@@ -62,7 +62,7 @@ async def chat(state, request: Request):
     head = {"id": rid, "created": created, "model": state.model_id}
     text = TokenText(model.tokenizer)
     if parsed.stream:
-        gen = _chat_stream(handle, q, head, text, parsed, plan)
+        gen = _chat_stream(handle, q, head, text, parsed, plan, request)
         return relay.streaming(gen)
     return await _chat_full(handle, q, head, text, parsed, plan, request)
 
@@ -99,7 +99,7 @@ async def _chat_full(handle, q, head, text, parsed, plan, request):
     return {**head, "object": "chat.completion", "choices": out, "usage": usage_json(done.usage)}
 
 
-async def _chat_stream(handle, q, head, text, parsed, plan):
+async def _chat_stream(handle, q, head, text, parsed, plan, request):
     head = {**head, "object": "chat.completion.chunk"}
 
     def chunk(i, delta, finish=None, lp=None):
@@ -109,7 +109,7 @@ async def _chat_stream(handle, q, head, text, parsed, plan):
     for i in range(parsed.params.n):
         yield chunk(i, {"role": "assistant", "content": ""})
     texts = [[] for _ in range(parsed.params.n)]
-    async for ev in relay.events(handle, q):
+    async for ev in relay.events(handle, q, request):
         if isinstance(ev, TokenOut):
             lp = None
             if ev.logprob is not None:
@@ -149,7 +149,7 @@ async def completions(state, request: Request):
     head = {"id": f"cmpl-{handle.id}", "created": int(time.time()), "model": state.model_id}
     text = TokenText(model.tokenizer)
     if parsed.stream:
-        return relay.streaming(_completion_stream(handle, q, head, text, parsed))
+        return relay.streaming(_completion_stream(handle, q, head, text, parsed, request))
     choices, done = await _collect(handle, q, request, parsed.params.n)
     out = []
     for i, c in enumerate(choices):
@@ -162,9 +162,9 @@ async def completions(state, request: Request):
     return {**head, "object": "text_completion", "choices": out, "usage": usage_json(done.usage)}
 
 
-async def _completion_stream(handle, q, head, text, parsed):
+async def _completion_stream(handle, q, head, text, parsed, request):
     head = {**head, "object": "text_completion"}
-    async for ev in relay.events(handle, q):
+    async for ev in relay.events(handle, q, request):
         if isinstance(ev, TokenOut):
             lp = completion_logprobs([ev.logprob], text) if ev.logprob is not None else None
             choice = {"index": ev.index, "text": ev.text, "logprobs": lp,

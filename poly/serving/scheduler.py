@@ -160,7 +160,19 @@ class Scheduler:
             seqs.append(Sequence(i, prompt, sampler, budget, p, dec, mask, self.max_context))
         return seqs
 
+    def _drop_cancelled_waiting(self) -> None:
+        """Every cancelled request in the queue, not just its head: a client gone while queued
+        behind a request that cannot be admitted yet must not keep its place."""
+        if not any(h.cancelled for h, _ in self._waiting):
+            return
+        keep = deque(w for w in self._waiting if not w[0].cancelled)
+        gone = [h for h, _ in self._waiting if h.cancelled]
+        self._waiting = keep
+        for handle in gone:
+            self._finish(_Active(handle, []), cancelled=True)
+
     def _admit(self) -> None:
+        self._drop_cancelled_waiting()
         while self._waiting:
             handle, mask_factory = self._waiting[0]
             if handle.cancelled:
