@@ -102,12 +102,15 @@ def load(
     """
     if tp is not None and lockstep and tp.rank != 0:
         kw["entity_text"] = False
-    model = _load(path_or_model_id, **kw)
-    if tp is None:
-        return model
-    from poly.runtime.tp import shard
+    from poly.runtime.fused import prepare
 
-    return shard(model, tp)
+    model = _load(path_or_model_id, **kw)
+    if tp is not None:
+        from poly.runtime.tp import shard
+
+        model = shard(model, tp)
+    prepare(model)  # the one-time repacking now, not in the first turn (issue 55)
+    return model
 
 
 def _load(path_or_model_id: str | os.PathLike, **kw: Any) -> Any:

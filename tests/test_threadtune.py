@@ -269,7 +269,7 @@ def test_short_prompt_takes_fewer_threads_only_while_others_run(busy, monkeypatc
     """The fused prefill follows a tuner's "fewer threads" finding only while other processes
     hold the cores; on a quiet machine the finding is stale and all threads run."""
     from poly import TransformerConfig
-    from poly.runtime import ckernels, fused, kernels
+    from poly.runtime import ckernels, fused, kernels, prefill
     from tests.tiny_model import random_transformer
 
     cfg = TransformerConfig(hidden_size=64, intermediate_size=96, vocab_size=120, num_layers=2,
@@ -278,7 +278,7 @@ def test_short_prompt_takes_fewer_threads_only_while_others_run(busy, monkeypatc
     seen = []
     real = ckernels.decode
     monkeypatch.setattr(ckernels, "decode", lambda *a: (seen.append(a[6]), real(*a))[1])
-    monkeypatch.setattr(fused, "room_for", lambda threads: not busy)
+    monkeypatch.setattr(prefill, "room_for", lambda threads: not busy)
     monkeypatch.setattr(fused.SHARED, "full", 0)
     before = kernels.num_threads()
     kernels.set_num_threads(2)

@@ -2,7 +2,7 @@
 
 `pacing(model, tokens)` wraps a multi-token forward: before each block it sets the C and BLAS thread
 count the tuner picked (`poly.runtime.kernels.use_threads`), after it records the block's time; at the
-end the configured count is back in force.
+end the configured count is back in force. `fused_threads`: the count of a prompt's fused calls.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from poly.runtime import kernels
-from poly.runtime.threadtune import SHARED, PrefillPace, PrefillTuner
+from poly.runtime.threadtune import SHARED, PrefillPace, PrefillTuner, adaptive, room_for
 
 
 class _Pacer:
@@ -43,3 +43,23 @@ def pacing(model, tokens: int = 1) -> Iterator[_Pacer]:
         pacer.pace.end()
         if pacer.active != full:
             kernels.use_threads(full)
+
+
+def fused_threads(full: int) -> int:
+    """Threads for a prompt's fused calls (poly/runtime/fused.py): what the tuners found (no
+    trial of its own), checked against the machine's load now."""
+    nt = SHARED.advice(full)
+    if full <= 1 or not adaptive():
+        return nt
+    room = room_for(full)
+    if nt < full and room:
+        # the finding is stale: nothing else runs now (a benchmark worker whose first decode
+        # window met another process's spinning threads kept every later prompt on one thread)
+        return full
+    if nt == full and not room:
+        # other processes hold the cores: all threads would wait at every barrier (a fresh
+        # process's first SmolLM2 prompt: 0.7-2.4 s on 2 threads, 0.1 s on 1); the decode
+        # tuner then starts on fewer too
+        nt = full - 1
+        SHARED.found(full, nt)
+    return nt

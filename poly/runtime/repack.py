@@ -32,14 +32,17 @@ def _mapping(arr: np.ndarray):
         mm = getattr(b, "_mmap", None)
         nxt = "obj" if isinstance(b, memoryview) else "base"
         b = mm if isinstance(mm, mmap.mmap) else getattr(b, nxt, None)
-    if b is None or not hasattr(b, "madvise") or b.closed or not memoryview(b).readonly:
+    if b is None or not hasattr(b, "madvise") or b.closed:
         return None
-    return b
+    if hasattr(b, "release"):  # a poly.weights.FileSnapshot: hands pages back to its file
+        return b
+    return b if memoryview(b).readonly else None
 
 
 def release_mapped(arr: np.ndarray) -> None:
     """Drop the whole pages of `arr` from this process when it views a read-only file mapping
-    (an mmap.mmap or np.memmap base): they stay in the page cache and fault back in when read."""
+    (an mmap.mmap or np.memmap base), or the file's own pages back over a FileSnapshot's: they
+    stay in the page cache and fault back in when read."""
     import mmap
 
     b = _mapping(arr)
@@ -49,7 +52,10 @@ def release_mapped(arr: np.ndarray) -> None:
     page = mmap.PAGESIZE
     p0, p1 = -(-a0 // page) * page, (a0 + arr.nbytes) // page * page
     if 0 <= p0 < p1:
-        b.madvise(mmap.MADV_DONTNEED, p0, p1 - p0)
+        if hasattr(b, "release"):
+            b.release(p0, p1 - p0)
+        else:
+            b.madvise(mmap.MADV_DONTNEED, p0, p1 - p0)
 
 
 def repack16(
@@ -78,13 +84,11 @@ def repack16(
     nb, g = k // 32, m // 16
     bb, nq = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}[kind]  # block bytes, code quads
     blocks = np.asarray(raw).reshape(m, nb, bb)  # the stored bytes [m, nb, block]
-    d = blocks[..., 0:2]  # float16 bytes [m, nb, 2]
-    fields = [d]  # Q4_0: D alone (M = -8 D)
+    fields = [_field(blocks, 0)]  # D as float16 bits [m, nb]; Q4_0: D alone (M = -8 D)
     if kind == Q4_1:
-        fields.append(blocks[..., 2:4])
+        fields.append(_field(blocks, 2))
     elif kind == Q8_0:  # each row's code sum per block: the unsigned-x correction
-        sums = blocks[..., 2:].view(np.int8).sum(axis=-1, dtype=np.int16)  # no copy of the codes
-        fields.append(sums[..., None].view(np.uint8))  # [m, nb, 2]
+        fields.append(blocks[..., 2:].view(np.int8).sum(axis=-1, dtype=np.int16))  # [m, nb]
     out = np.empty((g, nb, 32 * len(fields) + 64 * nq), dtype=np.uint8)
     for j, v in enumerate(fields):
         _place_fields(out, 32 * j, v)
@@ -94,21 +98,30 @@ def repack16(
 
 
 # Element-wise copies into views of the record array `out` [g, nb, bytes] (no transposed
-# temporaries: a 49,152-row head's would double the peak memory of a repack)
+# temporaries: a 49,152-row head's would double the peak memory of a repack). The 2-byte fields
+# move as uint16 and the code quads as uint32: numpy's strided copy costs per element, so
+# moving bytes took ~10x as long (SmolLM2 Q4_1's first forward spent 0.36 s repacking).
 def _place_fields(out: np.ndarray, at: int, v: np.ndarray) -> None:
-    """A 2-byte field per row and 32-block, v [m, nb, 2], as out[..., at : at + 32]: row r's
-    at bytes 2 r, 2 r + 1 (the record's D[16], M[16] or S[16])."""
+    """A 2-byte field per row and 32-block, v [m, nb] (any 2-byte dtype), as
+    out[..., at : at + 32]: row r's at bytes 2 r, 2 r + 1 (the record's D[16], M[16] or S[16])."""
     g, nb = out.shape[:2]
-    rows = v.reshape(g, 16, nb, 2).transpose(0, 2, 1, 3)  # [g, nb, row, 2]
-    out[..., at : at + 32].reshape(g, nb, 16, 2)[...] = rows
+    rows = v.view(np.uint16).reshape(g, 16, nb).transpose(0, 2, 1)  # [g, nb, row]
+    out.view(np.uint16)[..., at // 2 : at // 2 + 16] = rows
+
+
+def _field(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The 2-byte field at byte `at` of each block, blocks [m, nb, bytes] -> uint16 [m, nb]
+    (a view of the stored bytes)."""
+    return blocks[..., at : at + 2].view(np.uint16)[..., 0]
 
 
 def _place_codes(out: np.ndarray, at: int, codes: np.ndarray) -> None:
     """Code bytes [m, nb, 4 nq] as out[..., at:], nq vectors of 64 bytes: byte 4 r + i of
-    vector q = code byte 4 q + i of row r's block."""
+    vector q = code byte 4 q + i of row r's block (a row's 4-byte quads move whole)."""
     g, nb = out.shape[:2]
-    c = codes.reshape(g, 16, nb, -1, 4)  # [g, row, nb, q, i]
-    out[..., at:].reshape(g, nb, c.shape[3], 16, 4)[...] = c.transpose(0, 2, 3, 1, 4)
+    c = codes.view(np.uint32).reshape(g, 16, nb, -1)  # [g, row, nb, q]
+    dst = out.view(np.uint32)[..., at // 4 :].reshape(g, nb, c.shape[3], 16)  # [g, nb, q, row]
+    dst[...] = c.transpose(0, 2, 3, 1)
 
 
 def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) -> np.ndarray | None:
@@ -207,7 +220,7 @@ def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
     c = np.asarray(codes).view(np.uint8).reshape(m, nb, 32)  # [m, nb, 32]
     out = np.empty((g, nb, R16_REC_I8), dtype=np.uint8)
     sums = c.view(np.int8).sum(axis=-1, dtype=np.int16)  # [m, nb]
-    _place_fields(out, 0, sums[..., None].view(np.uint8))
+    _place_fields(out, 0, sums)
     _place_codes(out, 32, c)
     release_mapped(codes)
     return out
@@ -235,7 +248,7 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
     u ^= 8
     q = u[..., :16] | (u[..., 16:] << 4)  # [m, nb, 16] as Q4_0 stores them
     out = np.empty((g, nb, R16_REC4), dtype=np.uint8)
-    _place_fields(out, 0, d16.reshape(m, nb, 1).view(np.uint8))
+    _place_fields(out, 0, d16.reshape(m, nb))
     _place_codes(out, 32, q)
     release_mapped(packed)
     return out
