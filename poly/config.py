@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from poly.errors import LayerConfigError
+from poly.errors import LayerConfigError, LimitExceededError
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,34 @@ class RopeScaling:
 
 GATINGS = ("softmax", "sigmoid")
 
+# Upper bounds of every count a model file declares (GGUF metadata, HF config.json, a `.entity`
+# header), checked when a config is built, before anything is allocated: a 465 KB header that
+# asked for 10^6 experts built 10^6 expert objects per layer and died in a MemoryError. Each
+# bound is several times the largest released model's (DeepSeek-V3: 256 experts, 61 layers;
+# Llama-3.1-405B: 16384 wide, 128 heads; Gemma 3: 262144 tokens).
+LIMITS: dict[str, int] = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 18,
+    "num_layers": 512,  # llama.cpp LLAMA_MAX_LAYERS
+    "num_heads": 1024,
+    "num_kv_heads": 1024,
+    "head_dim": 1024,
+    "max_seq_len": 1 << 24,  # the context a file may declare (KV caches are sized apart)
+    "num_experts": 512,  # llama.cpp LLAMA_MAX_EXPERTS
+    "top_k": 64,  # experts used per token
+    "expert_intermediate_size": 1 << 18,
+    "shared_intermediate_size": 1 << 18,
+}
+
+
+def check_limits(record, names=None) -> None:
+    """LimitExceededError for the first count of `record` (a config) past its `LIMITS` bound."""
+    for name in names or LIMITS:
+        value = getattr(record, name, None)
+        if type(value) is int and value > LIMITS[name]:
+            raise LimitExceededError(f"{name} {value} exceeds the limit {LIMITS[name]}")
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -49,6 +77,8 @@ class MoEConfig:
     dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        check_limits(self, ("num_experts", "top_k", "expert_intermediate_size",
+                            "shared_intermediate_size"))  # fmt: skip
         _positive("num_experts", self.num_experts)
         _positive("top_k", self.top_k)
         _positive("expert_intermediate_size", self.expert_intermediate_size)
@@ -99,6 +129,8 @@ class TransformerConfig:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        check_limits(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                            "num_heads", "num_kv_heads", "head_dim", "max_seq_len"))  # fmt: skip
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
             _positive(name, getattr(self, name))
         if self.num_kv_heads == 0:

@@ -134,6 +134,13 @@ class IntegrityError(CheckpointError):
     exit_code = 6
 
 
+class ModelFileChangedError(IntegrityError):
+    """A loaded model's file was rewritten or truncated on disk since it was loaded (``cp`` over
+    it, a truncation): the bytes still on it are not the model's; restart to load it again."""
+
+    code = "file_changed"
+
+
 class UnsupportedError(CheckpointError):
     code = "unsupported"
     exit_code = 5

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
+import weakref
 from typing import Any
 
 import numpy as np
 
-from poly.errors import LayerConfigError
+from poly.errors import LayerConfigError, ModelFileChangedError
 
 ALIGN = 64
 
@@ -40,6 +43,134 @@ def aligned_zeros(n: int, dtype=np.float32, align: int = ALIGN) -> np.ndarray:
         start = (-raw.ctypes.data) % align
         raw = raw[start : start + nbytes]
     return raw.view(dtype)
+
+
+class FileSnapshot(mmap.mmap):
+    """A model file's bytes read into this process's own memory (private anonymous pages), so a
+    change on disk (``cp other.gguf served.gguf`` truncates then rewrites the same inode) can
+    never reach the running model: a file mapping's pages past a new end of file raise SIGBUS.
+
+    Weights are numpy views on it, as on a file mapping. `release` (the repackers' "these rows
+    are copied, drop them") maps the file's pages back over a range: read again, the rows come
+    from the page cache, as before, and RSS holds one copy. ``lazy`` ranges (experts paged
+    from disk) are mapped from the file from the start; `check` (fstat) tells whether the file
+    still is the one loaded before such pages are read."""
+
+    def __new__(cls, path, lazy: tuple[tuple[int, int], ...] = ()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            self = super().__new__(cls, -1, max(st.st_size, 1), flags=_PRIVATE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self.path, self.size = fd, str(path), st.st_size
+        self.identity = (st.st_size, st.st_mtime_ns)
+        self._closer = weakref.finalize(self, os.close, fd)
+        holes = sorted(r for r in (self._page_range(o, n) for o, n in lazy) if r[1] > r[0])
+        for start, stop in holes:
+            self._map_file(start, stop)
+        self._read_between(holes)
+        return self
+
+    def _page_range(self, offset: int, length: int) -> tuple[int, int]:
+        return -(-offset // PAGE) * PAGE, min((offset + length) // PAGE * PAGE, self.size)
+
+    def _read_between(self, holes: list[tuple[int, int]]) -> None:
+        pos = 0
+        with memoryview(self) as mv:
+            for lo, hi in [*holes, (self.size, self.size)]:
+                while pos < lo:
+                    got = os.preadv(self.fd, [mv[pos : min(lo, pos + _PIECE)]], pos)
+                    if got <= 0:
+                        raise ModelFileChangedError(
+                            "the file shrank as it was read", path=self.path
+                        )
+                    pos += got
+                pos = max(pos, hi)
+
+    def _map_file(self, start: int, stop: int) -> bool:
+        """The file's pages [start, stop) over ours (MAP_FIXED): ours are freed."""
+        if _LIBC_MMAP is None or stop <= start:
+            return False
+        with memoryview(self) as mv:
+            base = np.frombuffer(mv, np.uint8).ctypes.data
+        got = _LIBC_MMAP(base + start, stop - start, mmap.PROT_READ, _FILE_FIXED, self.fd, start)
+        return got == base + start
+
+    def release(self, offset: int, length: int) -> None:
+        """Hand the whole pages of [offset, offset + length) back to the file (see the class),
+        but for pinned ones."""
+        start, stop = self._page_range(offset, length)
+        for lo, hi in sorted(getattr(self, "pinned", ())):
+            if lo < stop and hi > start:
+                self._map_file(start, lo)
+                start = max(start, hi)
+        self._map_file(start, stop)
+
+    def pin(self, offset: int, length: int) -> None:
+        """Keep [offset, offset + length) in our memory: read every step (an embedding table's
+        rows on lookup) while a repacked copy serves the rest, it must never come from the file."""
+        page = (offset // PAGE * PAGE, -(-(offset + length) // PAGE) * PAGE)
+        self.pinned = [*getattr(self, "pinned", ()), page]
+
+    def changed(self) -> bool:
+        try:
+            st = os.fstat(self.fd)
+        except OSError:
+            return True
+        return (st.st_size, st.st_mtime_ns) != self.identity
+
+    def check(self) -> None:
+        """ModelFileChangedError when the file is no longer the one loaded (size or mtime)."""
+        if self.changed():
+            raise ModelFileChangedError(
+                "the model file changed on disk since it was loaded; restart to load it again",
+                path=self.path,
+            )
+
+    def array(self) -> np.ndarray:
+        """The whole file as a read-only uint8 array (views of it keep the snapshot alive)."""
+        arr = np.frombuffer(self, np.uint8, count=self.size)
+        arr.flags.writeable = False
+        return arr
+
+
+def keep_in_memory(value: Any) -> None:
+    """Pin the arrays of `value` (an ndarray or a quantized matrix's parts) where they view a
+    `FileSnapshot`: a later release of their rows keeps them in our memory."""
+    parts = [value] if isinstance(value, np.ndarray) else []
+    parts += [getattr(value, n, None) for n in ("array", "raw", "scales", "packed")]
+    enc = getattr(value, "encoded", None)
+    parts += [getattr(enc, n, None) for n in ("codes", "scales")]
+    for a in parts:
+        if not isinstance(a, np.ndarray) or not a.nbytes:
+            continue
+        b, seen = a, 0
+        while b is not None and not isinstance(b, FileSnapshot) and seen < 64:
+            b, seen = (b.obj if isinstance(b, memoryview) else getattr(b, "base", None)), seen + 1
+        if isinstance(b, FileSnapshot):
+            with memoryview(b) as mv:
+                b.pin(a.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data, a.nbytes)
+
+
+def _libc_mmap():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.mmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int64]  # fmt: skip
+    return fn
+
+
+_LIBC_MMAP = _libc_mmap() if hasattr(mmap, "MAP_PRIVATE") else None  # None: releases keep ours
+PAGE = mmap.PAGESIZE
+_PIECE = 64 << 20
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+_FILE_FIXED = getattr(mmap, "MAP_SHARED", 1) | 0x10  # MAP_FIXED (Linux, the BSDs, macOS)
 
 
 class Generations:

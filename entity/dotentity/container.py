@@ -21,8 +21,8 @@ also importable from here, the container's API).
 
 from __future__ import annotations
 
-import mmap
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +62,10 @@ from poly.errors import (
     EntityFormatError,
     IntegrityError,
     LimitExceededError,
+    ModelFileChangedError,
     UnsupportedError,
 )
+from poly.weights import FileSnapshot
 
 __all__ = [
     "MAGIC",
@@ -77,6 +79,7 @@ __all__ = [
     "read_prefix",
 ]
 
+_EXPERT = re.compile(r"blocks\.\d+\.mlp\.experts\.\d+(\..*)?")
 MAX_HEADER_LEN = 64 << 20  # tokenizer.json of a 150k vocab is ~10 MB
 _CHUNK = 16 << 20
 
@@ -107,14 +110,17 @@ def _crc_of_range(f, start: int, length: int) -> int:
 
 
 class EntityFile:
-    """A validated, memory-mapped `.entity` v2 file.
+    """A validated `.entity` v2 file, read into memory of our own (`poly.weights.FileSnapshot`).
 
-    ``verify``: True checks every blob checksum at open (reads the file once, in chunks, without
-    mapping it into RSS); "lazy" checks a blob the first time `array` returns it; False trusts the
-    blobs (the header checksum, layout and padding are always checked).
+    ``verify``: True checks every blob checksum at open (on the bytes read); "lazy" checks a blob
+    the first time `array` returns it; False trusts the blobs (the header checksum, layout and
+    padding are always checked). ``lazy_experts``: MoE expert blobs stay mapped from the file
+    (paged in and out by `poly.runtime.expert_cache`).
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool | str = True):
+    def __init__(
+        self, path: str | os.PathLike, *, verify: bool | str = True, lazy_experts: bool = False
+    ):
         if verify not in (True, False, "lazy"):
             raise ValueError("verify must be True, False or 'lazy'")
         self.path = str(path)
@@ -129,10 +135,32 @@ class EntityFile:
             self.header, self.flags = self._read_header(f)
             self.blobs = {b.path: b for b in self.header.blobs}
             self._check_padding(f)
-            if verify is True:
-                for rec in self.header.blobs:
+            lazy = [r for r in self.header.blobs if lazy_experts and _EXPERT.match(r.path)]
+            if verify is True:  # paged experts from the file: they stay out of the RSS
+                for rec in lazy:
                     self._verify_record(f, rec)
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        self._mm = self._snapshot(lazy) if self.size else None
+        self._buf = self._mm.array() if self._mm is not None else None
+        if verify is True:
+            for rec in self.header.blobs:
+                if rec.path not in self._checked:
+                    self._check_in_memory(rec)
+
+    def _snapshot(self, lazy: list[BlobRecord]) -> FileSnapshot:
+        """The file read into memory of our own (``lazy`` records stay mapped from the file): a
+        mapping's pages vanish when the file is rewritten or truncated (SIGBUS)."""
+        try:
+            snap = FileSnapshot(self.path, lazy=tuple((r.offset, r.length) for r in lazy))
+        except OSError as exc:
+            raise fail(f"cannot read: {exc.strerror}", self.path) from exc
+        if snap.size != self.size:
+            raise ModelFileChangedError("the file changed as it was opened", path=self.path)
+        return snap
+
+    def _check_in_memory(self, rec: BlobRecord) -> None:
+        if crc32(self._buf[rec.offset : rec.offset + rec.length]) != rec.checksum:
+            raise IntegrityError(f"checksum mismatch in blob {rec.path!r}", path=self.path)
+        self._checked.add(rec.path)
 
     def _read_header(self, f) -> tuple[Header, int]:
         raw, flags, hlen = read_raw_header(f, self.size, self.path)
@@ -163,8 +191,8 @@ class EntityFile:
         self._checked.add(rec.path)
 
     @property
-    def mapping(self) -> mmap.mmap | None:
-        """The read-only mapping the blob arrays are views on (madvise target)."""
+    def mapping(self) -> FileSnapshot | None:
+        """The file's bytes the blob arrays are views on (madvise target; see `FileSnapshot`)."""
         return self._mm
 
     def __contains__(self, name: str) -> bool:
@@ -179,16 +207,11 @@ class EntityFile:
         if rec is None:
             raise fail(f"blob {name!r} missing", self.path)
         if self._verify == "lazy" and name not in self._checked:
-            mv = memoryview(self._mm)[rec.offset : rec.offset + rec.length]
-            if crc32(mv) != rec.checksum:
-                raise IntegrityError(f"checksum mismatch in blob {name!r}", path=self.path)
-            self._checked.add(name)
+            self._check_in_memory(rec)
         dt = BLOB_DTYPES[rec.dtype]
         if rec.length == 0:
             return np.zeros(rec.shape, dtype=dt)
-        count = rec.length // dt.itemsize
-        arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=rec.offset)
-        return arr.reshape(rec.shape)
+        return self._buf[rec.offset : rec.offset + rec.length].view(dt).reshape(rec.shape)
 
     def verify(self) -> None:
         """Check every blob checksum now (IntegrityError on the first mismatch)."""

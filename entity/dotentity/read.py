@@ -15,7 +15,7 @@ from entity.dotentity.container import EntityFile
 from entity.dotentity.header import read_prefix
 from entity.dotentity.moe import attach_pager, install_moe, is_sparse
 from entity.dotentity.native_blocks import native_kind
-from poly.config import TransformerConfig
+from poly.config import LIMITS, TransformerConfig
 from poly.errors import EntityFormatError, LayerConfigError, LimitExceededError, PolyError
 
 __all__ = ["load_entity"]
@@ -25,7 +25,7 @@ __all__ = ["load_entity"]
 # defaults to at most DEFAULT_CONTEXT unless the caller asks for more. 2^22 cost 3.26 GB for
 # 3 tokens; 2^40 ended in a raw MemoryError.
 DEFAULT_CONTEXT = 4096
-MAX_CONTEXT = 1 << 24  # the HF max_position_embeddings cap
+MAX_CONTEXT = LIMITS["max_seq_len"]  # the table of every format (poly.config.LIMITS)
 
 
 def _config(ef: EntityFile, max_seq_len: int | None) -> TransformerConfig:
@@ -40,6 +40,9 @@ def _config(ef: EntityFile, max_seq_len: int | None) -> TransformerConfig:
         cfg = TransformerConfig.from_dict(spec)
         want = min(cfg.max_seq_len, DEFAULT_CONTEXT) if max_seq_len is None else int(max_seq_len)
         return dataclasses.replace(cfg, max_seq_len=want)
+    except LimitExceededError as exc:  # a count past poly.config.LIMITS: nothing was built
+        exc.path = ef.path
+        raise
     except (PolyError, TypeError, ValueError) as exc:
         raise EntityFormatError(f"bad transformer spec: {exc}", path=ef.path) from exc
 
@@ -113,9 +116,10 @@ def load_entity(
 ):
     """Load a `.entity` (v2, or Loom's v1) as a `poly.Transformer`.
 
-    v2 weights are zero-copy views on one read-only mmap: f32 masters, or f16/bf16/int8/Q4 stored
-    versions (no float32 copy of quantized matrices). ``verify``: see `EntityFile`.
-    ``max_resident_experts``: MoE experts stay on the mapping, at most that many resident (LRU,
+    v2 weights are zero-copy views on the file's bytes read into memory of our own (a change of the
+    file on disk cannot crash the model): f32 masters, or f16/bf16/int8/Q4 stored versions (no
+    float32 copy of quantized matrices). ``verify``: see `EntityFile`.
+    ``max_resident_experts``: MoE experts stay mapped from the file, at most that many resident (LRU,
     see `poly.runtime.expert_cache`); stats in ``tf.expert_pager.report()``. ``text=False``
     leaves out the tokenizer and chat template (a tensor-parallel follower rank never tokenizes).
     """
@@ -126,7 +130,7 @@ def load_entity(
             return load_entity_v1(path, max_seq_len=max_seq_len)
     from poly.model.transformer import Transformer
 
-    ef = EntityFile(path, verify=verify)
+    ef = EntityFile(path, verify=verify, lazy_experts=max_resident_experts is not None)
     cfg = _config(ef, max_seq_len)
     quant = ef.meta("quant")
     matrix_enc, embed_enc = quant.get("matrix"), quant.get("embeddings")

@@ -27,6 +27,7 @@ from entity.gguf.moe import required as moe_required
 from entity.gguf.moe import tensor_shape as moe_tensor_shape
 from entity.gguf.reader import GGUFFile
 from entity.gguf.tokenizer import load_gguf_tokenizer
+from poly.config import LIMITS
 from poly.errors import (
     GGUFFormatError,
     LayerConfigError,
@@ -36,7 +37,7 @@ from poly.errors import (
 )
 from poly.text.gendefaults import GenerationDefaults
 
-MAX_LAYERS = 512  # llama.cpp LLAMA_MAX_LAYERS
+MAX_LAYERS = LIMITS["num_layers"]  # the table of every format (llama.cpp LLAMA_MAX_LAYERS)
 DEFAULT_MAX_SEQ = 2048  # KV caches are preallocated; ask for more with max_seq_len=
 QUANT_VERSION = "gguf"
 

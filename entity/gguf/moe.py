@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from poly.config import MoEConfig
+from poly.config import LIMITS, MoEConfig
 from poly.errors import GGUFFormatError, LayerConfigError, UnsupportedError
 
-MAX_EXPERTS = 512  # llama.cpp LLAMA_MAX_EXPERTS
+MAX_EXPERTS = LIMITS["num_experts"]  # the table of every format (llama.cpp LLAMA_MAX_EXPERTS)
 NORM_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 GATING = {0: "softmax", 1: "softmax", 2: "sigmoid"}  # 0 = key absent (llama.cpp's default)
 LEGACY = re.compile(r"ffn_(gate|up|down)\.(\d{1,4})\.weight")

@@ -3,7 +3,8 @@
 Every count, length, type tag, shape, offset and alignment is checked against the bytes that remain
 in the file BEFORE anything is allocated or looped over (reliability.md A2). Any violation raises
 ``GGUFFormatError`` carrying the byte offset; no ``struct.error``/``UnicodeDecodeError``/
-``MemoryError`` escapes. Tensor data stays in a read-only ``np.memmap``.
+``MemoryError`` escapes. Tensor data are read-only views on the file's bytes read into memory of
+our own (`poly.weights.FileSnapshot`: the file may change on disk while the model runs).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from poly.errors import GGUFFormatError, LimitExceededError, ModelNotFoundError, UnsupportedError
+from poly.weights import FileSnapshot
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -281,11 +283,14 @@ class GGUFFile:
             raise GGUFFormatError(
                 f"file too small for a GGUF header ({size} bytes)", path=self.path, offset=0
             )
-        try:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        try:  # our own copy: a file rewritten under a mapping kills the process (SIGBUS)
+            self.snapshot = FileSnapshot(self.path)
         except (OSError, ValueError) as exc:
-            raise GGUFFormatError(f"cannot map file: {exc}", path=self.path, offset=0) from None
-        self.file_size = size
+            raise GGUFFormatError(f"cannot read file: {exc}", path=self.path, offset=0) from None
+        self._mm = self.snapshot.array()
+        self.file_size = size = self.snapshot.size
+        if size < HEADER_BYTES:
+            raise GGUFFormatError("the file shrank as it was read", path=self.path, offset=0)
         self._parse(_Cursor(self._mm, self.path))
 
     def _parse(self, cur: _Cursor) -> None:
@@ -344,13 +349,13 @@ class GGUFFile:
             raise GGUFFormatError(f"no tensor named {name!r}", path=self.path) from None
 
     def tensor_bytes(self, name: str) -> np.ndarray:
-        """Raw bytes of a tensor: a read-only uint8 memmap view, shape ``(*rows, row_bytes)``."""
+        """Raw bytes of a tensor: a read-only uint8 view, shape ``(*rows, row_bytes)``."""
         t = self.info(name)
         flat = self._mm[t.offset : t.offset + t.nbytes]
         return flat.reshape(*t.shape[:-1], t.row_bytes)  # [*rows, row_bytes]
 
     def tensor_array(self, name: str) -> np.ndarray:
-        """Typed memmap view for plain types (F32/F16/F64/I*); raw bytes for quantized ones."""
+        """Typed read-only view for plain types (F32/F16/F64/I*); raw bytes for quantized ones."""
         t = self.info(name)
         dtype = PLAIN_DTYPES.get(t.ggml_type)
         if dtype is None:

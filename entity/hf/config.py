@@ -26,6 +26,7 @@ from entity.hf.generation import (
 )
 from entity.hf.moe import moe_config
 from entity.strict_json import read_json
+from poly.config import LIMITS as POLY_LIMITS
 from poly.errors import ConfigError, LimitExceededError, UnsupportedError
 
 CONFIG_FILE = "config.json"
@@ -36,17 +37,13 @@ DEFAULT_CONTEXT = 4096  # KV cache size when the caller gives no max_seq_len
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers maps both to SiLU
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-# Sane upper bounds, checked before anything is sized from these numbers (reliability B3 #42).
-LIMITS: dict[str, int] = {
-    "vocab_size": 1 << 22,
-    "hidden_size": 1 << 16,
-    "intermediate_size": 1 << 18,
-    "num_hidden_layers": 512,
-    "num_attention_heads": 1024,
-    "num_key_value_heads": 1024,
-    "head_dim": 1024,
-    "max_position_embeddings": 1 << 24,
-}
+# Upper bounds, checked before anything is sized from these numbers (reliability B3 #42): the
+# one table of every format, poly.config.LIMITS, under config.json's key names.
+HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+           "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
+           "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+           "head_dim": "head_dim", "max_position_embeddings": "max_seq_len"}  # fmt: skip
+LIMITS: dict[str, int] = {key: POLY_LIMITS[name] for key, name in HF_KEYS.items()}
 TokenIds = int | list[int] | None
 
 

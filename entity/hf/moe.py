@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from poly.config import MoEConfig
-from poly.errors import ConfigError, LayerConfigError
+from poly.config import LIMITS, MoEConfig
+from poly.errors import ConfigError, LayerConfigError, LimitExceededError
 
 # model_type -> (module prefix, {poly SwiGLU view: HF projection name})
 _NAMES: dict[str, tuple[str, dict[str, str]]] = {
@@ -45,6 +45,13 @@ def moe_config(raw: Any, num_layers: int, source: str | None) -> MoEConfig | Non
     if type(shared) is not int or type(norm) is not bool or not isinstance(only, list):
         raise ConfigError("shared_expert_intermediate_size / norm_topk_prob / mlp_only_layers: "
                           "bad type", path=source)  # fmt: skip
+    for key, value, name in (("num_experts", n, "num_experts"), ("num_experts_per_tok", k, "top_k"),
+                             ("moe_intermediate_size", width, "expert_intermediate_size"),
+                             ("shared_expert_intermediate_size", shared, "shared_intermediate_size")):  # fmt: skip
+        if value > LIMITS[name]:  # before any per-expert table is built (poly.config.LIMITS)
+            raise LimitExceededError(
+                f"{key}: {value} exceeds the limit {LIMITS[name]}", path=source
+            )
     dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
     try:
         return MoEConfig(n, k, width, "softmax", norm, shared, dense)

@@ -1,6 +1,6 @@
 """A validating safetensors reader of our own (header rules S1-S12 of reliability.md A1).
 
-Tensors come back as read-only numpy memmap views in their stored dtype (BF16 as
+Tensors come back as read-only numpy views in their stored dtype (BF16 as
 ``ml_dtypes.bfloat16``); :meth:`SafetensorsFile.tensor_f32` widens one on request.
 Dtypes: every name the reference accepts is validated structurally (sizes, offsets);
 F64/F32/F16/BF16, F8_E4M3/F8_E5M2 and the integer/bool kinds can be read; the sub-byte and
@@ -12,8 +12,8 @@ shard. Pickle checkpoints are never opened (``UnsafeFormatError``).
 
 Every violation raises ``SafetensorsFormatError`` (or ``LimitExceededError`` /
 ``IntegrityError``) whose ``reason`` attribute is a short stable word ("hole", "overlap" ...).
-The file may change under a live memmap (another process rewriting it); that cannot be
-prevented here, and our own writers never truncate in place.
+Tensors are views on the file's bytes read into memory of our own (`poly.weights.FileSnapshot`),
+so another process rewriting the file cannot crash a running model.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from poly.errors import (
     CheckpointError,
     IntegrityError,
     LimitExceededError,
+    ModelFileChangedError,
     PolyError,
     SafetensorsFormatError,
     UnsafeFormatError,
     UnsupportedError,
 )
+from poly.weights import FileSnapshot
 
 MAX_HEADER_BYTES = 100_000_000  # the reference cap (S2)
 # JSON values of a header ('[', '{', ',' counted on the bytes): ~9 per tensor entry, so ~450k
@@ -187,7 +189,7 @@ def _check_coverage(infos: list[TensorInfo], path: Any) -> None:
 
 
 class SafetensorsFile:
-    """One validated ``.safetensors`` file; tensors are memmap views (read-only)."""
+    """One validated ``.safetensors`` file; tensors are read-only views."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -212,14 +214,23 @@ class SafetensorsFile:
         if self.data_start + data_len < size:
             raise _fail("trailing_bytes", f"{size - self.data_start - data_len} bytes after the last tensor",
                         path=self.path)  # fmt: skip
-        self._map: np.memmap | None = None
+        self._map: np.ndarray | None = None
+        self._size = size
 
     def names(self) -> list[str]:
         return list(self.infos)
 
     def _mapped(self) -> np.ndarray:
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        if self._map is None:  # our own copy: a file rewritten under a mapping raises SIGBUS
+            try:
+                snap = FileSnapshot(self.path)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read {self.path}: {exc.strerror}",
+                                      path=str(self.path)) from None  # fmt: skip
+            if snap.size != self._size:
+                raise ModelFileChangedError("the file changed since its header was read",
+                                            path=str(self.path))  # fmt: skip
+            self._map = snap.array()
         return self._map
 
     def tensor(self, name: str) -> np.ndarray:

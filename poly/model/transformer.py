@@ -16,7 +16,7 @@ from poly.network import VolumetricNetwork
 from poly.nn import rmsnorm
 from poly.nn.embedding import lookup
 from poly.ops import linear, rms_norm
-from poly.weights import Generations
+from poly.weights import Generations, keep_in_memory
 
 T = TypeVar("T")
 ACTIVATION_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -120,6 +120,7 @@ class Transformer(Generic[T]):
     @embeddings.setter
     def embeddings(self, value: Any) -> None:
         self._check_table("embeddings", value)
+        keep_in_memory(value)  # looked up every step: never released to the file (a tied head)
         if self._lm_head is self._embeddings and self.config.tie_word_embeddings:
             self._lm_head = value
         self._embeddings = value

@@ -8,7 +8,9 @@ hit; otherwise a miss, which asks the kernel to read the expert's range ahead
 (``MADV_WILLNEED``), counts its bytes as read and makes it the most recent. When more than
 ``max_resident`` experts (over all layers) are resident, the least recently used one is evicted:
 ``MADV_DONTNEED`` on its range drops its pages from the process (RSS), and the next use reads
-them again from the page cache or disk. Results never depend on the budget.
+them again from the page cache or disk. Results never depend on the budget. Every use first
+checks that the file is still the one loaded (`poly.weights.FileSnapshot.check`): a rewritten
+or truncated file fails the request with ModelFileChangedError, not the process with SIGBUS.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ExpertPager:
         self.sizes: dict[tuple[int, int], int] = {}
         self.resident: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.stats = ExpertStats()
+        self.check = getattr(mm, "check", None)  # a poly.weights.FileSnapshot's change test
 
     def add(self, layer: int, expert: int, ranges: list[Range]) -> None:
         self.ranges[(layer, expert)] = ranges
@@ -52,6 +55,8 @@ class ExpertPager:
         return ExpertHandle(self, layer)
 
     def use(self, key: tuple[int, int]) -> None:
+        if self.check is not None:  # the experts' pages are the file's: gone if it was rewritten
+            self.check()
         if key in self.resident:
             self.stats.hits += 1
             self.resident.move_to_end(key)

@@ -222,6 +222,9 @@ def drop_pages(maps: list[mmap.mmap]) -> None:
     matrix's kept columns cross every page of it) does not keep them in its RSS."""
     for mm in maps:
         try:
+            if hasattr(mm, "release"):  # a poly.weights.FileSnapshot: the file's pages back
+                mm.release(0, len(mm))
+                continue
             if not memoryview(mm).readonly:
                 continue  # anonymous or writable memory: DONTNEED would zero it
             mm.madvise(mmap.MADV_DONTNEED)
