@@ -20,8 +20,9 @@ from poly.errors import PolyError, TensorParallelError, UsageError
 LAUNCH = "mpiexec -n {n} python -m mpi4py -m lucy ... --tp {n}"
 
 
-def world_of(n: int):
-    """The MPI world as a communicator, checked against --tp (one-line UsageError)."""
+def world_of(n: int, spec: str | None = None):
+    """The MPI world as a communicator, checked against --tp and across the ranks (--tp, model
+    `spec`): a one-line UsageError, the same on every rank."""
     if n < 1:
         raise UsageError(f"--tp must be >= 1, got {n}")
     try:
@@ -35,14 +36,37 @@ def world_of(n: int):
     from poly.runtime.comm import world
 
     comm = world()
-    if comm.size != n:
+    problem = _disagreement(comm, n, spec)
+    if problem is None and comm.size != n:
+        problem = (f"--tp {n} does not match the MPI world of {comm.size} process(es); "
+                   f"launch: {LAUNCH.format(n=n)}")  # fmt: skip
+    if problem is not None:
         if comm.rank:  # every rank fails alike: rank 0's line is the one shown, and its
             comm.barrier()  # exit (MPI_Abort) ends the others waiting here
-        raise UsageError(
-            f"--tp {n} does not match the MPI world of {comm.size} process(es); "
-            f"launch: {LAUNCH.format(n=n)}"
-        )
+        raise UsageError(problem)
     return comm
+
+
+def _disagreement(comm, n: int, spec: str | None) -> str | None:
+    """One collective every rank makes before any work: each one's --tp and model, so ranks
+    started with different ones all fail with one line (before, rank 0 went on loading while
+    the others waited in a barrier: the job spun forever)."""
+    import zlib
+
+    import numpy as np
+
+    if comm.size == 1:
+        return None
+    mine = np.zeros((comm.size, 2), dtype=np.float64)  # [rank, (--tp, crc32 of the model)]
+    mine[comm.rank] = n, zlib.crc32((spec or "").encode())
+    comm.allreduce(mine)  # each row is one rank's: the sum is everyone's
+    tps, models = mine[:, 0].astype(int).tolist(), set(mine[:, 1].tolist())
+    if len(set(tps)) > 1:
+        each = ", ".join(f"rank {r} --tp {t}" for r, t in enumerate(tps))
+        return f"the ranks disagree on --tp ({each}); launch: {LAUNCH.format(n=comm.size)}"
+    if len(models) > 1:
+        return "the ranks were given different models; launch every rank with the same one"
+    return None
 
 
 def set_rank_threads(comm) -> int:
@@ -71,7 +95,7 @@ def run(tp: int, spec: str, body: Callable[[Any, dict], int], kv_cache: str | No
     import entity
     from poly.runtime import lockstep
 
-    comm = world_of(tp)
+    comm = world_of(tp, spec)
     try:
         threads = set_rank_threads(comm)
         t0 = time.perf_counter()

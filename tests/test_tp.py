@@ -225,6 +225,22 @@ def test_cli_tp_must_match_world(tiny_specs):
     ]
 
 
+def test_cli_ranks_disagreeing_on_tp_fail_at_once(tiny_specs):
+    """Issue 56 item 5: rank 0 with --tp 2 and rank 1 with --tp 1 under one mpiexec spun at
+    100 % CPU until killed; now the first collective compares them and the job ends, one line."""
+    rank = [sys.executable, "-m", "mpi4py", WORKER, "lucy", "-", "-1", "generate", tiny_specs[0],
+            "--prompt", "x", "--tp"]  # fmt: skip
+    cmd = [_mpiexec(), "-n", "1", *rank, "2", ":", "-n", "1", *rank, "1"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(60), capture_output=True, text=True, timeout=90)
+    assert time.monotonic() - t0 < 45 and proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lucy:")]
+    assert lines == [
+        "lucy: error: the ranks disagree on --tp (rank 0 --tp 2, rank 1 --tp 1); launch: "
+        "mpiexec -n 2 python -m mpi4py -m lucy ... --tp 2"
+    ]
+
+
 def test_cli_exception_on_one_rank_ends_the_job(tiny_specs):
     args = ["generate", tiny_specs[0], "--prompt", "The quick brown fox", "--greedy"]
     t0 = time.monotonic()
