@@ -2,22 +2,21 @@
 
 - ``response_format`` ``json_object`` / ``json_schema``: the output is constrained to JSON (of the
   schema) by llguidance (poly.serving.grammar).
-- ``tools`` with ``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name"}}``:
-  the output is constrained to ``{"name": <tool>, "arguments": <its parameters schema>}`` and
-  returned as ``message.tool_calls`` with finish_reason ``"tool_calls"``.
-- ``tool_choice`` ``"auto"`` (the default with tools): unconstrained; a reply that parses as such
-  an object (bare or inside ``<tool_call>`` tags) becomes a tool call. ``"none"``: plain text.
-The tools reach the prompt through the chat template's ``tools`` variable; a template without
-one gets them described in a system message.
+- ``tools``: a call's arguments are held to the tool's parameters schema, an object without
+  ``additionalProperties`` taken as closed. ``tool_choice`` ``"required"`` or a named function:
+  the turn must be a call. ``"auto"`` (the default with tools): the turn may be a reply or a call,
+  the model choosing. ``"none"``: plain text. The call syntax follows the chat template
+  (lucy.server.toolcalls). A finished call comes back as ``message.tool_calls`` with
+  finish_reason ``"tool_calls"``; a turn cut by ``max_tokens`` is never a call (``"length"``).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import uuid
 from dataclasses import dataclass
 
+from lucy.server import toolcalls
 from lucy.server.errors import bad_request
 from poly.errors import PolyError
 
@@ -27,34 +26,25 @@ _LOCK = threading.Lock()
 @dataclass
 class Plan:
     mask_factory: object = None
-    tools: list | None = None
+    tools: list | None = None  # for the chat template (and its system message)
     names: tuple[str, ...] = ()
     tool_mode: str = "none"  # none | auto | forced
+    syntax: str = "json"  # how calls are written: json | tagged (lucy.server.toolcalls)
     buffered: bool = False  # tool calls: the text is parsed at the end, not streamed
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
-        if self.tool_mode != "none":
-            call = parse_tool_call(text, self.names)
-            if call is not None:
-                calls = [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call}
-                ]
-                return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": text}, finish
-
-
-def parse_tool_call(text: str, names) -> dict | None:
-    body = text.strip()
-    if body.startswith("<tool_call>"):
-        body = body.removeprefix("<tool_call>").split("</tool_call>")[0].strip()
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+        if self.tool_mode == "none":
+            return {"role": "assistant", "content": text}, finish
+        if finish == "length":  # a cut call is no call
+            return {"role": "assistant", "content": toolcalls.cut_text(text, self.syntax)}, finish
+        content, calls = toolcalls.parse(text, self.syntax, self.names)
+        if not calls:
+            return {"role": "assistant", "content": content}, finish
+        calls = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": c}
+            for c in calls
+        ]
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 def grammars(state):
@@ -86,15 +76,6 @@ def _tools(body: dict) -> tuple[list, dict]:
     return tools, specs
 
 
-def _call_schema(specs: dict) -> dict:
-    options = [
-        {"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-         "required": ["name", "arguments"], "additionalProperties": False}
-        for n, p in specs.items()
-    ]  # fmt: skip
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
 def _response_schema(body: dict) -> dict | None:
     rf = body.get("response_format")
     if rf is None:
@@ -121,37 +102,54 @@ def plan(state, body: dict) -> Plan:
     tools, specs = _tools(body)
     choice = body.get("tool_choice", "auto" if tools else "none")
     schema = _response_schema(body)
-    out = Plan(tools=tools or None, names=tuple(specs))
-    if tools and choice != "none":
-        if choice == "auto":
-            out.tool_mode = "auto"
-        elif choice == "required":
-            out.tool_mode, schema = "forced", _call_schema(specs)
-        elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-            name = choice["function"].get("name")
-            if name not in specs:
-                raise bad_request(f"tool_choice names an unknown function {name!r}", "tool_choice")
-            out.tool_mode, schema = "forced", _call_schema({name: specs[name]})
-        else:
-            raise bad_request(
-                "tool_choice must be none, auto, required or a function", "tool_choice"
-            )
-        out.buffered = True  # the text may turn out to be a call: parsed at the end
-    elif choice not in ("none", "auto") and not tools:
+    native = toolcalls.shows_tools(getattr(state.model, "chat_template", None))
+    out = Plan(tools=tools or None, names=tuple(specs), syntax="tagged" if native else "json")
+    if choice not in ("none", "auto") and not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
-    if schema is not None:
-        try:
-            out.mask_factory = grammars(state).json_schema(schema)
-        except PolyError as err:
-            raise bad_request(
-                str(err), "response_format" if out.tool_mode != "forced" else "tools"
-            ) from None
+    if not tools or choice == "none":
+        if not native:  # no system message asking for calls the grammar would not take
+            out.tools = None
+        if schema is not None:
+            out.mask_factory = _compile(grammars(state).json_schema, schema, "response_format")
+        return out
+    if choice == "auto":
+        out.tool_mode = "auto"
+    elif choice == "required":
+        out.tool_mode = "forced"
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in specs:
+            raise bad_request(f"tool_choice names an unknown function {name!r}", "tool_choice")
+        out.tool_mode, specs = "forced", {name: specs[name]}
+    else:
+        raise bad_request("tool_choice must be none, auto, required or a function", "tool_choice")
+    out.mask_factory = _tool_mask(state, out, specs, body.get("parallel_tool_calls"), schema)
+    out.buffered = True  # the text may turn out to be a call: parsed at the end
     return out
 
 
-def tools_system_text(tools: list) -> str:
-    listing = json.dumps([t["function"] for t in tools], ensure_ascii=False)
-    return (
-        "You can call these functions. To call one, reply with only a JSON object "
-        '{"name": <function name>, "arguments": <arguments object>}.\n' + listing
+def _tool_mask(state, out: Plan, specs: dict, parallel, schema: dict | None):
+    """The grammar of a turn that may (auto) or must (forced) be a call; ``schema``: the reply's
+    (response_format), else free text."""
+    call, parallel = toolcalls.call_schema(specs), parallel is not False
+    forced = out.tool_mode == "forced"
+    if out.syntax == "tagged":
+        text = False if forced else (schema if schema is not None else True)
+        body = toolcalls.tagged_body(call, parallel)
+        return _compile(grammars(state).tool_calls, body, "tools", text)
+    answer = None if forced else (schema if schema is not None else {"type": "string"})
+    return _compile(
+        grammars(state).json_schema, toolcalls.json_turn(call, parallel, answer), "tools"
     )
+
+
+def _compile(build, schema, param: str, *args):
+    try:
+        return build(schema, *args)
+    except PolyError as err:
+        raise bad_request(str(err), param) from None
+
+
+def tools_system_text(tools: list) -> str:
+    """The system message that lists the tools for a chat template that cannot show them."""
+    return toolcalls.system_text(tools)

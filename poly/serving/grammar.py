@@ -4,7 +4,8 @@
 to the logits width. ``compile_json_schema(schema)`` returns a factory that the scheduler calls
 once per choice (``Scheduler.submit(..., mask_factory=...)``); each ``TokenMask`` sets disallowed
 logits to -inf before sampling, consumes the sampled token, and reports ``finished`` once the
-grammar accepts nothing but the end. Needs the optional ``llguidance`` package.
+grammar accepts nothing but the end. ``tool_calls(body, free_text)`` is the grammar of a tool-call
+turn (``tool_call_lark``). Needs the optional ``llguidance`` package.
 """
 
 from __future__ import annotations
@@ -84,8 +85,48 @@ class Grammars:
             raise SamplingParamsError(f"invalid JSON schema: {err}") from None
         return self._factory(grammar)
 
+    def tool_calls(self, body: dict, text: bool | dict = False) -> object:
+        """A mask factory for a tool call, ``<tool_call>BODY</tool_call>`` or a bare BODY (a JSON
+        schema), or instead plain text (``text=True``) or JSON of the schema ``text``."""
+        if not isinstance(body, dict) or not isinstance(text, (bool, dict)):
+            raise SamplingParamsError("a tool call schema must be an object")
+        return self._factory(tool_call_lark(body, text))
+
     def lark(self, text: str) -> object:
         return self._factory(self._ll.LLMatcher.grammar_from_lark(text))
 
     def regex(self, pattern: str) -> object:
         return self._factory(self._ll.LLMatcher.grammar_from_regex(pattern))
+
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_call_lark(body: dict, text: bool | dict = False) -> str:
+    """A Lark grammar (llguidance dialect) for one tool-call turn.
+
+    The call is ``<tool_call>`` BODY ``</tool_call>`` (SmolLM2's and Hermes' syntax) or a bare
+    BODY. With ``text=True`` the turn may instead be any text (not starting with ``{``: that is a
+    bare call), and text may lead into a tagged call: the trigger is a lazy lexeme, so once
+    ``<tool_call>`` appears the body is held to the schema (llguidance's tool-calling recipe).
+    With a schema as ``text`` the turn is JSON of it or a tagged call.
+    """
+    opened, closed = json.dumps(TOOL_OPEN), json.dumps(TOOL_CLOSE)
+    if text is True:
+        head = (
+            f"start: text | lead tagged | bare\ntext: TEXT\nlead[lazy]: TEXT {opened}\n"
+            "TEXT: /(?s:.*)/ & ~/\\{(?s:.*)/\nbare: body\n"
+        )
+    elif isinstance(text, dict):
+        head = f"start: answer | {opened} tagged\nanswer: %json {_json(text)}\n"
+    else:
+        head = f"start: {opened} tagged | bare\nbare: body\n"
+    # at most two blanks around the body: room for the model's own layout, none for stalling
+    return (
+        "%llguidance {}\n" + head + f"tagged: WS body WS {closed}\n"
+        "WS: /[ \\n]{0,2}/\nbody: %json " + _json(body) + "\n"
+    )
+
+
+def _json(schema: dict) -> str:
+    return json.dumps({"x-guidance": COMPACT, **schema}, ensure_ascii=False)
