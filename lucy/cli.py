@@ -15,6 +15,7 @@ import traceback
 
 from lucy.catalogue import QUANTS
 from lucy.terminal import one_line
+from poly import __version__
 from poly.errors import PolyError, UsageError
 
 PROG = "lucy"
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling(p)
     _add_tp(p)
+    parser.add_argument("--version", action="version", version=f"lucy {__version__} (polyloom)")
     _add_max_experts(p)
     _add_kv_cache(p)
 

@@ -32,7 +32,7 @@ def world_of(n: int, spec: str | None = None):
             from poly.runtime.comm import SingleProcess
 
             return SingleProcess()
-        raise UsageError("--tp needs mpi4py and an MPI: pip install 'poly[mpi]'") from None
+        raise UsageError("--tp needs mpi4py and an MPI: pip install 'polyloom[mpi]'") from None
     from poly.runtime.comm import world
 
     comm = world()

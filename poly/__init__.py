@@ -2,6 +2,9 @@
 
 import os as _os
 
+# the one place the version is written: pyproject.toml reads it (distribution polyloom)
+__version__ = "0.3.0"
+
 # OpenBLAS worker threads busy-wait 2**28 cycles (~0.1 s) after each call: the decode steps
 # right after a BLAS prefill (on poly.runtime.native.ckernels' OpenMP threads) ran 2x slower while they
 # spun. 2**24 cycles (a few ms) outlasts the gaps between a prefill's GEMMs, so prefill speed

@@ -158,7 +158,7 @@ def test_bench_compare_without_peers_is_one_line(monkeypatch, capsys):
     assert cli.run(["bench", "--compare"]) == usage_code()
     err = capsys.readouterr().err
     assert err == (
-        "lucy: error: lucy bench --compare needs llama-cpp-python: pip install 'poly[bench,test]'\n"
+        "lucy: error: lucy bench --compare needs llama-cpp-python: pip install 'polyloom[bench,test]'\n"
     )
 
 

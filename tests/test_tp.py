@@ -33,7 +33,7 @@ def _mpiexec() -> str:
     local = Path(sys.executable).parent / "mpiexec"
     found = str(local) if local.is_file() else shutil.which("mpiexec")
     if not found:
-        pytest.skip("no mpiexec (pip install 'poly[mpi]')")
+        pytest.skip("no mpiexec (pip install 'polyloom[mpi]')")
     return found
 
 

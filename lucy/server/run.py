@@ -71,7 +71,7 @@ def serve(args, load_model) -> int:
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise UsageError(
-            f"lucy serve needs the serve extra: pip install 'poly[serve]' ({err.name} missing)"
+            f"lucy serve needs the serve extra: pip install 'polyloom[serve]' ({err.name} missing)"
         ) from None
     if args.max_batch < 1:
         raise UsageError("--max-batch must be >= 1")

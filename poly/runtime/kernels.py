@@ -249,7 +249,7 @@ def _resolve(name: str) -> str:
     if name == "auto":
         return "c" if HAVE_C else ("numba" if HAVE_NUMBA else "numpy")
     if name == "numba" and not HAVE_NUMBA:
-        raise UsageError("backend 'numba' needs the numba package (pip install poly[fast])")
+        raise UsageError("backend 'numba' needs the numba package (pip install 'polyloom[fast]')")
     if name == "c" and not HAVE_C:
         raise UsageError(
             "backend 'c' needs the compiled extension poly.runtime.native.ckernels (reinstall with gcc)"
