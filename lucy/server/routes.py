@@ -20,9 +20,15 @@ from lucy.server.format import (
 from lucy.server.protocol import chat_messages, parse_chat, parse_completion, prompt_ids
 from poly.errors import PolyError
 from poly.serving import RequestDone, RequestFailed, TokenOut
+from poly.text.prompt_budget import encode_within
 
 
-def _render_chat(model, messages, tools) -> list[int]:
+def _prompt_budget(state, parsed) -> int:
+    """Prompt tokens that fit beside max_tokens (the scheduler's own check, made first)."""
+    return state.scheduler.max_context - (parsed.params.max_tokens or 1)
+
+
+def _render_chat(model, messages, tools, budget: int) -> list[int]:
     tmpl = model.chat_template
     if tmpl is None:
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
@@ -37,7 +43,16 @@ def _render_chat(model, messages, tools) -> list[int]:
         else:
             messages = [{"role": "system", "content": note}, *messages]
     text = model.chat_template.render(messages, add_generation_prompt=True, **extra)
-    return list(model.tokenizer.encode(text, add_special_tokens=False))
+    return encode_within(model.tokenizer, text, budget)
+
+
+def _completion_ids(model, prompt, budget: int) -> list[int]:
+    """`prompt_ids`, a text prompt tokenized within the budget."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return encode_within(model.tokenizer, prompt, budget)
+    return prompt_ids(model, prompt)
 
 
 async def _prepare(state, request: Request, parse):
@@ -54,7 +69,8 @@ async def chat(state, request: Request):
     messages = chat_messages(body["messages"])
     plan = await run_in_threadpool(structured.plan, state, body)
     try:
-        ids = await run_in_threadpool(_render_chat, model, messages, plan.tools)
+        budget = _prompt_budget(state, parsed)
+        ids = await run_in_threadpool(_render_chat, model, messages, plan.tools, budget)
     except PolyError as err:
         raise from_poly(err) from None
     handle, q = state.submit(ids, parsed.params, plan.mask_factory)
@@ -142,7 +158,8 @@ async def completions(state, request: Request):
     parsed = await _prepare(state, request, parse_completion)
     model = state.model
     try:
-        ids = await run_in_threadpool(prompt_ids, model, parsed.body["prompt"])
+        budget = _prompt_budget(state, parsed)
+        ids = await run_in_threadpool(_completion_ids, model, parsed.body["prompt"], budget)
     except PolyError as err:
         raise from_poly(err) from None
     handle, q = state.submit(ids, parsed.params)
