@@ -160,3 +160,91 @@ def test_reply_cut_by_max_tokens_is_its_text(served):
     cut = _chat(served, "Say hello", tools=[WEATHER], max_tokens=6).choices[0]
     assert cut.finish_reason == "length"
     assert cut.message.content and whole.startswith(cut.message.content), (cut, whole)
+
+
+# A template that shows tools (Hermes/Qwen style): calls are <tool_call>...</tool_call>.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: <tools>{% for t in tools %}{{ t | tojson }}"
+    '{% endfor %}</tools>\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
+
+# a random tiny model needs a bound on the string to ever finish the call
+SHORT = {
+    **PARAMS,
+    "properties": {**PARAMS["properties"], "city": {"type": "string", "maxLength": 8}},
+}
+SHORT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SHORT}}
+
+
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory):
+    from tests.hf_fixtures import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tt") / "tiny-tools", "qwen2", seed=4,
+                                config_overrides={"max_position_embeddings": 2048})  # fmt: skip
+    (ckpt / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TOOLS_TEMPLATE
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with running_server(ckpt) as (base, _):
+        c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        yield c, "tiny-tools"
+
+
+def test_tagged_calls_hold_the_schema_and_a_cut_one_is_length(tagged):
+    ask = {"tools": [SHORT_TOOL], "tool_choice": "required", "max_tokens": 200}
+    r = _chat(tagged, "Weather in Paris?", temperature=1.0, seed=5, n=3, **ask)
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls", ch
+        for call in ch.message.tool_calls:  # a random model may write a list of calls
+            assert call.function.name == "get_weather"
+            jsonschema.validate(
+                json.loads(call.function.arguments), {**SHORT, "additionalProperties": False}
+            )
+    whole = _chat(tagged, "Weather in Paris?", **ask)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    n = whole.usage.completion_tokens
+    cut = _chat(tagged, "Weather in Paris?", **{**ask, "max_tokens": n - 1}).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.tool_calls
+    assert cut.message.content.startswith(("<tool_call>", "{"))
+
+
+def test_tagged_auto_grammar_takes_text_or_a_valid_call(smollm2_gguf):
+    """The auto grammar, token by token with SmolLM2's tokenizer: any text, or text leading into
+    <tool_call>; a call whose arguments jsonschema rejects is refused at the offending token."""
+    import entity
+    from lucy.server import toolcalls
+    from poly.serving.grammar import Grammars
+
+    model = entity.load(str(smollm2_gguf))
+    body = toolcalls.tagged_body(toolcalls.call_schema({"get_weather": PARAMS}), True)
+    make = Grammars(model).tool_calls(body, True)
+    ok, junk = {"city": "Paris", "unit": "c"}, {"city": "Paris", "unit": "c", "type": "string"}
+    cases = {
+        "It is sunny in Paris today.": True,
+        "Let me check.\n<tool_call>[\n" + json.dumps({"name": "get_weather", "arguments": ok})
+        + "\n]</tool_call>": True,
+        '<tool_call>{"name": "get_weather", "arguments": ' + json.dumps(junk) + "}</tool_call>":
+            False,
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>': False,
+        json.dumps({"name": "get_weather", "arguments": ok}): True,
+    }  # fmt: skip
+    for text, valid in cases.items():
+        if "<tool_call>" in text:  # the reference: the call's arguments against the closed schema
+            body_text = text.split("<tool_call>")[1].split("</tool_call>")[0]
+            obj = json.loads(body_text)
+            obj = obj[0] if isinstance(obj, list) else obj
+            assert (obj["name"] == "get_weather" and jsonschema.Draft202012Validator(
+                STRICT).is_valid(obj["arguments"])) == valid  # fmt: skip
+        mask = make()
+        accepted = True
+        for t in model.tokenizer.encode(text, add_special_tokens=False):
+            if not mask.allowed()[t]:
+                accepted = False
+                break
+            mask.consume(t)
+        assert accepted == valid, text
