@@ -18,14 +18,19 @@ from lucy.server.format import (
     usage_json,
 )
 from lucy.server.protocol import chat_messages, parse_chat, parse_completion, prompt_ids
-from poly.errors import PolyError
+from poly.errors import ContextOverflowError, PolyError
 from poly.serving import RequestDone, RequestFailed, TokenOut
 from poly.text.prompt_budget import encode_within
 
 
 def _prompt_budget(state, parsed) -> int:
     """Prompt tokens that fit beside max_tokens (the scheduler's own check, made first)."""
-    return state.scheduler.max_context - (parsed.params.max_tokens or 1)
+    ctx, want = state.scheduler.max_context, parsed.params.max_tokens or 1
+    if want >= ctx:
+        raise from_poly(ContextOverflowError(
+            f"this model's context is {ctx} tokens; max_tokens asks for {want}, leaving no "
+            f"room for the prompt"))  # fmt: skip
+    return ctx - want
 
 
 def _render_chat(model, messages, tools, budget: int) -> list[int]:
