@@ -359,5 +359,6 @@ def load_gguf(
         "file_type": gg.metadata.get("general.file_type"),
         "name": gg.metadata.get("general.name"),
         "keep_quantized": keep_quantized,
+        "context_length": gg.metadata.get(f"{cfg.architecture}.context_length"),  # as trained
     }
     return tf

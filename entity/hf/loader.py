@@ -216,4 +216,5 @@ def attach_hf_metadata(tf: Any, src: HFSource) -> None:
         "model_type": cfg.model_type,
         "dtype": cfg.dtype,
         "architectures": list(cfg.architectures),
+        "context_length": cfg.max_position_embeddings,  # as trained
     }

@@ -7,6 +7,8 @@ whose client disconnects cancels its request (freed at the scheduler's next step
 
 from __future__ import annotations
 
+import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -18,11 +20,43 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lucy.server import routes
 from lucy.server.errors import ApiError, bad_request
 from lucy.server.metrics import prometheus_text
-from lucy.server.state import ServerState
+from lucy.server.state import REQUEST, ServerState
+
+log = logging.getLogger("lucy.server")
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+class RequestLog:
+    """One INFO line per request on the ``lucy.server`` logger, when its response has ended:
+    method, path, status, prompt+completion tokens, milliseconds (`--log-level info`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rec: dict = {"status": 500}  # what the client gets when the app raises
+        token = REQUEST.set(rec)
+        start = time.perf_counter()
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                rec["status"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            REQUEST.reset(token)
+            ms = (time.perf_counter() - start) * 1e3
+            usage = rec.get("usage")
+            tokens = "-" if usage is None else f"{usage.prompt_tokens}+{usage.completion_tokens}"
+            log.info("%s %s %d %s tokens %.0f ms", scope["method"], scope["path"],
+                     rec["status"], tokens, ms)  # fmt: skip
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -35,9 +69,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.add_middleware(RequestLog)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
+        if err.param == "messages" and request.url.path == "/v1/completions":
+            err.param = "prompt"  # poly's context errors do not know the route's field name
         return _error_response(err)
 
     @app.exception_handler(StarletteHTTPException)

@@ -18,11 +18,16 @@ class ApiError(Exception):
     """An error the client sees: HTTP ``status`` and the OpenAI error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):  # fmt: skip
+                 param: str | None = None, code: str | None = None,
+                 close: bool = False):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type_, param, code,
         )  # fmt: skip
+        self.close = close  # the request was not read to its end: close the connection after
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"} if self.close else {}
 
     def body(self) -> dict:
         msg = " ".join(str(self.message).split())[:2000]  # one line, bounded, never a traceback

@@ -30,6 +30,7 @@ _FIELDS: dict[str, tuple[tuple, str | None]] = {
     "stream_options": ((dict,), None),
     "user": ((str,), None),
     "ignore_eos": ((bool,), "ignore_eos"),
+    "logit_bias": ((dict,), None),
 }
 _CHAT = {
     "messages": ((list,), None),
@@ -93,6 +94,8 @@ def parse_common(
         raise bad_request("the request body must be a JSON object")
     table = {**_FIELDS, **extra}
     _check_types(body, table)
+    if body.get("logit_bias"):  # refused rather than silently ignored; {} changes nothing
+        raise bad_request("'logit_bias' is not supported", "logit_bias")
     kw: dict[str, Any] = dict(defaults or {})
     for name, (_, target) in _FIELDS.items():
         if target is not None and body.get(name) is not None:
@@ -129,9 +132,24 @@ def parse_chat(body: Any, defaults: dict | None = None) -> Parsed:
     elif body.get("top_logprobs"):
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     parsed = parse_common(body, _CHAT, k, defaults)
+    _check_tool_choice(body.get("tool_choice"))
     if not body.get("messages"):
         raise bad_request("'messages' must be a non-empty list", "messages")
     return parsed
+
+
+def _check_tool_choice(choice: Any) -> None:
+    """A dict tool_choice is ``{"type": "function", "function": {"name": <string>}}``."""
+    if not isinstance(choice, dict):
+        return  # a string (or none) is checked against the tools with them
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict):
+        raise bad_request(
+            "'tool_choice' must be a string or {type: function, function: {name}}",
+            "tool_choice",
+        )
+    if not isinstance(fn.get("name"), str):
+        raise bad_request("'tool_choice.function.name' must be a string", "tool_choice")
 
 
 def parse_completion(body: Any, defaults: dict | None = None) -> Parsed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import threading
@@ -12,10 +13,13 @@ import uuid
 from fastapi import Request
 
 from lucy.server.errors import ApiError, bad_request, from_poly
+from lucy.server.limits import BODY_TIMEOUT, MAX_JSON_DEPTH, json_too_deep
 from lucy.server.protocol import model_defaults
 from poly.errors import PolyError
-from poly.serving import Scheduler
+from poly.serving import RequestDone, Scheduler
 
+# The request being handled, for its log line (lucy.server.app.RequestLog): status, usage.
+REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("lucy_request", default=None)
 MAX_BODY = 4 << 20  # bytes; larger bodies get 413
 DRAIN_LIMIT = 64 << 20  # a too-large body is read and dropped up to this size
 
@@ -51,13 +55,16 @@ class ServerState:
     """What every handler needs: the scheduler, the served model's names, the key."""
 
     def __init__(self, scheduler: Scheduler, model_id: str, aliases=(), api_key: str | None = None,
-                 max_body: int = MAX_BODY, drain_s: float = 30.0):  # fmt: skip
+                 max_body: int = MAX_BODY, drain_s: float = 30.0,
+                 body_timeout: float = BODY_TIMEOUT, max_depth: int = MAX_JSON_DEPTH):  # fmt: skip
         self.scheduler = scheduler
         self.model = scheduler.model
         self.model_id = model_id
         self.aliases = {model_id, *aliases}
         self.api_key = api_key
         self.max_body = max_body
+        self.body_timeout = body_timeout
+        self.max_depth = max_depth
         self.drain_s = drain_s
         self.created = int(time.time())
         self.draining = False
@@ -81,6 +88,21 @@ class ServerState:
                            "model_not_found")  # fmt: skip
 
     async def read_json(self, request: Request):
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                raw = await self._read_body(request)
+        except TimeoutError:
+            raise ApiError(408, f"request body not received within {self.body_timeout:g} s",
+                           code="body_timeout", close=True) from None  # fmt: skip
+        if json_too_deep(raw, self.max_depth):  # before json (or a template) recurses into it
+            raise bad_request(f"the body nests arrays/objects deeper than {self.max_depth}",
+                              code="json_too_deep")  # fmt: skip
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            raise bad_request(f"the body is not valid JSON: {err}", code="invalid_json") from None
+
+    async def _read_body(self, request: Request) -> bytes:
         chunks, total, too_big = [], 0, False
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.max_body:
@@ -97,10 +119,7 @@ class ServerState:
             raise ApiError(
                 413, f"request body exceeds {self.max_body} bytes", code="body_too_large"
             )
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as err:
-            raise bad_request(f"the body is not valid JSON: {err}", code="invalid_json") from None
+        return b"".join(chunks)
 
     def submit(self, ids, params, mask_factory=None):
         """(handle, asyncio queue of its events)."""
@@ -111,8 +130,11 @@ class ServerState:
             self._mailbox = Mailbox(loop)
         q: asyncio.Queue = asyncio.Queue()
         box = self._mailbox
+        rec = REQUEST.get()
 
         def notify(ev) -> None:
+            if rec is not None and isinstance(ev, RequestDone):
+                rec["usage"] = ev.usage
             box.post(q, ev)
 
         try:
