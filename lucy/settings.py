@@ -7,10 +7,14 @@ from __future__ import annotations
 import dataclasses
 
 # Sampling flags of `lucy chat` / `lucy generate` (argparse dest = GenOptions field).
-FLAG_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens")
+FLAG_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "dry_multiplier",
+               "dry_base", "dry_allowed_length", "dry_penalty_last_n", "seed", "max_tokens")  # fmt: skip
 
 # `/set NAME VALUE` parsers; names are GenOptions fields.
-SET_PARSERS = {"temperature": float, "top_k": int, "top_p": float, "max_tokens": int, "seed": int}
+SET_PARSERS = {"temperature": float, "top_k": int, "top_p": float, "max_tokens": int, "seed": int,
+               "min_p": float, "repetition_penalty": float, "repetition_window": int,
+               "dry_multiplier": float, "dry_base": float, "dry_allowed_length": int,
+               "dry_penalty_last_n": int}  # fmt: skip
 
 # --greedy: plain argmax, every logit processor switched off (fields absent from GenOptions skipped).
 GREEDY = {
@@ -19,6 +23,7 @@ GREEDY = {
     "top_p": 1.0,
     "min_p": 0.0,
     "repetition_penalty": 1.0,
+    "dry_multiplier": 0.0,
     "no_repeat_ngram": 0,
     "banned_tokens": (),
     "min_tokens": 0,
@@ -43,6 +48,10 @@ def _known_fields() -> set[str]:
 def overrides_from_args(args, greedy: bool = False) -> dict:
     """The sampling flags the user actually gave (absent = keep the model's setting)."""
     out = {n: getattr(args, n) for n in FLAG_FIELDS if getattr(args, n, None) is not None}
+    if getattr(args, "repeat_last_n", None) is not None:  # llama.cpp's meaning: -1 all, 0 off
+        from poly.text.sampling import repeat_last_n_fields
+
+        out = {**out, **repeat_last_n_fields(args.repeat_last_n)}
     if greedy:
         out = {**GREEDY, **{k: v for k, v in out.items() if k != "temperature"}}
     known = _known_fields()

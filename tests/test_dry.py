@@ -138,3 +138,55 @@ def test_repetition_penalty_matches_llama_cpp(penalty, last_n):
     np.testing.assert_allclose(ours, want, rtol=1e-6)
     opts = GenOptions(temperature=0.0, repetition_penalty=penalty, repetition_window=last_n)
     np.testing.assert_allclose(Sampler(opts, n_vocab).process(logits, history), want, rtol=1e-6)
+
+
+def _llama_chain(vocab_p, n_vocab: int, last_n: int, penalty: float, dry: tuple):
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    pen = L.llama_sampler_init_penalties(n_vocab, last_n, penalty, 0.0, 0.0)
+    L.llama_sampler_chain_add(chain, pen)
+    L.llama_sampler_chain_add(chain, llama_dry(vocab_p, *dry, DEFAULT_BREAKERS))
+    return chain
+
+
+# llama.cpp's names and values, and what they mean to llama.cpp's own samplers: (penalty window,
+# penalty, (DRY multiplier, base, allowed length, window)); None = the whole history (-1 once,
+# this libllama takes only explicit windows)
+NAMED = [
+    ({"repeat_penalty": 1.3, "repeat_last_n": 16, "dry_multiplier": 0.8},
+     (16, 1.3, (0.8, 1.75, 2, None))),
+    ({"repeat_penalty": 1.2, "repeat_last_n": -1, "dry_multiplier": 1.0, "dry_base": 2.0,
+      "dry_allowed_length": 3, "dry_penalty_last_n": 50}, (None, 1.2, (1.0, 2.0, 3, 50))),
+    ({"repeat_penalty": 1.5, "repeat_last_n": 0, "dry_multiplier": 0.5},
+     (0, 1.5, (0.5, 1.75, 2, None))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(len(NAMED)))
+def test_llama_cpp_names_mean_what_llama_cpp_means(vocab, case):
+    """`lucy generate --repeat-penalty ... --dry-multiplier ...` and a server request with
+    llama.cpp's fields sample from the logits llama.cpp's penalties + DRY chain leaves."""
+    from lucy import settings
+    from lucy.cli import build_parser
+    from lucy.server.protocol import parse_chat
+
+    vocab_p, tok = vocab
+    fields, (last_n, penalty, dry) = NAMED[case]
+    rng = np.random.default_rng(case)
+    rare = tok.encode(':\n"', add_special_tokens=False)
+    history = _history(rng, np.arange(300, 340), rare, 300)
+    logits = rng.normal(0, 3, tok.vocab_size).astype(np.float32)
+    whole = len(history)
+    dry = (*dry[:3], whole if dry[3] is None else dry[3])
+    ref = _llama_chain(vocab_p, tok.vocab_size, whole if last_n is None else last_n, penalty, dry)
+    want = _run(ref, tok.vocab_size, history, logits)
+    L.llama_sampler_free(ref)
+    argv = ["generate", "m", "--prompt", "x"]
+    for name, value in fields.items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    flags = settings.overrides_from_args(build_parser().parse_args(argv))
+    body = {"messages": [{"role": "user", "content": "x"}], **fields}
+    served = parse_chat(body).params.gen_options(0, 1)
+    for opts in (GenOptions(temperature=0.0).replace(**flags), served):
+        got = Sampler(opts, tok.vocab_size, tokenizer=tok).process(logits, history)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert (want != logits).any()

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from poly.errors import SamplingParamsError
+from poly.text.dry import DEFAULT_BREAKERS
 from poly.text.sampling import GenOptions
 
 MAX_N = 16  # choices per request
@@ -50,6 +51,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_window: int = 0  # GenOptions' (0 = the whole context); llama.cpp's repeat_last_n
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
+    penalize_prompt: bool = True  # the penalties look at prompt + reply (False: the reply only)
     logprobs: int | None = None
     ignore_eos: bool = False
     extra: dict = field(default_factory=dict, compare=False)
@@ -75,6 +83,9 @@ class SamplingParams:
         _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _num("repetition_penalty", self.repetition_penalty, 1e-3, 100.0)
+        # the DRY fields and the window, checked (and the breakers made a tuple) as GenOptions does
+        breakers = self.gen_options(0, 1).dry_sequence_breakers
+        object.__setattr__(self, "dry_sequence_breakers", breakers)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
 
@@ -92,6 +103,13 @@ class SamplingParams:
             top_p=self.top_p,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            repetition_window=self.repetition_window,
+            dry_multiplier=self.dry_multiplier,
+            dry_base=self.dry_base,
+            dry_allowed_length=self.dry_allowed_length,
+            dry_penalty_last_n=self.dry_penalty_last_n,
+            dry_sequence_breakers=self.dry_sequence_breakers,
+            penalize_prompt=self.penalize_prompt,
             seed=seed,
             eos_tokens=() if self.ignore_eos else None,
         )

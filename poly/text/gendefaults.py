@@ -1,17 +1,18 @@
 """Generation settings that travel with the model, and the one rule that resolves them.
 
 A model file may carry its own generation settings (HF ``generation_config.json``; the
-``generation_config`` header field of a `.entity`). Loaders attach them to the model as
-``model.generation_defaults``, a `GenerationDefaults` record: the settings the file names
-(`GenOptions` field names) and where the record came from, ``"model file"`` or ``"fallback"``.
+``generation_config`` header field of a `.entity`): loaders attach them to the model as
+``model.generation_defaults``, a `GenerationDefaults` record. A model poly knows has settings of
+its own besides (`known_models`: keyed by architecture, shape and vocabulary, so the same for
+every file of the model); `defaults_of` adds them to the record.
 
 Every caller (``model.generate``/``stream``, `ChatSession`, ``lucy chat``/``generate``, the menu,
 the server) resolves the options it runs with through `resolve`, with one rule per field:
 
-    explicit flag / argument  >  the model file's setting  >  FALLBACK (``GenOptions()``)
+    explicit flag / argument  >  the model file  >  the known model's table entry  >  FALLBACK
 
 The fallback is ``GenOptions()``'s field defaults (temperature 0.7, top_k 40, top_p 1.0,
-max_tokens 256; docs/generation.md). `Resolved.origins` names, per field, which of the three
+max_tokens 256; docs/generation.md). `Resolved.origins` names, per field, which of the four
 supplied the value, for ``lucy ... --verbose`` and the chat's ``/stats``.
 """
 
@@ -27,6 +28,7 @@ from poly.text.sampling import GenOptions
 
 __all__ = [
     "MODEL_FILE",
+    "KNOWN_MODEL",
     "FALLBACK",
     "SHOWN",
     "GenerationDefaults",
@@ -36,9 +38,12 @@ __all__ = [
 ]
 
 MODEL_FILE = "model file"
+KNOWN_MODEL = "known model"
 FALLBACK = "fallback"
 # The settings shown by --verbose and /stats, in this order.
-SHOWN = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens", "seed")
+SHOWN = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "repetition_window",
+         "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "max_tokens",
+         "seed")  # fmt: skip
 # Fields a model file may set: per-request ones (seed, stop, eos ids, banned ids) are not its own.
 _FILE_FIELDS = frozenset(
     {
@@ -52,27 +57,41 @@ _FILE_FIELDS = frozenset(
         "repetition_window",
         "no_repeat_ngram",
         "penalize_prompt",
+        "dry_multiplier",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "dry_sequence_breakers",
     }
 )
 _OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(GenOptions) if f.init)
 
 
+def _checked(settings: Mapping[str, Any]) -> dict[str, Any]:
+    settings = dict(settings)
+    unknown = sorted(set(settings) - _FILE_FIELDS)
+    if unknown:
+        raise SamplingParamsError(f"not a model generation setting: {', '.join(unknown)}")
+    GenOptions(**settings)  # validates every value (SamplingParamsError)
+    return settings
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """A model's own generation settings (``settings``: GenOptions names, validated) and their
-    ``source``: ``"model file"`` when the file carries settings, else ``"fallback"``."""
+    """A model's own generation settings: ``settings``, those its file carries (what a
+    conversion stores), and ``known``, the table entry of a known model (``known_name``); both
+    GenOptions names, validated. ``source``: where most of them come from."""
 
     settings: Mapping[str, Any] = field(default_factory=dict)
     source: str = FALLBACK
+    known: Mapping[str, Any] = field(default_factory=dict)
+    known_name: str | None = None
 
     def __post_init__(self) -> None:
-        settings = dict(self.settings)
-        unknown = sorted(set(settings) - _FILE_FIELDS)
-        if unknown:
-            raise SamplingParamsError(f"not a model generation setting: {', '.join(unknown)}")
-        GenOptions(**settings)  # validates every value (SamplingParamsError)
-        object.__setattr__(self, "settings", settings)
-        if self.source not in (MODEL_FILE, FALLBACK):
+        object.__setattr__(self, "settings", _checked(self.settings))
+        object.__setattr__(self, "known", _checked(self.known))
+        GenOptions(**{**self.known, **self.settings})
+        if self.source not in (MODEL_FILE, KNOWN_MODEL, FALLBACK):
             raise SamplingParamsError(f"generation defaults source {self.source!r} is unknown")
 
     @classmethod
@@ -80,17 +99,24 @@ class GenerationDefaults:
         """The record of a model file's settings: ``"model file"`` if it names any, else the
         fallback. Keys this version does not know, and per-request fields that older writers
         stored (seed, stop, eos_tokens ...), are ignored so every file keeps loading."""
-        known = {k: v for k, v in (settings or {}).items() if k in _FILE_FIELDS}
-        known = {k: tuple(v) if isinstance(v, list) else v for k, v in known.items()}
-        return cls(known, MODEL_FILE if known else FALLBACK)
+        own = {k: v for k, v in (settings or {}).items() if k in _FILE_FIELDS}
+        own = {k: tuple(v) if isinstance(v, list) else v for k, v in own.items()}
+        return cls(own, MODEL_FILE if own else FALLBACK)
+
+    def with_known(self, name: str, settings: Mapping[str, Any]) -> GenerationDefaults:
+        """This record under the table entry ``name`` of a known model (the file's own win)."""
+        source = MODEL_FILE if self.settings else KNOWN_MODEL if settings else FALLBACK
+        return GenerationDefaults(self.settings, source, settings, name)
 
     @property
     def options(self) -> GenOptions:
         """The options a caller with no explicit settings runs with."""
-        return GenOptions(**self.settings)
+        return GenOptions(**{**self.known, **self.settings})
 
     def origin(self, name: str) -> str:
-        return MODEL_FILE if name in self.settings else FALLBACK
+        if name in self.settings:
+            return MODEL_FILE
+        return KNOWN_MODEL if name in self.known else FALLBACK
 
 
 @dataclass(frozen=True)
@@ -111,9 +137,19 @@ class Resolved:
 
 
 def defaults_of(model: Any) -> GenerationDefaults:
-    """``model.generation_defaults``, or the fallback record for a model without one."""
+    """``model.generation_defaults`` (the file's settings; the fallback record for a model
+    without one) under the table entry of the model if poly knows it (`known_models.identify`,
+    by config and tokenizer: the same for every file of the model, and for one built in memory)."""
+    from poly.text.known_models import identify
+
     found = getattr(model, "generation_defaults", None)
-    return found if isinstance(found, GenerationDefaults) else GenerationDefaults()
+    record = found if isinstance(found, GenerationDefaults) else GenerationDefaults()
+    config = getattr(model, "config", None)
+    if record.known_name is None and config is not None:
+        entry = identify(config, getattr(model, "tokenizer", None))
+        if entry is not None:
+            return record.with_known(entry.name, entry.settings)
+    return record
 
 
 def resolve(

@@ -152,6 +152,16 @@ class GenOptions:
         return dataclasses.replace(self, **changes)
 
 
+def repeat_last_n_fields(n) -> dict[str, float | int]:
+    """GenOptions fields for llama.cpp's ``repeat_last_n`` (its server field and CLI flag):
+    the penalty window, -1 = the whole context (our ``repetition_window`` 0), 0 = no penalty."""
+    if not _is_int(n) or n < -1:
+        raise SamplingParamsError(f"repeat_last_n must be an integer >= -1, got {n!r}")
+    if n == 0:
+        return {"repetition_penalty": 1.0}
+    return {"repetition_window": 0 if n == -1 else int(n)}
+
+
 # --- processors: pure functions on float32 [V] logits ------------------------------------------
 
 
