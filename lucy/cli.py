@@ -90,6 +90,22 @@ def _add_kv_cache(p: argparse.ArgumentParser) -> None:
                    help="KV cache precision: f32 (default, exact) or f16 (half the memory)")  # fmt: skip
 
 
+def _add_repetition(p: argparse.ArgumentParser) -> None:
+    """min-p and the repetition controls, under llama.cpp's flag names and meanings."""
+    for flag, kind, what in (
+        ("--min-p", float, "drop tokens below P x the top one's probability; 0 = off"),
+        ("--repeat-penalty", float, "penalise ids seen in the last N (CTRL); 1 = off"),
+        ("--repeat-last-n", int, "the repeat penalty's N; -1 = all, 0 = off"),
+        ("--dry-multiplier", float, "DRY: penalise extending a repeated sequence; 0 = off"),
+        ("--dry-base", float, "DRY: penalty growth per extra repeated token"),
+        ("--dry-allowed-length", int, "DRY: repeats up to this length are free"),
+        ("--dry-penalty-last-n", int, "DRY: tokens it looks back at; -1 = all, 0 = off"),
+    ):
+        dest = {"--repeat-penalty": "repetition_penalty"}.get(flag, flag[2:].replace("-", "_"))
+        p.add_argument(flag, dest=dest, type=kind, default=None,
+                       help=f"{what} (default: {FROM_MODEL})")  # fmt: skip
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system message (turns on the chat template)")
     p.add_argument(
@@ -101,6 +117,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--top-p", dest="top_p", type=float, default=None, help=f"1 = off (default: {FROM_MODEL})"
     )
+    _add_repetition(p)
     p.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one)")
     p.add_argument(
         "--max-tokens",
@@ -205,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-pages", dest="kv_pages", type=int, default=None,
                    help="pages of 16 positions in the KV pool (0: contiguous caches)")  # fmt: skip
     p.add_argument("--api-key", dest="api_key", default=None, help="required bearer token")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the sampling settings a request that leaves them out runs with")  # fmt: skip
     p.add_argument("--max-queue", dest="max_queue", type=int, default=64,
                    help="waiting requests before 429")  # fmt: skip
     p.add_argument("--log-level", dest="log_level", default="warning",

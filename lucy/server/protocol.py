@@ -9,6 +9,7 @@ from lucy.server.errors import bad_request
 from poly.errors import SamplingParamsError
 from poly.serving import SamplingParams
 from poly.text.gendefaults import MODEL_FILE, resolve
+from poly.text.sampling import repeat_last_n_fields
 
 _NUM = (int, float)
 # field -> (accepted types, SamplingParams name or None when handled elsewhere)
@@ -26,6 +27,14 @@ _FIELDS: dict[str, tuple[tuple, str | None]] = {
     "presence_penalty": (_NUM, "presence_penalty"),
     "frequency_penalty": (_NUM, "frequency_penalty"),
     "repetition_penalty": (_NUM, "repetition_penalty"),
+    # llama.cpp server's names for the repetition controls (repeat_last_n: converted below)
+    "repeat_penalty": (_NUM, "repetition_penalty"),
+    "repeat_last_n": ((int,), None),
+    "dry_multiplier": (_NUM, "dry_multiplier"),
+    "dry_base": (_NUM, "dry_base"),
+    "dry_allowed_length": ((int,), "dry_allowed_length"),
+    "dry_penalty_last_n": ((int,), "dry_penalty_last_n"),
+    "dry_sequence_breakers": ((list,), "dry_sequence_breakers"),
     "stream": ((bool,), None),
     "stream_options": ((dict,), None),
     "user": ((str,), None),
@@ -58,7 +67,9 @@ class Parsed:
 
 
 # The knobs a request that leaves them out takes from the model (as `lucy generate` does).
-_DEFAULTED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+_DEFAULTED = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "repetition_window",
+              "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+              "dry_sequence_breakers", "penalize_prompt")  # fmt: skip
 
 
 def model_defaults(model: Any) -> dict[str, Any]:
@@ -108,6 +119,8 @@ def parse_common(
         kw.pop("stop")
     kw["logprobs"] = logprobs
     try:
+        if body.get("repeat_last_n") is not None:
+            kw.update(repeat_last_n_fields(body["repeat_last_n"]))
         params = SamplingParams(**kw)
     except SamplingParamsError as err:
         param = str(err).split(" ", 1)[0]
