@@ -155,6 +155,11 @@ class TransformerConfig:
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         object.__setattr__(self, "moe", MoEConfig.coerce(self.moe))
+        dense = () if self.moe is None else self.moe.dense_layers
+        if any(not 0 <= i < self.num_layers for i in dense) or len(set(dense)) < len(dense):
+            raise LayerConfigError(  # a dense layer outside the model named no layer at all
+                f"moe.dense_layers {list(dense)} must be distinct layers in [0, {self.num_layers})"
+            )
 
     @property
     def query_dim(self) -> int:

@@ -81,8 +81,10 @@ def test_q8_greedy_follows_transformers(arch, tied, tmp_path):
     assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
 
 
-def _rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | None = None):
-    """Copy a .entity blob by blob, dropping or truncating one blob (a damaged MoE file)."""
+def _rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | None = None,
+             dense_layers: list | None = None):  # fmt: skip
+    """Copy a .entity blob by blob, dropping or truncating one blob or replacing the header's
+    moe.dense_layers (a damaged MoE file)."""
     ef = EntityFile(src)
     header = ef.header
     with EntityWriter(dst) as out:
@@ -95,6 +97,10 @@ def _rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | No
             out.add(rec.path, arr)
         meta = {k: getattr(header, k) for k in ("network", "transformer", "quant", "tokenizer",
                 "tokenizer_config", "chat_template", "generation_config", "eos_token_ids", "source")}  # fmt: skip
+        if dense_layers is not None:
+            spec = dict(meta["transformer"])
+            spec["moe"] = {**spec["moe"], "dense_layers": dense_layers}
+            meta["transformer"] = spec
         out.finish(meta)
     return dst
 
@@ -104,6 +110,9 @@ def _rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | No
     [
         ({"drop": "blocks.1.mlp.experts.3"}, "experts.3' missing"),
         ({"reshape": "blocks.0.mlp.router"}, "router has shape"),
+        # layers that do not exist were accepted and ignored
+        ({"dense_layers": [99, -1]}, r"\[99, -1\] must be distinct layers in \[0, 2\)"),
+        ({"dense_layers": [1, 1]}, r"dense_layers \[1, 1\] must be distinct"),
     ],  # fmt: skip
 )
 def test_damaged_moe_file_is_a_typed_error(ckpts, tmp_path, change, match):

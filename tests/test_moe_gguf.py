@@ -113,7 +113,9 @@ def _rewrite(src: Path, dst: Path, *, meta: dict | None = None, rename: dict | N
 @pytest.mark.parametrize(
     "change,error,match",
     [
-        ({"meta": {"qwen3moe.expert_used_count": 9}}, GGUFFormatError, "top_k > E"),
+        ({"meta": {"qwen3moe.expert_used_count": 9}}, GGUFFormatError, r"count 9 is outside"),
+        # the message states the range, not "(top_k > E)", which a count of 0 is not
+        ({"meta": {"qwen3moe.expert_used_count": 0}}, GGUFFormatError, r"\[1, expert_count 8\] \["),
         (
             {"rename": {"blk.1.ffn_up_exps.weight": "blk.1.ffn_up.8.weight"}},
             GGUFFormatError,

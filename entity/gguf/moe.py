@@ -56,7 +56,7 @@ def moe_config(gg, arch: str, layers: int, ffn: int) -> MoEConfig | None:
         raise GGUFFormatError(f"{arch}.expert_count {n} exceeds {MAX_EXPERTS}", path=gg.path)
     if not 1 <= k <= n:
         raise GGUFFormatError(
-            f"{arch}.expert_used_count {k} is outside [1, expert_count {n}] (top_k > E)",
+            f"{arch}.expert_used_count {k} is outside [1, expert_count {n}]",
             path=gg.path,
         )
     func = _int(gg, f"{arch}.expert_gating_func", 0)
