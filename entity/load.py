@@ -8,6 +8,7 @@ so that one missing or broken module does not break the others.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import stat
@@ -141,3 +142,167 @@ def _load(path_or_model_id: str | os.PathLike, **kw: Any) -> Any:
 
     snapshot = resolve_cached(str(path_or_model_id), revision=kw.pop("revision", None))
     return _call("entity.hf.loader", "load_hf", snapshot, **kw)
+
+
+# --- describe: what a checkpoint is, from its headers only --------------------------------------
+
+_FLOAT_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as the file holds it: ``stored`` is its encoding (gguf_q4_1, float32 ...)."""
+
+    name: str
+    stored: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Description:
+    """A checkpoint read without its tensor data: ``model`` is the `poly.Transformer` `load`
+    would build, with its config, tokenizer, template and settings but unallocated layer
+    weights; ``tensors`` is the file's tensor table."""
+
+    format: str  # "gguf" | "entity" | "hf"
+    path: str
+    model: Any
+    tensors: tuple[StoredTensor, ...]
+
+
+def describe(path_or_model_id: str | os.PathLike) -> Description | None:
+    """`load`'s rules for finding and recognising a checkpoint, but only its headers are read
+    (`lucy inspect`: a 540 MB float32 snapshot costs no more memory than a tiny one), and the
+    checks `load` makes on them (tokenizer, template, settings, checksums) give its typed
+    errors. None for a Loom v1 `.entity`, which only its full reader parses."""
+    target = Path(os.fspath(path_or_model_id)).expanduser()
+    if not target.exists():
+        from entity.hf.cache import resolve_cached
+
+        return _describe_hf(resolve_cached(str(path_or_model_id)))
+    if target.is_dir():
+        if not (target / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{target} is a directory without config.json (not an HF snapshot)",
+                path=str(target),
+            )
+        return _describe_hf(target)
+    if not stat.S_ISREG(target.stat().st_mode):
+        raise CheckpointError(f"{target} is not a regular file", path=str(target))
+    magic = _magic(target)
+    if magic.startswith(b"GGUF"):
+        return _describe_gguf(target)
+    if magic == b"ENTITY\x00\x00":
+        return _describe_entity(target)
+    return _load_file(target)  # no loader matches: raises the typed error `load` would
+
+
+def _describe_gguf(path: Path) -> Description:
+    from entity.gguf.loader import check_tensors, gguf_config, load_gguf_tokenizer
+    from entity.gguf.reader import open_gguf
+    from poly.errors import WeightMappingError
+
+    gg = open_gguf(path)
+    cfg = gguf_config(gg)
+    check_tensors(gg, cfg)
+    tf = _skeleton(cfg)
+    tf.tokenizer, tf.chat_template, _ = load_gguf_tokenizer(gg)
+    if tf.tokenizer.vocab_size != cfg.vocab_size:  # as load_gguf checks
+        raise WeightMappingError(
+            f"tokenizer has {tf.tokenizer.vocab_size} tokens but token_embd has "
+            f"{cfg.vocab_size} rows",
+            path=gg.path,
+        )
+    tf.source = {"format": "gguf", "path": str(path), "name": gg.metadata.get("general.name"),
+                 "file_type": gg.metadata.get("general.file_type")}  # fmt: skip
+    tensors = tuple(
+        StoredTensor(
+            t.name,
+            _FLOAT_NAMES.get(t.type_name) or f"gguf_{t.type_name.lower()}",
+            tuple(t.shape),
+            int(t.nbytes),
+        )
+        for t in gg.tensors.values()
+    )
+    return Description("gguf", str(path), tf, tensors)
+
+
+def _describe_entity(path: Path) -> Description | None:
+    from entity.dotentity.container import EntityVersionError, read_raw_header
+    from entity.dotentity.header import PREFIX, decode_header
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw, _, hlen = read_raw_header(f, size, str(path))
+            header = decode_header(raw[PREFIX.size :], str(path))
+            _check_blobs(f, header.blobs, PREFIX.size + hlen, size, str(path))
+    except EntityVersionError:
+        return None
+    from types import SimpleNamespace
+
+    from entity.dotentity.read import _attach_meta
+
+    tf = _skeleton(_entity_config(header, path))
+    _attach_meta(tf, SimpleNamespace(meta=lambda key: getattr(header, key), path=str(path)))
+    return Description("entity", str(path), tf, _entity_tensors(header))
+
+
+def _skeleton(cfg):
+    from poly.model.transformer import Transformer
+
+    return Transformer.from_config(cfg, allocate=False)  # no layer masters: nothing to fill
+
+
+def _check_blobs(f, blobs, header_end: int, size: int, path: str) -> None:
+    """The checks `load` makes before building anything: layout and every blob's checksum
+    (streamed through a small buffer: the file is read, never held)."""
+    from entity.dotentity.container import _crc_of_range
+    from entity.dotentity.header import align, check_layout
+    from poly.errors import IntegrityError
+
+    check_layout(blobs, align(header_end), size, path)
+    for rec in blobs:
+        if _crc_of_range(f, rec.offset, rec.length) != rec.checksum:
+            raise IntegrityError(f"checksum mismatch in blob {rec.path!r}", path=path)
+
+
+def _entity_config(header, path: Path):
+    from poly.config import TransformerConfig
+    from poly.errors import EntityFormatError, PolyError
+
+    spec = {k: v for k, v in header.transformer.items() if k != "tied"}
+    try:
+        return TransformerConfig.from_dict(spec)
+    except (PolyError, TypeError, ValueError) as exc:
+        raise EntityFormatError(f"bad transformer spec: {exc}", path=str(path)) from exc
+
+
+def _entity_tensors(header) -> tuple[StoredTensor, ...]:
+    from gguf.constants import GGMLQuantizationType
+
+    matrix = str(header.quant.get("matrix"))
+
+    def stored(rec) -> str:
+        if rec.ggml_type is not None:
+            return "gguf_" + GGMLQuantizationType(rec.ggml_type).name.lower()
+        return matrix if rec.dtype == "uint8" else rec.dtype  # packed 4-bit rows
+
+    return tuple(
+        StoredTensor(b.path, stored(b), tuple(b.shape), int(b.length)) for b in header.blobs
+    )
+
+
+def _describe_hf(snapshot: Path) -> Description:
+    from entity.hf.loader import attach_hf_metadata, open_hf
+
+    src = open_hf(snapshot)
+    tf = _skeleton(src.config.to_transformer_config())
+    attach_hf_metadata(tf, src)
+    tensors = []
+    for name in src.checkpoint.names():
+        info = src.checkpoint.info(name)
+        kind = _FLOAT_NAMES.get(info.dtype, info.dtype.lower())
+        tensors.append(StoredTensor(name, kind, tuple(info.shape), int(info.end - info.begin)))
+    return Description("hf", str(snapshot), tf, tuple(tensors))

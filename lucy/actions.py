@@ -31,6 +31,23 @@ def load_model(spec: str, max_experts: int | None = None, kv_cache: str | None =
     return model
 
 
+def inspect(spec: str, max_experts: int | None = None) -> dict:
+    """`lucy inspect`'s report from the checkpoint's headers (no weights are read), or from the
+    loaded model when an expert budget is asked for (its pager reports) or the file is a Loom
+    v1 `.entity` (only its full reader parses it)."""
+    from entity.load import describe
+    from lucy import views
+
+    if max_experts is None:
+        try:
+            desc = describe(spec)
+        except ModelNotFoundError as err:
+            raise _with_hint(err, str(spec)) from None
+        if desc is not None:
+            return views.describe_data(desc)
+    return views.inspect_data(load_model(spec, max_experts))
+
+
 def _with_hint(err: ModelNotFoundError, spec: str) -> ModelNotFoundError:
     """A model id that is not in the cache: say how to get it (lucy owns the command name)."""
     if type(err) is not ModelNotFoundError or Path(spec).expanduser().exists():

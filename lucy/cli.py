@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     model_help = ".entity file, HF model dir, .gguf file or cached HF model id"
 
-    p = sub.add_parser("models", help="list HF-cache models and .entity files")
+    p = sub.add_parser("models", help="list HF-cache models, .entity files and the demo's GGUFs")
     p.add_argument("--json", action="store_true", help="one JSON list instead of a table")
 
     p = sub.add_parser("chat", help="chat with a model")

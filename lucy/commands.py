@@ -141,7 +141,7 @@ def cmd_bench(args) -> int:
 def cmd_inspect(args) -> int:
     from lucy import views
 
-    data = views.inspect_data(actions.load_model(args.model, args.max_experts))
+    data = actions.inspect(args.model, args.max_experts)
     if args.json:
         print(json.dumps(data))
     else:

@@ -211,7 +211,7 @@ class Menu:
     def inspect(self) -> None:
         row = self.pick(catalogue.list_models(), "inspect")
         if row is not None:
-            views.print_inspect(self.con, views.inspect_data(self._load(row.path)))
+            views.print_inspect(self.con, actions.inspect(row.path))
 
     def layer_suite(self) -> None:
         from lucy import layer_suite

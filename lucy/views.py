@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from rich.table import Table
 
@@ -203,6 +204,57 @@ def inspect_data(model) -> dict:
     }
 
 
+# `describe_data`: the same report from a checkpoint's headers (entity.load.describe), no weights.
+_BLOCK = re.compile(r"^(?:blk|model\.layers|layers|blocks)\.(\d+)\.(.*)$")
+# a block tensor's sub-layer in poly.model.block (0 norm, 1 attention, 3 norm, 4 FFN/MoE), by the
+# words the three formats name it with; norms first ("attn_norm" also says "attn")
+_SUBLAYER = (
+    (("attn_norm", "input_layernorm"), 0),
+    (("ffn_norm", "post_attention_layernorm", "mlp_norm"), 3),
+    (("attn",), 1),
+    (("ffn", "mlp"), 4),
+)
+_GLOBAL = (
+    (("output_norm", "model.norm", "final_norm"), "final_norm"),
+    (("token_embd", "embed_tokens", "embeddings"), "embeddings"),
+    (("output.", "lm_head"), "lm_head"),
+)
+
+
+def _place(name: str) -> str:
+    """Where a tensor of the file belongs: a layer index ("3.1") or a component name."""
+    m = _BLOCK.match(name)
+    if m:
+        rest = m.group(2)
+        sub = next((j for words, j in _SUBLAYER if any(w in rest for w in words)), None)
+        return f"{m.group(1)}.{sub}" if sub is not None else "other"
+    return next((key for words, key in _GLOBAL if any(w in name for w in words)), "other")
+
+
+def describe_data(desc) -> dict:
+    """`inspect_data`'s report from the headers alone: the layer structure of the config,
+    parameters from its shapes, and how each layer's tensors are stored in the file (bytes are
+    the file's; the memory of a loaded model equals them but for HF snapshots, which load as
+    float32)."""
+    stored: dict[str, tuple[set, int]] = {}
+    for t in desc.tensors:
+        kinds, nbytes = stored.get(_place(t.name), (set(), 0))
+        stored[_place(t.name)] = (kinds | {t.stored}, nbytes + t.nbytes)
+    data = inspect_data(desc.model)  # its layer masters are unallocated: the file says
+    for row in data["layers"]:
+        kinds, nbytes = stored.get(row["index"], (set(), 0))
+        row.update(weights=",".join(sorted(kinds)), bytes=nbytes, active="")
+    data["weights"] = sorted({k for kinds, _ in stored.values() for k in kinds})
+    kind_of = {row["index"]: row["type"] for row in data["layers"]}
+    by_component: dict[str, int] = {}
+    for where, (_, nbytes) in stored.items():
+        key = kind_of.get(where, where)
+        by_component[key] = by_component.get(key, 0) + nbytes
+    data["memory"] = {}
+    data["stored"] = by_component
+    return data
+
+
 def print_inspect(con, data: dict) -> None:
     cfg = Table(title="config")
     cfg.add_column("field")
@@ -217,28 +269,24 @@ def print_inspect(con, data: dict) -> None:
         f"computes in: {', '.join(data['dtypes'])}"
     )
     layers = Table(title="layers")
-    for col in ("index", "type", "dtype", "weights", "active", "params", "bytes"):
+    active = any(row["active"] for row in data["layers"])  # a loaded model's weight versions
+    cols = ("index", "type", "dtype", "weights", *(("active",) if active else ()), "params")
+    for col in (*cols, "bytes"):
         layers.add_column(col, justify="right" if col in ("params", "bytes") else "left")
     for row in data["layers"]:
-        layers.add_row(
-            row["index"],
-            row["type"],
-            row["dtype"],
-            row["weights"],
-            row["active"],
-            human_count(row["params"]),
-            human_bytes(row["bytes"]),
-        )
+        cells = [row[c] for c in cols[:-1]]
+        layers.add_row(*cells, human_count(row["params"]), human_bytes(row["bytes"]))
     con.print(layers)
     if data.get("experts"):
         _print_experts(con, data["experts"])
-    if data["memory"]:
-        mem = Table(title="memory by component")
-        mem.add_column("component")
-        mem.add_column("bytes", justify="right")
-        for k, v in data["memory"].items():
-            mem.add_row(clean(k), human_bytes(v))
-        con.print(mem)
+    for key, title in (("memory", "memory by component"), ("stored", "bytes in the file")):
+        if data.get(key):
+            mem = Table(title=title)
+            mem.add_column("component")
+            mem.add_column("bytes", justify="right")
+            for k, v in data[key].items():
+                mem.add_row(clean(k), human_bytes(v))
+            con.print(mem)
 
 
 def _print_experts(con, experts: dict) -> None:

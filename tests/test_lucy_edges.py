@@ -17,7 +17,7 @@ import pytest
 
 from lucy import environment
 from poly.errors import UsageError
-from tests.test_lucy_cli import one_error_line, world  # noqa: F401 - the shared fixture
+from tests.test_lucy_cli import _zero_biases, one_error_line, world  # noqa: F401 - fixture
 
 MENU = "Select [1]: "
 DOCS = Path(__file__).parent.parent / "docs"
@@ -81,7 +81,7 @@ def only_entity(world, tmp_path_factory):  # noqa: F811
     import entity
 
     base = tmp_path_factory.mktemp("only-entity")
-    home = base / "poly"
+    home = base / "home"  # not "poly": a poly/ dir in the cwd would shadow the package
     (home / "entities").mkdir(parents=True)
     entity.convert(str(world["src"]), str(home / "entities" / "tiny.f32.entity"), quant="f32")
     env = {**world["env"], "HF_HOME": str(base / "hf"), "POLY_HOME": str(home)}
@@ -118,7 +118,7 @@ def test_a_model_list_has_a_way_back(only_entity, typed):
 def test_empty_caches_say_so_and_return_to_the_menu(tmp_path, typed):
     import os
 
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "POLY_HOME": str(tmp_path / "poly")}
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "POLY_HOME": str(tmp_path / "home")}
     env.update(HF_HUB_OFFLINE="1", NO_COLOR="1", COLUMNS="200")
     out = _menu(env, typed, tmp_path)
     assert out.count(MENU) == 2
@@ -207,10 +207,59 @@ def test_inspect_names_the_stored_quant_scheme(smollm2_gguf, world):  # noqa: F8
     assert rows["MultiHeadAttention"]["weights"] == "gguf_" + types["blk.0.attn_q.weight"].lower()
     assert rows["SwiGLU"]["weights"] == "gguf_" + types["blk.0.ffn_up.weight"].lower()
     assert types["blk.0.attn_norm.weight"] == "F32" and rows["RMSNorm"]["weights"] == "float32"
-    assert data["weights"] == sorted({"float32", "gguf_" + types["blk.0.attn_q.weight"].lower()})
+    every = sorted({"float32" if t == "F32" else f"gguf_{t.lower()}" for t in types.values()})
+    assert data["weights"] == every  # the Q8_0 embedding table too
     assert data["dtypes"] == ["float32"]
+    assert sum(data["stored"].values()) == sum(int(t.n_bytes) for t in reader_tensors(smollm2_gguf))
     table = run_lucy(world["env"], "inspect", str(smollm2_gguf)).stdout
-    assert "weights: float32, gguf_q4_1" in table
+    assert f"weights: {', '.join(every)}" in table
+
+
+def reader_tensors(path):
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path)).tensors
+
+
+def test_inspect_reads_no_weights(smollm2_hf_dir, tmp_path):
+    """`lucy inspect` of the float32 SmolLM2 snapshot (540 MB of weights) peaks far below the
+    weights' size (it peaked at 1.2 GB loading them all) and counts transformers' parameters."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    weights = (smollm2_hf_dir / "model.safetensors").stat().st_size
+    probe = (
+        "import resource, subprocess, sys; "
+        "p = subprocess.run([sys.executable, '-m', 'lucy', 'inspect', sys.argv[1], '--json'], "
+        "capture_output=True, text=True); "
+        "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+        "print(p.stdout)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(smollm2_hf_dir)], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path).stdout  # fmt: skip
+    first, body = out.split("\n", 1)
+    code, peak_kb = map(int, first.split())
+    assert code == 0, out
+    assert peak_kb * 1024 < weights / 2, (peak_kb, weights)
+    data = json.loads(body)
+    cfg = AutoConfig.from_pretrained(smollm2_hf_dir)
+    with torch_meta():
+        ref = LlamaForCausalLM(cfg).num_parameters()
+    stored = sum(data["stored"].values())
+    assert stored == weights - _safetensors_header(smollm2_hf_dir / "model.safetensors")
+    layers = sum(r["params"] for r in data["layers"])
+    table = cfg.vocab_size * cfg.hidden_size
+    assert layers + table + cfg.hidden_size - _zero_biases(cfg) == ref
+
+
+def torch_meta():
+    import torch
+
+    return torch.device("meta")
+
+
+def _safetensors_header(path) -> int:
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
 
 
 def test_models_lists_the_demo_gguf(smollm2_gguf, world, tmp_path):  # noqa: F811
@@ -218,10 +267,10 @@ def test_models_lists_the_demo_gguf(smollm2_gguf, world, tmp_path):  # noqa: F81
     parameter count and tensor type gguf-py reads."""
     from gguf import GGUFReader
 
-    models = tmp_path / "poly" / "models"
+    models = tmp_path / "home" / "models"
     models.mkdir(parents=True)
     (models / smollm2_gguf.name).symlink_to(smollm2_gguf)
-    env = {**world["env"], "POLY_HOME": str(tmp_path / "poly")}
+    env = {**world["env"], "POLY_HOME": str(tmp_path / "home")}
     proc = run_lucy(env, "models", "--json")
     assert proc.returncode == 0, proc.stderr
     row = next(r for r in json.loads(proc.stdout) if r["kind"] == "gguf")

@@ -191,12 +191,10 @@ def test_menu_convert_with_empty_cache_says_why(world, tmp_path):  # noqa: F811
     hub = tmp_path / "hf" / "hub"
     lines = [ln.removeprefix("Select [1]: ") for ln in menu.stdout.splitlines()]  # no echo
     assert (
-        f"nothing to convert: no supported model in the HF cache ({hub}); try [3] Download" in lines
+        f"nothing to convert: no supported model in the HF cache ({hub}); try [3] Download "
+        "([1] chats with .entity files)" in lines
     )
-    assert (
-        f"no models found in the HF cache ({hub}) or the .entity dir ({tmp_path / 'p' / 'entities'});"
-        " try [3] Download or [7] Demo" in lines
-    )
+    assert menu.stdout.count("Select [1]: ") == 2  # straight back to the menu, then EOF
     assert "ENTITY catalogue" not in menu.stdout and menu.returncode == 0
 
 
