@@ -195,10 +195,9 @@ def plan(model) -> Plan | None:
 
 
 def prepare(model) -> bool:
-    """Make the model's fused plan now, with the one-time copies its matrices are read from
-    (`repack.copy_for`: rows by 16 or 8, float rows by 16), which the first forward would make
-    otherwise: a fresh SmolLM2 Q4_1's first prompt took 0.38 s, the next 0.05 s. Loaders call it
-    once the model is complete (entity.load). True when the fused step applies."""
+    """Make the model's fused plan and its one-time copies (`repack.copy_for`) now, not in the
+    first forward (SmolLM2 Q4_1's first prompt: 0.38 s, the next 0.05 s); entity.load calls it
+    once the model is complete. True when the fused step applies."""
     if getattr(model, "activation_dtype", None) != _F32:
         return False
     return plan(model) is not None
@@ -294,8 +293,10 @@ def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     caches = _prompt_caches(p, n)
     if caches is None:
         return None
+    nt = prefill.fused_threads(kernels.num_threads())  # one look at the load per prompt
     for i in range(calls):  # rows n * i // calls .. n * (i + 1) // calls, contiguous
-        logits = _prompt_call(p, x[n * i // calls : n * (i + 1) // calls], caches, i == calls - 1)
+        rows = x[n * i // calls : n * (i + 1) // calls]
+        logits = _prompt_call(p, rows, caches, i == calls - 1, nt)
     return logits
 
 
@@ -315,15 +316,16 @@ def _prompt_caches(p: Plan, n: int) -> list | None:
     return caches
 
 
-def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool) -> np.ndarray | None:
-    """One fused call over the rows x [n, d] of a prompt, appended to `caches`: logits [V] of
-    the last row, or (head False) None and only the last block's k and v."""
+def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool, nt: int = 0):
+    """One fused call over the rows x [n, d] of a prompt, appended to `caches` on `nt` threads
+    (0: `prefill.fused_threads`): logits [V] of the last row, or (head False) None and only the
+    last block's k and v."""
     n, start = x.shape[0], caches[0].length
     pairs = []
     for c in caches:
         pairs += (c.k, c.v) * n  # every row of block li reads and writes the same cache
     logits = np.empty((1, p.vocab), dtype=np.float32) if head else None  # [1, V]: the last row's
-    nt = prefill.fused_threads(kernels.num_threads())
+    nt = nt or prefill.fused_threads(kernels.num_threads())
     pos = tuple(range(start, start + n))
     ckernels.decode(p.layers, tuple(pairs), p.head, x, logits, pos, nt, None, None, p.exact_bf16)
     _report_experts(p, n)
