@@ -1,7 +1,9 @@
 """`lucy bench`: load time, prefill and decode tok/s, peak RSS, measured on the raw forward.
 
 Decode is greedy (argmax of the last logits) so the measured work does not depend on sampling
-or on an early EOS; a warm-up pass runs first so lazy initialisation is not timed.
+or on an early EOS; a warm-up pass runs first so lazy initialisation is not timed. Before it,
+the first two turns' first-token seconds: one-time work left to a fresh model's first forward
+shows as their gap (`first_turns`).
 """
 
 from __future__ import annotations
