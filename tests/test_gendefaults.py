@@ -152,17 +152,14 @@ def test_lucy_verbose_names_where_each_setting_came_from(tmp_path):
         assert proc.returncode == 0, proc.stderr
         return [ln for ln in proc.stderr.splitlines() if ln.startswith("settings: ")]
 
-    rest = ("repetition_window=0 (fallback) · dry_multiplier=0.0 (fallback) · dry_base=1.75 "
-            "(fallback) · dry_allowed_length=2 (fallback) · dry_penalty_last_n=-1 (fallback)")  # fmt: skip
+    # the knobs past top_p only when set (the rest are off: the fallback's)
     assert settings_line(ent, "--max-tokens", "3") == [
         "settings: temperature=0.0 (model file) · top_k=40 (fallback) · top_p=1.0 (fallback) · "
-        f"min_p=0.0 (fallback) · repetition_penalty=1.0 (fallback) · {rest} · max_tokens=3 (flag) · "
-        "seed=None (fallback)"
+        "max_tokens=3 (flag) · seed=None (fallback)"
     ]
-    assert settings_line(gguf, "--max-tokens", "3", "--seed", "5") == [
+    assert settings_line(gguf, "--max-tokens", "3", "--seed", "5", "--dry-multiplier", "0.5") == [
         "settings: temperature=0.7 (fallback) · top_k=40 (fallback) · top_p=1.0 (fallback) · "
-        f"min_p=0.0 (fallback) · repetition_penalty=1.0 (fallback) · {rest} · max_tokens=3 (flag) · "
-        "seed=5 (flag)"
+        "dry_multiplier=0.5 (flag) · max_tokens=3 (flag) · seed=5 (flag)"
     ]
 
 
@@ -210,7 +207,8 @@ def test_server_requests_default_to_what_lucy_generate_runs_with(hf_dirs, name):
     params = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, model_defaults(model))
     params = params.params
     for knob in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "dry_multiplier"):
-        assert float(cli[knob]) == float(getattr(params, knob)), knob
+        shown = cli.get(knob, getattr(GenOptions(), knob))  # not shown: the fallback's
+        assert float(shown) == float(getattr(params, knob)), knob
     file_max = model.generation_defaults.settings.get("max_tokens")
     assert params.max_tokens == file_max  # None (to the context end) unless the file sets it
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.3, "top_k": 3}

@@ -40,10 +40,12 @@ __all__ = [
 MODEL_FILE = "model file"
 KNOWN_MODEL = "known model"
 FALLBACK = "fallback"
-# The settings shown by --verbose and /stats, in this order.
+# The settings --verbose and /stats print, in this order; those after top_p only when they do not
+# come from the fallback (off there: a line listing every knob would not fit a terminal).
 SHOWN = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "repetition_window",
-         "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "max_tokens",
-         "seed")  # fmt: skip
+         "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+         "penalize_prompt", "max_tokens", "seed")  # fmt: skip
+_ALWAYS = frozenset({"temperature", "top_k", "top_p", "max_tokens", "seed"})
 # Fields a model file may set: per-request ones (seed, stop, eos ids, banned ids) are not its own.
 _FILE_FIELDS = frozenset(
     {
@@ -128,7 +130,8 @@ class Resolved:
 
     def shown(self) -> list[tuple[str, Any, str]]:
         """(name, value, origin) of the settings --verbose and /stats print (`SHOWN`)."""
-        return [(n, getattr(self.options, n), self.origins[n]) for n in SHOWN]
+        return [(n, getattr(self.options, n), self.origins[n]) for n in SHOWN
+                if n in _ALWAYS or self.origins[n] != FALLBACK]  # fmt: skip
 
     def replace(self, label: str, **changes: Any) -> Resolved:
         """Apply explicit ``changes`` (validated) labelled ``label`` (e.g. "/set")."""
