@@ -25,8 +25,18 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _unshadow() -> None:
+    """`python -m lucy` puts the working directory first on sys.path: a `poly/` folder there
+    (a POLY_HOME of ./poly) would be imported as an empty namespace package instead of poly.
+    The `lucy` script never has it; drop it unless lucy itself was found there (a checkout)."""
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if sys.path and os.path.abspath(sys.path[0] or os.curdir) == os.getcwd() != home:
+        del sys.path[0]
+
+
 def main() -> None:
     previous = signal.signal(signal.SIGINT, _interrupted_at_startup)
+    _unshadow()
     bad = environment.problems()  # before poly's import reads them (POLY_ISA, POLY_BACKEND ...)
     if bad:
         _fail(bad[0], environment.USAGE_EXIT)

@@ -279,3 +279,12 @@ def test_models_lists_the_demo_gguf(smollm2_gguf, world, tmp_path):  # noqa: F81
     kinds = Counter(t.tensor_type.name for t in tensors if len(t.shape) == 2)
     assert row["dtype"] == kinds.most_common(1)[0][0]
     assert row["path"] == str(models / smollm2_gguf.name) and row["supported"] is True
+
+
+def test_python_m_lucy_in_a_dir_holding_a_poly_folder(world, tmp_path):  # noqa: F811
+    """`python -m lucy` where POLY_HOME is ./poly: the folder must not shadow the package."""
+    (tmp_path / "poly" / "entities").mkdir(parents=True)
+    proc = run_lucy({**world["env"], "POLY_HOME": str(tmp_path / "poly")}, "models", "--json",
+                    cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)
