@@ -144,6 +144,7 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Run, convert and inspect local LLMs (no args: menu).")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"lucy {__version__} (polyloom)")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     model_help = ".entity file, HF model dir, .gguf file or cached HF model id"
 
@@ -161,7 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling(p)
     _add_tp(p)
-    parser.add_argument("--version", action="version", version=f"lucy {__version__} (polyloom)")
     _add_max_experts(p)
     _add_kv_cache(p)
 
