@@ -104,22 +104,26 @@ def hf_rows() -> list[ModelRow]:
 def entity_rows() -> list[ModelRow]:
     from entity.paths import entities_dir
 
-    root = entities_dir()
-    files = sorted(root.glob("*.entity")) if root.is_dir() else []
+    return _file_rows(entities_dir(), "entity", _entity_info)
+
+
+def _file_rows(root: Path, kind: str, info_of) -> list[ModelRow]:
+    """One row per ``*.<kind>`` file of ``root``, described by ``info_of(path)``."""
+    files = sorted(root.glob(f"*.{kind}")) if root.is_dir() else []
     rows = []
     for f in files:
-        info = _entity_info(f)
+        info = info_of(f)
         rows.append(
             ModelRow(
                 name=f.stem,
-                kind="entity",
+                kind=kind,
                 path=str(f),
                 architecture=info.get("architecture"),
                 parameters=info.get("parameters"),
                 dtype=info.get("dtype"),
                 size_bytes=f.stat().st_size,
                 supported="error" not in info,
-                reason=info.get("error", ".entity"),
+                reason=info.get("error", f".{kind}"),
             )
         )
     return rows
@@ -158,25 +162,7 @@ def gguf_rows() -> list[ModelRow]:
     """The GGUF files of the models dir (`lucy demo` fetches its SmolLM2 there)."""
     from entity.paths import models_dir
 
-    root = models_dir()
-    files = sorted(root.glob("*.gguf")) if root.is_dir() else []
-    rows = []
-    for f in files:
-        info = _gguf_info(f)
-        rows.append(
-            ModelRow(
-                name=f.stem,
-                kind="gguf",
-                path=str(f),
-                architecture=info.get("architecture"),
-                parameters=info.get("parameters"),
-                dtype=info.get("dtype"),
-                size_bytes=f.stat().st_size,
-                supported="error" not in info,
-                reason=info.get("error", ".gguf"),
-            )
-        )
-    return rows
+    return _file_rows(models_dir(), "gguf", _gguf_info)
 
 
 def _gguf_info(path: Path) -> dict:
