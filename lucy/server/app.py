@@ -1,8 +1,8 @@
 """The FastAPI app of ``lucy serve``: OpenAI-compatible routes over one ``Scheduler``.
 
 HTTP handlers only parse, submit and relay: the scheduler's own thread owns the model. Each
-request's events come back through ``loop.call_soon_threadsafe`` into an asyncio queue; a stream
-whose client disconnects cancels its request (freed at the scheduler's next step).
+request's events come back through ``loop.call_soon_threadsafe`` into an asyncio queue; a request
+whose client disconnects, streaming or not, is cancelled (freed at the scheduler's next step).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import time
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from lucy.server import relay, structured
+from lucy.server import relay, structured, toolcalls
 from lucy.server.errors import ApiError, bad_request, from_poly
 from lucy.server.format import (
     SSE_DONE,
@@ -38,7 +38,7 @@ def _render_chat(model, messages, tools, budget: int) -> list[int]:
     if tmpl is None:
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     extra = {"tools": tools} if tools else {}
-    if tools and "tools" not in tmpl.source:  # the template cannot show them: a system message
+    if tools and not toolcalls.shows_tools(tmpl):  # the template cannot show them: a system message
         note = structured.tools_system_text(tools)
         if messages and messages[0]["role"] == "system":
             messages = [
