@@ -203,7 +203,7 @@ def _describe_gguf(path: Path) -> Description:
     from entity.gguf.reader import open_gguf
     from poly.errors import WeightMappingError
 
-    gg = open_gguf(path)
+    gg = open_gguf(path, weights=False)
     cfg = gguf_config(gg)
     check_tensors(gg, cfg)
     tf = _skeleton(cfg)
@@ -242,10 +242,10 @@ def _describe_entity(path: Path) -> Description | None:
         return None
     from types import SimpleNamespace
 
-    from entity.dotentity.read import _attach_meta
+    from entity.dotentity.read import attach_meta
 
     tf = _skeleton(_entity_config(header, path))
-    _attach_meta(tf, SimpleNamespace(meta=lambda key: getattr(header, key), path=str(path)))
+    attach_meta(tf, SimpleNamespace(meta=lambda key: getattr(header, key), path=str(path)))
     return Description("entity", str(path), tf, _entity_tensors(header))
 
 
@@ -258,13 +258,12 @@ def _skeleton(cfg):
 def _check_blobs(f, blobs, header_end: int, size: int, path: str) -> None:
     """The checks `load` makes before building anything: layout and every blob's checksum
     (streamed through a small buffer: the file is read, never held)."""
-    from entity.dotentity.container import _crc_of_range
-    from entity.dotentity.header import align, check_layout
+    from entity.dotentity.header import align, check_layout, crc_of_range
     from poly.errors import IntegrityError
 
     check_layout(blobs, align(header_end), size, path)
     for rec in blobs:
-        if _crc_of_range(f, rec.offset, rec.length) != rec.checksum:
+        if crc_of_range(f, rec.offset, rec.length) != rec.checksum:
             raise IntegrityError(f"checksum mismatch in blob {rec.path!r}", path=path)
 
 

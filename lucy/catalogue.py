@@ -175,7 +175,7 @@ def _gguf_info(path: Path) -> dict:
     from poly.errors import PolyError
 
     try:
-        gg = open_gguf(path)
+        gg = open_gguf(path, weights=False)
         cfg = gguf_config(gg)
     except PolyError as err:
         return {"error": err.code}

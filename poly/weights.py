@@ -68,8 +68,7 @@ class FileSnapshot(mmap.mmap):
         self.identity = (st.st_size, st.st_mtime_ns)
         self._closer = weakref.finalize(self, os.close, fd)
         holes = sorted(r for r in (self._page_range(o, n) for o, n in lazy) if r[1] > r[0])
-        for start, stop in holes:
-            self._map_file(start, stop)
+        holes = [h for h in holes if self._map_file(*h)]  # a range not mapped is read
         self._read_between(holes)
         return self
 

@@ -93,8 +93,11 @@ def running_server(model: str | Path, *args: str, timeout: float = 120.0):
         proc.stderr.close()
 
 
-def lucy_generate(model: str | Path, prompt: str, n: int, chat: bool) -> dict:
-    cmd = [sys.executable, "-m", "lucy", "generate", str(model), "--prompt", prompt, "--greedy"]
+def lucy_generate(model: str | Path, prompt: str, n: int, chat: bool, greedy: bool = True) -> dict:
+    """``greedy``: plain argmax (``--greedy``); False: temperature 0 with the model's other
+    settings (its repetition controls), as a request with temperature 0 gets them."""
+    sampling = ["--greedy"] if greedy else ["--temperature", "0"]
+    cmd = [sys.executable, "-m", "lucy", "generate", str(model), "--prompt", prompt, *sampling]
     cmd += ["--max-tokens", str(n), "--json"] + (["--chat"] if chat else [])
     out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout)

@@ -65,11 +65,13 @@ def test_demo_and_convert_name_a_model_alike(monkeypatch, tmp_path):
     listed = _lucy(env, "models", "--json")
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)
-    assert sorted(r["name"] for r in rows) == [
+    entities = [r for r in rows if r["kind"] == "entity"]  # the source GGUF is listed too
+    assert sorted(r["name"] for r in entities) == [
         "SmolLM2-135M-Instruct.q4",
         "SmolLM2-135M-Instruct.q8",
     ]
-    assert sorted(r["dtype"] for r in rows) == ["q4", "q8"]
+    assert sorted(r["dtype"] for r in entities) == ["q4", "q8"]
+    assert [r["path"] for r in rows if r["kind"] == "gguf"] == [str(gguf)]
 
 
 @pytest.mark.parametrize("quant", ["q4", "q8", "f32"])

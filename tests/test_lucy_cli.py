@@ -261,10 +261,10 @@ def test_inspect_json_counts_match_transformers(world):
     head = model.lm_head.weight.numel() + model.model.embed_tokens.weight.numel()
     final_norm = model.model.norm.weight.numel()
     layers = sum(r["params"] for r in data["layers"])
-    assert layers + head + final_norm - _zero_biases(hf_cfg) == model.num_parameters()
+    assert layers + head + final_norm - zero_bias_count(hf_cfg) == model.num_parameters()
 
 
-def _zero_biases(cfg) -> int:
+def zero_bias_count(cfg) -> int:
     # our layouts always carry bias slots (zero for llama): q + 2·kv + d per MHA, 2·I + d per SwiGLU
     kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     per_layer = (

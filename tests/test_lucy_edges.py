@@ -17,7 +17,7 @@ import pytest
 
 from lucy import environment
 from poly.errors import UsageError
-from tests.test_lucy_cli import _zero_biases, one_error_line, world  # noqa: F401 - fixture
+from tests.test_lucy_cli import one_error_line, world, zero_bias_count  # noqa: F401 - fixture
 
 MENU = "Select [1]: "
 DOCS = Path(__file__).parent.parent / "docs"
@@ -248,7 +248,7 @@ def test_inspect_reads_no_weights(smollm2_hf_dir, tmp_path):
     assert stored == weights - _safetensors_header(smollm2_hf_dir / "model.safetensors")
     layers = sum(r["params"] for r in data["layers"])
     table = cfg.vocab_size * cfg.hidden_size
-    assert layers + table + cfg.hidden_size - _zero_biases(cfg) == ref
+    assert layers + table + cfg.hidden_size - zero_bias_count(cfg) == ref
 
 
 def torch_meta():

@@ -27,7 +27,8 @@ N = 16
 
 
 def test_greedy_parity_and_8_concurrent_streams(smollm2_gguf):
-    ref = lucy_generate(smollm2_gguf, PROMPTS[0], N, chat=True)
+    # temperature 0 on both sides: the model's repetition controls apply to both alike
+    ref = lucy_generate(smollm2_gguf, PROMPTS[0], N, chat=True, greedy=False)
     with running_server(smollm2_gguf, "--max-batch", "8") as (base, _):
         c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
         msgs = [{"role": "user", "content": PROMPTS[0]}]

@@ -52,6 +52,7 @@ from entity.dotentity.header import (
     Header,
     align,
     check_layout,
+    crc_of_range,
     decode_header,
     fail,
     peek_fields,
@@ -92,21 +93,6 @@ class EntityVersionError(EntityFormatError, UnsupportedError):
 
 
 # --- reading ----------------------------------------------------------------------------------
-
-
-def _crc_of_range(f, start: int, length: int) -> int:
-    f.seek(start)
-    crc = 0
-    buf = bytearray(min(_CHUNK, max(length, 1)))
-    view = memoryview(buf)
-    left = length
-    while left > 0:
-        n = f.readinto(view[: min(left, len(buf))])
-        if not n:
-            raise fail("truncated while verifying", None, start + length - left)
-        crc = crc32(view[:n], crc)
-        left -= n
-    return crc
 
 
 class EntityFile:
@@ -186,7 +172,7 @@ class EntityFile:
             pos = rec.offset + rec.length
 
     def _verify_record(self, f, rec: BlobRecord) -> None:
-        if _crc_of_range(f, rec.offset, rec.length) != rec.checksum:
+        if crc_of_range(f, rec.offset, rec.length) != rec.checksum:
             raise IntegrityError(f"checksum mismatch in blob {rec.path!r}", path=self.path)
         self._checked.add(rec.path)
 

@@ -14,6 +14,9 @@ from typing import Any, Literal
 import ml_dtypes
 import msgpack
 import numpy as np
+
+# ISA-L's crc32 is zlib's checksum at 4x its speed (a cached 2 GB file's check 1.5 -> 0.8 s)
+from isal.isal_zlib import crc32
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from entity.dotentity.native_blocks import check_record
@@ -246,3 +249,22 @@ def check_layout(blobs: list[BlobRecord], data_start: int, size: int, path: str 
     if end != size:
         what = "truncated" if end > size else "trailing bytes after the last blob"
         raise fail(f"{what}: data ends at {end}, file size {size}", path, min(end, size))
+
+
+CRC_CHUNK = 16 << 20
+
+
+def crc_of_range(f, start: int, length: int) -> int:
+    """The crc32 of ``length`` bytes of ``f`` from ``start``, read through a small buffer."""
+    f.seek(start)
+    crc = 0
+    buf = bytearray(min(CRC_CHUNK, max(length, 1)))
+    view = memoryview(buf)
+    left = length
+    while left > 0:
+        n = f.readinto(view[: min(left, len(buf))])
+        if not n:
+            raise fail("truncated while verifying", None, start + length - left)
+        crc = crc32(view[:n], crc)
+        left -= n
+    return crc

@@ -80,7 +80,7 @@ def _version_name(matrices: list, matrix_enc: str) -> str:
     return "+".join(sorted({native_kind(m) or matrix_enc for m in matrices}))
 
 
-def _attach_meta(tf, ef: EntityFile, text: bool = True) -> None:
+def attach_meta(tf, ef: EntityFile, text: bool = True) -> None:
     from poly.errors import SamplingParamsError
     from poly.text.chat import ChatTemplate
     from poly.text.gendefaults import GenerationDefaults
@@ -149,7 +149,7 @@ def load_entity(
         if not tied:
             tf.lm_head = read_matrix(ef, embed_enc, "lm_head", table["lm_head"])
         tf.final_norm = read_vector(ef, "final_norm", table["final_norm"][0])
-        _attach_meta(tf, ef, text)
+        attach_meta(tf, ef, text)
     except EntityFormatError as exc:
         exc.path = exc.path or ef.path
         raise

@@ -265,13 +265,11 @@ def _alignment(cur: _Cursor, metadata: dict, types: dict) -> int:
 
 
 class GGUFFile:
-    """A parsed, validated GGUF file.
+    """A parsed, validated GGUF file: ``metadata`` maps keys to Python values (numeric arrays
+    as numpy arrays, string arrays as lists), ``tensors`` names to ``TensorInfo`` in file order."""
 
-    ``metadata`` maps keys to Python values (numeric arrays as numpy arrays, string arrays as
-    lists); ``tensors`` maps names to ``TensorInfo`` in file order.
-    """
-
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, weights: bool = True):
+        """``weights=False``: header and tensor table only, the file mapped (never read in full)."""
         self.path = str(path)
         try:
             size = os.path.getsize(self.path)
@@ -279,18 +277,17 @@ class GGUFFile:
             raise ModelNotFoundError(
                 f"cannot open GGUF file: {exc.strerror}", path=self.path
             ) from None
+        try:  # weights: our own copy, a file rewritten under a mapping kills the process (SIGBUS)
+            if size >= HEADER_BYTES:
+                self.snapshot = FileSnapshot(self.path, lazy=() if weights else ((0, size),))
+                self._mm, size = self.snapshot.array(), self.snapshot.size
+        except (OSError, ValueError) as exc:
+            raise GGUFFormatError(f"cannot read file: {exc}", path=self.path, offset=0) from None
         if size < HEADER_BYTES:
             raise GGUFFormatError(
                 f"file too small for a GGUF header ({size} bytes)", path=self.path, offset=0
             )
-        try:  # our own copy: a file rewritten under a mapping kills the process (SIGBUS)
-            self.snapshot = FileSnapshot(self.path)
-        except (OSError, ValueError) as exc:
-            raise GGUFFormatError(f"cannot read file: {exc}", path=self.path, offset=0) from None
-        self._mm = self.snapshot.array()
-        self.file_size = size = self.snapshot.size
-        if size < HEADER_BYTES:
-            raise GGUFFormatError("the file shrank as it was read", path=self.path, offset=0)
+        self.file_size = size
         self._parse(_Cursor(self._mm, self.path))
 
     def _parse(self, cur: _Cursor) -> None:
@@ -398,6 +395,6 @@ def dequantize_rows(raw: np.ndarray, ggml_type: int, row_len: int) -> np.ndarray
     return out.reshape(*raw.shape[:-1], row_len)  # [*rows, row_len]
 
 
-def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Parse and validate a GGUF file."""
-    return GGUFFile(Path(path))
+def open_gguf(path: str | os.PathLike, *, weights: bool = True) -> GGUFFile:
+    """Parse and validate a GGUF file (``weights=False``: its header and tensor table only)."""
+    return GGUFFile(Path(path), weights=weights)
