@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="the SmolLM2-135M-Instruct GGUF (default: demo)")
     ap.add_argument("--only", nargs="*", default=None, help="candidate names to run")
     ap.add_argument("--held-out", action="store_true", help="the held-out prompts, no facts")
-    ap.add_argument("--out", default="benchmarks/results/repetition.json")
+    ap.add_argument("--out", default="benchmarks/results/results-repetition-smollm2.json")
     args = ap.parse_args(argv)
     path = Path(args.model) if args.model else ensure_smollm2()
     model = entity.load(path)
