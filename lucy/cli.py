@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's head")  # fmt: skip
     p.add_argument("--body-timeout", dest="body_timeout", type=float, default=60.0,
                    help="seconds a client has to send a request's body")  # fmt: skip
+    p.add_argument("--max-connections", dest="max_connections", type=int, default=None,
+                   help="open client connections; more get 503 (default: 256, or fewer if "
+                   "ulimit -n is low)")  # fmt: skip
     _add_kv_cache(p)
     return parser
 

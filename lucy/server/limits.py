@@ -1,5 +1,6 @@
-"""What ``lucy serve`` bounds before a request reaches a handler: the request head's size and
-read time (uvicorn's httptools protocol has neither) and the nesting depth of request JSON.
+"""What ``lucy serve`` bounds before a request reaches a handler: the number of open
+connections, the request head's size and read time (uvicorn's httptools protocol has none of
+them) and the nesting depth of request JSON.
 
 httptools gathers a header value inside the parser until its line ends, so the head is counted
 on the bytes received, not on parsed headers: a 64 MB header costs at most one socket read more
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -18,6 +20,8 @@ MAX_HEAD = 32 << 10  # bytes of request line + headers (h11's own default is 16 
 HEAD_TIMEOUT = 10.0  # seconds from the connection (or the next request's first byte) to its head
 BODY_TIMEOUT = 60.0  # seconds from the head to the end of the body
 MAX_JSON_DEPTH = 64  # nested arrays/objects in a request body
+MAX_CONNECTIONS = 256  # open client connections (lowered to what the fd limit leaves)
+FD_HEADROOM = 64  # descriptors kept for the model files, the listener, logs and the event loop
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (unrolled: linear time)
 
@@ -26,8 +30,19 @@ class _HeadRejected(Exception):
     """Raised inside the parser's callback to stop it after the 431 is sent."""
 
 
+def fd_room() -> int:
+    """Client connections the process's open-file limit (``ulimit -n``) leaves room for."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (1 << 30) if soft == resource.RLIM_INFINITY else soft - FD_HEADROOM
+
+
+def default_max_connections() -> int:
+    return max(1, min(MAX_CONNECTIONS, fd_room()))
+
+
 def _error_bytes(status: int, message: str, code: str) -> bytes:
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    error = {"message": message, "type": type_, "param": None, "code": code}
     body = json.dumps({"error": error}).encode()
     head = [
         STATUS_LINE[status],
@@ -39,11 +54,13 @@ def _error_bytes(status: int, message: str, code: str) -> bytes:
 
 
 class LimitedHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a cap on the request head's bytes (431) and on the
-    time a client takes to send it (408, then the connection is closed)."""
+    """uvicorn's httptools protocol with a cap on open connections (503 at once, then closed),
+    on the request head's bytes (431) and on the time a client takes to send it (408, then the
+    connection is closed)."""
 
     max_head = MAX_HEAD
     head_timeout = HEAD_TIMEOUT
+    max_connections: int | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -51,6 +68,11 @@ class LimitedHttpTools(HttpToolsProtocol):
         self._heads = 0  # heads parsed on this connection
         self._head_timer = None
         self._arm_head_timer()  # a connection that never sends a byte is closed too
+        # answered before its request is read, so one over the cap holds a descriptor only
+        # while the 503 is written (uvicorn's limit_concurrency waits for the head)
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
+            message = f"the server has {self.max_connections} open connections; retry later"
+            self._reject(503, message, "too_many_connections")
 
     def connection_lost(self, exc) -> None:
         self._cancel_head_timer()
@@ -135,10 +157,12 @@ class LimitedHttpTools(HttpToolsProtocol):
             self.transport.close()
 
 
-def protocol(max_head: int = MAX_HEAD, head_timeout: float = HEAD_TIMEOUT) -> type:
+def protocol(max_head: int = MAX_HEAD, head_timeout: float = HEAD_TIMEOUT,
+             max_connections: int | None = None) -> type:  # fmt: skip
     """The protocol class for ``uvicorn.Config(http=...)`` with these limits."""
-    return type("LimitedHttpTools", (LimitedHttpTools,),
-                {"max_head": max_head, "head_timeout": head_timeout})  # fmt: skip
+    limits = {"max_head": max_head, "head_timeout": head_timeout,
+              "max_connections": max_connections}  # fmt: skip
+    return type("LimitedHttpTools", (LimitedHttpTools,), limits)
 
 
 def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:

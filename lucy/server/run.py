@@ -91,10 +91,25 @@ def check_args(args) -> None:
         raise UsageError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     if args.kv_pages is not None and args.kv_pages < 0:
         raise UsageError(f"--kv-pages must be >= 0, got {args.kv_pages}")
+    check_max_connections(getattr(args, "max_connections", None))
     for flag in ("header_timeout", "body_timeout"):
         value = getattr(args, flag, 1.0)
         if not (value > 0 and math.isfinite(value)):
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
+
+
+def check_max_connections(n: int | None) -> None:
+    """--max-connections past the open-file limit would fail accepts with EMFILE instead."""
+    from lucy.server.limits import FD_HEADROOM, fd_room
+
+    if n is None:
+        return
+    if n < 1:
+        raise UsageError(f"--max-connections must be >= 1, got {n}")
+    if n > (room := fd_room()):
+        raise UsageError(f"--max-connections {n} exceeds the {room} connections the open-file "
+                         f"limit leaves (ulimit -n less {FD_HEADROOM}): lower it or raise "
+                         "ulimit -n")  # fmt: skip
 
 
 def check_ctx(model, ctx: int | None) -> None:
@@ -194,11 +209,12 @@ def _serve(args, load_model, sock: socket.socket) -> int:
         print(f"lucy serve: {settings.settings_line(rows)}", file=sys.stderr, flush=True)
     import uvicorn
 
-    from lucy.server.limits import HEAD_TIMEOUT, MAX_HEAD, protocol
+    from lucy.server.limits import HEAD_TIMEOUT, MAX_HEAD, default_max_connections, protocol
 
     head_timeout = getattr(args, "header_timeout", HEAD_TIMEOUT)
+    max_conn = getattr(args, "max_connections", None) or default_max_connections()
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                            http=protocol(MAX_HEAD, head_timeout),
+                            http=protocol(MAX_HEAD, head_timeout, max_conn),
                             timeout_graceful_shutdown=state.drain_s)  # fmt: skip
     _log_handler(args.log_level)
     host, port = sock.getsockname()[:2]
