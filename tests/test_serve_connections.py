@@ -120,3 +120,37 @@ def test_unusable_max_connections_exit_2(ckpt, args, nofile, message):
     lines = out.stderr.strip().splitlines()
     assert (out.returncode, len(lines)) == (2, 1), out.stderr
     assert lines[0].startswith(f"lucy: error: {message}")
+
+
+def test_default_cap_stays_within_a_low_open_file_limit(ckpt):
+    """Under ``ulimit -n 96`` the default cap is 32 (96 less 64 kept for the process): a 33rd
+    connection gets 503 instead of the accept failing with EMFILE."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "lucy", "serve", str(ckpt), "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96)))  # fmt: skip
+    held = []
+    try:
+        deadline, status = time.monotonic() + 120, None
+        while status != 200 and proc.poll() is None and time.monotonic() < deadline:
+            try:
+                status = get(f"http://127.0.0.1:{port}/health", None, 1)[0]
+            except OSError:
+                time.sleep(0.2)
+        assert status == 200, proc.stderr.read().decode()[-2000:] if proc.poll() else status
+        held = [_hold(port, half_sent=True) for _ in range(32)]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
+            extra.sendall(HEALTH)
+            data, closed = _response(extra, 5)
+        assert data.startswith(b"HTTP/1.1 503") and closed, data
+        assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
