@@ -7,25 +7,51 @@ from dataclasses import asdict, dataclass, field
 
 from poly.errors import LayerConfigError, LimitExceededError
 
+# The fields each rotary scaling type needs; poly.rope.ROPE_FREQUENCIES computes each type.
+# "dynamic" (NTK) is absent on purpose: transformers recomputes its frequencies from the length
+# seen so far, so the same position rotates differently in different calls; one table cannot.
+ROPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": (),
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
+}
+
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+    """Rotary frequency scaling as transformers computes it (`rope_type` in ROPE_FIELDS)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
     rope_type: str = "llama3"
+    # yarn only; None means transformers' default (from factor / mscale, beta 32 and 1)
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
-            raise LayerConfigError(f"rope scaling type {self.rope_type!r} is not supported")
-        if not (self.factor > 0 and self.low_freq_factor > 0 and self.high_freq_factor > 0):
+        needs = ROPE_FIELDS.get(self.rope_type)
+        if needs is None:
+            raise LayerConfigError(
+                f"rope scaling type {self.rope_type!r} is not supported "
+                f"(supported: {', '.join(ROPE_FIELDS)})"
+            )
+        missing = [name for name in needs if getattr(self, name) is None]
+        if missing:
+            raise LayerConfigError(f"rope scaling {self.rope_type!r} needs {', '.join(missing)}")
+        numbers = (self.factor, self.low_freq_factor, self.high_freq_factor, self.attention_factor)
+        if not all(v > 0 and math.isfinite(v) for v in numbers if v is not None):
             raise LayerConfigError("rope scaling factors must be positive")
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise LayerConfigError("rope scaling needs high_freq_factor > low_freq_factor")
-        if self.original_max_position_embeddings <= 0:
+        if self.low_freq_factor is not None and self.high_freq_factor is not None:
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise LayerConfigError("rope scaling needs high_freq_factor > low_freq_factor")
+        orig = self.original_max_position_embeddings
+        if orig is not None and orig <= 0:
             raise LayerConfigError("rope scaling needs original_max_position_embeddings > 0")
 
 

@@ -162,9 +162,14 @@ BAD_CONFIGS = [
     ({"mlp_bias": True}, UnsupportedError, "mlp_bias"),
     ({"hidden_act": "gelu"}, UnsupportedError, "gelu"),
     ({"torch_dtype": "float8_e4m3fn"}, UnsupportedError, "float8"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, UnsupportedError, "linear"),
+    ({"rope_scaling": {"type": "linear"}}, ConfigError, "factor"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, UnsupportedError, "dynamic"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, UnsupportedError, "yarn"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": "4"}}, ConfigError, "factor"),
+    (
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+        UnsupportedError,
+        "partial_rotary_factor",
+    ),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, ConfigError, "low_freq_factor"),
 ]
 

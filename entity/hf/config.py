@@ -3,7 +3,7 @@
 The result is a frozen pydantic record, :class:`HFModelConfig`, holding only what poly needs.
 Every failure is a typed poly error: malformed JSON, wrong types and missing keys are
 ``ConfigError`` naming the key; absurd sizes are ``LimitExceededError``; architectures or
-features we cannot run exactly (gemma, phi3, yarn rope scaling, MLP biases ...) are
+features we cannot run exactly (gemma, phi3, dynamic/longrope rope scaling, MLP biases ...) are
 ``UnsupportedError`` naming them. No pydantic traceback leaks out. The files are read by
 `entity.strict_json.read_json` (callers that import it from here still can).
 """
@@ -27,6 +27,7 @@ from entity.hf.generation import (
 from entity.hf.moe import moe_config
 from entity.strict_json import read_json
 from poly.config import LIMITS as POLY_LIMITS
+from poly.config import ROPE_FIELDS
 from poly.errors import ConfigError, LimitExceededError, UnsupportedError
 
 CONFIG_FILE = "config.json"
@@ -34,7 +35,7 @@ GENERATION_FILE = "generation_config.json"
 DEFAULT_CONTEXT = 4096  # KV cache size when the caller gives no max_seq_len
 
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", *ROPE_FIELDS)  # "default": no scaling
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers maps both to SiLU
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 # Upper bounds, checked before anything is sized from these numbers (reliability B3 #42): the
@@ -78,13 +79,20 @@ class _RawConfig(BaseModel):
 
 
 class HFRopeScaling(BaseModel):
-    """Llama-3 frequency scaling (the only rope_scaling type supported)."""
+    """A scaled rope_type's keys (ROPE_FIELDS names the ones each type needs)."""
 
     model_config = ConfigDict(frozen=True, strict=True, allow_inf_nan=False)
+    rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 class HFModelConfig(BaseModel):
@@ -192,7 +200,9 @@ def _token_ids(value: TokenIds) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
-def _rope(raw: _RawConfig, source: str | None) -> tuple[float, HFRopeScaling | None]:
+def _rope(
+    raw: _RawConfig, max_positions: int, source: str | None
+) -> tuple[float, HFRopeScaling | None]:
     # 4.x: top-level rope_theta + optional rope_scaling; 5.x: rope_parameters holds both.
     params = dict(raw.rope_parameters or raw.rope_scaling or {})
     theta = params.pop("rope_theta", None)
@@ -210,9 +220,33 @@ def _rope(raw: _RawConfig, source: str | None) -> tuple[float, HFRopeScaling | N
         )
     if kind == "default":
         return float(theta), None
-    params.pop("type", None)
-    wanted = {k: params.get(k) for k in HFRopeScaling.model_fields}
-    return float(theta), _validate(HFRopeScaling, wanted, source)
+    return float(theta), _scaling(raw, kind, params, max_positions, source)
+
+
+def _scaling(
+    raw: _RawConfig, kind: str, params: dict, max_positions: int, source: str | None
+) -> HFRopeScaling:
+    # transformers' scaled types (not llama's default one) rotate only this share of each head.
+    extra = raw.model_extra or {}
+    if params.get("partial_rotary_factor", extra.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedError(
+            f"partial_rotary_factor with {kind} rope is not supported", path=source
+        )
+    # As transformers' standardize_rope_params: a top-level original_max_position_embeddings
+    # wins, else the pre-extension length defaults to max_position_embeddings.
+    if "original_max_position_embeddings" in ROPE_FIELDS[kind]:
+        top = extra.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = (
+            top or params.get("original_max_position_embeddings") or max_positions
+        )
+        if kind == "yarn" and params.get("factor") is None:  # the extension ratio
+            params["factor"] = max_positions / params["original_max_position_embeddings"]
+    wanted = {k: params[k] for k in HFRopeScaling.model_fields if params.get(k) is not None}
+    scaling = _validate(HFRopeScaling, dict(wanted, rope_type=kind), source)
+    missing = [key for key in ROPE_FIELDS[kind] if getattr(scaling, key) is None]
+    if missing:
+        raise ConfigError(f"rope_scaling: {kind} needs {', '.join(missing)}", path=source)
+    return scaling
 
 
 def _check_sizes(raw: _RawConfig, kv_heads: int, head_dim: int, source: str | None) -> None:
@@ -294,7 +328,8 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
             )
         head_dim = raw.hidden_size // raw.num_attention_heads
     _check_sizes(raw, kv_heads, head_dim, source)
-    theta, scaling = _rope(raw, source)
+    max_positions = raw.max_position_embeddings or arch.default_max_positions
+    theta, scaling = _rope(raw, max_positions, source)
     eos = _union(_token_ids(raw.eos_token_id), _token_ids(gen.eos_token_id))
     bos = _token_ids(raw.bos_token_id) or _token_ids(gen.bos_token_id)
     for tid in (*eos, *bos):
@@ -323,7 +358,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
         qkv_bias=biased,
         o_bias=biased and arch.bias_rule == "flag",
         qk_norm=arch.qk_norm,
-        max_position_embeddings=raw.max_position_embeddings or arch.default_max_positions,
+        max_position_embeddings=max_positions,
         sliding_window=_sliding_window(raw, arch),
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=eos,

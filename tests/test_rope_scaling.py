@@ -1,0 +1,122 @@
+"""Scaled rotary embeddings (linear, yarn) against transformers' own tiny llama checkpoints.
+
+The prompt is longer than yarn's original_max_position_embeddings, so the interpolated
+frequencies and yarn's cos/sin factor both shape every logit past the start.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import entity
+from entity.hf.config import load_hf_config
+from poly import RopeScaling
+from poly.errors import LayerConfigError, UnsupportedError
+from poly.ops import HOOKS
+from poly.rope import rope_frequencies
+from tests.hf_fixtures import make_tiny_checkpoint, set_config_keys
+
+PROMPT = [(7 * i + 3) % 290 + 5 for i in range(48)]  # 48 > original_max_position_embeddings 32
+N_NEW = 16
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    # every yarn knob off its default: the ramp's dims, no truncation, mscale's attention factor
+    "yarn-knobs": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                   "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False,
+                   "mscale": 1.0, "mscale_all_dim": 0.5},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(ROPES))
+def checkpoint(request, tmp_path_factory):
+    rope = dict(ROPES[request.param], rope_theta=10000.0)
+    over = {"rope_parameters": rope, "max_position_embeddings": 128}  # 128 = 4 x 32
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp(request.param), "llama", config_overrides=over
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    kw = {"dtype": torch.float32, "attn_implementation": "eager"}
+    return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+
+
+def _hf_run(path, ids: list[int]) -> tuple[np.ndarray, list[int]]:
+    """transformers' float32 logits at every position of `ids`, and its N_NEW greedy tokens."""
+    import torch
+
+    model = _hf_model(str(path))
+    x = torch.tensor([ids], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(x, use_cache=False).logits[0].numpy()
+        seq = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=N_NEW, eos_token_id=[], pad_token_id=0)  # fmt: skip
+    return logits, seq[0, len(ids) :].tolist()
+
+
+def test_logits_and_greedy_match_transformers(checkpoint):
+    assert HOOKS["rope_inplace"] is not None  # the default backend: C kernels
+    assert load_hf_config(checkpoint).rope_scaling is not None
+    want_logits, want_tokens = _hf_run(checkpoint, PROMPT)
+    tf = entity.load(checkpoint)
+    np.testing.assert_allclose(tf.forward_all(PROMPT), want_logits, atol=1e-4, rtol=0)
+    tf.reset()  # one token a call: the fused C decode step reads the same scaled tables
+    steps = np.stack([tf.forward([t]) for t in PROMPT])
+    np.testing.assert_allclose(steps, want_logits, atol=1e-4, rtol=0)
+    tf.reset()
+    logits, got = tf.forward(PROMPT), []
+    for _ in range(N_NEW):
+        got.append(int(np.argmax(logits)))
+        logits = tf.forward([got[-1]])
+    assert got == want_tokens
+
+
+def test_entity_file_keeps_the_scaling(checkpoint, tmp_path):
+    # The .entity header stores the RopeScaling record; reloading rebuilds the same tables.
+    entity.convert(checkpoint, tmp_path / "m.entity", quant="f32")
+    got = entity.load(tmp_path / "m.entity").forward_all(PROMPT)
+    np.testing.assert_allclose(got, _hf_run(checkpoint, PROMPT)[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope", "made-up"])
+def test_unknown_rope_type_is_refused_by_name(tmp_path, kind):
+    path = make_tiny_checkpoint(tmp_path / "m", "llama")
+    set_config_keys(path, rope_parameters={"rope_type": kind, "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(UnsupportedError, match=f"rope_scaling type '{kind}' is not supported") as e:
+        entity.load(path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(LayerConfigError, match=f"'{kind}'"):
+        RopeScaling(factor=2.0, rope_type=kind)
+
+
+@pytest.mark.parametrize(
+    "top,rope",
+    [
+        # factor None: max_position_embeddings / a top-level original length (64 / 16)
+        ({"original_max_position_embeddings": 16}, {"rope_type": "yarn", "factor": None}),
+        ({}, {"rope_type": "yarn", "factor": 2.0}),  # original length: max_position_embeddings
+        ({}, {"rope_type": "linear", "factor": 3}),
+    ],
+)
+def test_rope_keys_resolve_as_transformers_does(tmp_path, top, rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama")
+    set_config_keys(path, rope_parameters=dict(rope, rope_theta=1e4), rope_scaling=None,
+                    max_position_embeddings=64, **top)  # fmt: skip
+    ref = LlamaConfig.from_pretrained(path)
+    inv, attention = ROPE_INIT_FUNCTIONS[rope["rope_type"]](ref, "cpu")
+    tc = load_hf_config(path).to_transformer_config()
+    ours, ours_attention = rope_frequencies(tc.head_dim, tc.rope_theta, tc.rope_scaling)
+    np.testing.assert_allclose(ours, inv.numpy(), rtol=1e-6)
+    assert ours_attention == pytest.approx(attention, rel=1e-12)
