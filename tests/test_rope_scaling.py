@@ -17,6 +17,7 @@ from poly import RopeScaling
 from poly.errors import LayerConfigError, UnsupportedError
 from poly.ops import HOOKS
 from poly.rope import rope_frequencies
+from tests.fuzz.corpus import F32, STRING, gguf_model
 from tests.hf_fixtures import make_tiny_checkpoint, set_config_keys
 
 PROMPT = [(7 * i + 3) % 290 + 5 for i in range(48)]  # 48 > original_max_position_embeddings 32
@@ -63,6 +64,15 @@ def _hf_run(path, ids: list[int]) -> tuple[np.ndarray, list[int]]:
     return logits, seq[0, len(ids) :].tolist()
 
 
+def _greedy(tf) -> list[int]:
+    """N_NEW greedy tokens after PROMPT, one token a call on the KV cache."""
+    logits, got = tf.forward(PROMPT), []
+    for _ in range(N_NEW):
+        got.append(int(np.argmax(logits)))
+        logits = tf.forward([got[-1]])
+    return got
+
+
 def test_logits_and_greedy_match_transformers(checkpoint):
     assert HOOKS["rope_inplace"] is not None  # the default backend: C kernels
     assert load_hf_config(checkpoint).rope_scaling is not None
@@ -73,11 +83,7 @@ def test_logits_and_greedy_match_transformers(checkpoint):
     steps = np.stack([tf.forward([t]) for t in PROMPT])
     np.testing.assert_allclose(steps, want_logits, atol=1e-4, rtol=0)
     tf.reset()
-    logits, got = tf.forward(PROMPT), []
-    for _ in range(N_NEW):
-        got.append(int(np.argmax(logits)))
-        logits = tf.forward([got[-1]])
-    assert got == want_tokens
+    assert _greedy(tf) == want_tokens
 
 
 def test_entity_file_keeps_the_scaling(checkpoint, tmp_path):
@@ -120,3 +126,41 @@ def test_rope_keys_resolve_as_transformers_does(tmp_path, top, rope):
     ours, ours_attention = rope_frequencies(tc.head_dim, tc.rope_theta, tc.rope_scaling)
     np.testing.assert_allclose(ours, inv.numpy(), rtol=1e-6)
     assert ours_attention == pytest.approx(attention, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, kind):
+    # llama.cpp's converter writes rope.scaling.{type,factor,original_context_length}.
+    from benchmarks import llama_convert
+
+    root = llama_convert.converter_dir()
+    if root is None:
+        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    over = {
+        "rope_parameters": dict(ROPES[kind], rope_theta=10000.0),
+        "max_position_embeddings": 128,
+    }
+    src = make_tiny_checkpoint(tmp_path / kind, "llama", seed=3, config_overrides=over)
+    gguf = llama_convert.convert(src, tmp_path / f"{kind}.gguf", "f32", root)
+    want_logits, want_tokens = _hf_run(src, PROMPT)
+    tf = entity.load(gguf)
+    assert tf.config.rope_scaling.rope_type == kind
+    np.testing.assert_allclose(tf.forward_all(PROMPT), want_logits, atol=1e-4, rtol=0)
+    tf.reset()
+    assert _greedy(tf) == want_tokens
+
+
+@pytest.mark.parametrize(
+    "changes,needle",
+    [
+        ({"llama.rope.scaling.type": (STRING, "longrope")}, "'longrope'"),
+        ({"llama.rope.scaling.type": (STRING, "yarn"),
+          "llama.rope.scaling.yarn_ext_factor": (F32, 0.5)}, "yarn_ext_factor"),
+    ],
+)  # fmt: skip
+def test_gguf_rope_scaling_it_cannot_compute_is_refused(tmp_path, changes, needle):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(gguf_model(changes))
+    with pytest.raises(UnsupportedError, match=needle) as e:
+        entity.load(path)
+    assert "\n" not in str(e.value)

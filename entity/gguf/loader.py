@@ -81,6 +81,38 @@ def _meta_float(gg: GGUFFile, key: str, default: float) -> float:
     return float(value)
 
 
+# llama.cpp's rope.scaling.type values we compute (poly.rope); its other yarn knobs (attention
+# and extrapolation factors, log multiplier) have no transformers twin here, so they are refused.
+GGUF_ROPE_TYPES = ("none", "linear", "yarn")
+_GGUF_ROPE_REFUSED = ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
+
+
+def _rope_scaling(gg: GGUFFile, arch: str, context: int) -> dict | None:
+    """RopeScaling fields from ``{arch}.rope.scaling.*`` (defaults as llama.cpp's loader)."""
+    pre = f"{arch}.rope.scaling."
+    kind = gg.metadata.get(pre + "type", "none")
+    if kind not in GGUF_ROPE_TYPES:
+        raise UnsupportedError(
+            f"GGUF rope scaling type {kind!r} is not supported "
+            f"(supported: {', '.join(GGUF_ROPE_TYPES)})",
+            path=gg.path,
+        )
+    if kind == "none":
+        return None
+    refused = [pre + key for key in _GGUF_ROPE_REFUSED if pre + key in gg.metadata]
+    if refused:
+        raise UnsupportedError(f"GGUF {', '.join(refused)} is not supported", path=gg.path)
+    fields = {"rope_type": kind, "factor": _meta_float(gg, pre + "factor", 1.0)}
+    if kind == "yarn":
+        fields["original_max_position_embeddings"] = _meta_int(
+            gg, pre + "original_context_length", context
+        )
+        for beta in ("beta_fast", "beta_slow"):
+            if pre + "yarn_" + beta in gg.metadata:
+                fields[beta] = _meta_float(gg, pre + "yarn_" + beta, 0.0)
+    return fields
+
+
 def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
     """The ``TransformerConfig`` a GGUF file describes (metadata ``{arch}.*`` keys)."""
     from poly import TransformerConfig
@@ -91,9 +123,9 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})",
             path=gg.path,
         )
-    if "rope_freqs.weight" in gg.tensors or f"{arch}.rope.scaling.type" in gg.metadata:
+    if "rope_freqs.weight" in gg.tensors:
         raise UnsupportedError(
-            "GGUF RoPE scaling (rope_freqs / rope.scaling) is not supported", path=gg.path
+            "GGUF rope_freqs (per-dim RoPE factors) is not supported", path=gg.path
         )
     if "token_embd.weight" not in gg.tensors:
         raise WeightMappingError("missing tensor token_embd.weight", path=gg.path)
@@ -122,6 +154,7 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
             head_dim=head_dim,
             rms_norm_eps=_meta_float(gg, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=_meta_float(gg, f"{arch}.rope.freq_base", 10000.0),
+            rope_scaling=_rope_scaling(gg, arch, context),
             max_seq_len=max_seq_len or min(context, DEFAULT_MAX_SEQ),
             tie_word_embeddings="output.weight" not in gg.tensors,
             attention_bias="blk.0.attn_q.bias" in gg.tensors,
