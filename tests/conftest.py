@@ -13,6 +13,21 @@ import pytest
 HF_DIR_NAME = "SmolLM2-135M-Instruct-hf"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (CI does)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests (real-model runs, the release wheel, fuzzing) run in CI (``CI`` set) or
+    with ``--slow``; a plain ``python -m pytest -q`` stays within 15 minutes on 2 cores."""
+    if config.getoption("--slow") or os.environ.get("CI") or config.getoption("-m"):
+        return
+    skip = pytest.mark.skip(reason="slow: CI runs it (or pytest --slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
     """A shell starting pytest in the background (`cmd &` without job control) leaves SIGINT
     ignored, and children inherit that: the Ctrl-C tests' subprocesses would never see it."""
