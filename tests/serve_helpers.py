@@ -82,15 +82,50 @@ def running_server(model: str | Path, *args: str, timeout: float = 120.0):
             time.sleep(0.2)
         yield base, proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Terminate (kill after 30 s) a server process and close its pipes."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+def read_response(
+    s: socket.socket, timeout: float, keep_alive_ends: bool = False
+) -> tuple[bytes, bool]:
+    """(bytes received, whether the server closed the connection) within ``timeout``;
+    ``keep_alive_ends``: also return once a whole response arrived on a kept-alive connection."""
+    data, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            return data, False
+        except (ConnectionResetError, BrokenPipeError):
+            return data, True
+        if not chunk:
+            return data, True
+        data += chunk
+        if keep_alive_ends and _whole_keep_alive(data):
+            return data, False
+    return data, False
+
+
+def _whole_keep_alive(data: bytes) -> bool:
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = [int(h.split(b":")[1]) for h in head.lower().split(b"\r\n")
+              if h.startswith(b"content-length:")]  # fmt: skip
+    return bool(length) and len(body) >= length[0] and b"connection: close" not in head.lower()
 
 
 def lucy_generate(model: str | Path, prompt: str, n: int, chat: bool, greedy: bool = True) -> dict:

@@ -16,7 +16,14 @@ import pytest
 pytest.importorskip("fastapi")
 
 from tests.hf_fixtures import make_tiny_checkpoint  # noqa: E402
-from tests.serve_helpers import env, free_port, get, running_server  # noqa: E402
+from tests.serve_helpers import (  # noqa: E402
+    env,
+    free_port,
+    get,
+    read_response,
+    running_server,
+    stop_server,
+)
 
 CAP = 8
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -35,28 +42,6 @@ def server(ckpt):
         yield base, int(base.rsplit(":", 1)[1])
 
 
-def _response(s: socket.socket, timeout: float) -> tuple[bytes, bool]:
-    """(bytes received, whether the server closed the connection) within ``timeout``."""
-    data, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s.settimeout(max(0.05, deadline - time.monotonic()))
-        try:
-            chunk = s.recv(65536)
-        except TimeoutError:
-            return data, False
-        except ConnectionResetError:
-            return data, True
-        if not chunk:
-            return data, True
-        data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = [int(h.split(b":")[1]) for h in head.lower().split(b"\r\n")
-                  if h.startswith(b"content-length:")]  # fmt: skip
-        if length and len(body) >= length[0] and b"connection: close" not in head.lower():
-            return data, False  # a whole keep-alive response
-    return data, False
-
-
 def _hold(port: int, half_sent: bool) -> socket.socket:
     """A connection that stays open: after a health check (keep-alive) or mid-head."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -64,7 +49,7 @@ def _hold(port: int, half_sent: bool) -> socket.socket:
         s.sendall(HEALTH[:20])
         return s
     s.sendall(HEALTH)
-    data, closed = _response(s, 10)
+    data, closed = read_response(s, 10, keep_alive_ends=True)
     assert data.startswith(b"HTTP/1.1 200") and not closed, data  # health works below the cap
     return s
 
@@ -77,7 +62,7 @@ def test_connection_past_the_cap_gets_503_then_serving_resumes(server, half_sent
         with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
             t0 = time.monotonic()
             extra.sendall(HEALTH)
-            data, closed = _response(extra, 5)
+            data, closed = read_response(extra, 5, keep_alive_ends=True)
             took = time.monotonic() - t0
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503"), data  # before the cap existed: 200
@@ -141,16 +126,10 @@ def test_default_cap_stays_within_a_low_open_file_limit(ckpt):
         held = [_hold(port, half_sent=True) for _ in range(32)]
         with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
             extra.sendall(HEALTH)
-            data, closed = _response(extra, 5)
+            data, closed = read_response(extra, 5, keep_alive_ends=True)
         assert data.startswith(b"HTTP/1.1 503") and closed, data
         assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
     finally:
         for s in held:
             s.close()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
+        stop_server(proc)

@@ -20,7 +20,16 @@ import pytest
 pytest.importorskip("fastapi")
 
 from tests.hf_fixtures import make_tiny_checkpoint  # noqa: E402
-from tests.serve_helpers import KEY, env, free_port, get, metrics, post, running_server  # noqa: E402
+from tests.serve_helpers import (  # noqa: E402
+    KEY,
+    env,
+    free_port,
+    get,
+    metrics,
+    post,
+    read_response,
+    running_server,
+)
 
 MODEL = "tiny-limits"
 TRAINED = 1024  # the checkpoint's max_position_embeddings
@@ -47,23 +56,6 @@ def _connect(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=10)
 
 
-def _read_until_closed(s: socket.socket, timeout: float) -> tuple[bytes, bool]:
-    """(bytes received, whether the server closed the connection within ``timeout``)."""
-    data, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s.settimeout(max(0.05, deadline - time.monotonic()))
-        try:
-            chunk = s.recv(65536)
-        except TimeoutError:
-            return data, False
-        except (ConnectionResetError, BrokenPipeError):
-            return data, True
-        if not chunk:
-            return data, True
-        data += chunk
-    return data, False
-
-
 def _status_and_json(raw: bytes) -> tuple[int, dict]:
     head, _, body = raw.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
@@ -84,7 +76,7 @@ def test_streamed_header_bombs_are_cut_off_and_cost_little_memory(server):
                     s.sendall(b"a" * 65536)
             except OSError:
                 pass  # the server closed the connection mid-header: what we want
-            return _read_until_closed(s, 10)
+            return read_response(s, 10)
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(bomb, range(8)))
@@ -97,7 +89,7 @@ def test_a_large_head_in_one_piece_gets_431(server):
     _, port, _ = server
     with _connect(port) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (40 << 10) + b"\r\n\r\n")
-        raw, closed = _read_until_closed(s, 10)
+        raw, closed = read_response(s, 10)
     status, body = _status_and_json(raw)
     assert (status, body["error"]["code"], closed) == (431, "header_too_large", True)
     # an ordinary large head (8 KiB of cookies) still passes
@@ -117,7 +109,7 @@ def test_half_sent_heads_and_silent_connections_are_closed(server):
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
             socks.append(s)
         start = time.monotonic()
-        results = [_read_until_closed(s, 8) for s in socks]
+        results = [read_response(s, 8) for s in socks]
         elapsed = time.monotonic() - start
     finally:
         for s in socks:
@@ -133,7 +125,7 @@ def test_half_sent_body_gets_408_and_the_connection_closes(server):
     with _connect(port) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH
                   + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")  # fmt: skip
-        raw, closed = _read_until_closed(s, 8)
+        raw, closed = read_response(s, 8)
     status, body = _status_and_json(raw)
     assert (status, body["error"]["code"], closed) == (408, "body_timeout", True)
 
