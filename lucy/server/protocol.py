@@ -9,6 +9,7 @@ from lucy.server.errors import bad_request
 from poly.errors import SamplingParamsError
 from poly.serving import SamplingParams
 from poly.text.gendefaults import MODEL_FILE, resolve
+from poly.text.prompt_budget import encode_within
 from poly.text.sampling import repeat_last_n_fields
 
 _NUM = (int, float)
@@ -217,12 +218,13 @@ def chat_messages(messages: list) -> list[dict]:
     return out
 
 
-def prompt_ids(model, prompt: Any) -> list[int]:
-    """/v1/completions' prompt: a string, a list of one string, or token ids."""
+def prompt_ids(model, prompt: Any, budget: int) -> list[int]:
+    """/v1/completions' prompt: a string (tokenized within ``budget`` tokens, never whole when it
+    cannot fit: `encode_within`), a list of one string, or token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return list(model.tokenizer.encode(prompt))
+        return encode_within(model.tokenizer, prompt, budget)
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):

@@ -51,15 +51,6 @@ def _render_chat(model, messages, tools, budget: int) -> list[int]:
     return encode_within(model.tokenizer, text, budget)
 
 
-def _completion_ids(model, prompt, budget: int) -> list[int]:
-    """`prompt_ids`, a text prompt tokenized within the budget."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return encode_within(model.tokenizer, prompt, budget)
-    return prompt_ids(model, prompt)
-
-
 async def _prepare(state, request: Request, parse):
     state.check_auth(request)
     body = await state.read_json(request)
@@ -164,7 +155,7 @@ async def completions(state, request: Request):
     model = state.model
     try:
         budget = _prompt_budget(state, parsed)
-        ids = await run_in_threadpool(_completion_ids, model, parsed.body["prompt"], budget)
+        ids = await run_in_threadpool(prompt_ids, model, parsed.body["prompt"], budget)
     except PolyError as err:
         raise from_poly(err) from None
     handle, q = state.submit(ids, parsed.params)
