@@ -39,8 +39,8 @@ AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
 ISAS = {"base": [], "avx2": AVX2, "avx512": AVX512}  # name -> flags (csrc/pk_isa_<name>.c)
 RELEASE = os.environ.get("POLY_BUILD_RELEASE") == "1"
-# Python's CFLAGS carry -g: the debug info is 9/10 of the extension (22 MB) and ~1/4 of the
-# compiler's time; POLY_BUILD_DEBUG=1 keeps it
+# Python's CFLAGS carry -g: the debug info is most of the extension and a good part of the
+# compiler's time (CHANGELOG 0.3.0); POLY_BUILD_DEBUG=1 keeps it
 DEBUG = [] if os.environ.get("POLY_BUILD_DEBUG") == "1" else ["-g0"]
 HERE = Path(__file__).resolve().parent
 KERNEL_SOURCES = sorted(f"csrc/{p.name}" for p in (HERE / "csrc").glob("*.[ch]"))
@@ -107,7 +107,7 @@ def _place(src: Path, dst: Path) -> None:
 
 
 def _prune(root: Path, keep: int = 3) -> None:
-    # an entry is one extension (~3 MB, 22 MB with debug info): keep the newest few
+    # an entry is one whole extension: keep the newest few
     entries = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
     for old in entries[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

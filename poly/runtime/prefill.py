@@ -57,9 +57,8 @@ def fused_threads(full: int) -> int:
         # window met another process's spinning threads kept every later prompt on one thread)
         return full
     if nt == full and not room:
-        # other processes hold the cores: all threads would wait at every barrier (a fresh
-        # process's first SmolLM2 prompt: 0.7-2.4 s on 2 threads, 0.1 s on 1); the decode
-        # tuner then starts on fewer too
+        # other processes hold the cores: all threads would wait at every barrier (many times
+        # slower than one thread fewer; results-first-turn-*.json); the decode tuner follows
         nt = full - 1
         SHARED.found(full, nt)
     return nt

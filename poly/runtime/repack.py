@@ -100,7 +100,7 @@ def repack16(
 # Element-wise copies into views of the record array `out` [g, nb, bytes] (no transposed
 # temporaries: a 49,152-row head's would double the peak memory of a repack). The 2-byte fields
 # move as uint16 and the code quads as uint32: numpy's strided copy costs per element, so
-# moving bytes took ~10x as long (SmolLM2 Q4_1's first forward spent 0.36 s repacking).
+# moving single bytes is several times slower (benchmarks/results/results-first-turn-*.json).
 def _place_fields(out: np.ndarray, at: int, v: np.ndarray) -> None:
     """A 2-byte field per row and 32-block, v [m, nb] (any 2-byte dtype), as
     out[..., at : at + 32]: row r's at bytes 2 r, 2 r + 1 (the record's D[16], M[16] or S[16])."""

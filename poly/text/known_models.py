@@ -95,7 +95,7 @@ def identify(config: Any, tokenizer: Any) -> KnownModel | None:
     shape = _shape(config)
     hits = [k for k in KNOWN_MODELS
             if k.shape == shape and k.architecture == config.architecture]  # fmt: skip
-    if not hits:  # the hash costs ~0.2 s: only for a model whose shape is in the table
+    if not hits:  # hashing the vocabulary is not free: only for a model whose shape is in the table
         return None
     digest = vocab_hash(tokenizer)
     return next((k for k in hits if k.vocab_sha256 == digest), None)

@@ -23,7 +23,7 @@ import weakref
 
 from poly.errors import ContextOverflowError
 
-PIECE_CHARS = 4096  # ~1-5 ms of tokenizing each: other threads get the GIL in between
+PIECE_CHARS = 4096  # short pieces: other threads get the GIL between them
 SLACK_PER_CUT = 16  # tokens a cut may add (a prepended space, merges lost in a long word)
 
 _LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
