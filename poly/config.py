@@ -55,7 +55,11 @@ class RopeScaling:
             raise LayerConfigError("rope scaling needs original_max_position_embeddings > 0")
 
 
-GATINGS = ("softmax", "sigmoid")
+# "softmax_topk": the top k of the raw logits, softmax over those k (GPT-OSS, GraniteMoE).
+GATINGS = ("softmax", "sigmoid", "softmax_topk")
+# Expert activations: "silu" = silu(gate) * up; "swiglu_oai" = GPT-OSS's clamped form
+# (gate clamped above at limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)).
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 
 # Upper bounds of every count a model file declares (GGUF metadata, HF config.json, a `.entity`
 # header), checked when a config is built, before anything is allocated: a 465 KB header that
@@ -92,7 +96,10 @@ class MoEConfig:
     `num_experts` SwiGLU experts of width `expert_intermediate_size` per token; `gating` turns
     router logits into weights, renormalised over the chosen k when `norm_topk_prob`.
     `shared_intermediate_size` > 0 adds an always-on SwiGLU expert scaled by sigmoid(w_sg . x)
-    (Qwen2-MoE). Layers listed in `dense_layers` keep the dense SwiGLU of the model."""
+    (Qwen2-MoE). Layers listed in `dense_layers` keep the dense SwiGLU of the model.
+    `router_bias` adds a bias [E] to the router logits and `expert_bias` says the experts carry
+    biases (GPT-OSS); `activation` with `swiglu_alpha`/`swiglu_limit` picks the experts' gated
+    activation (EXPERT_ACTIVATIONS)."""
 
     num_experts: int
     top_k: int
@@ -101,6 +108,11 @@ class MoEConfig:
     norm_topk_prob: bool = True
     shared_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         check_limits(self, ("num_experts", "top_k", "expert_intermediate_size",
@@ -115,6 +127,24 @@ class MoEConfig:
         if not isinstance(self.shared_intermediate_size, int) or self.shared_intermediate_size < 0:
             raise LayerConfigError("shared_intermediate_size must be an integer >= 0")
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise LayerConfigError(
+                f"moe activation {self.activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}"
+            )
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise LayerConfigError(f"{name} must be a positive finite number, got {value!r}")
+
+    @property
+    def extended(self) -> bool:
+        """True when an option past the fused C step's is used (softmax_topk gating, biases,
+        the clamped activation): poly.runtime.fused then leaves the model to the Python path."""
+        return self.gating not in ("softmax", "sigmoid") or bool(
+            self.router_bias or self.expert_bias or self.activation != "silu"
+        )
 
     @classmethod
     def coerce(cls, value) -> MoEConfig | None:
@@ -207,6 +237,8 @@ class TransformerConfig:
         if moe is not None:
             sparse = self.num_layers - len(set(moe.dense_layers) & set(range(self.num_layers)))
             ffn = moe.num_experts * (3 * h * moe.expert_intermediate_size + h)  # + router rows
+            ffn += moe.num_experts * (moe.router_bias + moe.expert_bias * (
+                2 * moe.expert_intermediate_size + h))  # fmt: skip
             if moe.shared_intermediate_size:
                 ffn += 3 * h * moe.shared_intermediate_size + h  # + its gate
             total += sparse * (ffn - 3 * h * self.intermediate_size)

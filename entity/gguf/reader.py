@@ -19,6 +19,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from poly.errors import GGUFFormatError, LimitExceededError, ModelNotFoundError, UnsupportedError
+from poly.quant.ggml import GGMLType, dequantize_mxfp4
 from poly.weights import FileSnapshot
 
 MAGIC = b"GGUF"
@@ -384,6 +385,8 @@ PLAIN_DTYPES: dict[int, np.dtype] = {
 
 def dequantize_rows(raw: np.ndarray, ggml_type: int, row_len: int) -> np.ndarray:
     """Dequantize raw rows ``[*rows, row_bytes]`` of one ggml type into float32 ``[*rows, row_len]``."""
+    if ggml_type == GGMLType.MXFP4:  # GPT-OSS experts: poly's own numpy dequantization
+        return dequantize_mxfp4(raw, row_len).reshape(*raw.shape[:-1], row_len)
     from gguf.quants import dequantize
 
     qtype = GGMLQuantizationType(ggml_type)

@@ -7,6 +7,7 @@ Master (float32, offsets in values; docs/architecture.md "MoE"):
 
     router       [E x d]   at 0
     shared_gate  [1 x d]   at E*d          (only with a shared expert)
+    router_bias  [E]       after those     (only with ``router_bias``: GPT-OSS)
 
 The experts are sub-layers (``sequential_layers``): E SwiGLU layers ``[I x d]`` (index e is
 expert e), then the shared expert (a SwiGLU of width ``shared_intermediate_size``) when there is
@@ -14,11 +15,14 @@ one. Each expert therefore has the SwiGLU offset layout and its own weight store
 quantizes and saves like any SwiGLU, and a reader can map one expert without the others. The
 router stays float32 (morph skips it).
 
-Forward, per token: logits = x @ router.T (float32), weights = softmax(logits) or
-sigmoid(logits), the top_k largest taken by a stable descending sort (on exact ties the lower
-expert id wins), renormalised over the k when ``norm_topk_prob``; out = sum_k w_k * expert_k(x)
-[+ sigmoid(shared_gate . x) * shared(x)]. Tokens are grouped by expert: one matrix product per
-used expert (a decode step touches only its k experts). An expert cache set on the layer
+Forward, per token: logits = x @ router.T [+ router_bias] (float32), weights = softmax(logits)
+or sigmoid(logits), the top_k largest taken by a stable descending sort (on exact ties the lower
+expert id wins), renormalised over the k when ``norm_topk_prob`` (gating "softmax_topk": the
+top_k logits, then softmax over those k); out = sum_k w_k * expert_k(x)
+[+ sigmoid(shared_gate . x) * shared(x)]. Experts apply silu(gate) * up, or with activation
+"swiglu_oai" GPT-OSS's clamped form (poly.config.EXPERT_ACTIVATIONS), biases included.
+Tokens are grouped by expert: one matrix product per used expert (a decode step touches only
+its k experts). An expert cache set on the layer
 (``layer.expert_cache``, a `poly.runtime.expert_cache.ExpertHandle` when experts are paged
 under a memory budget) is told about every expert used, before it runs.
 """
@@ -32,14 +36,16 @@ import numpy as np
 from poly.config import MoEConfig
 from poly.errors import LayerConfigError
 from poly.layer import LayerKind, LayerType, VolumetricLayer
+from poly.nn import swiglu
 from poly.nn.spec import Spec, carve
-from poly.ops import HOOKS, dense_matmul
+from poly.ops import HOOKS, dense_matmul, linear
 
 
 @dataclass
 class MoEViews:
     router: np.ndarray  # [E, d]
     shared_gate: np.ndarray | None = None  # [1, d]
+    router_bias: np.ndarray | None = None  # [E]
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -92,6 +98,8 @@ def spec(layer) -> Spec:
     table = [("router", (cfg.num_experts, d))]
     if cfg.shared_intermediate_size:
         table.append(("shared_gate", (1, d)))
+    if cfg.router_bias:
+        table.append(("router_bias", (cfg.num_experts,)))
     return table
 
 
@@ -113,10 +121,13 @@ def shared_expert(layer):
 
 
 def gate_weights(logits: np.ndarray, gating: str) -> np.ndarray:
-    """Router logits [n, E] -> float32 scores [n, E] (softmax over E, or sigmoid)."""
+    """Router logits [n, E] -> float32 scores [n, E] (softmax over E, or sigmoid; the logits
+    themselves for "softmax_topk", whose softmax comes after the choice)."""
     z = np.asarray(logits, np.float32)
     if gating == "sigmoid":
         return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+    if gating == "softmax_topk":
+        return z
     z = z - z.max(axis=-1, keepdims=True)
     e = np.exp(z)
     return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
@@ -132,15 +143,40 @@ def route(
         raise LayerConfigError(f"top_k {top_k} is outside [1, {probs.shape[-1]}]")
     idx = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [n, k]
     w = np.take_along_axis(probs, idx, axis=-1)  # [n, k]
-    if norm_topk_prob:
+    if gating == "softmax_topk":
+        w = gate_weights(w, "softmax")  # over the chosen k only
+    elif norm_topk_prob:
         w = w / w.sum(axis=-1, keepdims=True)
     return idx.astype(np.int64), w.astype(np.float32)
 
 
 def router_logits(layer, x2: np.ndarray) -> np.ndarray:
     """x2 [n, d] -> float32 logits [n, E]."""
-    router = views(layer).router  # [E, d]
-    return dense_matmul(np.ascontiguousarray(x2, dtype=np.float32), router)  # [n, E]
+    v = views(layer)
+    logits = dense_matmul(np.ascontiguousarray(x2, dtype=np.float32), v.router)  # [n, E]
+    if v.router_bias is not None:
+        logits += v.router_bias
+    return logits
+
+
+def clamped_swiglu(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """GPT-OSS's expert activation (transformers' GptOssExperts._apply_gate), float32 [n, I]."""
+    gate = np.minimum(gate, np.float32(limit))
+    up = np.clip(up, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):  # exp(-a*gate) of a very negative gate: inf, sigmoid 0
+        glu = gate * (np.float32(1.0) / (np.float32(1.0) + np.exp(-np.float32(alpha) * gate)))
+    return ((up + np.float32(1.0)) * glu).astype(np.float32, copy=False)
+
+
+def run_expert(sub, x2: np.ndarray, cfg: MoEConfig) -> np.ndarray:
+    """One expert on its rows x2 [m, d] -> [m, d]; the clamped form needs gate and up apart."""
+    if cfg.activation == "silu":
+        return sub.forward(x2)
+    c = swiglu.components(sub)
+    gate = linear(x2, c["w_gate"], c["b_gate"])  # [m, I]
+    up = linear(x2, c["w_up"], c["b_up"])  # [m, I]
+    hidden = clamped_swiglu(gate, up, cfg.swiglu_alpha, cfg.swiglu_limit)
+    return linear(np.ascontiguousarray(hidden), c["w_down"], c["b_down"])  # [m, d]
 
 
 # --- forward ----------------------------------------------------------------------------------
@@ -159,7 +195,8 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
     counts = np.bincount(flat, minlength=cfg.num_experts)
     cache = getattr(layer, "expert_cache", None)
     subs = layer.sequential_layers
-    fast = HOOKS["expert"]  # the C backend's per-expert path (poly/runtime/experts.py)
+    # the C backend's per-expert path (poly/runtime/experts.py) knows SiLU experts only
+    fast = HOOKS["expert"] if cfg.activation == "silu" else None
     start = 0
     for e in np.flatnonzero(counts):  # ascending expert id, like transformers' index_add_
         pairs = order[start : start + counts[e]]
@@ -170,7 +207,7 @@ def forward(layer, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
         xe = x2[rows] if len(rows) < len(x2) else x2  # [m, d]
         y = None if fast is None else fast(subs[e], xe)
         if y is None:
-            y = subs[e].forward(xe)  # [m, d]
+            y = run_expert(subs[e], xe, cfg)  # [m, d]
         out[rows] += y * w[rows, slots][:, None]
     shared = shared_expert(layer)
     if shared is not None:

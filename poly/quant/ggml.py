@@ -3,12 +3,17 @@
 Our own table, so that poly's core does not import the `gguf` package (its import pulls in yaml
 and its whole writer: ~5 MB of every process, each tensor-parallel rank included); equal to
 `gguf.constants` on every type both know (tests/test_ggml_types.py). IntEnum: a member equals
-and hashes as its id, so the tables of both libraries take either.
+and hashes as its id, so the tables of both libraries take either. MXFP4 (GPT-OSS's experts) is
+dequantized here in numpy, in both its GGUF and its HF checkpoint layout.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
+
+import numpy as np
+
+from poly.errors import WeightMappingError
 
 
 class GGMLType(IntEnum):
@@ -85,3 +90,42 @@ QUANT_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.NVFP4: (64, 36),
     GGMLType.Q1_0: (128, 18),
 }
+
+
+# --- MXFP4 (OCP microscaling: 32 e2m1 values sharing one e8m0 exponent) -------------------------
+
+# e2m1 codes -> value x2 (ggml's kvalues_mxfp4; the halved scale below undoes the x2)
+_E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+
+
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    """2^(e - 128) as float32, exact for every byte (ggml_e8m0_to_fp32_half; e < 2 subnormal)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def dequantize_mxfp4(raw: np.ndarray, row_len: int) -> np.ndarray:
+    """GGUF MXFP4 rows (ggml type 39) -> float32 [rows, row_len]. A block is 17 bytes: the e8m0
+    exponent, then 16 bytes whose low nibbles are values 0..15 and high nibbles 16..31."""
+    blocks = np.asarray(raw).view(np.uint8).reshape(-1, 17)  # [nb, 17]
+    qs = blocks[:, 1:]  # [nb, 16]
+    codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)  # [nb, 32]
+    with np.errstate(over="ignore"):  # exponent 255 times 6: inf, as in ggml
+        vals = _E2M1_X2[codes] * _e8m0_half(blocks[:, :1])  # [nb, 32]
+    return vals.reshape(-1, row_len)
+
+
+def dequantize_mxfp4_hf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GPT-OSS checkpoint MXFP4 (``*_blocks`` [..., G, 16] uint8, ``*_scales`` [..., G] uint8) ->
+    float32 [..., G*32] (transformers' integrations/mxfp4.py: low nibble = even value, high
+    nibble = odd value, times 2^(scale - 127)), in the stored row order."""
+    blocks = np.asarray(blocks, np.uint8)
+    scales = np.asarray(scales, np.uint8)
+    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise WeightMappingError(
+            f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape} (mxfp4_shape)"
+        )
+    codes = np.stack([blocks & np.uint8(0x0F), blocks >> np.uint8(4)], axis=-1)  # [..., G, 16, 2]
+    vals = _E2M1_X2[codes.reshape(*blocks.shape[:-1], 32)] * _e8m0_half(scales)[..., None]
+    return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)

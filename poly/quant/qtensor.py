@@ -23,7 +23,7 @@ from poly.errors import (
     NumericalError,
     UnsupportedError,
 )
-from poly.quant.ggml import QUANT_SIZES, GGMLType
+from poly.quant.ggml import QUANT_SIZES, GGMLType, dequantize_mxfp4
 
 KERNELS: dict[str, Callable[[QTensor, np.ndarray, np.ndarray], None]] = {}
 # A compiled dequantizer a backend installs (poly.runtime.kernels): "supported"(qt) -> bool,
@@ -300,7 +300,10 @@ def _gguf_dequantizable(qtype: GGMLType) -> bool:
 @functools.cache
 def gguf_supported() -> frozenset[GGMLType]:
     """The GGML types gguf-py dequantizes (asked once, on the first GGUF block matrix)."""
-    return frozenset(t for t in GGMLType if t in QUANT_SIZES and _gguf_dequantizable(t))
+    own = {GGMLType.MXFP4}  # dequantized by poly.quant.ggml, whatever gguf-py's version
+    return frozenset(
+        t for t in GGMLType if t in QUANT_SIZES and (t in own or _gguf_dequantizable(t))
+    )
 
 
 class GGUFMatrix(QTensor):
@@ -357,6 +360,8 @@ class GGUFMatrix(QTensor):
             super().matmul_reference(x2, res)
 
     def _rows_numpy(self, start: int, stop: int) -> np.ndarray:
+        if self.ggml_type == GGMLType.MXFP4:  # numpy of our own (GPT-OSS experts)
+            return dequantize_mxfp4(self.raw[start:stop], self.shape[1])
         from gguf import quants
 
         vals = quants.dequantize(self.raw[start:stop], self.ggml_type)

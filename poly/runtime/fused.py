@@ -69,6 +69,8 @@ def _moe_args(mlp) -> tuple | None:
     """The C record of an MoE layer (csrc/pk_moe_args.h), or None: (E, top_k, sigmoid,
     norm_topk_prob, router, shared_gate, experts, chosen [STEP_ROWS, top_k] int32)."""
     cfg = mlp.moe
+    if cfg.extended:  # router/expert biases, softmax after top-k, clamped SwiGLU: Python path
+        return None
     v = moe.views(mlp)
     router = _mat(np.ascontiguousarray(v.router, dtype=np.float32))
     # the experts' float rows stay as stored: a pager drops and reads them from the file
