@@ -22,10 +22,12 @@ class LayerType(IntEnum):
     MHA = 1
     SWIGLU = 2
     RMSNORM = 3
+    LAYERNORM = 9
     EMBEDDING = 13
     SEQUENTIAL = 17
     RESIDUAL = 18
     MOE = 20  # new kind (Loom's ids stop at 19, Metacognition)
+    GELU_MLP = 21  # new kind: the plain (non-gated) MLP with biases
 
     @property
     def label(self) -> str:
@@ -40,10 +42,12 @@ _LAYER_LABELS = {
     LayerType.MHA: "MultiHeadAttention",
     LayerType.SWIGLU: "SwiGLU",
     LayerType.RMSNORM: "RMSNorm",
+    LayerType.LAYERNORM: "LayerNorm",
     LayerType.EMBEDDING: "Embedding",
     LayerType.SEQUENTIAL: "Sequential",
     LayerType.RESIDUAL: "Residual",
     LayerType.MOE: "MoE",
+    LayerType.GELU_MLP: "GeluMLP",
 }
 _LAYER_ALIASES = {
     "DENSE": LayerType.DENSE,
@@ -52,11 +56,15 @@ _LAYER_ALIASES = {
     "MULTIHEADATTENTION": LayerType.MHA,
     "SWIGLU": LayerType.SWIGLU,
     "RMSNORM": LayerType.RMSNORM,
+    "LAYERNORM": LayerType.LAYERNORM,
     "EMBEDDING": LayerType.EMBEDDING,
     "SEQUENTIAL": LayerType.SEQUENTIAL,
     "RESIDUAL": LayerType.RESIDUAL,
     "MOE": LayerType.MOE,
     "MIXTUREOFEXPERTS": LayerType.MOE,
+    "GELUMLP": LayerType.GELU_MLP,
+    "GELU_MLP": LayerType.GELU_MLP,
+    "MLP": LayerType.GELU_MLP,
 }
 
 
@@ -148,6 +156,7 @@ class Activation(IntEnum):
     SIGMOID = 4
     LEAKY_RELU = 5
     RELU2 = 6
+    GELU_ERF = 7  # new: exact GELU, 0.5 x (1 + erf(x / sqrt 2)) (GELU above is the tanh form)
 
 
 @dataclass(eq=False)

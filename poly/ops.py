@@ -8,9 +8,12 @@ the C or numba versions on `set_backend` and restores these for the numpy backen
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import numpy as np
+from numpy.polynomial import chebyshev as C
 
 
 def numpy_dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -117,17 +120,50 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+@functools.cache
+def _erf_pieces() -> np.ndarray:
+    """Power-basis coefficients [6, 19] of erf on [p, p+1], p = 0..5, in t = 2(x-p)-1: Chebyshev
+    interpolants of math.erf (numpy has no erf and scipy is not a dependency); max error 3e-15."""
+    exact = np.vectorize(math.erf)
+    pieces = [C.Chebyshev.interpolate(exact, 18, domain=[p, p + 1]).coef for p in range(6)]
+    return np.array([C.cheb2poly(c) for c in pieces])
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf elementwise in float64 (any input dtype); erf(|x| >= 6) is +-1 in float64."""
+    ax = np.fmin(np.abs(np.asarray(x, dtype=np.float64)), 6.0)  # [*]; NaN -> 6, put back below
+    piece = np.minimum(ax.astype(np.int64), 5)
+    coef = _erf_pieces()
+    t = 2.0 * (ax - piece) - 1.0
+    out = coef[piece, -1]
+    for k in range(coef.shape[1] - 2, -1, -1):  # Horner in t, per element's own piece
+        out *= t
+        out += coef[piece, k]
+    out = np.copysign(np.minimum(out, 1.0), x)  # the interpolant overshoots 1 by 2e-15 at 6
+    nan = np.isnan(x)
+    return np.where(nan, np.nan, out) if nan.any() else out
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh form (HF gelu_new / gelu_pytorch_tanh, Loom's GELU) in x's dtype: Python-float
+    constants take the array's precision (float32 stays float32, float64 keeps every digit)."""
+    inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
+    return 0.5 * x * (1.0 + np.tanh(inner))
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    """Exact GELU, x * (1 + erf(x / sqrt 2)) / 2, in x's dtype (erf itself runs in float64)."""
+    return (0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))).astype(x.dtype, copy=False)
+
+
 ACTIVATIONS = {
     -1: lambda x: x,
     0: lambda x: np.maximum(x, np.float32(0)),
     1: silu,
-    2: lambda x: (
-        np.float32(0.5)
-        * x
-        * (1 + np.tanh(np.float32(0.7978845608) * (x + np.float32(0.044715) * x**3)))
-    ),
+    2: gelu_tanh,
     3: np.tanh,
     4: lambda x: np.float32(1) / (np.float32(1) + np.exp(-x)),
     5: lambda x: np.where(x > 0, x, np.float32(0.01) * x).astype(np.float32),
     6: lambda x: np.square(np.maximum(x, np.float32(0))),
+    7: gelu_erf,
 }

@@ -7,11 +7,33 @@ reference forward), registered by LayerType in poly.layer.KINDS.
 """
 
 from poly.layer import LayerKind, add_layer_type, param_count
-from poly.nn import dense, embedding, mha, moe, residual, rmsnorm, sequential, swiglu
+from poly.nn import (
+    dense,
+    embedding,
+    gelu_mlp,
+    layernorm,
+    mha,
+    moe,
+    residual,
+    rmsnorm,
+    sequential,
+    swiglu,
+)
 from poly.nn.layout import components, spec, views
 from poly.nn.registry import dispatch, get, kinds, register
 
-for _module in (dense, embedding, mha, moe, residual, rmsnorm, sequential, swiglu):
+for _module in (
+    dense,
+    embedding,
+    gelu_mlp,
+    layernorm,
+    mha,
+    moe,
+    residual,
+    rmsnorm,
+    sequential,
+    swiglu,
+):
     register(_module.KIND, replace=True)
 
 __all__ = [
