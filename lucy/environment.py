@@ -61,6 +61,10 @@ VARIABLES: dict[str, tuple[Callable[[str], None], str]] = {
     ),
     "POLY_ACT_Q8": (_choice("0", "1", "auto"), "int8 activations: 0 off, 1 on, auto (default)"),
     "POLY_ADAPTIVE_THREADS": (_choice("0", "1"), "0: always the configured thread count"),
+    "POLY_TUNE": (
+        _choice("0", "1", "force", fold=True),
+        "0: shipped dispatch defaults, no measuring; force: measure again ($POLY_HOME/tune)",
+    ),
     "POLY_MALLOC_TUNE": (_choice("0", "1"), "0: leave glibc's malloc thresholds alone"),
     "POLY_CONVERT_BLOCK_DELAY": (_seconds, "test hook: seconds to sleep after each block"),
 }

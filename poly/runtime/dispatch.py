@@ -3,7 +3,8 @@
 A one-token `Transformer.forward` under the C backend, on float32 activations, runs the fused
 step (poly/runtime/fused.py) when its plan applies, and so does a prompt of up to 64 tokens (its
 tokens as the step's rows, sharing each block's cache), and a longer one as calls of up to 64
-where those win (calls_win); everything else (prompts, tiling, other
+where those win (calls_win): this machine's measurement (poly/runtime/crossover.py, kept per CPU
+in the tune cache) or, without one, the shipped rule (`shipped_rule`); everything else (prompts, tiling, other
 activations, forms without a C kernel, the numpy/numba backends, float64) runs the reference
 path of the model (poly/model/transformer.py), whose blocks run on the thread count the prefill
 tuner picks (poly/runtime/prefill.py).
@@ -14,41 +15,54 @@ from __future__ import annotations
 import numpy as np
 
 from poly.nn.embedding import lookup
-from poly.runtime import ckernels, fused, prefill
+from poly.runtime import ckernels, crossover, fused, prefill
 
-# prompts of up to this many tokens run as the rows of one fused step (csrc/pk_decode.c):
-# SmolLM2 16 tokens Q8_0 34 -> 20 ms, F32 55 -> 37 ms; 24-64 tokens 15-20 % faster than the
-# reference path, whose products run in the C gemm (it takes longer prompts)
+# The shipped rule (`shipped_rule`) for where a prompt runs; each of its constants is measured per
+# machine at first use (tune cache: poly/runtime/crossover.py); the A/B runs behind the defaults:
+# benchmarks/results/README.md "Dispatch constants".
+# prompts of up to this many tokens run as the rows of one fused call: measured per machine at
+# first use (tune cache)
 FUSED_PREFILL_MAX = 64  # = ckernels.STEP_ROWS
-
-# models this wide or narrower run every longer prompt as fused calls: the reference path's
-# per-layer work outweighs its gemm's edge there (Zen 3 AVX2, 65-512 tokens, in-process A/B:
-# SmolLM2, 576 wide, 1.00-1.36x on 9 of the matrix's 12 forms, Q4_0 and Q4_K_M 0.98-1.10x,
-# .entity q4 see NARROW_EXCEPT; a synthetic 1024-wide model 0.93-1.13x, F32 and Q4_0 ties,
-# Q8_0 and Q4_K_M ahead; a synthetic 1536-wide one 0.87-1.07x; the 2048-wide 1B mostly ties)
+# models this wide or narrower run longer prompts as fused calls: measured per machine at first
+# use (tune cache)
 SMALL_WIDTH = 1024
-# block kinds whose longer prompts win as fused calls at any width: F16 on the layout's panels
-# (AVX-512 dense row tiles: Zen 4 1B 128 tokens 67-73 -> 85-92 tok/s; AVX2 Zen 3 1B 128 tokens
-# 53.8 -> 59.1, 512 52.7 -> 57.2) and Q4_1 (Zen 3 1B 96-512 tokens 1.06-1.26x, three runs). The
-# reference path's gemm ties or wins for the others on the 1B model (Q4_0 and .entity q4 by 5-19 %)
+# block kinds whose longer prompts run as fused calls at any width: measured per machine at first
+# use (tune cache)
 CALLS_WIN = frozenset({ckernels.F16, ckernels.Q4_1})
-# the SMALL_WIDTH rule takes Loom q4 rows (.entity q4) only up to NARROW_EXCEPT_MAX tokens:
-# SmolLM2 .entity q4, A/B of 5-7 rounds, x1.07-1.19 at 96-224 tokens, x0.93-1.20 at 256-384
-# (three runs), x0.90-1.04 at 448-512 (the matrix at 512: 1.25x llama.cpp on the reference path,
-# 0.96x as fused calls)
+# Loom q4 blocks take the SMALL_WIDTH rule up to NARROW_EXCEPT_MAX tokens only: measured per
+# machine at first use (tune cache)
 NARROW_EXCEPT = frozenset({ckernels.LOOM_Q4})
 NARROW_EXCEPT_MAX = 320
 
 
-def calls_win(model, p: fused.Plan, n: int) -> bool:
-    """Whether an n-token prompt (n > STEP_ROWS) runs faster as fused calls of at most
-    STEP_ROWS rows than on the reference path (the AVX2 and AVX-512 builds only)."""
+def shipped_rule(model, p: fused.Plan, n: int) -> bool:
+    """The default without a measurement (POLY_TUNE=0, a loaded machine): whether an n-token
+    prompt runs as fused calls of at most STEP_ROWS rows rather than on the reference path."""
+    if n <= FUSED_PREFILL_MAX:
+        return True
     if not ckernels.SIMD:
         return False
     if p.block_kinds <= CALLS_WIN:
         return True
     excepted = n > NARROW_EXCEPT_MAX and p.block_kinds & NARROW_EXCEPT
     return model.config.hidden_size <= SMALL_WIDTH and not excepted
+
+
+def calls_win(model, p: fused.Plan, n: int) -> bool:
+    """Whether an n-token prompt (n > STEP_ROWS) runs faster as fused calls of at most
+    STEP_ROWS rows than on the reference path (the AVX2 and AVX-512 builds only): this
+    machine's finding (tune cache), else the shipped rule."""
+    if not ckernels.SIMD:
+        return False
+    return crossover.fused_wins(model, p, n, shipped_rule(model, p, n))
+
+
+def fused_prompt(model, p: fused.Plan, n: int) -> bool:
+    """Whether an n-token prompt (n >= 2) runs as fused calls: one call up to FUSED_PREFILL_MAX
+    tokens unless this machine measured otherwise, `calls_win` past it."""
+    if n <= FUSED_PREFILL_MAX:
+        return crossover.fused_wins(model, p, n, True) if ckernels.SIMD else True
+    return calls_win(model, p, n)
 
 
 def forward(model, ids: np.ndarray) -> np.ndarray:
@@ -62,7 +76,7 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
     if ids.size > 1 and model.activation_dtype == np.float32:
         p = fused.plan(model)
         # a short prompt, or a longer one where fused calls win: its tokens are their rows
-        if p is not None and (ids.size <= FUSED_PREFILL_MAX or calls_win(model, p, ids.size)):
+        if p is not None and fused_prompt(model, p, ids.size):
             x = np.ascontiguousarray(lookup(model.embeddings, ids), dtype=np.float32)  # [n, H]
             logits = fused.prefill_calls(model, p, x)
             if logits is not None:
