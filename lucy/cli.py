@@ -202,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_experts(p)
     _add_kv_cache(p)
 
+    p = sub.add_parser("eval", help="perplexity and KL divergence from a reference, on a text")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--reference", default=None, metavar="REF",
+                   help="the model to compare with (usually the float32 of the same weights)")  # fmt: skip
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score (required)")
+    p.add_argument("--ctx", type=int, default=512, metavar="N",
+                   help="window length in tokens; the second half of each is scored")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
     p = sub.add_parser("inspect", help="grid, layers, dtypes, memory")
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")

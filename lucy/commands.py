@@ -138,6 +138,12 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from lucy.evaluate import run_eval
+
+    return run_eval(args)
+
+
 def cmd_inspect(args) -> int:
     from lucy import views
 
@@ -182,6 +188,7 @@ COMMANDS = {
     "convert": cmd_convert,
     "generate": cmd_generate,
     "bench": cmd_bench,
+    "eval": cmd_eval,
     "inspect": cmd_inspect,
     "demo": cmd_demo,
     "download": cmd_download,
