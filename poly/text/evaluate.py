@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from poly.errors import UsageError
-from poly.layer import param_count
 from poly.ops import linear
 
 ROW_CHUNK = 64  # rows reduced at a time: bounds the float64 temporaries to ROW_CHUNK x vocab
@@ -208,12 +207,29 @@ def _reference_iter(reference, tokens, n_ctx, bos) -> Iterator[np.ndarray] | Non
 
 def parameter_count(model) -> int:
     """The model's parameters: its layers' plus the embeddings, the head when it is not tied
-    to them, and the final norm."""
-    total = sum(int(param_count(layer)) for layer in model.network.walk())
+    to them, and the final norm. A bias the checkpoint does not have (all zero here: the
+    layer kinds carry a slot for one) is not counted."""
+    total = sum(_layer_params(layer) for layer in model.network.walk())
     total += int(np.prod(model.embeddings.shape))
     if not model.tied:
         total += int(np.prod(model.lm_head.shape))
     return total + int(model.config.hidden_size)
+
+
+def _layer_params(layer) -> int:
+    from poly.nn import layout
+
+    table = layout.spec(layer)
+    if not table:
+        return 0
+    held = layout.components(layer)
+    total = 0
+    for role, shape in table:
+        value = held.get(role) if role.startswith("b_") else None
+        if role.startswith("b_") and (value is None or not np.any(value)):
+            continue
+        total += int(np.prod(shape, dtype=np.int64))
+    return total
 
 
 def bits_per_weight(file_bytes: int, model) -> float:
