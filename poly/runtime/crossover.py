@@ -8,9 +8,9 @@ faster one is kept in the CPU's tune file (poly/runtime/tune_cache.py) for every
 
 The probe (`measure`): the first `blocks` blocks of the model (1-4, fewer on wide models so one
 path costs ~`WORK` FLOPs), the final norm and the LM head, on fresh scratch caches (the model's
-own caches are put back untouched), alternating the two paths 2 to `ROUNDS` times (no third
-round past `BUDGET` seconds), the least time of each. A ratio within `TIE` keeps the shipped rule (noise on a
-shared host reaches ~15 %, benchmarks/results/README.md). No probe runs while other processes
+own caches are put back untouched), alternating the two paths 2 to `ROUNDS` times (no further
+round past `BUDGET` seconds), the least time of each. A ratio within `TIE` keeps the shipped
+rule (noise on a shared host reaches ~15 %, benchmarks/results/README.md). No probe runs while other processes
 hold the cores (the times would measure them), with POLY_TUNE=0, or for a plan the fused calls
 cannot take; the shipped rule decides then.
 """
@@ -30,8 +30,8 @@ from poly.quant.schemes import SCHEMES
 from poly.runtime import ckernels, fused, kernels, prefill, threadtune, tune_cache
 
 BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths a decision covers (up to and including)
-ROUNDS = 3  # alternations of the two paths at most
-BUDGET = 1.0  # seconds after which no further round starts
+ROUNDS = 7  # alternations of the two paths at most (a cheap probe: the least of many)
+BUDGET = 0.5  # seconds after which no further round starts (two rounds always run)
 WORK = 8e9  # FLOPs of a probe's blocks per path (~0.1 s at 2 cores' AVX2 GEMM rate)
 MAX_BLOCKS = 4
 TIE = 0.05  # the paths within this fraction of each other: the shipped rule stays
@@ -143,7 +143,7 @@ def _rounds(model, p: fused.Plan, sub, x0: np.ndarray, k: int) -> tuple[float, f
             for i, run in enumerate((_fused, _reference)):
                 model.truncate(0)
                 t0 = time.perf_counter()
-                if run(model, p, sub, x0.copy(), k) is None:
+                if run(model, p, sub, x0.copy(), k, nt) is None:
                     return None
                 best[i] = min(best[i], time.perf_counter() - t0)
             if r >= 1 and time.perf_counter() - start > BUDGET:
@@ -154,11 +154,21 @@ def _rounds(model, p: fused.Plan, sub, x0: np.ndarray, k: int) -> tuple[float, f
     return best[0], best[1]
 
 
-def _fused(model, p, sub, x: np.ndarray, k: int):
-    return fused.prefill_calls(model, sub, x)
+def _fused(model, p, sub, x: np.ndarray, k: int, nt: int):
+    """fused.prefill_calls on the first k blocks, on nt threads (its look at the load, up to
+    ~12 ms on a busy machine, stays out of the time)."""
+    n = x.shape[0]
+    calls = -(-n // ckernels.STEP_ROWS)
+    caches = fused._prompt_caches(sub, n)
+    if caches is None:
+        return None
+    for i in range(calls):  # rows as prefill_calls splits them: equal calls, contiguous
+        rows = x[n * i // calls : n * (i + 1) // calls]
+        logits = fused._prompt_call(sub, rows, caches, i == calls - 1, nt)
+    return logits
 
 
-def _reference(model, p, sub, x: np.ndarray, k: int):
+def _reference(model, p, sub, x: np.ndarray, k: int, nt: int):
     """hidden_states' loop over the first k blocks, then the final norm and the head."""
     for j, i in enumerate(p.index[:k]):
         rows = slice(-1, None) if j == k - 1 else None
