@@ -148,6 +148,21 @@ def test_a_measured_loss_sends_a_prompt_to_the_reference_path(tune_home, monkeyp
 
 @needs_simd
 @pytest.mark.usefixtures("c_backend")
+def test_a_failed_probe_keeps_the_shipped_rule_for_the_process(tune_home, monkeypatch):
+    def out_of_memory(model, p, n):
+        raise MemoryError
+
+    monkeypatch.setattr(crossover, "measure", out_of_memory)
+    narrow = _model(64)
+    p = fused.plan(narrow)
+    assert dispatch.calls_win(narrow, p, 200) is True  # the shipped rule at 64 wide
+    monkeypatch.setattr(crossover, "measure", lambda *a: pytest.fail("probed again"))
+    assert dispatch.calls_win(narrow, p, 250) is True
+    assert not (tune_home / "tune").exists()
+
+
+@needs_simd
+@pytest.mark.usefixtures("c_backend")
 def test_no_probe_on_a_loaded_machine(tune_home, monkeypatch):
     monkeypatch.setattr(threadtune, "room_for", lambda threads: False)
     monkeypatch.setattr(crossover, "measure", lambda *a: pytest.fail("measured under load"))

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from poly.errors import PolyError
 from poly.model.block import is_plain_block, run_block
 from poly.nn import mha, rmsnorm
 from poly.nn.embedding import lookup
@@ -70,7 +71,10 @@ def fused_wins(model, p: fused.Plan, n: int, default: bool) -> bool:
         return entry["fused"]
     if not threadtune.room_for(threads):  # loaded now: decide later, on a quiet machine
         return default
-    got = measure(model, p, min(bucket(n), capacity(p)))
+    try:
+        got = measure(model, p, min(bucket(n), capacity(p)))
+    except (PolyError, MemoryError, OSError):  # a probe never fails the prompt it came before
+        got = None
     if got is None:  # the probe cannot run for this model: the rule for the whole process
         _SEEN[(str(store.path), name)] = default
         return default

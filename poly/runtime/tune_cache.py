@@ -106,18 +106,38 @@ class TuneStore:
         return dict(entries) if isinstance(entries, dict) else {}
 
     def _write(self, doc: dict) -> bool:
+        """The standard atomic write (temp file in the folder, fsync, rename, fsync the folder):
+        a reader sees the old file or the new one, never a torn one."""
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tune-", dir=self.path.parent)
             with os.fdopen(fd, "w") as f:
                 json.dump(doc, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self.path)
+            tmp = None
+            _fsync_dir(self.path.parent)
             return True
         except OSError:  # read-only or full disk: keep the findings for this process only
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
             return False
+        finally:
+            if tmp is not None:  # any failure (or interrupt) before the rename
+                Path(tmp).unlink(missing_ok=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse a directory fsync: the rename stands
+    finally:
+        os.close(fd)
 
 
 @functools.cache
