@@ -2,6 +2,7 @@
 
     blocks.<i>.mlp.router                 float32 [E, d]   (always float32, whatever the scheme)
     blocks.<i>.mlp.shared_gate            float32 [1, d]   (Qwen2-MoE shared expert only)
+    blocks.<i>.mlp.router_bias            float32 [E]      (GPT-OSS only)
     blocks.<i>.mlp.experts.<e>            f32 scheme: expert e's whole SwiGLU master (zero-copy)
     blocks.<i>.mlp.experts.<e>.<view>     other schemes: w_gate/w_up/w_down encoded like any SwiGLU
                                           matrix (q4/q8/f16/bf16), b_gate/b_up/b_down float32
@@ -65,6 +66,8 @@ def write_moe(
     vectors = {"router": (moe.num_experts, d)}
     if moe.shared_intermediate_size:
         vectors["shared_gate"] = (1, d)
+    if moe.router_bias:
+        vectors["router_bias"] = (moe.num_experts,)
     for name, shape in vectors.items():
         if name not in got or tuple(np.shape(got[name])) != shape:
             raise LayerConfigError(f"block {i} mlp.{name}: expected shape {shape}")
@@ -94,6 +97,7 @@ def write_moe(
 def _check_moe_blobs(ef: EntityFile, base: str, moe: MoEConfig, enc: str) -> None:
     """Every expert blob present before anything is installed (no half-loaded model)."""
     names = [f"{base}.router"] + ([f"{base}.shared_gate"] if moe.shared_intermediate_size else [])
+    names += [f"{base}.router_bias"] if moe.router_bias else []
     for prefix, _ in expert_prefixes(moe):
         if enc == "float32":
             names.append(f"{base}.{prefix}")
@@ -119,6 +123,8 @@ def install_moe(layer, ef: EntityFile, i: int, enc: str) -> None:
     parts = [np.ravel(router)]
     if moe.shared_intermediate_size:
         parts.append(np.ravel(read_matrix(ef, "float32", f"{base}.shared_gate", (1, d))))
+    if moe.router_bias:  # after the shared gate, as in the MoE master (poly.nn.moe.spec)
+        parts.append(read_vector(ef, f"{base}.router_bias", moe.num_experts))
     layer.weights.master = parts[0] if len(parts) == 1 else np.concatenate(parts)
     for (prefix, width), sub in zip(expert_prefixes(moe), layer.sequential_layers):
         name = f"{base}.{prefix}"

@@ -1,5 +1,5 @@
 """Mixture-of-experts GGUF files as llama.cpp's converter writes them (Mixtral as arch ``llama``,
-``qwen2moe``, ``qwen3moe``).
+``qwen2moe``, ``qwen3moe``, ``olmoe``, ``granitemoe``, ``gpt-oss``).
 
 Metadata: ``{arch}.expert_count`` (E), ``expert_used_count`` (top-k), ``expert_feed_forward_length``
 (expert width; Mixtral files use ``feed_forward_length``), ``expert_shared_feed_forward_length``,
@@ -12,6 +12,9 @@ Tensors per sparse block (numpy shapes; ggml lists dims fastest-first):
 (expert e is the slab [e], kept in its quantized blocks and mapped, not copied), the shared
 expert ``ffn_{gate,up,down}_shexp`` and its gate ``ffn_gate_inp_shexp`` [1, d]; or the legacy
 per-expert ``ffn_{gate,up,down}.<e>.weight``. A block without ``ffn_gate_inp`` is dense.
+GPT-OSS adds ``ffn_gate_inp.bias`` [E] (router bias) and ``ffn_{gate,up}_exps.bias`` [E, I],
+``ffn_down_exps.bias`` [E, d]; its experts may be MXFP4 (ggml type 39). What llama.cpp hard-codes
+per architecture (the gating, the clamped SwiGLU) comes from the family's ``MoENames.options``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from poly.config import LIMITS, MoEConfig
 from poly.errors import GGUFFormatError, LayerConfigError, UnsupportedError
 
 MAX_EXPERTS = LIMITS["num_experts"]  # the table of every format (llama.cpp LLAMA_MAX_EXPERTS)
-NORM_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+NORM_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 GATING = {0: "softmax", 1: "softmax", 2: "sigmoid"}  # 0 = key absent (llama.cpp's default)
 LEGACY = re.compile(r"ffn_(gate|up|down)\.(\d{1,4})\.weight")
 STACKED = {"ffn_gate_exps.weight": "w_gate", "ffn_up_exps.weight": "w_up",
@@ -33,6 +36,8 @@ STACKED = {"ffn_gate_exps.weight": "w_gate", "ffn_up_exps.weight": "w_up",
 SHARED = {"ffn_gate_shexp.weight": "w_gate", "ffn_up_shexp.weight": "w_up",
           "ffn_down_shexp.weight": "w_down"}  # fmt: skip
 _VIEW = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
+BIASES = {"ffn_gate_exps.bias": "b_gate", "ffn_up_exps.bias": "b_up",
+          "ffn_down_exps.bias": "b_down"}  # fmt: skip
 
 
 def _int(gg, key: str, default: int | None = None) -> int | None:
@@ -46,8 +51,9 @@ def _int(gg, key: str, default: int | None = None) -> int | None:
     return value
 
 
-def moe_config(gg, arch: str, layers: int, ffn: int) -> MoEConfig | None:
-    """The MoEConfig of a GGUF file, None when it has no experts."""
+def moe_config(gg, arch: str, layers: int, ffn: int, options=None) -> MoEConfig | None:
+    """The MoEConfig of a GGUF file, None when it has no experts. ``options``: MoEConfig fields
+    the family fixes (llama.cpp hard-codes them per architecture); biases follow the tensors."""
     n = _int(gg, f"{arch}.expert_count", 0)
     if not n:
         return None
@@ -67,9 +73,14 @@ def moe_config(gg, arch: str, layers: int, ffn: int) -> MoEConfig | None:
     if "blk.0.ffn_gate_shexp.weight" in gg.tensors:
         shared = _int(gg, f"{arch}.expert_shared_feed_forward_length", 0) or 0
     dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in gg.tensors)
+    first = next((i for i in range(layers) if i not in dense), 0)
+    opts = {"router_bias": f"blk.{first}.ffn_gate_inp.bias" in gg.tensors,
+            "expert_bias": f"blk.{first}.ffn_gate_exps.bias" in gg.tensors,
+            "gating": GATING[func], **(options or {})}  # fmt: skip
     try:
         width = _int(gg, f"{arch}.expert_feed_forward_length", 0) or ffn
-        return MoEConfig(n, k, width, GATING[func], bool(norm), shared, dense)
+        return MoEConfig(n, k, width, norm_topk_prob=bool(norm), shared_intermediate_size=shared,
+                         dense_layers=dense, **opts)  # fmt: skip
     except LayerConfigError as exc:
         raise GGUFFormatError(f"inconsistent MoE metadata: {exc.message}", path=gg.path) from None
 
@@ -84,6 +95,10 @@ def tensor_shape(cfg, suffix: str, path: str) -> tuple[int, ...] | None:
         return (n, d, width) if suffix.startswith("ffn_down") else (n, width, d)
     if suffix == "ffn_gate_inp.weight":
         return (n, d)
+    if moe.router_bias and suffix == "ffn_gate_inp.bias":
+        return (n,)
+    if moe.expert_bias and suffix in BIASES:
+        return (n, d) if suffix.startswith("ffn_down") else (n, width)
     if ws and suffix in SHARED:
         return (d, ws) if suffix.startswith("ffn_down") else (ws, d)
     if ws and suffix == "ffn_gate_inp_shexp.weight":
@@ -109,6 +124,8 @@ def required(cfg, i: int, names) -> list[str]:
         out += [f"{base}ffn_{p}.{e}.weight" for e in range(moe.num_experts) for p in _VIEW]
     if moe.shared_intermediate_size:
         out += [base + s for s in (*SHARED, "ffn_gate_inp_shexp.weight")]
+    out += [base + "ffn_gate_inp.bias"] if moe.router_bias else []
+    out += [base + s for s in BIASES] if moe.expert_bias else []
     return out
 
 
@@ -135,6 +152,11 @@ def fill_moe(layer, loader, i: int) -> None:
     layer.weights.ensure_master()
     views = moe_kind.views(layer)
     views.router[...] = gg.dequantize(f"blk.{i}.ffn_gate_inp.weight")
+    if views.router_bias is not None:
+        views.router_bias[...] = gg.dequantize(f"blk.{i}.ffn_gate_inp.bias").reshape(-1)
+    biases = {}  # view -> [E, n] float32: GPT-OSS's expert biases, stacked like the weights
+    if layer.moe.expert_bias:
+        biases = {v: gg.dequantize(f"blk.{i}.{s}") for s, v in BIASES.items()}
     subs = list(moe_kind.experts(layer))
     sources: list[dict[str, Any]] = [
         {view: _expert(loader, i, e, view) for view in _VIEW.values()} for e in range(len(subs))
@@ -144,7 +166,9 @@ def fill_moe(layer, loader, i: int) -> None:
         views.shared_gate[...] = gg.dequantize(f"blk.{i}.ffn_gate_inp_shexp.weight").reshape(1, -1)
         subs.append(shared)
         sources.append({v: loader.matrix(f"blk.{i}.{s}", "shexp") for s, v in SHARED.items()})
-    for sub, comps in zip(subs, sources):
+    for e, (sub, comps) in enumerate(zip(subs, sources)):
+        if e < layer.moe.num_experts:  # a routed expert: its row of each stacked bias
+            comps.update({v: np.ascontiguousarray(b[e], np.float32) for v, b in biases.items()})
         if loader.keep:
             zeros = {
                 "b_gate": sub.output_height,
