@@ -12,7 +12,14 @@ from pathlib import Path
 from lucy import actions
 from lucy.terminal import clean, make_console
 from poly.errors import ModelNotFoundError, UsageError
-from poly.text.evaluate import Measure, evaluate, parameter_count, text_tokens, window_starts
+from poly.text.evaluate import (
+    Measure,
+    check_same_vocab,
+    evaluate,
+    parameter_count,
+    text_tokens,
+    window_starts,
+)
 
 MAX_TEXT_BYTES = 64 << 20  # a text to score, not a corpus to hold in memory
 
@@ -55,6 +62,8 @@ def run_eval(args) -> int:
     text = read_text(args.text)  # before the (slow) loads: a bad file fails at once
     model = actions.load_model(args.model)
     ref = actions.load_model(args.reference) if args.reference else None
+    if ref is not None:
+        check_same_vocab(model, ref)
     tokens = text_tokens(model, text, ref)
     for m in (model, ref):
         if m is not None and args.ctx > m.config.max_seq_len:
