@@ -6,11 +6,12 @@ poly/runtime/dispatch.py came from A/B runs on a few machines; here the first pr
 class (`BUCKETS`) on a model shape and block kinds runs a short probe of both paths, and the
 faster one is kept in the CPU's tune file (poly/runtime/tune_cache.py) for every later process.
 
-The probe (`measure`): the first `blocks` blocks of the model (1-4, fewer on wide models so one
-path costs ~`WORK` FLOPs), the final norm and the LM head, on fresh scratch caches (the model's
-own caches are put back untouched), alternating the two paths 2 to `ROUNDS` times (no further
-round past `BUDGET` seconds), the least time of each. A ratio within `TIE` keeps the shipped
-rule (noise on a shared host reaches ~15 %, benchmarks/results/README.md). No probe runs while other processes
+The probe (`measure`): the first 2-5 blocks of the model (fewer on wide models, so that one
+path costs ~`WORK` FLOPs; the last is cut to one row's FFN on both paths, as the model's last
+block is), the final norm and the LM head, on fresh scratch caches (the model's own caches are
+put back untouched), alternating the two paths 2 to `ROUNDS` times (no further round past
+`BUDGET` seconds), the least time of each. A ratio within `TIE` keeps the shipped rule (noise on
+a shared host reaches ~15 %, benchmarks/results/README.md). No probe runs while other processes
 hold the cores (the times would measure them), with POLY_TUNE=0, or for a plan the fused calls
 cannot take; the shipped rule decides then.
 """
@@ -34,7 +35,7 @@ BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths a decision covers (up to
 ROUNDS = 7  # alternations of the two paths at most (a cheap probe: the least of many)
 BUDGET = 0.5  # seconds after which no further round starts (two rounds always run)
 WORK = 8e9  # FLOPs of a probe's blocks per path (~0.1 s at 2 cores' AVX2 GEMM rate)
-MAX_BLOCKS = 4
+MAX_BLOCKS = 4  # whole blocks at most (and the cut one)
 TIE = 0.05  # the paths within this fraction of each other: the shipped rule stays
 
 _KIND_NAMES = {r.c_kind: n.removeprefix("gguf_") for n, r in SCHEMES.items()}
@@ -97,9 +98,12 @@ def capacity(p: fused.Plan) -> int:
 
 
 def probe_blocks(p: fused.Plan, n: int) -> int:
-    """Blocks whose work for n rows is about WORK FLOPs: 1 to MAX_BLOCKS."""
+    """Blocks a probe runs: 1 to MAX_BLOCKS whose work for n rows is about WORK FLOPs, plus the
+    one both paths cut to the last row's FFN (as they cut the model's last block), so that the
+    probe's mix of whole and cut blocks leans, like the model's, to whole ones."""
     per_row = 2 * sum(m * k for m, k in _shapes(p.layers[0]))
-    return int(max(1, min(MAX_BLOCKS, len(p.layers), WORK // max(1, per_row * n))))
+    whole = int(max(1, min(MAX_BLOCKS, WORK // max(1, per_row * n))))
+    return min(len(p.layers), whole + 1)
 
 
 def _shapes(args):
