@@ -7,6 +7,7 @@ size (bits per weight), and the table or JSON."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from lucy import actions
@@ -25,14 +26,10 @@ MAX_TEXT_BYTES = 64 << 20  # a text to score, not a corpus to hold in memory
 
 
 def read_text(path: str) -> str:
-    """The text file as UTF-8; one-line errors for a missing, unreadable or empty file."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ModelNotFoundError(f"text file {path} not found", path=str(p))
-    if p.stat().st_size > MAX_TEXT_BYTES:
-        raise UsageError(f"text file {path} is over {MAX_TEXT_BYTES >> 20} MB")
+    """The text file ("-": stdin) as UTF-8; one-line errors for a missing, unreadable or empty
+    file."""
     try:
-        text = p.read_bytes().decode("utf-8")
+        text = _read_bytes(path).decode("utf-8")
     except UnicodeDecodeError as err:
         raise UsageError(f"text file {path} is not UTF-8 (byte {err.start})") from None
     except OSError as err:
@@ -40,6 +37,20 @@ def read_text(path: str) -> str:
     if not text.strip():
         raise UsageError(f"text file {path} is empty")
     return text
+
+
+def _read_bytes(path: str) -> bytes:
+    if path == "-":
+        raw = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
+    else:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ModelNotFoundError(f"text file {path} not found", path=str(p))
+        with p.open("rb") as f:
+            raw = f.read(MAX_TEXT_BYTES + 1)
+    if len(raw) > MAX_TEXT_BYTES:
+        raise UsageError(f"text file {path} is over {MAX_TEXT_BYTES >> 20} MB")
+    return raw
 
 
 def checkpoint_bytes(spec: str) -> int | None:

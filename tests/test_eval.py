@@ -110,9 +110,9 @@ def test_bits_per_weight_counts_the_whole_file(ckpts, tmp_path):
 # --- the CLI ------------------------------------------------------------------------------------
 
 
-def _lucy(*args):
+def _lucy(*args, input=""):
     return subprocess.run([sys.executable, "-m", "lucy", "eval", *map(str, args)],
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+                          capture_output=True, text=True, timeout=240, input=input)  # fmt: skip
 
 
 def _one_line(proc) -> str:
@@ -122,8 +122,8 @@ def _one_line(proc) -> str:
 
 
 def test_cli_measures_and_prints_json(ckpts):
-    proc = _lucy(ckpts["a"], "--reference", ckpts["b"], "--text", ckpts["text"],
-                 "--ctx", N_CTX, "--json")  # fmt: skip
+    proc = _lucy(ckpts["a"], "--reference", ckpts["b"], "--text", "-", "--ctx", N_CTX, "--json",
+                 input=TEXT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     a, b = entity.load(ckpts["a"]), entity.load(ckpts["b"])
