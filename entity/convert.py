@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from entity.arch import ROLES, role_shapes
+from entity.arch import role_shapes, roles
 from entity.atomic import check_output
 from entity.convert_report import ROW_CHUNK, ConvertReport, TensorStat, error_stat, float_rows
 from entity.dotentity.blobs import SCHEMES, check_quant, embed_keep_as
@@ -38,6 +38,7 @@ from entity.dotentity.write import (
     source_components,
     write_entity,
 )
+from entity.quantize import apply_recipe
 from poly.errors import ConversionError, IntegrityError, UsageError
 from poly.layer import LayerType
 from poly.text.gendefaults import GenerationDefaults
@@ -201,8 +202,8 @@ def _verify(source: _Source, dst: Path, tick: Callable[[str], None]) -> list[Ten
     out = load_entity(dst, verify=True)
     stats: list[TensorStat] = []
     for i, comps in source.blocks():
-        for role in ROLES:
-            layer = getattr(out, role)(i)
+        for role in roles(out.config):
+            layer = out.role(i, role)
             if layer.type == LayerType.MOE:  # router, shared_gate, experts.<e>.<view>, ...
                 got = moe_components(layer, source_components)
                 names = list(got)
@@ -261,10 +262,18 @@ def convert(
     progress: Progress | None = None,
     embed_quant: str | None = None,
     generation: Mapping[str, Any] | None = None,
+    calibrate: bool = False,
+    bpw: float | None = None,
+    calibration: str | os.PathLike | None = None,
+    planner: Any = None,
 ) -> ConvertReport:
     """Convert ``src`` (HF dir or cached id, .gguf, .entity) to a `.entity` at ``dst``.
 
     ``generation``: settings the file carries over the source's own (`poly.text.gendefaults`).
+
+    ``calibrate`` (or ``calibration``, a text file): the importance-weighted q4 recipe
+    (`entity.quantize`); ``bpw``: per-tensor types chosen under that whole-file budget;
+    ``planner``: an `entity.quantize.Planner` of ``src`` already measured (several budgets).
 
     ``progress(done, total, detail)`` is called after every block. With ``verify`` the output is
     re-opened (checksums verified) and compared tensor by tensor with the source; a lossless (f32)
@@ -286,15 +295,24 @@ def convert(
     cb = progress or (lambda done, total, detail: None)
     matrix_enc, embed_enc = check_quant(quant, embed_quant)
     lower: set[str] = set()
-    blocks = _checked(_delayed(source.blocks()), matrix_enc, lower)
     keep_as = embed_keep_as(quant, embed_quant)
-    globals_ = _checked_globals(source.globals_, embed_enc, keep_as, lower)
-    write_entity(
-        out_path, source.cfg, blocks, globals_, source.meta, quant=quant,
-        embed_quant=embed_quant, force=force, inputs=source.inputs,
-        progress=lambda done, _t, detail: cb(done, total, detail),
-    )  # fmt: skip
+
+    def write(recipe=None) -> None:
+        blocks, globals_ = _delayed(source.blocks()), source.globals_
+        if recipe is not None:
+            blocks, globals_ = apply_recipe(blocks, globals_, recipe)
+        write_entity(
+            out_path, source.cfg, _checked(blocks, matrix_enc, lower),
+            _checked_globals(globals_, embed_enc, keep_as, lower), source.meta, quant=quant,
+            embed_quant=embed_quant, force=force or recipe is not None, inputs=source.inputs,
+            progress=lambda done, _t, detail: cb(done, total, detail),
+        )  # fmt: skip
+
+    # the calibrated default applies to float checkpoints (a GGUF's blocks are kept as they are)
+    calibrate = bool(planner) or (calibrate and source.kind == "hf")
+    recipe = _calibrated(src, write, out_path, bpw, calibrate, calibration, cb, planner)
     report = ConvertReport(str(src), str(out_path), quant, source.kind)
+    report.recipe = recipe
     if lower - {""}:
         kinds = ", ".join(sorted(lower - {""}))
         report.notes.append(
@@ -308,6 +326,27 @@ def convert(
     report.bytes = out_path.stat().st_size
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _calibrated(src, write, out_path: Path, bpw, calibrate, calibration, cb, planner=None):
+    """Write the file (plain, or by the calibrated recipe); with ``bpw`` re-allocate once when
+    the written file came out above its budget. Returns the recipe (None: plain)."""
+    from entity.quantize import Planner, check_bpw
+
+    if bpw is None and not calibrate and calibration is None:
+        write()
+        return None
+    limit = None if bpw is None else check_bpw(bpw)
+    planner = planner or Planner(src, calibration, lambda d, t, detail: cb(0, 0, detail))
+    recipe = planner.default() if limit is None else planner.recipe(limit)
+    write(recipe)
+    if limit is not None:
+        budget = int((limit + 0.05) * planner.params / 8)
+        over = out_path.stat().st_size - budget
+        if over > 0:  # header and padding above the estimate: take it from the matrices
+            recipe = planner.recipe(limit, extra=over + 4096)
+            write(recipe)
+    return recipe
 
 
 # Kept for callers that already hold a model: same file, no source re-read.

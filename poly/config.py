@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from poly.errors import LayerConfigError, LimitExceededError
 
 # The fields each rotary scaling type needs; poly.rope.ROPE_FREQUENCIES computes each type.
-# "dynamic" (NTK) is absent on purpose: transformers recomputes its frequencies from the length
-# seen so far, so the same position rotates differently in different calls; one table cannot.
+# "dynamic" (NTK) and "longrope" depend on the length a call reaches (transformers recomputes
+# them per forward from max(position) + 1), so their rows are computed per call, not tabled.
 ROPE_FIELDS: dict[str, tuple[str, ...]] = {
     "linear": (),
     "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("original_max_position_embeddings",),
+    "dynamic": ("original_max_position_embeddings",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,23 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # longrope only: per-frequency divisors below / above original_max_position_embeddings
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    value = tuple(float(v) for v in value)
+                except (TypeError, ValueError):
+                    raise LayerConfigError(
+                        f"rope scaling {name} must be a list of numbers"
+                    ) from None
+                if not all(v > 0 and math.isfinite(v) for v in value):
+                    raise LayerConfigError(f"rope scaling {name} must be positive")
+                object.__setattr__(self, name, value)
         needs = ROPE_FIELDS.get(self.rope_type)
         if needs is None:
             raise LayerConfigError(
@@ -53,6 +71,69 @@ class RopeScaling:
         orig = self.original_max_position_embeddings
         if orig is not None and orig <= 0:
             raise LayerConfigError("rope scaling needs original_max_position_embeddings > 0")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Attention options beyond causal GQA with RoPE over whole heads (poly.nn.mha; None and the
+    defaults mean llama's attention). Per-layer lists name layers by index."""
+
+    sliding_window: int | None = None  # keys a query sees, itself included (None: all)
+    window_layers: tuple[int, ...] | None = None  # the layers that slide (None: every layer)
+    partial_rotary_factor: float = 1.0  # RoPE over the first share of each head (phi, glm4)
+    rope_interleaved: bool = False  # pairs (2i, 2i+1) as GPT-J/glm4, not (i, i + dim/2)
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (smollm3)
+    softcap: float | None = None  # logits -> softcap * tanh(logits / softcap) (gemma2)
+    sinks: bool = False  # a learned per-head logit in the softmax denominator (gpt_oss)
+    qk_norm_all: bool = False  # q/k RMSNorm over all heads at once (olmo2), not per head
+    scale: float | None = None  # logit scale (granite, gemma2); None: head_dim ** -0.5
+
+    def __post_init__(self) -> None:
+        w = self.sliding_window
+        if w is not None and (type(w) is not int or w <= 0):
+            raise LayerConfigError(f"sliding_window must be a positive integer, got {w!r}")
+        for name in ("window_layers", "nope_layers"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(i) for i in value))
+        f = self.partial_rotary_factor
+        if not (isinstance(f, (int, float)) and 0 < f <= 1):
+            raise LayerConfigError(f"partial_rotary_factor must be in (0, 1], got {f!r}")
+        for name in ("softcap", "scale"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+            ):
+                raise LayerConfigError(f"attention {name} must be a positive number, got {value!r}")
+
+    def window_of(self, index: int) -> int:
+        """Layer `index`'s sliding window, 0 for full attention."""
+        lay = self.window_layers
+        return (self.sliding_window or 0) if lay is None or index in lay else 0
+
+    def rotary_dim(self, head_dim: int, index: int) -> int:
+        """Dims of each head layer `index` rotates (0: a NoPE layer)."""
+        if index in self.nope_layers:
+            return 0
+        dim = int(head_dim * self.partial_rotary_factor)
+        if dim % 2:
+            raise LayerConfigError(
+                f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {head_dim} "
+                "rotates an odd number of dims"
+            )
+        return dim
+
+    @classmethod
+    def coerce(cls, value) -> AttentionConfig | None:
+        """None, an AttentionConfig or its dict form (as stored in a .entity header)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            try:
+                return cls(**value)
+            except TypeError as exc:
+                raise LayerConfigError(f"bad attention config: {exc}") from None
+        raise LayerConfigError(f"bad attention config {value!r}")
 
 
 # "softmax_topk": the top k of the raw logits, softmax over those k (GPT-OSS, GraniteMoE).
@@ -133,8 +214,10 @@ class MoEConfig:
             )
         for name in ("swiglu_alpha", "swiglu_limit"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                math.isfinite(value) and value > 0
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
             ):
                 raise LayerConfigError(f"{name} must be a positive finite number, got {value!r}")
 
@@ -159,9 +242,83 @@ class MoEConfig:
         raise LayerConfigError(f"bad moe config {value!r}")
 
 
+def _coerce_fields(cfg) -> None:
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, dict) and f.name in NESTED:
+            try:
+                value = NESTED[f.name](**value)
+            except TypeError as exc:
+                raise LayerConfigError(f"bad {f.name}: {exc}") from None
+        elif isinstance(value, list):
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        object.__setattr__(cfg, f.name, value)
+
+
+def _finite(name: str, value, positive: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise LayerConfigError(f"{name} must be a {'positive' if positive else 'non-negative'} "
+                               f"finite number, got {value!r}")  # fmt: skip
+
+
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise LayerConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+# Block recipe kinds. Norms: RMSNorm, LayerNorm with or without a bias. (1 + w) RMSNorm (Gemma)
+# is a storage convention, not a kind: importers add the 1 (llama.cpp's converter does too), so
+# every path runs the plain RMSNorm. FFNs: SwiGLU (silu gated), GeGLU (gelu_tanh gated), a plain
+# biased GELU MLP; the sparse layers of an MoE model are TransformerConfig.moe, never a kind.
+NORM_KINDS = ("rms", "layernorm", "layernorm_nobias")
+FFN_KINDS = ("swiglu", "geglu", "gelu_mlp")
+
+
+@dataclass(frozen=True)
+class BlockRecipe:
+    """How one decoder block is wired (the TransformerBlock of mlx-lm's models/*.py); the
+    defaults are llama's pre-norm block, x + attn(norm(x)) then + ffn(norm(.)).
+
+    `post_norms`: sandwich norms, each sub-layer's output is normed before its residual add
+    (Gemma 2/3, OLMo 2 and GLM-4 without the pre-norms are families' own business).
+    `parallel`: x + attn(norm1(x)) + ffn(norm2(x)) (GPT-NeoX, Phi-2, Command-R); with
+    `shared_norm` the FFN reads the attention norm's output and the block has no mlp_norm.
+    `mlp_bias`: the FFN projections carry biases."""
+
+    norm: str = "rms"
+    ffn: str = "swiglu"
+    mlp_bias: bool = False
+    post_norms: bool = False
+    parallel: bool = False
+    shared_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORM_KINDS:
+            raise LayerConfigError(
+                f"block.norm {self.norm!r} is not one of {', '.join(NORM_KINDS)}"
+            )
+        if self.ffn not in FFN_KINDS:
+            raise LayerConfigError(f"block.ffn {self.ffn!r} is not one of {', '.join(FFN_KINDS)}")
+        for name in ("mlp_bias", "post_norms", "parallel", "shared_norm"):
+            if type(getattr(self, name)) is not bool:
+                raise LayerConfigError(f"block.{name} must be true or false")
+        if self.parallel and self.post_norms:
+            raise LayerConfigError("block.parallel and block.post_norms exclude each other")
+        if self.shared_norm and not self.parallel:
+            raise LayerConfigError("block.shared_norm needs block.parallel")
+
+    @property
+    def plain(self) -> bool:
+        """llama's block (the one the fused C step and tensor parallelism implement)."""
+        return self == PLAIN_BLOCK
+
+
+PLAIN_BLOCK = BlockRecipe()
+
+# Fields holding a nested record: a `.entity` header stores them as maps (to_dict) and they come
+# back through from_dict; lists come back as tuples (configs are hashed).
+NESTED: dict[str, type] = {"rope_scaling": RopeScaling, "block": BlockRecipe}
 
 
 @dataclass(frozen=True)
@@ -182,6 +339,15 @@ class TransformerConfig:
     qk_norm: bool = False
     architecture: str = "llama"
     moe: MoEConfig | None = None
+    attention: AttentionConfig | None = None
+    block: BlockRecipe = PLAIN_BLOCK
+    # Model-level multipliers (1.0 / 0.0: off): embeddings x embedding_scale (Gemma sqrt(hidden),
+    # Granite), each residual branch x residual_multiplier (Granite), logits x logit_scale
+    # (Command-R; Granite's 1/logits_scaling), then cap * tanh(logits / cap) (Gemma 2).
+    embedding_scale: float = 1.0
+    residual_multiplier: float = 1.0
+    logit_scale: float = 1.0
+    final_logit_softcap: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -208,14 +374,23 @@ class TransformerConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise LayerConfigError(f"{name} must be a positive finite number, got {value!r}")
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        _coerce_fields(self)
         object.__setattr__(self, "moe", MoEConfig.coerce(self.moe))
+        for name in ("embedding_scale", "residual_multiplier", "logit_scale"):
+            _finite(name, getattr(self, name), positive=True)
+        _finite("final_logit_softcap", self.final_logit_softcap, positive=False)
+        object.__setattr__(self, "attention", AttentionConfig.coerce(self.attention))
         dense = () if self.moe is None else self.moe.dense_layers
         if any(not 0 <= i < self.num_layers for i in dense) or len(set(dense)) < len(dense):
             raise LayerConfigError(  # a dense layer outside the model named no layer at all
                 f"moe.dense_layers {list(dense)} must be distinct layers in [0, {self.num_layers})"
             )
+
+    @property
+    def plain(self) -> bool:
+        """llama's block and no model-level multiplier: what the fused C step implements."""
+        return self.block.plain and (self.embedding_scale, self.residual_multiplier,
+                                     self.logit_scale, self.final_logit_softcap) == (1, 1, 1, 0)  # fmt: skip
 
     @property
     def query_dim(self) -> int:
@@ -230,7 +405,10 @@ class TransformerConfig:
         """Weights of the model as HF counts them (q/k/v biases when attention_bias)."""
         h, q, kv = self.hidden_size, self.query_dim, self.kv_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        opts = self.attention or AttentionConfig()
+        if self.qk_norm:
+            attn += q + kv if opts.qk_norm_all else 2 * self.head_dim
+        attn += self.num_heads if opts.sinks else 0
         dense = attn + 3 * h * self.intermediate_size + 2 * h  # + the two norms
         total = self.num_layers * dense
         moe = self.moe

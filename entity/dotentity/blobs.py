@@ -158,4 +158,4 @@ def check_quant(quant: str, embed_quant: str | None) -> tuple[str, str]:
 
 
 def role_layer(tf, i: int, role: str):
-    return getattr(tf, role)(i)
+    return tf.role(i, role)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from entity.arch import NORM_ROLES, ROLES, global_shapes, role_shapes
+from entity.arch import NORM_ROLES, global_shapes, role_shapes, roles
 from entity.checks import check_eos_ids
 from entity.dotentity.blobs import ENCODINGS, read_matrix, read_vector, role_layer
 from entity.dotentity.container import EntityFile
@@ -49,7 +49,7 @@ def _config(ef: EntityFile, max_seq_len: int | None) -> TransformerConfig:
 
 def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
     cfg = tf.config
-    for role in ROLES:
+    for role in roles(cfg):
         if role == "mlp" and is_sparse(cfg, i):
             install_moe(tf.mlp(i), ef, i, matrix_enc)
             continue

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from entity.arch import ROLES, role_shapes
+from entity.arch import role_shapes, roles
 from entity.dotentity.blobs import as_float, check_quant, embed_keep_as, put_matrix, role_layer
 from entity.dotentity.container import EntityWriter
 from entity.dotentity.moe import is_sparse, moe_components, write_moe
@@ -94,7 +94,7 @@ def source_components(layer) -> dict[str, Any]:
 def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, Any]]]]:
     """(i, {role: components}) for each block: float32 arrays, or native GGUF block matrices."""
     for i in range(tf.config.num_layers):
-        layers = {role: role_layer(tf, i, role) for role in ROLES}
+        layers = {role: role_layer(tf, i, role) for role in roles(tf.config)}
         yield (
             i,
             {
@@ -112,7 +112,7 @@ def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, Any]]]]:
 def _write_block(
     out: EntityWriter, cfg, i: int, comps: dict, matrix_enc: str, kept: set[str]
 ) -> None:
-    for role in ROLES:
+    for role in roles(cfg):
         if role == "mlp" and is_sparse(cfg, i):
             write_moe(out, cfg, i, dict(comps.get(role, {})), matrix_enc, kept)
             continue

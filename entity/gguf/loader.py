@@ -14,14 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from entity.arch import (
-    BLOCK_TENSORS,
-    GGUF_ARCHITECTURES,
-    GLOBAL_TENSORS,
-    global_shapes,
-    role_shapes,
-)
+from entity.arch import NORM_ROLES, global_shapes, role_shapes, roles
 from entity.checks import check_eos_ids
+from entity.families import GGUF_FAMILIES, Family
 from entity.gguf.moe import fill_moe, moe_config
 from entity.gguf.moe import required as moe_required
 from entity.gguf.moe import tensor_shape as moe_tensor_shape
@@ -42,20 +37,22 @@ DEFAULT_MAX_SEQ = 2048  # KV caches are preallocated; ask for more with max_seq_
 QUANT_VERSION = "gguf"
 
 
-# blk.{i}.<suffix> -> (Transformer accessor, layout component): the `entity.arch` table.
-LAYER_TENSORS: dict[str, tuple[str, str]] = {t.gguf: (t.role, t.component) for t in BLOCK_TENSORS}
-GLOBAL_NAMES = {t.gguf: t.role for t in GLOBAL_TENSORS}
-REQUIRED_LAYER = (
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_k.weight",
-    "attn_v.weight",
-    "attn_output.weight",
-    "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
-)
+# Components a file may leave out (biases: zeros; q/k norms: as the family says).
+OPTIONAL = frozenset({"b_q", "b_k", "b_v", "b_o", "q_norm", "k_norm", "b_gate", "b_up", "b_down"})
+
+
+def layer_tensors(cfg) -> dict[str, tuple[str, str]]:
+    """blk.{i}.<suffix> -> (Transformer accessor, layout component): the family's table, the
+    roles its block has."""
+    have = set(roles(cfg))
+    table = GGUF_FAMILIES[cfg.architecture].tensors
+    return {t.gguf: (t.role, t.component) for t in table if t.role in have}
+
+
+def _global_names(family: Family) -> dict[str, str]:
+    return {t.gguf: t.role for t in family.global_tensors}
+
+
 # Whole-row reorders that undo llama.cpp's q/k permutation: component -> which head count.
 PERMUTED = {"w_q": "num_heads", "b_q": "num_heads", "w_k": "num_kv_heads", "b_k": "num_kv_heads"}
 # End-of-turn markers the chat templates emit; added to the stop ids when control tokens.
@@ -118,11 +115,12 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
     from poly import TransformerConfig
 
     arch = gg.metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if arch not in GGUF_FAMILIES:
         raise UnsupportedError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})",
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_FAMILIES)})",
             path=gg.path,
         )
+    family = GGUF_FAMILIES[arch]
     if "rope_freqs.weight" in gg.tensors:
         raise UnsupportedError(
             "GGUF rope_freqs (per-dim RoPE factors) is not supported", path=gg.path
@@ -158,8 +156,9 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
             max_seq_len=max_seq_len or min(context, DEFAULT_MAX_SEQ),
             tie_word_embeddings="output.weight" not in gg.tensors,
             attention_bias="blk.0.attn_q.bias" in gg.tensors,
-            qk_norm=GGUF_ARCHITECTURES[arch].qk_norm,
+            qk_norm=family.qk_norm,
             architecture=arch,
+            **_options(gg, arch, family),
         )
     except LayerConfigError as exc:
         raise GGUFFormatError(
@@ -167,19 +166,31 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
         ) from None
 
 
+def _options(gg: GGUFFile, arch: str, family: Family) -> dict:
+    """TransformerConfig fields of the family's recipe and its own ``{arch}.*`` keys."""
+    out: dict = {} if family.block.plain else {"block": family.block}
+    if family.gguf_options is not None:
+        out.update(
+            family.gguf_options(lambda key, default: gg.metadata.get(f"{arch}.{key}", default))
+        )
+    return out
+
+
 def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """blk.{i}.<suffix> -> shape, from poly's layer spec (`entity.arch.role_shapes`)."""
-    shapes = {role: role_shapes(cfg, role) for role in {r for r, _ in LAYER_TENSORS.values()}}
+    table = layer_tensors(cfg)
+    shapes = {role: role_shapes(cfg, role) for role in {r for r, _ in table.values()}}
     with_norms = dataclasses.replace(cfg, qk_norm=True)  # q/k norm names are known for every arch
     shapes["attn"] = {**role_shapes(with_norms, "attn"), **shapes["attn"]}
-    return {suffix: shapes[role][comp] for suffix, (role, comp) in LAYER_TENSORS.items()}
+    return {suffix: shapes[role][comp] for suffix, (role, comp) in table.items()}
 
 
 def check_tensors(gg: GGUFFile, cfg) -> None:
     """Every tensor is known, every required one present, every shape right (errors name it)."""
     shapes = _expected_shapes(cfg)
     table = global_shapes(cfg)
-    globals_ = {name: table[role] for name, role in GLOBAL_NAMES.items()}
+    family = GGUF_FAMILIES[cfg.architecture]
+    globals_ = {name: table[role] for name, role in _global_names(family).items()}
     for name, info in gg.tensors.items():
         m = BLOCK_NAME.fullmatch(name)
         moe_shape = m and moe_tensor_shape(cfg, m.group(2), gg.path)
@@ -195,11 +206,12 @@ def check_tensors(gg: GGUFFile, cfg) -> None:
             raise WeightMappingError(
                 f"tensor {name!r} has shape {info.shape}, expected {want}", path=gg.path
             )
+    needed = [s for s, (role, comp) in layer_tensors(cfg).items() if comp not in OPTIONAL]
     required = [
         f"blk.{i}.{s}"
         for i in range(cfg.num_layers)
-        for s in REQUIRED_LAYER
-        if not (_sparse(cfg, i) and s.startswith(("ffn_gate", "ffn_up", "ffn_down")))
+        for s in needed
+        if not (_sparse(cfg, i) and layer_tensors(cfg)[s][0] == "mlp")
     ]
     required += [
         n
@@ -229,7 +241,8 @@ def qk_row_order(n_heads: int, head_dim: int) -> np.ndarray:
 class _Loader:
     def __init__(self, gg: GGUFFile, cfg, keep_quantized: bool):
         self.gg, self.cfg, self.keep = gg, cfg, keep_quantized
-        spec = GGUF_ARCHITECTURES[cfg.architecture]
+        spec = GGUF_FAMILIES[cfg.architecture]
+        self.table = layer_tensors(cfg)
         self.orders = {}
         if spec.permute_qk:
             for comp, heads in PERMUTED.items():
@@ -261,7 +274,7 @@ class _Loader:
 
     def components(self, i: int, accessor: str) -> dict[str, Any]:
         out = {}
-        for suffix, (acc, comp) in LAYER_TENSORS.items():
+        for suffix, (acc, comp) in self.table.items():
             name = f"blk.{i}.{suffix}"
             if acc != accessor or name not in self.gg.tensors:
                 continue
@@ -306,8 +319,8 @@ def _bias_sizes(cfg) -> dict[str, dict[str, int]]:
 def _fill_layer(tf, loader: _Loader, i: int) -> None:
     from poly.nn import layout
 
-    for accessor in ("attn_norm", "mlp_norm"):
-        layer = getattr(tf, accessor)(i)
+    for accessor in NORM_ROLES.intersection(roles(loader.cfg)):
+        layer = tf.role(i, accessor)
         layer.weights.ensure_master()
         layout.rmsnorm(layer).gamma[...] = loader.components(i, accessor)["gamma"]
     biases = _bias_sizes(loader.cfg)

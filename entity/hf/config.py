@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from entity.arch import ARCHITECTURES, REFUSED_REASONS, ArchSpec
+from entity.families import FAMILIES, REFUSED_REASONS, Family
 from entity.hf.generation import (
     HFGeneration,
     RawGeneration,
@@ -27,8 +27,8 @@ from entity.hf.generation import (
 from entity.hf.moe import moe_config
 from entity.strict_json import read_json
 from poly.config import LIMITS as POLY_LIMITS
-from poly.config import ROPE_FIELDS
-from poly.errors import ConfigError, LimitExceededError, UnsupportedError
+from poly.config import ROPE_FIELDS, AttentionConfig
+from poly.errors import ConfigError, LayerConfigError, LimitExceededError, UnsupportedError
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
@@ -36,7 +36,6 @@ DEFAULT_CONTEXT = 4096  # KV cache size when the caller gives no max_seq_len
 
 
 SUPPORTED_ROPE_TYPES = ("default", *ROPE_FIELDS)  # "default": no scaling
-SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers maps both to SiLU
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 # Upper bounds, checked before anything is sized from these numbers (reliability B3 #42): the
 # one table of every format, poly.config.LIMITS, under config.json's key names.
@@ -93,6 +92,8 @@ class HFRopeScaling(BaseModel):
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: list[float] | None = None
+    long_factor: list[float] | None = None
 
 
 class HFModelConfig(BaseModel):
@@ -122,10 +123,11 @@ class HFModelConfig(BaseModel):
     dtype: str | None
     generation: HFGeneration
     moe: dict | None = None  # poly.config.MoEConfig fields (entity.hf.moe), None when dense
+    options: dict = {}  # further TransformerConfig fields: the family's block recipe and options
 
     @property
-    def arch(self) -> ArchSpec:
-        return ARCHITECTURES[self.model_type]
+    def arch(self) -> Family:
+        return FAMILIES[self.model_type]
 
     @classmethod
     def parse(
@@ -135,25 +137,16 @@ class HFModelConfig(BaseModel):
         return _build(config, generation, source)
 
     def default_max_seq_len(self) -> int:
-        limit = min(self.max_position_embeddings, DEFAULT_CONTEXT)
-        return limit if self.sliding_window is None else min(limit, self.sliding_window)
+        return min(self.max_position_embeddings, DEFAULT_CONTEXT)
 
     def to_transformer_config(self, max_seq_len: int | None = None):
-        """The matching ``poly.TransformerConfig`` (KV cache sized to ``max_seq_len``).
-
-        A sliding window never changes results while the context fits inside it, so a window
-        smaller than the requested context is refused instead of silently ignored.
-        """
+        """The matching ``poly.TransformerConfig`` (KV cache sized to ``max_seq_len``; a sliding
+        window layer's cache keeps its window only)."""
         from poly import RopeScaling, TransformerConfig
 
         seq = self.default_max_seq_len() if max_seq_len is None else max_seq_len
         if type(seq) is not int or seq <= 0:
             raise ConfigError(f"max_seq_len must be a positive int, got {seq!r}")
-        if self.sliding_window is not None and seq > self.sliding_window:
-            raise UnsupportedError(
-                f"sliding_window {self.sliding_window} is smaller than max_seq_len {seq}; "
-                f"sliding-window attention is not implemented (use max_seq_len <= {self.sliding_window})"
-            )
         rs = self.rope_scaling
         scaling = None if rs is None else RopeScaling(**rs.model_dump())
         return TransformerConfig(
@@ -173,6 +166,7 @@ class HFModelConfig(BaseModel):
             qk_norm=self.qk_norm,
             architecture=self.model_type,
             moe=self.moe,
+            **self.options,
         )
 
 
@@ -226,20 +220,17 @@ def _rope(
 def _scaling(
     raw: _RawConfig, kind: str, params: dict, max_positions: int, source: str | None
 ) -> HFRopeScaling:
-    # transformers' scaled types (not llama's default one) rotate only this share of each head.
     extra = raw.model_extra or {}
-    if params.get("partial_rotary_factor", extra.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedError(
-            f"partial_rotary_factor with {kind} rope is not supported", path=source
-        )
+    if kind == "dynamic":  # transformers' dynamic NTK grows from max_position_embeddings
+        params["original_max_position_embeddings"] = max_positions
     # As transformers' standardize_rope_params: a top-level original_max_position_embeddings
     # wins, else the pre-extension length defaults to max_position_embeddings.
-    if "original_max_position_embeddings" in ROPE_FIELDS[kind]:
+    elif "original_max_position_embeddings" in ROPE_FIELDS[kind]:
         top = extra.get("original_max_position_embeddings")
         params["original_max_position_embeddings"] = (
             top or params.get("original_max_position_embeddings") or max_positions
         )
-        if kind == "yarn" and params.get("factor") is None:  # the extension ratio
+        if kind in ("yarn", "longrope") and params.get("factor") is None:  # the extension
             params["factor"] = max_positions / params["original_max_position_embeddings"]
     wanted = {k: params[k] for k in HFRopeScaling.model_fields if params.get(k) is not None}
     scaling = _validate(HFRopeScaling, dict(wanted, rope_type=kind), source)
@@ -275,24 +266,27 @@ def _check_sizes(raw: _RawConfig, kv_heads: int, head_dim: int, source: str | No
         raise ConfigError(f"rms_norm_eps: must be in (0, 1), got {raw.rms_norm_eps}", path=source)
 
 
-def _check_features(raw: _RawConfig, source: str | None) -> ArchSpec:
-    arch = ARCHITECTURES.get(raw.model_type)
+def _check_features(raw: _RawConfig, source: str | None) -> Family:
+    arch = FAMILIES.get(raw.model_type)
     if arch is None:
         why = REFUSED_REASONS.get(raw.model_type, "no importer for it")
         raise UnsupportedError(
             f"model_type {raw.model_type!r} is not supported ({why}); "
-            f"supported: {', '.join(ARCHITECTURES)}",
+            f"supported: {', '.join(FAMILIES)}",
             path=source,
         )
-    if raw.architectures and arch.causal_lm_class not in raw.architectures:
+    classes = (arch.causal_lm_class, *arch.other_classes)
+    if raw.architectures and not set(classes) & set(raw.architectures):
         raise UnsupportedError(
             f"architectures {raw.architectures} is not supported for model_type "
             f"{raw.model_type!r} (expected {arch.causal_lm_class})",
             path=source,
         )
-    if raw.hidden_act not in SUPPORTED_ACTIVATIONS:
+    if raw.hidden_act not in arch.activations:
         raise UnsupportedError(
-            f"hidden_act {raw.hidden_act!r} is not supported (silu only)", path=source
+            f"hidden_act {raw.hidden_act!r} is not supported for {raw.model_type} "
+            f"({', '.join(arch.activations)})",
+            path=source,
         )
     if raw.mlp_bias:
         raise UnsupportedError("mlp_bias=true is not supported", path=source)
@@ -304,12 +298,82 @@ def _check_features(raw: _RawConfig, source: str | None) -> ArchSpec:
     return arch
 
 
-def _sliding_window(raw: _RawConfig, arch: ArchSpec) -> int | None:
+def _sliding_window(raw: _RawConfig, arch: Family) -> int | None:
     enabled = {"none": False, "sliding_window": True, "use_sliding_window": raw.use_sliding_window}
     return raw.sliding_window if enabled[arch.sliding] else None
 
 
+# The families whose transformers attention rotates part of each head (partial_rotary_factor);
+# llama's and qwen's rotate whole heads whatever the key says.
+PARTIAL_ROTARY = frozenset({"phi", "phi3", "gpt_neox", "glm4", "stablelm", "cohere"})
+# transformers' default layer_types where not every layer slides (i: layer, m: max_window_layers)
+_WINDOW_LAYERS = {
+    "qwen2": lambda i, m: i >= m,
+    "qwen3": lambda i, m: i >= m,
+    "qwen2_moe": lambda i, m: bool((i + 1) % 2) and i < m,
+}
+
+
+def _attention(raw: _RawConfig, arch: Family, source: str | None) -> dict:
+    """poly.config.AttentionConfig fields every family reads alike: the sliding window and the
+    layers it applies to, a partial rotary factor ({}: llama's attention)."""
+    extra, out = raw.model_extra or {}, {}
+    window = _sliding_window(raw, arch)
+    if window is not None:
+        if window <= 0:
+            raise ConfigError(
+                f"sliding_window: must be a positive integer, got {window}", path=source
+            )
+        out["sliding_window"] = window
+        rule, types = _WINDOW_LAYERS.get(raw.model_type), extra.get("layer_types")
+        if rule is not None and isinstance(types, list):
+            out["window_layers"] = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        elif rule is not None:
+            most = extra.get("max_window_layers", 28)
+            if type(most) is not int:
+                raise ConfigError(
+                    f"max_window_layers: must be an integer, got {most!r}", path=source
+                )
+            out["window_layers"] = [i for i in range(raw.num_hidden_layers) if rule(i, most)]
+    params = raw.rope_parameters or raw.rope_scaling or {}
+    factor = params.get("partial_rotary_factor", extra.get("partial_rotary_factor", 1.0))
+    if factor != 1.0 and raw.model_type not in PARTIAL_ROTARY:
+        raise UnsupportedError(
+            f"partial_rotary_factor {factor} is not supported for model_type {raw.model_type!r}",
+            path=source,
+        )
+    if factor != 1.0:
+        out["partial_rotary_factor"] = factor
+    return out
+
+
+def _with_defaults(config: Any) -> Any:
+    """config.json with its family's defaults for the keys it leaves out (transformers' own)."""
+    mt = config.get("model_type") if isinstance(config, dict) else None
+    family = FAMILIES.get(mt) if isinstance(mt, str) else None
+    return config if family is None else {**family.hf_defaults, **config}
+
+
+def _options(raw: _RawConfig, arch: Family, source: str | None) -> dict:
+    """TransformerConfig fields of the family's recipe and its own config keys."""
+    out: dict = {"block": dataclasses.asdict(arch.block)} if not arch.block.plain else {}
+    attention = _attention(raw, arch, source)
+    if arch.hf_options is not None:
+        try:
+            out.update(arch.hf_options(raw.model_dump()))
+        except (LayerConfigError, TypeError, ValueError) as exc:
+            raise ConfigError(str(exc), path=source) from None
+    attention.update(out.get("attention") or {})  # the family's own options on top
+    if attention:
+        try:
+            out["attention"] = dataclasses.asdict(AttentionConfig(**attention))
+        except (LayerConfigError, TypeError) as exc:
+            raise ConfigError(f"attention: {exc}", path=source) from None
+    return out
+
+
 def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
+    config = _with_defaults(config)
     raw: _RawConfig = _validate(_RawConfig, config, source)
     arch = _check_features(raw, source)
     gen_source = None if source is None else str(Path(source).with_name(GENERATION_FILE))
@@ -341,6 +405,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
     biased = {"flag": raw.attention_bias, "qkv": True, "none": False}[arch.bias_rule]
     moe = moe_config(raw, raw.num_hidden_layers, source)
     return HFModelConfig(
+        options=_options(raw, arch, source),
         moe=None if moe is None else dataclasses.asdict(moe),
         model_type=raw.model_type,
         architectures=tuple(raw.architectures or ()),

@@ -1,5 +1,5 @@
 """Mixture-of-experts rows of the HF tables: config keys -> ``poly.config.MoEConfig`` and the
-per-block tensor names of Mixtral, Qwen2-MoE and Qwen3-MoE -> (part, component, shape).
+per-block tensor names of an MoE family (its `MoENames`) -> (part, component, shape).
 
 Components of the ``mlp`` part of a sparse block: ``router`` [E, d], ``shared_gate`` [1, d],
 ``experts.<e>.<w_gate|w_up|w_down>`` and ``shared.<w_gate|w_up|w_down>`` (SwiGLU views of the
@@ -10,32 +10,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from entity.families import FAMILIES, MoENames
+from entity.families.base import QWEN_PROJ
 from poly.config import LIMITS, MoEConfig
 from poly.errors import ConfigError, LayerConfigError, LimitExceededError
 
-# model_type -> (module prefix, {poly SwiGLU view: HF projection name})
-_NAMES: dict[str, tuple[str, dict[str, str]]] = {
-    "mixtral": ("block_sparse_moe.", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}),
-    "qwen2_moe": ("mlp.", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
-    "qwen3_moe": ("mlp.", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
-}
-MOE_TYPES = frozenset(_NAMES)
-# Qwen's proj names for the shared expert and the dense (mlp_only) layers.
-_QWEN = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+def _names(model_type: str) -> MoENames | None:
+    family = FAMILIES.get(model_type)
+    return None if family is None else family.moe
 
 
 def moe_config(raw: Any, num_layers: int, source: str | None) -> MoEConfig | None:
     """The MoEConfig of a parsed config.json (`raw` has the extra keys), None for dense types."""
-    mt = raw.model_type
-    if mt not in MOE_TYPES:
+    names = _names(raw.model_type)
+    if names is None:
         return None
     extra = raw.model_extra or {}
     # transformers 5 writes num_local_experts for every family (num_experts is an alias).
     n = extra.get("num_local_experts", extra.get("num_experts"))
     k = extra.get("num_experts_per_tok")
-    width = raw.intermediate_size if mt == "mixtral" else extra.get("moe_intermediate_size")
-    shared = extra.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
-    norm = True if mt == "mixtral" else extra.get("norm_topk_prob", mt == "qwen3_moe")
+    width = raw.model_dump().get(names.width_key)
+    shared = extra.get("shared_expert_intermediate_size", 0) if names.shared else 0
+    norm = extra.get("norm_topk_prob", names.norm_topk) if names.norm_topk_key else names.norm_topk
     step = extra.get("decoder_sparse_step", 1)
     only = extra.get("mlp_only_layers") or []
     for key, value in (("num_experts", n), ("num_experts_per_tok", k), ("moe_intermediate_size", width),
@@ -63,7 +60,8 @@ def block_tensors(
     model_type: str, moe: MoEConfig, hidden: int
 ) -> dict[str, tuple[str, str, tuple]]:
     """suffix -> (part, component, shape) of one sparse block's FFN tensors."""
-    prefix, proj = _NAMES[model_type]
+    names = _names(model_type)
+    prefix, proj = names.prefix, names.proj
     d, width = hidden, moe.expert_intermediate_size
     out: dict[str, tuple[str, str, tuple]] = {
         f"{prefix}gate.weight": ("mlp", "router", (moe.num_experts, d))
@@ -74,7 +72,7 @@ def block_tensors(
             out[f"{prefix}experts.{e}.{name}.weight"] = ("mlp", f"experts.{e}.{view}", shape)
     if moe.shared_intermediate_size:
         ws = moe.shared_intermediate_size
-        for view, name in _QWEN.items():
+        for view, name in QWEN_PROJ.items():
             shape = (d, ws) if view == "w_down" else (ws, d)
             out[f"{prefix}shared_expert.{name}.weight"] = ("mlp", f"shared.{view}", shape)
         out[f"{prefix}shared_expert_gate.weight"] = ("mlp", "shared_gate", (1, d))

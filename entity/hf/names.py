@@ -1,7 +1,7 @@
 """The HF tensor names of a checkpoint, checked against a config: every tensor maps to a
 (block, part, component) slot.
 
-The name table itself is `entity.arch` (shared with GGUF); ``part`` names the poly accessor
+The name table itself is the family's (entity/families/, shared with GGUF); ``part`` names the poly accessor
 (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp`` on a block; ``embeddings``, ``final_norm``,
 ``lm_head`` globally) and ``component`` the layout view. Biases go to the bias slots, never over
 weights (Loom's defect). Import is strict: unexpected, missing and mis-shaped tensors are
@@ -17,16 +17,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from entity import arch
+from entity.families import FAMILIES, Family
 from poly.errors import WeightMappingError
 
 BLOCK_PREFIX = "model.layers.{i}."
 _BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-# Per-block suffix -> (part, component); global name -> part.
-BLOCK_TENSORS: dict[str, tuple[str, str]] = {
-    t.hf: (t.role, t.component) for t in arch.BLOCK_TENSORS
-}
-GLOBAL_TENSORS: dict[str, str] = {t.hf: t.role for t in arch.GLOBAL_TENSORS}
+
+def block_tensors(family: Family) -> dict[str, tuple[str, str]]:
+    """Per-block suffix -> (part, component) of a family."""
+    return {t.hf: (t.role, t.component) for t in family.tensors}
+
+
+def global_tensors(family: Family) -> dict[str, str]:
+    """Global name -> part of a family."""
+    return {t.hf: t.role for t in family.global_tensors}
+
+
 # Buffers some older checkpoints saved; recomputed from rope_theta, so dropped explicitly.
 IGNORED_SUFFIXES: tuple[str, ...] = ("self_attn.rotary_emb.inv_freq",)
 
@@ -39,6 +46,9 @@ OPTIONAL: dict[str, Callable[[Any], bool]] = {
     "q_norm": lambda c: c.qk_norm,
     "k_norm": lambda c: c.qk_norm,
     "lm_head": lambda c: not c.tie_word_embeddings,
+    "b_gate": lambda c: c.options.get("block", {}).get("mlp_bias", False),
+    "b_up": lambda c: c.options.get("block", {}).get("mlp_bias", False),
+    "b_down": lambda c: c.options.get("block", {}).get("mlp_bias", False),
 }
 
 
@@ -52,11 +62,12 @@ class Slot:
     shape: tuple[int, ...]
 
 
-def hf_name(block: int | None, part: str, component: str) -> str:
+def hf_name(block: int | None, part: str, component: str, model_type: str = "llama") -> str:
     """Inverse of the table: the HF name of a slot (used by converters and tests)."""
+    family = FAMILIES[model_type]
     if block is None:
-        return next(name for name, g in GLOBAL_TENSORS.items() if g == part)
-    suffix = next(s for s, pc in BLOCK_TENSORS.items() if pc == (part, component))
+        return next(name for name, g in global_tensors(family).items() if g == part)
+    suffix = next(s for s, pc in block_tensors(family).items() if pc == (part, component))
     return BLOCK_PREFIX.format(i=block) + suffix
 
 
@@ -67,24 +78,25 @@ def _wanted(cfg: Any, component: str) -> bool:
 
 def expected_tensors(cfg: Any) -> dict[str, Slot]:
     """Every tensor the config requires, in block order then globals."""
-    from entity.hf.moe import block_tensors
+    from entity.hf.moe import block_tensors as moe_tensors
 
     tcfg = cfg.to_transformer_config()
     moe = tcfg.moe
-    shapes = {role: arch.role_shapes(tcfg, role) for role in arch.ROLES}  # "mlp": the dense FFN
+    shapes = {role: arch.role_shapes(tcfg, role) for role in arch.roles(tcfg)}  # "mlp": dense
     globals_ = arch.global_shapes(tcfg)
+    family = FAMILIES[cfg.model_type]
     out: dict[str, Slot] = {}
     for i in range(cfg.num_layers):
         sparse = moe is not None and i not in moe.dense_layers
-        for suffix, (part, comp) in BLOCK_TENSORS.items():
-            if _wanted(cfg, comp) and not (sparse and part == "mlp"):
+        for suffix, (part, comp) in block_tensors(family).items():
+            if part in shapes and _wanted(cfg, comp) and not (sparse and part == "mlp"):
                 out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, shapes[part][comp])
         if sparse:
-            for suffix, (part, comp, shape) in block_tensors(
+            for suffix, (part, comp, shape) in moe_tensors(
                 cfg.model_type, moe, cfg.hidden_size
             ).items():
                 out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, shape)
-    for name, part in GLOBAL_TENSORS.items():
+    for name, part in global_tensors(family).items():
         if _wanted(cfg, part):
             out[name] = Slot(None, part, "value", globals_[part])
     return out

@@ -10,7 +10,7 @@ import numpy as np
 from poly.config import TransformerConfig
 from poly.errors import DTypeError, InvalidTokenError, LayerConfigError
 from poly.layer import LayerType, VolumetricLayer
-from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, build_block, is_plain_block, run_block
+from poly.model.block import build_block, is_recipe_block, norm_layer, run_block, slots
 from poly.model.hooks import need
 from poly.network import VolumetricNetwork
 from poly.nn import rmsnorm
@@ -49,9 +49,8 @@ class Transformer(Generic[T]):
         self._lm_head: Any = self._embeddings
         if not config.tie_word_embeddings:
             self._lm_head = np.zeros((v, h), dtype=np.float32)
-        self.final_norm_layer = VolumetricLayer(
-            type=LayerType.RMSNORM, input_height=h, rms_norm_eps=config.rms_norm_eps
-        )
+        self.final_norm_layer = norm_layer(config)
+        self._slots = slots(config.block)  # role -> sub-layer index of every block
         self.tokenizer = None
         self.chat_template = None
         self.eos_token_ids: tuple[int, ...] = ()
@@ -96,17 +95,30 @@ class Transformer(Generic[T]):
     def blocks(self) -> list[VolumetricLayer]:
         return list(self.network.layers)
 
+    def role(self, i: int, name: str) -> VolumetricLayer:
+        """Sub-layer `name` of block i (the roles of poly.model.block.layout)."""
+        at = self._slots.get(name)
+        if at is None:
+            raise LayerConfigError(f"the {self.config.architecture} block has no {name}")
+        return self.block(i).sequential_layers[at]
+
     def attn_norm(self, i: int) -> VolumetricLayer:
-        return self.block(i).sequential_layers[ATTN_NORM]
+        return self.role(i, "attn_norm")
 
     def attn(self, i: int) -> VolumetricLayer:
-        return self.block(i).sequential_layers[ATTN]
+        return self.role(i, "attn")
 
     def mlp_norm(self, i: int) -> VolumetricLayer:
-        return self.block(i).sequential_layers[MLP_NORM]
+        return self.role(i, "mlp_norm")
 
     def mlp(self, i: int) -> VolumetricLayer:
-        return self.block(i).sequential_layers[MLP]
+        return self.role(i, "mlp")
+
+    def attn_post_norm(self, i: int) -> VolumetricLayer:
+        return self.role(i, "attn_post_norm")
+
+    def mlp_post_norm(self, i: int) -> VolumetricLayer:
+        return self.role(i, "mlp_post_norm")
 
     def _check_table(self, name: str, value: Any) -> None:
         want = (self.config.vocab_size, self.config.hidden_size)
@@ -178,23 +190,54 @@ class Transformer(Generic[T]):
         compares the blocks' times: no `after` for a block cut to one row). `last`:
         the last token's row only, [1, H]: the last block's FFN skips the other rows, which no
         later block reads (every row's keys and values are cached all the same)."""
-        x = lookup(self._embeddings, self.check_ids(ids), self.activation_dtype)  # [n, H]
+        x = self.embed(self.check_ids(ids), self.activation_dtype)  # [n, H]
         live = [i for i, blk in enumerate(self.network.layers) if not blk.is_disabled]
+        cfg = self.config
         for i in live:
             blk = self.network.layers[i]
             if pace is not None:
                 pace.before(i)
             rows = slice(-1, None) if last and i == live[-1] else None
-            x = run_block(blk, x, rows=rows) if is_plain_block(blk) else blk.forward(x)
+            x = (
+                run_block(blk, x, rows=rows, cfg=cfg)
+                if is_recipe_block(blk, cfg.block)
+                else blk.forward(x)
+            )
             if pace is not None and rows is None:  # a cut block's time compares with no other
                 pace.after(i)
-        final = rmsnorm.gamma(self.final_norm_layer)
-        return rms_norm(x[-1:] if last else x, final, self.config.rms_norm_eps)
+        return self.norm_final(x[-1:] if last else x)
+
+    def embed(self, ids: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
+        """Rows of the embedding table for checked ids [n] -> [n, H], times embedding_scale
+        (rounded to float32 first, as transformers' Gemma normalizer)."""
+        x = lookup(self._embeddings, ids, dtype)
+        scale = self.config.embedding_scale
+        if scale != 1:
+            x *= np.asarray(np.float32(scale), x.dtype)
+        return x
+
+    def norm_final(self, x: np.ndarray) -> np.ndarray:
+        """The final norm of hidden rows [n, H]."""
+        layer = self.final_norm_layer
+        if layer.type == LayerType.RMSNORM:
+            return rms_norm(x, rmsnorm.gamma(layer), self.config.rms_norm_eps)
+        return layer.forward(x)
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """Normed hidden rows [n, H] -> logits [n, V]: the LM head, logit_scale, soft-capping."""
+        out = linear(h, self._lm_head)
+        cfg = self.config
+        if cfg.logit_scale != 1:
+            out *= np.asarray(cfg.logit_scale, out.dtype)
+        if cfg.final_logit_softcap:
+            cap = np.asarray(cfg.final_logit_softcap, out.dtype)
+            out = np.tanh(out / cap) * cap
+        return out
 
     def reference_forward(self, ids: Sequence[int], pace: Any = None) -> np.ndarray:
         """Logits [V] of the last new token by the reference path (`pace`: see hidden_states)."""
         h = self.hidden_states(ids, pace, last=True)  # [1, H]
-        return linear(h, self._lm_head)[0]  # [1, H] @ [V, H].T
+        return self.logits(h)[0]  # [1, H] @ [V, H].T
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [V] (activation dtype) of the last of the new tokens. The runtime decides
@@ -203,7 +246,7 @@ class Transformer(Generic[T]):
 
     def forward_all(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [n, V] of every new token."""
-        return linear(self.hidden_states(ids), self._lm_head)
+        return self.logits(self.hidden_states(ids))
 
     def new_state(self) -> list:
         """An empty KV state (one cache per attention layer) for an independent sequence."""

@@ -16,10 +16,7 @@ from typing import Any
 import numpy as np
 
 from poly.errors import LayerConfigError
-from poly.model.block import is_plain_block, run_block
-from poly.nn import rmsnorm
-from poly.nn.embedding import lookup
-from poly.ops import linear, rms_norm
+from poly.model.block import is_recipe_block, run_block
 from poly.runtime import ckernels, fused
 
 
@@ -37,7 +34,7 @@ def _one_by_one(model: Any, sequences, states: list) -> np.ndarray:
 
 
 def _batched_step(model: Any, ids: np.ndarray, states: list) -> np.ndarray:
-    x = lookup(model.embeddings, ids)  # [B, H]
+    x = model.embed(ids)  # [B, H]
     p = fused.plan(model)
     if p is not None:  # one C call for the whole step (poly/fused.py)
         logits = fused.step_rows(p, x, states)
@@ -50,19 +47,18 @@ def _segments(model: Any, seqs: list[np.ndarray], states: list) -> np.ndarray:
     """Prompts of any lengths in one pass -> logits [B, V] of each one's last row."""
     stops = np.cumsum([s.size for s in seqs])
     bounds = [(int(b - s.size), int(b)) for s, b in zip(seqs, stops)]
-    x = lookup(model.embeddings, np.concatenate(seqs))  # [N, H]
+    x = model.embed(np.concatenate(seqs))  # [N, H]
     return _blocks(model, x, states, bounds, stops - 1)
 
 
 def _blocks(model: Any, x: np.ndarray, states: list, bounds, last=None) -> np.ndarray:
     for li, blk in enumerate(model.network.layers):
         caches = [st[li] for st in states]
-        x = run_block(blk, x, caches, bounds)
+        x = run_block(blk, x, caches, bounds, cfg=model.config)
         for st, cache in zip(states, caches):
             st[li] = cache  # KVCaches created on first use
     x = x if last is None else x[last]  # [B, H]
-    h = rms_norm(x, rmsnorm.gamma(model.final_norm_layer), model.config.rms_norm_eps)
-    return linear(h, model.lm_head)  # [B, V]
+    return model.logits(model.norm_final(x))  # [B, V]
 
 
 def forward_batch(
@@ -79,7 +75,7 @@ def forward_batch(
     if not (
         seqs
         and model.activation_dtype == np.float32
-        and all(not b.is_disabled and is_plain_block(b) for b in blocks)
+        and all(not b.is_disabled and is_recipe_block(b, model.config.block) for b in blocks)
     ):
         return _one_by_one(model, seqs, states)
     if all(s.size == 1 for s in seqs):
@@ -87,7 +83,7 @@ def forward_batch(
     total = sum(s.size for s in seqs)
     p = fused.plan(model) if total <= ckernels.STEP_ROWS else None
     if p is not None:  # few tokens in all: every prompt's tokens are rows of one fused call
-        x = lookup(model.embeddings, np.concatenate(seqs))  # [N, H]
+        x = model.embed(np.concatenate(seqs))  # [N, H]
         logits = fused.prompt_rows(p, x, states, [s.size for s in seqs])  # [B, V]
         if logits is not None:
             return logits

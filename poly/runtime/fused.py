@@ -87,6 +87,8 @@ def _layer_args(blk) -> tuple | None:
     """The C tuple of one plain block, or None when some part has no C kernel."""
     subs = blk.sequential_layers
     attn, mlp = subs[ATTN], subs[MLP]
+    if mha.has_options(attn):  # windows, partial/no RoPE, sinks ...: no C kernel yet
+        return None
     ap = mha.plan(attn)
     c = ap.comps
     if ap.w_qkv is not None:
@@ -127,6 +129,8 @@ class Plan:
         self.index = [i for i, b in enumerate(model.network.layers) if not b.is_disabled]
         blocks = [model.network.layers[i] for i in self.index]
         if not blocks or not all(is_plain_block(b) for b in blocks):
+            return
+        if not model.config.plain:  # a recipe or multiplier the C step does not implement
             return
         layers = tuple(_layer_args(b) for b in blocks)
         lm, final = _mat(model.lm_head), rmsnorm.gamma(model.final_norm_layer)

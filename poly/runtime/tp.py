@@ -320,6 +320,10 @@ def shard(model: Transformer, comm: Any) -> Transformer:
         raise TensorParallelError(
             f"tensor parallelism needs plain decoder blocks; block {bad[0]} is not (tiling?)"
         )
+    if not model.config.plain:
+        raise TensorParallelError(
+            f"tensor parallelism does not split {model.config.architecture} blocks yet"
+        )
     if any(b.sequential_layers[MLP].type == LayerType.MOE for b in model.blocks()):
         raise TensorParallelError("tensor parallelism does not split MoE layers yet")
     cfg = model.config

@@ -1,0 +1,45 @@
+"""The family registry: model_type -> its `Family` record (entity/families/<module>.py).
+
+Adding a family is one file holding its record (`FAMILY`) and one line below.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from entity.families.base import Family, MoENames, TensorName
+
+__all__ = ["FAMILIES", "GGUF_FAMILIES", "REFUSED_REASONS", "Family", "MoENames", "TensorName"]
+
+# One module per family, one line each (order: GGUF names go to the first family listing them).
+MODULES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+
+FAMILIES: dict[str, Family] = {}
+for _name in MODULES:
+    _family: Family = importlib.import_module(f"entity.families.{_name}").FAMILY
+    FAMILIES[_family.model_type] = _family
+
+# GGUF `general.architecture` -> the family that reads such files.
+GGUF_FAMILIES: dict[str, Family] = {}
+for _family in FAMILIES.values():
+    if _family.gguf_arch is not None:
+        GGUF_FAMILIES.setdefault(_family.gguf_arch, _family)
+
+# Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
+REFUSED_REASONS: dict[str, str] = {
+    "gemma": "needs (1+w) RMSNorm, sqrt(hidden) embedding scale and GeGLU",
+    "gemma2": "needs logit soft-capping, sandwich norms and GeGLU",
+    "gemma3": "needs sandwich norms, local/global attention and GeGLU",
+    "phi": "uses LayerNorm, partial rotary and a parallel block",
+    "phi3": "stores fused qkv_proj / gate_up_proj and may use longrope",
+    "gpt2": "uses fused c_attn, LayerNorm and learned positions",
+    "olmoe": "needs q/k RMSNorm over all heads at once (not per head)",
+}

@@ -1,0 +1,110 @@
+"""The record of one model family (`Family`) and the tensor-name table most families share.
+
+A family file (entity/families/<model_type>.py) holds everything entity knows about one
+`model_type`: its HF config mapping (the causal-LM class, the defaults of transformers' config
+class for keys a config.json leaves out), its tensor names (HF and GGUF), the GGUF architecture
+llama.cpp's converter writes and the keys past the common ones, and its block recipe
+(poly.config.BlockRecipe plus model-level options). mlx-lm's models/*.py are the anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from poly.config import PLAIN_BLOCK, BlockRecipe
+
+
+@dataclass(frozen=True)
+class TensorName:
+    """One tensor: its role and component, its HF name (a suffix of ``model.layers.{i}.`` for
+    block tensors) and its GGUF name (a suffix of ``blk.{i}.``). Globals: component "value"."""
+
+    role: str
+    component: str
+    hf: str
+    gguf: str
+
+
+# llama's block (every family until Gemma 2 names its tensors so).
+LLAMA_TENSORS: tuple[TensorName, ...] = (
+    TensorName("attn_norm", "gamma", "input_layernorm.weight", "attn_norm.weight"),
+    TensorName("attn", "w_q", "self_attn.q_proj.weight", "attn_q.weight"),
+    TensorName("attn", "w_k", "self_attn.k_proj.weight", "attn_k.weight"),
+    TensorName("attn", "w_v", "self_attn.v_proj.weight", "attn_v.weight"),
+    TensorName("attn", "w_o", "self_attn.o_proj.weight", "attn_output.weight"),
+    TensorName("attn", "b_q", "self_attn.q_proj.bias", "attn_q.bias"),
+    TensorName("attn", "b_k", "self_attn.k_proj.bias", "attn_k.bias"),
+    TensorName("attn", "b_v", "self_attn.v_proj.bias", "attn_v.bias"),
+    TensorName("attn", "b_o", "self_attn.o_proj.bias", "attn_output.bias"),
+    TensorName("attn", "q_norm", "self_attn.q_norm.weight", "attn_q_norm.weight"),
+    TensorName("attn", "k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight"),
+    TensorName("mlp_norm", "gamma", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    TensorName("mlp", "w_gate", "mlp.gate_proj.weight", "ffn_gate.weight"),
+    TensorName("mlp", "w_up", "mlp.up_proj.weight", "ffn_up.weight"),
+    TensorName("mlp", "w_down", "mlp.down_proj.weight", "ffn_down.weight"),
+)
+GLOBAL_TENSORS: tuple[TensorName, ...] = (
+    TensorName("embeddings", "value", "model.embed_tokens.weight", "token_embd.weight"),
+    TensorName("final_norm", "value", "model.norm.weight", "output_norm.weight"),
+    TensorName("lm_head", "value", "lm_head.weight", "output.weight"),
+)
+
+
+@dataclass(frozen=True)
+class MoENames:
+    """An MoE family's sparse-FFN names and config keys (entity.hf.moe, entity.gguf.moe).
+
+    ``prefix`` + ``experts.<e>.<proj[view]>.weight`` per expert; the router is
+    ``prefix + "gate.weight"``. ``width_key``: the config key of the expert width.
+    ``shared``: a shared expert exists (Qwen2-MoE). ``norm_topk``: whether top-k weights are
+    renormalised when the config (or the GGUF file) does not say; ``norm_topk_key``: False when
+    transformers hard-codes it (Mixtral)."""
+
+    prefix: str
+    proj: Mapping[str, str]
+    width_key: str
+    shared: bool = False
+    norm_topk: bool = True
+    norm_topk_key: bool = True
+
+
+QWEN_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family maps onto the poly decoder block (HF and GGUF rules together)."""
+
+    model_type: str
+    causal_lm_class: str  # HF config.json "architectures"
+    # "flag": q/k/v/o biases follow `attention_bias`; "qkv": q/k/v always biased, o never.
+    bias_rule: Literal["flag", "qkv", "none"]
+    qk_norm: bool
+    default_head_dim: int | None  # None: hidden_size // num_attention_heads
+    default_max_positions: int
+    # Which keys turn a sliding window on (transformers' own rule per architecture).
+    sliding: Literal["none", "sliding_window", "use_sliding_window"]
+    # GGUF `general.architecture` llama.cpp's converter writes (None: no GGUF import). The first
+    # family registered under a name reads its files (Mistral and Mixtral files say "llama").
+    gguf_arch: str | None = None
+    # GGUF: llama.cpp's convert_hf_to_gguf permutes q/k rows for LlamaModel only.
+    permute_qk: bool = False
+    # transformers' config-class defaults for keys a config.json leaves out
+    hf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    other_classes: tuple[str, ...] = ()  # further accepted "architectures" entries
+    activations: tuple[str, ...] = ("silu", "swish")  # hidden_act values (one function each)
+    tensors: tuple[TensorName, ...] = LLAMA_TENSORS
+    global_tensors: tuple[TensorName, ...] = GLOBAL_TENSORS
+    block: BlockRecipe = PLAIN_BLOCK
+    moe: MoENames | None = None
+    # (1 + w) norms (Gemma): the importer adds this to every norm weight, so poly runs the plain
+    # RMSNorm (llama.cpp's converter stores the sum in GGUF files already).
+    norm_offset: float = 0.0
+    # HF tensor name -> the canonical name above, or None to drop it (multimodal checkpoints)
+    hf_rename: Callable[[str], str | None] | None = None
+    # TransformerConfig fields past the common ones, from the parsed config.json (its keys,
+    # defaults applied) / from the GGUF metadata (`get(key, default)` of ``{arch}.<key>``)
+    hf_options: Callable[[Mapping[str, Any]], dict] | None = None
+    gguf_options: Callable[[Callable[[str, Any], Any]], dict] | None = None
