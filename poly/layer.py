@@ -183,6 +183,15 @@ class VolumetricLayer:
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     qk_norm: bool = False
+    # MHA options (poly.nn.mha): the defaults are llama's attention
+    sliding_window: int = 0  # keys a query sees, itself included (0: all)
+    rotary_dim: int = 0  # RoPE over the first rotary_dim values of each head (0: all)
+    rope_interleaved: bool = False  # GPT-J pairs (2i, 2i+1), not (i, i + rotary_dim/2)
+    use_rope: bool = True  # False: a NoPE layer
+    qk_norm_all: bool = False  # q/k RMSNorm over all heads at once, not per head
+    attn_scale: float = 0.0  # logit scale (0: head_dim ** -0.5)
+    attn_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (0: none)
+    attn_sinks: bool = False  # a learned per-head logit in the softmax denominator
     vocab_size: int = 0
     embedding_dim: int = 0
     moe: MoEConfig | None = None  # MoE: experts, top-k, gating (poly.nn.moe)

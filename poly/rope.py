@@ -1,4 +1,5 @@
-"""Rotary position embeddings, HF half-split ("rotate half") convention."""
+"""Rotary position embeddings: HF's half-split ("rotate half") pairs (i, i + dim/2) or GPT-J's
+interleaved pairs (2i, 2i + 1), over a whole head or its first `dim` values (partial rotary)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from poly.config import RopeScaling
+from poly.config import LENGTH_DEPENDENT_ROPE, RopeScaling
 from poly.ops import HOOKS
 
 
@@ -63,21 +64,69 @@ def _yarn(head_dim: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, floa
     return inv, _yarn_mscale(s.factor) if attention is None else float(attention)
 
 
+def _dynamic(head_dim: int, theta: float, s: RopeScaling, seq_len: int = 0):
+    """transformers' dynamic NTK: past original_max_position_embeddings (transformers passes
+    max_position_embeddings) the base grows with the length `seq_len` reached so far."""
+    orig = s.original_max_position_embeddings
+    seq = max(seq_len, orig)
+    base = theta * ((s.factor * seq / orig) - (s.factor - 1)) ** (head_dim / (head_dim - 2))
+    return _plain(head_dim, base), 1.0
+
+
+def _longrope(head_dim: int, theta: float, s: RopeScaling, seq_len: int = 0):
+    """transformers' longrope (Phi-3/4): frequencies divided per dim by the long factors once a
+    call reaches past original_max_position_embeddings, else by the short ones; cos/sin times
+    the attention factor (default sqrt(1 + ln(factor) / ln(original)))."""
+    orig = s.original_max_position_embeddings
+    factors = s.long_factor if seq_len > orig else s.short_factor
+    if len(factors) != head_dim // 2:
+        from poly.errors import LayerConfigError
+
+        raise LayerConfigError(
+            f"rope scaling longrope: {len(factors)} short/long factors for {head_dim // 2} "
+            "rotary frequencies"
+        )
+    attention = s.attention_factor
+    if attention is None:
+        attention = 1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(orig))
+    # transformers builds the factors in float32 and divides in float32; so does this
+    ext = np.asarray(factors, dtype=np.float32)
+    shape = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    inv = 1.0 / (ext * np.float32(theta) ** shape)
+    return inv.astype(np.float64), float(attention)
+
+
 # rope_type -> (head_dim, theta, scaling) -> (float64 inverse frequencies, cos/sin multiplier)
-ROPE_FREQUENCIES: dict[str, Callable[[int, float, RopeScaling], tuple[np.ndarray, float]]] = {
+ROPE_FREQUENCIES: dict[str, Callable[..., tuple[np.ndarray, float]]] = {
     "linear": _linear,
     "llama3": _llama3,
     "yarn": _yarn,
+    "dynamic": _dynamic,
+    "longrope": _longrope,
 }
 
 
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None
+    head_dim: int, theta: float, scaling: RopeScaling | None, seq_len: int = 0
 ) -> tuple[np.ndarray, float]:
-    """float64 [head_dim/2] inverse frequencies and the factor cos and sin are multiplied by."""
+    """float64 [head_dim/2] inverse frequencies and the factor cos and sin are multiplied by;
+    `seq_len`: the length a call reaches (dynamic and longrope only)."""
     if scaling is None:
         return _plain(head_dim, theta), 1.0
+    if scaling.rope_type in LENGTH_DEPENDENT_ROPE:
+        return ROPE_FREQUENCIES[scaling.rope_type](head_dim, theta, scaling, seq_len)
     return ROPE_FREQUENCIES[scaling.rope_type](head_dim, theta, scaling)
+
+
+def rope_rows(
+    head_dim: int, theta: float, scaling: RopeScaling | None, start: int, n: int, seq_len: int,
+    dtype=np.float32,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """cos, sin [n, head_dim/2] of positions start..start+n-1 with the frequencies of a call that
+    reaches `seq_len` (dynamic, longrope: computed per call as transformers does)."""
+    inv, attention = rope_frequencies(head_dim, theta, scaling, seq_len)
+    angles = np.arange(start, start + n, dtype=np.float64)[:, None] * inv[None, :]
+    return (np.cos(angles) * attention).astype(dtype), (np.sin(angles) * attention).astype(dtype)
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -96,24 +145,44 @@ def rope_tables(
     return (np.cos(angles) * attention).astype(dtype), (np.sin(angles) * attention).astype(dtype)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [n, heads, hd]; cos/sin [n, hd/2] for the n positions. Pairs (i, i + hd/2)."""
+def apply_rope(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False
+) -> np.ndarray:
+    """x [n, heads, dim]; cos/sin [n, dim/2] for the n positions. Pairs (i, i + dim/2), or
+    (2i, 2i + 1) when `interleaved`."""
+    c, s = cos[:, None, :], sin[:, None, :]  # [n, 1, dim/2]
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = x1 * c - x2 * s
+        out[..., 1::2] = x2 * c + x1 * s
+        return out
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]  # [n, 1, hd/2]
     out = np.empty_like(x)
     out[..., :half] = x1 * c - x2 * s
     out[..., half:] = x2 * c + x1 * s
     return out
 
 
-def rope_inplace(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, start: int) -> np.ndarray:
-    """Rotate a C-contiguous float32 x [n, heads, hd] in place for positions start..start+n-1,
-    with the full cos/sin tables [max_len, hd/2]: one pass in C under the C backend, else numpy."""
+def rope_inplace(
+    x: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    start: int,
+    dim: int = 0,
+    interleaved: bool = False,
+) -> np.ndarray:
+    """Rotate a C-contiguous x [n, heads, hd] in place for positions start..start+n-1, with
+    cos/sin tables [>= start+n, dim/2], over the first `dim` values of each head (0: all): one
+    pass in C under the C backend for whole float32 half-split heads, else numpy."""
     n, _, hd = x.shape
+    dim = dim or hd
     fast = HOOKS["rope_inplace"]
-    if fast is not None and x.flags.c_contiguous and x.dtype == np.float32:
+    whole = dim == hd and not interleaved
+    if whole and fast is not None and x.flags.c_contiguous and x.dtype == np.float32:
         fast(x, cos, sin, int(start), n, hd)
     else:
-        x[...] = apply_rope(x, cos[start : start + n], sin[start : start + n])
+        part = x[..., :dim]
+        part[...] = apply_rope(part, cos[start : start + n], sin[start : start + n], interleaved)
     return x

@@ -163,7 +163,13 @@ BAD_CONFIGS = [
     ({"hidden_act": "gelu"}, UnsupportedError, "gelu"),
     ({"torch_dtype": "float8_e4m3fn"}, UnsupportedError, "float8"),
     ({"rope_scaling": {"type": "linear"}}, ConfigError, "factor"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, UnsupportedError, "dynamic"),
+    ({"rope_scaling": {"rope_type": "made-up", "factor": 2.0}}, UnsupportedError, "made-up"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, ConfigError, "short_factor"),
+    (
+        {"sliding_window": 0, "model_type": "mistral", "architectures": None},
+        ConfigError,
+        "sliding_window",
+    ),
     ({"rope_parameters": {"rope_type": "yarn", "factor": "4"}}, ConfigError, "factor"),
     (
         {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},

@@ -1,4 +1,5 @@
-"""Scaled rotary embeddings (linear, yarn) against transformers' own tiny llama checkpoints.
+"""Scaled rotary embeddings (linear, yarn, dynamic, longrope) against transformers' own tiny
+llama checkpoints.
 
 The prompt is longer than yarn's original_max_position_embeddings, so the interpolated
 frequencies and yarn's cos/sin factor both shape every logit past the start.
@@ -14,7 +15,7 @@ import pytest
 import entity
 from entity.hf.config import load_hf_config
 from poly import RopeScaling
-from poly.errors import LayerConfigError, UnsupportedError
+from poly.errors import ConfigError, LayerConfigError, UnsupportedError
 from poly.ops import HOOKS
 from poly.rope import rope_frequencies
 from tests.fuzz.corpus import F32, STRING, gguf_model
@@ -93,15 +94,73 @@ def test_entity_file_keeps_the_scaling(checkpoint, tmp_path):
     np.testing.assert_allclose(got, _hf_run(checkpoint, PROMPT)[0], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "longrope", "made-up"])
-def test_unknown_rope_type_is_refused_by_name(tmp_path, kind):
+# Recomputed per call from the length it reaches (transformers' dynamic_rope_update): dynamic
+# NTK past max_position_embeddings (32 < the 48-token prompt), longrope's long factors past
+# original_max_position_embeddings (32), its short ones below.
+PER_CALL = {
+    "dynamic": ({"rope_type": "dynamic", "factor": 3.0}, 32),
+    "longrope": ({"rope_type": "longrope", "original_max_position_embeddings": 32,
+                  "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                  "long_factor": [1.2, 1.9, 2.8, 4.0, 5.5, 7.3, 9.4, 11.8]}, 128),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(PER_CALL))
+def per_call(request, tmp_path_factory):
+    rope, positions = PER_CALL[request.param]
+    over = {"rope_parameters": dict(rope, rope_theta=10000.0), "max_position_embeddings": positions}
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp(request.param), "llama", seed=4, config_overrides=over
+    )
+
+
+def test_per_call_rope_matches_transformers(per_call):
+    # logits of the 48-token prompt in one call, and generate()'s greedy tokens on its cache
+    # (the frequencies of each call: the prompt's, then each longer length's)
+    want_logits, want_tokens = _hf_run(per_call, PROMPT)
+    tf = entity.load(per_call, max_seq_len=128)
+    np.testing.assert_allclose(tf.forward_all(PROMPT), want_logits, atol=1e-4, rtol=0)
+    tf.reset()
+    assert _greedy(tf) == want_tokens
+    # below the threshold the scaling changes nothing but longrope's short factors
+    short = PROMPT[:24]
+    tf.reset()
+    np.testing.assert_allclose(
+        tf.forward_all(short), _hf_run(per_call, short)[0], atol=1e-4, rtol=0
+    )
+
+
+def test_per_call_rope_from_its_entity_file(per_call, tmp_path):
+    entity.convert(per_call, tmp_path / "m.entity", quant="f32")
+    tf = entity.load(tmp_path / "m.entity", max_seq_len=128)
+    np.testing.assert_allclose(
+        tf.forward_all(PROMPT), _hf_run(per_call, PROMPT)[0], atol=1e-4, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    "rope,needle",
+    [
+        ({"rope_type": "made-up", "factor": 2.0}, "rope_scaling type 'made-up' is not supported"),
+        ({"rope_type": "longrope", "factor": 2.0}, "short_factor"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 8}, "long_factor"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3},
+         "short_factor"),
+    ],
+)  # fmt: skip
+def test_bad_rope_is_refused_by_name(tmp_path, rope, needle):
     path = make_tiny_checkpoint(tmp_path / "m", "llama")
-    set_config_keys(path, rope_parameters={"rope_type": kind, "factor": 2.0, "rope_theta": 1e4})
-    with pytest.raises(UnsupportedError, match=f"rope_scaling type '{kind}' is not supported") as e:
+    set_config_keys(path, rope_parameters=dict(rope, rope_theta=1e4))
+    with pytest.raises((UnsupportedError, ConfigError, LayerConfigError), match=needle) as e:
         entity.load(path)
     assert "\n" not in str(e.value)
-    with pytest.raises(LayerConfigError, match=f"'{kind}'"):
-        RopeScaling(factor=2.0, rope_type=kind)
+
+
+def test_rope_scaling_record_refuses_unknown_and_incomplete():
+    with pytest.raises(LayerConfigError, match="'made-up'"):
+        RopeScaling(factor=2.0, rope_type="made-up")
+    with pytest.raises(LayerConfigError, match="short_factor, long_factor"):
+        RopeScaling(factor=2.0, rope_type="longrope", original_max_position_embeddings=32)
 
 
 @pytest.mark.parametrize(

@@ -1,19 +1,34 @@
-"""Multi-head attention: GQA/MQA, HF half-split RoPE, optional q/k RMSNorm, biases, causal,
-with a preallocated KV cache that continues across calls. Dimension rules, parameter spec,
-named views, plan and reference forward of the MHA layer kind."""
+"""Multi-head attention: GQA/MQA, causal, biases, with a KV cache that continues across calls
+(poly.nn.kvcache). Options, each a field of the layer (docs/layers.md):
+  sliding_window   keys a query sees, itself included (0: all); its cache keeps the window only
+  rotary_dim       RoPE over the first rotary_dim values of each head (0: all), half-split pairs
+                   or, with rope_interleaved, GPT-J pairs (2i, 2i+1); use_rope False: NoPE
+  qk_norm          q/k RMSNorm per head ([head_dim] weights) or, with qk_norm_all, over all
+                   heads at once ([q_dim] / [kv_dim] weights)
+  attn_scale       the logit scale (0: head_dim ** -0.5); attn_softcap: cap * tanh(logit / cap)
+  attn_sinks       a learned logit per head in the softmax denominator ("sinks" [num_heads])
+Dimension rules, parameter spec, named views, plan and reference forward of the MHA kind."""
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, fields
 
 import numpy as np
 
+from poly.config import LENGTH_DEPENDENT_ROPE
 from poly.errors import ContextOverflowError, LayerConfigError
 from poly.layer import LayerKind, LayerType
+from poly.nn.kvcache import (  # noqa: F401 (the cache's names, as callers import them from here)
+    KVCache,
+    cache_for,
+    kv_dtype,
+    lazy_zeros,
+    live_cache,
+    release_pages,
+)
 from poly.nn.spec import Spec, carve, span
 from poly.ops import HOOKS, dense_matmul, linear, rms_norm
-from poly.rope import rope_inplace, rope_tables
+from poly.rope import rope_inplace, rope_rows, rope_tables
 
 MATRICES = frozenset({"w_q", "w_k", "w_v", "w_o"})
 
@@ -28,8 +43,9 @@ class MHAViews:
     b_k: np.ndarray
     b_v: np.ndarray
     b_o: np.ndarray
-    q_norm: np.ndarray | None = None  # [head_dim]
-    k_norm: np.ndarray | None = None  # [head_dim]
+    q_norm: np.ndarray | None = None  # [head_dim], or [q] with qk_norm_all
+    k_norm: np.ndarray | None = None  # [head_dim], or [kv] with qk_norm_all
+    sinks: np.ndarray | None = None  # [num_heads] with attn_sinks
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -46,8 +62,7 @@ def complete_dims(layer) -> None:
     layer.num_kv_heads = layer.num_kv_heads or layer.num_heads
     if layer.num_heads % layer.num_kv_heads:
         raise LayerConfigError("num_heads must be a multiple of num_kv_heads")
-    if layer.head_dim % 2:
-        raise LayerConfigError("head_dim must be even for rotary embeddings")
+    _check_options(layer)
     expected_q = layer.num_heads * layer.head_dim
     if layer.query_dim and layer.query_dim != expected_q:
         raise LayerConfigError(f"query_dim {layer.query_dim} != num_heads*head_dim {expected_q}")
@@ -57,13 +72,63 @@ def complete_dims(layer) -> None:
     layer.input_height = layer.output_height = layer.d_model
 
 
+def rotary_dim(layer) -> int:
+    """Values of each head RoPE rotates (0 for a NoPE layer)."""
+    return (layer.rotary_dim or layer.head_dim) if layer.use_rope else 0
+
+
+def _check_options(layer) -> None:
+    for name in ("sliding_window", "rotary_dim"):
+        value = getattr(layer, name)
+        if type(value) is not int or value < 0:
+            raise LayerConfigError(f"{name} must be an integer >= 0, got {value!r}")
+    rot = rotary_dim(layer)
+    if rot % 2 or rot > layer.head_dim:
+        raise LayerConfigError(
+            f"rotary_dim {rot} must be even and <= head_dim {layer.head_dim} (rotary embeddings)"
+        )
+    for name in ("attn_scale", "attn_softcap"):
+        value = getattr(layer, name)
+        if not (isinstance(value, (int, float)) and np.isfinite(value) and value >= 0):
+            raise LayerConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    rs = layer.rope_scaling
+    if rot and rs is not None and rs.rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            if len(getattr(rs, name)) != rot // 2:
+                raise LayerConfigError(
+                    f"rope scaling {name} has {len(getattr(rs, name))} values, "
+                    f"the rotary dims need {rot // 2}"
+                )
+
+
+def has_options(layer) -> bool:
+    """Whether the layer uses an option the fused C step does not implement (the Python path
+    runs it): a sliding window, partial/interleaved/no RoPE, q/k norm over all heads, a logit
+    scale or soft-cap, sinks, or a rope scaling recomputed per call."""
+    rs = layer.rope_scaling
+    return bool(
+        layer.sliding_window
+        or rotary_dim(layer) != layer.head_dim
+        or layer.rope_interleaved
+        or (layer.qk_norm and layer.qk_norm_all)
+        or layer.attn_scale
+        or layer.attn_softcap
+        or layer.attn_sinks
+        or (rs is not None and rs.rope_type in LENGTH_DEPENDENT_ROPE)
+    )
+
+
 def spec(layer) -> Spec:
-    """[(role, shape)] in master order: W_Q, W_K, W_V, W_O, the four biases, q/k norms."""
+    """[(role, shape)] in master order: W_Q, W_K, W_V, W_O, the four biases, q/k norms (with
+    qk_norm), sinks (with attn_sinks)."""
     d, q, kv = layer.d_model, layer.query_dim, layer.num_kv_heads * layer.head_dim
     table = [("w_q", (q, d)), ("w_k", (kv, d)), ("w_v", (kv, d)), ("w_o", (d, q))]
     table += [("b_q", (q,)), ("b_k", (kv,)), ("b_v", (kv,)), ("b_o", (d,))]
     if layer.qk_norm:
-        table += [("q_norm", (layer.head_dim,)), ("k_norm", (layer.head_dim,))]
+        qn, kn = (q, kv) if layer.qk_norm_all else (layer.head_dim, layer.head_dim)
+        table += [("q_norm", (qn,)), ("k_norm", (kn,))]
+    if layer.attn_sinks:
+        table += [("sinks", (layer.num_heads,))]
     return table
 
 
@@ -74,69 +139,6 @@ def views(layer) -> MHAViews:
 def components(layer) -> dict:
     store = layer.weights
     return store.versions[store.active] if store.active is not None else views(layer).as_dict()
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """Zeros whose pages exist only once written: a private anonymous mapping. np.zeros may take
-    heap memory that calloc clears page by page (glibc raises its mmap threshold after a large
-    free), which made a 2048-position SmolLM2 cache cost ~20 MB of RSS before any token."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if nbytes < (1 << 16) or not flags:  # small: one page or so either way
-        return np.zeros(shape, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=dtype).reshape(shape)
-
-
-def release_pages(a: np.ndarray) -> None:
-    """Give the pages of a `lazy_zeros` array back (they read as zeros again); others: no-op."""
-    base = a.base
-    while base is not None and not isinstance(base, mmap.mmap):
-        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-    if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
-        base.madvise(mmap.MADV_DONTNEED)
-
-
-class KVCache:
-    """Keys/values for positions [0, length), reserved for max_seq_len (no ring wrap); a page
-    of the reservation costs memory once a position on it is written (`lazy_zeros`)."""
-
-    def __init__(self, max_len: int, kv_heads: int, head_dim: int, dtype=np.float32):
-        self.k = lazy_zeros((max_len, kv_heads, head_dim), dtype)  # [T, kvh, hd]
-        self.v = lazy_zeros((max_len, kv_heads, head_dim), dtype)  # [T, kvh, hd]
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[0]
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def truncate(self, n: int) -> None:
-        self.length = max(0, min(self.length, n))
-
-
-def kv_dtype(layer, dtype=np.float32) -> np.dtype:
-    """What `layer`'s KV cache stores for activations of `dtype`: the layer's `kv_dtype`
-    (float16 halves the bytes attention reads a position, like llama.cpp's default cache) for
-    float32 activations; float64 activations keep float64."""
-    dtype = np.dtype(dtype)
-    return np.dtype(getattr(layer, "kv_dtype", dtype)) if dtype == np.float32 else dtype
-
-
-def cache_for(layer, cache: KVCache | None, dtype=np.float32) -> KVCache:
-    """`cache` if it fits `layer` (and holds what it stores for activations of `dtype`), else a
-    new empty one (first use, max_seq_len, activation or cache dtype changed)."""
-    store = kv_dtype(layer, dtype)
-    if cache is None or cache.capacity != layer.max_seq_len or cache.k.dtype != store:
-        return KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim, store)
-    return cache
-
-
-def live_cache(layer, dtype=np.float32) -> KVCache:
-    """The layer's own KV cache (`layer.state`), created or refitted as needed."""
-    layer.state = cache_for(layer, layer.state, dtype)
-    return layer.state
 
 
 class Plan:
@@ -183,25 +185,62 @@ def _project_qkv(p: Plan, x: np.ndarray, block_rows: int):
     return qkv[:, :a], qkv[:, a:b], qkv[:, b:]
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int) -> np.ndarray:
-    """q [n, H, hd] at positions start..start+n-1 over k/v [T, kvh, hd] -> [n, H, hd]."""
+@dataclass(frozen=True)
+class Attn:
+    """What the softmax of one layer applies beyond causal attention (see the module doc)."""
+
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+    sinks: np.ndarray | None = None  # [H]
+
+    @property
+    def plain(self) -> bool:
+        return not (self.window or self.softcap or self.sinks is not None)
+
+
+def _attend(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int,
+    opts: Attn | None = None, first: int = 0,
+) -> np.ndarray:  # fmt: skip
+    """q [n, H, hd] at positions start..start+n-1 over k/v [T, kvh, hd] of positions
+    first..first+T-1 -> [n, H, hd]."""
+    n, heads, hd = q.shape
+    default = 1.0 / np.sqrt(hd)
     hook = HOOKS["attend"]
-    got = None if hook is None else hook(q, k, v, start, groups)
+    plain = opts is None or (opts.scale == default and (opts.plain or (n == 1 and opts.window)))
+    got = None if hook is None or not plain else hook(q, k, v, start - first, groups)
     if got is not None:
         return got
-    n, heads, hd = q.shape
     kvh, t = k.shape[1], k.shape[0]
     # scaled q in one contiguous [kvh, g*n, hd] buffer: one GEMM per kv head, no stacked loops
     dt = q.dtype.type
     qg = np.empty((kvh, groups, n, hd), dtype=dt)  # [kvh, g, n, hd]
-    np.multiply(q.reshape(n, kvh, groups, hd).transpose(1, 2, 0, 3), dt(1.0 / np.sqrt(hd)), out=qg)
+    scale = default if opts is None else opts.scale
+    np.multiply(q.reshape(n, kvh, groups, hd).transpose(1, 2, 0, 3), dt(scale), out=qg)
     scores = qg.reshape(kvh, groups * n, hd) @ k.transpose(1, 2, 0)  # [kvh, g*n, T]
     scores = scores.reshape(kvh, groups, n, t)  # [kvh, g, n, T]
-    if n > 1:  # causal: query i sees keys 0..start+i
-        scores += np.triu(np.full((n, t), -np.inf, dtype=dt), k=start + 1)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    if opts is not None and opts.softcap:
+        cap = dt(opts.softcap)
+        np.tanh(scores / cap, out=scores)
+        scores *= cap
+    window = 0 if opts is None else opts.window
+    if n > 1 or (window and first + t - 1 - window >= first):  # causal (and window) mask
+        kpos = np.arange(first, first + t)[None, :]  # [1, T]
+        qpos = np.arange(start, start + n)[:, None]  # [n, 1]
+        hide = (kpos > qpos) | ((kpos <= qpos - window) if window else False)
+        scores[..., hide] = -np.inf
+    sinks = None if opts is None else opts.sinks
+    if sinks is None:
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+    else:  # the sink is one more logit per head in the denominator, with no value
+        sink = sinks.astype(dt).reshape(kvh, groups, 1, 1)
+        top = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+        scores -= top
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True) + np.exp(sink - top)
     out = scores.reshape(kvh, groups * n, t) @ v.transpose(1, 0, 2)  # [kvh, g*n, hd]
     return out.reshape(kvh, groups, n, hd).transpose(2, 0, 1, 3).reshape(n, heads, hd)
 
@@ -232,6 +271,52 @@ def _attend_tiled(q, k, v, start: int, groups: int, block: int) -> np.ndarray:
     return out.transpose(2, 0, 1, 3).reshape(n, heads, hd)  # [n, H, hd]
 
 
+def _rope(layer, cache: KVCache, q, k, start: int, dt):
+    """Rotate q and k (own float copies [n, heads, hd]) for positions start.. in place."""
+    rot, n = rotary_dim(layer), q.shape[0]
+    if not rot:
+        return q, k
+    rs, theta = layer.rope_scaling, float(layer.rope_freq_base)
+    if rs is not None and rs.rope_type in LENGTH_DEPENDENT_ROPE:
+        # frequencies from the length this call reaches, as transformers recomputes them
+        seq, orig = start + n, rs.original_max_position_embeddings
+        if rs.rope_type == "dynamic":  # transformers: grows with the longest length seen
+            seq = max(cache.rope_len or orig, seq)
+            seq = orig if start + n < orig else seq
+            cache.rope_len = seq
+        cos, sin = rope_rows(rot, theta, rs, start, n, seq, dt.type)
+        at = 0
+    else:
+        cos, sin = rope_tables(rot, theta, rs, cache.capacity, dt.type)
+        at = start
+    for x in (q, k):
+        rope_inplace(x, cos, sin, at, rot, layer.rope_interleaved)
+    return q, k
+
+
+def _qk_norm(layer, p: Plan, q, k):
+    """q [n, q_dim], k [n, kv_dim] -> q [n, H, hd], k [n, kvh, hd], RMS-normed if asked."""
+    n, hd = q.shape[0], layer.head_dim
+    if layer.qk_norm and layer.qk_norm_all:  # one norm over every head's values at once
+        q = rms_norm(q, p.comps["q_norm"], layer.rms_norm_eps)
+        k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
+    q = q.reshape(n, layer.num_heads, hd)  # [n, H, hd]
+    k = k.reshape(n, layer.num_kv_heads, hd)  # [n, kvh, hd]
+    if layer.qk_norm and not layer.qk_norm_all:
+        q = rms_norm(q, p.comps["q_norm"], layer.rms_norm_eps)
+        k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
+    return q, k
+
+
+def _softmax_opts(layer, p: Plan) -> Attn:
+    return Attn(
+        scale=float(layer.attn_scale or 1.0 / np.sqrt(layer.head_dim)),
+        window=int(layer.sliding_window),
+        softcap=float(layer.attn_softcap),
+        sinks=p.comps["sinks"] if layer.attn_sinks else None,
+    )
+
+
 def _append(layer, cache: KVCache, p: Plan, q, k, v, tile: int) -> np.ndarray:
     """RoPE q/k at the cache position, append k/v, attend -> [n, H*hd]."""
     n, hd, heads, kvh = q.shape[0], layer.head_dim, layer.num_heads, layer.num_kv_heads
@@ -240,27 +325,20 @@ def _append(layer, cache: KVCache, p: Plan, q, k, v, tile: int) -> np.ndarray:
         raise ContextOverflowError(
             f"context overflow: {start} cached + {n} new tokens > max_seq_len {cache.capacity}"
         )
-    q = q.reshape(n, heads, hd)  # [n, H, hd]
-    k = k.reshape(n, kvh, hd)  # [n, kvh, hd]
-    if layer.qk_norm:
-        q = rms_norm(q, p.comps["q_norm"], layer.rms_norm_eps)
-        k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
+    q, k = _qk_norm(layer, p, q, k)
     dt = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
-    scaling = layer.rope_scaling
-    cos, sin = rope_tables(hd, float(layer.rope_freq_base), scaling, cache.capacity, dt.type)
-    end = start + n
-    q = rope_inplace(np.array(q, dtype=dt, order="C"), cos, sin, start)  # own copy
+    q = np.array(q, dtype=dt, order="C")  # own copies, rotated in place
+    k = np.array(k, dtype=dt, order="C")
+    q, k = _rope(layer, cache, q, k, start, dt)
     # RoPE in the activation dtype, then stored (rounded to float16 by a float16 cache)
-    cache.k[start:end] = rope_inplace(np.array(k, dtype=dt, order="C"), cos, sin, start)
-    cache.v[start:end] = v.reshape(n, kvh, hd)
-    keys, values = cache.k[:end], cache.v[:end]  # [end, kvh, hd]
+    keys, values, first = cache.append(k, v.reshape(n, kvh, hd))  # [T, kvh, hd]
     if keys.dtype != dt:  # a float16 cache: attention sums in the activation dtype
         keys, values = keys.astype(dt), values.astype(dt)
-    if tile:
+    opts = _softmax_opts(layer, p)
+    if tile and first == 0 and opts.plain and opts.scale == 1.0 / np.sqrt(hd):
         attn = _attend_tiled(q, keys, values, start, heads // kvh, tile)
     else:
-        attn = _attend(q, keys, values, start, heads // kvh)
-    cache.length = end
+        attn = _attend(q, keys, values, start, heads // kvh, opts, first)
     return attn.reshape(n, heads * hd)  # [n, H*hd]
 
 

@@ -32,17 +32,7 @@ class ContiguousKV:
 
     def fork(self, state: list, length: int, budget: int = 0) -> list:
         """A copy of ``state``'s first ``length`` positions (choices of one prompt)."""
-        from poly.nn.mha import KVCache
-
-        out = []
-        for c in state:
-            if c is None:
-                out.append(None)
-                continue
-            d = KVCache(c.capacity, c.k.shape[1], c.k.shape[2], c.k.dtype)
-            d.k[:length], d.v[:length] = c.k[:length], c.v[:length]
-            d.length = length
-            out.append(d)
+        out = [None if c is None else c.clone(length) for c in state]
         self.live[id(out)] = out
         return out
 
@@ -79,11 +69,12 @@ class ContiguousKV:
 def make_kv(model, *, kv_pages: int | None = None, max_batch: int = 16, ctx: int | None = None,
             page_size: int = 16, budget_bytes: int = 2 << 30):  # fmt: skip
     """The scheduler's KV store: a paged pool of ``kv_pages`` pages (default: room for
-    ``max_batch`` full contexts, at most ``budget_bytes``), or contiguous caches (``kv_pages=0``)."""
-    from poly.serving.paged import PagedKV
+    ``max_batch`` full contexts, at most ``budget_bytes``), or contiguous caches (``kv_pages=0``,
+    and by default for a model with sliding-window layers: the pool keeps every position)."""
+    from poly.serving.paged import PagedKV, windowed
 
-    if kv_pages == 0:
-        return ContiguousKV(model)
+    if kv_pages == 0 or (kv_pages is None and windowed(model)):
+        return ContiguousKV(model)  # a sliding window's contiguous caches keep the window only
     if kv_pages is None:
         ctx = min(ctx or model.config.max_seq_len, model.config.max_seq_len)
         from poly.nn.mha import kv_dtype

@@ -40,6 +40,12 @@ class PagedSeq:
         self.hashed = 0  # leading pages whose hashes are registered
 
 
+def windowed(model) -> bool:
+    """Whether some attention layer of `model` slides over fewer positions than its context."""
+    layers = (model.attn(i) for i in range(model.config.num_layers))
+    return any(0 < getattr(a, "sliding_window", 0) < a.max_seq_len for a in layers)
+
+
 class PagedKV:
     """The pool and the operations the scheduler needs (see ``ContiguousKV``)."""
 
@@ -51,6 +57,11 @@ class PagedKV:
 
         if n_pages < 1 or page_size < 1:
             raise LayerConfigError("the KV pool needs >= 1 page of >= 1 position")
+        if windowed(model):  # its pages and the fused paged step attend over every position
+            raise LayerConfigError(
+                "kv_pages: the paged KV pool does not implement sliding-window attention; "
+                "use contiguous caches (kv_pages 0, the default for this model)"
+            )
         self.model = model
         self.ps = int(page_size)
         self.prefix_cache = prefix_cache

@@ -308,7 +308,11 @@ class _Run:
         if self.start_fresh:
             m.reset()
         elif self.history is not None:
-            m.truncate(len(self.history))  # KV rollback to the reused prefix
+            try:
+                m.truncate(len(self.history))  # KV rollback to the reused prefix
+            except GenerationError:  # a sliding window dropped what the rollback needs
+                m.reset()
+                return m.forward(self.history + self.prompt)
         return m.forward(self.prompt)
 
     def events(self, sampler: Sampler, should_stop, stops, state: StreamState) -> Iterator:

@@ -1,0 +1,158 @@
+"""The KV cache of one attention layer and one sequence.
+
+A full-attention layer's cache holds every position [0, length) in rows reserved for
+max_seq_len (a page of the reservation costs memory once written, `lazy_zeros`). A sliding-window
+layer's cache holds the last positions only, in rows bounded by its window: when the rows are
+full the positions no later query can see are dropped (the kept ones move to the front), so a
+context far longer than the window costs the window's memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from poly.errors import ContextOverflowError, GenerationError
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeros whose pages exist only once written: a private anonymous mapping. np.zeros may take
+    heap memory that calloc clears page by page (glibc raises its mmap threshold after a large
+    free), which made a 2048-position SmolLM2 cache cost ~20 MB of RSS before any token."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if nbytes < (1 << 16) or not flags:  # small: one page or so either way
+        return np.zeros(shape, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=dtype).reshape(shape)
+
+
+def release_pages(a: np.ndarray) -> None:
+    """Give the pages of a `lazy_zeros` array back (they read as zeros again); others: no-op."""
+    base = a.base
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        base.madvise(mmap.MADV_DONTNEED)
+
+
+def window_rows(max_len: int, window: int) -> int:
+    """Rows a cache keeps: max_len, or for a window W at most 2W + W/2 (W - 1 seen by the next
+    query, W/2 more for a rollback, W of room before the next move)."""
+    return max_len if window <= 0 else min(max_len, 2 * window + window // 2)
+
+
+class KVCache:
+    """Keys/values of positions [start, length) of one sequence in rows k/v [rows, kvh, hd]
+    (row 0 holds position `start`; start is 0 for full attention). `capacity` is the context a
+    sequence may reach (max_seq_len), `window` the layer's sliding window (0: none)."""
+
+    def __init__(self, max_len: int, kv_heads: int, head_dim: int, dtype=np.float32, window=0):
+        rows = window_rows(max_len, window)
+        self.k = lazy_zeros((rows, kv_heads, head_dim), dtype)  # [rows, kvh, hd]
+        self.v = lazy_zeros((rows, kv_heads, head_dim), dtype)  # [rows, kvh, hd]
+        self.max_len, self.window = int(max_len), int(window)
+        self.length = 0
+        self.start = 0  # the position of row 0
+        self.rope_len = 0  # dynamic rope: the longest length seen (transformers' cached length)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    @property
+    def sliding(self) -> bool:
+        """Whether positions ever leave the rows (a window shorter than the context)."""
+        return self.k.shape[0] < self.max_len
+
+    def reset(self) -> None:
+        self.length = self.start = self.rope_len = 0
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n. GenerationError when a query at n would need a position this
+        sliding-window cache has already dropped (the caller runs the prefix again)."""
+        n = max(0, min(self.length, n))
+        if n < self.length and self.start > max(0, n - self.window + 1):
+            raise GenerationError(
+                f"cannot roll the sliding-window KV cache back to {n}: positions before "
+                f"{self.start} are dropped"
+            )
+        self.length = n
+
+    def clone(self, length: int | None = None) -> KVCache:
+        """An independent copy holding positions up to `length` (default: all)."""
+        n = self.length if length is None else length
+        out = KVCache(self.max_len, self.k.shape[1], self.k.shape[2], self.k.dtype, self.window)
+        self.truncate_check(n)
+        rows = n - self.start
+        out.k[:rows], out.v[:rows] = self.k[:rows], self.v[:rows]
+        out.length, out.start, out.rope_len = n, self.start, self.rope_len
+        return out
+
+    def truncate_check(self, n: int) -> None:
+        if n > self.length or (n < self.length and self.start > max(0, n - self.window + 1)):
+            raise GenerationError(f"the KV cache does not hold the positions up to {n}")
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Store k/v [n, kvh, hd] at positions length..length+n-1 -> (keys, values, first): the
+        keys/values of positions first..length+n-1, every one the new queries may see."""
+        n, start = k.shape[0], self.length
+        end = start + n
+        if end > self.max_len:
+            raise ContextOverflowError(
+                f"context overflow: {start} cached + {n} new tokens > max_seq_len {self.max_len}"
+            )
+        rows = self.k.shape[0]
+        first = max(self.start, start - self.window + 1) if self.window else 0
+        if end - self.start > rows:  # full: drop what no new query sees, keep a rollback margin
+            keep_from = max(self.start, start - self.window + 1 - self.window // 2)
+            kept = start - keep_from
+            if kept + n > rows:  # a chunk longer than the rows: attend over a copy, keep the end
+                return self._append_long(k, v, first)
+            a = keep_from - self.start
+            self.k[:kept], self.v[:kept] = self.k[a : a + kept], self.v[a : a + kept]
+            self.start = keep_from
+        a = start - self.start
+        self.k[a : a + n], self.v[a : a + n] = k, v
+        self.length = end
+        return self.k[first - self.start : a + n], self.v[first - self.start : a + n], first
+
+    def _append_long(self, k, v, first):
+        a = first - self.start
+        keys = np.concatenate([self.k[a : self.length - self.start], k.astype(self.k.dtype)])
+        values = np.concatenate([self.v[a : self.length - self.start], v.astype(self.v.dtype)])
+        rows = self.k.shape[0]
+        keep = min(len(keys), rows - self.window)  # room for a window of new rows after them
+        self.k[:keep], self.v[:keep] = keys[-keep:], values[-keep:]
+        self.length += k.shape[0]
+        self.start = self.length - keep
+        return keys, values, first
+
+
+def kv_dtype(layer, dtype=np.float32) -> np.dtype:
+    """What `layer`'s KV cache stores for activations of `dtype`: the layer's `kv_dtype`
+    (float16 halves the bytes attention reads a position, like llama.cpp's default cache) for
+    float32 activations; float64 activations keep float64."""
+    dtype = np.dtype(dtype)
+    return np.dtype(getattr(layer, "kv_dtype", dtype)) if dtype == np.float32 else dtype
+
+
+def cache_for(layer, cache: KVCache | None, dtype=np.float32) -> KVCache:
+    """`cache` if it fits `layer` (and holds what it stores for activations of `dtype`), else a
+    new empty one (first use, max_seq_len, window, activation or cache dtype changed)."""
+    store = kv_dtype(layer, dtype)
+    window = getattr(layer, "sliding_window", 0)
+    if (
+        cache is None
+        or cache.capacity != layer.max_seq_len
+        or cache.window != window
+        or cache.k.dtype != store
+    ):
+        return KVCache(layer.max_seq_len, layer.num_kv_heads, layer.head_dim, store, window)
+    return cache
+
+
+def live_cache(layer, dtype=np.float32) -> KVCache:
+    """The layer's own KV cache (`layer.state`), created or refitted as needed."""
+    layer.state = cache_for(layer, layer.state, dtype)
+    return layer.state
