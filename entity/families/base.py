@@ -60,7 +60,12 @@ class MoENames:
     ``prefix + "gate.weight"``. ``width_key``: the config key of the expert width.
     ``shared``: a shared expert exists (Qwen2-MoE). ``norm_topk``: whether top-k weights are
     renormalised when the config (or the GGUF file) does not say; ``norm_topk_key``: False when
-    transformers hard-codes it (Mixtral)."""
+    transformers hard-codes it (Mixtral). ``router``: the router's name after ``prefix``.
+    ``layout``: "per_expert" (the names above), "granite" (``input_linear`` [E, 2I, d] gate
+    rows then up rows, ``output_linear`` [E, d, I]) or "gpt_oss" (``experts.gate_up_proj``
+    [E, d, 2I] gate/up interleaved by column, ``experts.down_proj`` [E, I, d], their biases; or
+    MXFP4 ``*_blocks``/``*_scales``). ``options``: MoEConfig fields the family fixes (gating,
+    biases, activation: what transformers and llama.cpp hard-code for it)."""
 
     prefix: str
     proj: Mapping[str, str]
@@ -68,6 +73,9 @@ class MoENames:
     shared: bool = False
     norm_topk: bool = True
     norm_topk_key: bool = True
+    router: str = "gate.weight"
+    layout: Literal["per_expert", "granite", "gpt_oss"] = "per_expert"
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 QWEN_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
