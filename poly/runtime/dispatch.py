@@ -17,20 +17,14 @@ import numpy as np
 from poly.nn.embedding import lookup
 from poly.runtime import ckernels, crossover, fused, prefill
 
-# The shipped rule (`shipped_rule`) for where a prompt runs; each of its constants is measured per
-# machine at first use (tune cache: poly/runtime/crossover.py); the A/B runs behind the defaults:
-# benchmarks/results/README.md "Dispatch constants".
-# prompts of up to this many tokens run as the rows of one fused call: measured per machine at
-# first use (tune cache)
+# The shipped rule (`shipped_rule`); the A/B runs behind each value: benchmarks/results/README.md
+# prompts up to this long: one fused call. Measured per machine at first use (tune cache)
 FUSED_PREFILL_MAX = 64  # = ckernels.STEP_ROWS
-# models this wide or narrower run longer prompts as fused calls: measured per machine at first
-# use (tune cache)
+# longer prompts on models this wide or narrower: fused calls. Measured per machine (tune cache)
 SMALL_WIDTH = 1024
-# block kinds whose longer prompts run as fused calls at any width: measured per machine at first
-# use (tune cache)
+# blocks all of these kinds: fused calls at any width. Measured per machine (tune cache)
 CALLS_WIN = frozenset({ckernels.F16, ckernels.Q4_1})
-# Loom q4 blocks take the SMALL_WIDTH rule up to NARROW_EXCEPT_MAX tokens only: measured per
-# machine at first use (tune cache)
+# Loom q4 blocks leave SMALL_WIDTH's fused calls past this. Measured per machine (tune cache)
 NARROW_EXCEPT = frozenset({ckernels.LOOM_Q4})
 NARROW_EXCEPT_MAX = 320
 
