@@ -30,6 +30,7 @@ def tune_home(tmp_path, monkeypatch):
     monkeypatch.setenv("POLY_HOME", str(tmp_path))
     monkeypatch.setenv("POLY_TUNE", "1")
     monkeypatch.setattr(crossover, "_SEEN", {})
+    monkeypatch.setattr(crossover, "_LOADED", {"until": 0.0})
     monkeypatch.setattr(threadtune, "room_for", lambda threads: True)  # a quiet machine
     return tmp_path
 
@@ -164,11 +165,29 @@ def test_a_failed_probe_keeps_the_shipped_rule_for_the_process(tune_home, monkey
 @needs_simd
 @pytest.mark.usefixtures("c_backend")
 def test_no_probe_on_a_loaded_machine(tune_home, monkeypatch):
-    monkeypatch.setattr(threadtune, "room_for", lambda threads: False)
+    looks = []
+    monkeypatch.setattr(threadtune, "room_for", lambda threads: looks.append(1) or False)
     monkeypatch.setattr(crossover, "measure", lambda *a: pytest.fail("measured under load"))
     narrow = _model(64)
-    assert dispatch.calls_win(narrow, fused.plan(narrow), 200) is True
+    p = fused.plan(narrow)
+    assert dispatch.calls_win(narrow, p, 200) is True and looks == [1]
+    assert dispatch.calls_win(narrow, p, 200) is True and looks == [1]  # no look per prompt
     assert not (tune_home / "tune").exists()
+    monkeypatch.setattr(crossover, "_LOADED", {"until": 0.0})  # LOADED_RETRY later, quiet
+    monkeypatch.setattr(threadtune, "room_for", lambda threads: True)
+    monkeypatch.setattr(crossover, "measure", lambda model, p, n: (0.030, 0.010))
+    assert dispatch.calls_win(narrow, p, 200) is False
+
+
+@needs_simd
+@pytest.mark.usefixtures("c_backend")
+def test_the_table_probes_every_class_and_keeps_it(tune_home):
+    tf = _model(64, layers=3)
+    rows = crossover.table(tf, dispatch.shipped_rule, lengths=(16, 100))
+    assert [r["tokens"] for r in rows] == [16, 128]
+    assert all(r["fused_s"] > 0 and r["reference_s"] > 0 and r["default"] for r in rows)
+    [file] = (tune_home / "tune").iterdir()
+    assert len(json.loads(file.read_text())["entries"]) == 2
 
 
 @needs_simd

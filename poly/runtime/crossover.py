@@ -39,6 +39,8 @@ MAX_BLOCKS = 4  # whole blocks at most (and the cut one)
 TIE = 0.05  # the paths within this fraction of each other: the shipped rule stays
 
 _KIND_NAMES = {r.c_kind: n.removeprefix("gguf_") for n, r in SCHEMES.items()}
+LOADED_RETRY = 30.0  # seconds without a probe after the machine was found loaded
+_LOADED = {"until": 0.0}
 _SEEN: dict[tuple[str, str], bool] = {}  # this process's decisions (force: measured once each)
 
 
@@ -70,7 +72,10 @@ def fused_wins(model, p: fused.Plan, n: int, default: bool) -> bool:
     if isinstance(entry, dict) and isinstance(entry.get("fused"), bool):
         _SEEN[(str(store.path), name)] = entry["fused"]
         return entry["fused"]
+    if time.monotonic() < _LOADED["until"]:
+        return default  # found loaded lately: not a look at the load per prompt
     if not threadtune.room_for(threads):  # loaded now: decide later, on a quiet machine
+        _LOADED["until"] = time.monotonic() + LOADED_RETRY
         return default
     try:
         got = measure(model, p, min(bucket(n), capacity(p)))
