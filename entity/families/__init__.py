@@ -20,6 +20,14 @@ MODULES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "starcoder2",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "smollm3",
+    "olmoe",
+    "granitemoe",
+    "gpt_oss",
 )
 
 FAMILIES: dict[str, Family] = {}
@@ -35,11 +43,7 @@ for _family in FAMILIES.values():
 
 # Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
 REFUSED_REASONS: dict[str, str] = {
-    "gemma": "needs (1+w) RMSNorm, sqrt(hidden) embedding scale and GeGLU",
-    "gemma2": "needs logit soft-capping, sandwich norms and GeGLU",
-    "gemma3": "needs sandwich norms, local/global attention and GeGLU",
     "phi": "uses LayerNorm, partial rotary and a parallel block",
     "phi3": "stores fused qkv_proj / gate_up_proj and may use longrope",
     "gpt2": "uses fused c_attn, LayerNorm and learned positions",
-    "olmoe": "needs q/k RMSNorm over all heads at once (not per head)",
 }
