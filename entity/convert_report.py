@@ -41,6 +41,7 @@ class ConvertReport:
     verified: bool = False
     tensors: list[TensorStat] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # one line each, for the caller to show
+    recipe: Any = None  # entity.quantize.Recipe of a calibrated conversion (its types, table)
 
     @property
     def exact(self) -> bool:

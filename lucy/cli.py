@@ -173,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=QUANTS, default="q4", help="weight format of the output")
     p.add_argument("--force", action="store_true", help="overwrite an existing output")
     p.add_argument("--verify", action="store_true", help="re-open and compare every tensor")
+    p.add_argument(
+        "--bpw", default=None, metavar="X",
+        help="choose each tensor's type so the whole file is <= X bits per weight (+0.05)",
+    )  # fmt: skip
+    p.add_argument(
+        "--calibration", default=None, metavar="FILE",
+        help="calibration text for the importance matrix (default: the shipped text)",
+    )  # fmt: skip
 
     p = sub.add_parser("generate", help="one completion, streamed to stdout")
     p.add_argument("model", help=model_help)

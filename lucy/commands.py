@@ -59,9 +59,15 @@ def cmd_convert(args) -> int:
 
     con = make_console()
     start = time.perf_counter()
+    bpw = getattr(args, "bpw", None)
+    if bpw is not None:
+        from entity.quantize import check_bpw
+
+        bpw = check_bpw(bpw)  # before reading the source: a bad budget is a one-line error
     report = actions.convert_with_progress(
-        con, args.src, args.dst, args.quant, args.force, args.verify
-    )
+        con, args.src, args.dst, args.quant, args.force, args.verify,
+        bpw=bpw, calibration=getattr(args, "calibration", None),
+    )  # fmt: skip
     views.print_convert_report(con, report, time.perf_counter() - start)
     return 0
 

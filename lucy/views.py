@@ -71,9 +71,22 @@ def print_convert_report(con, report, seconds: float) -> None:
     con.print(f"wrote {clean(str(out))} ({human_bytes(size)}) in {seconds:.1f} s", markup=False)
     for note in getattr(report, "notes", ()):
         con.print(f"note: {clean(note)}", markup=False)
+    recipe = getattr(report, "recipe", None)
+    if recipe is not None and recipe.table:
+        con.print(allocation_table(recipe))
     errors = first_field(data, "tensors", "q4_errors", "errors")
     if errors:
         con.print(verify_table(errors))
+
+
+def allocation_table(recipe) -> Table:
+    """The --bpw allocation: each tensor's chosen type and predicted relative error."""
+    table = Table(title=f"types chosen for <= {recipe.bpw:g} bits per weight")
+    for c in ("tensor", "params", "type", "rel. error"):
+        table.add_column(c)
+    for name, n, kind, cost in recipe.table:
+        table.add_row(clean(name), f"{n:,}", kind, f"{cost:.3g}")
+    return table
 
 
 def verify_table(errors) -> Table:

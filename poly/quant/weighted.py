@@ -32,13 +32,15 @@ class _Grid:
     def __init__(self, values: np.ndarray):
         self.values = np.asarray(values, np.float32)
         self.uniform = bool(np.all(np.diff(self.values) == 1))
-        self.mids = (self.values[1:] + self.values[:-1]) / 2
+        mids = (self.values[1:] + self.values[:-1]) / 2
+        # integer grids (IQ4_NL's): nearest code of each rounded value by a 256-entry table
+        self.lut = np.searchsorted(mids, np.arange(-128, 128, dtype=np.float32))
 
     def index(self, v: np.ndarray) -> np.ndarray:
         if self.uniform:
             lo, n = self.values[0], len(self.values)
             return np.clip(np.rint(v) - lo, 0, n - 1).astype(np.int64)
-        return np.searchsorted(self.mids, v)
+        return self.lut[np.clip(np.rint(v), -128, 127).astype(np.int64) + 128]
 
 
 _Q4 = _Grid(np.arange(-8, 8))

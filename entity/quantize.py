@@ -1,0 +1,213 @@
+"""Calibrated quantization for `convert`: the importance matrix of a float source, the default q4
+recipe, and `--bpw`'s per-tensor allocation under a whole-file size budget.
+
+Every chosen type is a GGUF block kind written by `poly.quant.weighted` and stored in the
+`.entity` as native blocks (`entity.dotentity.native_blocks`: the blob record carries the
+`ggml_type`, so the header names each tensor's type and the C kernels run it).
+
+Sensitivity of tensor t at type k: the imatrix-weighted squared error of its sampled rows,
+relative to the weighted energy of those rows (E‖ΔW x‖² / E‖W x‖², exllamav2's relative
+output error). docs/quantization.md gives the measured check against per-tensor KL.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from entity.calibration_text import DEFAULT_TEXT
+from poly.errors import UsageError
+from poly.nn import layout
+from poly.quant.allocate import Option, allocate
+from poly.quant.ggml import QUANT_SIZES, GGMLType
+from poly.quant.qtensor import GGUFMatrix
+from poly.quant.weighted import quantize, row_bytes
+
+__all__ = ["Recipe", "Planner", "apply_recipe", "check_bpw", "calibration_chunks"]
+
+_T = GGMLType
+# --bpw candidates, small to large (K kinds only where the row is whole 256-blocks)
+CANDIDATES = (_T.IQ4_NL, _T.Q4_K, _T.Q5_0, _T.Q5_K, _T.Q6_K, _T.Q8_0)
+SAMPLE_ROWS = 256  # rows per tensor whose error is measured (evenly spaced)
+CHUNK_TOKENS = 512
+MAX_CHUNKS = 8
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass
+class Recipe:
+    """Tensor name -> chosen type, the importance matrix that weighs their rounding, and the
+    allocation table (name, params, type, predicted cost) for the report."""
+
+    types: dict[str, GGMLType]
+    imatrix: dict[str, np.ndarray]
+    bpw: float | None = None
+    table: list[tuple[str, int, str, float]] = field(default_factory=list)
+
+    def matrix(self, name: str, w) -> object:
+        """``w`` as the chosen type's GGUF blocks (unchanged when the recipe does not name it)."""
+        kind = self.types.get(name)
+        if kind is None or np.ndim(w) != 2:
+            return w
+        raw, _ = quantize(np.asarray(w, np.float32), kind, self.imatrix.get(name))
+        return GGUFMatrix(raw, int(kind), np.shape(w))
+
+
+def check_bpw(bpw) -> float:
+    """The --bpw value as a float (UsageError: not a finite positive number)."""
+    try:
+        x = float(bpw)
+    except (TypeError, ValueError):
+        raise UsageError(f"--bpw must be a number, got {bpw!r}") from None
+    if not math.isfinite(x) or x <= 0:
+        raise UsageError(f"--bpw must be a positive number of bits per weight, got {bpw}")
+    return x
+
+
+def calibration_chunks(tokenizer, text: str | None, max_len: int = CHUNK_TOKENS) -> list[list[int]]:
+    """Token chunks of ``text`` (default: the shipped calibration text), each at most
+    CHUNK_TOKENS and ``max_len`` (the model's context) long."""
+    ids = list(tokenizer.encode(DEFAULT_TEXT if text is None else text))
+    if not ids:
+        raise UsageError("the calibration text is empty")
+    n = max(2, min(CHUNK_TOKENS, max_len))
+    chunks = [ids[a : a + n] for a in range(0, len(ids), n)]
+    return [c for c in chunks if len(c) > 1][:MAX_CHUNKS] or [ids]
+
+
+def _read_text(path: str | os.PathLike | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read calibration text {path}: {exc}") from None
+
+
+def _fits(kind: GGMLType, n_in: int) -> bool:
+    return n_in % QUANT_SIZES[kind][0] == 0
+
+
+def default_types(mats: dict) -> dict[str, GGMLType]:
+    """The default q4: Q4_0 blocks (the fast r16 kernels, today's q4 speed) weighted by the
+    imatrix; embeddings / LM head at Q8_0 as llama.cpp's Q4_0 file keeps its output."""
+    out = {}
+    for name, w in mats.items():
+        n_in = np.shape(w)[1]
+        big = name in ("embeddings", "lm_head")
+        kind = _T.Q8_0 if big else _T.Q4_0
+        if _fits(kind, n_in):
+            out[name] = kind
+    return out
+
+
+def _sample(w: np.ndarray) -> np.ndarray:
+    n = w.shape[0]
+    rows = np.linspace(0, n - 1, min(n, SAMPLE_ROWS)).astype(np.int64)
+    return np.asarray(w[rows], np.float32)
+
+
+def _options(w, imx) -> list[Option]:
+    """Each candidate's bytes and predicted cost (relative weighted output error)."""
+    out_dim, n_in = np.shape(w)
+    rows = _sample(w)
+    q = np.ones(n_in) if imx is None else np.asarray(imx, np.float64)
+    energy = float(np.square(rows, dtype=np.float64).sum(axis=0) @ q) or 1.0
+    opts = []
+    for kind in _kinds(w):
+        _, deq = quantize(rows, kind, imx)
+        err = float(np.square(rows - deq, dtype=np.float64).sum(axis=0) @ q)
+        opts.append(Option(kind.name, out_dim * row_bytes(kind, n_in), err / energy))
+    return opts
+
+
+class Planner:
+    """A float source's matrices and importance matrix, measured once; `recipe` then allocates
+    for any budget (convert re-allocates when the written file came out above it)."""
+
+    def __init__(self, src, calibration=None, progress: Progress | None = None):
+        from entity.load import load
+        from poly.model.imatrix import collect, matrices
+        from poly.text.evaluate import parameter_count
+
+        text = _read_text(calibration)
+        tf = load(src)
+        if tf.tokenizer is None:
+            raise UsageError("calibration needs the model's tokenizer; the source has none")
+        self.mats = matrices(tf)
+        chunks = calibration_chunks(tf.tokenizer, text, tf.config.max_seq_len)
+        self.imatrix = collect(tf, chunks, len(chunks), progress)
+        vectors = [
+            v
+            for blk in tf.network.layers
+            for sub in blk.sequential_layers
+            for v in layout.components(sub).values()
+            if v is not None and np.ndim(v) == 1
+        ]
+        vectors.append(np.asarray(tf.final_norm))  # fmt: skip
+        self.vector_bytes = 4 * sum(int(np.size(v)) for v in vectors)
+        self.params = parameter_count(tf)  # as `lucy eval` counts bits per weight
+        self.header_bytes = len(tf.tokenizer.to_str().encode()) + (1 << 16)
+        self.options: dict[str, list[Option]] | None = None
+
+    def default(self) -> Recipe:
+        return Recipe(default_types(self.mats), self.imatrix)
+
+    def floor_bpw(self) -> float:
+        least = sum(
+            np.shape(w)[0] * min(row_bytes(k, np.shape(w)[1]) for k in _kinds(w))
+            for w in self.mats.values()
+        )
+        return (least + self.vector_bytes + self.header_bytes) * 8 / self.params
+
+    def recipe(self, bpw: float, extra: int = 0, progress: Progress | None = None) -> Recipe:
+        """Types whose whole file fits (bpw + 0.05) · params / 8 bytes (``extra``: bytes the
+        last written file came out above the estimate)."""
+        if bpw + 0.05 < self.floor_bpw():
+            raise UsageError(
+                f"--bpw {bpw:g} is below the smallest types for this model "
+                f"({self.floor_bpw():.2f} bits per weight)"
+            )
+        if self.options is None:
+            tick = progress or (lambda done, total, detail: None)
+            self.options = {}
+            for k, (name, w) in enumerate(self.mats.items()):
+                self.options[name] = _options(w, self.imatrix.get(name))
+                tick(k + 1, len(self.mats), f"measuring {name}")
+        fixed = self.vector_bytes + self.header_bytes + extra
+        budget = int((bpw + 0.05) * self.params / 8) - fixed
+        choice = allocate(self.options, budget)
+        table = [
+            (n, int(np.prod(np.shape(self.mats[n]))), o.kind, o.cost) for n, o in choice.items()
+        ]
+        return Recipe({n: _T[o.kind] for n, o in choice.items()}, self.imatrix, bpw, table)
+
+
+def _kinds(w) -> list[GGMLType]:
+    return [k for k in CANDIDATES if _fits(k, np.shape(w)[1])]
+
+
+def apply_recipe(blocks, globals_, recipe: Recipe):
+    """(blocks, globals_) with every named matrix replaced by its chosen GGUF blocks."""
+
+    def new_blocks():
+        for i, comps in blocks:
+            yield (
+                i,
+                {
+                    role: {n: recipe.matrix(f"blocks.{i}.{role}.{n}", w) for n, w in parts.items()}
+                    for role, parts in comps.items()
+                },
+            )
+
+    def new_globals():
+        emb, head, final = globals_()
+        head = None if head is None else recipe.matrix("lm_head", head)
+        return recipe.matrix("embeddings", emb), head, final
+
+    return new_blocks(), new_globals
