@@ -140,9 +140,13 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
         raise GGUFFormatError(f"{arch}.block_count {layers} exceeds {MAX_LAYERS}", path=gg.path)
     context = _meta_int(gg, f"{arch}.context_length", DEFAULT_MAX_SEQ)
     ffn = _meta_int(gg, f"{arch}.feed_forward_length")
+    options, scaling = _options(gg, arch, family), _rope_scaling(gg, arch, context)
+    truncate = options.pop("rope_truncate", None)  # GPT-OSS's yarn is not truncated (config.json)
+    if scaling is not None and truncate is not None:
+        scaling = {**scaling, "truncate": truncate}
     try:
         return TransformerConfig(
-            moe=moe_config(gg, arch, layers, ffn),
+            moe=moe_config(gg, arch, layers, ffn, family.moe and family.moe.options),
             vocab_size=gg.tensors["token_embd.weight"].shape[0],
             hidden_size=hidden,
             intermediate_size=ffn,
@@ -152,13 +156,13 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
             head_dim=head_dim,
             rms_norm_eps=_meta_float(gg, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=_meta_float(gg, f"{arch}.rope.freq_base", 10000.0),
-            rope_scaling=_rope_scaling(gg, arch, context),
+            rope_scaling=scaling,
             max_seq_len=max_seq_len or min(context, DEFAULT_MAX_SEQ),
             tie_word_embeddings="output.weight" not in gg.tensors,
             attention_bias="blk.0.attn_q.bias" in gg.tensors,
             qk_norm=family.qk_norm,
             architecture=arch,
-            **_options(gg, arch, family),
+            **options,
         )
     except LayerConfigError as exc:
         raise GGUFFormatError(

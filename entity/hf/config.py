@@ -24,7 +24,7 @@ from entity.hf.generation import (
     SamplingKnobs,
     check_generation,
 )
-from entity.hf.moe import moe_config
+from entity.hf.moe import expert_storage, moe_config
 from entity.strict_json import read_json
 from poly.config import LIMITS as POLY_LIMITS
 from poly.config import ROPE_FIELDS, AttentionConfig
@@ -123,6 +123,7 @@ class HFModelConfig(BaseModel):
     dtype: str | None
     generation: HFGeneration
     moe: dict | None = None  # poly.config.MoEConfig fields (entity.hf.moe), None when dense
+    expert_storage: str | None = None  # "mxfp4": GPT-OSS's experts as *_blocks/*_scales
     options: dict = {}  # further TransformerConfig fields: the family's block recipe and options
 
     @property
@@ -407,6 +408,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
     return HFModelConfig(
         options=_options(raw, arch, source),
         moe=None if moe is None else dataclasses.asdict(moe),
+        expert_storage=expert_storage(raw, source),
         model_type=raw.model_type,
         architectures=tuple(raw.architectures or ()),
         vocab_size=raw.vocab_size,

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from entity.families import FAMILIES, MoENames
 from entity.families.base import QWEN_PROJ
 from poly.config import LIMITS, MoEConfig
 from poly.errors import ConfigError, LayerConfigError, LimitExceededError
+from poly.quant.ggml import dequantize_mxfp4_hf
 
 
 def _names(model_type: str) -> MoENames | None:
@@ -50,22 +53,42 @@ def moe_config(raw: Any, num_layers: int, source: str | None) -> MoEConfig | Non
                 f"{key}: {value} exceeds the limit {LIMITS[name]}", path=source
             )
     dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    opts = dict(names.options)
+    if opts.get("activation") == "swiglu_oai":  # GPT-OSS: transformers reads both from config
+        opts.update({key: extra[key] for key in ("swiglu_alpha", "swiglu_limit") if key in extra})
     try:
-        return MoEConfig(n, k, width, "softmax", norm, shared, dense)
+        return MoEConfig(n, k, width, opts.pop("gating", "softmax"), norm, shared, dense, **opts)
     except LayerConfigError as exc:
         raise ConfigError(str(exc), path=source) from None
 
 
+def expert_storage(raw: Any, source: str | None) -> str | None:
+    """ "mxfp4" when config.json's quantization_config says GPT-OSS's experts are stored so."""
+    quant = (raw.model_extra or {}).get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "mxfp4":
+        return None
+    names = _names(raw.model_type)
+    if names is None or names.layout != "gpt_oss":
+        raise ConfigError(f"quantization_config mxfp4 is not known for {raw.model_type}",
+                          path=source)  # fmt: skip
+    return "mxfp4"
+
+
 def block_tensors(
-    model_type: str, moe: MoEConfig, hidden: int
+    model_type: str, moe: MoEConfig, hidden: int, expert_storage: str | None = None
 ) -> dict[str, tuple[str, str, tuple]]:
-    """suffix -> (part, component, shape) of one sparse block's FFN tensors."""
+    """suffix -> (part, component, shape) of one sparse block's FFN tensors (``expert_storage``
+    "mxfp4": GPT-OSS's experts as stored in its released checkpoints)."""
     names = _names(model_type)
     prefix, proj = names.prefix, names.proj
     d, width = hidden, moe.expert_intermediate_size
-    out: dict[str, tuple[str, str, tuple]] = {
-        f"{prefix}gate.weight": ("mlp", "router", (moe.num_experts, d))
-    }
+    router = prefix + names.router
+    out: dict[str, tuple[str, str, tuple]] = {router: ("mlp", "router", (moe.num_experts, d))}
+    if moe.router_bias:
+        out[router.removesuffix("weight") + "bias"] = ("mlp", "router_bias", (moe.num_experts,))
+    if names.layout != "per_expert":
+        return out | _stacked(names, moe, d, expert_storage)
     for e in range(moe.num_experts):
         for view, name in proj.items():
             shape = (d, width) if view == "w_down" else (width, d)
@@ -94,9 +117,90 @@ class MoETargets:
         if shared is not None:
             for name, view in layout.swiglu(shared).as_dict().items():
                 self._views[f"shared.{name}"] = view
+        self._views.update(_stack_targets(self._views, layer.moe, layer.input_height))
 
     def __getattr__(self, name: str):
         try:
             return self.__dict__["_views"][name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+# --- stacked expert tensors (GraniteMoE, GPT-OSS) ------------------------------------------------
+
+
+def _stacked(names: MoENames, moe: MoEConfig, d: int, quant: str | None) -> dict:
+    """suffix -> (part, component, shape) of the experts stored as [E, ...] stacks."""
+    n, width, p = moe.num_experts, moe.expert_intermediate_size, names.prefix
+    if names.layout == "granite":  # input_linear [E, 2I, d]: the gate rows, then the up rows
+        return {f"{p}input_linear.weight": ("mlp", "stack.gate_up", (n, 2 * width, d)),
+                f"{p}output_linear.weight": ("mlp", "stack.down", (n, d, width))}  # fmt: skip
+    # GPT-OSS: x @ W stacks, gate/up interleaved by column (gate even, up odd); biased
+    out = {f"{p}experts.gate_up_proj_bias": ("mlp", "stack.gate_up_bias", (n, 2 * width)),
+           f"{p}experts.down_proj_bias": ("mlp", "stack.down_bias", (n, d))}  # fmt: skip
+    if quant != "mxfp4":
+        out[f"{p}experts.gate_up_proj"] = ("mlp", "stack.gate_up_t", (n, d, 2 * width))
+        out[f"{p}experts.down_proj"] = ("mlp", "stack.down_t", (n, width, d))
+        return out
+    for name, rows, cols in (("gate_up", 2 * width, d), ("down", d, width)):
+        if cols % 32:
+            raise ConfigError(f"MXFP4 experts need rows of a multiple of 32 values, got {cols}")
+        out[f"{p}experts.{name}_proj_blocks"] = (
+            "mlp",
+            f"mx.{name}.blocks",
+            (n, rows, cols // 32, 16),
+        )
+        out[f"{p}experts.{name}_proj_scales"] = ("mlp", f"mx.{name}.scales", (n, rows, cols // 32))
+    return out
+
+
+class _Stack:
+    """A target the loader writes one stacked tensor into (``target[...] = array``): it checks
+    the shape like a view and hands the array on to `write`."""
+
+    def __init__(self, shape: tuple, write):
+        self.shape, self._write = shape, write
+
+    def __setitem__(self, key, value) -> None:
+        self._write(np.asarray(value))
+
+
+def _stack_targets(views: dict, moe: MoEConfig, d: int) -> dict:
+    n, width = moe.num_experts, moe.expert_intermediate_size
+    ex = [{k[len(f"experts.{e}.") :]: v for k, v in views.items() if k.startswith(f"experts.{e}.")}
+          for e in range(n)]  # fmt: skip
+    pending: dict[str, dict] = {"gate_up": {}, "down": {}}
+
+    def put(view: str, stack: np.ndarray) -> None:  # stack [E, *view shape], float
+        for e in range(n):
+            ex[e][view][...] = stack[e]
+
+    def gate_up(w: np.ndarray) -> None:  # [E, 2I, d], gate rows then up rows
+        put("w_gate", w[:, :width]), put("w_up", w[:, width:])
+
+    def interleaved(w: np.ndarray) -> None:  # [E, 2I, d] rows, gate even / up odd
+        put("w_gate", w[:, 0::2]), put("w_up", w[:, 1::2])
+
+    def mx(name: str, part: str, value: np.ndarray) -> None:
+        got = pending[name]
+        got[part] = value
+        if len(got) == 2:  # both halves read: dequantize (transformers' integrations/mxfp4.py)
+            w = dequantize_mxfp4_hf(got.pop("blocks"), got.pop("scales"))  # [E, rows, cols]
+            interleaved(w) if name == "gate_up" else put("w_down", w)
+
+    def gub(b: np.ndarray) -> None:
+        put("b_gate", b[:, 0::2]), put("b_up", b[:, 1::2])
+
+    i2 = 2 * width
+    return {
+        "stack.gate_up": _Stack((n, i2, d), gate_up),
+        "stack.down": _Stack((n, d, width), lambda w: put("w_down", w)),
+        "stack.gate_up_t": _Stack((n, d, i2), lambda w: interleaved(w.transpose(0, 2, 1))),
+        "stack.down_t": _Stack((n, width, d), lambda w: put("w_down", w.transpose(0, 2, 1))),
+        "stack.gate_up_bias": _Stack((n, i2), gub),
+        "stack.down_bias": _Stack((n, d), lambda b: put("b_down", b)),
+        "mx.gate_up.blocks": _Stack((n, i2, d // 32, 16), lambda v: mx("gate_up", "blocks", v)),
+        "mx.gate_up.scales": _Stack((n, i2, d // 32), lambda v: mx("gate_up", "scales", v)),
+        "mx.down.blocks": _Stack((n, d, width // 32, 16), lambda v: mx("down", "blocks", v)),
+        "mx.down.scales": _Stack((n, d, width // 32), lambda v: mx("down", "scales", v)),
+    }

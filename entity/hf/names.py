@@ -93,7 +93,7 @@ def expected_tensors(cfg: Any) -> dict[str, Slot]:
                 out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, shapes[part][comp])
         if sparse:
             for suffix, (part, comp, shape) in moe_tensors(
-                cfg.model_type, moe, cfg.hidden_size
+                cfg.model_type, moe, cfg.hidden_size, cfg.expert_storage
             ).items():
                 out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, shape)
     for name, part in global_tensors(family).items():
