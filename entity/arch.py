@@ -62,4 +62,7 @@ def role_shapes(cfg: TransformerConfig, role: str) -> dict[str, tuple[int, ...]]
 def global_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of the global tensors (the embedding table and LM head are [vocab, hidden])."""
     table = (cfg.vocab_size, cfg.hidden_size)
-    return {"embeddings": table, "final_norm": (cfg.hidden_size,), "lm_head": table}
+    out = {"embeddings": table, "final_norm": (cfg.hidden_size,), "lm_head": table}
+    if cfg.block.norm == "layernorm":  # a LayerNorm with a bias: the final one has it too
+        out["final_norm_bias"] = (cfg.hidden_size,)
+    return out

@@ -32,6 +32,7 @@ from entity.dotentity.native_blocks import (
 )
 from entity.dotentity.read import load_entity
 from entity.dotentity.write import (
+    final_norm_master,
     model_blocks,
     model_meta,
     save_entity,
@@ -94,7 +95,8 @@ def _hf_source(path: Path) -> _Source:
 
     def globals_():
         g = {k: v["value"] for k, v in head.items()}
-        return g["embeddings"], g.get("lm_head"), np.asarray(g["final_norm"], np.float32)
+        final = [g["final_norm"], *([g["final_norm_bias"]] if "final_norm_bias" in g else [])]
+        return g["embeddings"], g.get("lm_head"), np.concatenate(final).astype(np.float32)
 
     return _Source("hf", cfg, meta, blocks, globals_, [p for p in _files(path)])
 
@@ -108,7 +110,7 @@ def _model_source(path: Path) -> _Source:
 
     tf = load(path)
     cfg = tf.config
-    final = np.asarray(tf.final_norm, np.float32)
+    final = final_norm_master(tf)
     kind = "entity" if hasattr(tf, "entity_file") else str(tf.source.get("format", "model"))
     return _Source(
         kind, cfg, model_meta(tf), lambda: model_blocks(tf),
@@ -219,7 +221,7 @@ def _verify(source: _Source, dst: Path, tick: Callable[[str], None]) -> list[Ten
     stats.append(_stat("embeddings", emb, out.embeddings, dst))
     if head is not None:
         stats.append(_stat("lm_head", head, out.lm_head, dst))
-    stats.append(error_stat("final_norm", final, np.asarray(out.final_norm)))
+    stats.append(error_stat("final_norm", final, final_norm_master(out)))
     _check_meta(source.meta, out, dst)
     return stats
 

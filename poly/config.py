@@ -272,7 +272,7 @@ def _positive(name: str, value: int) -> None:
 # every path runs the plain RMSNorm. FFNs: SwiGLU (silu gated), GeGLU (gelu_tanh gated), a plain
 # biased GELU MLP; the sparse layers of an MoE model are TransformerConfig.moe, never a kind.
 NORM_KINDS = ("rms", "layernorm", "layernorm_nobias")
-FFN_KINDS = ("swiglu", "geglu", "gelu_mlp")
+FFN_KINDS = ("swiglu", "geglu", "gelu_mlp", "gelu_tanh_mlp")
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,12 @@ _ARCH_CONFIG: dict[str, tuple[str, str, dict[str, Any]]] = {
                              "original_max_position_embeddings": 64, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False}},  # fmt: skip
     ),
+    # LayerNorm families (tests/test_families_layernorm.py): head_dim 18 (hidden 72 / 4 heads)
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        {"hidden_size": 72, "sliding_window": 6, "norm_epsilon": 1e-5, "use_bias": True},
+    ),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
+
 from entity.arch import NORM_ROLES, global_shapes, role_shapes, roles
 from entity.checks import check_eos_ids
 from entity.dotentity.blobs import ENCODINGS, read_matrix, read_vector, role_layer
@@ -61,8 +63,9 @@ def _install_block(tf, ef: EntityFile, i: int, matrix_enc: str) -> None:
         if matrix_enc == "float32":
             layer.weights.master = read_vector(ef, base, layer.weights.size)  # zero-copy master
             continue
-        if role in NORM_ROLES:
-            layer.weights.master = read_vector(ef, f"{base}.gamma", shapes["gamma"][0])
+        if role in NORM_ROLES:  # gamma (RMSNorm), gamma then beta (LayerNorm): the master
+            parts = [read_vector(ef, f"{base}.{n}", s[0]) for n, s in shapes.items()]
+            layer.weights.master = parts[0] if len(parts) == 1 else np.concatenate(parts)
             continue
         comps = {
             name: read_matrix(ef, matrix_enc, f"{base}.{name}", shape)
@@ -148,7 +151,12 @@ def load_entity(
         tf.embeddings = read_matrix(ef, embed_enc, "embeddings", table["embeddings"])
         if not tied:
             tf.lm_head = read_matrix(ef, embed_enc, "lm_head", table["lm_head"])
-        tf.final_norm = read_vector(ef, "final_norm", table["final_norm"][0])
+        # the final norm's master: gamma, then beta when it is a LayerNorm with a bias
+        h, beta = table["final_norm"][0], table.get("final_norm_bias", (0,))[0]
+        final = read_vector(ef, "final_norm", h + beta)
+        tf.final_norm = final[:h]
+        if beta:
+            tf.final_norm_bias = final[h:]
         attach_meta(tf, ef, text)
     except EntityFormatError as exc:
         exc.path = exc.path or ef.path

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from entity.arch import role_shapes, roles
+from entity.arch import global_shapes, role_shapes, roles
 from entity.dotentity.blobs import as_float, check_quant, embed_keep_as, put_matrix, role_layer
 from entity.dotentity.container import EntityWriter
 from entity.dotentity.moe import is_sparse, moe_components, write_moe
@@ -89,6 +89,15 @@ def source_components(layer) -> dict[str, Any]:
         if value is not None:
             out[name] = value if native_kind(value) else as_float(value)
     return out
+
+
+def final_norm_master(tf) -> np.ndarray:
+    """The final norm as the "final_norm" blob holds it: gamma, then beta for a LayerNorm
+    with a bias (`entity.arch.global_shapes` lists final_norm_bias then)."""
+    gamma = np.asarray(tf.final_norm, np.float32)
+    if "final_norm_bias" not in global_shapes(tf.config):
+        return gamma
+    return np.concatenate([gamma, np.asarray(tf.final_norm_bias, np.float32)])
 
 
 def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, Any]]]]:
@@ -215,7 +224,7 @@ def save_entity(
 ) -> os.PathLike:
     """Write Transformer ``tf`` as a self-contained `.entity` v2 file (see docs/formats.md)."""
     cfg = dataclasses.replace(tf.config, tie_word_embeddings=bool(tf.tied))
-    final = np.asarray(tf.final_norm, np.float32)
+    final = final_norm_master(tf)
     return write_entity(
         path, cfg, model_blocks(tf), lambda: (tf.embeddings, None if tf.tied else tf.lm_head, final),
         model_meta(tf, cfg), quant=quant, embed_quant=embed_quant, force=force, inputs=inputs,

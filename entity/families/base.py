@@ -101,6 +101,9 @@ class Family:
     permute_qk: bool = False
     # transformers' config-class defaults for keys a config.json leaves out
     hf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # config.json key -> the common key it stands for (StarCoder2's norm_epsilon is the
+    # rms_norm_eps slot), copied over when the common key is absent
+    hf_aliases: Mapping[str, str] = field(default_factory=dict)
     other_classes: tuple[str, ...] = ()  # further accepted "architectures" entries
     activations: tuple[str, ...] = ("silu", "swish")  # hidden_act values (one function each)
     tensors: tuple[TensorName, ...] = LLAMA_TENSORS

@@ -352,7 +352,11 @@ def _with_defaults(config: Any) -> Any:
     """config.json with its family's defaults for the keys it leaves out (transformers' own)."""
     mt = config.get("model_type") if isinstance(config, dict) else None
     family = FAMILIES.get(mt) if isinstance(mt, str) else None
-    return config if family is None else {**family.hf_defaults, **config}
+    if family is None:
+        return config
+    merged = {**family.hf_defaults, **config}
+    aliases = {new: merged[old] for old, new in family.hf_aliases.items() if old in merged}
+    return {**aliases, **merged}
 
 
 def _options(raw: _RawConfig, arch: Family, source: str | None) -> dict:

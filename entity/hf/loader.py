@@ -138,13 +138,15 @@ def _ffn_targets(layer):
         from entity.hf.moe import MoETargets
 
         return MoETargets(layer)
-    return layout.swiglu(layer)
+    return layout.views(layer)  # SwiGLU or GeluMLP views by name
 
 
 def _fill_globals(tf: Any, parts: Block, table_dtype: Any) -> None:
     emb = np.array(parts["embeddings"]["value"], dtype=table_dtype)  # [V, H], copied off the file
     tf.embeddings = emb
     tf.final_norm = parts["final_norm"]["value"]
+    if "final_norm_bias" in parts:
+        tf.final_norm_bias = parts["final_norm_bias"]["value"]
     if "lm_head" in parts:
         tf.lm_head = np.array(parts["lm_head"]["value"], dtype=table_dtype)
     else:

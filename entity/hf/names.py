@@ -46,6 +46,7 @@ OPTIONAL: dict[str, Callable[[Any], bool]] = {
     "q_norm": lambda c: c.qk_norm,
     "k_norm": lambda c: c.qk_norm,
     "lm_head": lambda c: not c.tie_word_embeddings,
+    "final_norm_bias": lambda c: c.options.get("block", {}).get("norm") == "layernorm",
     "b_gate": lambda c: c.options.get("block", {}).get("mlp_bias", False),
     "b_up": lambda c: c.options.get("block", {}).get("mlp_bias", False),
     "b_down": lambda c: c.options.get("block", {}).get("mlp_bias", False),

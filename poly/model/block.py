@@ -30,10 +30,16 @@ NORM_ROLES = frozenset({"attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_nor
 
 # Layer kind per recipe name: norms, and the FFN as (kind, activation). LayerNorm and the plain
 # GELU MLP register their kinds here (poly.nn.layernorm, poly.nn.gelu_mlp).
-NORM_LAYERS: dict[str, LayerType] = {"rms": LayerType.RMSNORM}
+NORM_LAYERS: dict[str, LayerType] = {
+    "rms": LayerType.RMSNORM,
+    "layernorm": LayerType.LAYERNORM,  # beta loaded from the file
+    "layernorm_nobias": LayerType.LAYERNORM,  # beta stays zero (Cohere)
+}
 FFN_LAYERS: dict[str, tuple[LayerType, Activation]] = {
     "swiglu": (LayerType.SWIGLU, Activation.SILU),
     "geglu": (LayerType.SWIGLU, Activation.GELU),  # poly.ops GELU is the tanh form
+    "gelu_mlp": (LayerType.GELU_MLP, Activation.GELU_ERF),  # HF "gelu" (GPT-NeoX)
+    "gelu_tanh_mlp": (LayerType.GELU_MLP, Activation.GELU),  # gelu_new / gelu_pytorch_tanh
 }
 
 

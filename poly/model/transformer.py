@@ -13,7 +13,7 @@ from poly.layer import LayerType, VolumetricLayer
 from poly.model.block import build_block, is_recipe_block, norm_layer, run_block, slots
 from poly.model.hooks import need
 from poly.network import VolumetricNetwork
-from poly.nn import rmsnorm
+from poly.nn import layernorm, rmsnorm
 from poly.nn.embedding import lookup
 from poly.ops import linear, rms_norm
 from poly.weights import Generations, keep_in_memory
@@ -159,6 +159,18 @@ class Transformer(Generic[T]):
     @final_norm.setter
     def final_norm(self, value: np.ndarray) -> None:
         rmsnorm.views(self.final_norm_layer).gamma[...] = value
+
+    @property
+    def final_norm_bias(self) -> np.ndarray | None:
+        """The final LayerNorm's beta (None when the final norm is an RMSNorm)."""
+        layer = self.final_norm_layer
+        return layernorm.views(layer).beta if layer.type == LayerType.LAYERNORM else None
+
+    @final_norm_bias.setter
+    def final_norm_bias(self, value: np.ndarray) -> None:
+        if self.final_norm_layer.type != LayerType.LAYERNORM:
+            raise LayerConfigError(f"the {self.config.architecture} final norm has no bias")
+        layernorm.views(self.final_norm_layer).beta[...] = value
 
     # --- running -------------------------------------------------------------------------------
     @property
