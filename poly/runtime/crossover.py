@@ -9,7 +9,7 @@ faster one is kept in the CPU's tune file (poly/runtime/tune_cache.py) for every
 The probe (`measure`): the first 2-5 blocks of the model (fewer on wide models, so that one
 path costs ~`WORK` FLOPs; the last is cut to one row's FFN on both paths, as the model's last
 block is), the final norm and the LM head, on fresh scratch caches (the model's own caches are
-put back untouched), alternating the two paths 2 to `ROUNDS` times (no further round past
+put back untouched), alternating the two paths up to `ROUNDS` times (no further round past
 `BUDGET` seconds), the least time of each. A ratio within `TIE` keeps the shipped rule (noise on
 a shared host reaches ~15 %, benchmarks/results/README.md). No probe runs while other processes
 hold the cores (the times would measure them), with POLY_TUNE=0, or for a plan the fused calls
@@ -33,7 +33,7 @@ from poly.runtime import ckernels, fused, kernels, prefill, threadtune, tune_cac
 
 BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths a decision covers (up to and including)
 ROUNDS = 7  # alternations of the two paths at most (a cheap probe: the least of many)
-BUDGET = 0.5  # seconds after which no further round starts (two rounds always run)
+BUDGET = 0.5  # seconds after which no further round starts
 WORK = 8e9  # FLOPs of a probe's blocks per path (~0.1 s at 2 cores' AVX2 GEMM rate)
 MAX_BLOCKS = 4  # whole blocks at most (and the cut one)
 TIE = 0.05  # the paths within this fraction of each other: the shipped rule stays
@@ -143,8 +143,8 @@ def measure(model, p: fused.Plan, n: int) -> tuple[float, float] | None:
 
 
 def _rounds(model, p: fused.Plan, sub, x0: np.ndarray, k: int) -> tuple[float, float] | None:
-    """The least time of each path over 2 to ROUNDS alternations (the first may pay one-time
-    costs), on the thread count the fused calls take now (the reference path's prefill tuner
+    """The least time of each path over up to ROUNDS alternations (a probe past BUDGET: one;
+    its one-time costs are small beside it), on the thread count the fused calls take now (the reference path's prefill tuner
     would pick the same under load)."""
     full = kernels.num_threads()
     nt = prefill.fused_threads(full)
@@ -152,14 +152,14 @@ def _rounds(model, p: fused.Plan, sub, x0: np.ndarray, k: int) -> tuple[float, f
     start = time.perf_counter()
     try:
         kernels.use_threads(nt)
-        for r in range(ROUNDS):
+        for _ in range(ROUNDS):
             for i, run in enumerate((_fused, _reference)):
                 model.truncate(0)
                 t0 = time.perf_counter()
                 if run(model, p, sub, x0.copy(), k, nt) is None:
                     return None
                 best[i] = min(best[i], time.perf_counter() - t0)
-            if r >= 1 and time.perf_counter() - start > BUDGET:
+            if time.perf_counter() - start > BUDGET:
                 break
     finally:
         kernels.use_threads(full)
