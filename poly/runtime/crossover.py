@@ -24,10 +24,10 @@ import time
 import numpy as np
 
 from poly.errors import PolyError
-from poly.model.block import is_plain_block, run_block
-from poly.nn import mha, rmsnorm
+from poly.model.block import run_block
+from poly.nn import mha
 from poly.nn.embedding import lookup
-from poly.ops import linear, rms_norm
+from poly.ops import linear
 from poly.quant.schemes import SCHEMES
 from poly.runtime import ckernels, fused, kernels, prefill, threadtune, tune_cache
 
@@ -124,7 +124,7 @@ def _shapes(args):
 def measure(model, p: fused.Plan, n: int) -> tuple[float, float] | None:
     """(fused seconds, reference seconds) of an n-token probe from position 0 through the first
     `probe_blocks` blocks and the head; None when the fused calls do not take this model."""
-    if n < 2 or not all(is_plain_block(model.network.layers[i]) for i in p.index):
+    if n < 2:  # (a fused plan's blocks are all the plain kind)
         return None
     k = probe_blocks(p, n)
     sub = copy.copy(p)  # the first k blocks' records: fused.prefill_calls reads these fields
@@ -185,9 +185,8 @@ def _reference(model, p, sub, x: np.ndarray, k: int, nt: int):
     """hidden_states' loop over the first k blocks, then the final norm and the head."""
     for j, i in enumerate(p.index[:k]):
         rows = slice(-1, None) if j == k - 1 else None
-        x = run_block(model.network.layers[i], x, rows=rows)
-    final = rmsnorm.gamma(model.final_norm_layer)
-    return linear(rms_norm(x[-1:], final, model.config.rms_norm_eps), model.lm_head)[0]
+        x = run_block(model.network.layers[i], x, rows=rows, cfg=model.config)
+    return linear(model.norm_final(x[-1:]), model.lm_head)[0]
 
 
 def table(model, rule, lengths=BUCKETS) -> list[dict]:
