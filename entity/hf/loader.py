@@ -18,9 +18,11 @@ import numpy as np
 
 from entity.checks import check_eos_ids
 from entity.hf.config import HFModelConfig, load_hf_config
+from entity.hf.moe import unstack
 from entity.hf.names import Slot, group_by_block, plan
 from entity.hf.safetensors_io import FLOAT_DTYPES, Checkpoint, open_checkpoint
 from entity.strict_json import read_json
+from poly.config import MoEConfig
 from poly.errors import (
     CheckpointError,
     ConfigError,
@@ -99,8 +101,12 @@ def iter_hf_blocks(source: str | Path | HFSource) -> Iterator[tuple[int | None, 
     src = source if isinstance(source, HFSource) else open_hf(source)
     blocks, globals_ = group_by_block(src.slots)
     yield None, _collect(src.checkpoint, globals_)
+    moe = MoEConfig.coerce(src.config.moe)
     for i in range(src.config.num_layers):
-        yield i, _collect(src.checkpoint, blocks.get(i, {}))
+        block = _collect(src.checkpoint, blocks.get(i, {}))
+        if moe is not None and "mlp" in block:  # stacked experts split per expert
+            block["mlp"] = unstack(block["mlp"], moe)
+        yield i, block
 
 
 def _collect(ckpt: Checkpoint, slots: dict[str, Slot]) -> Block:

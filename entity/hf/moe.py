@@ -117,7 +117,6 @@ class MoETargets:
         if shared is not None:
             for name, view in layout.swiglu(shared).as_dict().items():
                 self._views[f"shared.{name}"] = view
-        self._views.update(_stack_targets(self._views, layer.moe, layer.input_height))
 
     def __getattr__(self, name: str):
         try:
@@ -154,53 +153,40 @@ def _stacked(names: MoENames, moe: MoEConfig, d: int, quant: str | None) -> dict
     return out
 
 
-class _Stack:
-    """A target the loader writes one stacked tensor into (``target[...] = array``): it checks
-    the shape like a view and hands the array on to `write`."""
+def unstack(comps: dict, moe: MoEConfig) -> dict:
+    """An MoE block's components with GraniteMoE's / GPT-OSS's stacks (MXFP4 pairs dequantized
+    as transformers' integrations/mxfp4.py does) split into per-expert float32
+    ``experts.<e>.<view>`` arrays [out, in]; other components pass as they are."""
+    stacked = [k for k in comps if k.startswith(("stack.", "mx."))]
+    if not stacked:
+        return comps
+    out = {k: v for k, v in comps.items() if k not in stacked}
+    width, views = moe.expert_intermediate_size, {}
 
-    def __init__(self, shape: tuple, write):
-        self.shape, self._write = shape, write
+    def f32(key: str) -> np.ndarray:
+        return np.asarray(comps[key], np.float32)
 
-    def __setitem__(self, key, value) -> None:
-        self._write(np.asarray(value))
-
-
-def _stack_targets(views: dict, moe: MoEConfig, d: int) -> dict:
-    n, width = moe.num_experts, moe.expert_intermediate_size
-    ex = [{k[len(f"experts.{e}.") :]: v for k, v in views.items() if k.startswith(f"experts.{e}.")}
-          for e in range(n)]  # fmt: skip
-    pending: dict[str, dict] = {"gate_up": {}, "down": {}}
-
-    def put(view: str, stack: np.ndarray) -> None:  # stack [E, *view shape], float
-        for e in range(n):
-            ex[e][view][...] = stack[e]
-
-    def gate_up(w: np.ndarray) -> None:  # [E, 2I, d], gate rows then up rows
-        put("w_gate", w[:, :width]), put("w_up", w[:, width:])
-
-    def interleaved(w: np.ndarray) -> None:  # [E, 2I, d] rows, gate even / up odd
-        put("w_gate", w[:, 0::2]), put("w_up", w[:, 1::2])
-
-    def mx(name: str, part: str, value: np.ndarray) -> None:
-        got = pending[name]
-        got[part] = value
-        if len(got) == 2:  # both halves read: dequantize (transformers' integrations/mxfp4.py)
-            w = dequantize_mxfp4_hf(got.pop("blocks"), got.pop("scales"))  # [E, rows, cols]
-            interleaved(w) if name == "gate_up" else put("w_down", w)
-
-    def gub(b: np.ndarray) -> None:
-        put("b_gate", b[:, 0::2]), put("b_up", b[:, 1::2])
-
-    i2 = 2 * width
-    return {
-        "stack.gate_up": _Stack((n, i2, d), gate_up),
-        "stack.down": _Stack((n, d, width), lambda w: put("w_down", w)),
-        "stack.gate_up_t": _Stack((n, d, i2), lambda w: interleaved(w.transpose(0, 2, 1))),
-        "stack.down_t": _Stack((n, width, d), lambda w: put("w_down", w.transpose(0, 2, 1))),
-        "stack.gate_up_bias": _Stack((n, i2), gub),
-        "stack.down_bias": _Stack((n, d), lambda b: put("b_down", b)),
-        "mx.gate_up.blocks": _Stack((n, i2, d // 32, 16), lambda v: mx("gate_up", "blocks", v)),
-        "mx.gate_up.scales": _Stack((n, i2, d // 32), lambda v: mx("gate_up", "scales", v)),
-        "mx.down.blocks": _Stack((n, d, width // 32, 16), lambda v: mx("down", "blocks", v)),
-        "mx.down.scales": _Stack((n, d, width // 32), lambda v: mx("down", "scales", v)),
-    }
+    if "stack.gate_up" in comps:  # granite: [E, 2I, d], the gate rows then the up rows
+        views["w_gate"], views["w_up"] = (
+            f32("stack.gate_up")[:, :width],
+            f32("stack.gate_up")[:, width:],
+        )
+        views["w_down"] = f32("stack.down")
+    if "stack.gate_up_t" in comps:  # GPT-OSS: x @ W [E, d, 2I] -> rows [E, 2I, d]
+        gate_up = f32("stack.gate_up_t").transpose(0, 2, 1)
+        views["w_down"] = f32("stack.down_t").transpose(0, 2, 1)
+    if "mx.gate_up.blocks" in comps:
+        gate_up = dequantize_mxfp4_hf(comps["mx.gate_up.blocks"], comps["mx.gate_up.scales"])
+        views["w_down"] = dequantize_mxfp4_hf(comps["mx.down.blocks"], comps["mx.down.scales"])
+    if "stack.gate_up_bias" in comps:  # GPT-OSS interleaves gate and up: even / odd
+        views["w_gate"], views["w_up"] = gate_up[:, 0::2], gate_up[:, 1::2]
+        bias = f32("stack.gate_up_bias")
+        views["b_gate"], views["b_up"], views["b_down"] = (
+            bias[:, 0::2],
+            bias[:, 1::2],
+            f32("stack.down_bias"),
+        )
+    for view, stack in views.items():
+        for e in range(moe.num_experts):
+            out[f"experts.{e}.{view}"] = np.ascontiguousarray(stack[e])
+    return out
