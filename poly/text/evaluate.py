@@ -76,50 +76,64 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Measure:
-    """Per-token numbers of the windows scored so far: negative log-likelihood of the model
-    (and of the reference), KL(reference || model), and whether their top-1 tokens agree."""
+    """Per-token numbers of the windows scored so far, one `WindowStats` a window (added in one
+    step: an interrupt never leaves half a window in)."""
 
-    nll: list[np.ndarray] = field(default_factory=list)
-    ref_nll: list[np.ndarray] = field(default_factory=list)
-    kld: list[np.ndarray] = field(default_factory=list)
-    same_top: list[np.ndarray] = field(default_factory=list)
-    windows: int = 0
+    scored: list[WindowStats] = field(default_factory=list)
+
+    @property
+    def windows(self) -> int:
+        return len(self.scored)
 
     def add(self, logits: np.ndarray, targets: np.ndarray, ref: np.ndarray | None = None) -> None:
         """One window: the model's logits, the ids they predict, and the reference's logits
         of the same positions (or None: perplexity only)."""
-        rows = np.arange(targets.size)
-        for lo in range(0, targets.size, ROW_CHUNK):
-            sl = slice(lo, lo + ROW_CHUNK)
-            logp = log_softmax(logits[sl])
-            self.nll.append(-logp[rows[sl] - lo, targets[sl]])
-            if ref is None:
-                continue
-            ref_logp = log_softmax(ref[sl])
-            self.ref_nll.append(-ref_logp[rows[sl] - lo, targets[sl]])
-            self.kld.append((np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1))
-            self.same_top.append(logp.argmax(axis=-1) == ref_logp.argmax(axis=-1))
-        self.windows += 1
+        self.scored.append(window_stats(logits, targets, ref))
 
     def result(self, **extra: Any) -> EvalResult:
-        nll = _cat(self.nll)
-        if nll.size == 0:
+        if not self.scored:
             raise UsageError("nothing was measured: no window finished")
+        nll = np.concatenate([w.nll for w in self.scored])
         out = EvalResult(tokens=int(nll.size), windows=self.windows, ppl=_ppl(nll), **extra)
-        if self.kld:
-            kld = _cat(self.kld)
-            out.ref_ppl = _ppl(_cat(self.ref_nll))
+        if self.scored[0].kld is not None:
+            kld = np.concatenate([w.kld for w in self.scored])
+            out.ref_ppl = _ppl(np.concatenate([w.ref_nll for w in self.scored]))
             out.kld_mean = float(kld.mean())
             out.kld_stderr = float(kld.std(ddof=1) / np.sqrt(kld.size)) if kld.size > 1 else 0.0
             p50, p90, p99 = np.percentile(kld, [50, 90, 99])
             out.kld_median, out.kld_p90, out.kld_p99 = float(p50), float(p90), float(p99)
             out.kld_max = float(kld.max())
-            out.top1 = float(_cat(self.same_top).mean())
+            out.top1 = float(np.concatenate([w.same_top for w in self.scored]).mean())
         return out
 
 
-def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0)
+@dataclass(frozen=True)
+class WindowStats:
+    """Per scored token of one window: the model's negative log-likelihood, and with a
+    reference its NLL, KL(reference || model) and whether their top-1 tokens agree."""
+
+    nll: np.ndarray
+    ref_nll: np.ndarray | None = None
+    kld: np.ndarray | None = None
+    same_top: np.ndarray | None = None
+
+
+def window_stats(logits: np.ndarray, targets: np.ndarray, ref: np.ndarray | None) -> WindowStats:
+    """Reduce one window's logits to per-token numbers, ROW_CHUNK rows at a time."""
+    parts: list[list[np.ndarray]] = [[], [], [], []]
+    for lo in range(0, targets.size, ROW_CHUNK):
+        rows = np.arange(min(ROW_CHUNK, targets.size - lo))
+        tgt = targets[lo : lo + ROW_CHUNK]
+        logp = log_softmax(logits[lo : lo + ROW_CHUNK])
+        parts[0].append(-logp[rows, tgt])
+        if ref is None:
+            continue
+        ref_logp = log_softmax(ref[lo : lo + ROW_CHUNK])
+        parts[1].append(-ref_logp[rows, tgt])
+        parts[2].append((np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1))
+        parts[3].append(logp.argmax(axis=-1) == ref_logp.argmax(axis=-1))
+    cat = [np.concatenate(p) if p else None for p in parts]
+    return WindowStats(*cat)
 
 
 def _ppl(nll: np.ndarray) -> float:
