@@ -87,6 +87,8 @@ class AttentionConfig:
     sinks: bool = False  # a learned per-head logit in the softmax denominator (gpt_oss)
     qk_norm_all: bool = False  # q/k RMSNorm over all heads at once (olmo2), not per head
     scale: float | None = None  # logit scale (granite, gemma2); None: head_dim ** -0.5
+    # gemma3: sliding layers rotate with this base, unscaled (global ones: rope_theta, scaling)
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         w = self.sliding_window
@@ -281,10 +283,11 @@ class BlockRecipe:
     defaults are llama's pre-norm block, x + attn(norm(x)) then + ffn(norm(.)).
 
     `post_norms`: sandwich norms, each sub-layer's output is normed before its residual add
-    (Gemma 2/3, OLMo 2 and GLM-4 without the pre-norms are families' own business).
+    (Gemma 2/3, GLM-4; OLMo 2 has the post-norms only, see `pre_norms`).
     `parallel`: x + attn(norm1(x)) + ffn(norm2(x)) (GPT-NeoX, Phi-2, Command-R); with
     `shared_norm` the FFN reads the attention norm's output and the block has no mlp_norm.
-    `mlp_bias`: the FFN projections carry biases."""
+    `mlp_bias`: the FFN projections carry biases. `pre_norms` False (with `post_norms`): the
+    sub-layers read the residual stream unnormed, only their outputs are normed (OLMo 2)."""
 
     norm: str = "rms"
     ffn: str = "swiglu"
@@ -292,6 +295,7 @@ class BlockRecipe:
     post_norms: bool = False
     parallel: bool = False
     shared_norm: bool = False
+    pre_norms: bool = True
 
     def __post_init__(self) -> None:
         if self.norm not in NORM_KINDS:
@@ -300,13 +304,15 @@ class BlockRecipe:
             )
         if self.ffn not in FFN_KINDS:
             raise LayerConfigError(f"block.ffn {self.ffn!r} is not one of {', '.join(FFN_KINDS)}")
-        for name in ("mlp_bias", "post_norms", "parallel", "shared_norm"):
+        for name in ("mlp_bias", "post_norms", "parallel", "shared_norm", "pre_norms"):
             if type(getattr(self, name)) is not bool:
                 raise LayerConfigError(f"block.{name} must be true or false")
         if self.parallel and self.post_norms:
             raise LayerConfigError("block.parallel and block.post_norms exclude each other")
         if self.shared_norm and not self.parallel:
             raise LayerConfigError("block.shared_norm needs block.parallel")
+        if not (self.pre_norms or self.post_norms):
+            raise LayerConfigError("block.pre_norms false needs block.post_norms")
 
     @property
     def plain(self) -> bool:

@@ -28,6 +28,10 @@ MODULES = (
     "olmoe",
     "granitemoe",
     "gpt_oss",
+    "phi3",
+    "olmo2",
+    "granite",
+    "glm4",
 )
 
 FAMILIES: dict[str, Family] = {}
@@ -44,6 +48,5 @@ for _family in FAMILIES.values():
 # Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
 REFUSED_REASONS: dict[str, str] = {
     "phi": "uses LayerNorm, partial rotary and a parallel block",
-    "phi3": "stores fused qkv_proj / gate_up_proj and may use longrope",
     "gpt2": "uses fused c_attn, LayerNorm and learned positions",
 }

@@ -200,6 +200,8 @@ def _rope(
 ) -> tuple[float, HFRopeScaling | None]:
     # 4.x: top-level rope_theta + optional rope_scaling; 5.x: rope_parameters holds both.
     params = dict(raw.rope_parameters or raw.rope_scaling or {})
+    if isinstance(params.get("full_attention"), dict):  # 5.x per layer type (gemma3): global's
+        params = dict(params["full_attention"])
     theta = params.pop("rope_theta", None)
     theta = raw.rope_theta if raw.rope_theta is not None else theta
     theta = 10000.0 if theta is None else theta

@@ -64,7 +64,10 @@ def open_hf(path: str | Path) -> HFSource:
         raise CheckpointError(f"{root} is not a directory", path=str(root))
     cfg = load_hf_config(root)
     ckpt = open_checkpoint(root)
-    slots = plan(cfg, {name: ckpt.info(name).shape for name in ckpt.names()})
+    rename = cfg.arch.hf_rename or (lambda name: name)
+    actual = {rename(n): n for n in ckpt.names() if rename(n) is not None}  # canonical -> stored
+    slots = plan(cfg, {name: ckpt.info(stored).shape for name, stored in actual.items()})
+    slots = {actual[name]: slot for name, slot in slots.items()}
     for name, slot in slots.items():
         if slot.component.startswith("mx.") and ckpt.info(name).dtype == "U8":
             continue  # MXFP4 blocks/scales (entity.hf.moe dequantizes them)
@@ -77,12 +80,12 @@ def open_hf(path: str | Path) -> HFSource:
     if cfg.tie_word_embeddings and "lm_head.weight" in slots:
         # transformers ties the head to the embeddings and drops this tensor; refuse a mismatch.
         if not np.array_equal(
-            ckpt.tensor("lm_head.weight"), ckpt.tensor("model.embed_tokens.weight")
+            ckpt.tensor(actual["lm_head.weight"]), ckpt.tensor(actual["model.embed_tokens.weight"])
         ):
             raise WeightMappingError(
                 "lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings is true"
             )
-        slots = {n: s for n, s in slots.items() if n != "lm_head.weight"}
+        slots = {n: s for n, s in slots.items() if n != actual["lm_head.weight"]}
     return HFSource(root, cfg, ckpt, slots)
 
 
@@ -100,34 +103,43 @@ def iter_hf_blocks(source: str | Path | HFSource) -> Iterator[tuple[int | None, 
     """
     src = source if isinstance(source, HFSource) else open_hf(source)
     blocks, globals_ = group_by_block(src.slots)
-    yield None, _collect(src.checkpoint, globals_)
+    offset = src.config.arch.norm_offset
+    yield None, _collect(src.checkpoint, globals_, offset)
     moe = MoEConfig.coerce(src.config.moe)
     for i in range(src.config.num_layers):
-        block = _collect(src.checkpoint, blocks.get(i, {}))
+        block = _collect(src.checkpoint, blocks.get(i, {}), offset)
         if moe is not None and "mlp" in block:  # stacked experts split per expert
             block["mlp"] = unstack(block["mlp"], moe)
         yield i, block
 
 
-def _collect(ckpt: Checkpoint, slots: dict[str, Slot]) -> Block:
+# Components that are norm weights: a (1 + w) family's get the 1 added here, on every path.
+NORM_COMPONENTS = frozenset({"gamma", "q_norm", "k_norm"})
+
+
+def _collect(ckpt: Checkpoint, slots: dict[str, Slot], norm_offset: float = 0.0) -> Block:
     out: Block = {}
     for name, slot in slots.items():
-        out.setdefault(slot.part, {})[slot.component] = ckpt.tensor(name)
+        value = ckpt.tensor(name)
+        if norm_offset and (slot.component in NORM_COMPONENTS or slot.part == "final_norm"):
+            value = np.asarray(value, np.float32) + np.float32(norm_offset)  # as torch: f32 sum
+        comps = out.setdefault(slot.part, {})
+        if slot.rows:  # fused rows (gate_up_proj): one view per part, in order
+            cuts = np.cumsum(slot.rows)[:-1]
+            comps.update(zip(slot.component.split("+"), np.split(value, cuts)))
+        else:
+            comps[slot.component] = value
     return out
 
 
 def _fill_block(tf: Any, i: int, block: Block) -> None:
     from poly.nn import layout
 
-    views = {
-        "attn_norm": layout.rmsnorm(tf.attn_norm(i)),
-        "attn": layout.mha(tf.attn(i)),
-        "mlp_norm": layout.rmsnorm(tf.mlp_norm(i)),
-        "mlp": _ffn_targets(tf.mlp(i)),
-    }
     for part, comps in block.items():
+        # norms and attention: the layer's named views; the FFN: SwiGLU views or MoE targets
+        target = _ffn_targets(tf.mlp(i)) if part == "mlp" else layout.views(tf.role(i, part))
         for comp, arr in comps.items():
-            dst = getattr(views[part], comp)
+            dst = target.get(comp) if isinstance(target, dict) else getattr(target, comp)
             if dst is None or dst.shape != arr.shape:
                 got = None if dst is None else dst.shape
                 raise WeightMappingError(

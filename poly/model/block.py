@@ -24,6 +24,7 @@ SLOT_NAMES = {ATTN_NORM: "attn_norm", ATTN: "attn", MLP_NORM: "mlp_norm", MLP: "
 PRE_NORM = ("attn_norm", "attn", "attn_res", "mlp_norm", "mlp", "mlp_res")
 SANDWICH = ("attn_norm", "attn", "attn_post_norm", "attn_res",
             "mlp_norm", "mlp", "mlp_post_norm", "mlp_res")  # fmt: skip
+POST_ONLY = ("attn", "attn_post_norm", "attn_res", "mlp", "mlp_post_norm", "mlp_res")  # OLMo 2
 PARALLEL = ("attn_norm", "attn", "mlp_norm", "mlp", "res")
 PARALLEL_SHARED = ("attn_norm", "attn", "mlp", "res")
 NORM_ROLES = frozenset({"attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm"})
@@ -48,7 +49,9 @@ def layout(recipe: BlockRecipe) -> tuple[str, ...]:
     """The block's sub-layer roles in order."""
     if recipe.parallel:
         return PARALLEL_SHARED if recipe.shared_norm else PARALLEL
-    return SANDWICH if recipe.post_norms else PRE_NORM
+    if recipe.post_norms:
+        return SANDWICH if recipe.pre_norms else POST_ONLY
+    return PRE_NORM
 
 
 @functools.lru_cache(maxsize=16)
@@ -93,6 +96,7 @@ def _mlp(cfg: TransformerConfig, allocate: bool, index: int) -> VolumetricLayer:
 def _attn(cfg: TransformerConfig, allocate: bool, index: int) -> VolumetricLayer:
     opts = cfg.attention or AttentionConfig()  # layer `index`'s attention options
     rot = opts.rotary_dim(cfg.head_dim, index)
+    local = opts.local_rope_theta if opts.window_of(index) else None  # gemma3's local layers
     return VolumetricLayer(
         type=LayerType.MHA,
         sliding_window=opts.window_of(index),
@@ -109,8 +113,8 @@ def _attn(cfg: TransformerConfig, allocate: bool, index: int) -> VolumetricLayer
         head_dim=cfg.head_dim,
         query_dim=cfg.query_dim,
         max_seq_len=cfg.max_seq_len,
-        rope_freq_base=cfg.rope_theta,
-        rope_scaling=cfg.rope_scaling,
+        rope_freq_base=local or cfg.rope_theta,
+        rope_scaling=None if local else cfg.rope_scaling,
         rms_norm_eps=cfg.rms_norm_eps,
         qk_norm=cfg.qk_norm,
         allocate=allocate,
@@ -218,7 +222,7 @@ def run_block(
     recipe = PLAIN_BLOCK if cfg is None else cfg.block
     mult = 1.0 if cfg is None else cfg.residual_multiplier
     subs, at = blk.sequential_layers, slots(recipe)
-    h = _norm(subs[at["attn_norm"]], x)
+    h = _norm(subs[at["attn_norm"]], x) if recipe.pre_norms else x
     attn = subs[at["attn"]]
     a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches, bounds)
     keep = slice(None) if rows is None else rows
@@ -229,7 +233,7 @@ def run_block(
     if recipe.post_norms:
         a = _norm(subs[at["attn_post_norm"]], a)
     x = x[keep] + (a[keep] if mult == 1 else a[keep] * np.asarray(mult, x.dtype))
-    m = _ffn(subs[at["mlp"]], _norm(subs[at["mlp_norm"]], x))
+    m = _ffn(subs[at["mlp"]], _norm(subs[at["mlp_norm"]], x) if recipe.pre_norms else x)
     if recipe.post_norms:
         m = _norm(subs[at["mlp_post_norm"]], m)
     x += m if mult == 1 else m * np.asarray(mult, x.dtype)
