@@ -94,6 +94,16 @@ _ARCH_CONFIG: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Starcoder2ForCausalLM",
         {"hidden_size": 72, "sliding_window": 6, "norm_epsilon": 1e-5, "use_bias": True},
     ),
+    # Phi-3 (tests/test_families_phi3.py): fused qkv_proj / gate_up_proj, longrope over the
+    # head_dim 18 (9 factors), a window of 6
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"hidden_size": 72, "sliding_window": 6, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0 + 0.1 * i for i in range(9)],
+                             "long_factor": [2.0 + 0.3 * i for i in range(9)]}},  # fmt: skip
+    ),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 

@@ -61,6 +61,7 @@ class Slot:
     part: str
     component: str
     shape: tuple[int, ...]
+    rows: tuple[int, ...] = ()  # a fused "a+b" component: the rows of a, b (split at load)
 
 
 def hf_name(block: int | None, part: str, component: str, model_type: str = "llama") -> str:
@@ -91,7 +92,7 @@ def expected_tensors(cfg: Any) -> dict[str, Slot]:
         sparse = moe is not None and i not in moe.dense_layers
         for suffix, (part, comp) in block_tensors(family).items():
             if part in shapes and _wanted(cfg, comp) and not (sparse and part == "mlp"):
-                out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, shapes[part][comp])
+                out[BLOCK_PREFIX.format(i=i) + suffix] = _slot(i, part, comp, shapes[part])
         if sparse:
             for suffix, (part, comp, shape) in moe_tensors(
                 cfg.model_type, moe, cfg.hidden_size, cfg.expert_storage
@@ -101,6 +102,15 @@ def expected_tensors(cfg: Any) -> dict[str, Slot]:
         if _wanted(cfg, part):
             out[name] = Slot(None, part, "value", globals_[part])
     return out
+
+
+def _slot(i: int, part: str, comp: str, shapes: dict) -> Slot:
+    """A block tensor's slot; "w_gate+w_up" (GLM-4's gate_up_proj) stacks its parts' rows."""
+    if "+" not in comp:
+        return Slot(i, part, comp, shapes[comp])
+    pieces = [shapes[c] for c in comp.split("+")]
+    rows = tuple(p[0] for p in pieces)
+    return Slot(i, part, comp, (sum(rows), *pieces[0][1:]), rows)
 
 
 def _is_ignored(name: str) -> bool:

@@ -1,0 +1,89 @@
+"""phi3 (Phi-3/3.5/4) against transformers: q/k/v fused in qkv_proj and gate/up in gate_up_proj
+(split at load), longrope (long factors past original_max_position_embeddings, short ones
+below), a partial rotary, GQA, head_dim 18 and a window of 6 (the prompt is 20 tokens). Logits
+at every position within 1e-4 (float32), 32 greedy tokens equal with and without the KV cache,
+.entity f32 exact and q8 top-1 along the greedy path; a wrong fused shape is a one-line error."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import entity
+from poly.errors import WeightMappingError
+from poly.runtime import ckernels, fused
+from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint
+from tests.test_moe_hf import PROMPT, greedy
+
+N_NEW = 32
+_PARTIAL_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.6,
+                 "short_factor": [1.0 + 0.2 * i for i in range(6)],
+                 "long_factor": [3.0 + 0.5 * i for i in range(6)]}  # fmt: skip
+VARIANTS = {
+    # the prompt (20) is past 16: every position runs on the long factors
+    "long": ({"original_max_position_embeddings": 16}, False),
+    # 20 + 32 stays below 64: the short factors; 12 of each head's 20 dims rotate
+    "partial": ({"original_max_position_embeddings": 64, "hidden_size": 80,
+                 "rope_parameters": _PARTIAL_ROPE}, True),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("phi3")
+    return {
+        name: make_tiny_checkpoint(tmp / name, "phi3", seed=70 + i, tied=tied,
+                                   config_overrides=over)  # fmt: skip
+        for i, (name, (over, tied)) in enumerate(VARIANTS.items())
+    }
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_phi3_logits_and_greedy_match_transformers(ckpts, variant):
+    src = ckpts[variant]
+    tf = entity.load(src)
+    assert tf.attn(0).sliding_window == 6 and tf.config.rope_scaling.rope_type == "longrope"
+    assert tf.attn(0).rotary_dim == (12 if variant == "partial" else 18)
+    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
+    want = hf_greedy(src, PROMPT, N_NEW)
+    assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+
+
+def test_phi3_runs_the_reference_path(ckpts):
+    """The fused C step has no sliding window or longrope: its plan declines the model."""
+    if not ckernels.AVAILABLE:
+        pytest.skip("C kernels not built")
+    tf = entity.load(ckpts["long"])
+    assert fused.plan(tf) is None and not fused.prepare(tf)
+
+
+def test_phi3_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
+    src = ckpts["partial"]
+    ref = entity.load(src).forward_all(PROMPT)
+    f32 = tmp_path / "phi3.f32.entity"
+    entity.convert(src, f32, quant="f32")
+    np.testing.assert_array_equal(entity.load(f32).forward_all(PROMPT), ref)
+    q8 = tmp_path / "phi3.q8.entity"
+    entity.convert(src, q8, quant="q8")
+    want = hf_greedy(src, PROMPT, N_NEW)
+    logits = entity.load(q8).forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]  # teacher-forced
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+
+
+@pytest.mark.parametrize(
+    "name, cut",
+    [("model.layers.1.self_attn.qkv_proj.weight", 18), ("model.layers.0.mlp.gate_up_proj.weight", 1)],
+)
+def test_a_wrong_fused_shape_is_named(ckpts, tmp_path, name, cut):
+    path = Path(shutil.copytree(ckpts["long"], tmp_path / "m"))
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[name] = tensors[name][:-cut]  # one kv head (or one up row) short
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as err:
+        entity.load(path)
+    assert "\n" not in str(err.value)
