@@ -210,9 +210,13 @@ def test_gguf_f32_matches_transformers(ckpts, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gguf_q8_0_greedy_follows_transformers(ckpts, arch):
-    want = hf_greedy(ckpts[arch], PROMPT, N_NEW)
-    tf = entity.load(_gguf(ckpts[arch], "q8_0"))
+def test_gguf_q8_0_greedy_follows_transformers(arch, tmp_path):
+    # 0.15-scale weights, as tests/test_moe_gguf.py: with 0.2 (and granite's 3x embedding
+    # multiplier) per-block int8 rounding flips a routing decision on a step or two
+    src = make_tiny_checkpoint(tmp_path / arch, arch, seed=70,
+                               config_overrides={"initializer_range": 0.15})  # fmt: skip
+    want = hf_greedy(src, PROMPT, N_NEW)
+    tf = entity.load(_gguf(src, "q8_0"))
     # teacher-forced along transformers' greedy path: top-1 per step (one flip must not cascade)
     logits = tf.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
     assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
