@@ -202,8 +202,10 @@ def _rope(
     params = dict(raw.rope_parameters or raw.rope_scaling or {})
     if isinstance(params.get("full_attention"), dict):  # 5.x per layer type (gemma3): global's
         params = dict(params["full_attention"])
+    # rope_parameters' own theta wins: a family default merged in as top-level rope_theta must not
+    # override it (gemma3's full_attention theta)
     theta = params.pop("rope_theta", None)
-    theta = raw.rope_theta if raw.rope_theta is not None else theta
+    theta = raw.rope_theta if theta is None else theta
     theta = 10000.0 if theta is None else theta
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
         raise ConfigError(f"rope_theta: must be a finite number, got {theta!r}", path=source)
