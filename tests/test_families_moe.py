@@ -220,3 +220,42 @@ def test_gguf_q8_0_greedy_follows_transformers(arch, tmp_path):
     # teacher-forced along transformers' greedy path: top-1 per step (one flip must not cascade)
     logits = tf.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
     assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+
+
+def _gguf_without(src: Path, dst: Path, drop: str, truncate: str) -> tuple[Path, Path]:
+    """Two damaged copies of a GGUF (gguf-py): one without tensor `drop`, one with `truncate`'s
+    last row cut."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    outs = (dst.with_suffix(".drop.gguf"), dst.with_suffix(".cut.gguf"))
+    for out in outs:
+        writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name == "general.architecture":
+                continue
+            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+        for t in reader.tensors:
+            if out == outs[0] and t.name == drop:
+                continue
+            data = np.array(t.data)
+            writer.add_tensor(t.name, data[:-1] if out == outs[1] and t.name == truncate else data,
+                              raw_dtype=t.tensor_type)  # fmt: skip
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return outs
+
+
+@pytest.mark.slow
+def test_damaged_gpt_oss_gguf_is_a_typed_error_naming_the_tensor(ckpts, tmp_path):
+    from poly.errors import GGUFFormatError
+
+    dropped, cut = _gguf_without(_gguf(ckpts["gpt_oss"], "f32"), tmp_path / "bad",
+                                 "blk.1.attn_sinks.weight", "blk.0.ffn_gate_exps.bias")  # fmt: skip
+    with pytest.raises((WeightMappingError, GGUFFormatError), match="blk.1.attn_sinks.weight"):
+        entity.load(dropped)
+    with pytest.raises((WeightMappingError, GGUFFormatError), match="blk.0.ffn_gate_exps.bias"):
+        entity.load(cut)
