@@ -99,10 +99,28 @@ _ARCH_CONFIG: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
-        {"hidden_size": 72, "sliding_window": 6, "pad_token_id": 0,
-         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
-                             "short_factor": [1.0 + 0.1 * i for i in range(9)],
-                             "long_factor": [2.0 + 0.3 * i for i in range(9)]}},  # fmt: skip
+        {
+            "hidden_size": 72,
+            "sliding_window": 6,
+            "pad_token_id": 0,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(9)],
+                "long_factor": [2.0 + 0.3 * i for i in range(9)],
+            },
+        },
+    ),
+    # GPT-NeoX (tests/test_families_gpt_neox.py): head_dim 18, RoPE over int(18 * 0.25) = 4 dims
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {
+            "hidden_size": 72,
+            "num_key_value_heads": None,
+            "layer_norm_eps": 1e-5,
+            "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
     ),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")

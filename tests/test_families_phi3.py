@@ -27,8 +27,14 @@ VARIANTS = {
     # the prompt (20) is past 16: every position runs on the long factors
     "long": ({"original_max_position_embeddings": 16}, False),
     # 20 + 32 stays below 64: the short factors; 12 of each head's 20 dims rotate
-    "partial": ({"original_max_position_embeddings": 64, "hidden_size": 80,
-                 "rope_parameters": _PARTIAL_ROPE}, True),  # fmt: skip
+    "partial": (
+        {
+            "original_max_position_embeddings": 64,
+            "hidden_size": 80,
+            "rope_parameters": _PARTIAL_ROPE,
+        },
+        True,
+    ),  # fmt: skip
 }
 
 
@@ -36,8 +42,9 @@ VARIANTS = {
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("phi3")
     return {
-        name: make_tiny_checkpoint(tmp / name, "phi3", seed=70 + i, tied=tied,
-                                   config_overrides=over)  # fmt: skip
+        name: make_tiny_checkpoint(
+            tmp / name, "phi3", seed=70 + i, tied=tied, config_overrides=over
+        )  # fmt: skip
         for i, (name, (over, tied)) in enumerate(VARIANTS.items())
     }
 
@@ -77,7 +84,10 @@ def test_phi3_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
 
 @pytest.mark.parametrize(
     "name, cut",
-    [("model.layers.1.self_attn.qkv_proj.weight", 18), ("model.layers.0.mlp.gate_up_proj.weight", 1)],
+    [
+        ("model.layers.1.self_attn.qkv_proj.weight", 18),
+        ("model.layers.0.mlp.gate_up_proj.weight", 1),
+    ],
 )
 def test_a_wrong_fused_shape_is_named(ckpts, tmp_path, name, cut):
     path = Path(shutil.copytree(ckpts["long"], tmp_path / "m"))

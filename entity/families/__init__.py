@@ -29,6 +29,7 @@ MODULES = (
     "granitemoe",
     "gpt_oss",
     "phi3",
+    "gpt_neox",
     "olmo2",
     "granite",
     "glm4",

@@ -19,12 +19,16 @@ from poly.config import PLAIN_BLOCK, BlockRecipe
 @dataclass(frozen=True)
 class TensorName:
     """One tensor: its role and component, its HF name (a suffix of ``model.layers.{i}.`` for
-    block tensors) and its GGUF name (a suffix of ``blk.{i}.``). Globals: component "value"."""
+    block tensors) and its GGUF name (a suffix of ``blk.{i}.``). Globals: component "value".
+    A component "a+b" is a fused tensor holding the rows of a, then b (split at load)."""
 
     role: str
     component: str
     hf: str
     gguf: str
+    # A fused "a+b+c" component whose HF rows interleave per kv head ([q_h; k_h; v_h] for each
+    # head h: GPT-NeoX's query_key_value), not whole parts stacked ([q; k; v]: Phi-3's qkv_proj)
+    per_head: bool = False
 
 
 # llama's block (every family until Gemma 2 names its tensors so).
@@ -113,6 +117,8 @@ class Family:
     # (1 + w) norms (Gemma): the importer adds this to every norm weight, so poly runs the plain
     # RMSNorm (llama.cpp's converter stores the sum in GGUF files already).
     norm_offset: float = 0.0
+    # HF block tensors are this prefix + the table's suffixes (GPT-NeoX: "gpt_neox.layers.{i}.")
+    hf_block_prefix: str = "model.layers.{i}."
     # HF tensor name -> the canonical name above, or None to drop it (multimodal checkpoints)
     hf_rename: Callable[[str], str | None] | None = None
     # TransformerConfig fields past the common ones, from the parsed config.json (its keys,

@@ -125,11 +125,18 @@ def _collect(ckpt: Checkpoint, slots: dict[str, Slot], norm_offset: float = 0.0)
             value = np.asarray(value, np.float32) + np.float32(norm_offset)  # as torch: f32 sum
         comps = out.setdefault(slot.part, {})
         if slot.rows:  # fused rows (gate_up_proj): one view per part, in order
-            cuts = np.cumsum(slot.rows)[:-1]
-            comps.update(zip(slot.component.split("+"), np.split(value, cuts)))
+            comps.update(zip(slot.component.split("+"), split_rows(value, slot.rows, slot.groups)))
         else:
             comps[slot.component] = value
     return out
+
+
+def split_rows(value: np.ndarray, rows: tuple[int, ...], groups: int = 1) -> list[np.ndarray]:
+    """A fused tensor's parts: `rows` rows each, stacked whole (groups 1) or in `groups` runs
+    of rows[k] // groups rows per part (GPT-NeoX's [q_h; k_h; v_h] per head h)."""
+    runs = value.reshape(groups, -1, *value.shape[1:])
+    cuts = np.cumsum([r // groups for r in rows])[:-1]
+    return [p.reshape(r, *value.shape[1:]) for p, r in zip(np.split(runs, cuts, axis=1), rows)]
 
 
 def _fill_block(tf: Any, i: int, block: Block) -> None:

@@ -62,6 +62,7 @@ class Slot:
     component: str
     shape: tuple[int, ...]
     rows: tuple[int, ...] = ()  # a fused "a+b" component: the rows of a, b (split at load)
+    groups: int = 1  # the rows repeat per group of this many (per kv head: GPT-NeoX), else 1
 
 
 def hf_name(block: int | None, part: str, component: str, model_type: str = "llama") -> str:
@@ -70,11 +71,11 @@ def hf_name(block: int | None, part: str, component: str, model_type: str = "lla
     if block is None:
         return next(name for name, g in global_tensors(family).items() if g == part)
     suffix = next(s for s, pc in block_tensors(family).items() if pc == (part, component))
-    return BLOCK_PREFIX.format(i=block) + suffix
+    return family.hf_block_prefix.format(i=block) + suffix
 
 
 def _wanted(cfg: Any, component: str) -> bool:
-    rule = OPTIONAL.get(component)
+    rule = OPTIONAL.get(component.split("+")[0])  # a fused "b_q+b_k+b_v": its parts' rule
     return True if rule is None else rule(cfg)
 
 
@@ -87,30 +88,34 @@ def expected_tensors(cfg: Any) -> dict[str, Slot]:
     shapes = {role: arch.role_shapes(tcfg, role) for role in arch.roles(tcfg)}  # "mlp": dense
     globals_ = arch.global_shapes(tcfg)
     family = FAMILIES[cfg.model_type]
+    per_head = {t.hf for t in family.tensors if t.per_head}
+    prefix = family.hf_block_prefix
     out: dict[str, Slot] = {}
     for i in range(cfg.num_layers):
         sparse = moe is not None and i not in moe.dense_layers
         for suffix, (part, comp) in block_tensors(family).items():
             if part in shapes and _wanted(cfg, comp) and not (sparse and part == "mlp"):
-                out[BLOCK_PREFIX.format(i=i) + suffix] = _slot(i, part, comp, shapes[part])
+                groups = tcfg.num_kv_heads if suffix in per_head else 1
+                out[prefix.format(i=i) + suffix] = _slot(i, part, comp, shapes[part], groups)
         if sparse:
             for suffix, (part, comp, shape) in moe_tensors(
                 cfg.model_type, moe, cfg.hidden_size, cfg.expert_storage
             ).items():
-                out[BLOCK_PREFIX.format(i=i) + suffix] = Slot(i, part, comp, shape)
+                out[prefix.format(i=i) + suffix] = Slot(i, part, comp, shape)
     for name, part in global_tensors(family).items():
         if _wanted(cfg, part):
             out[name] = Slot(None, part, "value", globals_[part])
     return out
 
 
-def _slot(i: int, part: str, comp: str, shapes: dict) -> Slot:
-    """A block tensor's slot; "w_gate+w_up" (GLM-4's gate_up_proj) stacks its parts' rows."""
+def _slot(i: int, part: str, comp: str, shapes: dict, groups: int = 1) -> Slot:
+    """A block tensor's slot; "w_gate+w_up" (GLM-4's gate_up_proj) stacks its parts' rows, in
+    `groups` interleaved runs when the family's table says per_head."""
     if "+" not in comp:
         return Slot(i, part, comp, shapes[comp])
     pieces = [shapes[c] for c in comp.split("+")]
     rows = tuple(p[0] for p in pieces)
-    return Slot(i, part, comp, (sum(rows), *pieces[0][1:]), rows)
+    return Slot(i, part, comp, (sum(rows), *pieces[0][1:]), rows, groups)
 
 
 def _is_ignored(name: str) -> bool:

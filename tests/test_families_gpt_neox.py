@@ -1,0 +1,115 @@
+"""gpt_neox (Pythia, GPT-NeoX) against transformers: query_key_value interleaved per head and
+split at load, LayerNorm with a bias, the biased GELU MLP, RoPE over int(18 * 0.25) = 4 of each
+head's 18 dims, the parallel residual and the sequential block. Logits at every position within
+1e-4 (float32), 32 greedy tokens equal with and without the KV cache, the older config keys
+(rotary_pct, rotary_emb_base, layer_norm_eps), .entity f32 exact and q8 top-1 along the greedy
+path; bad files are typed one-line errors naming the tensor or key."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import entity
+from poly.errors import ConfigError, WeightMappingError
+from poly.layer import LayerType
+from poly.runtime import ckernels, fused
+from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
+from tests.test_moe_hf import PROMPT, greedy
+
+N_NEW = 32
+VARIANTS = {
+    "parallel": {},
+    "sequential": {"use_parallel_residual": False, "hidden_act": "gelu_new"},
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("gpt_neox")
+    return {
+        name: make_tiny_checkpoint(tmp / name, "gpt_neox", seed=80 + i, config_overrides=over)
+        for i, (name, over) in enumerate(VARIANTS.items())
+    }
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpt_neox_logits_and_greedy_match_transformers(ckpts, variant):
+    src = ckpts[variant]
+    tf = entity.load(src)
+    assert tf.config.block.parallel == (variant == "parallel")
+    assert tf.attn_norm(0).type == LayerType.LAYERNORM and tf.attn(0).rotary_dim == 4
+    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
+    want = hf_greedy(src, PROMPT, N_NEW)
+    assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+
+
+def test_older_config_keys(ckpts, tmp_path):
+    """Pythia's config.json: rotary_pct, rotary_emb_base and layer_norm_eps, no rope_parameters."""
+    path = Path(shutil.copytree(ckpts["parallel"], tmp_path / "old"))
+    set_config_keys(path, rope_parameters=None, rms_norm_eps=None, rotary_pct=0.25,
+                    rotary_emb_base=500.0, layer_norm_eps=1e-3)  # fmt: skip
+    tf = entity.load(path)
+    assert tf.config.rope_theta == 500.0 and tf.config.rms_norm_eps == 1e-3
+    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_gpt_neox_runs_the_reference_path(ckpts):
+    """The fused C step implements llama's block only: its plan declines LayerNorm blocks."""
+    if not ckernels.AVAILABLE:
+        pytest.skip("C kernels not built")
+    tf = entity.load(ckpts["parallel"])
+    assert fused.plan(tf) is None and not fused.prepare(tf)
+
+
+def test_gpt_neox_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
+    src = ckpts["parallel"]
+    ref = entity.load(src).forward_all(PROMPT)
+    f32 = tmp_path / "neox.f32.entity"
+    entity.convert(src, f32, quant="f32")
+    np.testing.assert_array_equal(entity.load(f32).forward_all(PROMPT), ref)
+    q8 = tmp_path / "neox.q8.entity"
+    entity.convert(src, q8, quant="q8")
+    want = hf_greedy(src, PROMPT, N_NEW)
+    logits = entity.load(q8).forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]  # teacher-forced
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+
+
+@pytest.fixture
+def scratch(ckpts, tmp_path) -> Path:
+    return Path(shutil.copytree(ckpts["parallel"], tmp_path / "m"))
+
+
+def _edit(path: Path, name: str, cut: int | None) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    if cut is None:
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name][:-cut]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "name, cut, says",
+    [
+        ("gpt_neox.layers.1.attention.query_key_value.weight", 18, "has shape"),
+        ("gpt_neox.layers.0.attention.query_key_value.bias", None, "missing tensor"),
+        ("gpt_neox.final_layer_norm.bias", None, "missing tensor"),
+    ],
+)
+def test_a_bad_tensor_is_named(scratch, name, cut, says):
+    _edit(scratch, name, cut)
+    with pytest.raises(WeightMappingError, match=f"{says} '{name}'|tensor '{name}' {says}") as e:
+        entity.load(scratch)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_use_parallel_residual_names_the_key(scratch):
+    set_config_keys(scratch, use_parallel_residual="yes")
+    with pytest.raises(ConfigError, match="use_parallel_residual"):
+        entity.load(scratch)
