@@ -65,4 +65,6 @@ def global_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     out = {"embeddings": table, "final_norm": (cfg.hidden_size,), "lm_head": table}
     if cfg.block.norm == "layernorm":  # a LayerNorm with a bias: the final one has it too
         out["final_norm_bias"] = (cfg.hidden_size,)
+    if cfg.lm_head_bias:  # Phi-2
+        out["lm_head_bias"] = (cfg.vocab_size,)
     return out

@@ -95,7 +95,7 @@ def _hf_source(path: Path) -> _Source:
 
     def globals_():
         g = {k: v["value"] for k, v in head.items()}
-        final = [g["final_norm"], *([g["final_norm_bias"]] if "final_norm_bias" in g else [])]
+        final = [g[k] for k in ("final_norm", "final_norm_bias", "lm_head_bias") if k in g]
         return g["embeddings"], g.get("lm_head"), np.concatenate(final).astype(np.float32)
 
     return _Source("hf", cfg, meta, blocks, globals_, [p for p in _files(path)])

@@ -354,6 +354,7 @@ class TransformerConfig:
     residual_multiplier: float = 1.0
     logit_scale: float = 1.0
     final_logit_softcap: float = 0.0
+    lm_head_bias: bool = False  # the LM head adds a bias [vocab] (Phi-2)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -395,8 +396,9 @@ class TransformerConfig:
     @property
     def plain(self) -> bool:
         """llama's block and no model-level multiplier: what the fused C step implements."""
-        return self.block.plain and (self.embedding_scale, self.residual_multiplier,
-                                     self.logit_scale, self.final_logit_softcap) == (1, 1, 1, 0)  # fmt: skip
+        return self.block.plain and not self.lm_head_bias and (
+            self.embedding_scale, self.residual_multiplier, self.logit_scale,
+            self.final_logit_softcap) == (1, 1, 1, 0)  # fmt: skip
 
     @property
     def query_dim(self) -> int:

@@ -122,6 +122,16 @@ _ARCH_CONFIG: dict[str, tuple[str, str, dict[str, Any]]] = {
             "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         },
     ),
+    # Phi-2 (tests/test_families_phi.py): head_dim 20, RoPE over 8 dims, GQA, biased LM head
+    "phi": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        {
+            "hidden_size": 80,
+            "layer_norm_eps": 1e-5,
+            "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.4},
+        },
+    ),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 

@@ -151,12 +151,15 @@ def load_entity(
         tf.embeddings = read_matrix(ef, embed_enc, "embeddings", table["embeddings"])
         if not tied:
             tf.lm_head = read_matrix(ef, embed_enc, "lm_head", table["lm_head"])
-        # the final norm's master: gamma, then beta when it is a LayerNorm with a bias
+        # the output vectors: gamma, then beta for a LayerNorm with a bias, the LM head's bias
         h, beta = table["final_norm"][0], table.get("final_norm_bias", (0,))[0]
-        final = read_vector(ef, "final_norm", h + beta)
+        vb = table.get("lm_head_bias", (0,))[0]
+        final = read_vector(ef, "final_norm", h + beta + vb)
         tf.final_norm = final[:h]
         if beta:
-            tf.final_norm_bias = final[h:]
+            tf.final_norm_bias = final[h : h + beta]
+        if vb:
+            tf.lm_head_bias[...] = final[h + beta :]
         attach_meta(tf, ef, text)
     except EntityFormatError as exc:
         exc.path = exc.path or ef.path

@@ -92,12 +92,16 @@ def source_components(layer) -> dict[str, Any]:
 
 
 def final_norm_master(tf) -> np.ndarray:
-    """The final norm as the "final_norm" blob holds it: gamma, then beta for a LayerNorm
-    with a bias (`entity.arch.global_shapes` lists final_norm_bias then)."""
-    gamma = np.asarray(tf.final_norm, np.float32)
-    if "final_norm_bias" not in global_shapes(tf.config):
-        return gamma
-    return np.concatenate([gamma, np.asarray(tf.final_norm_bias, np.float32)])
+    """The output vectors as the "final_norm" blob holds them: the final norm's gamma, then its
+    beta for a LayerNorm with a bias, then the LM head's bias when it has one (the entries
+    `entity.arch.global_shapes` lists: final_norm_bias, lm_head_bias)."""
+    table = global_shapes(tf.config)
+    parts = [tf.final_norm]
+    if "final_norm_bias" in table:
+        parts.append(tf.final_norm_bias)
+    if "lm_head_bias" in table:
+        parts.append(tf.lm_head_bias)
+    return np.concatenate([np.asarray(p, np.float32) for p in parts])
 
 
 def model_blocks(tf) -> Iterator[tuple[int, dict[str, dict[str, Any]]]]:

@@ -30,6 +30,7 @@ MODULES = (
     "gpt_oss",
     "phi3",
     "gpt_neox",
+    "phi",
     "olmo2",
     "granite",
     "glm4",
@@ -48,6 +49,5 @@ for _family in FAMILIES.values():
 
 # Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
 REFUSED_REASONS: dict[str, str] = {
-    "phi": "uses LayerNorm, partial rotary and a parallel block",
     "gpt2": "uses fused c_attn, LayerNorm and learned positions",
 }

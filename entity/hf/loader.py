@@ -172,6 +172,8 @@ def _fill_globals(tf: Any, parts: Block, table_dtype: Any) -> None:
     tf.final_norm = parts["final_norm"]["value"]
     if "final_norm_bias" in parts:
         tf.final_norm_bias = parts["final_norm_bias"]["value"]
+    if "lm_head_bias" in parts:
+        tf.lm_head_bias[...] = parts["lm_head_bias"]["value"]
     if "lm_head" in parts:
         tf.lm_head = np.array(parts["lm_head"]["value"], dtype=table_dtype)
     else:

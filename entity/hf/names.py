@@ -47,6 +47,7 @@ OPTIONAL: dict[str, Callable[[Any], bool]] = {
     "k_norm": lambda c: c.qk_norm,
     "lm_head": lambda c: not c.tie_word_embeddings,
     "final_norm_bias": lambda c: c.options.get("block", {}).get("norm") == "layernorm",
+    "lm_head_bias": lambda c: c.options.get("lm_head_bias", False),
     "b_gate": lambda c: c.options.get("block", {}).get("mlp_bias", False),
     "b_up": lambda c: c.options.get("block", {}).get("mlp_bias", False),
     "b_down": lambda c: c.options.get("block", {}).get("mlp_bias", False),

@@ -50,6 +50,8 @@ class Transformer(Generic[T]):
         if not config.tie_word_embeddings:
             self._lm_head = np.zeros((v, h), dtype=np.float32)
         self.final_norm_layer = norm_layer(config)
+        # the LM head's bias [V] (config.lm_head_bias: Phi-2), else None
+        self.lm_head_bias = np.zeros(v, np.float32) if config.lm_head_bias else None
         self._slots = slots(config.block)  # role -> sub-layer index of every block
         self.tokenizer = None
         self.chat_template = None
@@ -236,8 +238,11 @@ class Transformer(Generic[T]):
         return layer.forward(x)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
-        """Normed hidden rows [n, H] -> logits [n, V]: the LM head, logit_scale, soft-capping."""
+        """Normed hidden rows [n, H] -> logits [n, V]: the LM head (and its bias), logit_scale,
+        soft-capping."""
         out = linear(h, self._lm_head)
+        if self.lm_head_bias is not None:
+            out += self.lm_head_bias.astype(out.dtype, copy=False)
         cfg = self.config
         if cfg.logit_scale != 1:
             out *= np.asarray(cfg.logit_scale, out.dtype)

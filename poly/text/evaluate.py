@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from poly.errors import UsageError
-from poly.ops import linear
 
 ROW_CHUNK = 64  # rows reduced at a time: bounds the float64 temporaries to ROW_CHUNK x vocab
 Progress = Callable[[int, int, str], None]  # (windows done, windows in all, detail)
@@ -63,7 +62,8 @@ def _scored_logits(model, window: np.ndarray, first: int) -> np.ndarray:
         hidden = model.hidden_states(window)
     finally:
         model.reset()  # the next window (or the caller) starts from an empty cache
-    out = linear(np.ascontiguousarray(hidden[first:-1]), model.lm_head)
+    # the model's own head: its bias, logit_scale and soft-cap too (Phi-2, Command-R, Gemma 2)
+    out = model.logits(np.ascontiguousarray(hidden[first:-1]))
     return np.asarray(out, dtype=np.float32)
 
 

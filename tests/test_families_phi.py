@@ -1,0 +1,101 @@
+"""phi (Phi-2) against transformers: one shared LayerNorm (with a bias) feeding attention and the
+MLP in parallel, biased q/k/v/dense, RoPE over 8 of each head's 20 dims, the biased GELU MLP
+(gelu_new and exact gelu), GQA, the final LayerNorm's bias and the LM head's bias. Logits at
+every position within 1e-4 (float32), 32 greedy tokens equal with and without the KV cache,
+.entity f32 exact and q8 top-1 along the greedy path (the LM head's bias rides in the output
+vectors blob); bad files are typed one-line errors naming the tensor or key."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import entity
+from poly.errors import ConfigError, WeightMappingError
+from poly.runtime import ckernels, fused
+from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
+from tests.test_moe_hf import PROMPT, greedy
+
+N_NEW = 32
+VARIANTS = {"gqa": {}, "mha_erf": {"hidden_act": "gelu", "num_key_value_heads": 4}}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("phi")
+    return {
+        name: make_tiny_checkpoint(tmp / name, "phi", seed=90 + i, config_overrides=over)
+        for i, (name, over) in enumerate(VARIANTS.items())
+    }
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_phi_logits_and_greedy_match_transformers(ckpts, variant):
+    src = ckpts[variant]
+    tf = entity.load(src)
+    assert tf.config.block.shared_norm and tf.attn(0).rotary_dim == 8
+    assert tf.lm_head_bias is not None and np.abs(tf.lm_head_bias).max() > 0
+    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
+    want = hf_greedy(src, PROMPT, N_NEW)
+    assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+
+
+def test_phi_runs_the_reference_path(ckpts):
+    """The fused C step implements llama's block and an unbiased head: its plan declines phi."""
+    if not ckernels.AVAILABLE:
+        pytest.skip("C kernels not built")
+    tf = entity.load(ckpts["gqa"])
+    assert fused.plan(tf) is None and not fused.prepare(tf)
+
+
+def test_phi_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
+    src = ckpts["gqa"]
+    ref = entity.load(src).forward_all(PROMPT)
+    f32 = tmp_path / "phi.f32.entity"
+    entity.convert(src, f32, quant="f32")
+    np.testing.assert_array_equal(entity.load(f32).forward_all(PROMPT), ref)
+    q8 = tmp_path / "phi.q8.entity"
+    entity.convert(src, q8, quant="q8")
+    want = hf_greedy(src, PROMPT, N_NEW)
+    logits = entity.load(q8).forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]  # teacher-forced
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+
+
+@pytest.fixture
+def scratch(ckpts, tmp_path) -> Path:
+    return Path(shutil.copytree(ckpts["gqa"], tmp_path / "m"))
+
+
+@pytest.mark.parametrize(
+    "name", ["lm_head.bias", "model.final_layernorm.bias", "model.layers.1.self_attn.dense.bias"]
+)
+def test_a_missing_bias_is_named(scratch, name):
+    tensors = load_file(str(scratch / "model.safetensors"))
+    del tensors[name]
+    save_file(tensors, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightMappingError, match=f"missing tensor '{name}'") as e:
+        entity.load(scratch)
+    assert "\n" not in str(e.value)
+
+
+def test_qk_layernorm_is_refused_by_name(scratch):
+    set_config_keys(scratch, qk_layernorm=True)
+    with pytest.raises(ConfigError, match="qk_layernorm") as e:
+        entity.load(scratch)
+    assert "\n" not in str(e.value)
+
+
+def test_eval_window_logits_use_the_biased_head(ckpts):
+    """lucy eval's scored logits are transformers' (the LM head's bias included)."""
+    from poly.text.evaluate import window_logits
+
+    src = ckpts["gqa"]
+    logits, targets = next(window_logits(entity.load(src), PROMPT, n_ctx=len(PROMPT)))
+    first = len(PROMPT) // 2
+    np.testing.assert_allclose(logits, hf_logits(src, PROMPT)[first:-1], atol=1e-4, rtol=0)
+    assert list(targets) == PROMPT[first + 1 :]
