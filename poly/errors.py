@@ -200,6 +200,12 @@ class SamplingParamsError(PolyError, ValueError):
     exit_code = 2
 
 
+class SpeculationError(SamplingParamsError):
+    """Speculative decoding options: N out of range, a draft whose vocabulary differs."""
+
+    code = "bad_speculation"
+
+
 # Exit codes documented for the CLI (docs/lucy.md).
 EXIT_CODES: dict[int, str] = {
     0: "success",

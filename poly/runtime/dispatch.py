@@ -83,3 +83,17 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
         model, ids.size
     ) as pace:  # threads per block, adapted to the machine's load
         return model.reference_forward(ids, pace)
+
+
+def forward_rows(model, ids: np.ndarray) -> np.ndarray:
+    """Logits [n, V] of every one of `ids` (int64 [n], checked), continuing the KV cache: one
+    fused call when n <= STEP_ROWS and the fused step applies (speculative decoding's check of
+    proposed tokens), else the reference path."""
+    if model.activation_dtype == np.float32 and ids.size <= ckernels.STEP_ROWS:
+        p = fused.plan(model)
+        if p is not None:
+            x = np.ascontiguousarray(lookup(model.embeddings, ids), dtype=np.float32)  # [n, H]
+            logits = fused.verify_rows(model, p, x)
+            if logits is not None:
+                return logits
+    return model.forward_all(ids)

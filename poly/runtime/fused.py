@@ -322,6 +322,22 @@ def _prompt_caches(p: Plan, n: int) -> list | None:
     return caches
 
 
+def verify_rows(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
+    """Logits [n, V] of every row: x [n, d] (overwritten, 1 <= n <= STEP_ROWS) the embeddings of
+    n tokens continuing the model's own caches, in one fused call (speculative decoding checks
+    each proposed token against its row). None when the caches are not at one position."""
+    n = x.shape[0]
+    if not 1 <= n <= ckernels.STEP_ROWS:
+        return None
+    caches = _prompt_caches(p, n)
+    if caches is None:
+        return None
+    # as decode steps (threads from the per-row-count tuner), not as a prompt: a prompt's look
+    # at the machine's load (prefill.fused_threads) costs ~25 ms, more than a pass
+    start = caches[0].length
+    return _run(p, x, [caches] * n, pos=tuple(range(start, start + n)))
+
+
 def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool, nt: int = 0):
     """One fused call over the rows x [n, d] of a prompt, appended to `caches` on `nt` threads
     (0: `prefill.fused_threads`): logits [V] of the last row, or (head False) None and only the

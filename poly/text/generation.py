@@ -26,6 +26,8 @@ from poly.errors import (
 )
 from poly.text.gendefaults import defaults_of
 from poly.text.sampling import GenOptions, Sampler
+from poly.text.speculative import Speculation, Speculator
+from poly.text.stoptext import StopText  # also imported from here by poly.serving
 
 STOP_REASONS = frozenset({"eos", "max_tokens", "stop_string", "stopped", "context"})
 
@@ -51,6 +53,7 @@ class DoneEvent:
     experts: dict | None = (
         None  # MoE expert residency (poly.runtime.expert_cache report) when paged
     )
+    speculative: dict | None = None  # acceptance rate, tokens per pass (Speculator.report)
 
 
 # --- the per-model lock ---------------------------------------------------------------------------
@@ -140,48 +143,6 @@ class TokenStream(Iterator):
             pass
 
 
-# --- stop strings ---------------------------------------------------------------------------------
-
-
-class StopText:
-    """Releases text as it completes, holding back any tail that could start a stop string."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stops)
-        self.held = ""
-        self.hit = False
-
-    def _holdback(self, buf: str) -> int:
-        longest = max((len(s) for s in self.stops), default=1) - 1
-        for k in range(min(len(buf), longest), 0, -1):
-            if any(s.startswith(buf[-k:]) for s in self.stops):
-                return k
-        return 0
-
-    def push(self, piece: str) -> str:
-        if not self.stops:
-            return piece
-        buf = self.held + piece
-        cuts = [p for p in (buf.find(s) for s in self.stops) if p >= 0]
-        if cuts:
-            self.hit, self.held = True, ""
-            return buf[: min(cuts)]
-        keep = self._holdback(buf)
-        self.held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep]
-
-    def finish(self, tail: str) -> str:
-        out = self.push(tail)
-        if not self.hit:
-            out, self.held = out + self.held, ""
-        return out
-
-    def flush(self) -> str:
-        """The held-back tail once the sequence ends (nothing after a stop string matched)."""
-        out, self.held = ("" if self.hit else self.held), ""
-        return out
-
-
 # --- validation -----------------------------------------------------------------------------------
 
 
@@ -258,12 +219,14 @@ def stream_tokens(
     start_fresh: bool = True,
     history: Sequence[int] | None = None,
     sampler: Sampler | None = None,
+    speculation: Speculation | None = None,
 ) -> TokenStream:
     """Prefill ``prompt_ids`` and stream generated tokens as events.
 
     ``start_fresh`` resets the model first. Otherwise the prompt continues the KV cache: at
     ``model.position``, or, with ``history`` (the token ids already cached, used by the
-    penalties), after rolling the cache back to ``len(history)``.
+    penalties), after rolling the cache back to ``len(history)``. ``speculation``: propose
+    tokens by prompt lookup or a draft model, check them in one pass (poly.text.speculative).
     """
     if options is None:
         options = sampler.options if sampler is not None else None
@@ -287,10 +250,35 @@ def stream_tokens(
     lock = model_lock(model)
     if not lock.acquire(blocking=False):
         raise ModelBusyError("the model is in use by another generation; one stream at a time")
+    try:
+        spec = None if speculation is None else Speculator(speculation, model, sampler, model_lock)
+    except BaseException:
+        lock.release()
+        raise
     state = StreamState()
     run = _Run(model, prompt, start_fresh, history, n_cached, budget, budget < options.max_tokens)
-    gen = run.events(sampler, should_stop, options.stop + extra_stops, state)
-    return TokenStream(gen, lock.release, state)
+    gen = run.events(sampler, should_stop, options.stop + extra_stops, state, spec)
+    return TokenStream(gen, _releaser(lock, spec), state)
+
+
+def _releaser(lock, spec: Speculator | None) -> Callable[[], None]:
+    if spec is None:
+        return lock.release
+
+    def release() -> None:
+        try:
+            spec.release()
+        finally:
+            lock.release()
+
+    return release
+
+
+def _plain_tokens(model, sampler: Sampler, logits, tokens: list[int], n_prompt: int) -> Iterator:
+    """One id per forward; the consumer appends each to ``tokens`` before the next."""
+    while True:
+        yield sampler.sample(logits, tokens, n_prompt)
+        logits = model.forward([tokens[-1]])
 
 
 @dataclass
@@ -302,6 +290,7 @@ class _Run:
     n_cached: int
     budget: int
     context_limited: bool
+    reason: str = "max_tokens"
 
     def _prefill(self):
         m = self.model
@@ -315,13 +304,30 @@ class _Run:
                 return m.forward(self.history + self.prompt)
         return m.forward(self.prompt)
 
-    def events(self, sampler: Sampler, should_stop, stops, state: StreamState) -> Iterator:
+    def events(self, sampler, should_stop, stops, state: StreamState, spec=None) -> Iterator:
         t0 = time.perf_counter()
         logits = self._prefill()
         state.prefilled, state.prefill_tokens = True, len(self.prompt)
-        t1 = time.perf_counter()
         tokens = list(self.history or ()) + self.prompt  # what the penalties look at
         n_prompt = len(tokens)
+        if spec is None:
+            source = _plain_tokens(self.model, sampler, logits, tokens, n_prompt)
+        else:
+            spec.start(tokens)
+            left = lambda: self.budget - len(state.generated)  # noqa: E731
+            source = spec.tokens(logits, tokens, n_prompt, left)
+        t1 = time.perf_counter()
+        try:
+            yield from self._decode(source, sampler, should_stop, stops, state, tokens)
+        finally:
+            source.close()
+            if spec is not None and state.generated:  # the cache holds all but the last token
+                self.model.truncate(n_prompt + len(state.generated) - 1)
+        t2 = time.perf_counter()
+        state.done = self._done(state, t0, t1, t2, spec)
+        yield state.done
+
+    def _decode(self, source, sampler, should_stop, stops, state, tokens) -> Iterator:
         eos = set(sampler.eos_tokens)
         decoder, text = _stream_decoder(self.model), StopText(stops)
         reason = "context" if self.context_limited else "max_tokens"
@@ -331,9 +337,7 @@ class _Run:
                 # held-back text goes into DoneEvent.text (no TokenEvent carries it)
                 state.text_parts.append(text.finish(decoder.flush() if decoder else ""))
                 break
-            if i:
-                logits = self.model.forward([tokens[-1]])
-            tok = sampler.sample(logits, tokens, n_prompt)
+            tok = next(source)
             tokens.append(tok)
             state.generated.append(tok)
             is_eos = tok in eos
@@ -346,9 +350,11 @@ class _Run:
             yield TokenEvent(tok, piece, i)
             if final:
                 break
-        t2 = time.perf_counter()
+        self.reason = reason
+
+    def _done(self, state: StreamState, t0: float, t1: float, t2: float, spec) -> DoneEvent:
         n_gen = len(state.generated)
-        state.done = DoneEvent(
+        return DoneEvent(
             text=state.text,
             tokens=tuple(state.generated),
             prompt_tokens=self.n_cached + len(self.prompt),
@@ -357,10 +363,10 @@ class _Run:
             decode_s=t2 - t1,
             prefill_tok_s=len(self.prompt) / (t1 - t0) if t1 > t0 else 0.0,
             decode_tok_s=n_gen / (t2 - t1) if n_gen and t2 > t1 else 0.0,
-            stop_reason=reason,
+            stop_reason=self.reason,
             experts=_expert_report(self.model),
+            speculative=None if spec is None else spec.report(),
         )
-        yield state.done
 
 
 def _expert_report(model) -> dict | None:

@@ -7,6 +7,7 @@ from typing import Any
 from poly.errors import GenerationError, InvalidTokenError, TemplateError
 from poly.text.gendefaults import resolve
 from poly.text.generation import stream_tokens
+from poly.text.speculative import Speculation
 
 
 def prompt_to_ids(
@@ -42,5 +43,10 @@ def resolve_options(model: Any, options: Any, overrides: dict) -> Any:
 
 
 def stream(model: Any, ids: list[int], options: Any, overrides: dict, *, stop: Any = None):
-    """`Transformer.stream` after the prompt is ids: resolve options, then generate."""
-    return stream_tokens(model, ids, resolve_options(model, options, overrides), stop=stop)
+    """`Transformer.stream` after the prompt is ids: resolve options, then generate. The
+    speculative keywords (``lookup``, ``lookup_ngram``, ``draft``, ``draft_tokens``,
+    ``adaptive``: poly.text.speculative) are not generation options: they go apart."""
+    overrides = dict(overrides)
+    spec = Speculation.from_options(overrides)
+    opts = resolve_options(model, options, overrides)
+    return stream_tokens(model, ids, opts, stop=stop, speculation=spec)
