@@ -206,6 +206,11 @@ def test_gguf_f32_matches_transformers(ckpts, arch):
     )
     want = hf_greedy(ckpts[arch], PROMPT, N_NEW, use_cache=True)
     assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
+    if arch == "gpt_oss_mxfp4":  # GGUF MXFP4 experts -> .entity f32 (dequantized once)
+        out = path.with_suffix(".entity")
+        convert(path, out, quant="f32")
+        got = entity.load(out).forward_all(PROMPT)
+        np.testing.assert_allclose(got, hf_logits(ckpts[arch], PROMPT), atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

@@ -167,10 +167,8 @@ def unstack(comps: dict, moe: MoEConfig) -> dict:
         return np.asarray(comps[key], np.float32)
 
     if "stack.gate_up" in comps:  # granite: [E, 2I, d], the gate rows then the up rows
-        views["w_gate"], views["w_up"] = (
-            f32("stack.gate_up")[:, :width],
-            f32("stack.gate_up")[:, width:],
-        )
+        gate_up = f32("stack.gate_up")
+        views["w_gate"], views["w_up"] = gate_up[:, :width], gate_up[:, width:]
         views["w_down"] = f32("stack.down")
     if "stack.gate_up_t" in comps:  # GPT-OSS: x @ W [E, d, 2I] -> rows [E, 2I, d]
         gate_up = f32("stack.gate_up_t").transpose(0, 2, 1)
