@@ -132,6 +132,12 @@ _ARCH_CONFIG: dict[str, tuple[str, str, dict[str, Any]]] = {
             "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.4},
         },
     ),
+    # Command-R (tests/test_families_cohere.py): head_dim 18, GQA, logit_scale 0.25
+    "cohere": (
+        "CohereConfig",
+        "CohereForCausalLM",
+        {"hidden_size": 72, "layer_norm_eps": 1e-5, "logit_scale": 0.25, "pad_token_id": 0},
+    ),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 

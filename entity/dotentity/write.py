@@ -132,7 +132,8 @@ def _write_block(
         shapes = role_shapes(cfg, role)
         got = dict(comps.get(role, {}))
         for name, shape in shapes.items():
-            if name not in got and name.startswith("b_"):  # e.g. HF llama: no biases = zeros
+            # no biases = zeros (HF llama), and no beta for a LayerNorm without one (Cohere)
+            if name not in got and (name.startswith("b_") or name == "beta"):
                 got[name] = np.zeros(shape, np.float32)
             if name not in got or tuple(np.shape(got[name])) != shape:
                 raise LayerConfigError(f"block {i} {role}.{name}: expected shape {shape}")

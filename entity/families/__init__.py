@@ -31,6 +31,7 @@ MODULES = (
     "phi3",
     "gpt_neox",
     "phi",
+    "cohere",
     "olmo2",
     "granite",
     "glm4",

@@ -1,0 +1,48 @@
+"""cohere (Command-R): one LayerNorm without a bias (mean subtracted, weight only) feeds
+attention and the SwiGLU MLP in parallel, x + attn(ln(x)) + mlp(ln(x)); RoPE on GPT-J pairs
+(2i, 2i+1); logits times `logit_scale`; q/k/v/o biases per `attention_bias`. The per-head q/k
+LayerNorms of `use_qk_norm` (Command-R+) are not run yet: refused by name. mlx-lm:
+models/cohere.py."""
+
+from entity.families.base import LLAMA_TENSORS, Family, TensorName
+from poly.config import BlockRecipe
+from poly.errors import LayerConfigError
+
+BLOCK = BlockRecipe(norm="layernorm_nobias", parallel=True, shared_norm=True)
+_DROPPED = {"mlp_norm", "q_norm", "k_norm"}
+TENSORS: tuple[TensorName, ...] = tuple(
+    t for t in LLAMA_TENSORS if t.role not in _DROPPED and t.component not in _DROPPED
+)
+
+
+def _options(cfg) -> dict:
+    if cfg.get("use_qk_norm"):
+        raise LayerConfigError(
+            "use_qk_norm=true (per-head q/k LayerNorms) is not supported for cohere"
+        )
+    scale = cfg.get("logit_scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise LayerConfigError(f"logit_scale must be a positive number, got {scale!r}")
+    return {"logit_scale": float(scale), "attention": {"rope_interleaved": True}}
+
+
+FAMILY = Family(
+    model_type="cohere",
+    causal_lm_class="CohereForCausalLM",
+    bias_rule="flag",
+    qk_norm=False,
+    default_head_dim=None,
+    default_max_positions=8192,
+    sliding="none",
+    # transformers' CohereConfig
+    hf_defaults={
+        "layer_norm_eps": 1e-5,
+        "logit_scale": 0.0625,
+        "tie_word_embeddings": True,
+        "use_qk_norm": False,
+    },  # fmt: skip
+    hf_aliases={"layer_norm_eps": "rms_norm_eps"},
+    tensors=TENSORS,
+    block=BLOCK,
+    hf_options=_options,
+)
