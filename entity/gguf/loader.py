@@ -130,17 +130,13 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
     hidden = _meta_int(gg, f"{arch}.embedding_length")
     heads = _meta_int(gg, f"{arch}.attention.head_count")
     head_dim = _meta_int(gg, f"{arch}.attention.key_length", hidden // heads or None)
-    rot = gg.metadata.get(f"{arch}.rope.dimension_count", head_dim)
-    if rot != head_dim:
-        raise UnsupportedError(
-            f"partial rotary ({rot} of {head_dim} dims) is not supported", path=gg.path
-        )
     layers = _meta_int(gg, f"{arch}.block_count")
     if layers > MAX_LAYERS:
         raise GGUFFormatError(f"{arch}.block_count {layers} exceeds {MAX_LAYERS}", path=gg.path)
     context = _meta_int(gg, f"{arch}.context_length", DEFAULT_MAX_SEQ)
     ffn = _meta_int(gg, f"{arch}.feed_forward_length")
     options, scaling = _options(gg, arch, family), _rope_scaling(gg, arch, context)
+    _check_rotary(gg, arch, head_dim, options)
     truncate = options.pop("rope_truncate", None)  # GPT-OSS's yarn is not truncated (config.json)
     if scaling is not None and truncate is not None:
         scaling = {**scaling, "truncate": truncate}
@@ -180,13 +176,35 @@ def _options(gg: GGUFFile, arch: str, family: Family) -> dict:
     return out
 
 
+def _check_rotary(gg: GGUFFile, arch: str, head_dim: int, options: dict) -> None:
+    """rope.dimension_count below head_dim: partial rotary, read by the families that declare it
+    (their gguf_options give partial_rotary_factor); refused for the others."""
+    rot = gg.metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    factor = (options.get("attention") or {}).get("partial_rotary_factor", 1.0)
+    if rot != head_dim and int(head_dim * factor) != rot:
+        raise UnsupportedError(
+            f"partial rotary ({rot} of {head_dim} dims) is not supported", path=gg.path
+        )
+
+
+def fused_rows(cfg, role: str, comp: str) -> tuple[int, ...]:
+    """The rows of each part of a fused component ("w_gate+w_up": GLM-4's ffn_up)."""
+    shapes = role_shapes(cfg, role)
+    return tuple(shapes[c][0] for c in comp.split("+"))
+
+
+def _shape_of(shapes: dict, comp: str) -> tuple[int, ...]:
+    parts = [shapes[c] for c in comp.split("+")]
+    return (sum(p[0] for p in parts), *parts[0][1:])
+
+
 def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """blk.{i}.<suffix> -> shape, from poly's layer spec (`entity.arch.role_shapes`)."""
     table = layer_tensors(cfg)
     shapes = {role: role_shapes(cfg, role) for role in {r for r, _ in table.values()}}
     with_norms = dataclasses.replace(cfg, qk_norm=True)  # q/k norm names are known for every arch
     shapes["attn"] = {**role_shapes(with_norms, "attn"), **shapes["attn"]}
-    return {suffix: shapes[role][comp] for suffix, (role, comp) in table.items()}
+    return {suffix: _shape_of(shapes[role], comp) for suffix, (role, comp) in table.items()}
 
 
 def check_tensors(gg: GGUFFile, cfg) -> None:
@@ -282,9 +300,25 @@ class _Loader:
             name = f"blk.{i}.{suffix}"
             if acc != accessor or name not in self.gg.tensors:
                 continue
+            if "+" in comp:  # fused rows, split whole rows (quantized ones too)
+                out.update(self.split(name, comp, fused_rows(self.cfg, accessor, comp)))
+                continue
             is_matrix = comp.startswith("w_")
             out[comp] = self.matrix(name, comp) if is_matrix else self.vector(name, comp)
         return out
+
+    def split(self, name: str, comp: str, rows: tuple[int, ...]) -> dict[str, Any]:
+        from poly.quant.qtensor import GGUFMatrix
+
+        info, cuts = self.gg.tensors[name], np.cumsum(rows)[:-1]
+        if not self.keep:
+            parts = np.split(self.gg.dequantize(name), cuts)  # [out, in]
+        else:
+            raw = np.split(self.gg.tensor_bytes(name), cuts)  # [out, row_bytes] each
+            shapes = [(r, info.shape[1]) for r in rows]
+            parts = [GGUFMatrix(np.ascontiguousarray(b), info.ggml_type, shape)
+                     for b, shape in zip(raw, shapes)]  # fmt: skip
+        return dict(zip(comp.split("+"), parts))
 
 
 FLOAT_TYPES = (0, 1, 30)  # ggml type ids of float32, float16, bfloat16
