@@ -188,3 +188,31 @@ def test_a_missing_tensor_is_named(checkpoints, tmp_path, model_type, tensor):
     with pytest.raises(PolyError) as info:
         entity.load(path)
     assert tensor in str(info.value) and "\n" not in str(info.value)
+
+
+# --- lucy serve --------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", ["glm4", "olmo2"])
+def test_lucy_serve_gives_transformers_tokens(checkpoints, model_type):
+    pytest.importorskip("fastapi")
+    import json
+
+    from tests.serve_helpers import post, running_server
+
+    path = checkpoints[model_type]
+    want = hf_greedy(path, PROMPT, 12)
+    if hf_fixtures.EOS_ID in want:  # the server stops at the end-of-sequence token
+        want = want[: want.index(hf_fixtures.EOS_ID)]
+    text = entity.load(path).tokenizer.decode(want)
+    body = {"model": path.name, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    with running_server(path, "--max-batch", "2") as (base, _):
+        status, got = post(base + "/v1/completions", json.dumps(body).encode())
+    assert status == 200, got
+    assert got["choices"][0]["text"] == text and text
+
+
+def test_a_block_without_norms_is_refused():
+    from poly.config import BlockRecipe
+    from poly.errors import LayerConfigError
+
+    with pytest.raises(LayerConfigError, match="pre_norms"):
+        BlockRecipe(pre_norms=False)  # neither pre- nor post-norms
