@@ -167,14 +167,64 @@ def prompt_ids(model, prompt: str, *, chat: bool, system: str | None) -> list[in
     return model.prompt_ids(prompt, chat=chat or system is not None, system=system)
 
 
-def generate(model, prompt: str, overrides: dict, *, chat=False, system=None, on_token=None):
+def speculation_from_args(args) -> dict | None:
+    """--lookup / --draft / --draft-tokens as `generate` keywords (the draft still a path),
+    checked before any load: a `SpeculationError` (exit 2) names the flag."""
+    from poly.errors import SpeculationError
+    from poly.text.speculative import Speculation
+
+    lookup, draft = getattr(args, "lookup", None), getattr(args, "draft", None)
+    n = getattr(args, "draft_tokens", None)
+    if lookup is None and draft is None and n is None:
+        return None
+    if n is not None and draft is None:
+        raise SpeculationError("--draft-tokens needs --draft MODEL")
+    if lookup is not None and draft is not None:
+        raise SpeculationError("--lookup and --draft: choose one way to propose tokens")
+    if getattr(args, "tp", None) is not None:
+        raise UsageError("--lookup and --draft do not run with --tp yet")
+    try:
+        Speculation(lookup=lookup, draft=None if draft is None else object(), draft_tokens=n)
+    except SpeculationError as err:
+        text = str(err).replace("draft_tokens ", "--draft-tokens ").replace("lookup ", "--lookup ")
+        raise SpeculationError(text) from None
+    return {"lookup": lookup, "draft": draft, "draft_tokens": n}
+
+
+def load_speculation(spec: dict | None, model, kv_cache: str | None = None) -> dict:
+    """The checked flags as `generate` keywords, the draft loaded and checked against ``model``
+    (same vocabulary and tokenizer, else `SpeculationError`)."""
+    if not spec:
+        return {}
+    out = {k: v for k, v in spec.items() if v is not None}
+    if out.get("draft") is not None:
+        from poly.text.speculative import check_draft
+
+        out["draft"] = load_model(str(out["draft"]), kv_cache=kv_cache)
+        check_draft(model, out["draft"])
+    return out
+
+
+def speculation_line(report: dict) -> str:
+    """`--verbose`'s line: how many proposals were kept and tokens per target pass."""
+    return (
+        f"speculative ({report['mode']}): accepted {report['accepted']}/{report['proposed']} "
+        f"({100 * report['acceptance_rate']:.1f} %) · {report['tokens_per_pass']:.2f} tok/pass "
+        f"· {report['passes']} passes"
+    )
+
+
+def generate(
+    model, prompt: str, overrides: dict, *, chat=False, system=None, on_token=None, speculation=None
+):
     """One completion through `model.stream` (the library's prompt and options path); calls
-    `on_token(text)` for each token as it arrives; returns the `lucy generate --json` dict."""
+    `on_token(text)` for each token as it arrives; returns the `lucy generate --json` dict.
+    ``speculation``: `load_speculation`'s keywords."""
     from poly.text.generation import DoneEvent
 
     ids = prompt_ids(model, prompt, chat=chat, system=system)
     done, out_ids = None, []
-    for event in model.stream(ids, **overrides):
+    for event in model.stream(ids, **overrides, **(speculation or {})):
         if isinstance(event, DoneEvent):
             done = event
         else:
@@ -201,4 +251,5 @@ def done_json(done, prompt_ids, out_ids) -> dict:
         "decode_tok_s": float(done.decode_tok_s),
         "stop_reason": str(done.stop_reason),
         **({"experts": done.experts} if getattr(done, "experts", None) else {}),
+        **({"speculative": done.speculative} if getattr(done, "speculative", None) else {}),
     }

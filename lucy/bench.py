@@ -100,11 +100,13 @@ def run_bench(
     *,
     max_experts: int | None = None,
     kv_cache: str | None = None,
+    speculation: dict | None = None,
 ) -> dict:
     """Load `spec` through `entity.load` (timed), then `bench_model`; an MoE model under a
     ``max_experts`` budget adds its expert-cache report ("experts"); ``kv_cache``: "f16" or
-    "f32" (`Transformer.kv_cache_dtype`)."""
-    from lucy.actions import load_model
+    "f32" (`Transformer.kv_cache_dtype`); ``speculation`` (the checked --lookup/--draft flags)
+    adds `bench_speculative` ("speculative")."""
+    from lucy.actions import load_model, load_speculation
 
     _check(prompt_tokens, new_tokens, runs, None)
     t0 = time.perf_counter()
@@ -114,7 +116,28 @@ def run_bench(
     pager = getattr(model, "expert_pager", None)
     if pager is not None:
         result["experts"] = pager.report()
+    if speculation:
+        kw = load_speculation(speculation, model, kv_cache)
+        ids = prompt_ids(model, prompt_tokens)
+        result["speculative"] = bench_speculative(model, ids, new_tokens, runs, kw)
     return {"model": str(spec), "load_s": load_s, **result}
+
+
+def bench_speculative(model, ids: list[int], new_tokens: int, runs: int, kw: dict) -> dict:
+    """Greedy generations of `new_tokens` (no EOS stop), plain and speculative (``kw``: the
+    generate keywords) alternating: the median decode tok/s of each, their ratio, whether the
+    tokens agree, and the last speculative run's acceptance rate and tokens per pass."""
+    opts = dict(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
+    plain, spec, same, report = [], [], True, {}
+    for _ in range(runs):
+        a = model.generate(ids, **opts)
+        b = model.generate(ids, **opts, **kw)
+        plain.append(a.decode_tok_s)
+        spec.append(b.decode_tok_s)
+        same, report = same and a.tokens == b.tokens, b.speculative
+    p, s = statistics.median(plain), statistics.median(spec)
+    return {**report, "decode_tok_s": s, "plain_decode_tok_s": p,
+            "speedup": s / p if p else 0.0, "same_tokens": same}  # fmt: skip
 
 
 def run_compare(model: str | None, *, runs: int, as_json: bool) -> int:

@@ -25,9 +25,16 @@ HELP = """commands:
 
 def footer(done) -> str:
     """The one-line stats after a reply (tests read "prefill N tok")."""
+    spec = getattr(done, "speculative", None)
+    extra = (
+        f" · accepted {100 * spec['acceptance_rate']:.0f} % · {spec['tokens_per_pass']:.2f} tok/pass"
+        if spec
+        else ""
+    )
     return (
         f"prefill {int(done.prefill_tokens)} tok @ {done.prefill_tok_s:.1f} tok/s · "
         f"decode {_count(done.tokens)} tok @ {done.decode_tok_s:.1f} tok/s · {done.stop_reason}"
+        + extra
     )
 
 
@@ -215,14 +222,18 @@ COMMANDS = {
 
 
 def run_chat(
-    model, system: str | None = None, overrides: dict | None = None, con=None, on_full="ask"
-) -> int:
+    model, system: str | None = None, overrides: dict | None = None, con=None, on_full="ask",
+    speculation: dict | None = None,
+) -> int:  # fmt: skip
     """Open a `ChatSession` on `model` and run the loop until /quit, Ctrl-C or EOF; the exit
-    code (8 when `on_full="stop"` ended it)."""
+    code (8 when `on_full="stop"` ended it). ``speculation``: `generate` keywords (lookup=,
+    draft=, draft_tokens=) for every reply."""
     from poly.text.session import ChatSession
+    from poly.text.speculative import Speculation
 
     con = con or make_console()
-    session = ChatSession(model, system=system, label="flag", **(overrides or {}))
+    spec = Speculation.from_options(dict(speculation or {}))
+    session = ChatSession(model, system=system, label="flag", speculation=spec, **(overrides or {}))
     ui = ChatUI(session, con, overrides=overrides, on_full=on_full)
     ui.run()
     return ui.exit_code

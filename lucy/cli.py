@@ -90,6 +90,21 @@ def _add_kv_cache(p: argparse.ArgumentParser) -> None:
                    help="KV cache precision: f32 (default, exact) or f16 (half the memory)")  # fmt: skip
 
 
+def _add_speculation(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    """Speculative decoding: N proposed tokens checked in one pass (docs/speculative.md)."""
+    p.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="prompt lookup: propose N tokens that followed the latest earlier "
+                   "occurrence of the last 3-gram (1..63)")  # fmt: skip
+    if not draft:
+        return
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a draft model with the same vocabulary proposes tokens (e.g. the q4 "
+                   "of the same weights)")  # fmt: skip
+    p.add_argument("--draft-tokens", dest="draft_tokens", type=int, default=None, metavar="N",
+                   help="tokens the draft proposes per pass, at most (1..63; default 8); fewer "
+                   "after an early rejection")  # fmt: skip
+
+
 def _add_repetition(p: argparse.ArgumentParser) -> None:
     """min-p and the repetition controls, under llama.cpp's flag names and meanings."""
     for flag, kind, what in (
@@ -161,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(exit 8; the default for piped stdin)",
     )
     _add_sampling(p)
+    _add_speculation(p)
     _add_tp(p)
     _add_max_experts(p)
     _add_kv_cache(p)
@@ -189,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="pure argmax, no logit processors")
     p.add_argument("--json", action="store_true", help="one JSON object at the end, no streaming")
     _add_sampling(p)
+    _add_speculation(p)
     _add_tp(p)
     _add_max_experts(p)
     _add_kv_cache(p)
@@ -206,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to decode per run")  # fmt: skip
     p.add_argument("--runs", type=int, default=3, help="timed runs (the median is shown)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    _add_speculation(p)
     _add_tp(p)
     _add_max_experts(p)
     _add_kv_cache(p)

@@ -33,12 +33,16 @@ def cmd_chat(args) -> int:
 
     overrides = settings.overrides_from_args(args)
     settings.check_overrides(overrides)  # bad values fail before the (slow) load
+    spec = actions.speculation_from_args(args)
     on_full = on_full_policy(args.on_full, sys.stdin.isatty())
 
     def body(model, info) -> int:
         if args.verbose:
             _settings_note(model, overrides)
-        return run_chat(model, system=args.system, overrides=overrides, on_full=on_full)
+        speculation = actions.load_speculation(spec, model, args.kv_cache)
+        return run_chat(
+            model, system=args.system, overrides=overrides, on_full=on_full, speculation=speculation
+        )
 
     return _run(args, body)
 
@@ -86,15 +90,18 @@ class _Stream:
 def cmd_generate(args) -> int:
     overrides = settings.overrides_from_args(args, greedy=args.greedy)
     settings.check_overrides(overrides)
+    spec = actions.speculation_from_args(args)
 
     def body(model, info) -> int:
         if args.verbose:
             _settings_note(model, overrides)
+        speculation = actions.load_speculation(spec, model, args.kv_cache)
         stream = None if args.json else _Stream()
         try:
             result = actions.generate(
-                model, args.prompt, overrides, chat=args.chat, system=args.system, on_token=stream
-            )
+                model, args.prompt, overrides, chat=args.chat, system=args.system,
+                on_token=stream, speculation=speculation,
+            )  # fmt: skip
         except KeyboardInterrupt:  # end the partial reply's line before "lucy: error: ..."
             if stream is not None and stream.open_line:
                 print(flush=True)
@@ -103,6 +110,8 @@ def cmd_generate(args) -> int:
             print(json.dumps({**result, **info}))
         else:
             print(flush=True)
+        if args.verbose and "speculative" in result:
+            print(clean(actions.speculation_line(result["speculative"])), file=sys.stderr)
         return 0
 
     return _run(args, body)
@@ -115,6 +124,7 @@ def cmd_bench(args) -> int:
         return bench.run_compare(args.model, runs=args.runs, as_json=args.json)
     if not args.model:
         raise UsageError("lucy bench needs a MODEL (or --compare)")
+    spec = actions.speculation_from_args(args)
     if args.tp is not None:
         from lucy import tp_cli
 
@@ -136,6 +146,7 @@ def cmd_bench(args) -> int:
         args.runs,
         max_experts=args.max_experts,
         kv_cache=args.kv_cache,
+        speculation=spec,
     )
     if args.json:
         print(json.dumps(result))

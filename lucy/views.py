@@ -130,6 +130,10 @@ def bench_table(result: dict) -> Table:
     ):
         if key in result:
             table.add_row(key, _fmt(result[key]))
+    spec = result.get("speculative") or {}
+    for key in ("decode_tok_s", "speedup", "acceptance_rate", "tokens_per_pass", "same_tokens"):
+        if key in spec:
+            table.add_row(f"speculative {key}", _fmt(spec[key]))
     return table
 
 

@@ -15,6 +15,7 @@ from poly.errors import GenerationError
 from poly.text.gendefaults import resolve
 from poly.text.generation import DoneEvent, TokenStream, stream_tokens
 from poly.text.sampling import GenOptions, Sampler
+from poly.text.speculative import Speculation
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -36,12 +37,14 @@ class ChatSession:
         system: str | None = None,
         options: GenOptions | None = None,
         label: str = "argument",
+        speculation: Speculation | None = None,
         **overrides,
     ):
         """Options: ``overrides`` (e.g. ``temperature=0.2``) > ``options`` or the model file's
         settings > the fallback (`poly.text.gendefaults.resolve`; ``label`` names the explicit ones
-        in `resolved.origins`)."""
+        in `resolved.origins`). ``speculation``: every reply's (poly.text.speculative)."""
         self.model = model
+        self.speculation = speculation
         self.resolved = resolve(model, options, overrides, label=label)
         self.options = self.resolved.options
         self._system = system
@@ -149,6 +152,7 @@ class ChatSession:
             start_fresh=prefix <= 0,
             history=ids[:prefix],
             sampler=self._sampler,
+            speculation=self.speculation,
         )
         gen = self._turn(stream, user_text, ids)
         return TokenStream(gen, stream.close, stream.state)
