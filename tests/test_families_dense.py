@@ -216,3 +216,43 @@ def test_a_block_without_norms_is_refused():
 
     with pytest.raises(LayerConfigError, match="pre_norms"):
         BlockRecipe(pre_norms=False)  # neither pre- nor post-norms
+
+
+def _gguf_edit(src, dst, meta=None, drop=()):
+    """A copy of a GGUF file with edited metadata and some tensors left out (gguf-py)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        value = (meta or {}).get(field.name, field.contents())
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type, change, match",
+    [
+        ("olmo2", {"drop": ["blk.1.post_ffw_norm.weight"]}, "blk.1.post_ffw_norm.weight"),
+        ("glm4", {"drop": ["blk.0.ffn_up.weight"]}, "blk.0.ffn_up.weight"),
+        ("glm4", {"meta": {"glm4.rope.dimension_count": 30}}, "rope.dimension_count"),
+        ("granite", {"meta": {"granite.attention.scale": -0.5}}, "attention.scale"),
+    ],
+)
+def test_bad_gguf_is_a_one_line_error_naming_it(gguf_files, tmp_path, model_type, change, match):
+    bad = _gguf_edit(gguf_files[(model_type, "f32")], tmp_path / "bad.gguf", **change)
+    with pytest.raises(PolyError, match=match) as info:
+        entity.load(bad)
+    assert "\n" not in str(info.value)

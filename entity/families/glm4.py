@@ -39,6 +39,10 @@ def _gguf(get) -> dict:
         get("embedding_length", 0) // get("attention.head_count", 1)
     )
     rot = get("rope.dimension_count", head_dim)
+    if type(rot) is not int or not 0 < rot <= head_dim or rot % 2:
+        raise LayerConfigError(
+            f"rope.dimension_count {rot!r} must be even and in (0, head_dim {head_dim}]"
+        )
     return {"attention": {"rope_interleaved": True, "partial_rotary_factor": rot / head_dim}}
 
 

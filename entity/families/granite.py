@@ -22,9 +22,10 @@ def _positive(key: str, value) -> float:
     return float(value)
 
 
-def multipliers(get) -> dict:
-    """TransformerConfig fields from `get(key)` of the four multipliers (config.json names)."""
-    m = {key: _positive(key, get(key)) for key in KEYS}
+def multipliers(get, gguf: bool = False) -> dict:
+    """TransformerConfig fields from `get(key)` of the four multipliers (config.json names; an
+    error names the file's key)."""
+    m = {key: _positive(KEYS[key] if gguf else key, get(key)) for key in KEYS}
     return {
         "embedding_scale": m["embedding_multiplier"],
         "residual_multiplier": m["residual_multiplier"],
@@ -38,7 +39,7 @@ def _hf(cfg) -> dict:
 
 
 def _gguf(get) -> dict:
-    return multipliers(lambda key: get(KEYS[key], 1.0))
+    return multipliers(lambda key: get(KEYS[key], 1.0), gguf=True)
 
 
 FAMILY = Family(
