@@ -19,7 +19,7 @@ from poly.nn import layout, mha
 D, HEADS, KV_HEADS, HEAD_DIM, N = 64, 4, 2, 24, 13
 COMMON = dict(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
               head_dim=HEAD_DIM, max_position_embeddings=64, attn_implementation="eager",
-              rope_theta=1000.0)  # fmt: skip
+              rope_theta=1000.0, pad_token_id=0)  # fmt: skip
 
 # case -> (transformers module, config class, config keys, poly MHA options, layer index)
 CASES = {
