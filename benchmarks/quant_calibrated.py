@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--no-default", dest="default", action="store_false")
+    ap.add_argument("--exclude", nargs="*", default=["Q4_1"], help="type names left out")
     ap.add_argument("--work", type=Path, default=Path("/tmp/quant-calibrated"))
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     refs = list(reference_logits(ref, tokens, args.ctx))
     t0 = time.perf_counter()
     planner = Planner(HF)
+    # The snapshot is dequantized from llama.cpp's Q4_1 GGUF (tests/conftest.py): Q4_1 blocks
+    # hold its matrices exactly, so Q4_1 is left out to measure quantization of unseen weights.
+    planner.exclude = set(args.exclude)
     rows = {"planner_seconds": round(time.perf_counter() - t0, 1)}
+    rows["excluded_types"] = sorted(planner.exclude)
     rows["floor_bpw"] = round(planner.floor_bpw(), 3)
     jobs = [("q4-default", None)] if args.default else []
     jobs += [(f"bpw-{x:g}", x) for x in args.bpw]

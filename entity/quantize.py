@@ -32,7 +32,8 @@ __all__ = ["Recipe", "Planner", "apply_recipe", "check_bpw", "calibration_chunks
 
 _T = GGMLType
 # --bpw candidates, small to large (K kinds only where the row is whole 256-blocks)
-CANDIDATES = (_T.IQ4_NL, _T.Q4_K, _T.Q5_0, _T.Q5_K, _T.Q6_K, _T.Q8_0)
+CANDIDATES = (_T.IQ4_NL, _T.Q4_0, _T.Q4_K, _T.Q4_1, _T.Q5_0, _T.Q5_K, _T.Q6_K, _T.Q8_0)
+FAST = (_T.Q4_0, _T.Q4_1, _T.Q8_0)  # the kinds the fused step's r16 kernels run (default q4)
 SAMPLE_ROWS = 256  # rows per tensor whose error is measured (evenly spaced)
 CHUNK_TOKENS = 512
 MAX_CHUNKS = 8
@@ -93,19 +94,6 @@ def _fits(kind: GGMLType, n_in: int) -> bool:
     return n_in % QUANT_SIZES[kind][0] == 0
 
 
-def default_types(mats: dict) -> dict[str, GGMLType]:
-    """The default q4: Q4_0 blocks (the fast r16 kernels, today's q4 speed) weighted by the
-    imatrix; embeddings / LM head at Q8_0 as llama.cpp's Q4_0 file keeps its output."""
-    out = {}
-    for name, w in mats.items():
-        n_in = np.shape(w)[1]
-        big = name in ("embeddings", "lm_head")
-        kind = _T.Q8_0 if big else _T.Q4_0
-        if _fits(kind, n_in):
-            out[name] = kind
-    return out
-
-
 def _sample(w: np.ndarray) -> np.ndarray:
     n = w.shape[0]
     rows = np.linspace(0, n - 1, min(n, SAMPLE_ROWS)).astype(np.int64)
@@ -139,7 +127,8 @@ class Planner:
         tf = load(src)
         if tf.tokenizer is None:
             raise UsageError("calibration needs the model's tokenizer; the source has none")
-        self.mats = matrices(tf)
+        # rows no block kind divides stay with the scheme's own encoding
+        self.mats = {n: w for n, w in matrices(tf).items() if _kinds(w)}
         chunks = calibration_chunks(tf.tokenizer, text, tf.config.max_seq_len)
         self.imatrix = collect(tf, chunks, len(chunks), progress)
         vectors = [
@@ -154,9 +143,42 @@ class Planner:
         self.params = parameter_count(tf)  # as `lucy eval` counts bits per weight
         self.header_bytes = len(tf.tokenizer.to_str().encode()) + (1 << 16)
         self.options: dict[str, list[Option]] | None = None
+        self.exclude: set[str] = set()  # kind names left out (a benchmark's choice)
 
-    def default(self) -> Recipe:
-        return Recipe(default_types(self.mats), self.imatrix)
+    def _measure(self, progress: Progress | None) -> dict[str, list[Option]]:
+        if self.options is None:
+            tick = progress or (lambda done, total, detail: None)
+            self.options = {}
+            for k, (name, w) in enumerate(self.mats.items()):
+                self.options[name] = _options(w, self.imatrix.get(name))
+                tick(k + 1, len(self.mats), f"measuring {name}")
+        return self.options
+
+    def _choose(self, budget: int, kinds, bpw, progress: Progress | None) -> Recipe:
+        names = {k.name for k in kinds} - set(self.exclude)
+        opts = {n: [o for o in v if o.kind in names] for n, v in self._measure(progress).items()}
+        choice = allocate(opts, budget)
+        table = [
+            (n, int(np.prod(np.shape(self.mats[n]))), o.kind, o.cost) for n, o in choice.items()
+        ]
+        return Recipe({n: _T[o.kind] for n, o in choice.items()}, self.imatrix, bpw, table)
+
+    def default(self, progress: Progress | None = None) -> Recipe:
+        """The default q4: the fast kinds (Q4_0, Q4_1, Q8_0: the r16 kernels of today's q4)
+        allocated within the matrix bytes of llama.cpp's Q4_0 recipe (Q4_0 blocks, Q8_0
+        embeddings / LM head), the .entity header taken out of them: never larger than that
+        file, the bytes moved to the tensors where the imatrix-weighted error is largest."""
+        ref = sum(
+            np.shape(w)[0] * row_bytes(kind, np.shape(w)[1])
+            for name, w in self.mats.items()
+            for kind in [_reference_kind(name)]
+        )
+        least = sum(
+            np.shape(w)[0]
+            * min(row_bytes(k, np.shape(w)[1]) for k in FAST if _fits(k, np.shape(w)[1]))
+            for w in self.mats.values()
+        )  # a tiny model's header can outweigh its matrices: then the smallest fast kinds
+        return self._choose(max(ref - self.header_bytes, least), FAST, None, progress)
 
     def floor_bpw(self) -> float:
         least = sum(
@@ -173,19 +195,13 @@ class Planner:
                 f"--bpw {bpw:g} is below the smallest types for this model "
                 f"({self.floor_bpw():.2f} bits per weight)"
             )
-        if self.options is None:
-            tick = progress or (lambda done, total, detail: None)
-            self.options = {}
-            for k, (name, w) in enumerate(self.mats.items()):
-                self.options[name] = _options(w, self.imatrix.get(name))
-                tick(k + 1, len(self.mats), f"measuring {name}")
         fixed = self.vector_bytes + self.header_bytes + extra
         budget = int((bpw + 0.05) * self.params / 8) - fixed
-        choice = allocate(self.options, budget)
-        table = [
-            (n, int(np.prod(np.shape(self.mats[n]))), o.kind, o.cost) for n, o in choice.items()
-        ]
-        return Recipe({n: _T[o.kind] for n, o in choice.items()}, self.imatrix, bpw, table)
+        return self._choose(budget, CANDIDATES, bpw, progress)
+
+
+def _reference_kind(name: str) -> GGMLType:
+    return _T.Q8_0 if name in ("embeddings", "lm_head") else _T.Q4_0
 
 
 def _kinds(w) -> list[GGMLType]:

@@ -231,9 +231,21 @@ def _qk_affine(x, w, kind):
     return np.concatenate([*parts, qs], axis=1), deq
 
 
+def _q4_1(x, w):
+    """x, w [B, 32] -> Q4_1 blocks [B, 20]: f16 scale and min, 4-bit codes (the min <= 0)."""
+    scale, neg_min = _affine_search(x, w, 15)
+    dh, d = _f16(scale)
+    mh, m = _f16(-neg_min)
+    lev = np.clip(np.rint((x - m[:, None]) / _safe(d)[:, None]), 0, 15)
+    lev = np.where((d != 0)[:, None], lev, 0).astype(np.uint8)
+    deq = d[:, None] * lev + m[:, None]
+    head = np.concatenate([dh[:, None].view(np.uint8), mh[:, None].view(np.uint8)], axis=1)
+    return np.concatenate([head, _nibbles(lev[:, :16], lev[:, 16:])], axis=1), deq
+
+
 # --- the entry points ----------------------------------------------------------------------------
 
-WEIGHTED_TYPES = (_T.Q4_0, _T.Q5_0, _T.Q8_0, _T.IQ4_NL, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+WEIGHTED_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.IQ4_NL, _T.Q4_K, _T.Q5_K, _T.Q6_K)
 
 
 def row_bytes(kind: GGMLType, n_in: int) -> int:
@@ -259,6 +271,8 @@ def _quantize_rows(x: np.ndarray, qw: np.ndarray, kind: GGMLType):
         raw, deq = _q6_k(xb, w)
     elif kind in (_T.Q4_K, _T.Q5_K):
         raw, deq = _qk_affine(xb, w, kind)
+    elif kind == _T.Q4_1:
+        raw, deq = _q4_1(xb, w)
     else:
         raw, deq = _sym32(xb, w, kind)
     return raw.reshape(x.shape[0], -1), deq.reshape(x.shape).astype(np.float32)
