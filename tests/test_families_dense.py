@@ -2,9 +2,10 @@
 itself (float32, eager attention; GQA, head_dim 24 != hidden / heads, attention biases, random
 norms, multipliers, partial interleaved rotary, fused gate_up_proj): logits at every position
 within 1e-4, 32 greedy tokens equal with and without the KV cache; `.entity` f32 exact and q8
-close; GGUF files written by llama.cpp's own converter (f32 within 1e-4, Q8_0 greedy >= 31/32);
-the path a forward takes (the fused C step declines these recipes); bad keys and tensors refused
-with one-line errors naming them."""
+close; GGUF files written by llama.cpp's own converter (f32 within 1e-4, Q8_0 top-1 >= 31/32
+along transformers' greedy path); `lucy serve` and `lucy chat` answer with transformers' tokens;
+the path a forward takes (the fused C step declines these recipes); bad keys and tensors (HF and
+GGUF) refused with one-line errors naming them."""
 
 from __future__ import annotations
 
@@ -190,7 +191,7 @@ def test_a_missing_tensor_is_named(checkpoints, tmp_path, model_type, tensor):
     assert tensor in str(info.value) and "\n" not in str(info.value)
 
 
-# --- lucy serve --------------------------------------------------------------------------------
+# --- lucy serve and lucy chat --------------------------------------------------------------------------------
 @pytest.mark.parametrize("model_type", ["glm4", "olmo2"])
 def test_lucy_serve_gives_transformers_tokens(checkpoints, model_type):
     pytest.importorskip("fastapi")
@@ -256,3 +257,27 @@ def test_bad_gguf_is_a_one_line_error_naming_it(gguf_files, tmp_path, model_type
     with pytest.raises(PolyError, match=match) as info:
         entity.load(bad)
     assert "\n" not in str(info.value)
+
+
+def test_lucy_chat_answers_with_transformers_tokens(checkpoints):
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from tests.serve_helpers import env
+
+    path = checkpoints["glm4"]
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hello there"}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
+    want = hf_greedy(path, list(ids), 8)
+    if hf_fixtures.EOS_ID in want:  # the chat stops at the end-of-turn token
+        want = want[: want.index(hf_fixtures.EOS_ID)]
+    assert want  # a reply to compare
+    cmd = [sys.executable, "-m", "lucy", "chat", str(path), "--temperature", "0"]
+    cmd += ["--max-tokens", "8"]
+    out = subprocess.run(cmd, input="Hello there\n", capture_output=True, text=True, env=env(),
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "bot> " + tok.decode(want, skip_special_tokens=True) + "\n" in out.stdout
