@@ -26,6 +26,10 @@ sys.path[:0] = [{root!r}, {stub!r}]
 from conversion import base
 if {test_bpe!r}:
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+_extra = {hparams!r}
+if _extra:  # config keys transformers' AutoConfig drops and the converter reads (rotary_pct)
+    _load = base.ModelBase.load_hparams
+    base.ModelBase.load_hparams = staticmethod(lambda d, m: {{**_load(d, m), **_extra}})
 import convert_hf_to_gguf as c
 sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {out!r}, "--outtype", {kind!r}]
 c.main()
@@ -64,14 +68,19 @@ def converter_dir() -> Path | None:
     return _unpack(tgz[0], CACHE) if tgz else None
 
 
-def convert(model_dir: Path, out: Path, kind: str, root: Path, test_bpe: bool = True) -> Path:
+def convert(
+    model_dir: Path, out: Path, kind: str, root: Path, test_bpe: bool = True,
+    hparams: dict | None = None,
+) -> Path:  # fmt: skip
     """Run llama.cpp's converter: HF snapshot ``model_dir`` -> ``out`` (kind f32|f16|q8_0).
-    ``test_bpe=False``: a real model's tokenizer, whose pre-tokenizer llama.cpp recognises."""
+    ``test_bpe=False``: a real model's tokenizer, whose pre-tokenizer llama.cpp recognises.
+    ``hparams``: keys added to the config the converter reads (GPT-NeoX's ``rotary_pct``, which
+    transformers 5's AutoConfig folds into rope_parameters)."""
     stub = out.parent / "_sp_stub"
     stub.mkdir(exist_ok=True)
     (stub / "sentencepiece.py").write_text("class SentencePieceProcessor:\n    pass\n")
     code = _SHIM.format(root=str(root), stub=str(stub), src=str(model_dir), out=str(out), kind=kind,
-                       test_bpe=test_bpe)  # fmt: skip
+                       test_bpe=test_bpe, hparams=hparams or {})  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=600, cwd=str(out.parent))  # fmt: skip

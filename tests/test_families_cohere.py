@@ -77,3 +77,33 @@ def test_bad_config_names_the_key(ckpts, tmp_path, changes, key):
     with pytest.raises(ConfigError, match=key) as e:
         entity.load(path)
     assert "\n" not in str(e.value)
+
+
+# --- GGUF files from llama.cpp's own converter (arch command-r; it maps a tied head only) -------
+@pytest.fixture(scope="module")
+def gguf_files(ckpts, tmp_path_factory) -> dict[str, Path]:
+    from benchmarks import llama_convert
+
+    root = llama_convert.converter_dir()
+    if root is None:
+        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    tmp = tmp_path_factory.mktemp("cohere_gguf")
+    return {
+        kind: llama_convert.convert(ckpts["tied"], tmp / f"cohere.{kind}.gguf", kind, root)
+        for kind in ("f32", "q8_0")
+    }
+
+
+@pytest.mark.slow
+def test_gguf_from_llama_cpp_matches_transformers(ckpts, gguf_files):
+    src = ckpts["tied"]
+    f32 = entity.load(gguf_files["f32"])
+    assert f32.config.logit_scale == 0.25 and f32.attn(0).rope_interleaved
+    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
+    want = hf_greedy(src, PROMPT, N_NEW)
+    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    q8 = entity.load(gguf_files["q8_0"])  # top-1 along transformers' greedy path
+    logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert fused.plan(q8) is None

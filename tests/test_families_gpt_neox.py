@@ -113,3 +113,47 @@ def test_bad_use_parallel_residual_names_the_key(scratch):
     set_config_keys(scratch, use_parallel_residual="yes")
     with pytest.raises(ConfigError, match="use_parallel_residual"):
         entity.load(scratch)
+
+
+# --- GGUF files from llama.cpp's own converter (arch gptneox: query_key_value re-stacked) --------
+@pytest.fixture(scope="module")
+def gguf_files(ckpts, tmp_path_factory) -> dict[str, Path]:
+    from benchmarks import llama_convert
+
+    root = llama_convert.converter_dir()
+    if root is None:
+        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    tmp = tmp_path_factory.mktemp("neox_gguf")
+    # transformers 5's AutoConfig folds rotary_pct into rope_parameters; the converter reads it
+    return {
+        kind: llama_convert.convert(
+            ckpts["parallel"], tmp / f"neox.{kind}.gguf", kind, root, hparams={"rotary_pct": 0.25}
+        )  # fmt: skip
+        for kind in ("f32", "q8_0")
+    }
+
+
+@pytest.mark.slow
+def test_gguf_from_llama_cpp_matches_transformers(ckpts, gguf_files):
+    src = ckpts["parallel"]
+    f32 = entity.load(gguf_files["f32"])
+    assert f32.config.block.parallel and f32.attn(0).rotary_dim == 4
+    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
+    want = hf_greedy(src, PROMPT, N_NEW)
+    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    q8 = entity.load(gguf_files["q8_0"])  # top-1 along transformers' greedy path
+    logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert fused.plan(q8) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["blk.1.attn_qkv.weight", "blk.0.attn_qkv.bias"])
+def test_a_wrong_fused_gguf_tensor_is_named(gguf_files, tmp_path, name):
+    from tests.test_moe_gguf import _rewrite
+
+    bad = _rewrite(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
+    with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as e:
+        entity.load(bad)
+    assert "\n" not in str(e.value)

@@ -99,3 +99,45 @@ def test_eval_window_logits_use_the_biased_head(ckpts):
     first = len(PROMPT) // 2
     np.testing.assert_allclose(logits, hf_logits(src, PROMPT)[first:-1], atol=1e-4, rtol=0)
     assert list(targets) == PROMPT[first + 1 :]
+
+
+# --- GGUF files from llama.cpp's own converter (arch phi2) ---------------------------------------
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict[str, Path]:
+    """llama.cpp's phi2 writes feed_forward_length 4 x hidden and kv heads = heads (as Phi-2)."""
+    from benchmarks import llama_convert
+
+    root = llama_convert.converter_dir()
+    if root is None:
+        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    tmp = tmp_path_factory.mktemp("phi_gguf")
+    over = {"num_key_value_heads": 4, "intermediate_size": 320}
+    src = make_tiny_checkpoint(tmp / "hf", "phi", seed=95, config_overrides=over)
+    out = {k: llama_convert.convert(src, tmp / f"phi.{k}.gguf", k, root) for k in ("f32", "q8_0")}
+    return {"hf": src, **out}
+
+
+@pytest.mark.slow
+def test_gguf_from_llama_cpp_matches_transformers(gguf_files):
+    src = gguf_files["hf"]
+    f32 = entity.load(gguf_files["f32"])
+    assert f32.lm_head_bias is not None and f32.attn(0).rotary_dim == 8
+    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
+    want = hf_greedy(src, PROMPT, N_NEW)
+    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    q8 = entity.load(gguf_files["q8_0"])  # top-1 along transformers' greedy path
+    logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert fused.plan(q8) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["output.bias", "output_norm.bias", "blk.1.ffn_up.bias"])
+def test_a_wrong_gguf_bias_is_named(gguf_files, tmp_path, name):
+    from tests.test_moe_gguf import _rewrite
+
+    bad = _rewrite(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
+    with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as e:
+        entity.load(bad)
+    assert "\n" not in str(e.value)

@@ -26,6 +26,12 @@ def _options(cfg) -> dict:
     return {"logit_scale": float(scale), "attention": {"rope_interleaved": True}}
 
 
+def _gguf(get) -> dict:
+    return {"logit_scale": float(get("logit_scale", 0.0625)),
+            "attention": {"rope_interleaved": True},
+            "rms_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5))}  # fmt: skip
+
+
 FAMILY = Family(
     model_type="cohere",
     causal_lm_class="CohereForCausalLM",
@@ -34,6 +40,7 @@ FAMILY = Family(
     default_head_dim=None,
     default_max_positions=8192,
     sliding="none",
+    gguf_arch="command-r",
     # transformers' CohereConfig
     hf_defaults={
         "layer_norm_eps": 1e-5,
@@ -45,4 +52,5 @@ FAMILY = Family(
     tensors=TENSORS,
     block=BLOCK,
     hf_options=_options,
+    gguf_options=_gguf,
 )

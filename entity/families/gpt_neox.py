@@ -50,9 +50,25 @@ def _options(cfg) -> dict:
     parallel = cfg.get("use_parallel_residual", True)
     if type(parallel) is not bool:
         raise LayerConfigError(f"use_parallel_residual must be true or false, got {parallel!r}")
-    return {
-        "block": dataclasses.asdict(dataclasses.replace(BLOCK, ffn=FFN[act], parallel=parallel))
-    }
+    block = dataclasses.replace(BLOCK, ffn=FFN[act], parallel=parallel)
+    return {"block": dataclasses.asdict(block)}
+
+
+def gguf_rotary(get) -> dict:
+    """AttentionConfig's partial_rotary_factor from rope.dimension_count: (rot + 0.5) / head_dim,
+    whose int(head_dim * factor) is rot exactly (rot / head_dim can floor one short)."""
+    head_dim = get("attention.key_length", None) or (
+        get("embedding_length", 0) // get("attention.head_count", 1)
+    )
+    rot = get("rope.dimension_count", head_dim)
+    return {"partial_rotary_factor": 1.0 if rot >= head_dim else (rot + 0.5) / head_dim}
+
+
+def _gguf(get) -> dict:
+    # llama.cpp's file records no activation: transformers' default, the exact GELU
+    block = dataclasses.replace(BLOCK, parallel=bool(get("use_parallel_residual", True)))
+    return {"block": dataclasses.asdict(block), "attention": gguf_rotary(get),
+            "rms_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5))}  # fmt: skip
 
 
 FAMILY = Family(
@@ -63,6 +79,7 @@ FAMILY = Family(
     default_head_dim=None,
     default_max_positions=2048,
     sliding="none",
+    gguf_arch="gptneox",
     # transformers' GPTNeoXConfig; rotary_pct / rotary_emb_base are the older files' names
     hf_defaults={
         "layer_norm_eps": 1e-5,
@@ -83,4 +100,5 @@ FAMILY = Family(
     hf_block_prefix="gpt_neox.layers.{i}.",
     hf_rename=_rename,
     hf_options=_options,
+    gguf_options=_gguf,
 )

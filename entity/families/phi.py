@@ -6,6 +6,7 @@ over the first `partial_rotary_factor` of each head (NeoX halves), a plain biase
 import dataclasses
 
 from entity.families.base import Family, TensorName
+from entity.families.gpt_neox import gguf_rotary
 from entity.families.starcoder2 import FFN
 from poly.config import BlockRecipe
 from poly.errors import LayerConfigError
@@ -48,6 +49,13 @@ def _options(cfg) -> dict:
     return {"block": dataclasses.asdict(block), "lm_head_bias": True}
 
 
+def _gguf(get) -> dict:
+    # llama.cpp's phi2 records no activation: PhiConfig's default, gelu_new (the tanh form)
+    return {"block": dataclasses.asdict(BLOCK), "lm_head_bias": True,
+            "attention": gguf_rotary(get),
+            "rms_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5))}  # fmt: skip
+
+
 FAMILY = Family(
     model_type="phi",
     causal_lm_class="PhiForCausalLM",
@@ -56,6 +64,7 @@ FAMILY = Family(
     default_head_dim=None,
     default_max_positions=2048,
     sliding="none",
+    gguf_arch="phi2",
     # transformers' PhiConfig (a config.json's rope_parameters factor wins over the top level)
     hf_defaults={
         "layer_norm_eps": 1e-5,
@@ -69,4 +78,5 @@ FAMILY = Family(
     global_tensors=GLOBALS,
     block=BLOCK,
     hf_options=_options,
+    gguf_options=_gguf,
 )

@@ -150,7 +150,8 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
             num_heads=heads,
             num_kv_heads=_meta_int(gg, f"{arch}.attention.head_count_kv", heads),
             head_dim=head_dim,
-            rms_norm_eps=_meta_float(gg, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+            rms_norm_eps=options.pop("rms_norm_eps", None)  # LayerNorm families: their eps key
+            or _meta_float(gg, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=_meta_float(gg, f"{arch}.rope.freq_base", 10000.0),
             rope_scaling=scaling,
             max_seq_len=max_seq_len or min(context, DEFAULT_MAX_SEQ),
@@ -243,6 +244,9 @@ def check_tensors(gg: GGUFFile, cfg) -> None:
     ]
     if cfg.qk_norm:
         required += [f"blk.{i}.attn_{c}_norm.weight" for i in range(cfg.num_layers) for c in "qk"]
+    # a LayerNorm with a bias ends in one too; Phi-2's LM head has a bias
+    biases = ("final_norm_bias", "lm_head_bias")
+    required += [n for n, role in _global_names(family).items() if role in biases and role in table]
     for name in ("output_norm.weight", *required):
         if name not in gg.tensors:
             raise WeightMappingError(f"missing tensor {name!r}", path=gg.path)
@@ -311,6 +315,9 @@ class _Loader:
         from poly.quant.qtensor import GGUFMatrix
 
         info, cuts = self.gg.tensors[name], np.cumsum(rows)[:-1]
+        if len(info.shape) == 1:  # a fused bias (GPT-NeoX's attn_qkv.bias)
+            v = self.gg.dequantize(name).reshape(-1).astype(np.float32)
+            return dict(zip(comp.split("+"), np.split(v, cuts)))
         if not self.keep:
             parts = np.split(self.gg.dequantize(name), cuts)  # [out, in]
         else:
@@ -360,7 +367,9 @@ def _fill_layer(tf, loader: _Loader, i: int) -> None:
     for accessor in NORM_ROLES.intersection(roles(loader.cfg)):
         layer = tf.role(i, accessor)
         layer.weights.ensure_master()
-        layout.rmsnorm(layer).gamma[...] = loader.components(i, accessor)["gamma"]
+        views = layout.views(layer)  # gamma, and beta for a LayerNorm (zero when it has none)
+        for comp, value in loader.components(i, accessor).items():
+            views[comp][...] = value
     biases = _bias_sizes(loader.cfg)
     for accessor in ("attn", "mlp"):
         layer = getattr(tf, accessor)(i)
@@ -429,6 +438,10 @@ def load_gguf(
         if not cfg.tie_word_embeddings:
             tf.lm_head = loader.matrix("output.weight", "lm_head")
         tf.final_norm = gg.dequantize("output_norm.weight")
+        if "output_norm.bias" in gg.tensors and tf.final_norm_bias is not None:
+            tf.final_norm_bias = gg.dequantize("output_norm.bias")
+        if tf.lm_head_bias is not None:
+            tf.lm_head_bias[...] = gg.dequantize("output.bias")
     except PolyError:
         raise
     except (ValueError, TypeError) as exc:  # e.g. a dequantizer rejecting bad block bytes
