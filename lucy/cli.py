@@ -232,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=model_help)
     p.add_argument("--reference", default=None, metavar="REF",
                    help="the model to compare with (usually the float32 of the same weights)")  # fmt: skip
-    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score (required)")
+    p.add_argument(
+        "--text", required=True, metavar="FILE", help="UTF-8 text to score, - for stdin (required)"
+    )
     p.add_argument("--ctx", type=int, default=512, metavar="N",
                    help="window length in tokens; the second half of each is scored")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
