@@ -94,7 +94,8 @@ def load(
     Accepts an HF snapshot dir, a ``.gguf`` or ``.entity`` file (by content), or an HF model id
     found in the local cache (``revision=`` picks a snapshot, default ``refs/main``). Other
     keyword arguments (``max_seq_len``, ``dtype`` ...) go to the format's loader;
-    ``max_resident_experts=N`` (a `.entity` MoE model) keeps at most N experts resident.
+    ``max_resident_experts=N`` (an MoE model: `.entity`, GGUF or HF) keeps at most N experts
+    resident, paged from the file.
     ``tp``: a ``poly.runtime.comm`` communicator; the model comes back as this rank's tensor
     parallel shard (``poly.runtime.tp.shard``; memory-mapped sources are read for it only).
     ``lockstep=True`` (the model will be driven from rank 0, `poly.runtime.lockstep`): the other
@@ -120,10 +121,10 @@ def _load(path_or_model_id: str | os.PathLike, **kw: Any) -> Any:
         kw.pop("entity_text", None)  # other formats load their tokenizer everywhere
     if kw.get("max_resident_experts") is None:
         kw.pop("max_resident_experts", None)
-    elif not (target.is_file() and _magic(target) == b"ENTITY\x00\x00"):
+    elif target.is_file() and _magic(target)[:4] not in (b"ENTI", b"GGUF"):
         raise UsageError(
-            "an expert budget (--max-experts, max_resident_experts) needs a .entity file "
-            "(experts are paged from its mapping; convert first)"
+            "an expert budget (--max-experts, max_resident_experts) needs a .entity or GGUF "
+            "file or an HF snapshot (experts are paged from their mapping)"
         )
     if target.exists():
         if target.is_dir():

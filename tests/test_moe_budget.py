@@ -93,12 +93,13 @@ def test_pager_lru_counts_and_advice():
         ExpertPager(mm, 0)
 
 
-def test_budget_needs_an_entity_file(tmp_path):
+def test_budget_needs_a_pageable_source(tmp_path):
     from tests.hf_fixtures import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "m", "qwen3_moe", seed=1)
-    with pytest.raises(UsageError, match="needs a .entity"):
-        entity.load(src, max_resident_experts=2)
+    bare = src / "model.safetensors"  # no config.json beside it: not a model (issue 60)
+    with pytest.raises(UsageError, match="needs a .entity or GGUF file or an HF snapshot"):
+        entity.load(bare, max_resident_experts=2)
 
 
 def test_budget_in_process_matches_all_resident(synthetic):

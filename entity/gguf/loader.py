@@ -17,7 +17,7 @@ import numpy as np
 from entity.arch import NORM_ROLES, global_shapes, role_shapes, roles
 from entity.checks import check_eos_ids
 from entity.families import GGUF_FAMILIES, Family
-from entity.gguf.moe import fill_moe, moe_config
+from entity.gguf.moe import PAGED_TENSORS, attach_pager, fill_moe, moe_config
 from entity.gguf.moe import required as moe_required
 from entity.gguf.moe import tensor_shape as moe_tensor_shape
 from entity.gguf.reader import GGUFFile
@@ -28,6 +28,7 @@ from poly.errors import (
     LayerConfigError,
     PolyError,
     UnsupportedError,
+    UsageError,
     WeightMappingError,
 )
 from poly.text.gendefaults import GenerationDefaults
@@ -411,16 +412,29 @@ def _end_tokens(spec, template_source: str | None) -> tuple[int, ...]:
 
 
 def load_gguf(
-    path: str | os.PathLike, *, keep_quantized: bool = True, max_seq_len: int | None = None
+    path: str | os.PathLike,
+    *,
+    keep_quantized: bool = True,
+    max_seq_len: int | None = None,
+    max_resident_experts: int | None = None,
 ):
     """Load a GGUF checkpoint as a ``poly.Transformer`` with its tokenizer and chat template.
 
     ``keep_quantized`` keeps the block matrices as ``GGUFMatrix`` (else float32 masters);
-    ``max_seq_len`` sizes the KV cache (default min(context_length, 2048)).
+    ``max_seq_len`` sizes the KV cache (default min(context_length, 2048));
+    ``max_resident_experts``: MoE experts stay on the file mapping, at most that many resident
+    (`entity.gguf.moe.attach_pager`; stats in ``tf.expert_pager.report()``).
     """
     from poly import Transformer
 
-    gg = GGUFFile(path)
+    paged = max_resident_experts is not None
+    if paged:
+        from poly.runtime.expert_cache import ExpertPager
+
+        ExpertPager(None, max_resident_experts)  # its UsageError before the file is read
+        if not keep_quantized:
+            raise UsageError("an expert budget pages the stored experts: keep_quantized=True")
+    gg = GGUFFile(path, lazy=PAGED_TENSORS.fullmatch if paged else None)
     cfg = gguf_config(gg, max_seq_len)
     check_tensors(gg, cfg)
     tokenizer, template, spec = load_gguf_tokenizer(gg)
@@ -430,6 +444,7 @@ def load_gguf(
             path=gg.path,
         )
     loader = _Loader(gg, cfg, keep_quantized)
+    loader.paged = paged
     try:
         tf = Transformer.from_config(cfg, allocate=not keep_quantized)
         for i in range(cfg.num_layers):
@@ -458,4 +473,6 @@ def load_gguf(
         "keep_quantized": keep_quantized,
         "context_length": gg.metadata.get(f"{cfg.architecture}.context_length"),  # as trained
     }
+    if paged and cfg.moe is not None:
+        attach_pager(tf, gg, max_resident_experts)
     return tf

@@ -140,7 +140,54 @@ def _expert(loader, i: int, e: int, view: str) -> Any:
     if not loader.keep:
         return gg.dequantize(name, rows=slice(e, e + 1))[0]  # [rows, cols]
     raw = gg.tensor_bytes(name)[e]  # [rows, row_bytes], a view on the mapping
-    return GGUFMatrix(raw, info.ggml_type, info.shape[1:])
+    w = GGUFMatrix(raw, info.ggml_type, info.shape[1:])
+    if getattr(loader, "paged", False) and int(info.ggml_type) in DEQUANTIZED_ON_LOAD:
+        from poly.runtime.expert_cache import PagedMatrix
+
+        # no kernel reads these blocks: dequantized once per miss (the same row blocks and
+        # values as GGUFMatrix's products), bfloat16 when exact (MXFP4's always are)
+        return PagedMatrix(w.shape, lambda: w.dequantize(), blockwise=True, compact=True)
+    return w
+
+
+DEQUANTIZED_ON_LOAD = (39,)  # ggml type ids: MXFP4 (GPT-OSS)
+PAGED_TENSORS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)(_exps|\.\d+)\.weight")
+
+
+def expert_ranges(gg, i: int, e: int) -> list[tuple[int, int]]:
+    """(offset, length) in the file of expert e of block i: its slab of each stacked tensor,
+    or its legacy per-expert tensors."""
+    out = []
+    for part in ("gate", "up", "down"):
+        stacked = gg.tensors.get(f"blk.{i}.ffn_{part}_exps.weight")
+        if stacked is not None:
+            slab = stacked.nbytes // stacked.shape[0]
+            out.append((stacked.offset + e * slab, slab))
+        else:
+            t = gg.tensors[f"blk.{i}.ffn_{part}.{e}.weight"]
+            out.append((t.offset, t.nbytes))
+    return out
+
+
+def attach_pager(tf, gg, max_resident: int) -> None:
+    """The experts of every sparse block under one LRU budget (`poly.runtime.expert_cache`):
+    their stored bytes stay on the file mapping (``GGUFFile(lazy=PAGED_TENSORS...)``)."""
+    from poly.layer import LayerType
+    from poly.nn import moe as moe_kind
+    from poly.nn import swiglu
+    from poly.runtime.expert_cache import ExpertPager, PagedMatrix
+
+    pager = ExpertPager(gg.snapshot, max_resident)
+    for i in range(tf.config.num_layers):
+        layer = tf.mlp(i)
+        if layer.type != LayerType.MOE:
+            continue
+        for e, sub in enumerate(moe_kind.experts(layer)):
+            comps = swiglu.components(sub)
+            paged = [comps[v] for v in _VIEW.values() if isinstance(comps[v], PagedMatrix)]
+            pager.add(i, e, expert_ranges(gg, i, e), paged)
+        layer.expert_cache = pager.handle(i)
+    tf.expert_pager = pager
 
 
 def fill_moe(layer, loader, i: int) -> None:

@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from poly.errors import GGUFFormatError, LimitExceededError, ModelNotFoundError, UnsupportedError
+from poly.errors import (
+    GGUFFormatError,
+    LimitExceededError,
+    ModelFileChangedError,
+    ModelNotFoundError,
+    UnsupportedError,
+)
 from poly.quant.ggml import GGMLType, dequantize_mxfp4
 from poly.weights import FileSnapshot
 
@@ -269,9 +275,14 @@ class GGUFFile:
     """A parsed, validated GGUF file: ``metadata`` maps keys to Python values (numeric arrays
     as numpy arrays, string arrays as lists), ``tensors`` names to ``TensorInfo`` in file order."""
 
-    def __init__(self, path: str | os.PathLike, *, weights: bool = True):
-        """``weights=False``: header and tensor table only, the file mapped (never read in full)."""
+    def __init__(self, path: str | os.PathLike, *, weights: bool = True, lazy=None):
+        """``weights=False``: header and tensor table only, the file mapped (never read in full).
+        ``lazy``: a test on tensor names; those tensors stay mapped from the file (MoE experts
+        paged by `poly.runtime.expert_cache`), the rest is read into memory of our own."""
         self.path = str(path)
+        if lazy is not None and weights:
+            self._lazy_open(lazy)
+            return
         try:
             size = os.path.getsize(self.path)
         except OSError as exc:
@@ -289,6 +300,20 @@ class GGUFFile:
                 f"file too small for a GGUF header ({size} bytes)", path=self.path, offset=0
             )
         self.file_size = size
+        self._parse(_Cursor(self._mm, self.path))
+
+    def _lazy_open(self, lazy) -> None:
+        """Parse the header off a mapping of the whole file, then read it in but for the
+        tensors `lazy` names (parsed again there: no value keeps the first mapping)."""
+        head = GGUFFile(self.path, weights=False)
+        ranges = tuple((t.offset, t.nbytes) for t in head.tensors.values() if lazy(t.name))
+        try:
+            self.snapshot = FileSnapshot(self.path, lazy=ranges)
+        except (OSError, ValueError) as exc:
+            raise GGUFFormatError(f"cannot read file: {exc}", path=self.path, offset=0) from None
+        if self.snapshot.identity != head.snapshot.identity:
+            raise ModelFileChangedError("the file changed as it was opened", path=self.path)
+        self._mm, self.file_size = self.snapshot.array(), self.snapshot.size
         self._parse(_Cursor(self._mm, self.path))
 
     def _parse(self, cur: _Cursor) -> None:

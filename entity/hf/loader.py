@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from entity.checks import check_eos_ids
+from entity.hf import paged
 from entity.hf.config import HFModelConfig, load_hf_config
 from entity.hf.moe import unstack
 from entity.hf.names import Slot, group_by_block, plan
@@ -30,6 +31,7 @@ from poly.errors import (
     SamplingParamsError,
     TokenizerError,
     UnsupportedError,
+    UsageError,
     WeightMappingError,
 )
 
@@ -89,7 +91,9 @@ def open_hf(path: str | Path) -> HFSource:
     return HFSource(root, cfg, ckpt, slots)
 
 
-def iter_hf_blocks(source: str | Path | HFSource) -> Iterator[tuple[int | None, Block]]:
+def iter_hf_blocks(
+    source: str | Path | HFSource, split_stacks: bool = True
+) -> Iterator[tuple[int | None, Block]]:
     """Yield ``(None, globals)`` first, then ``(i, block_i)`` for i = 0 .. num_layers-1.
 
     Arrays are read-only memmap views in the stored dtype (float32, float16 or
@@ -99,7 +103,8 @@ def iter_hf_blocks(source: str | Path | HFSource) -> Iterator[tuple[int | None, 
     tied). A block: ``{"attn_norm": {"gamma"}, "attn": {"w_q", "w_k", "w_v", "w_o",
     ["b_q", "b_k", "b_v", "b_o"], ["q_norm", "k_norm"]}, "mlp_norm": {"gamma"},
     "mlp": {"w_gate", "w_up", "w_down"}}`` — component names are the ``poly.nn.layout`` views.
-    Everything was validated up front, so iteration only fails on I/O.
+    Everything was validated up front, so iteration only fails on I/O. ``split_stacks=False``
+    leaves stacked experts as they are stored (``stack.*``, ``mx.*``: `entity.hf.paged`).
     """
     src = source if isinstance(source, HFSource) else open_hf(source)
     blocks, globals_ = group_by_block(src.slots)
@@ -108,7 +113,7 @@ def iter_hf_blocks(source: str | Path | HFSource) -> Iterator[tuple[int | None, 
     moe = MoEConfig.coerce(src.config.moe)
     for i in range(src.config.num_layers):
         block = _collect(src.checkpoint, blocks.get(i, {}), offset)
-        if moe is not None and "mlp" in block:  # stacked experts split per expert
+        if split_stacks and moe is not None and "mlp" in block:  # stacks split per expert
             block["mlp"] = unstack(block["mlp"], moe)
         yield i, block
 
@@ -180,29 +185,60 @@ def _fill_globals(tf: Any, parts: Block, table_dtype: Any) -> None:
         tf.lm_head = tf.embeddings  # tied: the same object
 
 
-def load_hf(path: str | Path, *, max_seq_len: int | None = None, dtype: str | None = None):
+def load_hf(
+    path: str | Path,
+    *,
+    max_seq_len: int | None = None,
+    dtype: str | None = None,
+    max_resident_experts: int | None = None,
+):
     """A ``poly.Transformer`` from a snapshot dir (config.json + safetensors + tokenizer).
 
     ``max_seq_len`` sizes the KV cache (default: min(max_position_embeddings, 4096), and never
     beyond a sliding window). ``dtype`` None/"float32" keeps everything float32 (exact parity
     with transformers); any other poly dtype name morphs the block weights to it (norms stay
     float32) and float16/bfloat16 also store the embedding and LM-head tables in that dtype.
+    ``max_resident_experts``: MoE experts stay mapped from the files, at most that many
+    resident (`entity.hf.paged`; stats in ``tf.expert_pager.report()``).
     """
     from poly import Transformer, morph_network
 
     src = open_hf(path)
     cfg = src.config
+    pager = _pager(src, max_resident_experts, dtype)
     tf = Transformer.from_config(cfg.to_transformer_config(max_seq_len))
     table_dtype = TABLE_DTYPES.get(dtype, np.float32)
-    for index, block in iter_hf_blocks(src):
+    if pager is not None:
+        paged.drop_expert_masters(tf)
+        tf.expert_pager = pager
+    for index, block in iter_hf_blocks(src, split_stacks=pager is None):
         if index is None:
             _fill_globals(tf, block, table_dtype)
-        else:
-            _fill_block(tf, index, block)
+            continue
+        if pager is not None and any(paged.is_expert(k) for k in block.get("mlp", ())):
+            block["mlp"] = paged.install(tf, index, block["mlp"], src, pager)
+        _fill_block(tf, index, block)
     if dtype not in (None, "float32"):
         morph_network(tf.network, dtype)
     attach_hf_metadata(tf, src)
     return tf
+
+
+def _pager(src: HFSource, budget: int | None, dtype: str | None):
+    """The expert pager of a budget (its expert tensors left mapped), or None."""
+    if budget is None:
+        return None
+    from poly.runtime.expert_cache import ExpertPager
+
+    pager = ExpertPager(None, budget)  # its UsageError first
+    if dtype not in (None, "float32"):
+        raise UsageError(
+            f"an expert budget on an HF snapshot runs its experts as stored, not as {dtype}: "
+            "drop the dtype, or convert to .entity/GGUF first"
+        )
+    if src.config.moe is not None:
+        src.checkpoint.lazy(paged.expert_names(src))
+    return pager
 
 
 def attach_hf_metadata(tf: Any, src: HFSource) -> None:

@@ -111,6 +111,8 @@ class MoETargets:
 
         self._views = dict(moe.views(layer).as_dict())
         for e, expert in enumerate(moe.experts(layer)):
+            if expert.weights.master is None:  # paged from the file (entity.hf.paged)
+                continue
             for name, view in layout.swiglu(expert).as_dict().items():
                 self._views[f"experts.{e}.{name}"] = view
         shared = moe.shared_expert(layer)

@@ -216,6 +216,18 @@ class SafetensorsFile:
                         path=self.path)  # fmt: skip
         self._map: np.ndarray | None = None
         self._size = size
+        self._lazy: tuple[tuple[int, int], ...] = ()
+        self.snapshot: FileSnapshot | None = None
+
+    def offset(self, name: str) -> int:
+        """Where tensor `name`'s bytes start in the file."""
+        return self.data_start + self.infos[name].begin
+
+    def lazy(self, names) -> None:
+        """Tensors `names` stay mapped from the file (paged MoE experts); the next read maps
+        the file again with them left out of the bytes read in."""
+        self._lazy = tuple((self.offset(n), self.infos[n].nbytes) for n in names)
+        self._map = self.snapshot = None
 
     def names(self) -> list[str]:
         return list(self.infos)
@@ -223,14 +235,14 @@ class SafetensorsFile:
     def _mapped(self) -> np.ndarray:
         if self._map is None:  # our own copy: a file rewritten under a mapping raises SIGBUS
             try:
-                snap = FileSnapshot(self.path)
+                snap = FileSnapshot(self.path, lazy=self._lazy)
             except OSError as exc:
                 raise CheckpointError(f"cannot read {self.path}: {exc.strerror}",
                                       path=str(self.path)) from None  # fmt: skip
             if snap.size != self._size:
                 raise ModelFileChangedError("the file changed since its header was read",
                                             path=str(self.path))  # fmt: skip
-            self._map = snap.array()
+            self._map, self.snapshot = snap.array(), snap
         return self._map
 
     def tensor(self, name: str) -> np.ndarray:
@@ -290,6 +302,11 @@ class Checkpoint:
 
     def tensor_f32(self, name: str) -> np.ndarray:
         return self.where[name].tensor_f32(name)
+
+    def lazy(self, names) -> None:
+        """Tensors `names` stay mapped from their files (`SafetensorsFile.lazy`)."""
+        for f in self.files:
+            f.lazy([n for n in names if self.where[n] is f])
 
 
 def _shard_path(root: Path, shard: Any) -> Path:

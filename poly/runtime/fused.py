@@ -27,8 +27,9 @@ from poly.weights import Generations, PlanCache
 _F32 = np.dtype(np.float32)
 
 
-def _mat(w, bias=None, by16: bool = True) -> tuple | None:
-    """(kind, w, aux, m, k, bias[, rp]) for the C side, None when no C kernel reads `w`."""
+def _mat(w, bias=None, by16: bool = True, copy: bool = True) -> tuple | None:
+    """(kind, w, aux, m, k, bias[, rp]) for the C side, None when no C kernel reads `w`.
+    ``copy=False``: no repacked copy (paged experts are read from their file pages)."""
     if bias is not None and not _is_f32(bias):
         return None
     if isinstance(w, np.ndarray):  # float32 / float16 / bfloat16 arrays are read as they are
@@ -42,16 +43,16 @@ def _mat(w, bias=None, by16: bool = True) -> tuple | None:
         return None
     kind, data, aux = ops
     m, k = int(w.shape[0]), int(w.shape[1])
-    rp = repack.copy_for(w, kind, data, m, k, aux, by16)  # rows by 16 (Q4_K/Q6_K: by 8), made once
+    rp = repack.copy_for(w, kind, data, m, k, aux, by16) if copy else None  # by 16, made once
     return (kind, data, aux, m, k, bias) + (() if rp is None else (rp,))
 
 
-def _mats(pairs, by16: bool = True) -> tuple | None:
-    out = tuple(_mat(w, b, by16) for w, b in pairs)
+def _mats(pairs, by16: bool = True, copy: bool = True) -> tuple | None:
+    out = tuple(_mat(w, b, by16, copy) for w, b in pairs)
     return None if any(m is None for m in out) else out
 
 
-def _ffn_args(mlp, by16: bool = True) -> tuple | None:
+def _ffn_args(mlp, by16: bool = True, copy: bool = True) -> tuple | None:
     """(gate_up_mats, down_mat) of a SwiGLU for the C side, or None."""
     if mlp.is_disabled or mlp.use_tiling:
         return None
@@ -60,8 +61,8 @@ def _ffn_args(mlp, by16: bool = True) -> tuple | None:
         return None
     c = fp.comps
     pairs = [(c["w_gate"], c["b_gate"]), (c["w_up"], c["b_up"])]
-    gu = _mats([(fp.w_gu, fp.b_gu)] if fp.w_gu is not None else pairs, by16)
-    down = _mat(c["w_down"], c["b_down"], by16)
+    gu = _mats([(fp.w_gu, fp.b_gu)] if fp.w_gu is not None else pairs, by16, copy)
+    down = _mat(c["w_down"], c["b_down"], by16, copy)
     return None if gu is None or down is None else (gu, down)
 
 
@@ -73,8 +74,10 @@ def _moe_args(mlp) -> tuple | None:
         return None
     v = moe.views(mlp)
     router = _mat(np.ascontiguousarray(v.router, dtype=np.float32))
-    # the experts' float rows stay as stored: a pager drops and reads them from the file
-    experts = tuple(_ffn_args(sub, by16=False) for sub in mlp.sequential_layers)
+    # the experts' float rows stay as stored: a pager drops and reads them from the file;
+    # paged experts get no repacked copy either (it would hold every expert in memory)
+    copy = getattr(mlp, "expert_cache", None) is None
+    experts = tuple(_ffn_args(sub, by16=False, copy=copy) for sub in mlp.sequential_layers)
     if cfg.top_k > 64 or router is None or any(a is None for a in experts):
         return None
     gate = None if v.shared_gate is None else v.shared_gate.reshape(-1)  # [1, d] -> [d]
