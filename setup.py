@@ -1,11 +1,12 @@
 """Declares the optional C kernel extension poly.runtime.native.ckernels; everything else is in pyproject.toml.
 
-The kernels are compiled once per instruction set into the one extension, and csrc/pk_module.c
+The kernels are compiled once per instruction set into the one extension, and csrc/module.c
 picks the build the running CPU supports at import (cpuid), so a wheel built on one machine runs
 on another without SIGILL (POLY_ISA=base|avx2|avx512 caps the choice):
-  base    csrc/pk_isa_base.c    -O3 (plain C loops; any CPU)
-  avx2    csrc/pk_isa_avx2.c    -mavx2 -mfma -mf16c
-  avx512  csrc/pk_isa_avx512.c  AVX-512 F/BW/DQ/VL/VNNI + AVX2/FMA/F16C
+  base    csrc/isa/unit_base.c    -O3 (plain C loops; any CPU)
+  avx2    csrc/isa/unit_avx2.c    -mavx2 -mfma -mf16c
+  avx512  csrc/isa/unit_avx512.c  AVX-512 F/BW/DQ/VL/VNNI + AVX2/FMA/F16C
+(docs/internals.md: csrc/'s folders and layers.)
 A build whose flags the compiler refuses (older compilers, other architectures) is left out.
 OpenMP (-fopenmp) when the compiler has it. optional=True: without a compiler the install still
 succeeds and poly falls back to the numba or numpy backend.
@@ -37,13 +38,13 @@ SIMD_SRC = "#include <immintrin.h>\nint main(void){return _mm256_cvtss_f32(_mm25
 OMP_SRC = "#include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n"
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
-ISAS = {"base": [], "avx2": AVX2, "avx512": AVX512}  # name -> flags (csrc/pk_isa_<name>.c)
+ISAS = {"base": [], "avx2": AVX2, "avx512": AVX512}  # name -> flags (csrc/isa/unit_<name>.c)
 RELEASE = os.environ.get("POLY_BUILD_RELEASE") == "1"
 # Python's CFLAGS carry -g: the debug info is most of the extension and a good part of the
 # compiler's time (CHANGELOG 0.3.0); POLY_BUILD_DEBUG=1 keeps it
 DEBUG = [] if os.environ.get("POLY_BUILD_DEBUG") == "1" else ["-g0"]
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = sorted(f"csrc/{p.name}" for p in (HERE / "csrc").glob("*.[ch]"))
+KERNEL_SOURCES = sorted(p.relative_to(HERE).as_posix() for p in (HERE / "csrc").rglob("*.[ch]"))
 
 
 def _say(msg: str) -> None:
@@ -155,7 +156,7 @@ class BuildExt(build_ext):
         def one(name: str) -> list[str]:
             start = time.monotonic()
             objs = self.compiler.compile(
-                [f"csrc/pk_isa_{name}.c"],
+                [f"csrc/isa/unit_{name}.c"],
                 output_dir=self.build_temp,
                 include_dirs=["csrc"],
                 extra_postargs=[*common, *isas[name]],
@@ -165,7 +166,7 @@ class BuildExt(build_ext):
             return objs
 
         order = sorted(isas, key=lambda n: -len(isas[n]))  # avx512 takes longest
-        os.makedirs(os.path.join(self.build_temp, "csrc"), exist_ok=True)
+        os.makedirs(os.path.join(self.build_temp, "csrc", "isa"), exist_ok=True)
         with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(isas)))) as pool:
             results = dict(zip(order, pool.map(one, order)))
         return [obj for name in isas for obj in results[name]]
@@ -175,7 +176,7 @@ setup(
     ext_modules=[
         Extension(
             "poly.runtime.native.ckernels",
-            ["csrc/pk_module.c"],
+            ["csrc/module.c"],
             depends=KERNEL_SOURCES,
             optional=not RELEASE,
         )

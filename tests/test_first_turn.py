@@ -16,7 +16,7 @@ import pytest
 from poly.runtime import ckernels, kernels, repack
 
 needs_c = pytest.mark.skipif(not ckernels.AVAILABLE, reason="no C kernels in this build")
-ONE_TIME = ("repack16", "repack8k", "repack8k6", "k16")  # what makes the fused step's copies
+ONE_TIME = ("il16", "kil8", "kil8q6", "k16")  # what makes the fused step's copies
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The fused C decode step (poly/runtime/fused.py, csrc/pk_decode.c) against the Python block path.
+"""The fused C decode step (poly/runtime/fused.py, csrc/decode/step.h) against the Python block path.
 
 Each case runs the same model twice from an empty cache: once with the fused step disabled
 (the numpy/BLAS path, itself checked against transformers in test_hf_parity.py) and once with
@@ -110,7 +110,7 @@ def test_int8_activations_stay_close(scheme, monkeypatch, float_path):
     tf = random_transformer(tiny_cfg(hidden=256 if big else 64, inter=512 if big else 96), seed=3)
     quantize_all(tf, scheme)
     ref = run_steps(tf, False, monkeypatch)
-    ckernels.set_act_q8(True)  # every row, the prompt's too (K-quants: csrc/pk_k8.h tiles)
+    ckernels.set_act_q8(True)  # every row, the prompt's too (K-quants: formats/kquant_rows.h)
     got = run_steps(tf, True, monkeypatch)
     for r, g in zip(ref, got):
         assert np.abs(g - r).max() <= 3e-3 * np.abs(r).max()

@@ -168,7 +168,7 @@ def test_a_fused_prompt_past_the_context_is_refused():
 @pytest.mark.parametrize("scheme", ["float32", "bfloat16"])
 def test_a_prompt_on_gemm_panels_with_x_at_a_padded_stride(scheme, each_isa, monkeypatch):
     """40 rows of width 256 (a multiple of 256: the panels read x copied at a padded stride,
-    csrc/pk_gemm.h gemm_ldx) in one fused call, equal to the reference path."""
+    csrc/gemm/gemm.h gemm_ldx) in one fused call, equal to the reference path."""
     tf = random_transformer(tiny_cfg(hidden=256, inter=512, max_seq_len=64), seed=5)
     if scheme != "float32":
         quantize_all(tf, scheme)

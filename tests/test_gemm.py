@@ -1,4 +1,4 @@
-"""The prefill product `gemm` (csrc/pk_gemm.h) on every instruction-set build: x @ W.T against
+"""The prefill product `gemm` (csrc/gemm/gemm.h) on every instruction-set build: x @ W.T against
 float64 numpy on the reference dequantization (gguf-py's quantizer and decoders for the GGUF
 kinds), over ragged row panels, token tails of every tile size and k split into several packed
 chunks; and the thread policy that keeps BLAS from waiting on spinning OpenMP workers."""
@@ -163,7 +163,7 @@ def test_a_long_prompt_on_the_repacked_rows_is_its_8_input_pieces(scheme, each_i
     m, k, n = 160, 8192, 20
     qt = MAKERS[scheme](rng.standard_normal((m, k)).astype(np.float32))
     kind, raw, aux = ckernels.operands(qt)
-    rp = repack.repack16(kind, raw, m, k, aux)
+    rp = repack.il16(kind, raw, m, k, aux)
     x = ckernels.aligned(rng.standard_normal((n, k)).astype(np.float32))
     got, part = np.empty((n, m), np.float32), np.empty((8, m), np.float32)
     ckernels.EXT.gemm(kind, x, got, raw, aux, n, k, m, 0, ckernels.Q8_AUTO, rp)

@@ -1,4 +1,4 @@
-"""float16/float32 rows laid out by 16, k-major (csrc/pk_k16.h, poly.runtime.repack.k16): the layout,
+"""float16/float32 rows laid out by 16, k-major (csrc/formats/float_kmajor16.h, poly.runtime.repack.k16): the layout,
 the kernels that read it against the same products on the stored rows (bitwise: one order of sums),
 and whole models whose rows are mapped from a file against the same weights in memory.
 
@@ -87,7 +87,7 @@ def test_products_on_the_layout_equal_the_stored_rows_panels(m, k, threads, dtyp
 @needs_c
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_inputs_past_the_block_size_run_in_blocks_with_the_same_bits(dtype, each_isa):
-    """An x of more than 8 MB (700 tokens of k 4096) runs in blocks of tokens (pk_gemm.h
+    """An x of more than 8 MB (700 tokens of k 4096) runs in blocks of tokens (gemm/gemm.h
     gemm_tblock): every row equals the same row's product in calls of 100 tokens (one block),
     bit for bit, on the layout and on the stored rows, and the float64 product."""
     m, k, n = 48, 4096, 700

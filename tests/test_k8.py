@@ -1,6 +1,6 @@
 """The K-quant kinds' integer paths of the default ("auto") scheme: one-row products on x's
-first int8 code (csrc/pk_k8.h; both codes with POLY_ACT_Q8=1), 4 rows or more on int8 panels
-(csrc/pk_k8i.h), in the kernels alone and inside the fused step."""
+first int8 code (csrc/formats/kquant_rows.h; both codes with POLY_ACT_Q8=1), 4 rows or more on int8 panels
+(csrc/formats/kquant_panels.h), in the kernels alone and inside the fused step."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.test_fused import K_QUANTS, PROMPT, quantize_all, run_steps, tiny_cfg
 from tests.tiny_model import random_transformer
 
 # the kinds whose one-row products take x's first int8 code in the auto mode: the K-quants
-# (pk_k8.h) and the 32-block kinds without repacked rows (pk_q8.h, pq8_kind)
+# (formats/kquant_rows.h) and the 32-block kinds without repacked rows (rows/int8_rows.h, pq8_kind)
 ONE_CODE = [
     s for s in QUANTIZED if s not in ("int8", "loom_q4", "gguf_q4_0", "gguf_q4_1", "gguf_q8_0")
 ]
@@ -29,7 +29,7 @@ def test_one_code_kinds():
 @pytest.mark.parametrize("scheme", ONE_CODE)
 def test_auto_scheme_takes_int8_activations_for_one_code_rows_only(scheme):
     """The default ("auto"): a one-row K-quant, Q5_0/Q5_1/IQ4 product takes x as one int8 code
-    per element (csrc/pk_k8.h, pk_q8.h, A->x1, like llama.cpp: one scale per 256 for the K-quants
+    per element (csrc/formats/kquant_rows.h, rows/int8_rows.h, A->x1, like llama.cpp: one scale per 256 for the K-quants
     (Q8_K), per 32 for the others (Q8_0)): exact on the code grid, within 3e-2 of the exact result
     with a 30x outlier channel, and the stored weights times x's codes (the offsets and mins on
     the codes' sums too); POLY_ACT_Q8=1 two codes per 32 (within 2e-3); several rows the exact
@@ -84,7 +84,7 @@ def _panels(scheme: str, isa: str) -> bool:
 @pytest.mark.parametrize("scheme", K_QUANT + IQ4)
 @pytest.mark.parametrize("n", (4, 7, 16, 21, 40, 131))  # tiles of 8 inputs, ragged tails
 def test_k_quant_prefill_takes_int8_panels(scheme, n, each_isa):
-    """The default ("auto") on SIMD builds, 4 input rows or more (csrc/pk_k8i.h): x as one int8 code
+    """The default ("auto") on SIMD builds, 4 input rows or more (csrc/formats/kquant_panels.h): x as one int8 code
     per element, one scale per 32. On the code grid the integer products are exact; on Gaussian x
     (an outlier channel too) the result is the stored weights times x's codes (to float rounding),
     and x's rounding stays within 1e-2 of the output scale. IQ4 too."""
@@ -131,9 +131,9 @@ def _runs(tf, monkeypatch):
 
 @pytest.mark.parametrize("scheme", PQ8)
 def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, each_isa):
-    """ "auto": a Q5_0/Q5_1/IQ4 model's one-row steps take x's first int8 code (pk_q8.h, like
+    """ "auto": a Q5_0/Q5_1/IQ4 model's one-row steps take x's first int8 code (rows/int8_rows.h, like
     llama.cpp's q8_0 activations), in the fused step as in the Python path; its prompt the float
-    paths (bitwise the q8-off step's), but IQ4's on SIMD builds: the int8 panels (pk_k8i.h).
+    paths (bitwise the q8-off step's), but IQ4's on SIMD builds: the int8 panels (formats/kquant_panels.h).
     Within 6e-2 of the float path on this random model."""
     tf, (auto, python, exact) = three_runs(scheme, monkeypatch)
     a, p, e = auto[0], python[0], exact[0]  # the prompt
@@ -148,8 +148,8 @@ def test_q5_iq4_decode_rows_take_one_int8_code_by_default(scheme, monkeypatch, e
 
 @pytest.mark.parametrize("scheme", K_QUANTS)
 def test_k_quant_rows_take_int8_activations_by_default(scheme, monkeypatch, each_isa):
-    """ "auto": a K-quant model's one-row steps take x's first int8 code (pk_k8.h) and its
-    6-token prompt one int8 code per element (pk_k8i.h), in the fused step as in the Python path;
+    """ "auto": a K-quant model's one-row steps take x's first int8 code (formats/kquant_rows.h) and its
+    6-token prompt one int8 code per element (formats/kquant_panels.h), in the fused step as in the Python path;
     the 8-bit codes put every step within 6e-2 of the float path on this random model (1e-2 to
     4e-2 on SmolLM2 / a 1B Q4_K_M, where llama.cpp's Q8_K is 3e-2 to 6e-2), the decode rows
     alone too."""

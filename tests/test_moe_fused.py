@@ -1,4 +1,4 @@
-"""The MoE block inside the fused C decode step (csrc/pk_moe.h) against the Python reference
+"""The MoE block inside the fused C decode step (csrc/decode/moe.h) against the Python reference
 (poly/nn/moe.py, itself checked against transformers in tests/test_moe*.py): the same logits per
 step for f32 and quantized experts, a shared expert with norm_topk_prob=False next to a dense
 layer, batched rows, and the expert pager told about every expert the C step used."""

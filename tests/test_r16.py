@@ -1,9 +1,9 @@
-"""GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows repacked by 16 (csrc/pk_r16.h): the layout against the stored blocks,
+"""GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows repacked by 16 (csrc/formats/interleave16.h): the layout against the stored blocks,
 the kernel against the float rows, and a sequence's logits the same decoded alone and batched.
 
 The repacked rows are the fused step's path on the SIMD builds (AVX-512 VNNI, and the 8-lane
-tile of csrc/pk_r16_avx2.h elsewhere; the default "auto" q8 mode); on the portable build
-`repack16` returns None and only the layout tests run.
+tile of csrc/formats/interleave16_avx2.h elsewhere; the default "auto" q8 mode); on the portable build
+`il16` returns None and only the layout tests run.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ def test_repacked_record_holds_each_rows_scales_and_codes(scheme, monkeypatch):
     qt = MAKERS[scheme](rng.standard_normal((48, 96)).astype(np.float32))
     kind, raw, _ = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))  # the layout on every build
-    rp = repack.repack16(kind, raw, 48, 96)
+    rp = repack.il16(kind, raw, 48, 96)
     q4_1 = scheme == "gguf_q4_1"
     assert rp.shape == (
         3,
         3,
-        repack.R16_REC if q4_1 else repack.R16_REC4,
+        repack.IL16_REC if q4_1 else repack.IL16_REC4,
     )  # [groups, blocks, record]
-    assert (repack.R16_REC, repack.R16_REC4) == (320, 288)  # the stored sizes of 16 rows' blocks
+    assert (repack.IL16_REC, repack.IL16_REC4) == (320, 288)  # the stored sizes of 16 rows' blocks
     d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
     mn = rp[..., 32:64].copy().view(np.float16).astype(np.float32) if q4_1 else -8.0 * d
     co = 64 if q4_1 else 32  # where the code vectors start
@@ -140,7 +140,7 @@ def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch, float_p
     tf = r16_model("gguf_q4_1")
     assert len(fused.plan(tf).layers[0][10]) == 7
     got = tf.forward(prompt)
-    monkeypatch.setattr(repack, "repack16", lambda *a: None)
+    monkeypatch.setattr(repack, "il16", lambda *a: None)
     ref_model = r16_model("gguf_q4_1")  # the same weights, no copy: the stored rows
     assert len(fused.plan(ref_model).layers[0][10]) == 6
     np.testing.assert_array_equal(got, ref_model.forward(prompt))
@@ -155,7 +155,7 @@ def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit(scheme, float_path)
     ref = np.empty((20, 48), np.float32)
     ckernels.kernel(qt, x, ref)  # the stored rows
     kind, raw, aux = ckernels.operands(qt)
-    qt.r16 = repack.repack16(kind, raw, 48, 96, aux)
+    qt.r16 = repack.il16(kind, raw, 48, 96, aux)
     got = np.empty_like(ref)
     ckernels.kernel(qt, x, got)
     np.testing.assert_array_equal(got, ref)
@@ -169,7 +169,7 @@ def test_repacked_q8_0_record_holds_scales_code_sums_and_codes(monkeypatch):
     qt = MAKERS["gguf_q8_0"](rng.standard_normal((32, 64)).astype(np.float32))
     kind, raw, _ = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
-    rp = repack.repack16(kind, raw, 32, 64)
+    rp = repack.il16(kind, raw, 32, 64)
     assert rp.shape == (2, 2, 576)  # [groups, blocks, D + S + 8 x 64 codes]
     d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
     s = rp[..., 32:64].copy().view(np.int16)
@@ -187,8 +187,8 @@ def test_repacked_int8_record_holds_code_sums_and_codes(monkeypatch):
     qt = MAKERS["int8"](rng.standard_normal((32, 64)).astype(np.float32))
     kind, codes, scales = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
-    rp = repack.repack16(kind, codes, 32, 64)
-    assert rp.shape == (2, 2, repack.R16_REC_I8)  # [groups, blocks, S + 8 x 64 codes]
+    rp = repack.il16(kind, codes, 32, 64)
+    assert rp.shape == (2, 2, repack.IL16_REC_I8)  # [groups, blocks, S + 8 x 64 codes]
     s = rp[..., 0:32].copy().view(np.int16)  # [g, b, 16]
     got = rp[..., 32:].copy().view(np.int8).reshape(2, 2, 8, 16, 4)  # [g, b, q, row, i]
     got = got.transpose(0, 3, 1, 2, 4).reshape(32, 64)  # [row, element]
@@ -263,8 +263,8 @@ def test_repacked_loom_record_holds_float16_scales_and_q4_0_codes(monkeypatch):
     qt = MAKERS["loom_q4"](rng.standard_normal((32, 64)).astype(np.float32))
     kind, packed, scales = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
-    rp = repack.repack16(kind, packed, 32, 64, scales)
-    assert rp.shape == (2, 2, repack.R16_REC4)
+    rp = repack.il16(kind, packed, 32, 64, scales)
+    assert rp.shape == (2, 2, repack.IL16_REC4)
     d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
     s = np.asarray(scales, dtype=np.float32).reshape(32, 2)  # [row, b]
     np.testing.assert_array_equal(d.transpose(0, 2, 1).reshape(32, 2), s.astype(np.float16))
@@ -284,5 +284,5 @@ def test_repacked_loom_takes_the_stored_rows_when_a_scale_overflows_float16(monk
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
     big = np.array(scales, dtype=np.float32, copy=True)
     big.flat[7] = 7.0e4  # past float16's 65,504
-    assert repack.repack16(kind, packed, 32, 64, big) is None
-    assert repack.repack16(kind, packed, 32, 64, scales) is not None
+    assert repack.il16(kind, packed, 32, 64, big) is None
+    assert repack.il16(kind, packed, 32, 64, scales) is not None

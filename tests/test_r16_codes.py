@@ -1,4 +1,4 @@
-"""x's int8 codes on the rows repacked by 16 (csrc/pk_r16.h, pk_r16_avx2.h): every build's tile
+"""x's int8 codes on the rows repacked by 16 (csrc/formats/interleave16.h, formats/interleave16_avx2.h): every build's tile
 gives the same bits, exact on a code grid, within two codes' 1e-4 of the float rows (q8 on; Q4_1,
 Q8_0 and int8 in the auto mode too) or, the auto mode's Q4_0 and Loom Q4 (r16_x1), exactly the
 weights times x's first code, with the offsets on the codes' own sums.
@@ -36,7 +36,7 @@ def _r16_matmul(qt, x, rp, q8=None):
 
 
 def _one_code(x):
-    """x as the auto mode's Q4 rows read it (csrc/pk_vec.h quantize_x's first code): per
+    """x as the auto mode's Q4 rows read it (csrc/core/activations.h quantize_x's first code): per
     32-block dx = max|x| / 127, codes round(x / dx) in float32, dequantized in float64."""
     b = x.reshape(x.shape[0], -1, 32)  # [n, block, 32]
     d = (np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
@@ -71,7 +71,7 @@ def test_the_repacked_rows_give_the_same_bits_on_every_build(scheme, mode):
     rng = np.random.default_rng(8)
     qt = MAKERS[scheme](rng.standard_normal((80, 256)).astype(np.float32))
     kind, raw, aux = ckernels.operands(qt)
-    rp = repack.repack16(kind, raw, 80, 256, aux)
+    rp = repack.il16(kind, raw, 80, 256, aux)
     x = ckernels.aligned(rng.standard_normal((11, 256)).astype(np.float32))
     wf = _held(qt, scheme)
     ref = x.astype(np.float64) @ wf.T
@@ -111,7 +111,7 @@ def test_q8_0_codes_of_minus_128_multiply_exactly(each_isa):
     kind, raw, _ = ckernels.operands(qt)
     blocks = raw.reshape(16, 2, 34)  # [row, block, f16 scale + 32 codes]
     blocks[:, :, 2:] = np.where(rng.random((16, 2, 32)) < 0.5, 0x80, blocks[:, :, 2:])  # -128
-    rp = repack.repack16(kind, raw, 16, 64)
+    rp = repack.il16(kind, raw, 16, 64)
     x = ckernels.aligned(rng.standard_normal((3, 64)).astype(np.float32))
     ref = x @ qt.dequantize().T
     got = _r16_matmul(qt, x, rp)
@@ -129,7 +129,7 @@ def _on_grid(rng, n, k):
 @pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8", "loom_q4"])
 def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa):
     """The repacked rows for 5 and 20 inputs (8-lane builds: the prompt tile r16p of
-    csrc/pk_r16_avx2.h, for gemm and the Python rows alike): exact when x's codes are (a code
+    csrc/formats/interleave16_avx2.h, for gemm and the Python rows alike): exact when x's codes are (a code
     grid), otherwise within the two codes' 1e-4 (Q8_0, int8) or, Q4 kinds, the weights times x's
     one code, and row 0 the same as alone."""
     if not ckernels.info().get("r16"):
@@ -138,7 +138,7 @@ def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa)
     m, k = 80, 256
     qt = MAKERS[scheme](rng.standard_normal((m, k)).astype(np.float32))
     kind, raw, aux = ckernels.operands(qt)
-    rp = repack.repack16(kind, raw, m, k, aux)
+    rp = repack.il16(kind, raw, m, k, aux)
     wf = _held(qt, scheme)
     # past 16 rows SIMD builds keep the repacked rows (r16p: 8 lanes' prompt tile, AVX-512's by blocks)
     for n in (5, 20) if ckernels.info().get("r16p") else (5,):
@@ -177,7 +177,7 @@ def test_the_python_rows_read_the_repacked_copy():
     qt = MAKERS["gguf_q4_1"](rng.standard_normal((48, 96)).astype(np.float32))
     x = rng.standard_normal((3, 96)).astype(np.float32)
     kind, raw, _ = ckernels.operands(qt)
-    qt.r16 = repack.repack16(kind, raw, 48, 96)
+    qt.r16 = repack.il16(kind, raw, 48, 96)
     got = np.empty((3, 48), np.float32)
     ckernels.kernel(qt, x, got)
     np.testing.assert_array_equal(

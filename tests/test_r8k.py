@@ -1,7 +1,7 @@
-"""Q4_K and Q6_K rows repacked by 8 (poly.runtime.repack.repack8k/repack8k6, csrc/pk_r8k.h): the
+"""Q4_K and Q6_K rows repacked by 8 (poly.runtime.repack.kil8/kil8q6, csrc/formats/kquant_interleave8.h): the
 auto mode's decode rows read one vector lane per weight row. The records are checked field by
 field against gguf-py's reading of the stored blocks, and the fused step's decode rows on them
-against the stored rows' kernel (pk_k8.h: the same integer sums) and against the float path."""
+against the stored rows' kernel (formats/kquant_rows.h: the same integer sums) and against the float path."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def test_record_fields_match_gguf_py():
     codes interleaved 4 bytes a row."""
     m, k = 16, 512
     raw = _q4k_rows(m, k, seed=1)
-    rk = repack.repack8k(raw, m, k)
-    assert rk.shape == (m // 8, k // 256, repack.R8K_REC)
+    rk = repack.kil8(raw, m, k)
+    assert rk.shape == (m // 8, k // 256, repack.KIL8_REC)
     ref = dequantize(raw.reshape(-1), T.Q4_K).reshape(m, k)
     got = np.empty((m, k), dtype=np.float32)
     for g in range(m // 8):
@@ -82,8 +82,8 @@ def test_q6k_record_fields_match_gguf_py():
     against gguf-py's dequantization); no bigger than the stored rows."""
     m, k = 16, 512
     raw = _q6k_rows(m, k, seed=3)
-    rk = repack.repack8k6(raw, m, k)
-    assert rk.shape == (m // 8, k // 256, repack.R8K6_REC) and rk.nbytes == raw.nbytes
+    rk = repack.kil8q6(raw, m, k)
+    assert rk.shape == (m // 8, k // 256, repack.KIL8Q6_REC) and rk.nbytes == raw.nbytes
     ref = dequantize(raw.reshape(-1), T.Q6_K).reshape(m, k)
     got = np.empty((m, k), dtype=np.float32)
     for g in range(m // 8):
@@ -111,7 +111,7 @@ def _rss_kb(arr: np.ndarray) -> int:
     raise AssertionError("no mapping holds the array")
 
 
-@pytest.mark.parametrize("maker, rows", [("repack8k", _q4k_rows), ("repack8k6", _q6k_rows)])
+@pytest.mark.parametrize("maker, rows", [("kil8", _q4k_rows), ("kil8q6", _q6k_rows)])
 def test_stored_rows_are_released_after_the_repack(tmp_path, maker, rows):
     """The prompt panels read the records too: the stored rows' pages leave the resident set
     once repacked (and still read back the same from the file)."""
@@ -128,17 +128,17 @@ def test_stored_rows_are_released_after_the_repack(tmp_path, maker, rows):
 
 
 def test_shapes_without_whole_groups_are_not_repacked():
-    assert repack.repack8k(_q4k_rows(12, 256, seed=2), 12, 256) is None  # m % 8
+    assert repack.kil8(_q4k_rows(12, 256, seed=2), 12, 256) is None  # m % 8
     raw = _q4k_rows(8, 512, seed=2)
-    assert repack.repack8k(raw[:, :144], 8, 256) is not None
-    assert repack.repack8k6(_q6k_rows(12, 256, seed=2), 12, 256) is None
-    assert repack.repack8k6(_q6k_rows(8, 256, seed=2), 8, 256) is not None
+    assert repack.kil8(raw[:, :144], 8, 256) is not None
+    assert repack.kil8q6(_q6k_rows(12, 256, seed=2), 12, 256) is None
+    assert repack.kil8q6(_q6k_rows(8, 256, seed=2), 8, 256) is not None
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
     "scheme, maker, kind",
-    [("gguf_q4_k", "repack8k", ckernels.Q4_K), ("gguf_q6_k", "repack8k6", ckernels.Q6_K)],
+    [("gguf_q4_k", "kil8", ckernels.Q4_K), ("gguf_q6_k", "kil8q6", ckernels.Q6_K)],
 )
 def test_decode_rows_read_the_copy(threads, scheme, maker, kind, monkeypatch):
     """A Q4_K (Q6_K) model's fused decode steps read the rows by 8 (a zeroed copy changes them)
@@ -169,25 +169,25 @@ def test_decode_rows_read_the_copy(threads, scheme, maker, kind, monkeypatch):
 @pytest.mark.parametrize("threads, tokens", [(1, 6), (3, 6), (2, 80)])
 @pytest.mark.parametrize(
     "scheme, maker, kind",
-    [("gguf_q4_k", "repack8k", ckernels.Q4_K), ("gguf_q6_k", "repack8k6", ckernels.Q6_K)],
+    [("gguf_q4_k", "kil8", ckernels.Q4_K), ("gguf_q6_k", "kil8q6", ckernels.Q6_K)],
 )
 def test_prompt_panels_read_the_copy(threads, tokens, scheme, maker, kind, monkeypatch):
-    """A prompt's int8 panels decode the rows by 8 when they exist (csrc/pk_r8k_sb.h rebuilds
+    """A prompt's int8 panels decode the rows by 8 when they exist (csrc/formats/kquant_interleave8_panels.h rebuilds
     each stored super-block from its record), in the fused step's rows (6 tokens) and in the
     reference path's gemm (80: past the fused prompt): every block's cached keys and values are
     bitwise those of the stored rows' panels (no copy made), the logits within 1e-5 (the last
-    block's FFN runs the last row alone: the decode rows, pk_r8k.h against pk_k8.h), and a
+    block's FFN runs the last row alone: the decode rows, formats/kquant_interleave8.h against formats/kquant_rows.h), and a
     zeroed copy changes them."""
     _panels_case(threads, tokens, maker, kind, monkeypatch, scheme=scheme)
 
 
 @pytest.mark.parametrize(
     "scheme, maker, kind",
-    [("gguf_q4_k", "repack8k", ckernels.Q4_K), ("gguf_q6_k", "repack8k6", ckernels.Q6_K)],
+    [("gguf_q4_k", "kil8", ckernels.Q4_K), ("gguf_q6_k", "kil8q6", ckernels.Q6_K)],
 )
 def test_prompt_panels_of_a_lone_group(scheme, maker, kind, monkeypatch):
     """k and v of one 8-head-wide KV head: 8 rows, a panel that is not two whole groups, so each
-    stored super-block is rebuilt byte for byte from its record (pk_r8k_sb.h r8k_sb)."""
+    stored super-block is rebuilt byte for byte from its record (formats/kquant_interleave8_panels.h r8k_sb)."""
     _panels_case(1, 6, maker, kind, monkeypatch, scheme=scheme, num_heads=32, num_kv_heads=1)
 
 

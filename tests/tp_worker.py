@@ -58,7 +58,7 @@ def mode_logits(comm, out: Path, quantized: bool, specs: list[str], kv: str | No
     from poly.runtime import ckernels, kernels
 
     # quantized: the float kernels on both sides (TP = 1 decodes GGUF Q4_1 rows on int8 codes of
-    # x, csrc/pk_r16.h, ~5e-4 of the logit scale from the float rows that TP ranks' shards take)
+    # x, csrc/formats/interleave16.h, ~5e-4 of the logit scale from the float rows that TP ranks' shards take)
     ckernels.set_act_q8(False if quantized else "auto")
     for i, spec in enumerate(specs):
         is_smol = not Path(spec).is_dir()  # the real model: last-position prefill, C only

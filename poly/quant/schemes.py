@@ -2,7 +2,7 @@
 
 A `QuantScheme` names everything a scheme touches: its canonical name (`QTensor.scheme`), block
 geometry, encode/decode, the QTensor class that holds it, the C kernel kind id
-(csrc/poly_kernels.c), the numba adapter (poly.runtime.kernels.ADAPTERS), the `.entity`
+(csrc/matmul/entry.h), the numba adapter (poly.runtime.kernels.ADAPTERS), the `.entity`
 encoding name (entity's blob writer/reader), the `lucy --quant` alias and the aliases older
 names keep working under. Adding a scheme = one record here + its kernels.
 
@@ -23,7 +23,7 @@ from poly.errors import UsageError
 from poly.quant.ggml import QUANT_SIZES, GGMLType
 from poly.quant.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix, QTensor
 
-# kind ids of csrc/pk_kernels.h (the C side's `kind` argument)
+# kind ids of csrc/core/common.h (the C side's `kind` argument)
 C_F32, C_F16, C_BF16, C_I8, C_LOOM_Q4, C_Q4_0, C_Q4_1, C_Q8_0, C_Q4_K, C_Q6_K = range(10)
 C_Q5_0, C_Q5_1, C_Q2_K, C_Q3_K, C_Q5_K, C_IQ4_NL, C_IQ4_XS = range(10, 17)
 

@@ -1,4 +1,4 @@
-"""The compiled C kernels (poly.runtime.native.ckernels, built from csrc/poly_kernels.c): glue and registration.
+"""The compiled C kernels (poly.runtime.native.ckernels, built from csrc/matmul/entry.h): glue and registration.
 
 `matmul(qt, x, out)` computes out [n, m] = x [n, k] @ W.T for 1 <= n <= MAX_N input rows,
 reading W in its stored form: float32/float16/bfloat16 arrays, int8 per-row codes, Loom Q4,
@@ -6,7 +6,7 @@ GGUF F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K..Q6_K, IQ4_NL/IQ4_XS (`GGUF_TY
 Sums are float32, parallel over output rows with OpenMP.
 
 One extension holds a build of the kernels per instruction set ("base" C, "avx2": AVX2 + FMA +
-F16C, "avx512": AVX-512 F/BW/DQ/VL/VNNI); csrc/pk_module.c picks the best the CPU runs at import
+F16C, "avx512": AVX-512 F/BW/DQ/VL/VNNI); csrc/module.c picks the best the CPU runs at import
 (cpuid), POLY_ISA=base|avx2|avx512 caps it; `isas()`, `use_isa(name)`, `info()["isa"]`. Inputs are validated here (poly errors); the C side re-checks
 buffer sizes, so a bad call can never read out of bounds.
 
@@ -44,14 +44,15 @@ except ImportError:  # pragma: no cover - only on installs without a C compiler
 _MAIN = EXT  # the build chosen at import
 
 MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
-STEP_ROWS = 64  # rows of one fused step (csrc/pk_decode.h STEP_MAX)
+STEP_ROWS = 64  # rows of one fused step (csrc/decode/step.h STEP_MAX)
 K16: dict[int, np.ndarray] = {}  # id(f16/f32 array or QTensor) -> rows by 16 (repack.k16)
 
-# kind ids of csrc/poly_kernels.c, from the scheme records (poly.quant.schemes)
+# kind ids of csrc/matmul/entry.h, from the scheme records (poly.quant.schemes)
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = qs.C_Q4_0, qs.C_Q4_1, qs.C_Q8_0, qs.C_Q4_K, qs.C_Q6_K
-K8_KINDS = frozenset({qs.C_Q2_K, qs.C_Q3_K, qs.C_Q4_K, qs.C_Q5_K, qs.C_Q6_K})  # k8_kind (pk_k8.h)
-PQ8_KINDS = frozenset({qs.C_Q5_0, qs.C_Q5_1, qs.C_IQ4_NL, qs.C_IQ4_XS})  # pq8_kind (pk_k8.h)
+# k8_kind and pq8_kind of csrc/formats/kquant_rows.h
+K8_KINDS = frozenset({qs.C_Q2_K, qs.C_Q3_K, qs.C_Q4_K, qs.C_Q5_K, qs.C_Q6_K})
+PQ8_KINDS = frozenset({qs.C_Q5_0, qs.C_Q5_1, qs.C_IQ4_NL, qs.C_IQ4_XS})
 DENSE_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is DenseMatrix}
 GGUF_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is GGUFMatrix}
 GGUF_BLOCK = {r.c_kind: r.block for r in qs.SCHEMES.values() if r.qtensor is GGUFMatrix}
@@ -64,7 +65,7 @@ GGUF_TYPE_KINDS = {
 _F32 = np.dtype(np.float32)
 Q8_OFF, Q8_ON, Q8_AUTO = 0, 1, 2
 # a flag on q8 for HF bfloat16 weights: their rows stay exact in the auto mode (parity with
-# transformers); GGUF's BF16 takes llama.cpp's bf16 dots there (csrc/pk_bf16.h)
+# transformers); GGUF's BF16 takes llama.cpp's bf16 dots there (csrc/formats/bf16_rows.h)
 Q8_EXACT_BF16 = 4
 _Q8_ENV = {"0": Q8_OFF, "1": Q8_ON}
 _opts = {"q8": _Q8_ENV.get(os.environ.get("POLY_ACT_Q8", ""), Q8_AUTO)}
@@ -74,13 +75,13 @@ def set_act_q8(on: bool | str) -> int:
     """Scheme flag: True = int8 activations for every 4/8-bit kernel (two codes per element,
     ~1e-4 of the float path; docs/performance.md), False = the exact float path everywhere,
     "auto" (the default) = integer paths where they win, on one int8 code per element like
-    llama.cpp's for: the K-quants (Q2_K..Q6_K) in decode rows (csrc/pk_k8.h; in the fused step
-    every row of a batched decode too) and prompts of 4 rows or more (csrc/pk_k8i.h: int8
-    panels); the repacked Q4_0 and Loom Q4 rows, every row alike (csrc/pk_r16.h r16_x1; Q4_1,
+    llama.cpp's for: the K-quants (Q2_K..Q6_K) in decode rows (csrc/formats/kquant_rows.h; in the fused step
+    every row of a batched decode too) and prompts of 4 rows or more (csrc/formats/kquant_panels.h: int8
+    panels); the repacked Q4_0 and Loom Q4 rows, every row alike (csrc/formats/interleave16.h r16_x1; Q4_1,
     Q8_0, int8 keep two); Q5_0/Q5_1/IQ4_NL/IQ4_XS decode rows (and every row of a batched
-    decode, csrc/pk_q8.h), their prompts on the float paths, but IQ4's on the int8 panels too;
+    decode, csrc/rows/int8_rows.h), their prompts on the float paths, but IQ4's on the int8 panels too;
     BF16 prompts of 4 rows or more on vdpbf16ps where the CPU has AVX512_BF16 (x rounded to
-    bf16, csrc/pk_bf16.h)."""
+    bf16, csrc/formats/bf16_rows.h)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 
@@ -239,7 +240,7 @@ def silu_mul(gate_up: np.ndarray, out: np.ndarray, up: np.ndarray | None = None)
 
 
 def decode(layers, caches, head, x, logits, pos, threads, paged=None, reduce=None, exact=False):
-    """The fused decode step (csrc/pk_decode.c): every block, the final norm and the LM head
+    """The fused decode step (csrc/decode/step.h): every block, the final norm and the LM head
     for the rows of x [n, d] in one OpenMP region (argument tuples: poly.runtime.fused).
     ``paged`` = (page_size, int32 page table per row): caches are page pools (poly.serving).
     ``reduce`` (tensor parallel) = (buf float32 [n, d], fn): fn() sums buf over the ranks in
@@ -301,7 +302,7 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
 
 
 def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads: int = 0) -> None:
-    """out [n, m] = x [n, k] @ W.T for any n with csrc/pk_gemm.h (the stored form `kind`, not
+    """out [n, m] = x [n, k] @ W.T for any n with csrc/gemm/gemm.h (the stored form `kind`, not
     Loom Q4): OpenMP panels of dequantized rows, no BLAS (so no OpenMP/OpenBLAS thread fight)."""
     n, k = x.shape
     EXT.gemm(kind, x, out, w, aux, n, k, out.shape[1], int(threads))
@@ -309,7 +310,7 @@ def gemm(kind: int, w: np.ndarray, aux, x: np.ndarray, out: np.ndarray, threads:
 
 def _facts() -> tuple[int, bool, bool, bool]:
     """The build's (GEMM_ROWS, LOOM8, SIMD, BF16_DOT): rows from which `gemm` beats the row
-    kernels' tiles (csrc/pk_kernels.h; 9 on 8-lane builds, MAX_N + 1 on AVX-512; the fused
+    kernels' tiles (csrc/core/common.h; 9 on 8-lane builds, MAX_N + 1 on AVX-512; the fused
     step's switch too; dense rows stay on the tiles to MAX_N on every build); whether the auto
     mode runs Loom Q4 rows in company on x's int8 codes and a prompt alone on the float paths
     (PK_LOOM8, 8-lane builds, matrices not repacked by 16); whether it has the SIMD kernels

@@ -7,7 +7,7 @@ GGUF Q4_K/Q6_K). The loop over output rows runs in parallel threads. More than `
 rows take the numpy path (dequantize row blocks + BLAS sgemm), which is faster for prefill.
 
 Backends: "numpy" (the reference: `QTensor.matmul_reference`), "c" (poly.runtime.native.ckernels from
-csrc/poly_kernels.c, see poly/ckernels.py), "numba" (the kernels below, compiled on first
+csrc/matmul/entry.h, see poly/ckernels.py), "numba" (the kernels below, compiled on first
 selection: numba is imported only then), "auto" (c if built, else numba if installed, else
 numpy). Choose with `set_backend()` or the POLY_BACKEND environment variable. Threads:
 `set_num_threads(n)` sets the C/OpenMP count, numba's pool (if loaded) and the BLAS pool

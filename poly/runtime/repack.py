@@ -1,9 +1,9 @@
 """GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows regrouped 16 at a time for the fused step's integer row kernels
-(csrc/pk_r16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
+(csrc/formats/interleave16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
 its row's lane and the block scale applies to 16 rows in one FMA. Made once per matrix when the
 fused plan is built (`fused._mat`, kept as the QTensor's `r16`); the stored rows' pages are then
 released, and a prompt's GEMM dequantizes the copy. Float16/float32 rows mapped from a file are
-laid out by 16, k-major (`k16`, csrc/pk_k16.h): the gemm panels' packed form."""
+laid out by 16, k-major (`k16`, csrc/formats/float_kmajor16.h): the gemm panels' packed form."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import numpy as np
 from poly.runtime import ckernels
 from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
-R16_REC = 320  # bytes per 16 rows and 32-block of Q4_1 (csrc/pk_r16.h): the stored size
-R16_REC4 = 288  # Q4_0 and Loom Q4: D[16] float16 and the codes (M = -8 D in the tiles)
-R16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
-R8K_REC = 1184  # bytes per 8 Q4_K rows and super-block (csrc/pk_r8k.h)
-R8K6_REC = 1680  # bytes per 8 Q6_K rows and super-block: the stored 8 x 210
+IL16_REC = 320  # bytes per 16 rows and 32-block of Q4_1 (formats/interleave16.h): stored size
+IL16_REC4 = 288  # Q4_0 and Loom Q4: D[16] float16 and the codes (M = -8 D in the tiles)
+IL16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
+KIL8_REC = 1184  # bytes per 8 Q4_K rows and super-block (csrc/formats/kquant_interleave8.h)
+KIL8Q6_REC = 1680  # bytes per 8 Q6_K rows and super-block: the stored 8 x 210
 
 
 def _mapping(arr: np.ndarray):
@@ -58,10 +58,10 @@ def release_mapped(arr: np.ndarray) -> None:
             b.madvise(mmap.MADV_DONTNEED, p0, p1 - p0)
 
 
-def repack16(
+def il16(
     kind: int, raw: np.ndarray, m: int, k: int, aux: np.ndarray | None = None, owner=None
 ) -> np.ndarray | None:
-    """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/pk_r16.h (the fused step's decode
+    """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/formats/interleave16.h (the fused step's decode
     and prompt rows on int8 codes of x, every SIMD build), or None where this build or
     shape does not take them. Per 16 rows and 32-block: D[16] as float16, then for Q4_1 M[16]
     as float16 or for Q8_0 S[16] as int16 (each row's code sum; Q4_0: no M, the tiles take
@@ -130,32 +130,32 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
     by16 False), the other kinds by 16 (`w.r16`, which a prompt's GEMM reads too), or None."""
     if kind in (Q4_K, Q6_K):
         if not hasattr(w, "r8k"):
-            w.r8k = (repack8k if kind == Q4_K else repack8k6)(data, m, k) if by16 else None
+            w.r8k = (kil8 if kind == Q4_K else kil8q6)(data, m, k) if by16 else None
         return w.r8k
     rp = getattr(w, "r16", None)
     if rp is None and not hasattr(w, "r16"):
-        rp = w.r16 = repack16(kind, data, m, k, aux, w if by16 else None)
+        rp = w.r16 = il16(kind, data, m, k, aux, w if by16 else None)
     return rp
 
 
 def _by8(m: int, k: int) -> bool:
-    """Whether this build reads [m, k] K-quant rows by 8 (csrc/pk_r8k.h)."""
+    """Whether this build reads [m, k] K-quant rows by 8 (csrc/formats/kquant_interleave8.h)."""
     return not (m % 8 or k % 256) and ckernels.AVAILABLE and bool(ckernels.EXT.info().get("r8k"))
 
 
-def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
-    """GGUF Q4_K rows [m, k] regrouped 8 at a time for csrc/pk_r8k.h (the auto mode's decode
+def kil8(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+    """GGUF Q4_K rows [m, k] regrouped 8 at a time for csrc/formats/kquant_interleave8.h (the auto mode's decode
     rows, one vector lane per row), or None where this build or shape takes none. Per 8 rows and
     super-block: D[8], Dmin[8] as float16, the 6-bit scales (byte 8 j + r) and mins (byte 16 i +
     2 r + e: sub-block 2 i + e) unpacked, then 32 code vectors, byte 4 r + b of vector 8 i + t =
     stored code byte 32 i + 4 t + b of row r. A prompt's int8 panels decode the records too
-    (csrc/pk_r8k_sb.h), so the stored rows' pages are released (`release_mapped`): one copy of
+    (csrc/formats/kquant_interleave8_panels.h), so the stored rows' pages are released (`release_mapped`): one copy of
     the weights resident, not two."""
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
     blocks = np.asarray(raw).reshape(g, 8, ns, 144)  # the stored bytes [group, row, sb, block]
-    out = np.empty((g, ns, R8K_REC), dtype=np.uint8)
+    out = np.empty((g, ns, KIL8_REC), dtype=np.uint8)
     for j, lo in enumerate((0, 2)):  # D, Dmin: [g, 8, ns, 2] -> [g, ns, 8 rows, 2]
         half = blocks[..., lo : lo + 2]
         out[..., 16 * j : 16 * j + 16].reshape(g, ns, 8, 2)[...] = half.transpose(0, 2, 1, 3)
@@ -174,19 +174,19 @@ def repack8k(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     return out
 
 
-def repack8k6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
-    """GGUF Q6_K rows [m, k] regrouped 8 at a time for csrc/pk_r8k.h (the auto mode's decode
+def kil8q6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+    """GGUF Q6_K rows [m, k] regrouped 8 at a time for csrc/formats/kquant_interleave8.h (the auto mode's decode
     rows and the prompt panels), or None where this build or shape takes none. Per 8 rows and
     super-block: D[8] as float16, the int8 scales (byte 16 i + 2 r + e: 16-group 2 i + e of row
     r), then the 6-bit codes in natural order, three vectors per 16-group j: byte 4 r + b of
     vector 3 j + k holds the code of element 16 j + 4 k + b in bits 0-5 and bits 4 - 2 k,
     5 - 2 k of the code of element 16 j + 12 + b in bits 6-7. As many bytes as stored. The
-    stored rows' pages are released as repack8k's."""
+    stored rows' pages are released as kil8's."""
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
     blocks = np.asarray(raw).reshape(g, 8, ns, 210)  # the stored bytes [group, row, sb, block]
-    out = np.empty((g, ns, R8K6_REC), dtype=np.uint8)
+    out = np.empty((g, ns, KIL8Q6_REC), dtype=np.uint8)
     d = blocks[..., 208:210]  # [g, row, ns, 2] -> [g, ns, row, 2]
     out[..., 0:16].reshape(g, ns, 8, 2)[...] = d.transpose(0, 2, 1, 3)
     sc = blocks[..., 192:208].reshape(g, 8, ns, 8, 2)  # [g, row, ns, i, e]
@@ -218,7 +218,7 @@ def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
     4 q + i of row r's block (Q8_0's record without its scales: those are per row)."""
     g, nb = m // 16, k // 32
     c = np.asarray(codes).view(np.uint8).reshape(m, nb, 32)  # [m, nb, 32]
-    out = np.empty((g, nb, R16_REC_I8), dtype=np.uint8)
+    out = np.empty((g, nb, IL16_REC_I8), dtype=np.uint8)
     sums = c.view(np.int8).sum(axis=-1, dtype=np.int16)  # [m, nb]
     _place_fields(out, 0, sums)
     _place_codes(out, 32, c)
@@ -234,7 +234,7 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
     decode +12 % on Zen 3). Its rounding (2^-12 relative at most) is far below the 4-bit codes'
     own and the auto mode's one code of x (1/254); with q8 on (two codes of x) it is the larger
     error, within 6e-4 of the float rows (tests/test_r16.py). A prompt's GEMM reads the stored
-    float32 scales (csrc/pk_gemm_r16.h). None where a scale overflows float16 (the float
+    float32 scales (csrc/formats/interleave16_panels.h). None where a scale overflows float16 (the float
     kernels then take the stored rows)."""
     g, nb = m // 16, k // 32
     with np.errstate(over="ignore"):
@@ -247,7 +247,7 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
     u[..., 1::2] = p >> 4
     u ^= 8
     q = u[..., :16] | (u[..., 16:] << 4)  # [m, nb, 16] as Q4_0 stores them
-    out = np.empty((g, nb, R16_REC4), dtype=np.uint8)
+    out = np.empty((g, nb, IL16_REC4), dtype=np.uint8)
     _place_fields(out, 0, d16.reshape(m, nb))
     _place_codes(out, 32, q)
     release_mapped(packed)
@@ -263,7 +263,7 @@ def k16_wanted(kind: int, m: int) -> bool:
 
 def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray | None:
     """float16/float32 rows [m, k] as [m / 16, k, 16] (group g: rows 16 g .. 16 g + 15, k-major)
-    for csrc/pk_k16.h, made once per array, or None where the build or shape takes none or `raw`
+    for csrc/formats/float_kmajor16.h, made once per array, or None where the build or shape takes none or `raw`
     is not mapped from a file (a copy would double the resident weights). The mapped pages are
     then released (`release_mapped`): they stay in the page cache and fault back in if a path
     reads the rows. `w`: the weight object the copy lives with (the array, or its QTensor);
@@ -291,7 +291,7 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
 def k16_stored(w) -> np.ndarray | None:
     """`w.r16`: a GGUF float matrix whose file permutes its rows (`GGUFMatrix.order`: llama.cpp's
     q/k) laid out by 16 in the matrix's order straight from the file's mapping (at load), so the
-    reordered copy (`w.raw`) is never made: the C side reads the layout alone (csrc/pk_mat.h:
+    reordered copy (`w.raw`) is never made: the C side reads the layout alone (csrc/decode/matrix.h:
     hk; `ckernels.laid`). None where the build or shape takes none."""
     kind = ckernels.GGUF_KINDS.get(w.scheme)
     if w.order is None or kind not in (F16, F32):

@@ -1,0 +1,209 @@
+/* Attention of one decode row (contiguous, or paged through slot(): the server's KV pool) for the fused step: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos].
+ * The 8-lane version keeps the output row in registers while it
+ * streams V (head_dim 64 and 128 unrolled), takes exp on 8 lanes (exp8) and divides once at the
+ * end: at position 1,000 the scalar loop (a load, FMA and store of o per V element, a libm expf
+ * and a division per position) cost more than the 4-bit weights of the step.
+ * The caches hold float32, or float16 (h16: llama.cpp's default, half the bytes a position to
+ * read at long context); every function takes h16 as a constant, so each form is its own loop.
+ * A thread's heads go together in blocks of positions (attend_heads_kv): 1B Q4_0 decode at context
+ * 1,000 +11 % (float16 cache), +5 % (float32). */
+#ifndef POLY_ATTENTION_DECODE_ROW_H
+#define POLY_ATTENTION_DECODE_ROW_H
+#include "core/common.h"
+#include "core/half.h"
+#include "rows/avx512.h"
+#include "rows/dense_dot.h"
+#include "core/activations.h"
+#include "decode/step.h"
+#include "decode/kv.h"
+
+/* element j of a cache row (float32 or float16) */
+static inline __attribute__((always_inline)) float kv_ld1(const uint8_t *p, int64_t j, const int h16) {
+    return h16 ? h2f(p + 2 * j) : ((const float *)p)[j];
+}
+
+#if PK_SIMD
+static inline __attribute__((always_inline)) __m256 kv_ld8(const uint8_t *p, int64_t j, const int h16) {
+    return h16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * j))) : _mm256_loadu_ps((const float *)p + j);
+}
+
+/* the 8 dot products q . k[j] (hd % 8 == 0) as one vector: the 8 sums reduced together by one
+ * transpose-add, not one horizontal sum each (that reduction cost as much as the FMAs at hd 64) */
+static inline __attribute__((always_inline)) __m256 dot8x(const uint8_t *const k[8], const float *q, int64_t hd,
+                                                          const int h16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    int64_t c = 0;
+#if PK_AVX512
+    if (hd % 16 == 0) { /* 16 lanes, each sum folded to 8 before the transpose-add */
+        __m512 b[8];
+        for (int j = 0; j < 8; j++) b[j] = _mm512_setzero_ps();
+        for (; c < hd; c += 16) {
+            const __m512 qv = _mm512_loadu_ps(q + c);
+            for (int j = 0; j < 8; j++) {
+                const __m512 kj = h16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(k[j] + 2 * c)))
+                                      : _mm512_loadu_ps((const float *)k[j] + c);
+                b[j] = _mm512_fmadd_ps(kj, qv, b[j]);
+            }
+        }
+#define FOLD(j) _mm256_add_ps(_mm512_castps512_ps256(b[j]), _mm512_extractf32x8_ps(b[j], 1))
+        a0 = FOLD(0); a1 = FOLD(1); a2 = FOLD(2); a3 = FOLD(3); a4 = FOLD(4); a5 = FOLD(5); a6 = FOLD(6); a7 = FOLD(7);
+#undef FOLD
+    }
+#endif
+    for (; c < hd; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        a0 = _mm256_fmadd_ps(kv_ld8(k[0], c, h16), qv, a0);
+        a1 = _mm256_fmadd_ps(kv_ld8(k[1], c, h16), qv, a1);
+        a2 = _mm256_fmadd_ps(kv_ld8(k[2], c, h16), qv, a2);
+        a3 = _mm256_fmadd_ps(kv_ld8(k[3], c, h16), qv, a3);
+        a4 = _mm256_fmadd_ps(kv_ld8(k[4], c, h16), qv, a4);
+        a5 = _mm256_fmadd_ps(kv_ld8(k[5], c, h16), qv, a5);
+        a6 = _mm256_fmadd_ps(kv_ld8(k[6], c, h16), qv, a6);
+        a7 = _mm256_fmadd_ps(kv_ld8(k[7], c, h16), qv, a7);
+    }
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [0123|0123] halves */
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7)); /* [4567|4567] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
+/* scores sc[t] = q . K_t * scale for t0 <= t < t1 (rb: a position's bytes; t0 a multiple of 8, so a
+ * position takes the same 8-lane or scalar dot whatever the range); returns their max */
+static inline __attribute__((always_inline)) float attn_scores(const step_t *S, int i, const uint8_t *K, int64_t rb,
+                                                                const float *q, int64_t hd, float scale, float *sc,
+                                                                int64_t t0, int64_t t1, const int h16) {
+    float mx = -INFINITY;
+    int64_t t = t0;
+#if PK_SIMD
+    if (hd % 8 == 0 && t + 8 <= t1) {
+        __m256 vmx = _mm256_set1_ps(-INFINITY);
+        const __m256 vs = _mm256_set1_ps(scale);
+        for (; t + 8 <= t1; t += 8) {
+            const uint8_t *k[8];
+            for (int j = 0; j < 8; j++) k[j] = K + slot(S, i, t + j) * rb;
+            const __m256 s = _mm256_mul_ps(dot8x(k, q, hd, h16), vs);
+            _mm256_storeu_ps(sc + t, s);
+            vmx = _mm256_max_ps(s, vmx); /* a NaN score is skipped, like fmaxf; exp keeps it NaN */
+        }
+        float m8[8];
+        _mm256_storeu_ps(m8, vmx);
+        for (int j = 0; j < 8; j++) mx = fmaxf(mx, m8[j]);
+    }
+#endif
+    for (; t < t1; t++) {
+        /* the SIMD dot of the matrix kernels: a plain loop is one dependent add chain */
+        sc[t] = dense_dot(h16 ? K_F16 : K_F32, K + slot(S, i, t) * rb, q, hd) * scale;
+        mx = fmaxf(mx, sc[t]);
+    }
+    return mx;
+}
+
+#if PK_SIMD
+/* sc[t] = exp(sc[t] - mx) for t <= pos; returns their sum (NaN scores stay NaN) */
+static inline float attn_exp(float *sc, int64_t pos, float mx) {
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= pos + 1; t += 8) {
+        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sc + t), vm);
+        const __m256 e = _mm256_blendv_ps(exp8(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        _mm256_storeu_ps(sc + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum(acc);
+    for (; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+    return sum;
+}
+
+/* o += sum_t p[t] * V_t over t0 <= t < t1 (o zero when t0 == 0), then o *= inv if last; NV * 8 =
+ * head_dim (NV a constant: the row stays in registers) */
+static inline __attribute__((always_inline)) void attn_values(const step_t *S, int i, const uint8_t *V, int64_t rb,
+                                                              const float *p, int64_t t0, int64_t t1, int last,
+                                                              float inv, float *o, const int NV, const int h16) {
+    __m256 acc[32];
+    for (int c = 0; c < NV; c++) acc[c] = t0 ? _mm256_loadu_ps(o + 8 * c) : _mm256_setzero_ps();
+    for (int64_t t = t0; t < t1; t++) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        const uint8_t *v = V + slot(S, i, t) * rb;
+        for (int c = 0; c < NV; c++) acc[c] = _mm256_fmadd_ps(pt, kv_ld8(v, 8 * c, h16), acc[c]);
+    }
+    for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, last ? _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)) : acc[c]);
+}
+
+static inline __attribute__((always_inline)) void attn_values_hd(const step_t *S, int i, const uint8_t *V, int64_t rb,
+                                                                 const float *p, int64_t t0, int64_t t1, int last,
+                                                                 float inv, float *o, int64_t hd, const int h16) {
+    if (hd == 64) attn_values(S, i, V, rb, p, t0, t1, last, inv, o, 8, h16);
+    else if (hd == 128) attn_values(S, i, V, rb, p, t0, t1, last, inv, o, 16, h16);
+    else attn_values(S, i, V, rb, p, t0, t1, last, inv, o, (int)(hd / 8), h16);
+}
+#endif
+
+/* row i, head h: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos], scalar (builds without SIMD, head
+ * dims the 8-lane loops do not take) */
+static inline __attribute__((always_inline)) void attend_kv(const step_t *S, const layer_t *L, const float *q, float *o,
+                                                            float *sc, int64_t pos, int i, int h, const int h16) {
+    const int64_t hd = L->hd, g = h / (L->heads / L->kvh), es = h16 ? 2 : 4, rb = (int64_t)L->kvh * hd * es;
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    const uint8_t *K = (const uint8_t *)L->kc[i] + g * hd * es, *V = (const uint8_t *)L->vc[i] + g * hd * es;
+    const float mx = attn_scores(S, i, K, rb, q, hd, scale, sc, 0, pos + 1, h16);
+    float sum = 0.0f;
+    for (int64_t t = 0; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+    for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+    for (int64_t t = 0; t <= pos; t++) {
+        const float p = sc[t] / sum;
+        const uint8_t *v = V + slot(S, i, t) * rb;
+        for (int64_t j = 0; j < hd; j++) o[j] += p * kv_ld1(v, j, h16);
+    }
+}
+
+#if PK_SIMD
+/* heads [h0, h1) of row i (q, o: the row's), in blocks of positions: each block's keys (values)
+ * of the heads' KV groups are read from memory once and stay in L1 for every head of a group
+ * (one head at a time over all positions read a group's keys from memory, then again from L2
+ * for each other head). sc: the heads' scores, sst floats each. The same sums in the same
+ * order as one head at a time (o carries a head's value sums between blocks). */
+static inline __attribute__((always_inline)) void attend_heads_kv(const step_t *S, const layer_t *L, const float *q,
+                                                                  float *o, float *sc, int64_t sst, int64_t pos, int i,
+                                                                  int h0, int h1, const int h16) {
+    const int G = L->heads / L->kvh;
+    const int64_t hd = L->hd, es = h16 ? 2 : 4, rb = (int64_t)L->kvh * hd * es, blk = h16 ? 64 : 32;
+    const float scale = (float)(1.0 / sqrt((double)hd));
+    const uint8_t *K = (const uint8_t *)L->kc[i], *V = (const uint8_t *)L->vc[i];
+    float mx[h1 - h0], inv[h1 - h0];
+    for (int h = h0; h < h1; h++) mx[h - h0] = -INFINITY;
+    for (int64_t t0 = 0; t0 <= pos; t0 += blk) {
+        const int64_t t1 = t0 + blk < pos + 1 ? t0 + blk : pos + 1;
+        for (int h = h0; h < h1; h++) {
+            const float m = attn_scores(S, i, K + (h / G) * hd * es, rb, q + h * hd, hd, scale, sc + (h - h0) * sst, t0,
+                                        t1, h16);
+            mx[h - h0] = fmaxf(mx[h - h0], m);
+        }
+    }
+    for (int h = h0; h < h1; h++) inv[h - h0] = 1.0f / attn_exp(sc + (h - h0) * sst, pos, mx[h - h0]);
+    for (int64_t t0 = 0; t0 <= pos; t0 += blk) {
+        const int64_t t1 = t0 + blk < pos + 1 ? t0 + blk : pos + 1;
+        for (int h = h0; h < h1; h++)
+            attn_values_hd(S, i, V + (h / G) * hd * es, rb, sc + (h - h0) * sst, t0, t1, t1 == pos + 1, inv[h - h0],
+                           o + h * hd, hd, h16);
+    }
+}
+#endif
+
+/* heads [h0, h1) of row i: q and o point at the row's query and output (head h at h * hd) */
+static void attend_heads(const step_t *S, const layer_t *L, const float *q, float *o, float *sc, int64_t sst,
+                         int64_t pos, int i, int h0, int h1) {
+#if PK_SIMD
+    if (L->hd % 8 == 0 && L->hd <= 256) {
+        if (L->kv16) attend_heads_kv(S, L, q, o, sc, sst, pos, i, h0, h1, 1);
+        else attend_heads_kv(S, L, q, o, sc, sst, pos, i, h0, h1, 0);
+        return;
+    }
+#endif
+    for (int h = h0; h < h1; h++) {
+        if (L->kv16) attend_kv(S, L, q + h * L->hd, o + h * L->hd, sc, pos, i, h, 1);
+        else attend_kv(S, L, q + h * L->hd, o + h * L->hd, sc, pos, i, h, 0);
+    }
+}
+
+#endif /* POLY_ATTENTION_DECODE_ROW_H */
