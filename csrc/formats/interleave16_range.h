@@ -3,6 +3,7 @@
 #define POLY_FORMATS_INTERLEAVE16_RANGE_H
 #include "core/common.h"
 #include "formats/interleave16.h"
+#include "formats/interleave16_avx2.h" /* PK_IL16P where the 8-lane kernels define it */
 #if !PK_SIMD
 #define PK_IL16 0
 static inline int il16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) { (void)kind; (void)A; (void)rp; (void)r0; (void)r1; return -1; }

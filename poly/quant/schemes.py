@@ -2,7 +2,7 @@
 
 A `QuantScheme` names everything a scheme touches: its canonical name (`QTensor.scheme`), block
 geometry, encode/decode, the QTensor class that holds it, the C kernel kind id
-(csrc/matmul/entry.h), the numba adapter (poly.runtime.kernels.ADAPTERS), the `.entity`
+(csrc/core/common.h), the numba adapter (poly.runtime.kernels.ADAPTERS), the `.entity`
 encoding name (entity's blob writer/reader), the `lucy --quant` alias and the aliases older
 names keep working under. Adding a scheme = one record here + its kernels.
 

@@ -1,4 +1,4 @@
-"""The compiled C kernels (poly.runtime.native.ckernels, built from csrc/matmul/entry.h): glue and registration.
+"""The compiled C kernels (poly.runtime.native.ckernels, built from csrc/): glue and registration.
 
 `matmul(qt, x, out)` computes out [n, m] = x [n, k] @ W.T for 1 <= n <= MAX_N input rows,
 reading W in its stored form: float32/float16/bfloat16 arrays, int8 per-row codes, Loom Q4,
@@ -47,10 +47,9 @@ MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
 STEP_ROWS = 64  # rows of one fused step (csrc/decode/step.h STEP_MAX)
 K16: dict[int, np.ndarray] = {}  # id(f16/f32 array or QTensor) -> rows by 16 (repack.k16)
 
-# kind ids of csrc/matmul/entry.h, from the scheme records (poly.quant.schemes)
+# kind ids of csrc/core/common.h (poly.quant.schemes); k8_kind, pq8_kind: formats/kquant_rows.h
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = qs.C_Q4_0, qs.C_Q4_1, qs.C_Q8_0, qs.C_Q4_K, qs.C_Q6_K
-# k8_kind and pq8_kind of csrc/formats/kquant_rows.h
 K8_KINDS = frozenset({qs.C_Q2_K, qs.C_Q3_K, qs.C_Q4_K, qs.C_Q5_K, qs.C_Q6_K})
 PQ8_KINDS = frozenset({qs.C_Q5_0, qs.C_Q5_1, qs.C_IQ4_NL, qs.C_IQ4_XS})
 DENSE_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is DenseMatrix}
