@@ -6,6 +6,7 @@ at every position within 1e-4 (float32), 32 greedy tokens equal with and without
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import entity
 from poly.errors import WeightMappingError
 from poly.runtime import ckernels, fused
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint
+from tests.test_moe_gguf import _rewrite
 from tests.test_moe_hf import PROMPT, greedy
 
 N_NEW = 32
@@ -96,4 +98,56 @@ def test_a_wrong_fused_shape_is_named(ckpts, tmp_path, name, cut):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as err:
         entity.load(path)
+    assert "\n" not in str(err.value)
+
+
+# --- GGUF files from llama.cpp's own converter (arch phi3: fused attn_qkv and ffn_up kept fused,
+# the longrope factors as tensors, attention.sliding_window) ------------------------------------
+@pytest.fixture(scope="module")
+def gguf_files(ckpts, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    from benchmarks import llama_convert
+
+    root = llama_convert.converter_dir()
+    if root is None:
+        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    tmp = tmp_path_factory.mktemp("phi3_gguf")
+    out = {}
+    for variant in VARIANTS:
+        # the converter reads a GPT-2 BPE vocab when tokenizer_class says so (else tokenizer.model)
+        src = Path(shutil.copytree(ckpts[variant], tmp / variant))
+        cfg = json.loads((src / "tokenizer_config.json").read_text())
+        cfg["tokenizer_class"] = "GPT2Tokenizer"
+        (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+        for kind in ("f32", "q8_0"):
+            out[(variant, kind)] = llama_convert.convert(
+                src, tmp / f"{variant}.{kind}.gguf", kind, root
+            )
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gguf_from_llama_cpp_matches_transformers(ckpts, gguf_files, variant):
+    src = ckpts[variant]
+    f32 = entity.load(gguf_files[(variant, "f32")])
+    assert f32.config.rope_scaling.rope_type == "longrope" and f32.attn(0).sliding_window == 6
+    assert f32.attn(0).rotary_dim == (12 if variant == "partial" else 18)
+    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
+    want = hf_greedy(src, PROMPT, N_NEW)
+    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    q8 = entity.load(gguf_files[(variant, "q8_0")])  # top-1 along transformers' greedy path
+    logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert fused.plan(q8) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_qkv.weight", "blk.1.ffn_up.weight", "rope_factors_short.weight"]
+)
+def test_a_wrong_gguf_tensor_is_named(gguf_files, tmp_path, name):
+    bad = _rewrite(gguf_files[("long", "f32")], tmp_path / "bad.gguf", reshape=name)
+    with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as err:
+        entity.load(bad)
     assert "\n" not in str(err.value)

@@ -4,6 +4,7 @@ split at load; longrope scaling, an optional partial rotary (Phi-4-mini) and a s
 every layer when `sliding_window` is set. mlx-lm: models/phi3.py."""
 
 from entity.families.base import Family, TensorName
+from entity.families.gpt_neox import gguf_rotary
 
 TENSORS: tuple[TensorName, ...] = (
     TensorName("attn_norm", "gamma", "input_layernorm.weight", "attn_norm.weight"),
@@ -14,6 +15,17 @@ TENSORS: tuple[TensorName, ...] = (
     TensorName("mlp", "w_down", "mlp.down_proj.weight", "ffn_down.weight"),
 )
 
+
+def _gguf(get) -> dict:
+    """llama.cpp's phi3: attention.sliding_window (0: none, Phi-4), rope.dimension_count; its
+    longrope factors are tensors (entity.gguf.loader reads them)."""
+    attention = gguf_rotary(get)
+    window = get("attention.sliding_window", 0)
+    if window:
+        attention["sliding_window"] = window
+    return {"attention": attention}
+
+
 FAMILY = Family(
     model_type="phi3",
     causal_lm_class="Phi3ForCausalLM",
@@ -22,7 +34,9 @@ FAMILY = Family(
     default_head_dim=None,
     default_max_positions=4096,
     sliding="sliding_window",
+    gguf_arch="phi3",
     # transformers' Phi3Config: longrope's pre-extension length is this top-level key
     hf_defaults={"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     tensors=TENSORS,
+    gguf_options=_gguf,
 )

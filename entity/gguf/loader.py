@@ -22,7 +22,7 @@ from entity.gguf.moe import required as moe_required
 from entity.gguf.moe import tensor_shape as moe_tensor_shape
 from entity.gguf.reader import GGUFFile
 from entity.gguf.tokenizer import load_gguf_tokenizer
-from poly.config import LIMITS
+from poly.config import LIMITS, AttentionConfig
 from poly.errors import (
     GGUFFormatError,
     LayerConfigError,
@@ -95,8 +95,8 @@ def _rope_scaling(gg: GGUFFile, arch: str, context: int) -> dict | None:
             f"(supported: {', '.join(GGUF_ROPE_TYPES)})",
             path=gg.path,
         )
-    if kind == "none":
-        return None
+    if kind == "none":  # Phi-3's longrope: no type key, its factors are tensors
+        return _longrope(gg, pre, context) if LONGROPE_TENSORS[0] in gg.tensors else None
     refused = [pre + key for key in _GGUF_ROPE_REFUSED if pre + key in gg.metadata]
     if refused:
         raise UnsupportedError(f"GGUF {', '.join(refused)} is not supported", path=gg.path)
@@ -108,6 +108,31 @@ def _rope_scaling(gg: GGUFFile, arch: str, context: int) -> dict | None:
         for beta in ("beta_fast", "beta_slow"):
             if pre + "yarn_" + beta in gg.metadata:
                 fields[beta] = _meta_float(gg, pre + "yarn_" + beta, 0.0)
+    return fields
+
+
+# Phi-3's longrope factors as llama.cpp's converter stores them: long, short ([rotary dims / 2])
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _longrope(gg: GGUFFile, pre: str, context: int) -> dict:
+    """A longrope RopeScaling from the factor tensors, rope.scaling.original_context_length and
+    attn_factor (the converter's value is transformers' default attention factor)."""
+    rot = gg.metadata.get(pre.replace("scaling.", "dimension_count"))
+    for name in LONGROPE_TENSORS:
+        if name not in gg.tensors:
+            raise WeightMappingError(f"missing tensor {name!r}", path=gg.path)
+        shape = gg.tensors[name].shape
+        if isinstance(rot, int) and shape != (rot // 2,):  # one factor per rotated pair
+            raise WeightMappingError(
+                f"tensor {name!r} has shape {shape}, expected {(rot // 2,)}", path=gg.path
+            )
+    long, short = (gg.dequantize(n).reshape(-1).tolist() for n in LONGROPE_TENSORS)
+    orig = _meta_int(gg, pre + "original_context_length", context)
+    fields = {"rope_type": "longrope", "factor": context / orig, "long_factor": long,
+              "short_factor": short, "original_max_position_embeddings": orig}  # fmt: skip
+    if pre + "attn_factor" in gg.metadata:
+        fields["attention_factor"] = _meta_float(gg, pre + "attn_factor", 1.0)
     return fields
 
 
@@ -215,6 +240,10 @@ def check_tensors(gg: GGUFFile, cfg) -> None:
     table = global_shapes(cfg)
     family = GGUF_FAMILIES[cfg.architecture]
     globals_ = {name: table[role] for name, role in _global_names(family).items()}
+    rope = cfg.rope_scaling
+    if rope is not None and rope.rope_type == "longrope":  # one factor per rotated pair
+        pairs = (cfg.attention or AttentionConfig()).rotary_dim(cfg.head_dim, 0) // 2
+        globals_.update(dict.fromkeys(LONGROPE_TENSORS, (pairs,)))
     for name, info in gg.tensors.items():
         m = BLOCK_NAME.fullmatch(name)
         moe_shape = m and moe_tensor_shape(cfg, m.group(2), gg.path)
