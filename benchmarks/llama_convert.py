@@ -5,7 +5,8 @@ The sdist is found at $POLY_LLAMA_CPP_SRC (a dir holding vendor/llama.cpp), else
 ``pip download --no-deps --no-binary :all: llama-cpp-python==<installed>`` into
 ~/.cache/poly/llama-cpp-src and unpacked (only the converter, its ``conversion`` package and
 gguf-py). The converter runs in a subprocess with two shims for our tiny checkpoints: a stub
-``sentencepiece`` (there is no tokenizer.model; the converter then falls back to tokenizer.json)
+``sentencepiece`` (there is no tokenizer.model; the converter then falls back to tokenizer.json;
+families that insist on tokenizer.model, Gemma 1/2, get the tokenizer.json vocab instead)
 and the pre-tokenizer name "gpt-2" for the test BPE (its hash is not in llama.cpp's list; the
 pre-tokenizer does not affect logits on given token ids).
 """
@@ -26,6 +27,8 @@ sys.path[:0] = [{root!r}, {stub!r}]
 from conversion import base
 if {test_bpe!r}:
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    # Gemma 1/2 read tokenizer.model only; the test BPE has tokenizer.json (vocab, not weights)
+    base.TextModel._set_vocab_sentencepiece = lambda self, add_to_gguf=True: self._set_vocab_gpt2()
 _extra = {hparams!r}
 if _extra:  # config keys transformers' AutoConfig drops and the converter reads (rotary_pct)
     _load = base.ModelBase.load_hparams

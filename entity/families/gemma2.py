@@ -5,6 +5,8 @@ arch "gemma2" (its attention scale is 1/sqrt(head_dim) for every size but 27B)."
 
 from __future__ import annotations
 
+import numpy as np
+
 from entity.families.base import LLAMA_TENSORS, Family, TensorName
 from entity.families.gemma import GELU_TANH, check_activation, embedding_scale
 from poly.config import BlockRecipe
@@ -68,20 +70,42 @@ def _hf(config) -> dict:
     return out
 
 
-def gguf_attention(get, period: int) -> dict:
+def gguf_window_layers(get, layers: int, period: int) -> list[int]:
+    """Sliding layers as llama.cpp reads them: attention.sliding_window_pattern, a flag per
+    layer or a period n (layer i slides when i % n < n - 1; 0: all), else the family's period."""
+    pattern = get("attention.sliding_window_pattern", period)
+    if isinstance(pattern, np.ndarray):
+        if len(pattern) < layers:
+            raise ConfigError(
+                f"attention.sliding_window_pattern: {len(pattern)} flags for {layers} layers"
+            )
+        return [i for i in range(layers) if pattern[i]]
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise ConfigError(f"attention.sliding_window_pattern: bad value {pattern!r}")
+    return [i for i in range(layers) if pattern == 0 or i % pattern < pattern - 1]
+
+
+def gguf_attention(get, period: int, big_layers: int) -> dict:
+    """AttentionConfig fields from the GGUF keys. The files carry no query_pre_attn_scalar:
+    llama.cpp scales by head_dim ** -0.5, by (hidden / heads) ** -0.5 for the 27B model (the
+    one whose block count is `big_layers`), which is what each released size's scalar is."""
     layers, window = get("block_count", 0), get("attention.sliding_window", None)
-    out: dict = {"window_layers": [i for i in range(layers) if (i + 1) % period]}
+    out: dict = {"window_layers": gguf_window_layers(get, layers, period)}
     if window is not None:
         out["sliding_window"] = window
     cap = get("attn_logit_softcapping", None)
     if cap:
         out["softcap"] = float(cap)
+    if layers == big_layers:
+        hidden, heads = get("embedding_length", None), get("attention.head_count", None)
+        if isinstance(hidden, int) and isinstance(heads, int) and 0 < heads <= hidden:
+            out["scale"] = float(hidden // heads) ** -0.5
     return out
 
 
 def _gguf(get) -> dict:
     out = {"embedding_scale": embedding_scale(get("embedding_length", None)),
-           "attention": gguf_attention(get, 2)}  # fmt: skip
+           "attention": gguf_attention(get, 2, 46)}  # fmt: skip
     cap = get("final_logit_softcapping", None)
     if cap:
         out["final_logit_softcap"] = float(cap)

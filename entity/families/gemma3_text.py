@@ -37,7 +37,12 @@ def _hf(config) -> dict:
 
 
 def _gguf(get) -> dict:
-    attention = gguf_attention(get, 6) | {"local_rope_theta": LOCAL_THETA}
+    # the sliding layers' base: rope.freq_base_swa (the converter writes rope_parameters'
+    # sliding_attention theta there), llama.cpp's 10000 without it
+    local = get("rope.freq_base_swa", LOCAL_THETA)
+    if isinstance(local, bool) or not isinstance(local, (int, float)) or local <= 0:
+        raise ConfigError(f"rope.freq_base_swa: must be a positive number, got {local!r}")
+    attention = gguf_attention(get, 6, 62) | {"local_rope_theta": float(local)}
     return {"embedding_scale": embedding_scale(get("embedding_length", None)),
             "attention": attention}  # fmt: skip
 
