@@ -213,14 +213,17 @@ def run_block(
     bounds=None,
     rows=None,
     cfg: TransformerConfig | None = None,
+    reduce=None,
 ) -> np.ndarray:
     """The block without per-sub-layer dispatch: x + attn(norm(x)), then + mlp(norm(.)) for
     llama's block, else as `cfg.block` wires it. With `caches` the rows are several sequences:
     segment b (rows `bounds[b]`, default row b) continues caches[b] (`mha.forward_rows`).
     `rows` (an index): only those rows go on through the FFN and are returned (every row
-    attends and is cached)."""
+    attends and is cached). `reduce` (tensor parallelism): the sum over ranks of a branch's
+    partial output, applied before anything that needs the whole of it (post-norms)."""
     recipe = PLAIN_BLOCK if cfg is None else cfg.block
     mult = 1.0 if cfg is None else cfg.residual_multiplier
+    total = reduce or (lambda v: v)
     subs, at = blk.sequential_layers, slots(recipe)
     h = _norm(subs[at["attn_norm"]], x) if recipe.pre_norms else x
     attn = subs[at["attn"]]
@@ -228,12 +231,13 @@ def run_block(
     keep = slice(None) if rows is None else rows
     if recipe.parallel:
         m_in = h if recipe.shared_norm else _norm(subs[at["mlp_norm"]], x)
-        branch = a[keep] + _ffn(subs[at["mlp"]], m_in[keep])
+        branch = total(a[keep] + _ffn(subs[at["mlp"]], m_in[keep]))
         return x[keep] + (branch if mult == 1 else branch * np.asarray(mult, x.dtype))
+    a = total(a)
     if recipe.post_norms:
         a = _norm(subs[at["attn_post_norm"]], a)
     x = x[keep] + (a[keep] if mult == 1 else a[keep] * np.asarray(mult, x.dtype))
-    m = _ffn(subs[at["mlp"]], _norm(subs[at["mlp_norm"]], x) if recipe.pre_norms else x)
+    m = total(_ffn(subs[at["mlp"]], _norm(subs[at["mlp_norm"]], x) if recipe.pre_norms else x))
     if recipe.post_norms:
         m = _norm(subs[at["mlp_post_norm"]], m)
     x += m if mult == 1 else m * np.asarray(mult, x.dtype)

@@ -298,14 +298,27 @@ def _qk_norm(layer, p: Plan, q, k):
     """q [n, q_dim], k [n, kv_dim] -> q [n, H, hd], k [n, kvh, hd], RMS-normed if asked."""
     n, hd = q.shape[0], layer.head_dim
     if layer.qk_norm and layer.qk_norm_all:  # one norm over every head's values at once
-        q = rms_norm(q, p.comps["q_norm"], layer.rms_norm_eps)
-        k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
+        q, k = _qk_norm_all(layer, p, q, k)
     q = q.reshape(n, layer.num_heads, hd)  # [n, H, hd]
     k = k.reshape(n, layer.num_kv_heads, hd)  # [n, kvh, hd]
     if layer.qk_norm and not layer.qk_norm_all:
         q = rms_norm(q, p.comps["q_norm"], layer.rms_norm_eps)
         k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
     return q, k
+
+
+def _qk_norm_all(layer, p: Plan, q, k):
+    """RMSNorm of q [n, q_dim] and k [n, kv_dim] over every head. A tensor-parallel shard holds
+    some of the heads: its `qk_norm_share` (poly.runtime.tp) turns the local sums of squares
+    [n, 2] into the mean squares over all heads (one small all-reduce)."""
+    share, eps = getattr(layer, "qk_norm_share", None), layer.rms_norm_eps
+    if share is None:
+        return rms_norm(q, p.comps["q_norm"], eps), rms_norm(k, p.comps["k_norm"], eps)
+    dt = np.float64 if q.dtype == np.float64 else np.float32
+    q, k = np.asarray(q, dtype=dt), np.asarray(k, dtype=dt)
+    sums = np.stack([np.einsum("ni,ni->n", q, q), np.einsum("ni,ni->n", k, k)], axis=1)
+    inv = dt(1.0) / np.sqrt(share(np.ascontiguousarray(sums)) + dt(eps))  # [n, 2]
+    return q * inv[:, :1] * p.comps["q_norm"], k * inv[:, 1:] * p.comps["k_norm"]
 
 
 def _softmax_opts(layer, p: Plan) -> Attn:

@@ -1,12 +1,18 @@
 """Tensor parallelism: one loaded Transformer split over the ranks of a communicator.
 
-The Megatron split (docs/parallel.md): Q/K/V and gate/up are column-parallel (each rank keeps
+The Megatron split (docs/parallel.md): Q/K/V and gate/up (a plain MLP's up) are column-parallel (each rank keeps
 whole KV groups with their query heads, and a range of the intermediate dimension in whole
 quant blocks); O and down are row-parallel (the matching columns), each followed by one
 all-reduce sum of the [n, d] partial outputs. Their biases count once (rank 0 keeps them).
 Embeddings and the final norm are replicated; the LM head is split by vocabulary rows and the
 logits are all-gathered (every rank ends with the same [V] logits). Each rank holds only its
 slices; sources that are memory-mapped (.entity, GGUF) are read only for those slices.
+
+Block recipes (poly.config.BlockRecipe) split the same way: norms (post-norms, LayerNorm) are
+replicated and run after a branch's all-reduce; a parallel block sums both branches before one
+all-reduce; soft-capping, windows, sinks (sliced per head) and RoPE options are per head; logit
+scale and final soft-capping follow the gather. A q/k norm over all heads (OLMo 2) sums its
+squares over the ranks (one [n, 2] all-reduce). MoE layers are refused.
 
 `shard(model, comm)` returns a `TPTransformer`: the same Transformer API (forward, forward_all,
 forward_batch, stream, generate) on this rank's shard. The fused C decode step runs on the shard
@@ -25,12 +31,12 @@ import numpy as np
 
 from poly.errors import TensorParallelError
 from poly.layer import LayerType
-from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, build_block, is_plain_block
+from poly.model.block import NORM_ROLES, build_block, is_recipe_block, run_block, slots
 from poly.model.transformer import Transformer
 from poly.network import VolumetricNetwork
-from poly.nn import layout, mha, rmsnorm, swiglu
+from poly.nn import layout
 from poly.nn.embedding import lookup
-from poly.ops import linear, rms_norm
+from poly.ops import linear
 from poly.runtime import fused
 from poly.runtime.shard import (
     Split,
@@ -87,33 +93,41 @@ class TPTransformer(Transformer):
             return self.comm.gather_cols(local, self.split.vocab_counts)
         return self.comm.allgather_cols(local, self.split.vocab_counts)
 
-    def _norm(self, x: np.ndarray, layer) -> np.ndarray:
-        return rms_norm(x, rmsnorm.gamma(layer), layer.rms_norm_eps)
+    def _reduce(self, v: np.ndarray) -> np.ndarray:
+        v = np.ascontiguousarray(v, dtype=self.activation_dtype)
+        self.comm.allreduce(v)
+        return v
 
     def _block(self, blk, x: np.ndarray, caches: list | None = None, rows=None) -> np.ndarray:
-        """x + allreduce(attn(norm(x))), then + allreduce(mlp(norm(.))); `rows` (an index): only
-        those rows go on through the MLP (every rank cuts the same rows)."""
-        subs = blk.sequential_layers
-        h = self._norm(x, subs[ATTN_NORM])
-        attn = subs[ATTN]
-        a = mha.forward(attn, h) if caches is None else mha.forward_rows(attn, h, caches)
-        a = np.ascontiguousarray(a, dtype=x.dtype)
-        self.comm.allreduce(a)
-        x = x + a if rows is None else x[rows] + a[rows]  # [n or len(rows), H]
-        f = swiglu.forward(subs[MLP], self._norm(x, subs[MLP_NORM]))
-        f = np.ascontiguousarray(f, dtype=x.dtype)
-        self.comm.allreduce(f)
-        x += f
-        return x
+        """The recipe's block (poly.model.block.run_block) with each branch's partial output
+        all-reduced; `rows` (an index): only those rows go on through the FFN (every rank cuts
+        the same rows)."""
+        return run_block(blk, x, caches, rows=rows, cfg=self.config, reduce=self._reduce)
 
     def hidden_states(self, ids: Sequence[int], last: bool = False) -> np.ndarray:
         """Normed hidden [n, H], or [1, H] with `last` (the last block's MLP on the last row
         only, as Transformer.hidden_states)."""
-        x = lookup(self._embeddings, self.check_ids(ids), self.activation_dtype)  # [n, H]
+        x = self.embed(self.check_ids(ids), self.activation_dtype)  # [n, H]
         live = [blk for blk in self.network.layers if not blk.is_disabled]
         for i, blk in enumerate(live):
             x = self._block(blk, x, rows=slice(-1, None) if last and i == len(live) - 1 else None)
-        return self._norm(x[-1:] if last else x, self.final_norm_layer)
+        return self.norm_final(x[-1:] if last else x)
+
+    def _head(self, h: np.ndarray) -> np.ndarray | None:
+        """Normed rows [n, H] -> logits [n, V]: this rank's vocabulary rows (and bias),
+        gathered, then logit_scale and soft-capping (elementwise: after the gather)."""
+        local = linear(h, self._lm_head)
+        if self.lm_head_bias is not None:
+            local += self.lm_head_bias.astype(local.dtype, copy=False)
+        out, cfg = self._gather(local), self.config
+        if out is None:
+            return None
+        if cfg.logit_scale != 1:
+            out *= np.asarray(cfg.logit_scale, out.dtype)
+        if cfg.final_logit_softcap:
+            cap = np.asarray(cfg.final_logit_softcap, out.dtype)
+            out = np.tanh(out / cap) * cap
+        return out
 
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         arr = self.check_ids(ids)
@@ -126,12 +140,11 @@ class TPTransformer(Transformer):
                 local = fused.step(self, p, x, reduce=self.comm.allreduce)
                 if local is not None:
                     return _row0(self._gather(local.reshape(1, -1)))
-        h = self.hidden_states(arr, last=True)  # [1, H]
-        return _row0(self._gather(linear(h, self._lm_head)))
+        return _row0(self._head(self.hidden_states(arr, last=True)))  # [1, H] -> [V]
 
     def forward_all(self, ids: Sequence[int]) -> np.ndarray:
         self._announce("forward_all", self.check_ids(ids).tolist())
-        return self._gather(linear(self.hidden_states(ids), self._lm_head))
+        return self._head(self.hidden_states(ids))
 
     def forward_batch(
         self, sequences: Sequence[Sequence[int]], states: list | None = None
@@ -161,7 +174,7 @@ class TPTransformer(Transformer):
         return None if out[0] is None else np.stack(out)  # [B, V] (None: a following rank)
 
     def _batched_step(self, ids: np.ndarray, states: list) -> np.ndarray:
-        x = lookup(self._embeddings, ids, self.activation_dtype)  # [B, H]
+        x = self.embed(ids, self.activation_dtype)  # [B, H]
         p = fused.plan(self) if self.activation_dtype == np.float32 else None
         if p is not None:
             local = fused.step_rows(p, x, states, reduce=self.comm.allreduce)
@@ -174,7 +187,7 @@ class TPTransformer(Transformer):
             x = self._block(blk, x, caches)
             for st, cache in zip(states, caches):
                 st[li] = cache  # KVCaches created on first use
-        return self._gather(linear(self._norm(x, self.final_norm_layer), self._lm_head))
+        return self._head(self.norm_final(x))
 
 
 def _row0(logits: np.ndarray | None) -> np.ndarray | None:
@@ -204,7 +217,7 @@ def _vec(v: Any, sel: slice = slice(None)) -> np.ndarray | None:
     return None if v is None else np.array(v[sel], dtype=np.float32)  # an own copy
 
 
-def _attn_parts(c: dict, split: Split, head_dim: int) -> dict:
+def _attn_parts(c: dict, split: Split, head_dim: int, norm_all: bool) -> dict:
     q = slice(split.heads[0] * head_dim, split.heads[1] * head_dim)
     kv = slice(split.kv_heads[0] * head_dim, split.kv_heads[1] * head_dim)
     out = {
@@ -217,22 +230,25 @@ def _attn_parts(c: dict, split: Split, head_dim: int) -> dict:
         "b_v": _vec(c.get("b_v"), kv),
         "b_o": _row_parallel_bias(c.get("b_o"), split.rank),
     }
-    for name in ("q_norm", "k_norm"):
-        if name in c:
-            out[name] = _vec(c[name])
+    for name, sel in (("q_norm", q), ("k_norm", kv)):
+        if c.get(name) is not None:  # per head [head_dim]: whole; over all heads: this rank's
+            out[name] = _vec(c[name], sel if norm_all else slice(None))
+    if c.get("sinks") is not None:  # one logit per query head
+        out["sinks"] = _vec(c["sinks"], slice(*split.heads))
     return out
 
 
 def _mlp_parts(c: dict, split: Split) -> dict:
+    """Gate/up rows and down columns of this rank's intermediate range (a plain MLP: up only)."""
     a, b = split.inter
-    return {
-        "w_gate": rows(c["w_gate"], a, b),
-        "w_up": rows(c["w_up"], a, b),
+    out = {
         "w_down": cols(c["w_down"], a, b),
-        "b_gate": _vec(c.get("b_gate"), slice(a, b)),
-        "b_up": _vec(c.get("b_up"), slice(a, b)),
         "b_down": _row_parallel_bias(c.get("b_down"), split.rank),
     }
+    for w, bias in (("w_gate", "b_gate"), ("w_up", "b_up")):
+        if w in c:
+            out[w], out[bias] = rows(c[w], a, b), _vec(c.get(bias), slice(a, b))
+    return out
 
 
 def _row_parallel_bias(v: Any, rank: int) -> np.ndarray | None:
@@ -253,18 +269,28 @@ def _install(layer, src_store, parts: dict) -> None:
         layer.weights.set_version(src_store.active, parts)
 
 
-def _new_block(src, cfg) -> tuple[Any, list]:
-    """An empty local block like `src`, and its layers that need a float32 master."""
-    blk = build_block(cfg, allocate=False)
+def _copy_norm(src, dst) -> None:
+    """A replicated norm's parameters (gamma; a LayerNorm's beta too) into dst's master."""
+    views = layout.views(dst)
+    for name, value in layout.components(src).items():
+        views[name][...] = value
+
+
+def _new_block(src, cfg, index: int) -> tuple[Any, list]:
+    """An empty local block like `src` (block `index`: its window, RoPE), and its layers that
+    need a float32 master."""
+    blk = build_block(cfg, allocate=False, index=index)
     blk.is_disabled = src.is_disabled
-    s_subs, subs = src.sequential_layers, blk.sequential_layers
-    for k in (ATTN_NORM, MLP_NORM):
+    s_subs, subs, at = src.sequential_layers, blk.sequential_layers, slots(cfg.block)
+    norms = [at[r] for r in NORM_ROLES if r in at]
+    for k in norms:
         subs[k].rms_norm_eps = s_subs[k].rms_norm_eps
-    subs[ATTN].max_seq_len = s_subs[ATTN].max_seq_len
-    subs[ATTN].rms_norm_eps = s_subs[ATTN].rms_norm_eps
-    subs[MLP].activation = s_subs[MLP].activation
-    need = [subs[ATTN_NORM], subs[MLP_NORM]]
-    need += [subs[k] for k in (ATTN, MLP) if s_subs[k].weights.active is None]
+    attn, mlp = at["attn"], at["mlp"]
+    subs[attn].max_seq_len = s_subs[attn].max_seq_len
+    subs[attn].rms_norm_eps = s_subs[attn].rms_norm_eps
+    subs[mlp].activation = s_subs[mlp].activation
+    need = [subs[k] for k in norms]
+    need += [subs[k] for k in (attn, mlp) if s_subs[k].weights.active is None]
     return blk, need
 
 
@@ -279,13 +305,31 @@ def _arena(layers: list) -> None:
         off += n
 
 
-def _fill_block(src, blk, split: Split, head_dim: int) -> None:
-    s_subs, subs = src.sequential_layers, blk.sequential_layers
-    for k in (ATTN_NORM, MLP_NORM):
-        subs[k].weights.master[...] = rmsnorm.gamma(s_subs[k])
-    s_attn, s_mlp = s_subs[ATTN], s_subs[MLP]
-    _install(subs[ATTN], s_attn.weights, _attn_parts(layout.components(s_attn), split, head_dim))
-    _install(subs[MLP], s_mlp.weights, _mlp_parts(layout.components(s_mlp), split))
+def _fill_block(src, blk, split: Split, cfg) -> None:
+    s_subs, subs, at = src.sequential_layers, blk.sequential_layers, slots(cfg.block)
+    for role in NORM_ROLES.intersection(at):
+        _copy_norm(s_subs[at[role]], subs[at[role]])
+    s_attn, s_mlp = s_subs[at["attn"]], s_subs[at["mlp"]]
+    norm_all = bool(s_attn.qk_norm and s_attn.qk_norm_all)
+    parts = _attn_parts(layout.components(s_attn), split, cfg.head_dim, norm_all)
+    _install(subs[at["attn"]], s_attn.weights, parts)
+    _install(subs[at["mlp"]], s_mlp.weights, _mlp_parts(layout.components(s_mlp), split))
+
+
+def _qk_share(comm, cfg, split: Split):
+    """`qk_norm_share` of a q/k norm over all heads (poly.nn.mha): local sums of squares [n, 2]
+    -> mean squares over every head. A KV head held by r ranks (more ranks than KV heads) is
+    counted r times in the sum, so each holder adds 1/r of it."""
+    widths = np.array([cfg.num_heads, cfg.num_kv_heads], np.float64) * cfg.head_dim
+    holders = comm.size // cfg.num_kv_heads if comm.size > cfg.num_kv_heads else 1
+
+    def share(sums: np.ndarray) -> np.ndarray:
+        if holders > 1:
+            sums[:, 1] /= holders
+        comm.allreduce(sums)
+        return sums / widths.astype(sums.dtype)
+
+    return share
 
 
 def _mappings(model) -> list:
@@ -310,22 +354,27 @@ def _inter_grain(model) -> int:
     return math.lcm(1, *grains)
 
 
+def _check_splittable(model: Transformer) -> None:
+    """TensorParallelError (one line) for what the split does not cover."""
+    cfg = model.config
+    for i, b in enumerate(model.blocks()):
+        if not b.is_disabled and not is_recipe_block(b, cfg.block):
+            raise TensorParallelError(
+                f"tensor parallelism needs the decoder blocks as built; block {i} is not "
+                "(tiling or an edited block?)"
+            )
+    if any(model.mlp(i).type == LayerType.MOE for i in range(len(model.blocks()))):
+        raise TensorParallelError(
+            f"tensor parallelism does not split MoE layers yet ({cfg.architecture})"
+        )
+
+
 def shard(model: Transformer, comm: Any) -> Transformer:
     """This rank's TPTransformer of `model` (the model itself when comm has one rank). Every
     rank must call it with the same model; the source model can be dropped afterwards."""
     if comm.size == 1:
         return model
-    bad = [i for i, b in enumerate(model.blocks()) if not is_plain_block(b) and not b.is_disabled]
-    if bad:
-        raise TensorParallelError(
-            f"tensor parallelism needs plain decoder blocks; block {bad[0]} is not (tiling?)"
-        )
-    if not model.config.plain:
-        raise TensorParallelError(
-            f"tensor parallelism does not split {model.config.architecture} blocks yet"
-        )
-    if any(b.sequential_layers[MLP].type == LayerType.MOE for b in model.blocks()):
-        raise TensorParallelError("tensor parallelism does not split MoE layers yet")
+    _check_splittable(model)
     cfg = model.config
     split = make_split(cfg, comm.size, comm.rank, _inter_grain(model))
     local = dataclasses.replace(
@@ -335,18 +384,24 @@ def shard(model: Transformer, comm: Any) -> Transformer:
         intermediate_size=split.inter[1] - split.inter[0],
     )
     maps = _mappings(model)
-    made = [_new_block(blk, local) for blk in model.blocks()]
+    made = [_new_block(blk, local, i) for i, blk in enumerate(model.blocks())]
     _arena([layer for _, need in made for layer in need])
     net = VolumetricNetwork(1, 1, 1, cfg.num_layers)
+    share = _qk_share(comm, cfg, split)
     for i, (src, (blk, _)) in enumerate(zip(model.blocks(), made)):
-        _fill_block(src, blk, split, cfg.head_dim)
+        _fill_block(src, blk, split, cfg)
+        attn = blk.sequential_layers[slots(cfg.block)["attn"]]
+        if attn.qk_norm and attn.qk_norm_all:
+            attn.qk_norm_share = share
         net.set_layer(0, 0, 0, i, blk)
         drop_pages(maps)  # pages read for this block's cuts leave the RSS
     tp = TPTransformer(local, net, activation_dtype=model.activation_dtype)
     tp.comm, tp.split = comm, split
     tp._embeddings = model._embeddings  # replicated (a memmap view stays one)
     tp._lm_head = rows(model._lm_head, *split.vocab)
-    tp.final_norm = np.asarray(model.final_norm, dtype=np.float32)
+    if model.lm_head_bias is not None:
+        tp.lm_head_bias = _vec(model.lm_head_bias, slice(*split.vocab))
+    _copy_norm(model.final_norm_layer, tp.final_norm_layer)
     tp.final_norm_layer.rms_norm_eps = model.final_norm_layer.rms_norm_eps
     for name in ("tokenizer", "chat_template", "eos_token_ids", "generation_defaults"):
         setattr(tp, name, getattr(model, name))
