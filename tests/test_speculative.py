@@ -181,3 +181,34 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny):
     with pytest.raises(SpeculationError, match="another model object"):
         model.generate([3, 4, 5], draft=model, max_tokens=2)
     model.generate([3, 4, 5], max_tokens=2)  # the model's lock was released
+
+
+def test_reference_path_checks_the_rows_too(one_thread):
+    """Without the fused step (the numpy backend) the rows run on the reference path
+    (`Transformer.forward_all`) and the cache rolls back all the same."""
+    from poly.runtime import kernels
+
+    model = random_transformer(tiny_cfg(max_seq_len=128), seed=11)
+    draft = random_transformer(tiny_cfg(max_seq_len=128), seed=11)  # the same weights
+    ids = [5, 9, 14, 5, 9, 14, 5, 9]
+    old = kernels.backend()
+    try:
+        kernels.set_backend("numpy")
+        plain = model.generate(ids, **GREEDY)
+        look = model.generate(ids, lookup=5, **GREEDY)
+        drafted = model.generate(ids, draft=draft, draft_tokens=4, **GREEDY)
+    finally:
+        kernels.set_backend(old)
+    assert look.tokens == plain.tokens == drafted.tokens
+    assert drafted.speculative["acceptance_rate"] == 1.0  # identical weights agree everywhere
+    assert model.position == len(ids) + len(plain.tokens) - 1
+
+
+def test_sampled_draft_generation_is_seeded(tiny, one_thread):
+    """Sampling with a draft: the same seed gives the same tokens, another seed other ones."""
+    model, q8, _, _ = tiny
+    ids = _prompts(model.config.vocab_size)[0]
+    opts = dict(temperature=1.0, top_k=0, max_tokens=16, min_tokens=16, draft=q8, draft_tokens=4)
+    a, b = model.generate(ids, seed=1, **opts), model.generate(ids, seed=1, **opts)
+    c = model.generate(ids, seed=2, **opts)
+    assert a.tokens == b.tokens != c.tokens and a.speculative["checks"] > 0
