@@ -96,6 +96,22 @@ def make_split(cfg, size: int, rank: int, inter_grain: int) -> Split:
     return Split(rank, size, heads, kv, inter, (v * rank // size, v * (rank + 1) // size), counts)
 
 
+def qk_norm_share(comm, cfg):
+    """`qk_norm_share` of a q/k norm over all heads (poly.nn.mha): local sums of squares [n, 2]
+    -> mean squares over every head. A KV head held by r ranks (more ranks than KV heads) is
+    counted r times in the sum, so each holder adds 1/r of it."""
+    widths = np.array([cfg.num_heads, cfg.num_kv_heads], np.float64) * cfg.head_dim
+    holders = comm.size // cfg.num_kv_heads if comm.size > cfg.num_kv_heads else 1
+
+    def share(sums: np.ndarray) -> np.ndarray:
+        if holders > 1:
+            sums[:, 1] /= holders
+        comm.allreduce(sums)
+        return sums / widths.astype(sums.dtype)
+
+    return share
+
+
 # --- slicing the matrix forms ----------------------------------------------------------------
 
 

@@ -46,6 +46,7 @@ from poly.runtime.shard import (
     drop_pages,
     make_split,
     mapping_of,
+    qk_norm_share,
     rows,
 )
 from poly.weights import aligned_zeros
@@ -316,22 +317,6 @@ def _fill_block(src, blk, split: Split, cfg) -> None:
     _install(subs[at["mlp"]], s_mlp.weights, _mlp_parts(layout.components(s_mlp), split))
 
 
-def _qk_share(comm, cfg, split: Split):
-    """`qk_norm_share` of a q/k norm over all heads (poly.nn.mha): local sums of squares [n, 2]
-    -> mean squares over every head. A KV head held by r ranks (more ranks than KV heads) is
-    counted r times in the sum, so each holder adds 1/r of it."""
-    widths = np.array([cfg.num_heads, cfg.num_kv_heads], np.float64) * cfg.head_dim
-    holders = comm.size // cfg.num_kv_heads if comm.size > cfg.num_kv_heads else 1
-
-    def share(sums: np.ndarray) -> np.ndarray:
-        if holders > 1:
-            sums[:, 1] /= holders
-        comm.allreduce(sums)
-        return sums / widths.astype(sums.dtype)
-
-    return share
-
-
 def _mappings(model) -> list:
     """Every read-only file mapping the model's weights read (.entity, GGUF)."""
     found: dict[int, Any] = {}
@@ -387,7 +372,7 @@ def shard(model: Transformer, comm: Any) -> Transformer:
     made = [_new_block(blk, local, i) for i, blk in enumerate(model.blocks())]
     _arena([layer for _, need in made for layer in need])
     net = VolumetricNetwork(1, 1, 1, cfg.num_layers)
-    share = _qk_share(comm, cfg, split)
+    share = qk_norm_share(comm, cfg)
     for i, (src, (blk, _)) in enumerate(zip(model.blocks(), made)):
         _fill_block(src, blk, split, cfg)
         attn = blk.sequential_layers[slots(cfg.block)["attn"]]
