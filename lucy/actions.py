@@ -17,11 +17,20 @@ NETWORK_TIMEOUT_S = 3.0  # connect check before a download: no network fails in 
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
-def load_model(spec: str, max_experts: int | None = None, kv_cache: str | None = None, **kw):
+def load_model(
+    spec: str,
+    max_experts: int | None = None,
+    kv_cache: str | None = None,
+    memory: str | None = None,
+    **kw,
+):
     """Any checkpoint via `entity.load` (``kw``: its options); ``max_experts`` pages an MoE
-    `.entity`'s experts under that resident budget; ``kv_cache`` "f16" halves the KV cache."""
+    model's experts under that resident budget; ``kv_cache`` "f16" halves the KV cache;
+    ``memory`` ("6G"): the budget and context that fit it (`entity.fit`), from the headers."""
     import entity
 
+    if memory is not None:
+        max_experts, kw["max_seq_len"] = _fit_memory(spec, memory, max_experts, kv_cache, kw)
     try:
         model = entity.load(spec, max_resident_experts=max_experts, **kw)
     except ModelNotFoundError as err:
@@ -31,13 +40,40 @@ def load_model(spec: str, max_experts: int | None = None, kv_cache: str | None =
     return model
 
 
-def inspect(spec: str, max_experts: int | None = None) -> dict:
+def _fit_memory(spec: str, memory: str, max_experts, kv_cache, kw) -> tuple[int | None, int]:
+    from entity.fit import parse_size, plan
+
+    if max_experts is not None:
+        raise UsageError("give --memory or --max-experts, not both")
+    try:
+        got, _ = plan(spec, parse_size(memory), kw.get("max_seq_len"), kv_cache)
+    except ModelNotFoundError as err:
+        raise _with_hint(err, str(spec)) from None
+    return got.max_resident, got.ctx
+
+
+def inspect(
+    spec: str, max_experts: int | None = None, fit: str | None = None, ctx: int | None = None
+) -> dict:
     """`lucy inspect`'s report from the checkpoint's headers (no weights are read), or from the
     loaded model when an expert budget is asked for (its pager reports) or the file is a Loom
-    v1 `.entity` (only its full reader parses it)."""
+    v1 `.entity` (only its full reader parses it). ``fit`` ("8G"): will it fit, at ``ctx``
+    tokens of context (`entity.fit`: from the headers too)."""
     from entity.load import describe
     from lucy import views
 
+    if fit is not None:
+        from entity.fit import parse_size, plan
+
+        if ctx is not None and ctx < 1:
+            raise UsageError(f"--ctx must be >= 1, got {ctx}")
+        try:
+            got, fp = plan(spec, parse_size(fit, "--fit"), ctx)
+        except ModelNotFoundError as err:
+            raise _with_hint(err, str(spec)) from None
+        data = inspect(spec, max_experts)
+        data["fit"] = views.fit_data(got, fp)
+        return data
     if max_experts is None:
         try:
             desc = describe(spec)

@@ -101,6 +101,7 @@ def run_bench(
     max_experts: int | None = None,
     kv_cache: str | None = None,
     speculation: dict | None = None,
+    memory: str | None = None,
 ) -> dict:
     """Load `spec` through `entity.load` (timed), then `bench_model`; an MoE model under a
     ``max_experts`` budget adds its expert-cache report ("experts"); ``kv_cache``: "f16" or
@@ -110,7 +111,7 @@ def run_bench(
 
     _check(prompt_tokens, new_tokens, runs, None)
     t0 = time.perf_counter()
-    model = load_model(spec, max_experts, kv_cache)
+    model = load_model(spec, max_experts, kv_cache, memory=memory)
     load_s = time.perf_counter() - t0
     result = bench_model(model, prompt_tokens, new_tokens, runs)
     pager = getattr(model, "expert_pager", None)

@@ -80,9 +80,12 @@ def _looks_like_flag(arg: str) -> bool:
 # --- parser -------------------------------------------------------------------------------------
 
 
-def _add_max_experts(p: argparse.ArgumentParser) -> None:
+def _add_max_experts(p: argparse.ArgumentParser, memory: bool = True) -> None:
     p.add_argument("--max-experts", dest="max_experts", type=int, default=None,
-                   help="MoE .entity: keep at most N experts resident (LRU, paged from the file)")  # fmt: skip
+                   help="MoE model: keep at most N experts resident (LRU, paged from the file)")  # fmt: skip
+    if memory:
+        p.add_argument("--memory", default=None, metavar="SIZE",
+                       help="fit a memory budget (e.g. 6G): picks --max-experts and the context")  # fmt: skip
 
 
 def _add_kv_cache(p: argparse.ArgumentParser) -> None:
@@ -242,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="grid, layers, dtypes, memory")
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
-    _add_max_experts(p)
+    _add_max_experts(p, memory=False)
+    p.add_argument("--fit", default=None, metavar="SIZE",
+                   help="will it fit in SIZE (e.g. 8G): weights, experts, KV cache, bytes per token")  # fmt: skip
+    p.add_argument("--ctx", type=int, default=None, help="--fit: the context, tokens")
 
     sub.add_parser("demo", help="SmolLM2-135M: convert once to .entity, then chat")
 
@@ -274,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open client connections; more get 503 (default: 256, or fewer if "
                    "ulimit -n is low)")  # fmt: skip
     _add_kv_cache(p)
+    _add_max_experts(p, memory=False)
     return parser
 
 

@@ -55,7 +55,8 @@ def _run(args, body) -> int:
         from lucy import tp_cli
 
         return tp_cli.run(args.tp, args.model, body, kv_cache)
-    return body(actions.load_model(args.model, args.max_experts, kv_cache), {})
+    memory = getattr(args, "memory", None)
+    return body(actions.load_model(args.model, args.max_experts, kv_cache, memory=memory), {})
 
 
 def cmd_convert(args) -> int:
@@ -145,6 +146,7 @@ def cmd_bench(args) -> int:
         args.new_tokens,
         args.runs,
         max_experts=args.max_experts,
+        memory=args.memory,
         kv_cache=args.kv_cache,
         speculation=spec,
     )
@@ -164,7 +166,7 @@ def cmd_eval(args) -> int:
 def cmd_inspect(args) -> int:
     from lucy import views
 
-    data = actions.inspect(args.model, args.max_experts)
+    data = actions.inspect(args.model, args.max_experts, fit=args.fit, ctx=args.ctx)
     if args.json:
         print(json.dumps(data))
     else:

@@ -296,6 +296,8 @@ def print_inspect(con, data: dict) -> None:
     con.print(layers)
     if data.get("experts"):
         _print_experts(con, data["experts"])
+    if data.get("fit"):
+        _print_fit(con, data["fit"])
     for key, title in (("memory", "memory by component"), ("stored", "bytes in the file")):
         if data.get(key):
             mem = Table(title=title)
@@ -304,6 +306,24 @@ def print_inspect(con, data: dict) -> None:
             for k, v in data[key].items():
                 mem.add_row(clean(k), human_bytes(v))
             con.print(mem)
+
+
+def fit_data(fit, fp) -> dict:
+    """`lucy inspect --fit`: an `entity.fit.Fit` and the footprint it came from."""
+    return {**fit.as_dict(), "experts_total": fp.experts, "expert_bytes": fp.expert_held,
+            "expert_stored_bytes": fp.expert_stored}  # fmt: skip
+
+
+def _print_fit(con, f: dict) -> None:
+    budget = "all resident" if f["max_resident"] is None else f"at most {f['max_resident']}"
+    con.print(
+        f"fits in {human_bytes(f['memory'])}: weights resident {human_bytes(f['dense'])}; "
+        f"experts {budget} of {f['experts_total']} ({human_bytes(f['expert_bytes'])} each, "
+        f"{human_bytes(f['experts_bytes'])} held); KV cache at {f['ctx']} tokens "
+        f"{human_bytes(f['kv_bytes'])}; runtime {human_bytes(f['runtime'])}; estimate "
+        f"{human_bytes(f['total'])}. Per token: {human_bytes(f['read_per_token'])} of weights "
+        f"read, {human_bytes(f['disk_per_token'])} from the file (uniform routing)"
+    )
 
 
 def _print_experts(con, experts: dict) -> None:

@@ -177,3 +177,28 @@ def test_budget_errors_are_usage_errors(ggufs, snapshots):
             entity.load(path, max_resident_experts=0)
     with pytest.raises(UsageError, match="not as q8"):
         entity.load(snapshots["qwen3_moe"], max_resident_experts=2, dtype="q8")
+
+
+def test_lucy_serve_max_experts(ggufs):
+    """`lucy serve --max-experts 3`: greedy completions through the openai client, three at
+    once (batched decode steps), equal the all-resident `lucy generate`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from tests.serve_helpers import KEY, lucy_generate, running_server
+
+    path = ggufs["Q4_K,Q6_K,Q4_0"]
+    prompts = ["hello", "The quick brown fox", "0123"]
+    want = [lucy_generate(path, p, 8, chat=False, greedy=False)["text"] for p in prompts]
+    with running_server(path, "--max-experts", "3") as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        def complete(prompt: str) -> str:
+            res = client.completions.create(
+                model=path.stem, prompt=prompt, max_tokens=8, temperature=0
+            )
+            return res.choices[0].text
+
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(complete, prompts)) == want

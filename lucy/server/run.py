@@ -196,7 +196,8 @@ def serve(args, load_model) -> int:
 def _serve(args, load_model, sock: socket.socket) -> int:
     # the KV cache and RoPE tables are sized when the model loads
     ctx = {} if args.ctx is None else {"max_seq_len": args.ctx}
-    model = load_model(args.model, kv_cache=getattr(args, "kv_cache", None), **ctx)
+    model = load_model(args.model, getattr(args, "max_experts", None),
+                       kv_cache=getattr(args, "kv_cache", None), **ctx)  # fmt: skip
     check_ctx(model, args.ctx)
     app, state = build(model, args.model, max_batch=args.max_batch, ctx=args.ctx,
                        kv_pages=args.kv_pages, api_key=args.api_key, max_queue=args.max_queue,
