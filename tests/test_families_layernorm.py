@@ -96,3 +96,45 @@ def test_unknown_activation_and_bad_use_bias_name_the_key(scratch):
     set_config_keys(scratch, hidden_act="gelu_pytorch_tanh", use_bias="yes")
     with pytest.raises((ConfigError, UnsupportedError), match="use_bias|attention_bias"):
         entity.load(scratch)
+
+
+# --- GGUF files from llama.cpp's own converter (arch starcoder2). Its files carry no sliding
+# window (llama.cpp attends to every position), so the checkpoint here has none. ---------------
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict[str, Path]:
+    from benchmarks import llama_convert
+
+    root = llama_convert.converter_dir()
+    if root is None:
+        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    tmp = tmp_path_factory.mktemp("sc2_gguf")
+    src = make_tiny_checkpoint(tmp / "hf", "starcoder2", seed=61,
+                               config_overrides={"sliding_window": None})  # fmt: skip
+    out = {k: llama_convert.convert(src, tmp / f"sc2.{k}.gguf", k, root) for k in ("f32", "q8_0")}
+    return {"hf": src, **out}
+
+
+@pytest.mark.slow
+def test_starcoder2_gguf_from_llama_cpp_matches_transformers(gguf_files):
+    src = gguf_files["hf"]
+    f32 = entity.load(gguf_files["f32"])
+    assert f32.attn_norm(0).type == LayerType.LAYERNORM and f32.attn(0).sliding_window == 0
+    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
+    want = hf_greedy(src, PROMPT, N_NEW)
+    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    q8 = entity.load(gguf_files["q8_0"])  # top-1 along transformers' greedy path
+    logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
+    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert fused.plan(q8) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["output_norm.bias", "blk.1.attn_norm.bias", "blk.0.ffn_up.bias"])
+def test_a_wrong_starcoder2_gguf_bias_is_named(gguf_files, tmp_path, name):
+    from tests.test_moe_gguf import _rewrite
+
+    bad = _rewrite(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
+    with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as err:
+        entity.load(bad)
+    assert "\n" not in str(err.value)

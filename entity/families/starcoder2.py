@@ -42,6 +42,13 @@ def _options(cfg) -> dict:
     return {"block": dataclasses.asdict(block)}
 
 
+def _gguf(get) -> dict:
+    """llama.cpp's starcoder2: no sliding-window key (llama.cpp attends to every position) and
+    no activation (transformers' default, gelu_pytorch_tanh); LayerNorm eps."""
+    return {"block": dataclasses.asdict(BLOCK),
+            "rms_norm_eps": float(get("attention.layer_norm_epsilon", 1e-5))}  # fmt: skip
+
+
 FAMILY = Family(
     model_type="starcoder2",
     causal_lm_class="Starcoder2ForCausalLM",
@@ -50,6 +57,7 @@ FAMILY = Family(
     default_head_dim=None,
     default_max_positions=4096,
     sliding="sliding_window",
+    gguf_arch="starcoder2",
     hf_defaults={
         "use_bias": True,
         "norm_epsilon": 1e-5,
@@ -65,4 +73,5 @@ FAMILY = Family(
     ),
     block=BLOCK,
     hf_options=_options,
+    gguf_options=_gguf,
 )
