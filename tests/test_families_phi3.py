@@ -151,3 +151,15 @@ def test_a_wrong_gguf_tensor_is_named(gguf_files, tmp_path, name):
     with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as err:
         entity.load(bad)
     assert "\n" not in str(err.value)
+
+
+def test_older_su_rope_type_is_longrope(ckpts, tmp_path):
+    """Phi-3-128k's first config.json said rope_scaling type "su"; transformers reads it as
+    longrope (Phi3Config), so do we."""
+    path = Path(shutil.copytree(ckpts["long"], tmp_path / "su"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"]["rope_type"] = "su"
+    (path / "config.json").write_text(json.dumps(cfg))
+    tf = entity.load(path)
+    assert tf.config.rope_scaling.rope_type == "longrope"
+    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)

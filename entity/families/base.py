@@ -117,6 +117,8 @@ class Family:
     # (1 + w) norms (Gemma): the importer adds this to every norm weight, so poly runs the plain
     # RMSNorm (llama.cpp's converter stores the sum in GGUF files already).
     norm_offset: float = 0.0
+    # rope_scaling type names a family's transformers config maps to ours (Phi-3: su -> longrope)
+    rope_aliases: Mapping[str, str] = field(default_factory=dict)
     # HF block tensors are this prefix + the table's suffixes (GPT-NeoX: "gpt_neox.layers.{i}.")
     hf_block_prefix: str = "model.layers.{i}."
     # HF tensor name -> the canonical name above, or None to drop it (multimodal checkpoints)

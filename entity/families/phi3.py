@@ -38,5 +38,6 @@ FAMILY = Family(
     # transformers' Phi3Config: longrope's pre-extension length is this top-level key
     hf_defaults={"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     tensors=TENSORS,
+    rope_aliases={"su": "longrope", "yarn": "longrope"},  # Phi3Config's own mapping
     gguf_options=_gguf,
 )

@@ -212,6 +212,8 @@ def _rope(
     if theta <= 0:
         raise ConfigError(f"rope_theta: must be > 0, got {theta}", path=source)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    family = FAMILIES.get(raw.model_type)
+    kind = family.rope_aliases.get(kind, kind) if family is not None else kind
     if kind not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedError(
             f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
