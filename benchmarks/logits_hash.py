@@ -111,13 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", default=str(HERE), help="the poly checkout to run (its extension)")
     ap.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     ap.add_argument("--isas", nargs="+", default=["avx2", "base"], help="POLY_ISA values to run")
+    ap.add_argument("--files", nargs="+", help="these model files instead of the matrix's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the hashes here")
     ap.add_argument("--check", help="compare with this JSON; exit 1 on any difference")
     a = ap.parse_args(argv)
     ids = prompt_ids()
     hashes: dict[str, dict] = {}
-    for name, path in files(a.precisions, a.threads).items():
+    chosen = {Path(f).name: Path(f) for f in a.files} if a.files else files(a.precisions, a.threads)
+    for name, path in chosen.items():
         for isa in a.isas:
             got = run_one(Path(a.tree), path, ids, isa, a.threads)
             hashes[f"{name} {isa}"] = got
