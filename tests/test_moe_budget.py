@@ -105,9 +105,11 @@ def test_budget_needs_a_pageable_source(tmp_path):
 def test_budget_in_process_matches_all_resident(synthetic):
     ids = [5, 17, 42, 99, 123, 7]
     ref = entity.load(synthetic).forward_all(ids)
-    tf = entity.load(synthetic, max_resident_experts=1)
+    tf = entity.load(synthetic, max_resident_experts=2)
     assert np.array_equal(tf.forward_all(ids), ref)
-    assert tf.expert_pager.report()["resident"] == 1
+    assert tf.expert_pager.report()["resident"] == 2
+    with pytest.raises(UsageError, match="below the 2 experts each token runs .* at least 2"):
+        entity.load(synthetic, max_resident_experts=1)  # issue 60: below the top-k
 
 
 def _lucy(*args: str) -> subprocess.CompletedProcess:

@@ -175,6 +175,8 @@ def test_budget_errors_are_usage_errors(ggufs, snapshots):
     for path in (ggufs["Q8_0"], snapshots["qwen3_moe"]):
         with pytest.raises(UsageError, match="max_resident_experts must be an integer >= 1"):
             entity.load(path, max_resident_experts=0)
+        with pytest.raises(UsageError, match="below the 2 experts each token runs"):
+            entity.load(path, max_resident_experts=1)  # top_k 2: one token needs both
     with pytest.raises(UsageError, match="not as q8"):
         entity.load(snapshots["qwen3_moe"], max_resident_experts=2, dtype="q8")
 

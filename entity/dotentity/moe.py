@@ -146,8 +146,9 @@ def attach_pager(tf, ef: EntityFile, max_resident: int) -> None:
     each MoE layer reports expert uses to one `poly.runtime.expert_cache.ExpertPager`
     (``tf.expert_pager``) that knows every expert's byte ranges in the file."""
     from poly.layer import LayerType
-    from poly.runtime.expert_cache import ExpertPager
+    from poly.runtime.expert_cache import ExpertPager, check_budget
 
+    check_budget(max_resident, tf.config.moe)
     pager = ExpertPager(ef.mapping, max_resident)
     for i in range(tf.config.num_layers):
         layer = tf.mlp(i)

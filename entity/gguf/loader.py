@@ -31,6 +31,7 @@ from poly.errors import (
     UsageError,
     WeightMappingError,
 )
+from poly.runtime.expert_cache import check_budget
 from poly.text.gendefaults import GenerationDefaults
 
 MAX_LAYERS = LIMITS["num_layers"]  # the table of every format (llama.cpp LLAMA_MAX_LAYERS)
@@ -458,13 +459,13 @@ def load_gguf(
 
     paged = max_resident_experts is not None
     if paged:
-        from poly.runtime.expert_cache import ExpertPager
-
-        ExpertPager(None, max_resident_experts)  # its UsageError before the file is read
+        check_budget(max_resident_experts, None)  # its UsageError before the file is read
         if not keep_quantized:
             raise UsageError("an expert budget pages the stored experts: keep_quantized=True")
     gg = GGUFFile(path, lazy=PAGED_TENSORS.fullmatch if paged else None)
     cfg = gguf_config(gg, max_seq_len)
+    if paged:
+        check_budget(max_resident_experts, cfg.moe)
     check_tensors(gg, cfg)
     tokenizer, template, spec = load_gguf_tokenizer(gg)
     if tokenizer.vocab_size != cfg.vocab_size:  # llama.cpp requires them equal too

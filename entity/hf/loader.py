@@ -228,9 +228,10 @@ def _pager(src: HFSource, budget: int | None, dtype: str | None):
     """The expert pager of a budget (its expert tensors left mapped), or None."""
     if budget is None:
         return None
-    from poly.runtime.expert_cache import ExpertPager
+    from poly.runtime.expert_cache import ExpertPager, check_budget
 
-    pager = ExpertPager(None, budget)  # its UsageError first
+    check_budget(budget, MoEConfig.coerce(src.config.moe))
+    pager = ExpertPager(None, budget)
     if dtype not in (None, "float32"):
         raise UsageError(
             f"an expert budget on an HF snapshot runs its experts as stored, not as {dtype}: "

@@ -43,12 +43,23 @@ class ExpertStats:
     bytes_read: int = 0
 
 
+def check_budget(max_resident, moe) -> None:
+    """UsageError unless the budget is an integer >= 1 and >= the top-k of `moe` (a
+    `poly.config.MoEConfig` or None): one token runs top-k experts of a layer at once."""
+    if type(max_resident) is not int or max_resident < 1:
+        raise UsageError(f"max_resident_experts must be an integer >= 1, got {max_resident!r}")
+    if moe is not None and max_resident < moe.top_k:
+        raise UsageError(
+            f"max_resident_experts {max_resident} is below the {moe.top_k} experts each token "
+            f"runs in a layer (top_k): give at least {moe.top_k}"
+        )
+
+
 class ExpertPager:
     """LRU residency of experts keyed by (layer index, expert id) over one mapping ``mm``."""
 
     def __init__(self, mm, max_resident: int):
-        if type(max_resident) is not int or max_resident < 1:
-            raise UsageError(f"max_resident_experts must be an integer >= 1, got {max_resident!r}")
+        check_budget(max_resident, None)
         self.mm, self.max_resident = mm, max_resident
         self.ranges: dict[tuple[int, int], list[tuple]] = {}  # (mapping, offset, length)
         self.sizes: dict[tuple[int, int], int] = {}  # stored bytes (read on a miss)
