@@ -6,7 +6,7 @@ benchmarks/quant_quality.py (Botchan, from CHAPTER I), against the float32 HF sn
 One importance matrix and one sensitivity measurement (entity.quantize.Planner) serve every
 budget. llama.cpp's own files are measured by benchmarks/quant_quality.py (same text, windows).
 
-    python -m benchmarks.quant_calibrated [--bpw 4.5 5.0 5.41 6.22] [--windows 2] [--json OUT]
+    python -m benchmarks.quant_calibrated [--bpw 5.0 5.41 6.22] [--windows 5] [--reuse] [--json OUT]
 """
 
 from __future__ import annotations
@@ -21,6 +21,23 @@ TEXT = Path.home() / ".cache" / "poly" / "eval-text" / "botchan.txt"
 OUT = Path(__file__).parent / "results" / "quant-calibrated-smollm2.json"
 
 
+def _kinds(path: Path) -> dict[str, int]:
+    """Parameters per GGUF block kind of a written .entity (its blob records' ggml_type)."""
+    import numpy as np
+
+    from entity.dotentity.container import EntityFile
+    from poly.quant.ggml import QUANT_SIZES, GGMLType
+
+    out: dict[str, int] = {}
+    for rec in EntityFile(path).blobs.values():
+        if rec.ggml_type is not None:
+            kind = GGMLType(rec.ggml_type)
+            block, size = QUANT_SIZES[kind]
+            n = int(np.prod(rec.shape)) // size * block
+            out[kind.name] = out.get(kind.name, 0) + n
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import entity
     from entity.quantize import Planner
@@ -28,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     from poly.text.evaluate import evaluate, reference_logits, text_tokens
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bpw", type=float, nargs="*", default=[4.5, 5.0, 5.41, 6.22])
+    ap.add_argument("--bpw", type=float, nargs="*", default=[5.0, 5.41, 6.22])
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--no-default", dest="default", action="store_false")
+    ap.add_argument("--reuse", action="store_true", help="measure the files already written")
     ap.add_argument("--exclude", nargs="*", default=["Q4_1"], help="type names left out")
     ap.add_argument("--work", type=Path, default=Path("/tmp/quant-calibrated"))
     ap.add_argument("--json", type=Path, default=OUT)
@@ -43,31 +61,31 @@ def main(argv: list[str] | None = None) -> int:
     tokens = text_tokens(ref, text)[: args.ctx * args.windows]
     refs = list(reference_logits(ref, tokens, args.ctx))
     t0 = time.perf_counter()
-    planner = Planner(HF)
-    # The snapshot is dequantized from llama.cpp's Q4_1 GGUF (tests/conftest.py): Q4_1 blocks
-    # hold its matrices exactly, so Q4_1 is left out to measure quantization of unseen weights.
-    planner.exclude = set(args.exclude)
-    rows = {"planner_seconds": round(time.perf_counter() - t0, 1)}
-    rows["excluded_types"] = sorted(planner.exclude)
-    rows["floor_bpw"] = round(planner.floor_bpw(), 3)
+    planner = None if args.reuse else Planner(HF)
+    rows = {"planner_seconds": round(time.perf_counter() - t0, 1), "windows": args.windows}
+    if planner is not None:
+        # The snapshot is dequantized from llama.cpp's Q4_1 GGUF (tests/conftest.py): Q4_1 blocks
+        # hold its matrices exactly, so Q4_1 is left out to measure unseen weights' rounding.
+        planner.exclude = set(args.exclude)
+        rows["floor_bpw"] = round(planner.floor_bpw(), 3)
+    rows["excluded_types"] = sorted(args.exclude)
     jobs = [("q4-default", None)] if args.default else []
     jobs += [(f"bpw-{x:g}", x) for x in args.bpw]
     for name, bpw in jobs:
         dst = args.work / f"smollm2-{name}.entity"
         t = time.perf_counter()
-        try:
-            rep = entity.convert(HF, dst, quant="q4", force=True, bpw=bpw, planner=planner)
-        except UsageError as err:  # a budget below the smallest types
-            rows[name] = {"error": str(err)}
-            continue
+        if planner is not None:
+            try:
+                entity.convert(HF, dst, quant="q4", force=True, bpw=bpw, planner=planner)
+            except UsageError as err:  # a budget below the smallest types
+                rows[name] = {"error": str(err)}
+                continue
         secs = time.perf_counter() - t
-        model = entity.load(dst)
-        res = evaluate(model, tokens, reference=refs, n_ctx=args.ctx, file_bytes=rep.bytes)
-        kinds: dict[str, int] = {}
-        for _, n, kind, _ in rep.recipe.table or []:
-            kinds[kind] = kinds.get(kind, 0) + n
-        rows[name] = {**res.to_json(), "bytes": rep.bytes, "convert_seconds": round(secs, 1),
-                      "params_by_type": kinds}  # fmt: skip
+        size = dst.stat().st_size
+        res = evaluate(entity.load(dst), tokens, reference=refs, n_ctx=args.ctx, file_bytes=size)
+        rows[name] = {**res.to_json(), "bytes": size, "params_by_type": _kinds(dst)}
+        if planner is not None:
+            rows[name]["convert_seconds"] = round(secs, 1)
         print(name, json.dumps(rows[name]), flush=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0

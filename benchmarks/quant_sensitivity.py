@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--layers", type=int, nargs="*", default=list(LAYERS))
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args(argv)
     text = TEXT.read_text(encoding="utf-8-sig")
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     mats = matrices(tf)
     tf.reset()
     ref = tf.forward_all(ids)
-    names = [f"blocks.{i}.{r}" for i in LAYERS for r in ROLES] + ["embeddings"]
+    names = [f"blocks.{i}.{r}" for i in args.layers for r in ROLES] + ["embeddings"]
     rows = []
     for name in names:
         w = mats[name]
