@@ -123,6 +123,18 @@ class WeightMappingError(FormatError):
     code = "weight_mapping"
 
 
+class StateFileError(FormatError):
+    """A saved KV state file (Transformer.save_state) is damaged, truncated or not one."""
+
+    code = "bad_state"
+
+
+class StateMismatchError(StateFileError):
+    """A saved KV state belongs to another model (architecture, weights, KV dtype, context)."""
+
+    code = "state_mismatch"
+
+
 class LimitExceededError(CheckpointError):
     code = "limit_exceeded"
 

@@ -276,6 +276,20 @@ class Transformer(Generic[T]):
             self.attn(i).state = s
         return old
 
+    def save_state(self, path: Any, *, tokens: Any = None, meta: dict | None = None) -> int:
+        """Write the KV caches (and `tokens`, the ids they hold, and `meta`, a JSON object) to
+        `path` atomically -> bytes written (poly/model/state.py)."""
+        from poly.model import state
+
+        return state.save(self, path, tokens, meta)
+
+    def load_state(self, path: Any) -> Any:
+        """Restore caches saved by `save_state` -> SavedState(position, tokens, meta); a file of
+        another model is a StateMismatchError, a damaged one a StateFileError."""
+        from poly.model import state_load
+
+        return state_load.load(self, path)
+
     def forward_batch(
         self, sequences: Sequence[Sequence[int]], states: list | None = None
     ) -> np.ndarray:
