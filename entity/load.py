@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from poly import timing
 from poly.errors import (
     CheckpointError,
     FormatError,
@@ -111,7 +112,8 @@ def load(
         from poly.runtime.tp import shard
 
         model = shard(model, tp)
-    prepare(model)  # the one-time repacking now, not in the first turn (issue 55)
+    with timing.phase("repack"):
+        prepare(model)  # the one-time repacking now, not in the first turn (issue 55)
     return model
 
 

@@ -7,11 +7,11 @@ See docs/dtypes.md for the table of schemes and error bounds.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from poly.errors import DTypeError, NumericalError
@@ -143,14 +143,27 @@ class _Codec(NamedTuple):
     qmax: float = 0.0  # largest code magnitude, or the float format's max finite value
 
 
-_CODECS: dict[DType, _Codec] = {
+def _codec(dt: DType) -> _Codec:
+    got = _CODECS.get(dt)
+    return got if got is not None else _ml_codecs()[dt]
+
+
+@functools.cache
+def _ml_codecs() -> dict[DType, _Codec]:
+    import ml_dtypes  # imported when first used: ~0.2-0.8 s of every process's start otherwise
+
+    return {
+        D.BFLOAT16: _Codec("cast", ml_dtypes.bfloat16),
+        D.FP8E4M3: _Codec("float", ml_dtypes.float8_e4m3fn, 448.0),
+        D.FP8E5M2: _Codec("float", ml_dtypes.float8_e5m2, 57344.0),
+        D.FP4: _Codec("float", ml_dtypes.float4_e2m1fn, 6.0),
+    }
+
+
+_CODECS: dict[DType, _Codec] = {  # the numpy ones; ml_dtypes' in `_ml_codecs`
     D.FLOAT64: _Codec("cast", np.float64),
     D.FLOAT32: _Codec("cast", np.float32),
     D.FLOAT16: _Codec("cast", np.float16),
-    D.BFLOAT16: _Codec("cast", ml_dtypes.bfloat16),
-    D.FP8E4M3: _Codec("float", ml_dtypes.float8_e4m3fn, 448.0),
-    D.FP8E5M2: _Codec("float", ml_dtypes.float8_e5m2, 57344.0),
-    D.FP4: _Codec("float", ml_dtypes.float4_e2m1fn, 6.0),
     D.INT64: _Codec("sym", np.int64, 2.0**62),  # 2**62: exact in float64, cast cannot overflow
     D.INT32: _Codec("sym", np.int32, 2.0**31 - 1),
     D.INT16: _Codec("sym", np.int16, 32767.0),
@@ -274,7 +287,7 @@ def encode(values, dtype: DType | int | str) -> Encoded:
     v = np.asarray(values, dtype=np.float32)
     if v.ndim not in (1, 2):
         raise DTypeError(f"encode takes 1-D or 2-D data, got shape {v.shape}")
-    codec = _CODECS[dt]
+    codec = _codec(dt)
     if codec.kind != "cast" and not np.isfinite(v).all():
         raise NumericalError(f"cannot encode non-finite values as {dt}")
     rows = v.reshape(1, -1) if v.ndim == 1 else v  # [rows, n]
@@ -302,7 +315,7 @@ def _dec_codes(enc: Encoded, codes: np.ndarray, n: int) -> np.ndarray:
         return codes
     signed = dt.is_signed and dt is not D.FP4 and dt is not D.BINARY
     u = unpack_codes(codes, dt.bits, n, signed)
-    return u.view(ml_dtypes.float4_e2m1fn) if dt is D.FP4 else u
+    return u.view(_codec(D.FP4).store) if dt is D.FP4 else u
 
 
 def decode_rows(enc: Encoded, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -314,7 +327,7 @@ def decode_rows(enc: Encoded, start: int = 0, stop: int | None = None) -> np.nda
         raise DTypeError(f"row range [{start}, {stop}) outside 0..{nrows}")
     codes = enc.codes if len(enc.shape) == 2 else enc.codes[None]
     c = _dec_codes(enc, codes[start:stop], n)
-    kind = _CODECS[enc.dtype].kind
+    kind = _codec(enc.dtype).kind
     if kind == "cast":
         return c.astype(np.float32)
     scale = enc.scales[start:stop, None]

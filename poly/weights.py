@@ -69,7 +69,10 @@ class FileSnapshot(mmap.mmap):
         self._closer = weakref.finalize(self, os.close, fd)
         holes = sorted(r for r in (self._page_range(o, n) for o, n in lazy) if r[1] > r[0])
         holes = [h for h in holes if self._map_file(*h)]  # a range not mapped is read
-        self._read_between(holes)
+        from poly import timing
+
+        with timing.phase("read"):
+            self._read_between(holes)
         return self
 
     def _page_range(self, offset: int, length: int) -> tuple[int, int]:

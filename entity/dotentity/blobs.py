@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from entity.dotentity.container import EntityFile, EntityWriter
+from entity.dotentity.container import BLOB_DTYPES, EntityFile, EntityWriter
 from entity.dotentity.native_blocks import get_native, is_native_blob, keeps_native, put_native
 from poly.dtypes import DType, Encoded
 from poly.errors import EntityFormatError, LayerConfigError, UsageError
@@ -51,7 +50,13 @@ EMBED_ALIASES = {r.cli: r.entity for r in quant_schemes.SCHEMES.values() if r.cl
 
 
 def _put_cast(dtype):
-    return lambda w, name, out: out.add(name, np.asarray(w, np.float32).astype(dtype))
+    return lambda w, name, out: out.add(name, np.asarray(w, np.float32).astype(_dtype(dtype)))
+
+
+def _dtype(dtype) -> np.dtype:
+    """numpy's dtype of an encoding's dense blobs; a name (bfloat16: ml_dtypes, imported then)
+    through the blob table."""
+    return BLOB_DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
 
 
 def _put_int8(w, name, out) -> None:
@@ -93,7 +98,7 @@ def _get_q4(ef: EntityFile, name: str, shape) -> QTensor:
 ENCODINGS: dict[str, tuple[Callable, Callable, Any]] = {
     "float32": (_put_cast(np.float32), _get_dense, np.float32),
     "float16": (_put_cast(np.float16), _get_dense, np.float16),
-    "bfloat16": (_put_cast(ml_dtypes.bfloat16), _get_dense, ml_dtypes.bfloat16),
+    "bfloat16": (_put_cast("bfloat16"), _get_dense, "bfloat16"),
     "int8": (_put_int8, _get_int8, None),
     "loom_q4": (_put_q4, _get_q4, None),
 }
@@ -106,7 +111,7 @@ def read_matrix(ef: EntityFile, encoding: str, name: str, shape) -> Any:
         return get_native(ef, name, shape)
     _, get, dense = ENCODINGS[encoding]
     value = get(ef, name, shape)
-    if dense is not None and (value.dtype != np.dtype(dense) or value.shape != tuple(shape)):
+    if dense is not None and (value.dtype != _dtype(dense) or value.shape != tuple(shape)):
         raise EntityFormatError(
             f"{name}: stored {value.dtype} {value.shape}, header says {encoding} {tuple(shape)} "
             "(dtype_role)",

@@ -209,13 +209,11 @@ class EntityFile:
 # --- writing ----------------------------------------------------------------------------------
 
 
-_NAME_OF = {v: k for k, v in BLOB_DTYPES.items()}
-
-
 def _blob_bytes(arr: np.ndarray) -> tuple[str, memoryview]:
     arr = np.asarray(arr)
-    name = _NAME_OF.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
-    if name is None:
+    dt = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+    name = dt.name if dt.name in ("bfloat16", *BLOB_DTYPES) else None  # numpy's names are ours
+    if name is None or BLOB_DTYPES[name] != dt:
         raise EntityFormatError(f"cannot store dtype {arr.dtype} in a blob")
     le = np.ascontiguousarray(arr, dtype=BLOB_DTYPES[name]).reshape(-1)  # [n]
     return name, memoryview(le.view(np.uint8))

@@ -11,7 +11,6 @@ import math
 import struct
 from typing import Any, Literal
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -52,21 +51,41 @@ MAX_HEADER_ITEMS = 16 * MAX_BLOBS
 _CRC_KEY = "header_crc32"
 CRC_TAIL = msgpack.packb(_CRC_KEY) + b"\xce"  # key, then uint32 marker, then 4 crc bytes
 
-# Blob dtype names (the lower-case Loom names) -> numpy dtype, little-endian.
-BLOB_DTYPES: dict[str, np.dtype] = {
-    "float64": np.dtype("<f8"),
-    "float32": np.dtype("<f4"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int64": np.dtype("<i8"),
-    "int32": np.dtype("<i4"),
-    "int16": np.dtype("<i2"),
-    "int8": np.dtype("i1"),
-    "uint64": np.dtype("<u8"),
-    "uint32": np.dtype("<u4"),
-    "uint16": np.dtype("<u2"),
-    "uint8": np.dtype("u1"),
-}
+
+class _BlobDtypes(dict):
+    """bfloat16 is resolved on first use: importing ml_dtypes costs every process ~0.2-0.8 s."""
+
+    def __missing__(self, key: str) -> np.dtype:
+        if key != "bfloat16":
+            raise KeyError(key)
+        import ml_dtypes
+
+        value = self[key] = np.dtype(ml_dtypes.bfloat16)
+        return value
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+
+# Blob dtype names (the lower-case Loom names) -> numpy dtype, little-endian (and "bfloat16").
+BLOB_DTYPES: dict[str, np.dtype] = _BlobDtypes(
+    {
+        "float64": np.dtype("<f8"),
+        "float32": np.dtype("<f4"),
+        "float16": np.dtype("<f2"),
+        "int64": np.dtype("<i8"),
+        "int32": np.dtype("<i4"),
+        "int16": np.dtype("<i2"),
+        "int8": np.dtype("i1"),
+        "uint64": np.dtype("<u8"),
+        "uint32": np.dtype("<u4"),
+        "uint16": np.dtype("<u2"),
+        "uint8": np.dtype("u1"),
+    }
+)
 
 
 class BlobRecord(BaseModel):

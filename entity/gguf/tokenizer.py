@@ -325,10 +325,12 @@ def load_gguf_tokenizer(gg: GGUFFile, fallback_template: str | None = "chatml"):
 
     Without ``tokenizer.chat_template`` the ``fallback_template`` preset is used (None: no template).
     """
+    from poly import timing
     from poly.text.chat import ChatTemplate
     from poly.text.tokenizer import Tokenizer as PolyTokenizer
 
-    spec = build_tokenizer(gg)
+    with timing.phase("tokenizer"):
+        spec = build_tokenizer(gg)
     bos, eos = spec.token(spec.bos_token_id), spec.token(spec.eos_token_id)
     tokenizer = PolyTokenizer(spec.tokenizer, bos_token=bos, eos_token=eos)
     if spec.chat_template is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from poly.dtypes import DType, loom_nbytes, parse_dtype, unpack_codes
@@ -50,6 +49,8 @@ def _loom_values(raw: np.ndarray, dt: DType, count: int) -> np.ndarray:
     if dt is D.FP8E4M3:
         return _LOOM_E4M3[codes]
     if dt is D.FP8E5M2:
+        import ml_dtypes
+
         return codes.view(ml_dtypes.float8_e5m2).astype(np.float32)
     if dt is D.BFLOAT16:
         return (codes.astype(np.uint32) << 16).view(np.float32)

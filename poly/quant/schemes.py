@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from poly.dtypes import DType
@@ -52,7 +51,15 @@ class QuantScheme:
 
 
 def _cast(dtype) -> Callable[[np.ndarray], QTensor]:
-    return lambda w: DenseMatrix(np.ascontiguousarray(np.asarray(w, np.float32).astype(dtype)))
+    def cast(w: np.ndarray) -> QTensor:
+        dt = dtype
+        if isinstance(dt, str):  # ml_dtypes' bfloat16, imported when first used
+            import ml_dtypes
+
+            dt = getattr(ml_dtypes, dt)
+        return DenseMatrix(np.ascontiguousarray(np.asarray(w, np.float32).astype(dt)))
+
+    return cast
 
 
 def _gguf(t: GGMLType, c_kind: int, numba: str | None) -> QuantScheme:
@@ -69,7 +76,7 @@ _RECORDS = (
         ("32", "fp32"), "float32",
     ),
     QuantScheme(
-        "bfloat16", DenseMatrix, 1, 2, _cast(ml_dtypes.bfloat16), C_BF16, None, "bfloat16",
+        "bfloat16", DenseMatrix, 1, 2, _cast("bfloat16"), C_BF16, None, "bfloat16",
         "bf16", (), "bfloat16",
     ),
     QuantScheme(

@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from poly.runtime import ckernels
+from poly.runtime import ckernels, layout_cache
 from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
 IL16_REC = 320  # bytes per 16 rows and 32-block of Q4_1 (formats/interleave16.h): stored size
@@ -130,12 +130,41 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
     by16 False), the other kinds by 16 (`w.r16`, which a prompt's GEMM reads too), or None."""
     if kind in (Q4_K, Q6_K):
         if not hasattr(w, "r8k"):
-            w.r8k = (kil8 if kind == Q4_K else kil8q6)(data, m, k) if by16 else None
+            w.r8k = _cached(kind, data, m, k, aux) if by16 else None
         return w.r8k
     rp = getattr(w, "r16", None)
     if rp is None and not hasattr(w, "r16"):
-        rp = w.r16 = il16(kind, data, m, k, aux, w if by16 else None)
+        if kind in (F16, F32) or not by16 or kind not in _RECORDS:
+            rp = il16(kind, data, m, k, aux, w if by16 else None)
+        else:
+            rp = _cached(kind, data, m, k, aux)
+        w.r16 = rp
     return rp
+
+
+# (rows, columns, bytes) of one record of each kind's repacked rows (kil8, kil8q6, il16)
+_RECORDS = {Q4_K: (8, 256, KIL8_REC), Q6_K: (8, 256, KIL8Q6_REC), Q4_0: (16, 32, IL16_REC4),
+            LOOM_Q4: (16, 32, IL16_REC4), Q4_1: (16, 32, IL16_REC), Q8_0: (16, 32, 576),
+            I8: (16, 32, IL16_REC_I8)}  # fmt: skip
+
+
+def _cached(kind: int, data: np.ndarray, m: int, k: int, aux) -> np.ndarray | None:
+    """The repacked rows of `kind` (kil8, kil8q6 or il16), read from the layout cache when a
+    process made them before (`layout_cache`), else made and written there."""
+    rows, cols, rec = _RECORDS[kind]
+    name = f"r{rows}-{kind}"
+    if not (m % rows or k % cols):
+        got = layout_cache.load(data, name, (m // rows, k // cols, rec), np.uint8)
+        if got is not None:
+            release_mapped(data)  # as the repackers do: the copy serves, the stored rows leave
+            return got
+    if kind in (Q4_K, Q6_K):
+        out = (kil8 if kind == Q4_K else kil8q6)(data, m, k)
+    else:
+        out = il16(kind, data, m, k, aux)
+    if out is not None:
+        layout_cache.store(data, name, out)
+    return out
 
 
 def _by8(m: int, k: int) -> bool:
@@ -272,9 +301,22 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
     got = ckernels.K16.get(key)
     if got is not None or not k16_wanted(kind, m) or _mapping(raw) is None:
         return got
+    el = np.uint32 if kind == F32 else np.uint16  # the elements' bits, moved as they are
+    extra = b"" if order is None else np.asarray(order).tobytes()
+    out = layout_cache.load(raw, "k16", (m // 16, k, 16), el, extra)
+    if out is not None:
+        release_mapped(raw)
+    else:
+        out = _k16_make(raw, el, m, k, order)
+        layout_cache.store(raw, "k16", out, extra)
+    ckernels.K16[key] = out
+    weakref.finalize(w, ckernels.K16.pop, key, None)
+    return out
+
+
+def _k16_make(raw: np.ndarray, el, m: int, k: int, order) -> np.ndarray:
     from poly.weights import aligned_zeros
 
-    el = np.uint32 if kind == F32 else np.uint16  # the elements' bits, moved as they are
     out = aligned_zeros(m * k, el).reshape(m // 16, k, 16)  # [g, k, 16]
     src = np.asarray(raw).view(el).reshape(m, k)
     step = max(16, (1 << 24) // (16 * el().nbytes * k) * 16)  # rows a piece: 16 MB, then released
@@ -283,8 +325,6 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
         piece = src[rows]  # [rows, k]: a view, or the rows gathered in order
         ckernels.EXT.k16(piece, out[r // 16 : (r + step) // 16], len(piece), k, el().nbytes)
         release_mapped(piece if order is None else src[rows.min() : rows.max() + 1])
-    ckernels.K16[key] = out
-    weakref.finalize(w, ckernels.K16.pop, key, None)
     return out
 
 

@@ -1,0 +1,176 @@
+"""Repacked weight layouts kept on disk between processes (issue 62: open -> first logits).
+
+The repacked copies (`poly.runtime.repack`: rows by 16 or 8, float rows k-major) are a pure
+function of a matrix's stored bytes, yet made again by every process that opens the model. Made
+once, each is written as a .npy file under ``$POLY_HOME/layouts/<source>/`` (default
+~/.cache/poly), where <source> hashes the model file's identity (path, device, inode, size,
+mtime, its first 64 KB) and the C extension's own identity (a rebuilt extension may lay rows out
+differently). A later open reads the file back into aligned memory (huge pages for large arrays,
+as the repackers' own copies) instead of repacking: a changed model file or extension is another
+directory, never a stale layout.
+
+Files are plain .npy, read with pickles refused and checked against the expected shape, dtype
+and size; one that does not match (truncated, corrupt, of another version) is ignored and
+written again. Written to a temporary name and renamed: a reader never sees half a file. A
+directory whose source file is gone or changed is removed when a new one is written.
+POLY_LAYOUT_CACHE=0 turns it off (nothing read or written); matrices under 64 KB are not cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from poly.weights import FileSnapshot, aligned_zeros
+
+VERSION = 1
+MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
+_HEAD = 64 << 10  # bytes of the model file hashed into its key
+
+
+def enabled() -> bool:
+    return os.environ.get("POLY_LAYOUT_CACHE", "").strip() != "0"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly") / "layouts"
+
+
+def _ext_identity() -> str:
+    from poly.runtime import ckernels
+
+    try:
+        st = os.stat(ckernels.EXT.__file__)
+    except (AttributeError, OSError, TypeError):
+        return "none"
+    return f"{ckernels.EXT.__file__}|{st.st_size}|{st.st_mtime_ns}|{ckernels.EXT.info()}"
+
+
+def _source_dir(snap: FileSnapshot) -> Path | None:
+    """The directory of `snap`'s file (computed once per snapshot), None when it cannot be
+    identified (fstat fails)."""
+    got = getattr(snap, "_layout_dir", False)
+    if got is not False:
+        return got
+    try:
+        st = os.fstat(snap.fd)
+    except OSError:
+        snap._layout_dir = None
+        return None
+    head = hashlib.sha256(np.frombuffer(snap, np.uint8, count=min(_HEAD, snap.size)))
+    ident = f"{VERSION}|{snap.path}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|"
+    key = hashlib.sha256((ident + head.hexdigest() + "|" + _ext_identity()).encode())
+    snap._layout_dir = cache_root() / key.hexdigest()[:32]
+    snap._layout_source = {"path": snap.path, "ino": st.st_ino, "size": st.st_size,
+                           "mtime_ns": st.st_mtime_ns}  # fmt: skip
+    return snap._layout_dir
+
+
+def _snapshot_of(arr: np.ndarray) -> FileSnapshot | None:
+    b, seen = arr, 0
+    while b is not None and not isinstance(b, FileSnapshot) and seen < 64:
+        b, seen = (b.obj if isinstance(b, memoryview) else getattr(b, "base", None)), seen + 1
+    return b if isinstance(b, FileSnapshot) else None
+
+
+def _entry(raw: np.ndarray, name: str, extra: bytes) -> tuple[FileSnapshot, Path] | None:
+    """(snapshot, .npy path) of the layout `name` of `raw`, or None where it is not cached:
+    off, small, or `raw` is not a view of a model file read by `FileSnapshot`."""
+    if not enabled() or raw.nbytes < MIN_BYTES:
+        return None
+    snap = _snapshot_of(raw)
+    if snap is None or snap.closed:
+        return None
+    folder = _source_dir(snap)
+    if folder is None:
+        return None
+    with memoryview(snap) as mv:
+        offset = raw.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data
+    tag = hashlib.sha256(extra).hexdigest()[:12] if extra else "0"
+    return snap, folder / f"{offset}-{raw.nbytes}-{name}-{tag}.npy"
+
+
+def load(raw: np.ndarray, name: str, shape: tuple, dtype, extra: bytes = b"") -> np.ndarray | None:
+    """The cached layout `name` of `raw` (of `shape` and `dtype`), read into aligned memory of
+    our own, or None (not cached, off, or a file that does not match: then `store` writes it)."""
+    got = _entry(raw, name, extra)
+    return None if got is None else _read(got[1], tuple(shape), np.dtype(dtype))
+
+
+def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> None:
+    """Write `out`, the layout `name` of `raw`; errors (a full disk, no permission) leave it
+    uncached."""
+    got = _entry(raw, name, extra)
+    if got is None:
+        return
+    snap, path = got
+    try:
+        fresh = not path.parent.is_dir()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            (path.parent / "source.json").write_text(json.dumps(snap._layout_source))
+            _prune(path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.lib.format.write_array(f, np.ascontiguousarray(out), allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError:
+        return
+
+
+def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            fmt = np.lib.format
+            version = fmt.read_magic(f)
+            header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
+            if version not in header:
+                return None
+            got_shape, fortran, got_dtype = header[version](f, max_header_size=10_000)
+            start = f.tell()
+            n = int(np.prod(shape)) * dtype.itemsize
+            if got_shape != shape or fortran or got_dtype != dtype or dtype.hasobject:
+                return None
+            if os.fstat(f.fileno()).st_size != start + n:
+                return None
+            out = aligned_zeros(int(np.prod(shape)), dtype).reshape(shape)
+            with memoryview(out.reshape(-1).view(np.uint8)) as mv:
+                pos = 0
+                while pos < n:
+                    got = os.preadv(f.fileno(), [mv[pos : min(n, pos + (64 << 20))]], start + pos)
+                    if got <= 0:
+                        return None
+                    pos += got
+            return out
+    except (OSError, ValueError, SyntaxError, TypeError):
+        return None
+
+
+def _prune(keep: Path) -> None:
+    """Remove the other layout directories whose source file is gone or changed."""
+    for d in keep.parent.iterdir():
+        if d == keep or not d.is_dir():
+            continue
+        try:
+            src = json.loads((d / "source.json").read_text())
+        except (OSError, ValueError):
+            continue  # being written by another process, or not ours: left alone
+        try:
+            st = os.stat(src["path"])
+            same = (st.st_ino, st.st_size, st.st_mtime_ns) == (
+                src["ino"], src["size"], src["mtime_ns"]
+            )  # fmt: skip
+        except (OSError, KeyError, TypeError):
+            same = False
+        if not same:
+            shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,157 @@
+"""The repacked layouts kept on disk between processes (poly.runtime.layout_cache, issue 62): a
+model opened again reads them instead of repacking, with the same logits to the bit (and
+transformers' logits); a changed model file gets fresh layouts; a corrupt or pickle-bearing
+cache file is ignored (never unpickled) and written again."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from tests.hf_fixtures import hf_logits, make_tiny_checkpoint
+
+IDS = [1, 5, 9, 2, 7]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    from poly.runtime import layout_cache
+
+    monkeypatch.setenv("POLY_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("POLY_LAYOUT_CACHE", raising=False)
+    monkeypatch.setattr(layout_cache, "MIN_BYTES", 0)  # the tiny model's matrices too
+    return tmp_path / "home" / "layouts"
+
+
+def _logits(path) -> np.ndarray:
+    import entity
+
+    model = entity.load(path)
+    out = np.array(model.forward(IDS))
+    model.reset()
+    return out
+
+
+def _no_repacking(monkeypatch) -> None:
+    """Repacking raises: a load that passes read every layout from the cache."""
+    from poly.runtime import layout_cache, repack
+
+    def refusing(fn):
+        def refuse(*a, **k):
+            out = fn(*a, **k)  # None: a shape or kind without a layout (nothing to cache)
+            raw = next(x for x in a if isinstance(x, np.ndarray))
+            cacheable = layout_cache._entry(raw, "any", b"") is not None  # not a reordered copy
+            assert out is None or not cacheable, f"{fn.__name__} repacked although cached"
+            return out
+
+        return refuse
+
+    for name in ("_k16_make", "il16", "kil8", "kil8q6"):
+        monkeypatch.setattr(repack, name, refusing(getattr(repack, name)))
+
+
+def _files(root) -> list:
+    return sorted(root.rglob("*.npy"))
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return make_tiny_checkpoint(tmp_path / "ck", "llama", tied=True)
+
+
+@pytest.mark.parametrize("quant", ["f16", "q8"])
+def test_cached_entity_layouts_give_the_same_logits(home, tiny, tmp_path, monkeypatch, quant):
+    """float16 rows laid out by 16 k-major (k16), int8 rows by 16 (il16)."""
+    import entity
+    from poly.runtime import ckernels
+
+    if not (ckernels.AVAILABLE and ckernels.EXT.info().get("k16") and ckernels.EXT.info()["r16"]):
+        pytest.skip("this build reads the stored rows (no repacked layouts)")
+    path = tmp_path / f"m-{quant}.entity"
+    entity.convert(str(tiny), str(path), quant=quant)
+    monkeypatch.setenv("POLY_LAYOUT_CACHE", "0")
+    off = _logits(path)
+    assert not home.exists()
+    monkeypatch.delenv("POLY_LAYOUT_CACHE")
+    cold = _logits(path)  # repacked, then written
+    assert _files(home), "no layout written"
+    with monkeypatch.context() as m:
+        _no_repacking(m)
+        warm = _logits(path)
+    assert np.array_equal(off, cold) and np.array_equal(off, warm)
+    ref = hf_logits(tiny, IDS)[-1]
+    if quant == "f16":
+        np.testing.assert_allclose(warm, ref, rtol=0.05, atol=0.05)
+    else:  # int8 rows and codes of x: close, not equal
+        assert np.corrcoef(warm, ref)[0, 1] > 0.99
+
+
+def test_cached_q4_1_rows_give_the_same_logits(home, smollm2_gguf, monkeypatch):
+    from poly.runtime import ckernels
+
+    if not (ckernels.AVAILABLE and ckernels.EXT.info().get("r16")):
+        pytest.skip("no repacked rows in this build")
+    monkeypatch.setenv("POLY_LAYOUT_CACHE", "0")
+    off = _logits(smollm2_gguf)
+    monkeypatch.delenv("POLY_LAYOUT_CACHE")
+    cold = _logits(smollm2_gguf)
+    # a layout per block matrix but q and k (GGUF permutes their rows: reordered copies)
+    assert len(_files(home)) >= 30 * 5
+    with monkeypatch.context() as m:
+        _no_repacking(m)
+        warm = _logits(smollm2_gguf)
+    assert np.array_equal(off, cold) and np.array_equal(off, warm)
+
+
+def _f16(ck, path):
+    import entity
+
+    entity.convert(str(ck), str(path), quant="f16")
+    return path
+
+
+def test_a_changed_file_gets_fresh_layouts(home, tiny, tmp_path):
+    served = _f16(tiny, tmp_path / "m.entity")
+    first = _logits(served)
+    dirs = sorted(p.name for p in home.iterdir())
+    other = make_tiny_checkpoint(tmp_path / "other", "llama", tied=True, seed=3)
+    shutil.copy(_f16(other, tmp_path / "o.entity"), served)  # same path, new bytes
+    second = _logits(served)
+    assert not np.array_equal(first, second)
+    np.testing.assert_allclose(second, hf_logits(other, IDS)[-1], rtol=0.05, atol=0.05)
+    now = sorted(p.name for p in home.iterdir())
+    assert now != dirs and len(now) == 1, "the stale directory is pruned"
+
+
+class _Boom:
+    """Unpickling this writes a marker file: proof that a cache file was unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_corrupt_cache_file_is_ignored_never_unpickled(home, tiny, tmp_path):
+    served = _f16(tiny, tmp_path / "m.entity")
+    good = _logits(served)
+    files = _files(home)
+    assert len(files) >= 3
+    marker = tmp_path / "unpickled"
+    evil = np.empty(4, dtype=object)
+    evil[:] = [_Boom(marker)] * 4
+    with open(files[0], "wb") as f:  # an object array: np.load would unpickle it
+        np.lib.format.write_array(f, evil, allow_pickle=True)
+    files[1].write_bytes(files[1].read_bytes()[:-64])  # truncated
+    raw = bytearray(files[2].read_bytes())
+    raw[:6] = b"\x00" * 6  # not a .npy file
+    files[2].write_bytes(bytes(raw))
+    again = _logits(served)
+    assert not marker.exists()
+    assert np.array_equal(good, again)
+    for f in files[:3]:  # rewritten as valid layouts
+        arr = np.load(f, allow_pickle=False)
+        assert arr.dtype != object and arr.size > 0
