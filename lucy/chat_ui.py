@@ -16,6 +16,8 @@ HELP = """commands:
   /reset            forget the conversation (keeps the system message)
   /system TEXT      set the system message (resets the conversation)
   /set NAME VALUE   temperature, top_k, top_p, max_tokens, seed
+  /save FILE        save the conversation and its KV cache to FILE
+  /load FILE        restore a conversation saved by /save (same model) and continue it
   /stats            last prefill and decode speed, tokens in cache, settings in use
   /help             this text
   /quit             leave the chat (Ctrl-C or EOF at the prompt too)"""
@@ -202,6 +204,27 @@ def _cmd_stats(ui: ChatUI, rest: str) -> None:
     ui.con.print(clean(settings_line(rows)), markup=False, style="dim")
 
 
+def _state_path(rest: str, name: str):
+    from pathlib import Path
+
+    if not rest:
+        raise UsageError(f"usage: {name} FILE")
+    return Path(rest).expanduser()
+
+
+def _cmd_save(ui: ChatUI, rest: str) -> None:
+    path = _state_path(rest, "/save")
+    size = ui.session.save(path)
+    cached = ui.session.model.position
+    ui.con.print(f"saved {cached} cached tokens to {path} ({size / 1e6:.1f} MB)", markup=False)
+
+
+def _cmd_load(ui: ChatUI, rest: str) -> None:
+    turns = ui.session.load(_state_path(rest, "/load"))
+    cached = ui.session.model.position
+    ui.con.print(f"loaded {turns} turns, {cached} cached tokens", markup=False)
+
+
 def _cmd_help(ui: ChatUI, rest: str) -> None:
     ui.con.print(HELP, markup=False)
 
@@ -215,6 +238,8 @@ COMMANDS = {
     "/system": _cmd_system,
     "/set": _cmd_set,
     "/stats": _cmd_stats,
+    "/save": _cmd_save,
+    "/load": _cmd_load,
     "/help": _cmd_help,
     "/quit": _cmd_quit,
     "/exit": _cmd_quit,

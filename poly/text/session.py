@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from poly.errors import GenerationError
+from poly.errors import GenerationError, ModelBusyError, StateFileError
 from poly.text.gendefaults import resolve
-from poly.text.generation import DoneEvent, TokenStream, stream_tokens
+from poly.text.generation import DoneEvent, TokenStream, model_lock, stream_tokens
 from poly.text.sampling import GenOptions, Sampler
 from poly.text.speculative import Speculation
 
@@ -115,6 +115,40 @@ class ChatSession:
         del self._turns[:n]
         return n
 
+    # --- saved state -----------------------------------------------------------------------------
+
+    def save(self, path) -> int:
+        """Write the conversation (system message, turns, the sampler's random state) and the KV
+        cache it built to `path` (Transformer.save_state) -> bytes written."""
+        chat = {"system": self._system, "turns": [list(t) for t in self._turns]}
+        if self._sampler is not None:
+            chat["rng"] = self._sampler.rng.bit_generator.state
+        ids = self._cached()
+        with _held(self.model):
+            tokens = ids if len(ids) == self.model.position else None
+            return self.model.save_state(path, tokens=tokens, meta={"chat": chat})
+
+    def load(self, path) -> int:
+        """Restore a conversation and its KV cache saved by `save` (the options in use stay) ->
+        the turns restored. The next `send` prefills only its own message."""
+        with _held(self.model):
+            saved = self.model.load_state(path)
+        chat = saved.meta.get("chat")
+        if not _is_chat(chat):
+            self._cache_ids = []  # the cache is the file's now: the next send re-prefills
+            raise StateFileError("the state file holds no chat conversation", path=str(path))
+        self._system = chat["system"]
+        self._turns = [(u, a) for u, a in chat["turns"]]
+        self._cache_ids = list(saved.tokens or ())
+        self.last_done = None
+        if isinstance(chat.get("rng"), dict):
+            self._sampler = self._sampler or self._new_sampler()
+            try:
+                self._sampler.rng.bit_generator.state = chat["rng"]
+            except (TypeError, ValueError, KeyError):
+                raise StateFileError("the state file's random state is damaged") from None
+        return len(self._turns)
+
     # --- a turn ---------------------------------------------------------------------------------
 
     def _new_sampler(self) -> Sampler:
@@ -184,3 +218,28 @@ class ChatSession:
             return
         self._turns.append((user_text, state.text))
         self.turns += 1
+
+
+def _is_chat(chat) -> bool:
+    """Whether a saved state's meta is a conversation: a system message (or None) and a list of
+    (user, assistant) text pairs."""
+    if not isinstance(chat, dict) or not isinstance(chat.get("system"), (str, type(None))):
+        return False
+    turns = chat.get("turns")
+    return isinstance(turns, list) and all(
+        isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in turns
+    )
+
+
+class _held:
+    """The model's lock for a save or load, not waited for: ModelBusyError while a reply runs."""
+
+    def __init__(self, model):
+        self.lock = model_lock(model)
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            raise ModelBusyError("the model is in use by a generation; save or load after it")
+
+    def __exit__(self, *exc):
+        self.lock.release()
