@@ -9,8 +9,7 @@ The experts are stored as ``--experts-type`` (F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, 
 or one per stack: ``gate,up,down``), the rest F32. Quantized rows are random code bytes with
 block scales chosen so each row has a standard deviation near 1/sqrt(fan_in) (activations stay
 O(1) through the blocks); the routers are N(0, 1) rows so tokens spread over the experts. Peak
-memory while writing is one tensor. The tokenizer: GPT-2's 256 byte tokens (no merges),
-then filler tokens up to 512.
+memory while writing is one tensor. The tokenizer: GPT-2's 256 byte tokens and 256 merges.
 """
 
 from __future__ import annotations
@@ -47,13 +46,17 @@ def _stack(rng, qtype, shape: tuple[int, ...]) -> np.ndarray:
     return raw.reshape(*shape[:-1], cols // block * size)
 
 
-def _tokens() -> list[str]:
-    """GPT-2's byte-level alphabet (every text tokenizes, byte by byte), then filler tokens."""
+def _tokens() -> tuple[list[str], list[str]]:
+    """(tokens, merges): GPT-2's byte-level alphabet (every text tokenizes), then the merges of
+    letter pairs up to VOCAB tokens (llama.cpp refuses a BPE vocabulary without merges)."""
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
     chars = {b: chr(b) for b in keep}
     chars.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)})
-    alphabet = [chars[b] for b in range(256)]
-    return alphabet + [chr(0x400 + i) for i in range(VOCAB - 256)]
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    pairs = [(a, b) for a in letters for b in letters][: VOCAB - 256]
+    return [chars[b] for b in range(256)] + [a + b for a, b in pairs], [
+        f"{a} {b}" for a, b in pairs
+    ]
 
 
 def _tensors(cfg: dict, types: dict):
@@ -111,7 +114,9 @@ def make_moe_gguf(out: str | Path, *, hidden: int = 256, experts: int = 8, width
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list(_tokens())
+    tokens, merges = _tokens()
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
     w.add_eos_token_id(1)
     tensors = _tensors(cfg, types)
     for name, shape, qtype in tensors:
