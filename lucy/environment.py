@@ -41,6 +41,13 @@ def _seconds(value: str) -> None:
         raise ValueError("expected a number of seconds >= 0")
 
 
+def _size_bytes(value: str) -> None:
+    raw = value.strip().upper().removesuffix("B")
+    digits = raw[:-1] if raw[-1:] in ("K", "M", "G") else raw
+    if not digits.isdigit():
+        raise ValueError("expected a size in bytes, e.g. 4G or 500M")
+
+
 def _path(value: str) -> None:
     if "\0" in value:
         raise ValueError("not a path")
@@ -64,6 +71,14 @@ VARIABLES: dict[str, tuple[Callable[[str], None], str]] = {
     "POLY_TUNE": (
         _choice("0", "1", "force", fold=True),
         "0: shipped dispatch defaults, no measuring; force: measure again ($POLY_HOME/tune)",
+    ),
+    "POLY_LAYOUT_CACHE": (
+        _choice("0", "1"),
+        "0: repack weights at every open, keep nothing on disk",
+    ),
+    "POLY_LAYOUT_CACHE_MAX": (
+        _size_bytes,
+        "bytes of repacked layouts kept in $POLY_HOME/layouts (default 4G; oldest removed)",
     ),
     "POLY_MALLOC_TUNE": (_choice("0", "1"), "0: leave glibc's malloc thresholds alone"),
     "POLY_CONVERT_BLOCK_DELAY": (_seconds, "test hook: seconds to sleep after each block"),

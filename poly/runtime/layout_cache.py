@@ -14,6 +14,8 @@ and size; one that does not match (truncated, corrupt, of another version) is ig
 written again. Written to a temporary name and renamed: a reader never sees half a file. A
 directory whose source file is gone or changed is removed when a new one is written.
 POLY_LAYOUT_CACHE=0 turns it off (nothing read or written); matrices under 64 KB are not cached.
+The layouts are a second copy of the weights: past POLY_LAYOUT_CACHE_MAX bytes in all (default
+4 GiB) the directories used longest ago are removed when a new one is written.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ from poly.weights import FileSnapshot, aligned_zeros
 VERSION = 1
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
 _HEAD = 64 << 10  # bytes of the model file hashed into its key
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+def max_bytes() -> int:
+    """POLY_LAYOUT_CACHE_MAX (bytes, K/M/G suffixes) or the default; a bad value is the default
+    here (lucy's start-up check names it)."""
+    raw = os.environ.get("POLY_LAYOUT_CACHE_MAX", "").strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1:], 1)
+    digits = raw[:-1] if scale > 1 else raw
+    return int(digits) * scale if digits.isdigit() else DEFAULT_MAX_BYTES
 
 
 def enabled() -> bool:
@@ -174,3 +186,28 @@ def _prune(keep: Path) -> None:
             same = False
         if not same:
             shutil.rmtree(d, ignore_errors=True)
+    _cap(keep)
+
+
+def _size(d: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    except OSError:
+        return 0
+
+
+def _cap(keep: Path) -> None:
+    """Remove the directories modified longest ago until the rest fit in max_bytes()."""
+    dirs = []
+    for d in keep.parent.iterdir():
+        if d != keep and d.is_dir() and (d / "source.json").is_file():
+            try:
+                dirs.append((d.stat().st_mtime, d))
+            except OSError:
+                continue
+    total = _size(keep) + sum(_size(d) for _, d in dirs)
+    for _, d in sorted(dirs):
+        if total <= max_bytes():
+            break
+        total -= _size(d)
+        shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,40 @@
+"""The on-disk layout cache stays under POLY_LAYOUT_CACHE_MAX: the directories written longest
+ago go first, the one being written stays; a bad value is named by lucy's start-up check."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from lucy.environment import problems
+from poly.runtime import layout_cache
+
+
+def _dir(root, name, nbytes, mtime):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "source.json").write_text(json.dumps({"path": "/nonexistent"}))
+    (d / "a.npy").write_bytes(b"\0" * nbytes)
+    os.utime(d, (mtime, mtime))
+    return d
+
+
+def test_cap_removes_oldest_until_under(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", "2500")
+    old = _dir(tmp_path, "old", 1000, 100)
+    mid = _dir(tmp_path, "mid", 1000, 200)
+    new = _dir(tmp_path, "new", 1000, 300)
+    keep = _dir(tmp_path, "keep", 1000, 50)  # the one being written: never removed
+    layout_cache._cap(keep)
+    assert not old.exists() and not mid.exists()
+    assert new.exists() and keep.exists()
+
+
+def test_max_bytes_parses_suffixes(monkeypatch):
+    for raw, want in (("4G", 4 << 30), ("500M", 500 << 20), ("12k", 12 << 10), ("77", 77)):
+        monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", raw)
+        assert layout_cache.max_bytes() == want
+    monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", "lots")
+    assert layout_cache.max_bytes() == layout_cache.DEFAULT_MAX_BYTES
+    assert any("POLY_LAYOUT_CACHE_MAX" in p for p in problems({"POLY_LAYOUT_CACHE_MAX": "lots"}))
+    assert not problems({"POLY_LAYOUT_CACHE_MAX": "4G", "POLY_LAYOUT_CACHE": "0"})
