@@ -74,7 +74,10 @@ def _held(fmt: str, t) -> tuple[int, int]:
     """(bytes held while loaded, bytes stored) of expert tensor t."""
     n = math.prod(t.shape)
     if fmt == "gguf":
-        return (2 * n if t.stored == "gguf_mxfp4" else t.nbytes), t.nbytes
+        from entity.gguf.moe import dequantized_on_load
+
+        copy = t.stored == "gguf_mxfp4" and 39 in dequantized_on_load()  # bfloat16 copies
+        return (2 * n if copy else t.nbytes), t.nbytes
     if fmt == "hf":
         if t.name.endswith("_scales"):
             return 0, t.nbytes

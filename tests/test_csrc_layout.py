@@ -36,7 +36,7 @@ ISA_FLAGS = {
 }
 # the stored formats (csrc/core/common.h's kinds without the dense ones)
 FORMATS = ("BF16", "LOOM_Q4", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K",
-           "Q3_K", "Q5_K", "IQ4_NL", "IQ4_XS")  # fmt: skip
+           "Q3_K", "Q5_K", "IQ4_NL", "IQ4_XS", "MXFP4")  # fmt: skip
 KEYWORDS = {"if", "for", "return", "else", "do", "while", "switch", "case", "default", "goto",
             "break", "continue", "sizeof", "struct", "enum", "union"}  # fmt: skip
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

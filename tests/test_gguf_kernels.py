@@ -27,6 +27,8 @@ PRESET_TYPES = [
 # llama_ftype ids of the presets (llama.h): Q4_0 Q4_1 Q8_0 Q5_0 Q5_1 Q2_K Q3_K_M Q4_K_M Q5_K_M
 # Q6_K IQ4_NL IQ4_XS F16 BF16 Q3_K_S Q4_K_S
 PRESETS = (2, 3, 7, 8, 9, 10, 12, 15, 17, 18, 25, 30, 1, 32, 11, 14)
+# and MXFP4 (GPT-OSS's experts; llama.cpp's MXFP4_MOE preset quantizes only the experts)
+KERNEL_TYPES = [*PRESET_TYPES, _T.MXFP4]
 
 
 def _same_bits(got: np.ndarray, want: np.ndarray) -> None:
@@ -41,7 +43,7 @@ def _reference(raw: np.ndarray, qtype, shape) -> np.ndarray:
         return np.asarray(quants.dequantize(raw, qtype), np.float32).reshape(shape)
 
 
-@pytest.mark.parametrize("qtype", PRESET_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_random_blocks_dequantize_bitwise_like_gguf_py(qtype, each_isa):
     """Any bytes at all (random scales too: inf, nan, subnormal, -0.0)."""
     block, size = quants.GGML_QUANT_SIZES[qtype]
@@ -64,12 +66,14 @@ def _finite_blocks(qtype, m: int, k: int, seed: int) -> np.ndarray:
     if block == 1:  # float types: random bytes would overflow float32 sums
         return quants.quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).view(np.uint8)
     raw = rng.integers(0, 256, (m, k // block, size), np.uint8)
+    if qtype == _T.MXFP4:  # exponents near 1 (every exponent: tests/test_mxfp4.py): sums in range
+        raw[:, :, 0] = rng.integers(112, 140, (m, k // block))
     vals = _reference(raw.reshape(-1, size), qtype, (m, k // block, block))
     raw[~np.isfinite(vals).all(axis=-1)] = 0
     return raw.reshape(m, -1)
 
 
-@pytest.mark.parametrize("qtype", PRESET_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", (1, 2, 7, 13, 16))  # register tiles of 8/4 rows, then 4, 2, 1
 def test_matvec_kernel_equals_dequantize_then_dot(qtype, n, each_isa, float_path):
     m, k = 45, 512

@@ -48,11 +48,11 @@ static float *thread_buffer(size_t floats) {
 #endif
 
 enum { K_F32, K_F16, K_BF16, K_I8, K_LOOM_Q4, K_Q4_0, K_Q4_1, K_Q8_0, K_Q4_K, K_Q6_K,
-       K_Q5_0, K_Q5_1, K_Q2_K, K_Q3_K, K_Q5_K, K_IQ4_NL, K_IQ4_XS, K_COUNT };
+       K_Q5_0, K_Q5_1, K_Q2_K, K_Q3_K, K_Q5_K, K_IQ4_NL, K_IQ4_XS, K_MXFP4, K_COUNT };
 
 /* bytes per 32-block (quantized kinds; block size 256 for K-quants) and element size (dense) */
-static const int BLOCK_BYTES[K_COUNT] = {0, 0, 0, 0, 16, 18, 20, 34, 144, 210, 22, 24, 84, 110, 176, 18, 136};
-static const int BLOCK_ELEMS[K_COUNT] = {1, 1, 1, 1, 32, 32, 32, 32, 256, 256, 32, 32, 256, 256, 256, 32, 256};
+static const int BLOCK_BYTES[K_COUNT] = {0, 0, 0, 0, 16, 18, 20, 34, 144, 210, 22, 24, 84, 110, 176, 18, 136, 17};
+static const int BLOCK_ELEMS[K_COUNT] = {1, 1, 1, 1, 32, 32, 32, 32, 256, 256, 32, 32, 256, 256, 256, 32, 256, 32};
 static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1};
 static int pk_threads = 1; /* set_threads() (isa/methods.h): threads of the parallel loops */
 #define MAX_N 16

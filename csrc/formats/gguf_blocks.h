@@ -1,5 +1,5 @@
 /* GGUF block kinds read through one 32-element sub-block decoder: Q5_0, Q5_1, Q2_K, Q3_K, Q5_K,
- * IQ4_NL, IQ4_XS (and Q4_K / Q6_K for dequantizing).
+ * IQ4_NL, IQ4_XS, MXFP4 (and Q4_K / Q6_K for dequantizing).
  *
  * A sub-block b of a row gives 32 int8 codes c (element l in byte l) and, per half of 16
  * elements, a scale d[h] and an offset m[h]: value = d[h] * c + m[h] (the offset is added only
@@ -18,6 +18,18 @@ typedef struct {
 
 static const int8_t PQ_KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
+
+/* MXFP4 (GPT-OSS's experts; ggml's block_mxfp4): 17 bytes a block, the e8m0 exponent e, then 16
+ * bytes of e2m1 codes (lows, then highs) into this table of twice the values; the scale is
+ * 2^(e - 128), which halves them back (ggml_e8m0_to_fp32_half: exact for every byte) */
+static const int8_t PQ_KVALUES_MX[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float pq_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 static inline int pq_kind(int kind) {
     return kind == K_Q4_K || kind == K_Q6_K || kind >= K_Q5_0;
@@ -62,6 +74,7 @@ static inline __attribute__((always_inline)) const uint8_t *pq_scales_one(int ki
     case K_Q5_0: { const uint8_t *p = row + b * 22; pq_same(s, h2f(p), 0.0f, 0); return p; }
     case K_Q5_1: { const uint8_t *p = row + b * 24; pq_same(s, h2f(p), h2f(p + 2), 1); return p; }
     case K_IQ4_NL: { const uint8_t *p = row + b * 18; pq_same(s, h2f(p), 0.0f, 0); return p; }
+    case K_MXFP4: { const uint8_t *p = row + b * 17; pq_same(s, pq_e8m0_half(p[0]), 0.0f, 0); return p; }
     case K_IQ4_XS: {
         const uint8_t *p = row + (b >> 3) * 136;
         pq_same(s, h2f(p) * (float)pq_iq4xs_scale(p, j), 0.0f, 0);
@@ -160,6 +173,7 @@ static inline void pq_codes_scalar(int kind, const uint8_t *p, int64_t b, int8_t
         }
         case K_IQ4_NL: v = PQ_KVALUES[(p[2 + nib_byte] >> nib_sh) & 15]; break;
         case K_IQ4_XS: v = PQ_KVALUES[(p[8 + 16 * j + nib_byte] >> nib_sh) & 15]; break;
+        case K_MXFP4: v = PQ_KVALUES_MX[(p[1 + nib_byte] >> nib_sh) & 15]; break;
         case K_Q2_K: v = (p[16 + 32 * (j >> 2) + l] >> (2 * (j & 3))) & 3; break;
         case K_Q3_K:
             v = ((p[32 + 32 * (j >> 2) + l] >> (2 * (j & 3))) & 3) - (((p[l] >> j) & 1) ? 0 : 4);
@@ -202,9 +216,10 @@ static inline __m256i pq_field(const uint8_t *p, int sh, int mask) {
     return _mm256_and_si256(_mm256_srli_epi16(pq_ld(p), sh), _mm256_set1_epi8((char)mask));
 }
 
-static inline __m256i pq_lut(__m256i nib) {
-    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)PQ_KVALUES)), nib);
+static inline __m256i pq_lut_of(const int8_t *table, __m256i nib) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table)), nib);
 }
+static inline __m256i pq_lut(__m256i nib) { return pq_lut_of(PQ_KVALUES, nib); }
 
 /* The same codes as pq_codes_scalar, on 32 lanes. */
 static inline __attribute__((always_inline)) __m256i pq_codes_simd(int kind, const uint8_t *p, int64_t b) {
@@ -214,6 +229,7 @@ static inline __attribute__((always_inline)) __m256i pq_codes_simd(int kind, con
     case K_Q5_1: return _mm256_or_si256(pq_nib32(p + 8), pq_bit4(p + 4));
     case K_IQ4_NL: return pq_lut(pq_nib32(p + 2));
     case K_IQ4_XS: return pq_lut(pq_nib32(p + 8 + 16 * j));
+    case K_MXFP4: return pq_lut_of(PQ_KVALUES_MX, pq_nib32(p + 1));
     case K_Q2_K: return pq_field(p + 16 + 32 * (j >> 2), 2 * (j & 3), 3);
     case K_Q3_K: { /* low2 - 4 + 4 * hbit */
         const __m256i hb = _mm256_slli_epi16(pq_field(p, j, 1), 2);
@@ -282,7 +298,7 @@ static inline __attribute__((always_inline)) __m256i pq_q8_codes(int kind, const
         *sgn = 0; *D = s.d[0]; *M = -16.0f * s.d[0];
         return _mm256_or_si256(pq_nib32(p + 6), pq_bit4(p + 2));
     }
-    *sgn = kind == K_Q3_K || kind == K_IQ4_NL || kind == K_IQ4_XS || kind == K_Q5_0;
+    *sgn = kind == K_Q3_K || kind == K_IQ4_NL || kind == K_IQ4_XS || kind == K_Q5_0 || kind == K_MXFP4;
     if (pq_uniform(kind)) { *D = s.d[0]; *M = s.m[0]; }
     else {
         *D = 1.0f; *M = 0.0f;

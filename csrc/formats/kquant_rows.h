@@ -29,7 +29,7 @@ static inline int k8_kind(int kind) {
  * mode (rows/int8_rows.h pq8_row), like the K-quants: their float rows were compute-bound (1B Q5_0
  * decode 0.85x llama.cpp's) */
 static inline int pq8_kind(int kind) {
-    return kind == K_Q5_0 || kind == K_Q5_1 || kind == K_IQ4_NL || kind == K_IQ4_XS;
+    return kind == K_Q5_0 || kind == K_Q5_1 || kind == K_IQ4_NL || kind == K_IQ4_XS || kind == K_MXFP4;
 }
 
 #if PK_SIMD

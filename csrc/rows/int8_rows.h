@@ -120,10 +120,7 @@ static inline __attribute__((always_inline)) void quant_row_q8(int kind, const m
             D = h2f(p) * (float)sc; M = -h2f(p + 2) * (float)mn;
             break;
         }
-        case K_Q5_0: case K_Q5_1: case K_Q2_K: case K_Q3_K: case K_Q5_K: case K_IQ4_NL: case K_IQ4_XS:
-            q = pq_q8_codes(kind, row, b, &D, &M, &sgn, &lane, m2, &pc, 0);
-            break;
-        default: { /* Q6_K: (6-bit code - 32) signed, two 16-element scale groups per lane half */
+        case K_Q6_K: { /* (6-bit code - 32) signed, two 16-element scale groups per lane half */
             const uint8_t *p = row + (b / 8) * 210;
             int j = (int)(b % 8), h = j / 4, t = j % 4;
             __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (t & 1) * 32));
@@ -134,7 +131,10 @@ static inline __attribute__((always_inline)) void quant_row_q8(int kind, const m
             const int8_t *sc = (const int8_t *)(p + 192) + h * 8 + 2 * t;
             lane = _mm256_set_m128(_mm_set1_ps((float)sc[1]), _mm_set1_ps((float)sc[0]));
             D = h2f(p + 208); sgn = 1;
+            break;
         }
+        default: /* the formats/gguf_blocks.h kinds (Q5_0 ... IQ4_XS, MXFP4) */
+            q = pq_q8_codes(kind, row, b, &D, &M, &sgn, &lane, m2, &pc, 0);
         }
         for (int64_t i = 0; i < n; i++) {
             const int8_t *xb = A->xq + (i * A->nb + b) * 64; /* [32 high codes, 32 low codes] */

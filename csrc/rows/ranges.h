@@ -61,6 +61,7 @@ RANGEQ(r_q3_k, K_Q3_K)
 RANGEQ(r_q5_k, K_Q5_K)
 RANGEQ(r_iq4_nl, K_IQ4_NL)
 RANGEQ(r_iq4_xs, K_IQ4_XS)
+RANGEQ(r_mxfp4, K_MXFP4)
 /* int8 activations: one row at a time; the auto mode's K-quant rows on AVX-512 builds without
  * prefetch_row's bursts (a stream the hardware prefetcher follows: Zen 4 Q4_K rows +5 %, Q6_K +8 %) */
 /* AVX2 builds prefetch them again (Zen 3 1B Q5_K_M decode, alternating: 16.2-17.9 -> 17.4-17.9
@@ -90,10 +91,11 @@ RANGE8(r8_q3_k, K_Q3_K)
 RANGE8(r8_q5_k, K_Q5_K)
 RANGE8(r8_iq4_nl, K_IQ4_NL)
 RANGE8(r8_iq4_xs, K_IQ4_XS)
+RANGE8(r8_mxfp4, K_MXFP4)
 static const range_fn RF[K_COUNT] = {r_f32, r_f16, r_bf16, r_i8, r_loom, r_q4_0, r_q4_1, r_q8_0, r_q4_k,
-                                     r_q6_k, r_q5_0, r_q5_1, r_q2_k, r_q3_k, r_q5_k, r_iq4_nl, r_iq4_xs};
+                                     r_q6_k, r_q5_0, r_q5_1, r_q2_k, r_q3_k, r_q5_k, r_iq4_nl, r_iq4_xs, r_mxfp4};
 static const range_fn RF8[K_COUNT] = {NULL,    NULL,    NULL,    r8_i8,   r8_loom,  r8_q4_0,
                                       r8_q4_1, r8_q8_0, r8_q4_k, r8_q6_k, r8_q5_0,  r8_q5_1,
-                                      r8_q2_k, r8_q3_k, r8_q5_k, r8_iq4_nl, r8_iq4_xs};
+                                      r8_q2_k, r8_q3_k, r8_q5_k, r8_iq4_nl, r8_iq4_xs, r8_mxfp4};
 
 #endif /* POLY_ROWS_RANGES_H */

@@ -141,16 +141,23 @@ def _expert(loader, i: int, e: int, view: str) -> Any:
         return gg.dequantize(name, rows=slice(e, e + 1))[0]  # [rows, cols]
     raw = gg.tensor_bytes(name)[e]  # [rows, row_bytes], a view on the mapping
     w = GGUFMatrix(raw, info.ggml_type, info.shape[1:])
-    if getattr(loader, "paged", False) and int(info.ggml_type) in DEQUANTIZED_ON_LOAD:
+    if getattr(loader, "paged", False) and int(info.ggml_type) in dequantized_on_load():
         from poly.runtime.expert_cache import PagedMatrix
 
-        # no kernel reads these blocks: dequantized once per miss (the same row blocks and
-        # values as GGUFMatrix's products), bfloat16 when exact (MXFP4's always are)
+        # no kernel reads these blocks (no C build): dequantized once per miss (the same row
+        # blocks and values as GGUFMatrix's products), bfloat16 when exact (MXFP4's always are)
         return PagedMatrix(w.shape, lambda: w.dequantize(), blockwise=True, compact=True)
     return w
 
 
-DEQUANTIZED_ON_LOAD = (39,)  # ggml type ids: MXFP4 (GPT-OSS)
+def dequantized_on_load() -> tuple[int, ...]:
+    """ggml type ids of expert blocks a paged load keeps as dense copies: MXFP4 (GPT-OSS) when
+    the C kernels, which read its blocks as stored (csrc/formats/gguf_blocks.h), are not built."""
+    from poly.runtime import ckernels
+
+    return () if ckernels.AVAILABLE else (39,)
+
+
 PAGED_TENSORS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)(_exps|\.\d+)\.weight")
 
 

@@ -24,7 +24,7 @@ from poly.quant.qtensor import CodedMatrix, DenseMatrix, GGUFMatrix, Q4Matrix, Q
 
 # kind ids of csrc/core/common.h (the C side's `kind` argument)
 C_F32, C_F16, C_BF16, C_I8, C_LOOM_Q4, C_Q4_0, C_Q4_1, C_Q8_0, C_Q4_K, C_Q6_K = range(10)
-C_Q5_0, C_Q5_1, C_Q2_K, C_Q3_K, C_Q5_K, C_IQ4_NL, C_IQ4_XS = range(10, 17)
+C_Q5_0, C_Q5_1, C_Q2_K, C_Q3_K, C_Q5_K, C_IQ4_NL, C_IQ4_XS, C_MXFP4 = range(10, 18)
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ _RECORDS = (
     _gguf(_T.Q5_K, C_Q5_K, None),
     _gguf(_T.IQ4_NL, C_IQ4_NL, None),
     _gguf(_T.IQ4_XS, C_IQ4_XS, None),
+    _gguf(_T.MXFP4, C_MXFP4, None),  # GPT-OSS's experts (formats/gguf_blocks.h)
     # float GGUF tensors (GGUFMatrix views on the file) read by the dense kernels
     _gguf(_T.F32, C_F32, None),
     _gguf(_T.F16, C_F16, None),
