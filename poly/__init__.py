@@ -14,7 +14,7 @@ _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "24")
 
 # nn registers the layer kinds; runtime and text fill the model's hooks (poly.model.hooks)
 from poly import nn, runtime, text  # noqa: F401
-from poly.config import RopeScaling, TransformerConfig
+from poly.config import TransformerConfig
 from poly.dtypes import DType, parse_dtype
 from poly.errors import ContextOverflowError, PolyError
 from poly.layer import Activation, LayerType, VolumetricLayer, parse_layer_type
@@ -22,6 +22,7 @@ from poly.model import Transformer, param_shapes
 from poly.model.morph import morph_layer, morph_network
 from poly.network import VolumetricNetwork
 from poly.nn import layout
+from poly.rope import RopeScaling
 from poly.weights import WeightStore
 
 __all__ = [

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from poly.config import MoEConfig, RopeScaling
+from poly.config import MoEConfig
 from poly.dtypes import DType, parse_dtype
 from poly.errors import LayerConfigError
+from poly.rope import RopeScaling
 from poly.weights import Generations, WeightStore
 
 

@@ -5,12 +5,78 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from poly.config import LENGTH_DEPENDENT_ROPE, RopeScaling
+from poly.errors import LayerConfigError
 from poly.ops import HOOKS
+
+# The fields each rotary scaling type needs; poly.rope.ROPE_FREQUENCIES computes each type.
+# "dynamic" (NTK) and "longrope" depend on the length a call reaches (transformers recomputes
+# them per forward from max(position) + 1), so their rows are computed per call, not tabled.
+ROPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": (),
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
+    "dynamic": ("original_max_position_embeddings",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling as transformers computes it (`rope_type` in ROPE_FIELDS)."""
+
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    rope_type: str = "llama3"
+    # yarn only; None means transformers' default (from factor / mscale, beta 32 and 1)
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # longrope only: per-frequency divisors below / above original_max_position_embeddings
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    value = tuple(float(v) for v in value)
+                except (TypeError, ValueError):
+                    raise LayerConfigError(
+                        f"rope scaling {name} must be a list of numbers"
+                    ) from None
+                if not all(v > 0 and math.isfinite(v) for v in value):
+                    raise LayerConfigError(f"rope scaling {name} must be positive")
+                object.__setattr__(self, name, value)
+        needs = ROPE_FIELDS.get(self.rope_type)
+        if needs is None:
+            raise LayerConfigError(
+                f"rope scaling type {self.rope_type!r} is not supported "
+                f"(supported: {', '.join(ROPE_FIELDS)})"
+            )
+        missing = [name for name in needs if getattr(self, name) is None]
+        if missing:
+            raise LayerConfigError(f"rope scaling {self.rope_type!r} needs {', '.join(missing)}")
+        numbers = (self.factor, self.low_freq_factor, self.high_freq_factor, self.attention_factor)
+        if not all(v > 0 and math.isfinite(v) for v in numbers if v is not None):
+            raise LayerConfigError("rope scaling factors must be positive")
+        if self.low_freq_factor is not None and self.high_freq_factor is not None:
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise LayerConfigError("rope scaling needs high_freq_factor > low_freq_factor")
+        orig = self.original_max_position_embeddings
+        if orig is not None and orig <= 0:
+            raise LayerConfigError("rope scaling needs original_max_position_embeddings > 0")
 
 
 def _plain(head_dim: int, theta: float) -> np.ndarray:

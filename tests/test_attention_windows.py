@@ -128,7 +128,7 @@ def test_window_of_zero_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="sliding_window") as e:
         entity.load(path)
     assert "\n" not in str(e.value)
-    from poly.config import AttentionConfig
+    from poly.recipe import AttentionConfig
 
     with pytest.raises(LayerConfigError, match="sliding_window"):
         AttentionConfig(sliding_window=0)

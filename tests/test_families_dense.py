@@ -212,8 +212,8 @@ def test_lucy_serve_gives_transformers_tokens(checkpoints, model_type):
 
 
 def test_a_block_without_norms_is_refused():
-    from poly.config import BlockRecipe
     from poly.errors import LayerConfigError
+    from poly.recipe import BlockRecipe
 
     with pytest.raises(LayerConfigError, match="pre_norms"):
         BlockRecipe(pre_norms=False)  # neither pre- nor post-norms

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from poly.config import PLAIN_BLOCK, BlockRecipe
+from poly.recipe import PLAIN_BLOCK, BlockRecipe
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ LayerNorms of `use_qk_norm` (Command-R+) are not run yet: refused by name. mlx-l
 models/cohere.py."""
 
 from entity.families.base import LLAMA_TENSORS, Family, TensorName
-from poly.config import BlockRecipe
 from poly.errors import LayerConfigError
+from poly.recipe import BlockRecipe
 
 BLOCK = BlockRecipe(norm="layernorm_nobias", parallel=True, shared_norm=True)
 _DROPPED = {"mlp_norm", "q_norm", "k_norm"}

@@ -9,8 +9,8 @@ import math
 import numpy as np
 
 from entity.families.base import Family
-from poly.config import BlockRecipe
 from poly.errors import ConfigError
+from poly.recipe import BlockRecipe
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu")  # transformers maps Gemma's legacy "gelu" to tanh
 

@@ -9,8 +9,8 @@ import numpy as np
 
 from entity.families.base import LLAMA_TENSORS, Family, TensorName
 from entity.families.gemma import GELU_TANH, check_activation, embedding_scale
-from poly.config import BlockRecipe
 from poly.errors import ConfigError
+from poly.recipe import BlockRecipe
 
 _MLP_NORM = {"mlp_norm"}
 # post_attention_layernorm is the attention branch's post-norm here, not the FFN's pre-norm.

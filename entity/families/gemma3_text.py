@@ -8,8 +8,8 @@ from __future__ import annotations
 from entity.families.base import Family
 from entity.families.gemma import GELU_TANH, check_activation, embedding_scale
 from entity.families.gemma2 import TENSORS, gguf_attention, hf_attention
-from poly.config import BlockRecipe
 from poly.errors import ConfigError
+from poly.recipe import BlockRecipe
 
 LOCAL_THETA = 10000.0  # transformers' default_theta["local"], llama.cpp's rope_freq_base_train_swa
 

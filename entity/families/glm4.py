@@ -5,8 +5,8 @@ post_attention_layernorm before the FFN, post_mlp_layernorm after it), RoPE over
 split at load. llama.cpp arch "glm4": the same names' tensors, q/k rows as HF stores them."""
 
 from entity.families.base import Family, TensorName
-from poly.config import BlockRecipe
 from poly.errors import LayerConfigError
+from poly.recipe import BlockRecipe
 
 TENSORS: tuple[TensorName, ...] = (
     TensorName("attn_norm", "gamma", "input_layernorm.weight", "attn_norm.weight"),

@@ -4,7 +4,7 @@ q and k are RMS-normed over all heads at once ([q_dim] / [kv_dim] weights) befor
 llama.cpp arch "olmo2" (NeoX rotary: q/k rows as HF stores them)."""
 
 from entity.families.base import LLAMA_TENSORS, Family, TensorName
-from poly.config import BlockRecipe
+from poly.recipe import BlockRecipe
 
 _PRE_NORMS = {"attn_norm", "mlp_norm"}
 TENSORS: tuple[TensorName, ...] = (

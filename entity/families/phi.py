@@ -8,8 +8,8 @@ import dataclasses
 from entity.families.base import Family, TensorName
 from entity.families.gpt_neox import gguf_rotary
 from entity.families.starcoder2 import FFN
-from poly.config import BlockRecipe
 from poly.errors import LayerConfigError
+from poly.recipe import BlockRecipe
 
 BLOCK = BlockRecipe(norm="layernorm", ffn="gelu_tanh_mlp", mlp_bias=True, parallel=True,
                     shared_norm=True)  # fmt: skip

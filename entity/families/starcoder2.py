@@ -4,8 +4,8 @@ q/k/v/o biases and the FFN biases per `use_bias`, a sliding window on every laye
 import dataclasses
 
 from entity.families.base import GLOBAL_TENSORS, Family, TensorName
-from poly.config import BlockRecipe
 from poly.errors import LayerConfigError
+from poly.recipe import BlockRecipe
 
 BLOCK = BlockRecipe(norm="layernorm", ffn="gelu_tanh_mlp", mlp_bias=True)
 # hidden_act -> the FFN kind running it (transformers' ACT2FN: "gelu" is the exact form)

@@ -22,7 +22,7 @@ from entity.gguf.moe import required as moe_required
 from entity.gguf.moe import tensor_shape as moe_tensor_shape
 from entity.gguf.reader import GGUFFile
 from entity.gguf.tokenizer import load_gguf_tokenizer
-from poly.config import LIMITS, AttentionConfig
+from poly.config import LIMITS
 from poly.errors import (
     GGUFFormatError,
     LayerConfigError,
@@ -31,6 +31,7 @@ from poly.errors import (
     UsageError,
     WeightMappingError,
 )
+from poly.recipe import AttentionConfig
 from poly.runtime.expert_cache import check_budget
 from poly.text.gendefaults import GenerationDefaults
 

@@ -27,8 +27,9 @@ from entity.hf.generation import (
 from entity.hf.moe import expert_storage, moe_config
 from entity.strict_json import read_json
 from poly.config import LIMITS as POLY_LIMITS
-from poly.config import ROPE_FIELDS, AttentionConfig
 from poly.errors import ConfigError, LayerConfigError, LimitExceededError, UnsupportedError
+from poly.recipe import AttentionConfig
+from poly.rope import ROPE_FIELDS
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
@@ -322,7 +323,7 @@ _WINDOW_LAYERS = {
 
 
 def _attention(raw: _RawConfig, arch: Family, source: str | None) -> dict:
-    """poly.config.AttentionConfig fields every family reads alike: the sliding window and the
+    """poly.recipe.AttentionConfig fields every family reads alike: the sliding window and the
     layers it applies to, a partial rotary factor ({}: llama's attention)."""
     extra, out = raw.model_extra or {}, {}
     window = _sliding_window(raw, arch)

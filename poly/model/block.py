@@ -1,4 +1,4 @@
-"""The decoder block built from its recipe (poly.config.BlockRecipe): build, slot names, the
+"""The decoder block built from its recipe (poly.recipe.BlockRecipe): build, slot names, the
 check that a block is still the one built, its reference run, and the role -> shape table of a
 whole model derived from the poly.nn parameter specs."""
 
@@ -8,12 +8,13 @@ import functools
 
 import numpy as np
 
-from poly.config import PLAIN_BLOCK, AttentionConfig, BlockRecipe, TransformerConfig
+from poly.config import TransformerConfig
 from poly.errors import LayerConfigError
 from poly.layer import Activation, LayerType, VolumetricLayer, kind_of
 from poly.nn import mha, moe, rmsnorm, swiglu
 from poly.nn.layout import spec
 from poly.ops import rms_norm
+from poly.recipe import PLAIN_BLOCK, AttentionConfig, BlockRecipe
 
 # Sub-layer slots of llama's block: [RMSNorm, MHA, Residual(input), RMSNorm, SwiGLU, Residual(2)].
 ATTN_NORM, ATTN, ATTN_RES, MLP_NORM, MLP, MLP_RES = range(6)

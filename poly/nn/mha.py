@@ -15,7 +15,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from poly.config import LENGTH_DEPENDENT_ROPE
 from poly.errors import ContextOverflowError, LayerConfigError
 from poly.layer import LayerKind, LayerType
 from poly.nn.kvcache import (  # noqa: F401 (the cache's names, as callers import them from here)
@@ -28,7 +27,7 @@ from poly.nn.kvcache import (  # noqa: F401 (the cache's names, as callers impor
 )
 from poly.nn.spec import Spec, carve, span
 from poly.ops import HOOKS, dense_matmul, linear, rms_norm
-from poly.rope import rope_inplace, rope_rows, rope_tables
+from poly.rope import LENGTH_DEPENDENT_ROPE, rope_inplace, rope_rows, rope_tables
 
 MATRICES = frozenset({"w_q", "w_k", "w_v", "w_o"})
 

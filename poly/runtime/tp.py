@@ -8,7 +8,7 @@ Embeddings and the final norm are replicated; the LM head is split by vocabulary
 logits are all-gathered (every rank ends with the same [V] logits). Each rank holds only its
 slices; sources that are memory-mapped (.entity, GGUF) are read only for those slices.
 
-Block recipes (poly.config.BlockRecipe) split the same way: norms (post-norms, LayerNorm) are
+Block recipes (poly.recipe.BlockRecipe) split the same way: norms (post-norms, LayerNorm) are
 replicated and run after a branch's all-reduce; a parallel block sums both branches before one
 all-reduce; soft-capping, windows, sinks (sliced per head) and RoPE options are per head; logit
 scale and final soft-capping follow the gather. A q/k norm over all heads (OLMo 2) sums its
