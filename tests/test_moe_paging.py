@@ -205,3 +205,22 @@ def test_lucy_serve_max_experts(ggufs):
 
         with ThreadPoolExecutor(3) as pool:
             assert list(pool.map(complete, prompts)) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "kind"), [("mixtral", "q8_0"), ("qwen2_moe", "f16"),
+                                            ("gpt_oss_mxfp4", "f32")])  # fmt: skip
+def test_llama_cpp_converted_gguf_under_a_budget(snapshots, arch, kind, tmp_path):
+    """The files llama.cpp's own converter writes (GPT-OSS's MXFP4 checkpoint -> MXFP4 GGUF
+    experts): logits under a budget equal the all-resident ones."""
+    from benchmarks.llama_convert import convert, converter_dir
+
+    root = converter_dir()
+    if root is None:
+        pytest.skip("llama.cpp's converter is not available")
+    src = snapshots[arch]
+    if arch == "qwen2_moe":  # llama.cpp has no mlp_only_layers for qwen2moe
+        src = make_tiny_checkpoint(tmp_path / "q2", arch, seed=7,
+                                   config_overrides={"mlp_only_layers": []})  # fmt: skip
+    path = convert(src, tmp_path / f"{arch}.{kind}.gguf", kind, root)
+    _check_paged(path)
