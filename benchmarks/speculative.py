@@ -121,7 +121,9 @@ def llama_worker(new: int, lookup: int, threads: int) -> None:
     out = {}
     for name, draft in (("llama-q4_1", None),
                         ("llama-q4_1-lookup", LlamaPromptLookupDecoding(num_pred_tokens=lookup))):  # fmt: skip
-        llm = Llama(str(GGUF), n_ctx=2048, n_threads=threads, verbose=False, draft_model=draft)
+        # a draft needs every position's logits kept (scores past n_batch otherwise: shape 0)
+        llm = Llama(str(GGUF), n_ctx=2048, n_threads=threads, verbose=False, draft_model=draft,
+                    logits_all=draft is not None)  # fmt: skip
         toks, stamps = [], []
         for t in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
             if t == llm.token_eos() or len(toks) >= new:
