@@ -2,7 +2,7 @@
 
 The file is a safetensors file (8-byte little-endian header size, a JSON header, raw arrays):
 per attention layer i the cached rows "k.i" / "v.i" [rows, kv_heads, head_dim] in the cache's
-dtype, and "tokens" int32 [position] when the caller gave the ids the cache holds. The header's
+dtype (a q8_0 cache: int8 codes, and its float16 scales "ks.i" / "vs.i"), and "tokens" int32 [position] when the caller gave the ids the cache holds. The header's
 ``__metadata__`` carries the state: each cache's length/start/rope_len, the caller's `meta`
 (JSON), and the model's identity (architecture, a digest of its config, the KV shapes and dtype,
 a digest sampled from its weights), so a state never loads into another model. No pickle; the
@@ -38,7 +38,7 @@ from poly.weights import Generations, PlanCache
 
 FORMAT, VERSION = "poly-kv-state", "1"
 HEADER_MAX = 16 << 20  # a header past this is not ours (the arrays are outside it)
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "F64": "float64", "I32": "int32"}
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "F64": "float64", "I32": "int32", "I8": "int8"}
 ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 _SAMPLE = (32, 32)  # chunks x contiguous values read per weight array for its digest
 
@@ -125,7 +125,7 @@ def identity(model) -> dict:
     return {
         "architecture": cfg.architecture,
         "config": _config_digest(cfg),
-        "kv_dtype": store.name,
+        "kv_dtype": "q8_0" if store == np.int8 else store.name,
         "kv_shapes": [[a.num_kv_heads, a.head_dim, int(a.sliding_window)] for a in layers],
         "weights": weights,
     }
@@ -163,7 +163,7 @@ def save(model, path, tokens=None, meta: dict | None = None) -> int:
             raise StateFileError(f"layer {i}'s cache holds {c.length} positions, not {position}")
         rows = c.length - c.start
         layers.append({"length": c.length, "start": c.start, "rope_len": c.rope_len})
-        arrays += [(f"k.{i}", c.k[:rows]), (f"v.{i}", c.v[:rows])]
+        arrays += [(f"{name}.{i}", getattr(c, name)[:rows]) for name in c.arrays()]
     if tokens is not None:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if ids.size != position:

@@ -128,6 +128,9 @@ def _entries(model, head: dict, layers: list, position: int, data: int) -> dict:
         if rec is not None:
             shape = (rec[0] - rec[1], model.attn(i).num_kv_heads, model.attn(i).head_dim)
             want[f"k.{i}"] = want[f"v.{i}"] = (shape, store)
+            if store == np.int8:  # q8_0: a float16 scale per 32 values
+                scales = (*shape[:2], shape[2] // 32), np.dtype(np.float16)
+                want[f"ks.{i}"] = want[f"vs.{i}"] = scales
     if "tokens" in head:
         want["tokens"] = ((position,), np.dtype(np.int32))
     names = set(head) - {"__metadata__"}
@@ -164,8 +167,9 @@ def _read_arrays(model, f, base: int, entries: dict, layers: list, state: dict):
             continue
         c = cache_for(model.attn(i), None, model.activation_dtype)  # the model's own size
         rows = rec[0] - rec[1]
-        _read_into(f, base, entries[f"k.{i}"], c.k[:rows], crcs.get(f"k.{i}"), f"k.{i}")
-        _read_into(f, base, entries[f"v.{i}"], c.v[:rows], crcs.get(f"v.{i}"), f"v.{i}")
+        for name in (f"{a}.{i}" for a in c.arrays()):
+            out = getattr(c, name.split(".")[0])[:rows]
+            _read_into(f, base, entries[name], out, crcs.get(name), name)
         c.length, c.start, c.rope_len = rec
         caches.append(c)
     tokens = None

@@ -80,15 +80,20 @@ class Transformer(Generic[T]):
     @property
     def kv_cache_dtype(self) -> np.dtype:
         """What the KV caches store for float32 activations: float32 (default, exact against
-        transformers) or float16 (half the memory and the bytes attention reads a position)."""
+        transformers), float16 (half the memory and the bytes attention reads a position) or
+        int8, llama.cpp's q8_0 blocks (set as "q8_0": 8.5 bits a value; the reference path)."""
         return np.dtype(getattr(self.attn(0), "kv_dtype", np.float32))
 
     @kv_cache_dtype.setter
     def kv_cache_dtype(self, value: Any) -> None:
         dt = check_kv_dtype(value)
-        for i in range(self.config.num_layers):
-            self.attn(i).kv_dtype = dt
+        layers = [self.attn(i) for i in range(self.config.num_layers)]
+        if dt == np.int8 and any(a.head_dim % 32 for a in layers):
+            raise DTypeError("a q8_0 KV cache needs head_dim a multiple of 32 (blocks of 32)")
+        for a in layers:
+            a.kv_dtype = dt
         self.reset()  # caches of the old dtype are replaced on next use: none continues
+        Generations.bump()  # the fused plan checks the cache dtype (no C kernel reads q8_0)
 
     # --- parts ---------------------------------------------------------------------------------
     def block(self, i: int) -> VolumetricLayer:
@@ -343,7 +348,9 @@ class Transformer(Generic[T]):
                 kinds[key] = kinds.get(key, 0) + layer.weights.nbytes()
             state = layer.state
             if state is not None and hasattr(state, "k"):
-                kinds["kv_cache"] = kinds.get("kv_cache", 0) + state.k.nbytes + state.v.nbytes
+                names = state.arrays() if hasattr(state, "arrays") else ("k", "v")  # q8_0 scales
+                held = sum(getattr(state, name).nbytes for name in names)
+                kinds["kv_cache"] = kinds.get("kv_cache", 0) + held
         report.update(kinds)
         report["final_norm"] = self.final_norm_layer.weights.nbytes()
         return report
@@ -363,14 +370,15 @@ def check_activation_dtype(dtype: Any) -> np.dtype:
 
 
 def check_kv_dtype(dtype: Any) -> np.dtype:
-    """float32 or float16 (also "f32"/"f16") as np.dtype; DTypeError for anything else."""
-    name = (
-        {"f32": "float32", "f16": "float16"}.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    )
+    """float32, float16 or int8 (q8_0 blocks; also "f32"/"f16"/"q8_0") as np.dtype; DTypeError
+    for anything else."""
+    names = {"f32": "float32", "f16": "float16", "q8_0": "int8", "q8": "int8"}
+    names.update(float32="float32", float16="float16")  # a string: one of these names
+    name = names.get(dtype, "?") if isinstance(dtype, str) else dtype
     try:
         dt = np.dtype(name)
     except TypeError:
         dt = None
-    if dt not in (np.dtype(np.float32), np.dtype(np.float16)):
-        raise DTypeError(f"KV cache dtype {dtype!r} is not supported (float32 or float16)")
+    if dt not in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8)):
+        raise DTypeError(f"KV cache dtype {dtype!r} is not supported (float32, float16 or q8_0)")
     return dt

@@ -5,6 +5,11 @@ max_seq_len (a page of the reservation costs memory once written, `lazy_zeros`).
 layer's cache holds the last positions only, in rows bounded by its window: when the rows are
 full the positions no later query can see are dropped (the kept ones move to the front), so a
 context far longer than the window costs the window's memory.
+
+A q8_0 cache (dtype int8, `Q8`) stores each run of 32 values of a head as int8 codes and one
+float16 scale, as llama.cpp's q8_0 K/V cache does (8.5 bits a value against float16's 16):
+`append` quantizes the new rows and hands attention the visible rows dequantized (the new
+token's own key and value included, as llama.cpp reads them back).
 """
 
 from __future__ import annotations
@@ -13,7 +18,29 @@ import mmap
 
 import numpy as np
 
-from poly.errors import ContextOverflowError, GenerationError
+from poly.errors import ContextOverflowError, DTypeError, GenerationError
+
+Q8 = np.dtype(np.int8)  # the KV dtype of a q8_0 cache (codes int8 + a float16 scale per block)
+Q8_BLOCK = 32  # values per scale (llama.cpp QK8_0)
+
+
+def q8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., hd] (hd a multiple of 32) -> codes int8 [..., hd], scales float16 [..., hd/32]:
+    llama.cpp's quantize_row_q8_0 (d = amax / 127 rounded to float16, codes round(x / d) with
+    the float32 d, halves away from zero)."""
+    xb = np.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], x.shape[-1] // Q8_BLOCK, Q8_BLOCK)
+    d = np.abs(xb).max(axis=-1) / np.float32(127)  # [..., hd/32]
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    y = xb * inv[..., None]
+    codes = np.trunc(y + np.copysign(np.float32(0.5), y)).astype(np.int8)
+    return codes.reshape(x.shape), d.astype(np.float16)
+
+
+def q8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """codes int8 [..., hd], scales float16 [..., hd/32] -> float32 [..., hd]."""
+    blocks = (*codes.shape[:-1], codes.shape[-1] // Q8_BLOCK, Q8_BLOCK)
+    cb = codes.reshape(blocks).astype(np.float32)
+    return (cb * scales.astype(np.float32)[..., None]).reshape(codes.shape)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -51,6 +78,12 @@ class KVCache:
         rows = window_rows(max_len, window)
         self.k = lazy_zeros((rows, kv_heads, head_dim), dtype)  # [rows, kvh, hd]
         self.v = lazy_zeros((rows, kv_heads, head_dim), dtype)  # [rows, kvh, hd]
+        self.ks = self.vs = None  # q8_0: the scales [rows, kvh, hd/32] float16
+        if self.k.dtype == Q8:
+            if head_dim % Q8_BLOCK:
+                raise DTypeError(f"a q8_0 KV cache needs head_dim a multiple of 32, not {head_dim}")
+            self.ks = lazy_zeros((rows, kv_heads, head_dim // Q8_BLOCK), np.float16)
+            self.vs = lazy_zeros((rows, kv_heads, head_dim // Q8_BLOCK), np.float16)
         self.max_len, self.window = int(max_len), int(window)
         self.length = 0
         self.start = 0  # the position of row 0
@@ -85,13 +118,33 @@ class KVCache:
         out = KVCache(self.max_len, self.k.shape[1], self.k.shape[2], self.k.dtype, self.window)
         self.truncate_check(n)
         rows = n - self.start
-        out.k[:rows], out.v[:rows] = self.k[:rows], self.v[:rows]
+        for name in self.arrays():
+            getattr(out, name)[:rows] = getattr(self, name)[:rows]
         out.length, out.start, out.rope_len = n, self.start, self.rope_len
         return out
 
     def truncate_check(self, n: int) -> None:
         if n > self.length or (n < self.length and self.start > max(0, n - self.window + 1)):
             raise GenerationError(f"the KV cache does not hold the positions up to {n}")
+
+    def arrays(self) -> tuple[str, ...]:
+        """The names of the row arrays: k, v (and the q8_0 scales ks, vs)."""
+        return ("k", "v") if self.ks is None else ("k", "v", "ks", "vs")
+
+    def _rows(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys/values of rows a..b-1 as attention reads them (q8_0: dequantized)."""
+        if self.ks is None:
+            return self.k[a:b], self.v[a:b]
+        return q8_dequantize(self.k[a:b], self.ks[a:b]), q8_dequantize(self.v[a:b], self.vs[a:b])
+
+    def _put(self, a: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k/v [n, kvh, hd] at rows a..a+n-1 (q8_0: quantized)."""
+        n = k.shape[0]
+        if self.ks is None:
+            self.k[a : a + n], self.v[a : a + n] = k, v
+            return
+        (self.k[a : a + n], self.ks[a : a + n]) = q8_quantize(k)
+        (self.v[a : a + n], self.vs[a : a + n]) = q8_quantize(v)
 
     def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Store k/v [n, kvh, hd] at positions length..length+n-1 -> (keys, values, first): the
@@ -110,29 +163,35 @@ class KVCache:
             if kept + n > rows:  # a chunk longer than the rows: attend over a copy, keep the end
                 return self._append_long(k, v, first)
             a = keep_from - self.start
-            self.k[:kept], self.v[:kept] = self.k[a : a + kept], self.v[a : a + kept]
+            for name in self.arrays():
+                arr = getattr(self, name)
+                arr[:kept] = arr[a : a + kept]
             self.start = keep_from
         a = start - self.start
-        self.k[a : a + n], self.v[a : a + n] = k, v
+        self._put(a, k, v)
         self.length = end
-        return self.k[first - self.start : a + n], self.v[first - self.start : a + n], first
+        keys, values = self._rows(first - self.start, a + n)
+        return keys, values, first
 
     def _append_long(self, k, v, first):
-        a = first - self.start
-        keys = np.concatenate([self.k[a : self.length - self.start], k.astype(self.k.dtype)])
-        values = np.concatenate([self.v[a : self.length - self.start], v.astype(self.v.dtype)])
+        a, n = first - self.start, k.shape[0]
+        if self.ks is not None:  # the new rows as a q8_0 cache gives them back
+            k, v = (q8_dequantize(*q8_quantize(x)) for x in (k, v))
+        old_k, old_v = self._rows(a, self.length - self.start)
+        keys = np.concatenate([old_k, k.astype(old_k.dtype)])
+        values = np.concatenate([old_v, v.astype(old_v.dtype)])
         rows = self.k.shape[0]
         keep = min(len(keys), rows - self.window)  # room for a window of new rows after them
-        self.k[:keep], self.v[:keep] = keys[-keep:], values[-keep:]
-        self.length += k.shape[0]
+        self._put(0, keys[-keep:], values[-keep:])
+        self.length += n
         self.start = self.length - keep
         return keys, values, first
 
 
 def kv_dtype(layer, dtype=np.float32) -> np.dtype:
     """What `layer`'s KV cache stores for activations of `dtype`: the layer's `kv_dtype`
-    (float16 halves the bytes attention reads a position, like llama.cpp's default cache) for
-    float32 activations; float64 activations keep float64."""
+    (float16 halves the bytes attention reads a position, like llama.cpp's default cache; int8:
+    q8_0 blocks) for float32 activations; float64 activations keep float64."""
     dtype = np.dtype(dtype)
     return np.dtype(getattr(layer, "kv_dtype", dtype)) if dtype == np.float32 else dtype
 

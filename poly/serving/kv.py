@@ -70,10 +70,11 @@ def make_kv(model, *, kv_pages: int | None = None, max_batch: int = 16, ctx: int
             page_size: int = 16, budget_bytes: int = 2 << 30):  # fmt: skip
     """The scheduler's KV store: a paged pool of ``kv_pages`` pages (default: room for
     ``max_batch`` full contexts, at most ``budget_bytes``), or contiguous caches (``kv_pages=0``,
-    and by default for a model with sliding-window layers: the pool keeps every position)."""
-    from poly.serving.paged import PagedKV, windowed
+    and by default for a model with sliding-window layers: the pool keeps every position; and
+    for a q8_0 KV cache, which the pool does not hold)."""
+    from poly.serving.paged import PagedKV, q8_cache, windowed
 
-    if kv_pages == 0 or (kv_pages is None and windowed(model)):
+    if kv_pages == 0 or (kv_pages is None and (windowed(model) or q8_cache(model))):
         return ContiguousKV(model)  # a sliding window's contiguous caches keep the window only
     if kv_pages is None:
         ctx = min(ctx or model.config.max_seq_len, model.config.max_seq_len)

@@ -40,6 +40,11 @@ class PagedSeq:
         self.hashed = 0  # leading pages whose hashes are registered
 
 
+def q8_cache(model) -> bool:
+    """Whether `model`'s KV caches are q8_0 blocks (no paged pool or paged C step holds them)."""
+    return any(kv_dtype(model.attn(i)) == np.int8 for i in range(model.config.num_layers))
+
+
 def windowed(model) -> bool:
     """Whether some attention layer of `model` slides over fewer positions than its context."""
     layers = (model.attn(i) for i in range(model.config.num_layers))
@@ -61,6 +66,11 @@ class PagedKV:
             raise LayerConfigError(
                 "kv_pages: the paged KV pool does not implement sliding-window attention; "
                 "use contiguous caches (kv_pages 0, the default for this model)"
+            )
+        if q8_cache(model):
+            raise LayerConfigError(
+                "kv_pages: the paged KV pool does not hold a q8_0 KV cache; use contiguous "
+                "caches (kv_pages 0, the default for this cache)"
             )
         self.model = model
         self.ps = int(page_size)
