@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from poly.errors import ConfigError, LimitExceededError, PolyError
 
-__all__ = ["MAX_JSON_BYTES", "read_json"]
+__all__ = ["MAX_JSON_BYTES", "read_json", "validate_json"]
 
 MAX_JSON_BYTES = 4 * 1024 * 1024  # real configs are a few KB
 
@@ -47,3 +49,13 @@ def read_json(path: Path, error: type[PolyError] = ConfigError) -> dict[str, Any
     if not isinstance(data, dict):
         raise error(f"json: {path.name} is not a JSON object", path=str(path))
     return data
+
+
+def validate_json(model: type[BaseModel], data: Any, source: str | None) -> Any:
+    """`data` as a `model`; a ConfigError naming the first bad key (no pydantic traceback)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ConfigError(f"{key}: {first['msg']}", path=source) from None

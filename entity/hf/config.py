@@ -11,13 +11,13 @@ features we cannot run exactly (gemma, phi3, dynamic/longrope rope scaling, MLP 
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from entity.families import FAMILIES, REFUSED_REASONS, Family
+from entity.hf.attention import attention_options, sliding_window
 from entity.hf.generation import (
     HFGeneration,
     RawGeneration,
@@ -25,18 +25,17 @@ from entity.hf.generation import (
     check_generation,
 )
 from entity.hf.moe import expert_storage, moe_config
-from entity.strict_json import read_json
+from entity.hf.rope import HFRopeScaling, parse_rope
+from entity.strict_json import read_json, validate_json
 from poly.config import LIMITS as POLY_LIMITS
 from poly.errors import ConfigError, LayerConfigError, LimitExceededError, UnsupportedError
 from poly.recipe import AttentionConfig
-from poly.rope import ROPE_FIELDS
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
 DEFAULT_CONTEXT = 4096  # KV cache size when the caller gives no max_seq_len
 
 
-SUPPORTED_ROPE_TYPES = ("default", *ROPE_FIELDS)  # "default": no scaling
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 # Upper bounds, checked before anything is sized from these numbers (reliability B3 #42): the
 # one table of every format, poly.config.LIMITS, under config.json's key names.
@@ -76,25 +75,6 @@ class _RawConfig(BaseModel):
     eos_token_id: TokenIds = None
     torch_dtype: str | None = None
     dtype: str | None = None
-
-
-class HFRopeScaling(BaseModel):
-    """A scaled rope_type's keys (ROPE_FIELDS names the ones each type needs)."""
-
-    model_config = ConfigDict(frozen=True, strict=True, allow_inf_nan=False)
-    rope_type: str
-    factor: float
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
-    attention_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    short_factor: list[float] | None = None
-    long_factor: list[float] | None = None
 
 
 class HFModelConfig(BaseModel):
@@ -181,71 +161,10 @@ def load_hf_config(model_dir: str | Path) -> HFModelConfig:
     return _build(config, generation, str(root / CONFIG_FILE))
 
 
-def _validate(model: type[BaseModel], data: Any, source: str | None) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "<root>"
-        raise ConfigError(f"{key}: {first['msg']}", path=source) from None
-
-
 def _token_ids(value: TokenIds) -> tuple[int, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, int) else tuple(value)
-
-
-def _rope(
-    raw: _RawConfig, max_positions: int, source: str | None
-) -> tuple[float, HFRopeScaling | None]:
-    # 4.x: top-level rope_theta + optional rope_scaling; 5.x: rope_parameters holds both.
-    params = dict(raw.rope_parameters or raw.rope_scaling or {})
-    if isinstance(params.get("full_attention"), dict):  # 5.x per layer type (gemma3): global's
-        params = dict(params["full_attention"])
-    # rope_parameters' own theta wins: a family default merged in as top-level rope_theta must not
-    # override it (gemma3's full_attention theta)
-    theta = params.pop("rope_theta", None)
-    theta = raw.rope_theta if theta is None else theta
-    theta = 10000.0 if theta is None else theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
-        raise ConfigError(f"rope_theta: must be a finite number, got {theta!r}", path=source)
-    if theta <= 0:
-        raise ConfigError(f"rope_theta: must be > 0, got {theta}", path=source)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    family = FAMILIES.get(raw.model_type)
-    kind = family.rope_aliases.get(kind, kind) if family is not None else kind
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedError(
-            f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
-            path=source,
-        )
-    if kind == "default":
-        return float(theta), None
-    return float(theta), _scaling(raw, kind, params, max_positions, source)
-
-
-def _scaling(
-    raw: _RawConfig, kind: str, params: dict, max_positions: int, source: str | None
-) -> HFRopeScaling:
-    extra = raw.model_extra or {}
-    if kind == "dynamic":  # transformers' dynamic NTK grows from max_position_embeddings
-        params["original_max_position_embeddings"] = max_positions
-    # As transformers' standardize_rope_params: a top-level original_max_position_embeddings
-    # wins, else the pre-extension length defaults to max_position_embeddings.
-    elif "original_max_position_embeddings" in ROPE_FIELDS[kind]:
-        top = extra.get("original_max_position_embeddings")
-        params["original_max_position_embeddings"] = (
-            top or params.get("original_max_position_embeddings") or max_positions
-        )
-        if kind in ("yarn", "longrope") and params.get("factor") is None:  # the extension
-            params["factor"] = max_positions / params["original_max_position_embeddings"]
-    wanted = {k: params[k] for k in HFRopeScaling.model_fields if params.get(k) is not None}
-    scaling = _validate(HFRopeScaling, dict(wanted, rope_type=kind), source)
-    missing = [key for key in ROPE_FIELDS[kind] if getattr(scaling, key) is None]
-    if missing:
-        raise ConfigError(f"rope_scaling: {kind} needs {', '.join(missing)}", path=source)
-    return scaling
 
 
 def _check_sizes(raw: _RawConfig, kv_heads: int, head_dim: int, source: str | None) -> None:
@@ -306,55 +225,6 @@ def _check_features(raw: _RawConfig, source: str | None) -> Family:
     return arch
 
 
-def _sliding_window(raw: _RawConfig, arch: Family) -> int | None:
-    enabled = {"none": False, "sliding_window": True, "use_sliding_window": raw.use_sliding_window}
-    return raw.sliding_window if enabled[arch.sliding] else None
-
-
-# The families whose transformers attention rotates part of each head (partial_rotary_factor);
-# llama's and qwen's rotate whole heads whatever the key says.
-PARTIAL_ROTARY = frozenset({"phi", "phi3", "gpt_neox", "glm4", "stablelm", "cohere"})
-# transformers' default layer_types where not every layer slides (i: layer, m: max_window_layers)
-_WINDOW_LAYERS = {
-    "qwen2": lambda i, m: i >= m,
-    "qwen3": lambda i, m: i >= m,
-    "qwen2_moe": lambda i, m: bool((i + 1) % 2) and i < m,
-}
-
-
-def _attention(raw: _RawConfig, arch: Family, source: str | None) -> dict:
-    """poly.recipe.AttentionConfig fields every family reads alike: the sliding window and the
-    layers it applies to, a partial rotary factor ({}: llama's attention)."""
-    extra, out = raw.model_extra or {}, {}
-    window = _sliding_window(raw, arch)
-    if window is not None:
-        if window <= 0:
-            raise ConfigError(
-                f"sliding_window: must be a positive integer, got {window}", path=source
-            )
-        out["sliding_window"] = window
-        rule, types = _WINDOW_LAYERS.get(raw.model_type), extra.get("layer_types")
-        if rule is not None and isinstance(types, list):
-            out["window_layers"] = [i for i, t in enumerate(types) if t == "sliding_attention"]
-        elif rule is not None:
-            most = extra.get("max_window_layers", 28)
-            if type(most) is not int:
-                raise ConfigError(
-                    f"max_window_layers: must be an integer, got {most!r}", path=source
-                )
-            out["window_layers"] = [i for i in range(raw.num_hidden_layers) if rule(i, most)]
-    params = raw.rope_parameters or raw.rope_scaling or {}
-    factor = params.get("partial_rotary_factor", extra.get("partial_rotary_factor", 1.0))
-    if factor != 1.0 and raw.model_type not in PARTIAL_ROTARY:
-        raise UnsupportedError(
-            f"partial_rotary_factor {factor} is not supported for model_type {raw.model_type!r}",
-            path=source,
-        )
-    if factor != 1.0:
-        out["partial_rotary_factor"] = factor
-    return out
-
-
 def _with_defaults(config: Any) -> Any:
     """config.json with its family's defaults for the keys it leaves out (transformers' own)."""
     mt = config.get("model_type") if isinstance(config, dict) else None
@@ -369,7 +239,7 @@ def _with_defaults(config: Any) -> Any:
 def _options(raw: _RawConfig, arch: Family, source: str | None) -> dict:
     """TransformerConfig fields of the family's recipe and its own config keys."""
     out: dict = {"block": dataclasses.asdict(arch.block)} if not arch.block.plain else {}
-    attention = _attention(raw, arch, source)
+    attention = attention_options(raw, arch, source)
     if arch.hf_options is not None:
         try:
             out.update(arch.hf_options(raw.model_dump()))
@@ -386,10 +256,10 @@ def _options(raw: _RawConfig, arch: Family, source: str | None) -> dict:
 
 def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
     config = _with_defaults(config)
-    raw: _RawConfig = _validate(_RawConfig, config, source)
+    raw: _RawConfig = validate_json(_RawConfig, config, source)
     arch = _check_features(raw, source)
     gen_source = None if source is None else str(Path(source).with_name(GENERATION_FILE))
-    gen: RawGeneration = _validate(RawGeneration, generation or {}, gen_source)
+    gen: RawGeneration = validate_json(RawGeneration, generation or {}, gen_source)
     kv_heads = raw.num_key_value_heads or raw.num_attention_heads
     if raw.head_dim is not None:
         head_dim = raw.head_dim
@@ -405,7 +275,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
         head_dim = raw.hidden_size // raw.num_attention_heads
     _check_sizes(raw, kv_heads, head_dim, source)
     max_positions = raw.max_position_embeddings or arch.default_max_positions
-    theta, scaling = _rope(raw, max_positions, source)
+    theta, scaling = parse_rope(raw, max_positions, source)
     eos = _union(_token_ids(raw.eos_token_id), _token_ids(gen.eos_token_id))
     bos = _token_ids(raw.bos_token_id) or _token_ids(gen.bos_token_id)
     for tid in (*eos, *bos):
@@ -437,7 +307,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
         o_bias=biased and arch.bias_rule == "flag",
         qk_norm=arch.qk_norm,
         max_position_embeddings=max_positions,
-        sliding_window=_sliding_window(raw, arch),
+        sliding_window=sliding_window(raw, arch),
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=eos,
         dtype=raw.dtype or raw.torch_dtype,

@@ -1,0 +1,88 @@
+"""config.json's rotary embedding keys: rope_theta and a scaled rope_type with its parameters
+(transformers 4.x top-level keys or 5.x rope_parameters), validated into HFRopeScaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from entity.families import FAMILIES
+from entity.strict_json import validate_json
+from poly.errors import ConfigError, UnsupportedError
+from poly.rope import ROPE_FIELDS
+
+SUPPORTED_ROPE_TYPES = ("default", *ROPE_FIELDS)  # "default": no scaling
+
+
+class HFRopeScaling(BaseModel):
+    """A scaled rope_type's keys (ROPE_FIELDS names the ones each type needs)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, allow_inf_nan=False)
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: list[float] | None = None
+    long_factor: list[float] | None = None
+
+
+def parse_rope(
+    raw: Any, max_positions: int, source: str | None
+) -> tuple[float, HFRopeScaling | None]:
+    """rope_theta and the rope scaling (None: unscaled) of a parsed config.json."""
+    # 4.x: top-level rope_theta + optional rope_scaling; 5.x: rope_parameters holds both.
+    params = dict(raw.rope_parameters or raw.rope_scaling or {})
+    if isinstance(params.get("full_attention"), dict):  # 5.x per layer type (gemma3): global's
+        params = dict(params["full_attention"])
+    # rope_parameters' own theta wins: a family default merged in as top-level rope_theta must not
+    # override it (gemma3's full_attention theta)
+    theta = params.pop("rope_theta", None)
+    theta = raw.rope_theta if theta is None else theta
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+        raise ConfigError(f"rope_theta: must be a finite number, got {theta!r}", path=source)
+    if theta <= 0:
+        raise ConfigError(f"rope_theta: must be > 0, got {theta}", path=source)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    family = FAMILIES.get(raw.model_type)
+    kind = family.rope_aliases.get(kind, kind) if family is not None else kind
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedError(
+            f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
+            path=source,
+        )
+    if kind == "default":
+        return float(theta), None
+    return float(theta), _scaling(raw, kind, params, max_positions, source)
+
+
+def _scaling(
+    raw: Any, kind: str, params: dict, max_positions: int, source: str | None
+) -> HFRopeScaling:
+    extra = raw.model_extra or {}
+    if kind == "dynamic":  # transformers' dynamic NTK grows from max_position_embeddings
+        params["original_max_position_embeddings"] = max_positions
+    # As transformers' standardize_rope_params: a top-level original_max_position_embeddings
+    # wins, else the pre-extension length defaults to max_position_embeddings.
+    elif "original_max_position_embeddings" in ROPE_FIELDS[kind]:
+        top = extra.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = (
+            top or params.get("original_max_position_embeddings") or max_positions
+        )
+        if kind in ("yarn", "longrope") and params.get("factor") is None:  # the extension
+            params["factor"] = max_positions / params["original_max_position_embeddings"]
+    wanted = {k: params[k] for k in HFRopeScaling.model_fields if params.get(k) is not None}
+    scaling = validate_json(HFRopeScaling, dict(wanted, rope_type=kind), source)
+    missing = [key for key in ROPE_FIELDS[kind] if getattr(scaling, key) is None]
+    if missing:
+        raise ConfigError(f"rope_scaling: {kind} needs {', '.join(missing)}", path=source)
+    return scaling
