@@ -108,7 +108,7 @@ def footprint(desc) -> Footprint:
     sparse = cfg.num_layers - len(moe.dense_layers)
     count = sparse * moe.num_experts
     per, per_stored = -(-held // count), -(-stored // count)
-    transient = 0 if moe.extended else moe.top_k * sparse  # the C step reports after it runs
+    transient = moe.top_k * sparse  # the C step (GPT-OSS's options too) reports after it runs
     return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv)
 
 

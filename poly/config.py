@@ -96,8 +96,8 @@ class MoEConfig:
 
     @property
     def extended(self) -> bool:
-        """True when an option past the fused C step's is used (softmax_topk gating, biases,
-        the clamped activation): poly.runtime.fused then leaves the model to the Python path."""
+        """True when an option past llama/Qwen's MoE is used (softmax_topk gating, biases, the
+        clamped activation: GPT-OSS, GraniteMoE); the fused C step runs them too."""
         return self.gating not in ("softmax", "sigmoid") or bool(
             self.router_bias or self.expert_bias or self.activation != "silu"
         )

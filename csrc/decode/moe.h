@@ -1,7 +1,8 @@
-/* The MoE FFN of the fused decode step (poly/nn/moe.py is the reference): float32 router,
- * softmax or sigmoid gating, top-k by a stable descending order (of tied experts the lower id
- * wins), optional renormalisation over the k, then each used expert once over the rows that chose
- * it, plus an optional shared expert with its sigmoid gate.
+/* The MoE FFN of the fused decode step (poly/nn/moe.py is the reference): float32 router (and
+ * its bias), softmax or sigmoid gating or softmax over the chosen k logits (GPT-OSS), top-k by a
+ * stable descending order (of tied experts the lower id wins), optional renormalisation over the
+ * k, then each used expert once over the rows that chose it (biases in its mats; SiLU or
+ * GPT-OSS's clamped SwiGLU), plus an optional shared expert with its sigmoid gate.
  *
  * Phases (threads split each matrix's rows; barriers between): router rows; routing and the
  * gathered rows (one thread); every used expert's gate/up rows and SiLU; the hidden rows prepared
@@ -17,6 +18,10 @@
 
 /* scores of one row's E router logits (softmax like numpy's: max subtracted, then normalised) */
 static void gate_scores(const moe_t *M, const float *lg, float *p) {
+    if (M->gating == MOE_SOFTMAX_TOPK) { /* the logits: their softmax comes after the choice */
+        memcpy(p, lg, (size_t)M->E * 4);
+        return;
+    }
     if (M->sig) {
         for (int e = 0; e < M->E; e++) p[e] = 1.0f / (1.0f + expf(-lg[e]));
         return;
@@ -38,8 +43,24 @@ static void top_k(const moe_t *M, float *p, int32_t *ids, float *w) {
         ids[j] = best; w[j] = p[best]; s += w[j];
         p[best] = NAN; /* taken */
     }
-    if (M->norm)
+    if (M->gating == MOE_SOFTMAX_TOPK) { /* numpy's softmax over the k: max subtracted */
+        float mx = -INFINITY, t = 0.0f;
+        for (int j = 0; j < M->k; j++) mx = fmaxf(mx, w[j]);
+        for (int j = 0; j < M->k; j++) { w[j] = expf(w[j] - mx); t += w[j]; }
+        for (int j = 0; j < M->k; j++) w[j] /= t;
+    } else if (M->norm)
         for (int j = 0; j < M->k; j++) w[j] /= s;
+}
+
+/* GPT-OSS's expert activation (poly/nn/moe.py clamped_swiglu): gate capped above at limit, up
+ * clipped to +-limit, (up + 1) * gate * sigmoid(alpha * gate); NaN stays NaN as in numpy */
+static void clamped_swiglu(const moe_t *M, const float *g, const float *u, float *out, int64_t n) {
+    const float lim = M->limit, a = M->alpha;
+    for (int64_t j = 0; j < n; j++) {
+        const float gj = g[j] > lim ? lim : g[j];
+        const float uj = u[j] > lim ? lim : (u[j] < -lim ? -lim : u[j]);
+        out[j] = (uj + 1.0f) * (gj * (1.0f / (1.0f + expf(-a * gj))));
+    }
 }
 
 static float dot_f32(const float *a, const float *b, int64_t n) {
@@ -84,13 +105,17 @@ static void moe_route(const step_t *S, const moe_t *M, bufs_t *B) {
 }
 
 /* gate|up rows [r0, r1) of expert X for the slot's rows, then SiLU(gate) * up into hid */
-static void expert_gate_up(const step_t *S, const expert_t *X, const px_t *V, float *gu, float *hid,
-                           int64_t cnt, int64_t r0, int64_t r1) {
+static void expert_gate_up(const step_t *S, const moe_t *M, const expert_t *X, const px_t *V, float *gu,
+                           float *hid, int64_t cnt, int64_t r0, int64_t r1) {
     const int64_t I = X->I;
     mat_rows(&X->gu[0], V, gu, 2 * I, r0, r1, S->q8, cnt, NULL);
     if (X->ngu == 1) mat_rows(&X->gu[0], V, gu, 2 * I, I + r0, I + r1, S->q8, cnt, NULL);
     else mat_rows(&X->gu[1], V, gu + I, 2 * I, r0, r1, S->q8, cnt, NULL);
-    for (int64_t i = 0; i < cnt; i++) silu_mul(gu + i * 2 * I + r0, gu + i * 2 * I + I + r0, hid + i * I + r0, r1 - r0);
+    for (int64_t i = 0; i < cnt; i++) {
+        const float *g = gu + i * 2 * I + r0, *u = gu + i * 2 * I + I + r0;
+        if (M->clamp && X != &M->ex[M->E]) clamped_swiglu(M, g, u, hid + i * I + r0, r1 - r0);
+        else silu_mul(g, u, hid + i * I + r0, r1 - r0);
+    }
 }
 
 static void block_moe(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
@@ -109,7 +134,7 @@ static void block_moe(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
         const expert_t *X = &M->ex[s->e];
         const px_t V = px_view(&B->P, B->mx + s->row0 * d, s->row0 * d);
         part(X->I, tid, nt, &r0, &r1);
-        expert_gate_up(S, X, &V, B->mgu + s->goff, B->mhid + s->hoff, s->cnt, r0, r1);
+        expert_gate_up(S, M, X, &V, B->mgu + s->goff, B->mhid + s->hoff, s->cnt, r0, r1);
     }
 #pragma omp barrier
 #pragma omp single

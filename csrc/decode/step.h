@@ -55,8 +55,11 @@ typedef struct { /* one SwiGLU expert: gate/up as (w_gate_up,) or (w_gate, w_up)
     int ngu; int64_t I; mat_t gu[2], down;
 } expert_t;
 
+enum { MOE_SOFTMAX, MOE_SIGMOID, MOE_SOFTMAX_TOPK }; /* moe_t.gating */
 typedef struct { /* an MoE FFN (csrc/decode/moe.h): router [E, d] float32, experts, optional shared */
     int E, k, sig, norm, nex;  /* nex = E, + 1 with a shared expert (index E) */
+    int gating;                /* MOE_SOFTMAX, MOE_SIGMOID, MOE_SOFTMAX_TOPK (the tuple: decode/moe_args.h) */
+    int clamp; float alpha, limit; /* GPT-OSS's experts: (up + 1) * g sigmoid(alpha g), clamped */
     mat_t router; const float *sgate; /* shared expert's gate [d] or NULL */
     expert_t *ex; int32_t *chosen;    /* chosen: [n, k] expert ids written per call, or NULL */
 } moe_t;

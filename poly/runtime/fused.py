@@ -67,13 +67,16 @@ def _ffn_args(mlp, by16: bool = True, copy: bool = True) -> tuple | None:
 
 
 def _moe_args(mlp) -> tuple | None:
-    """The C record of an MoE layer (csrc/pk_moe_args.h), or None: (E, top_k, sigmoid,
-    norm_topk_prob, router, shared_gate, experts, chosen [STEP_ROWS, top_k] int32)."""
+    """The C record of an MoE layer (csrc/decode/moe_args.h), or None: (E, top_k, gating,
+    norm_topk_prob, router (+ its bias), shared_gate, experts (+ their biases), chosen
+    [STEP_ROWS, top_k] int32, (alpha, limit) of GPT-OSS's clamped SwiGLU or None)."""
     cfg = mlp.moe
-    if cfg.extended:  # router/expert biases, softmax after top-k, clamped SwiGLU: Python path
+    gating = _GATINGS.get(cfg.gating)
+    if gating is None or cfg.activation not in ("silu", "swiglu_oai"):
         return None
     v = moe.views(mlp)
-    router = _mat(np.ascontiguousarray(v.router, dtype=np.float32))
+    bias = None if v.router_bias is None else np.ascontiguousarray(v.router_bias)
+    router = _mat(np.ascontiguousarray(v.router, dtype=np.float32), bias)
     # the experts' float rows stay as stored: a pager drops and reads them from the file;
     # paged experts get no repacked copy either (it would hold every expert in memory)
     copy = getattr(mlp, "expert_cache", None) is None
@@ -82,8 +85,14 @@ def _moe_args(mlp) -> tuple | None:
         return None
     gate = None if v.shared_gate is None else v.shared_gate.reshape(-1)  # [1, d] -> [d]
     chosen = np.zeros((ckernels.STEP_ROWS, cfg.top_k), dtype=np.int32)
-    sig = cfg.gating == "sigmoid"
-    return (cfg.num_experts, cfg.top_k, sig, cfg.norm_topk_prob, router, gate, experts, chosen)
+    clamp = None
+    if cfg.activation == "swiglu_oai":
+        clamp = (float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+    norm = cfg.norm_topk_prob
+    return (cfg.num_experts, cfg.top_k, gating, norm, router, gate, experts, chosen, clamp)
+
+
+_GATINGS = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}  # csrc/decode/step.h MOE_*
 
 
 def _layer_args(blk) -> tuple | None:
