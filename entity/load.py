@@ -202,8 +202,10 @@ def describe(path_or_model_id: str | os.PathLike) -> Description | None:
 
 
 def _describe_gguf(path: Path) -> Description:
-    from entity.gguf.loader import check_tensors, gguf_config, load_gguf_tokenizer
+    from entity.gguf.config import gguf_config
+    from entity.gguf.loader import check_tensors
     from entity.gguf.reader import open_gguf
+    from entity.gguf.tokenizer import load_gguf_tokenizer
     from poly.errors import WeightMappingError
 
     gg = open_gguf(path, weights=False)

@@ -170,7 +170,7 @@ def _gguf_info(path: Path) -> dict:
     GGUF header and tensor table (mapped, never read in full). {"error": ...} if unusable."""
     from collections import Counter
 
-    from entity.gguf.loader import gguf_config
+    from entity.gguf.config import gguf_config
     from entity.gguf.reader import open_gguf
     from poly.errors import PolyError
 

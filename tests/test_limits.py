@@ -79,7 +79,7 @@ def test_hf_config_with_a_million_experts_fails_fast(moe_dir, tmp_path):
 
 @pytest.mark.parametrize("name", ["num_layers", "num_heads", "vocab_size", "hidden_size"])
 def test_every_format_shares_the_table(name):
-    from entity.gguf.loader import MAX_LAYERS
+    from entity.gguf.config import MAX_LAYERS
     from entity.gguf.moe import MAX_EXPERTS
     from entity.hf.config import HF_KEYS
     from entity.hf.config import LIMITS as HF
