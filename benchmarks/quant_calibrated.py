@@ -19,6 +19,7 @@ from pathlib import Path
 HF = Path.home() / ".cache" / "poly" / "models" / "SmolLM2-135M-Instruct-hf"
 TEXT = Path.home() / ".cache" / "poly" / "eval-text" / "botchan.txt"
 OUT = Path(__file__).parent / "results" / "quant-calibrated-smollm2.json"
+KL_OUT = Path(__file__).parent / "results" / "quant-sensitivity-kl-smollm2.json"
 
 
 def _kinds(path: Path) -> dict[str, int]:
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", action="store_true", help="measure the files already written")
     ap.add_argument("--exclude", nargs="*", default=["Q4_1"], help="type names left out")
     ap.add_argument("--work", type=Path, default=Path("/tmp/quant-calibrated"))
+    ap.add_argument("--kl", type=Path, default=None, help="a kept per-tensor KL measurement (JSON)")
+    ap.add_argument("--proxy", action="store_true", help="--bpw by the relative error alone")
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -61,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = text_tokens(ref, text)[: args.ctx * args.windows]
     refs = list(reference_logits(ref, tokens, args.ctx))
     t0 = time.perf_counter()
-    planner = None if args.reuse else Planner(HF)
+    planner = None if args.reuse else Planner(HF, measured=not args.proxy)
+    if planner is not None and args.kl is not None:
+        planner.kl = json.loads(args.kl.read_text())
     rows = {"planner_seconds": round(time.perf_counter() - t0, 1), "windows": args.windows}
     if planner is not None:
         # The snapshot is dequantized from llama.cpp's Q4_1 GGUF (tests/conftest.py): Q4_1 blocks
@@ -86,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {**res.to_json(), "bytes": size, "params_by_type": _kinds(dst)}
         if planner is not None:
             rows[name]["convert_seconds"] = round(secs, 1)
+            if planner.kl is not None:  # the measurement, kept for --kl
+                KL_OUT.write_text(json.dumps(planner.kl, indent=0) + "\n")
         print(name, json.dumps(rows[name]), flush=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0

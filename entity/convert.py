@@ -264,17 +264,20 @@ def convert(
     progress: Progress | None = None,
     embed_quant: str | None = None,
     generation: Mapping[str, Any] | None = None,
-    calibrate: bool = False,
+    calibrate: bool | None = None,
     bpw: float | None = None,
     calibration: str | os.PathLike | None = None,
     planner: Any = None,
+    to: str = "entity",
 ) -> ConvertReport:
-    """Convert ``src`` (HF dir or cached id, .gguf, .entity) to a `.entity` at ``dst``.
+    """Convert ``src`` (HF dir or cached id, .gguf, .entity) to a `.entity` at ``dst`` (``to=
+    "gguf"``: a GGUF file llama.cpp loads, `entity.gguf.export`).
 
     ``generation``: settings the file carries over the source's own (`poly.text.gendefaults`).
 
     ``calibrate`` (or ``calibration``, a text file): the importance-weighted q4 recipe
-    (`entity.quantize`); ``bpw``: per-tensor types chosen under that whole-file budget;
+    (`entity.quantize`), the default of q4 from an HF snapshot (``calibrate=False``: the plain
+    `.entity` q4 encoding); ``bpw``: per-tensor types chosen under that whole-file budget;
     ``planner``: an `entity.quantize.Planner` of ``src`` already measured (several budgets).
 
     ``progress(done, total, detail)`` is called after every block. With ``verify`` the output is
@@ -283,7 +286,13 @@ def convert(
     """
     if quant not in SCHEMES:
         raise UsageError(f"unknown quant {quant!r}; choose one of {sorted(SCHEMES)}")
+    if to not in ("entity", "gguf"):
+        raise UsageError(f"unknown output format {to!r}; choose entity or gguf")
+    if to == "gguf" and verify:
+        raise UsageError("--verify checks .entity files; load the GGUF to check it")
     out_path = Path(dst) if dst is not None else default_output(src, quant)
+    if dst is None and to == "gguf":
+        out_path = out_path.with_suffix(".gguf")
     if dst is None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
     check_output(out_path, force=force)  # fail fast, before reading a big source
@@ -303,6 +312,10 @@ def convert(
         blocks, globals_ = _delayed(source.blocks()), source.globals_
         if recipe is not None:
             blocks, globals_ = apply_recipe(blocks, globals_, recipe)
+        if to == "gguf":
+            tick = lambda d, _t, x: cb(d, total, x)  # noqa: E731
+            _write_gguf(out_path, source, (blocks, globals_), quant, force, tick)
+            return
         write_entity(
             out_path, source.cfg, _checked(blocks, matrix_enc, lower),
             _checked_globals(globals_, embed_enc, keep_as, lower), source.meta, quant=quant,
@@ -310,7 +323,12 @@ def convert(
             progress=lambda done, _t, detail: cb(done, total, detail),
         )  # fmt: skip
 
+    if to == "gguf":
+        from entity.gguf.export import check_exportable
+
+        check_exportable(source.cfg)  # before any calibration work
     # the calibrated default applies to float checkpoints (a GGUF's blocks are kept as they are)
+    calibrate = quant == "q4" if calibrate is None else calibrate
     calibrate = bool(planner) or (calibrate and source.kind == "hf")
     recipe = _calibrated(src, write, out_path, bpw, calibrate, calibration, cb, planner)
     report = ConvertReport(str(src), str(out_path), quant, source.kind)
@@ -328,6 +346,15 @@ def convert(
     report.bytes = out_path.stat().st_size
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _write_gguf(out_path: Path, source: _Source, model, quant: str, force: bool, tick) -> None:
+    """The GGUF file, written to a temporary name and renamed over ``out_path`` when whole."""
+    from entity.atomic import atomic_output
+    from entity.gguf.export import write_gguf
+
+    with atomic_output(out_path, force=force, inputs=source.inputs) as f:
+        write_gguf(f, source.cfg, source.meta, *model, quant, tick)
 
 
 def _calibrated(src, write, out_path: Path, bpw, calibrate, calibration, cb, planner=None):

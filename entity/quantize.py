@@ -5,9 +5,11 @@ Every chosen type is a GGUF block kind written by `poly.quant.weighted` and stor
 `.entity` as native blocks (`entity.dotentity.native_blocks`: the blob record carries the
 `ggml_type`, so the header names each tensor's type and the C kernels run it).
 
-Sensitivity of tensor t at type k: the imatrix-weighted squared error of its sampled rows,
-relative to the weighted energy of those rows (E‖ΔW x‖² / E‖W x‖², exllamav2's relative
-output error). docs/quantization.md gives the measured check against per-tensor KL.
+Sensitivity of tensor t at type k: its measured KL (`entity.sensitivity`: the head exactly at
+every type, each block matrix by one partial forward at Q4_0 on the calibration text), scaled
+to the other types by the imatrix-weighted squared error of its sampled rows relative to their
+weighted energy (E‖ΔW x‖² / E‖W x‖², exllamav2's relative output error). ``measured=False``
+allocates by that relative error alone (the cheap proxy; docs/quantization.md compares them).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _T = GGMLType
 CANDIDATES = (_T.IQ4_NL, _T.Q4_0, _T.Q4_K, _T.Q4_1, _T.Q5_0, _T.Q5_K, _T.Q6_K, _T.Q8_0)
 FAST = (_T.Q4_0, _T.Q4_1, _T.Q8_0)  # the kinds the fused step's r16 kernels run (default q4)
 SAMPLE_ROWS = 256  # rows per tensor whose error is measured (evenly spaced)
+SENS_TOKENS = 128  # calibration tokens the per-tensor KL is measured on
 CHUNK_TOKENS = 512
 MAX_CHUNKS = 8
 Progress = Callable[[int, int, str], None]
@@ -118,7 +121,9 @@ class Planner:
     """A float source's matrices and importance matrix, measured once; `recipe` then allocates
     for any budget (convert re-allocates when the written file came out above it)."""
 
-    def __init__(self, src, calibration=None, progress: Progress | None = None):
+    def __init__(
+        self, src, calibration=None, progress: Progress | None = None, *, measured: bool = True
+    ):
         from entity.load import load
         from poly.model.imatrix import collect, matrices
         from poly.text.evaluate import parameter_count
@@ -131,6 +136,9 @@ class Planner:
         self.mats = {n: w for n, w in matrices(tf).items() if _kinds(w)}
         chunks = calibration_chunks(tf.tokenizer, text, tf.config.max_seq_len)
         self.imatrix = collect(tf, chunks, len(chunks), progress)
+        self.tf, self.measured = tf, measured
+        self.sens_ids = chunks[0][:SENS_TOKENS]
+        self.kl: dict[str, dict[str, float]] | None = None  # measured KL (entity.sensitivity)
         vectors = [
             v
             for blk in tf.network.layers
@@ -142,21 +150,53 @@ class Planner:
         self.vector_bytes = 4 * sum(int(np.size(v)) for v in vectors)
         self.params = parameter_count(tf)  # as `lucy eval` counts bits per weight
         self.header_bytes = len(tf.tokenizer.to_str().encode()) + (1 << 16)
-        self.options: dict[str, list[Option]] | None = None
+        self.options: dict[str, list[Option]] | None = None  # relative error (the proxy)
+        self.kl_options: dict[str, list[Option]] | None = None  # measured KL
         self.exclude: set[str] = set()  # kind names left out (a benchmark's choice)
 
-    def _measure(self, progress: Progress | None) -> dict[str, list[Option]]:
+    def _measure(self, progress: Progress | None, measured: bool) -> dict[str, list[Option]]:
+        tick = progress or (lambda done, total, detail: None)
         if self.options is None:
-            tick = progress or (lambda done, total, detail: None)
             self.options = {}
             for k, (name, w) in enumerate(self.mats.items()):
                 self.options[name] = _options(w, self.imatrix.get(name))
-                tick(k + 1, len(self.mats), f"measuring {name}")
-        return self.options
+                tick(k + 1, len(self.mats), f"rounding error {name}")
+        if not measured:
+            return self.options
+        if self.kl_options is None:
+            self.kl_options = self._scaled(self.options, tick)
+        return self.kl_options
 
-    def _choose(self, budget: int, kinds, bpw, progress: Progress | None) -> Recipe:
+    def _scaled(self, rel: dict[str, list[Option]], tick: Progress) -> dict[str, list[Option]]:
+        """Each option's cost as measured KL: the head's own at every type, a block matrix's
+        (and a tied table's input side) at MEASURE_KIND times rel(type) / rel(MEASURE_KIND)."""
+        from entity.sensitivity import MEASURE_KIND, measure
+
+        kinds = {n: [_T[o.kind] for o in v] for n, v in rel.items()}
+        if self.kl is None:  # (a benchmark may hand in a kept measurement)
+            self.kl = measure(self.tf, self.sens_ids, self.mats, self.imatrix, kinds, tick)
+        out = {}
+        for name, opts in rel.items():
+            m = self.kl[name]
+            base = next(o.cost for o in opts if o.kind == MEASURE_KIND.name)
+            side = max(m.get("input", m.get(MEASURE_KIND.name, 0.0)), 0.0)  # scaled part
+            if name == "lm_head":
+                side = 0.0
+            own = name == "lm_head" or (name == "embeddings" and self.tf.tied)  # exact head KL
+            out[name] = [
+                Option(
+                    o.kind,
+                    o.nbytes,
+                    (max(m[o.kind], 0.0) if own else 0.0) + side * (o.cost / base if base else 0),
+                )
+                for o in opts
+            ]
+        return out
+
+    def _choose(self, budget: int, kinds, bpw, progress, measured: bool) -> Recipe:
         names = {k.name for k in kinds} - set(self.exclude)
-        opts = {n: [o for o in v if o.kind in names] for n, v in self._measure(progress).items()}
+        opts = self._measure(progress, measured)
+        opts = {n: [o for o in v if o.kind in names] for n, v in opts.items()}
         choice = allocate(opts, budget)
         table = [
             (n, int(np.prod(np.shape(self.mats[n]))), o.kind, o.cost) for n, o in choice.items()
@@ -178,7 +218,8 @@ class Planner:
             * min(row_bytes(k, np.shape(w)[1]) for k in FAST if _fits(k, np.shape(w)[1]))
             for w in self.mats.values()
         )  # a tiny model's header can outweigh its matrices: then the smallest fast kinds
-        return self._choose(max(ref - self.header_bytes, least), FAST, None, progress)
+        # the relative error alone: the measured KL costs a partial forward per tensor
+        return self._choose(max(ref - self.header_bytes, least), FAST, None, progress, False)
 
     def floor_bpw(self) -> float:
         least = sum(
@@ -197,7 +238,7 @@ class Planner:
             )
         fixed = self.vector_bytes + self.header_bytes + extra
         budget = int((bpw + 0.05) * self.params / 8) - fixed
-        return self._choose(budget, CANDIDATES, bpw, progress)
+        return self._choose(budget, CANDIDATES, bpw, progress, self.measured)
 
 
 def _reference_kind(name: str) -> GGMLType:

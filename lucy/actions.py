@@ -98,7 +98,7 @@ def _with_hint(err: ModelNotFoundError, spec: str) -> ModelNotFoundError:
 
 def convert_with_progress(
     con, src, dst=None, quant="q4", force=False, verify=False, generation=None, *,
-    bpw=None, calibration=None,
+    bpw=None, calibration=None, to="entity",
 ):  # fmt: skip
     """Run `entity.convert` under a rich progress bar; returns its report."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -121,6 +121,7 @@ def convert_with_progress(
             return entity.convert(
                 src, dst, quant=quant, force=force, verify=verify, progress=progress,
                 generation=generation, calibrate=quant == "q4", bpw=bpw, calibration=calibration,
+                to=to,
             )  # fmt: skip
         except OutputExistsError as err:  # the library names its keyword; lucy names its flag
             raise OutputExistsError(

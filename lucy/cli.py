@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration", default=None, metavar="FILE",
         help="calibration text for the importance matrix (default: the shipped text)",
     )  # fmt: skip
+    p.add_argument(
+        "--to", choices=("entity", "gguf"), default="entity",
+        help="output format: .entity, or a GGUF file llama.cpp loads (llama/qwen2/qwen3)",
+    )  # fmt: skip
 
     p = sub.add_parser("generate", help="one completion, streamed to stdout")
     p.add_argument("model", help=model_help)

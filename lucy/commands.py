@@ -71,7 +71,7 @@ def cmd_convert(args) -> int:
         bpw = check_bpw(bpw)  # before reading the source: a bad budget is a one-line error
     report = actions.convert_with_progress(
         con, args.src, args.dst, args.quant, args.force, args.verify,
-        bpw=bpw, calibration=getattr(args, "calibration", None),
+        bpw=bpw, calibration=getattr(args, "calibration", None), to=getattr(args, "to", "entity"),
     )  # fmt: skip
     views.print_convert_report(con, report, time.perf_counter() - start)
     return 0

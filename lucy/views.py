@@ -80,9 +80,13 @@ def print_convert_report(con, report, seconds: float) -> None:
 
 
 def allocation_table(recipe) -> Table:
-    """The --bpw allocation: each tensor's chosen type and predicted relative error."""
-    table = Table(title=f"types chosen for <= {recipe.bpw:g} bits per weight")
-    for c in ("tensor", "params", "type", "rel. error"):
+    """The allocation: each tensor's chosen type and its predicted cost (--bpw: the measured
+    KL; the default q4: the relative weighted rounding error)."""
+    title = "types chosen for the default q4" if recipe.bpw is None else (
+        f"types chosen for <= {recipe.bpw:g} bits per weight")  # fmt: skip
+    table = Table(title=title)
+    cost = "rel. error" if recipe.bpw is None else "predicted KL"
+    for c in ("tensor", "params", "type", cost):
         table.add_column(c)
     for name, n, kind, cost in recipe.table:
         table.add_row(clean(name), f"{n:,}", kind, f"{cost:.3g}")

@@ -115,3 +115,31 @@ def test_bad_budgets_are_one_line_errors(tmp_path, bad):
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("lucy: error: ") and "bpw" in lines[0]
     assert not (tmp_path / "o.entity").exists()
+
+
+def test_measured_kl_steers_the_allocation(tmp_path):
+    """The measured sensitivity (entity.sensitivity) sets the costs: a block matrix whose
+    measured KL is made large gets a larger type at the same budget than when made small; the
+    head's KL, computed from the final hidden states, falls with every larger type."""
+    from entity.quantize import Planner
+
+    planner = Planner(_tiny(tmp_path))
+    planner.recipe(6.0)  # measures once
+    kl = planner.kl
+    head = kl["lm_head"]
+    assert head["Q8_0"] < head["Q6_K"] < head["Q5_0"] < head["Q4_0"]
+    name = "blocks.1.mlp.w_up"
+    kinds = {}
+    for factor in (1e-6, 1e6):
+        planner.kl = {**kl, name: {"Q4_0": kl[name]["Q4_0"] * factor}}
+        planner.kl_options = None
+        recipe = planner.recipe(6.0)
+        kinds[factor] = recipe.types[name]
+    size = {k: dict(_bits()).get(k.name, 0) for k in kinds.values()}
+    assert size[kinds[1e6]] > size[kinds[1e-6]]
+
+
+def _bits():
+    from poly.quant.ggml import QUANT_SIZES, GGMLType
+
+    return [(k.name, s * 8 / b) for k, (b, s) in QUANT_SIZES.items() if isinstance(k, GGMLType)]
