@@ -89,8 +89,9 @@ def _add_max_experts(p: argparse.ArgumentParser, memory: bool = True) -> None:
 
 
 def _add_kv_cache(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache", dest="kv_cache", choices=("f32", "f16"), default=None,
-                   help="KV cache precision: f32 (default, exact) or f16 (half the memory)")  # fmt: skip
+    p.add_argument("--kv-cache", dest="kv_cache", choices=("f32", "f16", "q8_0"), default=None,
+                   help="KV cache precision: f32 (default, exact), f16 (half the memory) or q8_0 "
+                        "(llama.cpp's blocks, 8.5 bits a value; the reference path)")  # fmt: skip
 
 
 def _add_speculation(p: argparse.ArgumentParser, draft: bool = True) -> None:
