@@ -73,12 +73,20 @@ def _config_digest(config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _arrays(obj) -> list[np.ndarray]:
+# The arrays that define a stored matrix (poly/quant/qtensor.py); not the copies made from them
+# on first use (repacked rows r16/r8k, GGUF's reordered _raw), which come and go.
+_DEFINING = ("array", "encoded", "codes", "scales", "zero", "packed", "stored", "order")
+
+
+def _arrays(obj, depth: int = 0) -> list[np.ndarray]:
     if obj is None:
         return []
     if isinstance(obj, np.ndarray):
         return [obj]
-    return [v for _, v in sorted(vars(obj).items()) if isinstance(v, np.ndarray)]
+    out = []
+    for name in _DEFINING if depth < 2 else ():
+        out += _arrays(getattr(obj, name, None), depth + 1)
+    return out
 
 
 def _sample(h, a: np.ndarray) -> None:
