@@ -82,6 +82,22 @@ def test_restored_state_continues_as_transformers(llama, backend, tmp_path):
     assert got == hf_greedy(llama, PROMPT, 16)
 
 
+def test_state_crosses_paths(llama, tmp_path, float_path):
+    """Saved on the fused C step, continued on the reference path (numpy backend)."""
+    first = entity.load(llama)
+    assert fused.plan(first) is not None
+    a = _greedy(first, PROMPT, 5)
+    first.save_state(tmp_path / "x.kv", tokens=PROMPT + a[:-1])
+    kernels.set_backend("numpy")
+    try:
+        second = entity.load(llama)
+        st = second.load_state(tmp_path / "x.kv")
+        b = _greedy(second, [a[-1]], 6, history=st.tokens)
+    finally:
+        kernels.set_backend()
+    assert a + b == hf_greedy(llama, PROMPT, 11)
+
+
 def test_windowed_state_continues_as_transformers(mistral, tmp_path):
     def check(model):  # the saved caches had dropped their oldest positions
         c = model.attn(0).state
