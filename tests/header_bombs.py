@@ -78,7 +78,7 @@ def _st_tensor_table(cap: int) -> bytes:
 
 
 def _gguf_token_list_at_cap(cap: int) -> bytes:
-    from entity.gguf.reader import MAX_STRING_ARRAY
+    from entity.gguf.header import MAX_STRING_ARRAY
     from tests.fuzz.corpus import ARRAY, STRING, gguf_pack
 
     toks = [f"{i:x}" for i in range(MAX_STRING_ARRAY)]

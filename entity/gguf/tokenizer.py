@@ -15,7 +15,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from entity.gguf.reader import T_ARRAY, T_STRING, GGUFFile
+from entity.gguf.header import T_ARRAY, T_STRING
+from entity.gguf.reader import GGUFFile
 from poly.errors import TokenizerError, UnsupportedError
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
