@@ -78,7 +78,8 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
     if ids.size == 1:  # a decode step off the fused path: no per-block trial
         return model.reference_forward(ids)
     if model.activation_dtype == np.float32:
-        fused.plan(model)  # made once: its repacked rows (csrc/pk_r16.h) are what the gemm reads
+        # made once: its repacked rows (csrc/formats/interleave16.h) are what the gemm reads
+        fused.plan(model)
     with prefill.pacing(
         model, ids.size
     ) as pace:  # threads per block, adapted to the machine's load
