@@ -75,18 +75,36 @@ _ARCH_CONFIG: dict[str, tuple[str, str, dict[str, Any]]] = {
     "granitemoe": (
         "GraniteMoeConfig",
         "GraniteMoeForCausalLM",
-        {"num_local_experts": 5, "num_experts_per_tok": 2, "intermediate_size": 32,
-         "embedding_multiplier": 3.0, "residual_multiplier": 0.7,
-         "attention_multiplier": 0.2, "logits_scaling": 2.5},  # fmt: skip
+        {
+            "num_local_experts": 5,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.7,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.5,
+        },
     ),
     "gpt_oss": (
         "GptOssConfig",
         "GptOssForCausalLM",
-        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
-         "head_dim": 24, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
-         "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 64, "beta_fast": 32.0,
-                             "beta_slow": 1.0, "truncate": False}},  # fmt: skip
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,
+            "head_dim": 24,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
     ),
     # LayerNorm families (tests/test_families_layernorm.py): head_dim 18 (hidden 72 / 4 heads)
     "starcoder2": (
