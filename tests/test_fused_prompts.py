@@ -125,7 +125,7 @@ def test_a_long_prompts_calls_but_the_last_skip_the_head(scheme, monkeypatch):
     monkeypatch.setattr(ckernels, "decode", spy)
     got, kv = run(lambda: tf.forward(prompt))
     assert heads == [False, False, True] and tf.position == 150
-    p, x = fused.plan(tf), dispatch.lookup(tf.embeddings, np.array(prompt))  # x [150, d]
+    p, x = fused.plan(tf), tf.embed(np.array(prompt))  # x [150, d]
 
     def every_call_with_its_head():
         caches = fused._prompt_caches(p, 150)

@@ -1,4 +1,5 @@
-/* Attention of one decode row (contiguous, or paged through slot(): the server's KV pool) for the fused step: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos].
+/* Attention of one decode row (contiguous, or paged through slot(): the server's KV pool) for the fused step: softmax(q . K[lo..pos] * scale) . V[lo..pos] (lo: a sliding window's first
+ * position; options: tanh soft-capping, a sink logit per head).
  * The 8-lane version keeps the output row in registers while it
  * streams V (head_dim 64 and 128 unrolled), takes exp on 8 lanes (exp8) and divides once at the
  * end: at position 1,000 the scalar loop (a load, FMA and store of o per V element, a libm expf
@@ -69,7 +70,7 @@ static inline __attribute__((always_inline)) __m256 dot8x(const uint8_t *const k
 
 /* scores sc[t] = q . K_t * scale for t0 <= t < t1 (rb: a position's bytes; t0 a multiple of 8, so a
  * position takes the same 8-lane or scalar dot whatever the range); returns their max */
-static inline __attribute__((always_inline)) float attn_scores(const step_t *S, int i, const uint8_t *K, int64_t rb,
+static inline __attribute__((always_inline)) float attn_scores(const step_t *S, const layer_t *L, int i, const uint8_t *K, int64_t rb,
                                                                 const float *q, int64_t hd, float scale, float *sc,
                                                                 int64_t t0, int64_t t1, const int h16) {
     float mx = -INFINITY;
@@ -80,7 +81,7 @@ static inline __attribute__((always_inline)) float attn_scores(const step_t *S, 
         const __m256 vs = _mm256_set1_ps(scale);
         for (; t + 8 <= t1; t += 8) {
             const uint8_t *k[8];
-            for (int j = 0; j < 8; j++) k[j] = K + slot(S, i, t + j) * rb;
+            for (int j = 0; j < 8; j++) k[j] = K + slot(S, L, i, t + j) * rb;
             const __m256 s = _mm256_mul_ps(dot8x(k, q, hd, h16), vs);
             _mm256_storeu_ps(sc + t, s);
             vmx = _mm256_max_ps(s, vmx); /* a NaN score is skipped, like fmaxf; exp keeps it NaN */
@@ -92,18 +93,22 @@ static inline __attribute__((always_inline)) float attn_scores(const step_t *S, 
 #endif
     for (; t < t1; t++) {
         /* the SIMD dot of the matrix kernels: a plain loop is one dependent add chain */
-        sc[t] = dense_dot(h16 ? K_F16 : K_F32, K + slot(S, i, t) * rb, q, hd) * scale;
+        sc[t] = dense_dot(h16 ? K_F16 : K_F32, K + slot(S, L, i, t) * rb, q, hd) * scale;
         mx = fmaxf(mx, sc[t]);
+    }
+    if (L->softcap > 0.0f) { /* cap * tanh(s / cap) (gemma2) */
+        mx = -INFINITY;
+        for (t = t0; t < t1; t++) sc[t] = L->softcap * tanhf(sc[t] / L->softcap), mx = fmaxf(mx, sc[t]);
     }
     return mx;
 }
 
 #if PK_SIMD
-/* sc[t] = exp(sc[t] - mx) for t <= pos; returns their sum (NaN scores stay NaN) */
-static inline float attn_exp(float *sc, int64_t pos, float mx) {
+/* sc[t] = exp(sc[t] - mx) for lo <= t <= pos; returns their sum (NaN scores stay NaN) */
+static inline float attn_exp(float *sc, int64_t lo, int64_t pos, float mx) {
     const __m256 vm = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
-    int64_t t = 0;
+    int64_t t = lo;
     for (; t + 8 <= pos + 1; t += 8) {
         const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sc + t), vm);
         const __m256 e = _mm256_blendv_ps(exp8(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
@@ -115,44 +120,58 @@ static inline float attn_exp(float *sc, int64_t pos, float mx) {
     return sum;
 }
 
-/* o += sum_t p[t] * V_t over t0 <= t < t1 (o zero when t0 == 0), then o *= inv if last; NV * 8 =
- * head_dim (NV a constant: the row stays in registers) */
-static inline __attribute__((always_inline)) void attn_values(const step_t *S, int i, const uint8_t *V, int64_t rb,
-                                                              const float *p, int64_t t0, int64_t t1, int last,
+/* o += sum_t p[t] * V_t over t0 <= t < t1 (o zero when t0 == lo, the first), then o *= inv if last;
+ * NV * 8 = head_dim (NV a constant: the row stays in registers) */
+static inline __attribute__((always_inline)) void attn_values(const step_t *S, const layer_t *L, int i, const uint8_t *V,
+                                                              int64_t rb, const float *p, int64_t lo, int64_t t0, int64_t t1, int last,
                                                               float inv, float *o, const int NV, const int h16) {
     __m256 acc[32];
-    for (int c = 0; c < NV; c++) acc[c] = t0 ? _mm256_loadu_ps(o + 8 * c) : _mm256_setzero_ps();
+    for (int c = 0; c < NV; c++) acc[c] = t0 > lo ? _mm256_loadu_ps(o + 8 * c) : _mm256_setzero_ps();
     for (int64_t t = t0; t < t1; t++) {
         const __m256 pt = _mm256_set1_ps(p[t]);
-        const uint8_t *v = V + slot(S, i, t) * rb;
+        const uint8_t *v = V + slot(S, L, i, t) * rb;
         for (int c = 0; c < NV; c++) acc[c] = _mm256_fmadd_ps(pt, kv_ld8(v, 8 * c, h16), acc[c]);
     }
     for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, last ? _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)) : acc[c]);
 }
 
-static inline __attribute__((always_inline)) void attn_values_hd(const step_t *S, int i, const uint8_t *V, int64_t rb,
-                                                                 const float *p, int64_t t0, int64_t t1, int last,
-                                                                 float inv, float *o, int64_t hd, const int h16) {
-    if (hd == 64) attn_values(S, i, V, rb, p, t0, t1, last, inv, o, 8, h16);
-    else if (hd == 128) attn_values(S, i, V, rb, p, t0, t1, last, inv, o, 16, h16);
-    else attn_values(S, i, V, rb, p, t0, t1, last, inv, o, (int)(hd / 8), h16);
+static inline __attribute__((always_inline)) void attn_values_hd(const step_t *S, const layer_t *L, int i,
+                                                                 const uint8_t *V, int64_t rb, const float *p, int64_t lo,
+                                                                 int64_t t0, int64_t t1, int last, float inv, float *o,
+                                                                 int64_t hd, const int h16) {
+    if (hd == 64) attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, 8, h16);
+    else if (hd == 128) attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, 16, h16);
+    else attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, (int)(hd / 8), h16);
 }
 #endif
 
-/* row i, head h: softmax(q . K[0..pos] / sqrt(hd)) . V[0..pos], scalar (builds without SIMD, head
+/* the first position row i's query at pos sees (a sliding window's) */
+static inline int64_t attn_lo(const layer_t *L, int64_t pos) {
+    return L->window && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0;
+}
+
+/* head h's sink: the score max with it, and exp(sink - max) for the denominator (0 without) */
+static inline float sink_max(const layer_t *L, int h, float mx) {
+    return L->sinks ? fmaxf(mx, L->sinks[h]) : mx;
+}
+static inline float sink_exp(const layer_t *L, int h, float mx) {
+    return L->sinks ? expf(L->sinks[h] - mx) : 0.0f;
+}
+
+/* row i, head h: softmax(q . K[lo..pos] * scale) . V[lo..pos], scalar (builds without SIMD, head
  * dims the 8-lane loops do not take) */
 static inline __attribute__((always_inline)) void attend_kv(const step_t *S, const layer_t *L, const float *q, float *o,
                                                             float *sc, int64_t pos, int i, int h, const int h16) {
     const int64_t hd = L->hd, g = h / (L->heads / L->kvh), es = h16 ? 2 : 4, rb = (int64_t)L->kvh * hd * es;
-    const float scale = (float)(1.0 / sqrt((double)hd));
+    const int64_t lo = attn_lo(L, pos);
     const uint8_t *K = (const uint8_t *)L->kc[i] + g * hd * es, *V = (const uint8_t *)L->vc[i] + g * hd * es;
-    const float mx = attn_scores(S, i, K, rb, q, hd, scale, sc, 0, pos + 1, h16);
-    float sum = 0.0f;
-    for (int64_t t = 0; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+    const float mx = sink_max(L, h, attn_scores(S, L, i, K, rb, q, hd, L->scale, sc, lo, pos + 1, h16));
+    float sum = sink_exp(L, h, mx);
+    for (int64_t t = lo; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
     for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-    for (int64_t t = 0; t <= pos; t++) {
+    for (int64_t t = lo; t <= pos; t++) {
         const float p = sc[t] / sum;
-        const uint8_t *v = V + slot(S, i, t) * rb;
+        const uint8_t *v = V + slot(S, L, i, t) * rb;
         for (int64_t j = 0; j < hd; j++) o[j] += p * kv_ld1(v, j, h16);
     }
 }
@@ -168,24 +187,27 @@ static inline __attribute__((always_inline)) void attend_heads_kv(const step_t *
                                                                   int h0, int h1, const int h16) {
     const int G = L->heads / L->kvh;
     const int64_t hd = L->hd, es = h16 ? 2 : 4, rb = (int64_t)L->kvh * hd * es, blk = h16 ? 64 : 32;
-    const float scale = (float)(1.0 / sqrt((double)hd));
+    const int64_t lo = attn_lo(L, pos);
     const uint8_t *K = (const uint8_t *)L->kc[i], *V = (const uint8_t *)L->vc[i];
     float mx[h1 - h0], inv[h1 - h0];
     for (int h = h0; h < h1; h++) mx[h - h0] = -INFINITY;
-    for (int64_t t0 = 0; t0 <= pos; t0 += blk) {
+    for (int64_t t0 = lo; t0 <= pos; t0 += blk) {
         const int64_t t1 = t0 + blk < pos + 1 ? t0 + blk : pos + 1;
         for (int h = h0; h < h1; h++) {
-            const float m = attn_scores(S, i, K + (h / G) * hd * es, rb, q + h * hd, hd, scale, sc + (h - h0) * sst, t0,
-                                        t1, h16);
+            const float m = attn_scores(S, L, i, K + (h / G) * hd * es, rb, q + h * hd, hd, L->scale,
+                                        sc + (h - h0) * sst, t0, t1, h16);
             mx[h - h0] = fmaxf(mx[h - h0], m);
         }
     }
-    for (int h = h0; h < h1; h++) inv[h - h0] = 1.0f / attn_exp(sc + (h - h0) * sst, pos, mx[h - h0]);
-    for (int64_t t0 = 0; t0 <= pos; t0 += blk) {
+    for (int h = h0; h < h1; h++) {
+        const float m = sink_max(L, h, mx[h - h0]);
+        inv[h - h0] = 1.0f / (attn_exp(sc + (h - h0) * sst, lo, pos, m) + sink_exp(L, h, m));
+    }
+    for (int64_t t0 = lo; t0 <= pos; t0 += blk) {
         const int64_t t1 = t0 + blk < pos + 1 ? t0 + blk : pos + 1;
         for (int h = h0; h < h1; h++)
-            attn_values_hd(S, i, V + (h / G) * hd * es, rb, sc + (h - h0) * sst, t0, t1, t1 == pos + 1, inv[h - h0],
-                           o + h * hd, hd, h16);
+            attn_values_hd(S, L, i, V + (h / G) * hd * es, rb, sc + (h - h0) * sst, lo, t0, t1, t1 == pos + 1,
+                           inv[h - h0], o + h * hd, hd, h16);
     }
 }
 #endif

@@ -19,7 +19,7 @@ static void softmax_row(float *sc, int64_t len, int64_t T) {
 #endif
     for (int64_t t = t0; t < len; t++) mx = fmaxf(mx, sc[t]);
 #if PK_SIMD
-    const float sum = attn_exp(sc, len - 1, mx);
+    const float sum = attn_exp(sc, 0, len - 1, mx);
 #else
     float sum = 0.0f;
     for (int64_t t = 0; t < len; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }

@@ -12,12 +12,13 @@
 #include "decode/run.h"
 #include "decode/args_buffers.h"
 #include "decode/moe_args.h"
+#include "decode/recipe_args.h"
 
 static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t *S, layer_t *L,
                        int64_t d, int64_t maxpos, int64_t *inter) {
     const int n = S->n;
-    if (!PyTuple_Check(t) || (PyTuple_GET_SIZE(t) != 14 && PyTuple_GET_SIZE(t) != 15)) {
-        PyErr_SetString(PyExc_ValueError, "a layer must be a tuple of 14 or 15 items");
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 14 || PyTuple_GET_SIZE(t) > 16) {
+        PyErr_SetString(PyExc_ValueError, "a layer must be a tuple of 14 to 16 items");
         return -1;
     }
     L->heads = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
@@ -30,11 +31,15 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t 
         PyErr_SetString(PyExc_ValueError, "bad attention dims");
         return -1;
     }
-    const int64_t q = H_ * hd, kvd = kv * hd, half = hd / 2;
-    if (!(L->g_attn = hold(H, PyTuple_GET_ITEM(t, 4), 0, d * 4, "attn gamma"))) return -1;
+    const int64_t q = H_ * hd, kvd = kv * hd;
+    recipe_defaults(L);
+    if (PyTuple_GET_SIZE(t) == 16 && parse_recipe(H, PyTuple_GET_ITEM(t, 15), L, d)) return -1;
+    const int64_t half = L->rot / 2;
+    if (recipe_vec(H, PyTuple_GET_ITEM(t, 4), d, "attn gamma", &L->g_attn)) return -1;
+    if (!L->g_attn && !L->no_pre) { PyErr_SetString(PyExc_ValueError, "attn gamma: None without no_pre"); return -1; }
     PyObject *oq = PyTuple_GET_ITEM(t, 5), *ok = PyTuple_GET_ITEM(t, 6);
-    if (oq != Py_None && !(L->g_q = hold(H, oq, 0, hd * 4, "q gamma"))) return -1;
-    if (ok != Py_None && !(L->g_k = hold(H, ok, 0, hd * 4, "k gamma"))) return -1;
+    if (oq != Py_None && !(L->g_q = hold(H, oq, 0, (L->qk_all ? q : hd) * 4, "q gamma"))) return -1;
+    if (ok != Py_None && !(L->g_k = hold(H, ok, 0, (L->qk_all ? kvd : hd) * 4, "k gamma"))) return -1;
     PyObject *mq = PyTuple_GET_ITEM(t, 7);
     if (!PyTuple_Check(mq) || (PyTuple_GET_SIZE(mq) != 1 && PyTuple_GET_SIZE(mq) != 3)) {
         PyErr_SetString(PyExc_ValueError, "qkv must be 1 or 3 matrices");
@@ -46,13 +51,16 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t 
         if (parse_mat(H, PyTuple_GET_ITEM(mq, i), &L->qkv[i], L->nqkv == 1 ? q + 2 * kvd : rows3[i], d)) return -1;
     const PyObject *oc = PyTuple_GET_ITEM(t, 8);
     Py_buffer *tb;
-    if (!(L->cos = hold(H, (PyObject *)oc, 0, -1, "cos"))) return -1;
-    tb = &H->bufs[H->n - 1];
-    const int64_t cap = tb->len / (half * 4);
-    if (tb->len % (half * 4) || maxpos >= cap) { PyErr_SetString(PyExc_ValueError, "rope table too short"); return -1; }
-    if (!(L->sin = hold(H, PyTuple_GET_ITEM(t, 9), 0, cap * half * 4, "sin"))) return -1;
+    if (half) { /* no tables for a layer without RoPE (rot 0) */
+        if (!(L->cos = hold(H, (PyObject *)oc, 0, -1, "cos"))) return -1;
+        tb = &H->bufs[H->n - 1];
+        const int64_t cap = tb->len / (half * 4);
+        if (tb->len % (half * 4) || maxpos >= cap) { PyErr_SetString(PyExc_ValueError, "rope table too short"); return -1; }
+        if (!(L->sin = hold(H, PyTuple_GET_ITEM(t, 9), 0, cap * half * 4, "sin"))) return -1;
+    }
     for (int i = 0; i < n; i++) {
-        PyObject *kc = PyTuple_GET_ITEM(caches, 2 * ((Py_ssize_t)l * n + i));
+        PyObject *kc = cache_item(PyTuple_GET_ITEM(caches, 2 * ((Py_ssize_t)l * n + i)), &L->kbase[i]);
+        if (!kc) return -1;
         PyObject *vc = PyTuple_GET_ITEM(caches, 2 * ((Py_ssize_t)l * n + i) + 1);
         int es = 0;
         if (!(L->kc[i] = hold_kv(H, kc, &es, "k cache"))) return -1;
@@ -60,7 +68,8 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t 
         L->kv16 = es == 2;
         tb = &H->bufs[H->n - 1];
         const int64_t T = tb->len / (kvd * es);
-        if (tb->len % (kvd * es) || (!S->tab[i] && S->pos[i] >= T) || (S->tab[i] && T % S->ps)) {
+        const int64_t b = L->kbase[i], lo = L->window && S->pos[i] - L->window + 1 > 0 ? S->pos[i] - L->window + 1 : 0;
+        if (tb->len % (kvd * es) || (!S->tab[i] && (S->pos[i] - b >= T || lo < b)) || (S->tab[i] && (T % S->ps || b))) {
             PyErr_SetString(PyExc_ValueError, "KV cache full or mis-sized");
             return -1;
         }
@@ -73,9 +82,19 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t 
         }
     }
     if (parse_mat(H, PyTuple_GET_ITEM(t, 10), &L->o, d, q)) return -1;
-    if (!(L->g_mlp = hold(H, PyTuple_GET_ITEM(t, 11), 0, d * 4, "mlp gamma"))) return -1;
-    PyObject *om = PyTuple_GET_SIZE(t) == 15 ? PyTuple_GET_ITEM(t, 14) : Py_None;
+    if (recipe_vec(H, PyTuple_GET_ITEM(t, 11), d, "mlp gamma", &L->g_mlp)) return -1;
+    if (!L->g_mlp && !L->no_pre && L->par != 2) { PyErr_SetString(PyExc_ValueError, "mlp gamma: None"); return -1; }
+    PyObject *om = PyTuple_GET_SIZE(t) >= 15 ? PyTuple_GET_ITEM(t, 14) : Py_None;
     if (om != Py_None) return parse_moe(H, om, S, L, d, inter);
+    if (L->act >= 2) { /* a plain MLP: (w_up,) of I rows, down */
+        PyObject *mg = PyTuple_GET_ITEM(t, 12), *md = PyTuple_GET_ITEM(t, 13);
+        const int64_t I = PyTuple_Check(md) && PyTuple_GET_SIZE(md) >= 6 ? PyLong_AsLongLong(PyTuple_GET_ITEM(md, 4)) : 0;
+        if (I < 1 || as_tuple(mg, 1, "up")) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad MLP"); return -1; }
+        L->ngu = 1;
+        if (parse_mat(H, PyTuple_GET_ITEM(mg, 0), &L->gu[0], I, d) || parse_mat(H, md, &L->down, d, I)) return -1;
+        if (I > *inter) *inter = I;
+        return 0;
+    }
     return parse_ffn(H, PyTuple_GET_ITEM(t, 12), PyTuple_GET_ITEM(t, 13), &L->ngu, L->gu, &L->down, d, inter);
 }
 
@@ -103,7 +122,8 @@ static int parse_sel(PyObject *o, step_t *S) {
 
 static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
     PyObject *layers = args[0], *caches = args[1], *head = args[2];
-    if (!PyTuple_Check(layers) || !PyTuple_Check(caches) || as_tuple(head, 3, "head")) {
+    if (!PyTuple_Check(layers) || !PyTuple_Check(caches) || !PyTuple_Check(head) ||
+        (PyTuple_GET_SIZE(head) != 4 && as_tuple(head, 3, "head"))) {
         PyErr_SetString(PyExc_ValueError, "decode(layers, caches, head, x, logits, pos, q8)");
         return -1;
     }
@@ -129,6 +149,7 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
         if (L->moe) S->loom |= moe_loom(L->moe);
     }
     if (!(S->g_final = hold(H, PyTuple_GET_ITEM(head, 0), 0, S->d * 4, "final gamma"))) return -1;
+    if (PyTuple_GET_SIZE(head) == 4 && recipe_vec(H, PyTuple_GET_ITEM(head, 3), S->d, "final beta", &S->b_final)) return -1;
     S->eps_final = (float)PyFloat_AsDouble(PyTuple_GET_ITEM(head, 1));
     if (PyErr_Occurred()) return -1;
     PyObject *lm = PyTuple_GET_ITEM(head, 2);
@@ -210,7 +231,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     holds_t H = {0};
     Py_ssize_t nl = PyTuple_Check(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
     if (nl > MAX_LAYERS) nl = MAX_LAYERS;
-    H.cap = (int)(nl * (32 + 2 * S.n) + 16 + S.n + moe_holds(args[0], nl));
+    H.cap = (int)(nl * (40 + 2 * S.n) + 16 + S.n + moe_holds(args[0], nl));
     H.bufs = calloc((size_t)H.cap, sizeof(Py_buffer));
     S.L = calloc((size_t)(nl ? nl : 1), sizeof(layer_t));
     PyObject *ret = NULL;

@@ -4,6 +4,7 @@
 #include "core/activations.h"
 #include "decode/step.h"
 #include "decode/rmsnorm.h"
+#include "decode/recipe.h"
 #include "decode/prep.h"
 #include "decode/matrix.h"
 #include "decode/kv.h"
@@ -15,14 +16,24 @@ static void norm_prep(const step_t *S, const float *x, const float *g, float eps
     prep(&B->P, B->h, S->n * S->d, S->loom, B->P.grp);
 }
 
+/* one row of the norm (g, b, ln: pk_norm), or a copy of x when g is NULL (a block without pre-norms) */
+static inline void norm_row(const float *x, const float *g, const float *b, int ln, float eps, float *out, int64_t d) {
+    if (g) pk_norm(ln, x, g, b, eps, out, d);
+    else memcpy(out, x, (size_t)d * 4);
+}
+
 /* norm_prep on every thread, each its own rows (a row's blocks depend on that row only), then a
- * barrier: for several rows the serial version kept the other threads waiting */
-static void norm_prep_par(const step_t *S, const float *x, const float *g, float eps, bufs_t *B, int tid, int nt,
-                          int want) {
+ * barrier: for several rows the serial version kept the other threads waiting. b, ln: LayerNorm */
+static void norm_prep_ln(const step_t *S, const float *x, const float *g, const float *b, int ln, float eps, bufs_t *B,
+                         int tid, int nt, int want) {
     const int64_t d = S->d;
     if (d % 32) {
 #pragma omp single
-        norm_prep(S, x, g, eps, B, want);
+        {
+            B->P.grp = q8_group(S, want);
+            for (int i = 0; i < S->n; i++) norm_row(x + i * d, g, b, ln, eps, B->h + i * d, d);
+            prep(&B->P, B->h, S->n * d, S->loom, B->P.grp);
+        }
         return;
     }
 #pragma omp single nowait
@@ -30,11 +41,12 @@ static void norm_prep_par(const step_t *S, const float *x, const float *g, float
     int64_t i0, i1;
     part(S->n, tid, nt, &i0, &i1);
     for (int64_t i = i0; i < i1; i++) {
-        pk_rmsnorm(x + i * d, g, eps, B->h + i * d, d);
+        norm_row(x + i * d, g, b, ln, eps, B->h + i * d, d);
         prep_blocks(&B->P, B->h, i * d / 32, (i + 1) * d / 32, S->loom, q8_group(S, want));
     }
 #pragma omp barrier
 }
+
 
 /* residual streams x [n, d] += in [n, k] @ M.T: `in` prepared on one thread, then each thread
  * its own rows of M (each output element written by one thread, so no second barrier) */
@@ -60,9 +72,31 @@ static inline const hand_t *hand(const step_t *S, const bufs_t *B, const layer_t
     return h;
 }
 
+/* branch `ffn` (0: the attention's) of block L ends: its post-norm, residual multiplier, and a
+ * parallel block's attention output held in B->par until the FFN's is added with it */
+static void add_branch(const step_t *S, const layer_t *L, int ffn, bufs_t *B, float *out, int64_t r0, int64_t r1,
+                       int tid, int nt) {
+    const int64_t d = S->d, n = S->n;
+    const float *pg = ffn ? L->g_mpost : L->g_apost, *pb = ffn ? L->b_mpost : L->b_apost;
+    if (pg) { /* whole rows: every row's sums written (add_projection's barrier) */
+        int64_t i0, i1;
+        part(n, tid, nt, &i0, &i1);
+        for (int64_t i = i0; i < i1; i++) pk_norm(L->ln, out + i * d, pg, pb, L->eps, out + i * d, d);
+#pragma omp barrier
+    }
+    const float m = L->rmult;
+    for (int64_t i = 0; i < n; i++) {
+        float *x = S->x + i * d, *o = out + i * d, *p = B->par + i * d;
+        if (L->par && !ffn) for (int64_t r = r0; r < r1; r++) p[r] = o[r];
+        else if (L->par) for (int64_t r = r0; r < r1; r++) x[r] += (o[r] + p[r]) * m;
+        else if (m != 1.0f) for (int64_t r = r0; r < r1; r++) x[r] += o[r] * m;
+        else for (int64_t r = r0; r < r1; r++) x[r] += o[r];
+    }
+}
+
 /* `prepped`: the threads already ran prep_blocks over `in` (before their last barrier) */
-static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const float *in, int64_t k,
-                           int tid, int nt, int prepped, const hand_t *h) {
+static void add_projection(const step_t *S, const layer_t *L, int ffn, const mat_t *M, bufs_t *B, const float *in,
+                           int64_t k, int tid, int nt, int prepped, const hand_t *h) {
     const int64_t d = S->d, n = S->n;
     float *out = S->red ? S->red : B->tmp;
     const int grp = q8_group(S, wants_codes(S, M, 1));
@@ -81,8 +115,12 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
         prep(&B->P, in, n * k, S->loom, grp);
     }
     part(d, tid, nt, &r0, &r1);
-    if (mat_rows(M, &V, out, d, r0, r1, S->q8, n, h) && !S->red) {
+    const int whole = (ffn ? L->g_mpost : L->g_apost) != NULL;
+    if (mat_rows(M, &V, out, d, r0, r1, S->q8, n, h) && !S->red && !whole) {
 #pragma omp barrier /* rows handed out: every row written before this thread adds its own */
+    }
+    if (whole && !S->red) {
+#pragma omp barrier /* the post-norm reads whole rows */
     }
     if (S->red) { /* all partial rows written, summed over the ranks on the calling thread */
 #pragma omp barrier
@@ -90,8 +128,7 @@ static void add_projection(const step_t *S, const mat_t *M, bufs_t *B, const flo
         reduce_call((step_t *)S);
 #pragma omp barrier
     }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t r = r0; r < r1; r++) S->x[i * d + r] += out[i * d + r];
+    add_branch(S, L, ffn, B, out, r0, r1, tid, nt);
 #pragma omp barrier
 }
 
@@ -104,7 +141,7 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
     const int64_t n = S->n, q = (int64_t)L->heads * L->hd, w = q + 2 * (int64_t)L->kvh * L->hd;
     int64_t r0, r1;
     hand_t h;
-    norm_prep_par(S, S->x, L->g_attn, L->eps, B, tid, nt, wants_codes(S, L->qkv, L->nqkv));
+    norm_prep_ln(S, S->x, L->g_attn, L->b_attn, L->ln, L->eps, B, tid, nt, wants_codes(S, L->qkv, L->nqkv));
     for (int i = 0, off = 0; i < L->nqkv; off += (int)L->qkv[i].A.m, i++) {
         part(L->qkv[i].A.m, tid, nt, &r0, &r1);
         mat_rows(&L->qkv[i], &B->P, B->qkv + off, w, r0, r1, S->q8, n, hand(S, B, L, i, L->qkv[i].A.m, &h));
@@ -135,18 +172,22 @@ static void block_attn(const step_t *S, const layer_t *L, bufs_t *B, int tid, in
         e += h1 - h0;
     }
 #pragma omp barrier
-    add_projection(S, &L->o, B, B->att, q, tid, nt, inline_prep, hand(S, B, L, 3, S->d, &h));
+    add_projection(S, L, 0, &L->o, B, B->att, q, tid, nt, inline_prep, hand(S, B, L, 3, S->d, &h));
 }
 
 static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int nt) {
     const int64_t n = S->n, I = L->down.A.k;
     float *gu = B->gu;
     int64_t r0, r1;
-    norm_prep_par(S, S->x, L->g_mlp, L->eps, B, tid, nt, wants_codes(S, L->gu, L->ngu));
+    const int shared = L->par == 2; /* the FFN reads the attention norm's output (recomputed: x is unchanged) */
+    norm_prep_ln(S, S->x, shared ? L->g_attn : L->g_mlp, shared ? L->b_attn : L->b_mlp, L->ln, L->eps, B, tid, nt,
+                 wants_codes(S, L->gu, L->ngu));
     part(I, tid, nt, &r0, &r1);
     hand_t h, h2;
-    int handed; /* gate|up rows handed out: all of them written before silu_mul's own rows */
-    if (L->ngu == 1) {
+    int handed; /* gate|up rows handed out: all of them written before the activation's own rows */
+    if (L->act >= 2) { /* a plain MLP: up's I rows */
+        handed = mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n, hand(S, B, L, 5, I, &h));
+    } else if (L->ngu == 1) {
         handed = mat_rows(&L->gu[0], &B->P, gu, 2 * I, r0, r1, S->q8, n, hand(S, B, L, 5, 2 * I, &h));
         if (!handed) mat_rows(&L->gu[0], &B->P, gu, 2 * I, I + r0, I + r1, S->q8, n, NULL);
     } else {
@@ -156,10 +197,13 @@ static void block_ffn(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     if (handed) {
 #pragma omp barrier
     }
-    for (int64_t i = 0; i < n; i++)
-        silu_mul(gu + i * 2 * I + r0, gu + i * 2 * I + I + r0, B->hid + i * I + r0, r1 - r0);
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = gu + i * 2 * I + r0;
+        if (L->act == 0) silu_mul(g, g + I, B->hid + i * I + r0, r1 - r0);
+        else act_rows(L->act, g, g + I, B->hid + i * I + r0, r1 - r0);
+    }
 #pragma omp barrier /* no thread still reads the prepared h (its block sums are overwritten next) */
-    add_projection(S, &L->down, B, B->hid, I, tid, nt, 0, hand(S, B, L, 4, S->d, &h));
+    add_projection(S, L, 1, &L->down, B, B->hid, I, tid, nt, 0, hand(S, B, L, 4, S->d, &h));
 }
 
 #endif /* POLY_DECODE_BLOCK_H */

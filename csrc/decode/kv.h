@@ -6,9 +6,10 @@
 #include "decode/step.h"
 #include "decode/rmsnorm.h"
 
-/* the cache slot of position t of row i (its page table, or t itself when contiguous) */
-static inline int64_t slot(const step_t *S, int i, int64_t t) {
-    return S->tab[i] ? (int64_t)S->tab[i][t / S->ps] * S->ps + t % S->ps : t;
+/* the cache slot of position t of row i of layer L (its page table, or t less the position of the
+ * cache's row 0 when contiguous: a sliding window's cache keeps its last rows only) */
+static inline int64_t slot(const step_t *S, const layer_t *L, int i, int64_t t) {
+    return S->tab[i] ? (int64_t)S->tab[i][t / S->ps] * S->ps + t % S->ps : t - L->kbase[i];
 }
 
 /* n floats of src to elements at.. of a cache: copied, or rounded to float16 (kv16) */
@@ -26,21 +27,29 @@ static void kv_store(void *cache, int64_t at, const float *src, int64_t n, int k
     for (; j < n; j++) dst[j] = f2h(src[j]);
 }
 
-/* row i: q/k norm, RoPE (pairs j, j + hd/2) at pos, then k/v appended to its caches */
+/* rotate pairs (j, j + rot/2), or (2j, 2j + 1) when ileave, of the first rot values of v */
+static inline void rope_head(float *v, const float *c, const float *s, int64_t rot, int ileave) {
+    const int64_t half = rot / 2, a = ileave ? 2 : 1, b = ileave ? 1 : half;
+    for (int64_t j = 0; j < half; j++) {
+        const float x1 = v[a * j], x2 = v[a * j + b];
+        v[a * j] = x1 * c[j] - x2 * s[j];
+        v[a * j + b] = x2 * c[j] + x1 * s[j];
+    }
+}
+
+/* row i: q/k norm (per head, or over all heads with qk_all), RoPE of the first rot values of each
+ * head at pos, then k/v appended to its caches */
 static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t pos, int i) {
-    const int64_t hd = L->hd, half = hd / 2, q = (int64_t)L->heads * hd, kvd = (int64_t)L->kvh * hd;
-    const float *c = L->cos + pos * half, *s = L->sin + pos * half;
+    const int64_t hd = L->hd, q = (int64_t)L->heads * hd, kvd = (int64_t)L->kvh * hd, half = L->rot / 2;
+    if (L->qk_all && L->g_q) pk_rmsnorm(qkv, L->g_q, L->eps, qkv, q);
+    if (L->qk_all && L->g_k) pk_rmsnorm(qkv + q, L->g_k, L->eps, qkv + q, kvd);
     for (int64_t h = 0; h < L->heads + L->kvh; h++) {
         float *v = qkv + h * hd;
         const float *g = h < L->heads ? L->g_q : L->g_k;
-        if (g) pk_rmsnorm(v, g, L->eps, v, hd);
-        for (int64_t j = 0; j < half; j++) {
-            const float x1 = v[j], x2 = v[j + half];
-            v[j] = x1 * c[j] - x2 * s[j];
-            v[j + half] = x2 * c[j] + x1 * s[j];
-        }
+        if (g && !L->qk_all) pk_rmsnorm(v, g, L->eps, v, hd);
+        if (L->rot) rope_head(v, L->cos + pos * half, L->sin + pos * half, L->rot, L->ileave);
     }
-    const int64_t at = slot(S, i, pos);
+    const int64_t at = slot(S, L, i, pos);
     kv_store(L->kc[i], at * kvd, qkv + q, kvd, L->kv16);
     kv_store(L->vc[i], at * kvd, qkv + q + kvd, kvd, L->kv16);
 }

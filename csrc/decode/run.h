@@ -6,6 +6,7 @@
 #include "gemm/gemm.h"
 #include "decode/step.h"
 #include "decode/rmsnorm.h"
+#include "decode/recipe.h"
 #include "decode/prep.h"
 #include "decode/matrix.h"
 #include "decode/block.h"
@@ -30,7 +31,7 @@ static size_t pk_scratch_floats(const step_t *S, int nt) {
     const int64_t R = S->mrows > n ? S->mrows : n, kp = kmax > S->d ? kmax : S->d;
     const int64_t moe = S->mrows ? n * S->mE + 2 * S->mE + 2 * R + R * (2 * S->d + 3 * S->inter)
                                        + (S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 16 : 0;
-    return (size_t)(n * (2 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + sc_stride(S) * S->maxh * nt + moe + 64 + 25 * 16 /* take()'s padding */
+    return (size_t)(n * (3 * S->d + S->maxw + S->maxq + 3 * S->inter) + 3 * R * kp + sc_stride(S) * S->maxh * nt + moe + 64 + 26 * 16 /* take()'s padding */
                     + 2 * S->nl * HAND_SLOTS /* int64 counters */
                     + (gemm_bufs(S, R) ? nt * gemm_stride(S) : 0));
 }
@@ -61,7 +62,7 @@ static void carve(const step_t *S, float *f, int nt, bufs_t *B) {
     B->slots = (slot_t *)f; /* the floats after stay 64-byte aligned */
     f += S->mrows ? ((S->mE + 1) * (int64_t)(sizeof(slot_t) / 4 + 1) + 15) & ~(int64_t)15 : 0;
     B->h = take(&f, n * S->d); B->qkv = take(&f, n * S->maxw); B->att = take(&f, n * S->maxq);
-    B->tmp = take(&f, n * S->d); B->gu = take(&f, 2 * n * S->inter); B->hid = take(&f, n * S->inter);
+    B->tmp = take(&f, n * S->d); B->par = take(&f, n * S->d); B->gu = take(&f, 2 * n * S->inter); B->hid = take(&f, n * S->inter);
     B->sc = take(&f, sc_stride(S) * S->maxh * nt);
     B->P.xs = take(&f, R * kp / 32 + 1);
     B->P.dx = take(&f, R * kp / 32 + 1);
@@ -118,7 +119,10 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
             if (cut && l == S->nl - 1) { /* every row's k and v are cached: keep the selected rows */
 #pragma omp single
                 for (int j = 0; j < S->nsel; j++)
-                    if (S->sel[j] != j) memcpy(S->x + j * S->d, S->x + S->sel[j] * S->d, (size_t)S->d * 4);
+                    if (S->sel[j] != j) {
+                        memcpy(S->x + j * S->d, S->x + S->sel[j] * S->d, (size_t)S->d * 4);
+                        memcpy(B.par + j * S->d, B.par + S->sel[j] * S->d, (size_t)S->d * 4); /* a parallel block's */
+                    }
                 F = &T;
             }
             if (S->L[l].moe) block_moe(F, &S->L[l], &B, tid, nth);
@@ -128,7 +132,8 @@ static void pk_run_step(const step_t *S, float *scratch, int nt) {
 #pragma omp single
             { /* the selected rows (every row, or each prompt's last one), packed */
                 for (int j = 0; j < F->nsel; j++)
-                    pk_rmsnorm(F->x + F->sel[j] * F->d, F->g_final, F->eps_final, B.h + j * F->d, F->d);
+                    pk_norm(F->b_final != NULL, F->x + F->sel[j] * F->d, F->g_final, F->b_final, F->eps_final,
+                            B.h + j * F->d, F->d);
                 const int g = q8_group_n(F, F->nsel, wants_codes(F, &F->lm, 1)); /* by the rows it has */
                 B.P.grp = g;
                 prep(&B.P, B.h, F->nsel * F->d, F->loom, g);

@@ -72,6 +72,19 @@ typedef struct {
     int kv16; /* every cache of the layer holds float16 (half the bytes a position) */
     mat_t qkv[3], o, gu[2], down;
     moe_t *moe; /* NULL: the dense FFN gu/down */
+    /* the block recipe's options (decode/recipe_args.h; zero or NULL: llama's block) */
+    int ln;                                   /* LayerNorm (centred, + beta) for every norm */
+    const float *b_attn, *b_mlp;              /* the pre-norms' betas */
+    const float *g_apost, *b_apost, *g_mpost, *b_mpost; /* post-norms of each branch */
+    int no_pre;                               /* the sub-layers read x unnormed (OLMo 2) */
+    int par;                                  /* 1: x + attn(n1(x)) + ffn(n2(x)); 2: ffn(n1(x)) */
+    float rmult;                              /* each branch times this before its add */
+    int act;                                  /* 0 silu gated, 1 gelu_tanh gated, 2 gelu_erf, 3 gelu_tanh MLP */
+    float scale, softcap;                     /* logit scale (1/sqrt(hd) by default), tanh cap (0: off) */
+    int64_t window;                           /* keys a query sees, itself included (0: all) */
+    const float *sinks;                       /* a logit per head in the softmax denominator, or NULL */
+    int rot, ileave, qk_all;                  /* rotated dims (0: NoPE), GPT-J pairs, q/k norm over all heads */
+    int64_t kbase[STEP_MAX];                  /* position of row 0 of row i's cache (a window's moved rows) */
 } layer_t;
 
 typedef struct { int e; int64_t row0, cnt, goff, hoff; } slot_t; /* expert e's gathered rows */
@@ -100,7 +113,7 @@ typedef struct {
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
     int64_t pos[STEP_MAX];
     const int32_t *tab[STEP_MAX]; int64_t ntab[STEP_MAX], ps; /* paged KV: page tables (NULL: contiguous) */
-    const float *g_final; float eps_final; mat_t lm; float *x, *logits;
+    const float *g_final, *b_final; float eps_final; mat_t lm; float *x, *logits; /* b_final: LayerNorm */
     int nsel; int32_t sel[STEP_MAX]; /* logits of these rows only (ascending), nsel <= n */
     /* tensor parallel (optional): each row-parallel projection's partial sums [n, d] go to
      * `red`, then `red_fn()` (Python, e.g. an MPI all-reduce of `red` in place) runs on the
@@ -109,7 +122,7 @@ typedef struct {
 } step_t;
 
 typedef struct {
-    float *h, *qkv, *att, *tmp, *gu, *hid, *sc; px_t P;
+    float *h, *qkv, *att, *tmp, *gu, *hid, *sc, *par; px_t P; /* par: a parallel block's attention output */
     /* MoE: router logits [n, E], gathered rows [R, d], their weights and source rows, the
      * experts' gate|up [R, 2I], hidden [R, I] and outputs [R, d], slots by expert id */
     float *rl, *mx, *aw, *mgu, *mhid, *my, *prob; int32_t *arow; slot_t *slots; int nslots;

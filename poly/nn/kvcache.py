@@ -146,6 +146,28 @@ class KVCache:
         (self.k[a : a + n], self.ks[a : a + n]) = q8_quantize(k)
         (self.v[a : a + n], self.vs[a : a + n]) = q8_quantize(v)
 
+    def make_room(self, n: int) -> int | None:
+        """Move the rows as `append` would so that positions length..length+n-1 get rows, for a
+        writer that stores them itself (the fused C step) -> the position of row 0 (`start`), or
+        None when n rows do not fit beside what the new queries see (nothing moved)."""
+        start = self.length
+        if start + n > self.max_len:
+            raise ContextOverflowError(
+                f"context overflow: {start} cached + {n} new tokens > max_seq_len {self.max_len}"
+            )
+        rows = self.k.shape[0]
+        if start + n - self.start > rows:
+            keep_from = max(self.start, start - self.window + 1 - self.window // 2)
+            kept = start - keep_from
+            if kept + n > rows:
+                return None
+            a = keep_from - self.start  # overlapping rows: numpy copies through a buffer
+            for name in self.arrays():
+                arr = getattr(self, name)
+                arr[:kept] = arr[a : a + kept]
+            self.start = keep_from
+        return self.start
+
     def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Store k/v [n, kvh, hd] at positions length..length+n-1 -> (keys, values, first): the
         keys/values of positions first..length+n-1, every one the new queries may see."""

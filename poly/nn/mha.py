@@ -102,18 +102,10 @@ def _check_options(layer) -> None:
 
 def has_options(layer) -> bool:
     """Whether the layer uses an option the fused C step does not implement (the Python path
-    runs it): a sliding window, partial/interleaved/no RoPE, q/k norm over all heads, a logit
-    scale or soft-cap, sinks, a rope scaling recomputed per call, or a q8_0 KV cache."""
+    runs it): a rope scaling recomputed per call (dynamic, longrope) or a q8_0 KV cache."""
     rs = layer.rope_scaling
     return bool(
-        layer.sliding_window
-        or rotary_dim(layer) != layer.head_dim
-        or layer.rope_interleaved
-        or (layer.qk_norm and layer.qk_norm_all)
-        or layer.attn_scale
-        or layer.attn_softcap
-        or layer.attn_sinks
-        or (rs is not None and rs.rope_type in LENGTH_DEPENDENT_ROPE)
+        (rs is not None and rs.rope_type in LENGTH_DEPENDENT_ROPE)
         or np.dtype(getattr(layer, "kv_dtype", np.float32)) == np.int8  # a q8_0 cache
     )
 

@@ -26,7 +26,6 @@ import numpy as np
 from poly.errors import PolyError
 from poly.model.block import run_block
 from poly.nn import mha
-from poly.nn.embedding import lookup
 from poly.ops import linear
 from poly.quant.schemes import SCHEMES
 from poly.runtime import ckernels, fused, kernels, prefill, threadtune, tune_cache
@@ -129,9 +128,9 @@ def measure(model, p: fused.Plan, n: int) -> tuple[float, float] | None:
     k = probe_blocks(p, n)
     sub = copy.copy(p)  # the first k blocks' records: fused.prefill_calls reads these fields
     sub.layers, sub.attn = p.layers[:k], p.attn[:k]
-    sub.moe = p.moe[: sum(len(a) == 15 for a in sub.layers)]  # MoE records: 15 items (fused.py)
+    sub.moe = p.moe[: sum(fused.is_moe(a) for a in sub.layers)]
     ids = np.arange(n, dtype=np.int64) % model.config.vocab_size
-    x0 = np.ascontiguousarray(lookup(model.embeddings, ids), dtype=np.float32)  # [n, H]
+    x0 = np.ascontiguousarray(model.embed(ids), dtype=np.float32)  # [n, H]
     old = model.swap_state(model.new_state())
     try:
         for layer in sub.attn:  # the scratch caches' pages, written once before any timing
@@ -171,7 +170,7 @@ def _fused(model, p, sub, x: np.ndarray, k: int, nt: int):
     """fused.prefill_calls on the first k blocks, on nt threads (its look at the load, up to
     ~12 ms on a busy machine, stays out of the time)."""
     n = x.shape[0]
-    calls = -(-n // ckernels.STEP_ROWS)
+    calls = -(-n // sub.call_rows)
     caches = fused._prompt_caches(sub, n)
     if caches is None:
         return None

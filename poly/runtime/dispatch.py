@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from poly.nn.embedding import lookup
 from poly.runtime import ckernels, crossover, fused, prefill
 
 # The shipped rule (`shipped_rule`); the A/B runs behind each value: benchmarks/results/README.md
@@ -64,14 +63,14 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
     if ids.size == 1 and model.activation_dtype == np.float32:
         p = fused.plan(model)
         if p is not None:
-            logits = fused.step(model, p, lookup(model.embeddings, ids)[0])  # x [H]
+            logits = fused.step(model, p, model.embed(ids)[0])  # x [H] (times embedding_scale)
             if logits is not None:
                 return logits
     if ids.size > 1 and model.activation_dtype == np.float32:
         p = fused.plan(model)
         # a short prompt, or a longer one where fused calls win: its tokens are their rows
         if p is not None and fused_prompt(model, p, ids.size):
-            x = np.ascontiguousarray(lookup(model.embeddings, ids), dtype=np.float32)  # [n, H]
+            x = np.ascontiguousarray(model.embed(ids), dtype=np.float32)  # [n, H]
             logits = fused.prefill_calls(model, p, x)
             if logits is not None:
                 return logits
@@ -93,7 +92,7 @@ def forward_rows(model, ids: np.ndarray) -> np.ndarray:
     if model.activation_dtype == np.float32 and ids.size <= ckernels.STEP_ROWS:
         p = fused.plan(model)
         if p is not None:
-            x = np.ascontiguousarray(lookup(model.embeddings, ids), dtype=np.float32)  # [n, H]
+            x = np.ascontiguousarray(model.embed(ids), dtype=np.float32)  # [n, H]
             logits = fused.verify_rows(model, p, x)
             if logits is not None:
                 return logits

@@ -16,9 +16,10 @@ import time
 import numpy as np
 
 from poly.errors import ContextOverflowError
-from poly.layer import LayerType
-from poly.model.block import ATTN, ATTN_NORM, MLP, MLP_NORM, is_plain_block
-from poly.nn import mha, moe, rmsnorm, swiglu
+from poly.layer import Activation, LayerType
+from poly.model.block import is_recipe_block, slots
+from poly.nn import gelu_mlp, layernorm, mha, moe, rmsnorm, swiglu
+from poly.nn.kvcache import window_rows
 from poly.rope import rope_tables
 from poly.runtime import ckernels, kernels, prefill, repack
 from poly.runtime.threadtune import SHARED, ThreadTuner
@@ -95,38 +96,114 @@ def _moe_args(mlp) -> tuple | None:
 _GATINGS = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}  # csrc/decode/step.h MOE_*
 
 
-def _layer_args(blk) -> tuple | None:
-    """The C tuple of one plain block, or None when some part has no C kernel."""
-    subs = blk.sequential_layers
-    attn, mlp = subs[ATTN], subs[MLP]
-    if mha.has_options(attn):  # windows, partial/no RoPE, sinks ...: no C kernel yet
+# the C side's FFN activations (csrc/decode/step.h layer_t.act): 0 silu and 1 gelu_tanh gated,
+# 2 exact and 3 tanh GELU of a plain MLP
+_GATED_ACT = {Activation.SILU: 0, Activation.LINEAR: 0, Activation.GELU: 1}
+_PLAIN_ACT = {Activation.GELU_ERF: 2, Activation.GELU: 3}
+
+
+def _dense_ffn(mlp) -> tuple | None:
+    """(act, gate_up_mats, down_mat) of a dense FFN (SwiGLU, GeGLU, plain GELU MLP), or None."""
+    if mlp.is_disabled or mlp.use_tiling:
+        return None
+    if mlp.type == LayerType.SWIGLU and mlp.activation in _GATED_ACT:
+        fp = swiglu.plan(mlp)
+        c = fp.comps
+        pairs = [(c["w_gate"], c["b_gate"]), (c["w_up"], c["b_up"])]
+        gu = _mats([(fp.w_gu, fp.b_gu)] if fp.w_gu is not None else pairs)
+        down = _mat(c["w_down"], c["b_down"])
+        act = _GATED_ACT[mlp.activation]
+    elif mlp.type == LayerType.GELU_MLP and mlp.activation in _PLAIN_ACT:
+        c = mlp.weights.plan("gelu_mlp", lambda: gelu_mlp.components(mlp))
+        gu, down = _mats([(c["w_up"], c["b_up"])]), _mat(c["w_down"], c["b_down"])
+        act = _PLAIN_ACT[mlp.activation]
+    else:
+        return None
+    return None if gu is None or down is None else (act, gu, down)
+
+
+def _norm(layer) -> tuple | None:
+    """(gamma, beta | None) of a norm sub-layer (beta: a LayerNorm's), or None."""
+    if layer.type == LayerType.RMSNORM:
+        return rmsnorm.gamma(layer), None
+    if layer.type == LayerType.LAYERNORM:
+        return layernorm.params(layer)
+    return None
+
+
+def _attn_ok(attn) -> bool:
+    """Whether the C step implements the layer's attention options (not: mha.has_options, and
+    a tensor-parallel shard's all-head q/k norm, whose sums span the ranks)."""
+    if mha.has_options(attn):
+        return False
+    return not (attn.qk_norm_all and getattr(attn, "qk_norm_share", None) is not None)
+
+
+def _layer_args(blk, cfg) -> tuple | None:
+    """The C tuple of one block built from `cfg.block`, or None when some part has no C kernel:
+    llama's block in 14 items (15: an MoE FFN), any other recipe or attention option with a
+    16th, its options (csrc/decode/recipe_args.h)."""
+    at, subs = slots(cfg.block), blk.sequential_layers
+    attn, mlp = subs[at["attn"]], subs[at["mlp"]]
+    if not _attn_ok(attn):
         return None
     ap = mha.plan(attn)
     c = ap.comps
-    if ap.w_qkv is not None:
-        qkv = _mats([(ap.w_qkv, ap.b_qkv)])
-    else:
-        qkv = _mats(ap.parts)
-    ffn = _moe_args(mlp) if mlp.type == LayerType.MOE else _ffn_args(mlp)
+    qkv = _mats([(ap.w_qkv, ap.b_qkv)]) if ap.w_qkv is not None else _mats(ap.parts)
+    is_moe = mlp.type == LayerType.MOE
+    ffn = _moe_args(mlp) if is_moe else _dense_ffn(mlp)
     o = _mat(c["w_o"], c["b_o"])
     if qkv is None or ffn is None or o is None:
         return None
-    cos, sin = rope_tables(
-        attn.head_dim, float(attn.rope_freq_base), attn.rope_scaling, attn.max_seq_len
-    )
-    qn = c["q_norm"] if attn.qk_norm else None
-    kn = c["k_norm"] if attn.qk_norm else None
     eps = float(attn.rms_norm_eps)
-    norm1, norm2 = subs[ATTN_NORM], subs[MLP_NORM]
-    if float(norm1.rms_norm_eps) != eps or float(norm2.rms_norm_eps) != eps:
+    norms = {r: subs[i] for r, i in at.items() if r.endswith("norm")}
+    if any(float(n.rms_norm_eps) != eps for n in norms.values()):
         return None  # one eps per block on the C side
-    g1, g2 = rmsnorm.gamma(norm1), rmsnorm.gamma(norm2)
-    if not all(_is_f32(v) for v in (g1, g2, qn, kn) if v is not None):
+    got = {r: _norm(n) for r, n in norms.items()}
+    if any(v is None for v in got.values()) or len({n.type for n in norms.values()}) > 1:
+        return None
+    vecs = [v for pair in got.values() for v in pair if v is not None]
+    qn, kn = (c["q_norm"], c["k_norm"]) if attn.qk_norm else (None, None)
+    sinks = c["sinks"] if attn.attn_sinks else None
+    if not all(_is_f32(v) for v in (*vecs, qn, kn, sinks) if v is not None):
         return None  # the C side reads vectors as contiguous float32
+    rot = mha.rotary_dim(attn)
+    cos, sin = (None, None)
+    if rot:
+        base = float(attn.rope_freq_base)
+        cos, sin = rope_tables(rot, base, attn.rope_scaling, attn.max_seq_len)
+    g1, g2 = got.get("attn_norm", (None, None)), got.get("mlp_norm", (None, None))
     heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, eps)
-    if mlp.type == LayerType.MOE:  # gate/up and down are the 15th item's experts
-        return (*heads, g1, qn, kn, qkv, cos, sin, o, g2, None, None, ffn)
-    return (*heads, g1, qn, kn, qkv, cos, sin, o, g2, *ffn)
+    if is_moe:  # gate/up and down are the 15th item's experts
+        items = (*heads, g1[0], qn, kn, qkv, cos, sin, o, g2[0], None, None, ffn)
+    else:
+        items = (*heads, g1[0], qn, kn, qkv, cos, sin, o, g2[0], ffn[1], ffn[2])
+    opts = _recipe(cfg, attn, got, 0 if is_moe else ffn[0], rot, sinks)
+    if opts is None:
+        return items
+    if is_moe and (not cfg.block.plain or cfg.residual_multiplier != 1):
+        return None  # the MoE FFN (csrc/decode/moe.h) adds its output as llama's block does
+    return (*items[:14], items[14] if is_moe else None, opts)
+
+
+def _recipe(cfg, attn, norms: dict, act: int, rot: int, sinks) -> tuple | None:
+    """The 16th item of a layer's C tuple (csrc/decode/recipe_args.h), None for llama's block
+    with plain attention."""
+    r = cfg.block
+    plain_attn = rot == attn.head_dim and not (
+        attn.sliding_window or attn.rope_interleaved or attn.attn_scale or attn.attn_softcap
+        or sinks is not None or (attn.qk_norm and attn.qk_norm_all)
+    )  # fmt: skip
+    if r.plain and plain_attn and cfg.residual_multiplier == 1 and act == 0:
+        return None
+    none = (None, None)
+    ln = int(any(b is not None for _, b in norms.values()))
+    post_a, post_m = norms.get("attn_post_norm", none), norms.get("mlp_post_norm", none)
+    par = (2 if r.shared_norm else 1) if r.parallel else 0
+    return (ln, norms.get("attn_norm", none)[1], norms.get("mlp_norm", none)[1],
+            *post_a, *post_m, int(not r.pre_norms), par, float(cfg.residual_multiplier), act,
+            float(attn.attn_scale), float(attn.attn_softcap), int(attn.sliding_window), sinks,
+            rot, int(attn.rope_interleaved), int(bool(attn.qk_norm and attn.qk_norm_all)))  # fmt: skip
 
 
 def _is_f32(a) -> bool:
@@ -140,28 +217,79 @@ class Plan:
         self.ok = False
         self.index = [i for i, b in enumerate(model.network.layers) if not b.is_disabled]
         blocks = [model.network.layers[i] for i in self.index]
-        if not blocks or not all(is_plain_block(b) for b in blocks):
+        cfg = model.config
+        if not blocks or not all(is_recipe_block(b, cfg.block) for b in blocks):
             return
-        if not model.config.plain:  # a recipe or multiplier the C step does not implement
+        layers = tuple(_layer_args(b, cfg) for b in blocks)
+        lm = _mat(model.lm_head, getattr(model, "lm_head_bias", None))
+        final = _norm(model.final_norm_layer)
+        if lm is None or final is None or not _is_f32(final[0]) or any(a is None for a in layers):
             return
-        layers = tuple(_layer_args(b) for b in blocks)
-        lm, final = _mat(model.lm_head), rmsnorm.gamma(model.final_norm_layer)
-        if lm is None or not _is_f32(final) or any(a is None for a in layers):
-            return
-        self.attn = [b.sequential_layers[ATTN] for b in blocks]
+        at = slots(cfg.block)["attn"]
+        self.attn = [b.sequential_layers[at] for b in blocks]
         # MoE layers and their `chosen` arrays: the experts each call used, for the pager
+        mlp = slots(cfg.block)["mlp"]
         self.moe = [
-            (b.sequential_layers[MLP], a[14][7]) for b, a in zip(blocks, layers) if len(a) == 15
+            (b.sequential_layers[mlp], a[14][7]) for b, a in zip(blocks, layers) if is_moe(a)
         ]
         self.layers = layers
         self.kinds = frozenset(_kinds((layers, lm)))
         self.block_kinds = frozenset(_kinds(layers, True))  # all, repacked or not; no LM head
         # HF bfloat16 arrays: exact rows in the auto mode too (ckernels.Q8_EXACT_BF16)
         self.exact_bf16 = any(w.dtype.name == "bfloat16" for w in _weights((layers, lm)))
-        self.head = (final, float(model.config.rms_norm_eps), lm)
+        self.head = (final[0], float(cfg.rms_norm_eps), lm) + (
+            () if final[1] is None else final[1:]
+        )
+        # model-level multipliers on the logits (the embedding scale: the callers' model.embed)
+        self.logit_scale, self.softcap = float(cfg.logit_scale), float(cfg.final_logit_softcap)
+        self.call_rows = call_rows(self.attn)
         self.vocab = lm[3]
         self.tuners: dict[int, ThreadTuner] = {}  # decode threads per batch size
         self.ok = True
+
+
+def is_moe(layer_args: tuple) -> bool:
+    """Whether a layer's C tuple has an MoE FFN (its 15th item)."""
+    return len(layer_args) >= 15 and layer_args[14] is not None
+
+
+def call_rows(attn_layers) -> int:
+    """The most rows of one fused call that share a cache: STEP_ROWS, or for a layer whose
+    sliding window's cache moves its rows (KVCache.make_room), W + 1 (what its rows hold beside
+    the W - 1 + W/2 positions kept)."""
+    out = ckernels.STEP_ROWS
+    for a in attn_layers:
+        w = a.sliding_window
+        if w and window_rows(a.max_seq_len, w) < a.max_seq_len:
+            out = min(out, w + 1)
+    return out
+
+
+def _finish(p: Plan, logits: np.ndarray) -> np.ndarray:
+    """The model's logit scale and final soft-capping, in place (as Transformer.logits)."""
+    if p.logit_scale != 1:
+        logits *= np.float32(p.logit_scale)
+    if p.softcap:
+        cap = np.float32(p.softcap)
+        np.tanh(logits / cap, out=logits)
+        logits *= cap
+    return logits
+
+
+def _room(rows: list[list]) -> bool:
+    """Make room in each sliding-window cache of rows[i] for the rows that write it (a cache
+    several rows share: that many); False when one cannot take them (the reference path)."""
+    counts: dict[int, list] = {}
+    for r in rows:
+        for c in r:
+            if c.window:
+                counts.setdefault(id(c), [c, 0])[1] += 1
+    return all(c.make_room(k) is not None for c, k in counts.values())
+
+
+def _kv(c) -> tuple:
+    """A cache's (k, v) call items: k as (k, start) when its row 0 is not position 0."""
+    return ((c.k, c.start) if c.start else c.k), c.v
 
 
 def _kinds(args, repacked=False):
@@ -261,10 +389,12 @@ def _run(
         raise ContextOverflowError(
             f"context overflow: position {max(pos)} >= max_seq_len {rows[0][0].capacity}"
         )
+    if not _room(rows):
+        return None
     caches = []
     for li in range(len(p.attn)):  # block-major: (k, v) of row 0, row 1, ...
         for r in rows:
-            caches += (r[li].k, r[li].v)
+            caches += _kv(r[li])
     logits, out = _logits(p, x.shape[0], out_rows)
     tuner = p.tuners.setdefault(x.shape[0], ThreadTuner(shared=SHARED))
     nt = tuner.threads(kernels.num_threads())
@@ -279,7 +409,7 @@ def _run(
     for r, at in zip(rows, pos):
         for cache in r:
             cache.length = at + 1
-    return logits
+    return _finish(p, logits)
 
 
 def _logits(p: Plan, n: int, out_rows) -> tuple[np.ndarray, object]:
@@ -307,7 +437,7 @@ def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     calls stop at their last block's k and v (no later call reads more of them). None when the
     caches are not at one position (the reference path then runs)."""
     n = x.shape[0]
-    calls = -(-n // ckernels.STEP_ROWS)
+    calls = -(-n // p.call_rows)
     caches = _prompt_caches(p, n)
     if caches is None:
         return None
@@ -339,7 +469,7 @@ def verify_rows(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     n tokens continuing the model's own caches, in one fused call (speculative decoding checks
     each proposed token against its row). None when the caches are not at one position."""
     n = x.shape[0]
-    if not 1 <= n <= ckernels.STEP_ROWS:
+    if not 1 <= n <= p.call_rows:
         return None
     caches = _prompt_caches(p, n)
     if caches is None:
@@ -355,9 +485,11 @@ def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool, nt: int = 0):
     (0: `prefill.fused_threads`): logits [V] of the last row, or (head False) None and only the
     last block's k and v."""
     n, start = x.shape[0], caches[0].length
+    if not _room([caches] * n):  # (prefill_calls' calls of at most call_rows always fit)
+        raise ContextOverflowError(f"a sliding-window cache cannot take {n} rows in one call")
     pairs = []
     for c in caches:
-        pairs += (c.k, c.v) * n  # every row of block li reads and writes the same cache
+        pairs += _kv(c) * n  # every row of block li reads and writes the same cache
     logits = np.empty((1, p.vocab), dtype=np.float32) if head else None  # [1, V]: the last row's
     nt = nt or prefill.fused_threads(kernels.num_threads())
     pos = tuple(range(start, start + n))
@@ -365,7 +497,7 @@ def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool, nt: int = 0):
     _report_experts(p, n)
     for c in caches:
         c.length = start + n
-    return None if logits is None else logits[0]
+    return None if logits is None else _finish(p, logits)[0]
 
 
 def step_rows(p: Plan, x: np.ndarray, states: list[list], reduce=None) -> np.ndarray | None:
@@ -430,4 +562,4 @@ def step_paged(
     )
     tuner.record(nt, time.perf_counter() - t0)
     _report_experts(p, n)
-    return logits
+    return _finish(p, logits)

@@ -35,7 +35,6 @@ from poly.model.block import NORM_ROLES, build_block, is_recipe_block, run_block
 from poly.model.transformer import Transformer
 from poly.network import VolumetricNetwork
 from poly.nn import layout
-from poly.nn.embedding import lookup
 from poly.ops import linear
 from poly.runtime import fused
 from poly.runtime.shard import (
@@ -137,7 +136,7 @@ class TPTransformer(Transformer):
             # shard, its all-reduces called from inside it
             p = fused.plan(self)
             if p is not None:
-                x = lookup(self._embeddings, arr)[0]  # [H]
+                x = self.embed(arr)[0]  # [H] (times embedding_scale)
                 local = fused.step(self, p, x, reduce=self.comm.allreduce)
                 if local is not None:
                     return _row0(self._gather(local.reshape(1, -1)))

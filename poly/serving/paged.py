@@ -248,7 +248,6 @@ class PagedKV:
         Row (b, i) writes position seqs[b].length + i into its pages before any row attends, and
         reads its earlier positions through its page table: no gather, scatter or Python per
         block (8 cached-prefix prompts of 1-9 new tokens: 67 ms through the reference path)."""
-        from poly.nn.embedding import lookup
         from poly.runtime import ckernels, fused
 
         total = sum(len(c) for c in chunks)
@@ -266,7 +265,7 @@ class PagedKV:
             for i in range(len(ids))
         ]
         ids = np.asarray([t for c in chunks for t in c])
-        x = np.ascontiguousarray(lookup(self.model.embeddings, ids), np.float32)  # [total, H]
+        x = np.ascontiguousarray(self.model.embed(ids), np.float32)  # [total, H] (embedding_scale)
         pools = [(self.k[i], self.v[i]) for i in p.index]
         pos, tabs = tuple(r[1] for r in rows), tuple(tables[r[0]] for r in rows)
         last = np.cumsum([len(c) for c in chunks]) - 1  # each chunk's last row
@@ -308,7 +307,6 @@ class PagedKV:
 
     def decode(self, tokens: list[int], seqs: list[PagedSeq]) -> np.ndarray:
         """One new token per sequence -> logits [B, V]: the fused step over page tables."""
-        from poly.nn.embedding import lookup
         from poly.runtime import fused
 
         for s in seqs:
@@ -318,7 +316,7 @@ class PagedKV:
         p = fused.plan(self.model)
         if p is None:  # no C step for this model: one row at a time through the scratch
             return np.stack([self.prefill(s, [t]) for s, t in zip(seqs, tokens)])
-        x = np.ascontiguousarray(lookup(self.model.embeddings, np.asarray(tokens)), np.float32)
+        x = np.ascontiguousarray(self.model.embed(np.asarray(tokens)), np.float32)
         pools = [(self.k[i], self.v[i]) for i in p.index]
         tables = tuple(np.asarray(s.pages, dtype=np.int32) for s in seqs)
         pos = tuple(s.length for s in seqs)
