@@ -40,6 +40,10 @@ CASES = {
     "gpt_neox_seq": ("gpt_neox", {"use_parallel_residual": False, "hidden_act": "gelu_new"}),
     "mistral_window": ("mistral", {"sliding_window": 6}),
     "phi3_default_rope": ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
+    # MoE families' attention and multipliers around the MoE FFN (csrc/decode/moe.h)
+    "olmoe": ("olmoe", {}),  # q/k norm over all heads
+    "granitemoe": ("granitemoe", {}),  # multipliers: embedding, residual, attention, logits
+    "gpt_oss": ("gpt_oss", {}),  # sinks, alternating window 6 / full, yarn
 }
 
 

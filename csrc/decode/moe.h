@@ -160,8 +160,8 @@ static void block_moe(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
             for (int64_t r = r0; r < r1; r++) acc[r] += wj * y[r];
         }
     }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t r = r0; r < r1; r++) S->x[i * d + r] += B->tmp[i * d + r];
+    for (int64_t i = 0; i < n; i++) /* times the residual multiplier (GraniteMoE; 1 otherwise) */
+        for (int64_t r = r0; r < r1; r++) S->x[i * d + r] += B->tmp[i * d + r] * L->rmult;
 #pragma omp barrier
 }
 

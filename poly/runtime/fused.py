@@ -150,8 +150,8 @@ def _layer_args(blk, cfg) -> tuple | None:
     ap = mha.plan(attn)
     c = ap.comps
     qkv = _mats([(ap.w_qkv, ap.b_qkv)]) if ap.w_qkv is not None else _mats(ap.parts)
-    is_moe = mlp.type == LayerType.MOE
-    ffn = _moe_args(mlp) if is_moe else _dense_ffn(mlp)
+    sparse = mlp.type == LayerType.MOE
+    ffn = _moe_args(mlp) if sparse else _dense_ffn(mlp)
     o = _mat(c["w_o"], c["b_o"])
     if qkv is None or ffn is None or o is None:
         return None
@@ -174,16 +174,16 @@ def _layer_args(blk, cfg) -> tuple | None:
         cos, sin = rope_tables(rot, base, attn.rope_scaling, attn.max_seq_len)
     g1, g2 = got.get("attn_norm", (None, None)), got.get("mlp_norm", (None, None))
     heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, eps)
-    if is_moe:  # gate/up and down are the 15th item's experts
+    if sparse:  # gate/up and down are the 15th item's experts
         items = (*heads, g1[0], qn, kn, qkv, cos, sin, o, g2[0], None, None, ffn)
     else:
         items = (*heads, g1[0], qn, kn, qkv, cos, sin, o, g2[0], ffn[1], ffn[2])
-    opts = _recipe(cfg, attn, got, 0 if is_moe else ffn[0], rot, sinks)
+    opts = _recipe(cfg, attn, got, 0 if sparse else ffn[0], rot, sinks)
     if opts is None:
         return items
-    if is_moe and (not cfg.block.plain or cfg.residual_multiplier != 1):
-        return None  # the MoE FFN (csrc/decode/moe.h) adds its output as llama's block does
-    return (*items[:14], items[14] if is_moe else None, opts)
+    if sparse and not cfg.block.plain:
+        return None  # the MoE FFN (csrc/decode/moe.h) adds its output as llama's pre-norm block
+    return (*items[:14], items[14] if sparse else None, opts)
 
 
 def _recipe(cfg, attn, norms: dict, act: int, rot: int, sinks) -> tuple | None:
