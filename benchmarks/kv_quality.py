@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.quant_quality import _git, eval_text, machine
+from benchmarks.quant_quality import eval_text, git_revision, machine
 
 HF_DIR = Path.home() / ".cache" / "poly" / "models" / "SmolLM2-135M-Instruct-hf"
 OUT = Path(__file__).parent / "results" / "kv-quality-smollm2.json"
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode": decode_rows(model, tokens, args.decode_at, args.steps, args.rounds, log),
         "decode_at": args.decode_at,
         "machine": machine(),
-        "git": _git(),
+        "git": git_revision(),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     res = {
         "benchmark": "mxfp4_moe decode tok/s (GPT-OSS MoE options, MXFP4 experts)",
         "shape": vars(a) | {"heads": 8, "vocab": 512},
-        "cpu": _cpu(), "isa": ckernels.info().get("isa"), "threads": ckernels.info().get("threads"),
+        "cpu": cpu_model(), "isa": ckernels.info().get("isa"), "threads": ckernels.info().get("threads"),
         "note": "machine heavily shared (2 cores, up to 8 sessions); medians of alternating rounds",
         "tok_s": {k: [round(v, 2) for v in vs] for k, vs in runs.items()},
         "median_tok_s": {k: round(statistics.median(vs), 2) for k, vs in runs.items()},
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
 
 
-def _cpu() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

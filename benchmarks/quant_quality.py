@@ -196,7 +196,7 @@ def machine() -> dict:
     return {"cpu": model, "simd": simd, "python": platform.python_version()}
 
 
-def _git() -> dict:
+def git_revision() -> dict:
     def run(*args):
         return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
 
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ppl = perplexity_check(files, text, tokens, args.ctx, args.windows, poly_rows)
     result = {"model": "SmolLM2-135M-Instruct", "parameters": n_params, "n_ctx": args.ctx,
               "windows": args.windows, "scored_tokens": poly_rows["llama.cpp Q8_0"]["tokens"],
-              "bos": bos, "text": source, "machine": machine(), "git": _git(),
+              "bos": bos, "text": source, "machine": machine(), "git": git_revision(),
               "lucy_eval": poly_rows, "llama_cpp": llama_rows, "perplexity_check": ppl,
               "files": {k: {"path": p.name, "bytes": p.stat().st_size} for k, p in files.items()}}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from benchmarks.mxfp4_moe import _cpu
+    from benchmarks.mxfp4_moe import cpu_model
     from poly.runtime import ckernels, fused, kernels
 
     kernels.set_backend("c")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     res = {
         "benchmark": "recipes_decode: fused-step decode tok/s, Gemma-2 shape vs llama, GGUF Q8_0",
         "shape": vars(a) | {"heads": 8, "kv_heads": 4, "head_dim": 128, "window": WINDOW},
-        "cpu": _cpu(), "isa": ckernels.info().get("isa"), "threads": kernels.num_threads(),
+        "cpu": cpu_model(), "isa": ckernels.info().get("isa"), "threads": kernels.num_threads(),
         "note": "machine heavily shared (2 cores, up to 8 sessions); medians of alternating rounds",
         "tok_s": {k: [round(v, 2) for v in vs] for k, vs in runs.items()},
         "median_tok_s": med,

@@ -49,7 +49,7 @@ def checkpoints(tmp_path_factory):
     return {mt: make_tiny_checkpoint(root / mt, mt, tied=True, seed=3) for mt in CASES}
 
 
-def _greedy(tf, ids, n, use_cache):
+def greedy_tokens(tf, ids, n, use_cache):
     tf.reset()
     out, logits = [], tf.forward(ids)
     for _ in range(n):
@@ -69,8 +69,8 @@ def test_logits_and_greedy_match_transformers(checkpoints, model_type):
     ours = tf.forward_all(PROMPT)
     np.testing.assert_allclose(ours, hf_logits(path, PROMPT), atol=1e-4, rtol=0)
     want = hf_greedy(path, PROMPT, N_NEW, use_cache=True)
-    assert _greedy(tf, PROMPT, N_NEW, use_cache=True) == want
-    assert _greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+    assert greedy_tokens(tf, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy_tokens(tf, PROMPT, N_NEW, use_cache=False) == want
 
 
 def test_the_recipe_takes_the_fused_step(checkpoints):

@@ -151,9 +151,9 @@ def test_gguf_from_llama_cpp_matches_transformers(ckpts, gguf_files):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["blk.1.attn_qkv.weight", "blk.0.attn_qkv.bias"])
 def test_a_wrong_fused_gguf_tensor_is_named(gguf_files, tmp_path, name):
-    from tests.test_moe_gguf import _rewrite
+    from tests.test_moe_gguf import rewrite_gguf
 
-    bad = _rewrite(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
+    bad = rewrite_gguf(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
     with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as e:
         entity.load(bad)
     assert "\n" not in str(e.value)

@@ -20,7 +20,7 @@ import entity
 from entity.convert import convert
 from poly.errors import ConfigError, WeightMappingError
 from poly.layer import LayerType
-from poly.runtime import fused, kernels
+from poly.runtime import fused_args, kernels
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint
 
 ARCHS = ("olmoe", "granitemoe", "gpt_oss")
@@ -99,7 +99,7 @@ def test_fused_step_takes_the_moe_options(ckpts, arch):
     if arch == "gpt_oss":
         moe = tf.config.moe
         assert moe.extended and moe.gating == "softmax_topk" and moe.activation == "swiglu_oai"
-    assert fused._moe_args(tf.mlp(0)) is not None
+    assert fused_args.moe_args(tf.mlp(0)) is not None
 
 
 @pytest.mark.parametrize("arch", ARCHS)

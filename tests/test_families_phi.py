@@ -135,9 +135,9 @@ def test_gguf_from_llama_cpp_matches_transformers(gguf_files):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["output.bias", "output_norm.bias", "blk.1.ffn_up.bias"])
 def test_a_wrong_gguf_bias_is_named(gguf_files, tmp_path, name):
-    from tests.test_moe_gguf import _rewrite
+    from tests.test_moe_gguf import rewrite_gguf
 
-    bad = _rewrite(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
+    bad = rewrite_gguf(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
     with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as e:
         entity.load(bad)
     assert "\n" not in str(e.value)

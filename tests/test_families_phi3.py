@@ -18,7 +18,7 @@ import entity
 from poly.errors import WeightMappingError
 from poly.runtime import ckernels, fused
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint
-from tests.test_moe_gguf import _rewrite
+from tests.test_moe_gguf import rewrite_gguf
 from tests.test_moe_hf import PROMPT, greedy
 
 N_NEW = 32
@@ -148,7 +148,7 @@ def test_gguf_from_llama_cpp_matches_transformers(ckpts, gguf_files, variant):
     "name", ["blk.0.attn_qkv.weight", "blk.1.ffn_up.weight", "rope_factors_short.weight"]
 )
 def test_a_wrong_gguf_tensor_is_named(gguf_files, tmp_path, name):
-    bad = _rewrite(gguf_files[("long", "f32")], tmp_path / "bad.gguf", reshape=name)
+    bad = rewrite_gguf(gguf_files[("long", "f32")], tmp_path / "bad.gguf", reshape=name)
     with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as err:
         entity.load(bad)
     assert "\n" not in str(err.value)

@@ -21,7 +21,7 @@ import entity
 from benchmarks import llama_convert
 from tests import hf_fixtures
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
-from tests.test_families_gemma import CASES, PROMPT, WINDOW, _greedy
+from tests.test_families_gemma import CASES, PROMPT, WINDOW, greedy_tokens
 
 N_NEW = 32
 HEAD_DIM = 24  # CASES' head_dim; the scalar llama.cpp assumes for all but the 27B models
@@ -113,8 +113,8 @@ def test_f32_gguf_matches_transformers(root, model_type):
     assert tf.config.architecture == {"gemma3_text": "gemma3"}.get(model_type, model_type)
     np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
     want = hf_greedy(src, PROMPT, N_NEW)
-    assert _greedy(tf, PROMPT, N_NEW, use_cache=True) == want
-    assert _greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+    assert greedy_tokens(tf, PROMPT, N_NEW, use_cache=True) == want
+    assert greedy_tokens(tf, PROMPT, N_NEW, use_cache=False) == want
 
 
 @pytest.mark.slow

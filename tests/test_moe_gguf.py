@@ -83,7 +83,7 @@ def test_q8_0_gguf_top1_along_the_greedy_path(files, arch):
     assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
 
 
-def _rewrite(src: Path, dst: Path, *, meta: dict | None = None, rename: dict | None = None,
+def rewrite_gguf(src: Path, dst: Path, *, meta: dict | None = None, rename: dict | None = None,
              reshape: str | None = None) -> Path:  # fmt: skip
     """Copy a GGUF with edited metadata / renamed tensors / one tensor truncated (gguf-py)."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
@@ -134,6 +134,6 @@ def _rewrite(src: Path, dst: Path, *, meta: dict | None = None, rename: dict | N
     ],  # fmt: skip
 )
 def test_bad_moe_gguf_is_a_typed_error(files, tmp_path, change, error, match):
-    bad = _rewrite(files[("qwen3_moe", "f32")], tmp_path / "bad.gguf", **change)
+    bad = rewrite_gguf(files[("qwen3_moe", "f32")], tmp_path / "bad.gguf", **change)
     with pytest.raises(error, match=match):
         entity.load(bad)

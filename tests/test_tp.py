@@ -56,7 +56,7 @@ def mpirun(n: int, *args: str, timeout: int = TIMEOUT_S, **kw) -> subprocess.Com
     )
 
 
-def _check(proc: subprocess.CompletedProcess) -> None:
+def check_tp(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -71,7 +71,7 @@ def tiny_specs(tmp_path_factory) -> list[str]:
     return [str(make_tiny_checkpoint(base / a, a, config_overrides=over)) for a in ARCHS]
 
 
-def _reference(tmp: Path, quantized: bool, specs: list[str]) -> Path:
+def reference_tp(tmp: Path, quantized: bool, specs: list[str]) -> Path:
     ref = tmp / "ref"
     ref.mkdir()
     tp_worker.mode_logits(SingleProcess(), ref, quantized, specs)
@@ -80,7 +80,7 @@ def _reference(tmp: Path, quantized: bool, specs: list[str]) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_ref(tmp_path_factory, tiny_specs) -> Path:
-    return _reference(tmp_path_factory.mktemp("tiny_ref"), False, tiny_specs)
+    return reference_tp(tmp_path_factory.mktemp("tiny_ref"), False, tiny_specs)
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +98,11 @@ def smol_refs(tmp_path_factory, smol_f32, smollm2_gguf) -> dict:
     """quant -> (spec, TP = 1 reference dir)."""
     out = {}
     for quant, spec in (("f", smol_f32), ("q", str(smollm2_gguf))):
-        out[quant] = (spec, _reference(tmp_path_factory.mktemp(f"ref_{quant}"), True, [spec]))
+        out[quant] = (spec, reference_tp(tmp_path_factory.mktemp(f"ref_{quant}"), True, [spec]))
     return out
 
 
-def _compare(ref: Path, got: Path) -> float:
+def compare_tp(ref: Path, got: Path) -> float:
     """Largest |difference| relative to the largest |logit|, over every saved run."""
     worst = 0.0
     files = sorted(ref.glob("*.npy"))
@@ -121,8 +121,8 @@ def test_tiny_models_logits_match_tp1(tmp_path, tiny_specs, tiny_ref, n):
     ref = tiny_ref
     out = tmp_path / "tp"
     out.mkdir()
-    _check(mpirun(n, WORKER, "logits", str(out), "f", *tiny_specs))
-    assert _compare(ref, out) <= 1e-5
+    check_tp(mpirun(n, WORKER, "logits", str(out), "f", *tiny_specs))
+    assert compare_tp(ref, out) <= 1e-5
 
 
 def test_tiny_models_float16_kv_cache_matches_tp1(tmp_path, tiny_specs, tiny_ref):
@@ -135,8 +135,8 @@ def test_tiny_models_float16_kv_cache_matches_tp1(tmp_path, tiny_specs, tiny_ref
     tp_worker.mode_logits(SingleProcess(), ref, False, tiny_specs, "f16")
     out = tmp_path / "tp"
     out.mkdir()
-    _check(mpirun(2, WORKER, "logits", str(out), "h", *tiny_specs))
-    same, f32 = _compare(ref, out), _compare(tiny_ref, out)
+    check_tp(mpirun(2, WORKER, "logits", str(out), "h", *tiny_specs))
+    same, f32 = compare_tp(ref, out), compare_tp(tiny_ref, out)
     assert same <= 1e-4 and 10 * same <= f32 <= 1e-2
 
 
@@ -150,8 +150,8 @@ def test_smollm2_logits_match_tp1(tmp_path, smol_refs, quant, n):
     spec, ref = smol_refs[quant]
     out = tmp_path / "tp"
     out.mkdir()
-    _check(mpirun(n, WORKER, "logits", str(out), "q", spec))
-    assert _compare(ref, out) <= 1e-5
+    check_tp(mpirun(n, WORKER, "logits", str(out), "q", spec))
+    assert compare_tp(ref, out) <= 1e-5
 
 
 @pytest.mark.slow
@@ -164,11 +164,11 @@ def test_smollm2_f16_int8_loom_q4_match_tp1(tmp_path, smol_f32):
     for quant in ("f16", "q8", "q4"):
         specs.append(str(tmp_path / f"smol.{quant}.entity"))
         entity.convert(smol_f32, specs[-1], quant=quant)
-    ref = _reference(tmp_path, True, specs)
+    ref = reference_tp(tmp_path, True, specs)
     out = tmp_path / "tp"
     out.mkdir()
-    _check(mpirun(2, WORKER, "logits", str(out), "q", *specs))
-    assert _compare(ref, out) <= 1e-5
+    check_tp(mpirun(2, WORKER, "logits", str(out), "q", *specs))
+    assert compare_tp(ref, out) <= 1e-5
 
 
 @pytest.mark.slow
@@ -181,7 +181,7 @@ def test_smollm2_greedy_64_identical_tp123(tmp_path, smol_refs, quant):
     for n in (2, 3):
         out = tmp_path / f"tp{n}"
         out.mkdir()
-        _check(mpirun(n, WORKER, "greedy", str(out), "q", spec))
+        check_tp(mpirun(n, WORKER, "greedy", str(out), "q", spec))
         got = [int(t) for t in (out / "greedy.txt").read_text().split()]
         assert got == want, f"TP={n}"
 
@@ -202,7 +202,7 @@ def test_cli_generate_tp2_matches_tp1(tiny_specs, kv):
     args = ["generate", tiny_specs[0], "--prompt", "The quick brown fox", "--greedy"]
     args += ["--max-tokens", "12", "--json", *kv]
     proc = _lucy(2, *args, "--tp", "2")
-    _check(proc)
+    check_tp(proc)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["tp"] == 2 and len(proc.stdout.strip().splitlines()) == 1  # rank 0 prints
     import contextlib

@@ -15,7 +15,7 @@ from entity.families import FAMILIES
 from poly.errors import TensorParallelError
 from tests import hf_fixtures
 from tests.hf_fixtures import make_tiny_checkpoint
-from tests.test_tp_shard import _in_threads, _steps
+from tests.test_tp_shard import in_threads, run_steps
 
 EAGER = {"attn_implementation": "eager"}
 SPLIT6 = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}  # 2 + 1 groups
@@ -78,10 +78,10 @@ def test_thread_ranks_match_the_whole_model(root, family):
 
     model = entity.load(_checkpoint(root, family))
     assert not model.config.plain or model.config.attention is not None  # not llama's block
-    want = _steps(model)
+    want = run_steps(model)
     for n in (2, 3) if family in ("gemma2", "gpt_neox") else (2,):
         model.reset()
-        got = _in_threads(n, lambda r, comm: _steps(shard(model, comm)))
+        got = in_threads(n, lambda r, comm: run_steps(shard(model, comm)))
         for r in range(n):
             err = np.abs(got[r] - want).max() / np.abs(want).max()
             assert err <= 1e-5, (family, n, r, err)
@@ -93,10 +93,10 @@ def test_the_shard_keeps_only_its_heads(root):
     from poly.runtime.tp import shard
 
     model = entity.load(_checkpoint(root, "olmo2"))
-    parts = _in_threads(2, lambda r, comm: shard(model, comm).attn(0).weights.master.size)
+    parts = in_threads(2, lambda r, comm: shard(model, comm).attn(0).weights.master.size)
     assert parts[0] == parts[1] < model.attn(0).weights.master.size
     g2 = entity.load(_checkpoint(root, "gemma2"))
-    wins = _in_threads(2, lambda r, comm: [shard(g2, comm).attn(i).sliding_window for i in (0, 1)])
+    wins = in_threads(2, lambda r, comm: [shard(g2, comm).attn(i).sliding_window for i in (0, 1)])
     assert wins == [[4, 0], [4, 0]]
 
 
@@ -105,23 +105,23 @@ def test_moe_and_tiled_models_are_refused_in_one_line(tmp_path):
 
     moe = entity.load(make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", tied=True))
     with pytest.raises(TensorParallelError) as info:
-        _in_threads(2, lambda r, comm: shard(moe, comm))
+        in_threads(2, lambda r, comm: shard(moe, comm))
     assert "MoE" in str(info.value) and "\n" not in str(info.value)
     dense = entity.load(make_tiny_checkpoint(tmp_path / "dense", "llama"))
     dense.enable_tiling(16)
     with pytest.raises(TensorParallelError, match="block 0 is not"):
-        _in_threads(2, lambda r, comm: shard(dense, comm))
+        in_threads(2, lambda r, comm: shard(dense, comm))
 
 
 def test_mpiexec_tp2_matches_tp1(root, tmp_path):
     """Acceptance 4: gemma2, phi3 and olmo2 under `mpiexec -n 2`, each backend (the C kernels
     and numpy), against the same worker code run on the unsplit model in this process."""
     pytest.importorskip("mpi4py")
-    from tests.test_tp import WORKER, _check, _compare, _reference, mpirun
+    from tests.test_tp import WORKER, check_tp, compare_tp, mpirun, reference_tp
 
     specs = [str(_checkpoint(root, f)) for f in MPI_FAMILIES if f in FAMILIES]
-    ref = _reference(tmp_path, False, specs)
+    ref = reference_tp(tmp_path, False, specs)
     out = tmp_path / "tp"
     out.mkdir()
-    _check(mpirun(2, WORKER, "logits", str(out), "f", *specs))
-    assert _compare(ref, out) <= 1e-5
+    check_tp(mpirun(2, WORKER, "logits", str(out), "f", *specs))
+    assert compare_tp(ref, out) <= 1e-5

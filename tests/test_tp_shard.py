@@ -136,7 +136,7 @@ class ThreadComm(comm_mod.SingleProcess):
         return self._meet(obj)[root]
 
 
-def _steps(model):
+def run_steps(model):
     ids = [5, 17, 33, 60, 2, 9]
     out = [model.forward_all(ids)]
     for tok in (7, 8, 9):
@@ -168,14 +168,14 @@ def tiny():
 def test_thread_ranks_match_the_whole_model(tiny, n, c_backend):
     from poly.runtime.tp import shard
 
-    want = _steps(tiny)
+    want = run_steps(tiny)
     tiny.reset()
-    got = _in_threads(n, lambda r, comm: _steps(shard(tiny, comm)))
+    got = in_threads(n, lambda r, comm: run_steps(shard(tiny, comm)))
     for r in range(n):
         assert np.abs(got[r] - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def _in_threads(n, fn):
+def in_threads(n, fn):
     """fn(rank, comm) on n threads -> their results (the first error re-raised)."""
     import threading
 
@@ -228,7 +228,7 @@ def test_lockstep_rank0_drives_the_others(tiny, c_backend):
         lockstep.finish(model)
         return out
 
-    got = _in_threads(3, rank)
+    got = in_threads(3, rank)
     assert np.abs(got[0][0] - want).max() <= 1e-5 * np.abs(want).max()
     assert got[0][1] == want_text
     assert got[1] == got[2] > 0  # calls replayed

@@ -118,11 +118,7 @@ def _shape2(shape) -> tuple[int, int]:
 
 # by name (native byte order only): an array of ml_dtypes' bfloat16 means ml_dtypes is loaded,
 # and naming it here does not import it (~0.2-0.8 s of a process's start)
-_DENSE_SCHEMES: dict[str, str] = {
-    "float32": "float32",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-}
+_DENSE_SCHEMES: dict[str, str] = {n: n for n in ("float32", "float16", "bfloat16")}
 
 
 def _dense_dtype(dt: np.dtype) -> bool:

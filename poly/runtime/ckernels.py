@@ -387,7 +387,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    rp = getattr(qt, "r16", K16.get(id(w)))  # the copy (fused._mat) read instead of w
+    rp = getattr(qt, "r16", K16.get(id(w)))  # the copy (fused_args.mat) read instead of w
     tiles = kind in (F32, F16, BF16) and n <= MAX_N  # dense rows: the register tiles to MAX_N
     if n >= GEMM_ROWS and not tiles:  # Q4_K/Q6_K's copy by 8: gemm's int8 panels read it
         EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _q8(w), getattr(qt, "r8k", rp))

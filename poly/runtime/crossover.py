@@ -111,7 +111,7 @@ def probe_blocks(p: fused.Plan, n: int) -> int:
 
 
 def _shapes(args):
-    """(m, k) of every matrix record in a layer's argument tuple (fused._mat's records)."""
+    """(m, k) of every matrix record in a layer's argument tuple (fused_args.mat's records)."""
     if isinstance(args, tuple):
         if len(args) in (6, 7) and isinstance(args[0], int) and isinstance(args[1], np.ndarray):
             yield args[3], args[4]

@@ -1,7 +1,7 @@
 """GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows regrouped 16 at a time for the fused step's integer row kernels
 (csrc/formats/interleave16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
 its row's lane and the block scale applies to 16 rows in one FMA. Made once per matrix when the
-fused plan is built (`fused._mat`, kept as the QTensor's `r16`); the stored rows' pages are then
+fused plan is built (`fused_args.mat`, kept as the QTensor's `r16`); the stored rows' pages are then
 released, and a prompt's GEMM dequantizes the copy. Float16/float32 rows mapped from a file are
 laid out by 16, k-major (`k16`, csrc/formats/float_kmajor16.h): the gemm panels' packed form."""
 

@@ -23,7 +23,7 @@ NEG_INF = np.float32(-np.inf)
 TRUNCATE_MODES = ("none", "output", "left")
 
 
-def _is_int(x) -> bool:
+def is_whole_number(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
@@ -38,7 +38,7 @@ def _ids(name: str, value) -> tuple[int, ...]:
         raise SamplingParamsError(f"{name} must be a sequence of token ids, got {value!r}")
     out = tuple(value)
     for t in out:
-        if not _is_int(t) or t < 0:
+        if not is_whole_number(t) or t < 0:
             raise SamplingParamsError(f"{name} must hold non-negative integer token ids, got {t!r}")
     return tuple(int(t) for t in out)
 
@@ -48,10 +48,10 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 # (field, check, message): one table instead of an if-chain per field.
 _CHECKS: tuple[tuple[str, object, str], ...] = (
-    ("max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("max_tokens", lambda v: is_whole_number(v) and v >= 1, "an integer >= 1"),
+    ("min_tokens", lambda v: is_whole_number(v) and v >= 0, "an integer >= 0"),
     ("temperature", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
-    ("top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    ("top_k", lambda v: is_whole_number(v) and v >= 0, "an integer >= 0 (0 = off)"),
     ("top_p", lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
     ("min_p", lambda v: _is_real(v) and 0 <= v < 1, "a number in [0, 1)"),
     (
@@ -59,21 +59,21 @@ _CHECKS: tuple[tuple[str, object, str], ...] = (
         lambda v: _is_real(v) and math.isfinite(v) and v > 0,
         "a finite number > 0",
     ),
-    ("repetition_window", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = all)"),
-    ("no_repeat_ngram", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    ("repetition_window", lambda v: is_whole_number(v) and v >= 0, "an integer >= 0 (0 = all)"),
+    ("no_repeat_ngram", lambda v: is_whole_number(v) and v >= 0, "an integer >= 0 (0 = off)"),
     (
         "dry_multiplier",
         lambda v: _is_real(v) and 0 <= v < math.inf,
         "a finite number >= 0 (0 = off)",
     ),
     ("dry_base", lambda v: _is_real(v) and 1 <= v < math.inf, "a finite number >= 1"),
-    ("dry_allowed_length", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("dry_allowed_length", lambda v: is_whole_number(v) and v >= 0, "an integer >= 0"),
     (
         "dry_penalty_last_n",
-        lambda v: _is_int(v) and v >= -1,
+        lambda v: is_whole_number(v) and v >= -1,
         "an integer >= -1 (-1 = all, 0 = off)",
     ),
-    ("seed", lambda v: v is None or (_is_int(v) and v >= 0), "None or an integer >= 0"),
+    ("seed", lambda v: v is None or (is_whole_number(v) and v >= 0), "None or an integer >= 0"),
     ("deterministic", lambda v: isinstance(v, bool), "a bool"),
     ("penalize_prompt", lambda v: isinstance(v, bool), "a bool"),
     ("truncate", lambda v: v in TRUNCATE_MODES, f"one of {TRUNCATE_MODES}"),
@@ -155,7 +155,7 @@ class GenOptions:
 def repeat_last_n_fields(n) -> dict[str, float | int]:
     """GenOptions fields for llama.cpp's ``repeat_last_n`` (its server field and CLI flag):
     the penalty window, -1 = the whole context (our ``repetition_window`` 0), 0 = no penalty."""
-    if not _is_int(n) or n < -1:
+    if not is_whole_number(n) or n < -1:
         raise SamplingParamsError(f"repeat_last_n must be an integer >= -1, got {n!r}")
     if n == 0:
         return {"repetition_penalty": 1.0}
@@ -280,7 +280,7 @@ class Sampler:
         eos_tokens: Sequence[int] = (),
         tokenizer=None,
     ):
-        if not _is_int(vocab_size) or vocab_size < 1:
+        if not is_whole_number(vocab_size) or vocab_size < 1:
             raise SamplingParamsError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
         self.options = options
         self.vocab_size = int(vocab_size)

@@ -21,7 +21,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from poly.errors import ModelBusyError, SpeculationError
-from poly.text.sampling import Sampler, _is_int
+from poly.text.sampling import Sampler, is_whole_number
 
 # one fused call takes 64 rows: the last accepted token and up to 63 proposals
 MAX_PROPOSED = 63
@@ -30,7 +30,7 @@ DEFAULT_NGRAM = 3
 
 
 def _check_n(name: str, n) -> int:
-    if not _is_int(n) or not 1 <= n <= MAX_PROPOSED:
+    if not is_whole_number(n) or not 1 <= n <= MAX_PROPOSED:
         raise SpeculationError(
             f"{name} must be an integer in 1..{MAX_PROPOSED} (one pass checks the last token and "
             f"up to {MAX_PROPOSED} proposals), got {n!r}"
@@ -53,7 +53,7 @@ class Speculation:
     def __post_init__(self) -> None:
         if self.lookup is not None:
             object.__setattr__(self, "lookup", _check_n("lookup", self.lookup))
-        if not _is_int(self.ngram) or not 1 <= self.ngram <= 16:
+        if not is_whole_number(self.ngram) or not 1 <= self.ngram <= 16:
             raise SpeculationError(f"ngram must be an integer in 1..16, got {self.ngram!r}")
         if self.draft_tokens is not None:
             object.__setattr__(self, "draft_tokens", _check_n("draft_tokens", self.draft_tokens))
