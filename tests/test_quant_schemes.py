@@ -40,11 +40,11 @@ def test_records_drive_every_table():
 def test_a_file_that_names_the_loom_bake_q4_0_still_loads(tmp_path, monkeypatch):
     src = make_tiny_checkpoint(tmp_path / "snap", "llama", seed=5)
     new = tmp_path / "new.entity"
-    convert(src, new, quant="q4")
+    convert(src, new, quant="q4", calibrate=False)  # the Loom bake, not the calibrated recipe
     assert EntityFile(new).meta("quant")["matrix"] == "loom_q4"
     old = tmp_path / "old.entity"
     monkeypatch.setitem(blobs.SCHEMES, "q4", ("q4_0", "int8"))  # what convert wrote before
-    convert(src, old, quant="q4")
+    convert(src, old, quant="q4", calibrate=False)
     assert EntityFile(old).meta("quant")["matrix"] == "q4_0"
     a, b = load_entity(new), load_entity(old)
     assert isinstance(b.attn(0).weights.versions[b.attn(0).weights.active]["w_q"], Q4Matrix)
