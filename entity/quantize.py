@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from entity.calibration_text import DEFAULT_TEXT
-from poly.errors import UsageError
+from poly.errors import ConversionError, UsageError
 from poly.nn import layout
 from poly.quant.allocate import Option, allocate
 from poly.quant.ggml import QUANT_SIZES, GGMLType
@@ -134,6 +134,9 @@ class Planner:
             raise UsageError("calibration needs the model's tokenizer; the source has none")
         # rows no block kind divides stay with the scheme's own encoding
         self.mats = {n: w for n, w in matrices(tf).items() if _kinds(w)}
+        for name, w in self.mats.items():  # before the model runs on them (an IndexError later)
+            if not np.isfinite(w).all():
+                raise ConversionError(f"{name}: non-finite weights (NaN or Inf) in the source")
         chunks = calibration_chunks(tf.tokenizer, text, tf.config.max_seq_len)
         self.imatrix = collect(tf, chunks, len(chunks), progress)
         self.tf, self.measured = tf, measured
