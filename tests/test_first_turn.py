@@ -35,13 +35,15 @@ def one_time_calls(monkeypatch):
 
 
 @needs_c
-def test_load_leaves_no_repacking_to_the_first_turn(smollm2_gguf, one_time_calls):
+def test_load_leaves_no_repacking_to_the_first_turn(smollm2_gguf, one_time_calls, monkeypatch):
     """The real SmolLM2 Q4_1 GGUF: loading makes every copy (one per matrix, 211), and the
     first turn (a chat prompt, then decode steps) makes none; its logits are the second turn's."""
     import entity
 
     if kernels.backend() != "c":
         pytest.skip("the C backend is not in use")
+    # every copy made here, none read from the on-disk layout cache (tests/test_layout_cache.py)
+    monkeypatch.setenv("POLY_LAYOUT_CACHE", "0")
     model = entity.load(smollm2_gguf)
     made_at_load = len(one_time_calls)
     ids = model.prompt_ids("What is the capital of France?", chat=True)
