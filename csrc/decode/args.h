@@ -231,7 +231,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     holds_t H = {0};
     Py_ssize_t nl = PyTuple_Check(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
     if (nl > MAX_LAYERS) nl = MAX_LAYERS;
-    H.cap = (int)(nl * (40 + 2 * S.n) + 16 + S.n + moe_holds(args[0], nl));
+    H.cap = (int)(nl * (64 + 2 * S.n) + 16 + S.n + moe_holds(args[0], nl));
     H.bufs = calloc((size_t)H.cap, sizeof(Py_buffer));
     S.L = calloc((size_t)(nl ? nl : 1), sizeof(layer_t));
     PyObject *ret = NULL;
