@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 from poly.errors import LayerConfigError, LimitExceededError
-from poly.recipe import PLAIN_BLOCK, AttentionConfig, BlockRecipe
+from poly.recipe import PLAIN_BLOCK, AttentionConfig, BlockRecipe, coerce_record
 from poly.rope import RopeScaling
 
 # "softmax_topk": the top k of the raw logits, softmax over those k (GPT-OSS, GraniteMoE).
@@ -105,14 +105,7 @@ class MoEConfig:
     @classmethod
     def coerce(cls, value) -> MoEConfig | None:
         """None, a MoEConfig or its dict form (as stored in a .entity header)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            try:
-                return cls(**value)
-            except TypeError as exc:
-                raise LayerConfigError(f"bad moe config: {exc}") from None
-        raise LayerConfigError(f"bad moe config {value!r}")
+        return coerce_record(cls, value, "moe")
 
 
 def _coerce_fields(cfg) -> None:

@@ -9,6 +9,19 @@ from dataclasses import dataclass
 from poly.errors import LayerConfigError
 
 
+def coerce_record(cls, value, what: str):
+    """None, a `cls` record or its dict form (as a .entity header stores it) -> None or `cls`;
+    anything else is a LayerConfigError naming `what`."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        try:
+            return cls(**value)
+        except TypeError as exc:
+            raise LayerConfigError(f"bad {what} config: {exc}") from None
+    raise LayerConfigError(f"bad {what} config {value!r}")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Attention options beyond causal GQA with RoPE over whole heads (poly.nn.mha; None and the
@@ -64,14 +77,7 @@ class AttentionConfig:
     @classmethod
     def coerce(cls, value) -> AttentionConfig | None:
         """None, an AttentionConfig or its dict form (as stored in a .entity header)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            try:
-                return cls(**value)
-            except TypeError as exc:
-                raise LayerConfigError(f"bad attention config: {exc}") from None
-        raise LayerConfigError(f"bad attention config {value!r}")
+        return coerce_record(cls, value, "attention")
 
 
 # Block recipe kinds. Norms: RMSNorm, LayerNorm with or without a bias. (1 + w) RMSNorm (Gemma)
