@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
+from lucy.terminal import progress_bar
 from poly.errors import ModelNotFoundError, NoNetworkError, OutputExistsError, UsageError
 
 DEMO_QUANT = "q4"  # the demo file: entity.paths.entity_filename(GGUF, DEMO_QUANT)
@@ -101,17 +102,9 @@ def convert_with_progress(
     bpw=None, calibration=None, to="entity",
 ):  # fmt: skip
     """Run `entity.convert` under a rich progress bar; returns its report."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     import entity
 
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-    )
-    quiet = not con.is_terminal  # no redraws into pipes and logs
-    with Progress(*columns, TimeElapsedColumn(), console=con, transient=True, disable=quiet) as bar:
+    with progress_bar(con) as bar:
         task = bar.add_task(f"converting {Path(str(src)).name}", total=None)
 
         def progress(done, total, detail=""):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from lucy import actions
-from lucy.terminal import clean, make_console
+from lucy.terminal import clean, make_console, progress_bar
 from poly.errors import ModelNotFoundError, UsageError
 from poly.text.evaluate import (
     Measure,
@@ -99,16 +99,8 @@ def _bpw(size: int | None, model) -> float | None:
 
 
 def _measure(model, ref, tokens, n_ctx, measure, size, total):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     con = make_console(stderr=True)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-    )
-    quiet = not con.is_terminal  # no redraws into pipes and logs
-    with Progress(*columns, TimeElapsedColumn(), console=con, transient=True, disable=quiet) as bar:
+    with progress_bar(con) as bar:
         task = bar.add_task("evaluating", total=total)
 
         def progress(done: int, of: int, detail: str) -> None:

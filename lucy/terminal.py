@@ -64,3 +64,17 @@ def human_count(n: int | None) -> str:
         if n >= div:
             return f"{n / div:.1f}{suffix}"
     return str(n)
+
+
+def progress_bar(con):
+    """The rich bar of lucy's long jobs (description, bar, done/total, time), drawn only on a
+    terminal (no redraws into pipes and logs) and removed when done."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
+    return Progress(*columns, console=con, transient=True, disable=not con.is_terminal)
