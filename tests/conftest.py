@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -36,6 +37,10 @@ def pytest_configure(config):
     ignored, and children inherit that: the Ctrl-C tests' subprocesses would never see it."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # exec resets this to SIG_DFL
+    # the llama.cpp comparisons skip without llama-cpp-python; in CI (the `test` extra has it)
+    # a skip there would be a comparison that cannot fail
+    if os.environ.get("CI") and importlib.util.find_spec("llama_cpp") is None:
+        raise pytest.UsageError("CI: llama-cpp-python is missing (pip install -e '.[test]')")
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ def test_defaults_cover_the_issue_matrix():
 
 
 def test_llama_ftypes_match_llama_h():
-    llama_cpp = pytest.importorskip("llama_cpp")  # the bench extra, not the test extra
+    llama_cpp = pytest.importorskip("llama_cpp")
 
     for name, ftype in PRECISIONS.items():
         const = "LLAMA_FTYPE_ALL_F32" if name == "F32" else f"LLAMA_FTYPE_MOSTLY_{name}"

@@ -63,7 +63,7 @@ def test_kinds_arguments(capsys):
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
 def test_pure_quantization_puts_every_matrix_in_one_type(kind, smollm2_gguf, tmp_path):
-    pytest.importorskip("llama_cpp")  # the bench extra
+    pytest.importorskip("llama_cpp")
     from gguf import GGMLQuantizationType, GGUFReader
 
     from benchmarks.matrix import quantize
