@@ -16,11 +16,12 @@ from entity.dotentity.container import EntityFile, EntityWriter
 from tests.hf_fixtures import make_tiny_checkpoint
 
 HUGE = 10**6
+FAST_S = 10  # before the limits: 23-82 s; 10 leaves room for a loaded machine
 CHILD = r"""
 import json, sys, time
 import entity
 from poly.errors import PolyError
-t = time.monotonic()
+t = time.monotonic()  # includes the lazy imports entity.load makes: the bound is loose
 try:
     entity.load(sys.argv[1])
     out = "loaded"
@@ -59,7 +60,7 @@ def test_entity_header_with_a_million_experts_fails_fast(moe_dir, tmp_path):
     assert got["outcome"].startswith(
         "LimitExceededError: num_experts 1000000 exceeds the limit 512"
     )
-    assert got["seconds"] < 2 and got["peak_mb"] < 400
+    assert got["seconds"] < FAST_S and got["peak_mb"] < 400
 
 
 def test_hf_config_with_a_million_experts_fails_fast(moe_dir, tmp_path):
@@ -74,7 +75,7 @@ def test_hf_config_with_a_million_experts_fails_fast(moe_dir, tmp_path):
     assert got["outcome"].startswith(
         "LimitExceededError: num_experts: 1000000 exceeds the limit 512"
     )
-    assert got["seconds"] < 2 and got["peak_mb"] < 400
+    assert got["seconds"] < FAST_S and got["peak_mb"] < 400
 
 
 @pytest.mark.parametrize("name", ["num_layers", "num_heads", "vocab_size", "hidden_size"])
