@@ -60,11 +60,13 @@ def metrics(base: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def running_server(model: str | Path, *args: str, timeout: float = 120.0):
-    """(base url, process) of `lucy serve MODEL --port P --api-key KEY *args`; stopped after."""
+def running_server(model: str | Path, *args: str, timeout: float = 120.0,
+                   api_key: str | None = KEY):  # fmt: skip
+    """(base url, process) of `lucy serve MODEL --port P --api-key KEY *args` (no key with
+    ``api_key=None``); stopped after."""
     port = free_port()
     cmd = [sys.executable, "-m", "lucy", "serve", str(model), "--port", str(port)]
-    cmd += ["--api-key", KEY, *args]
+    cmd += (["--api-key", api_key] if api_key else []) + list(args)
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lucy.server import routes
+from lucy.server import page, routes
 from lucy.server.errors import ApiError, bad_request
 from lucy.server.metrics import prometheus_text
 from lucy.server.state import REQUEST, ServerState
@@ -89,6 +89,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, err: Exception):
         return _error_response(ApiError(500, "internal server error", "server_error"))
+
+    page.add_routes(app)  # the chat page at /
 
     @app.get("/health")
     async def health():
