@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to decode per run")  # fmt: skip
     p.add_argument("--runs", type=int, default=3, help="timed runs (the median is shown)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw each run's prefill and decode tok/s into a PNG (the plot extra)")  # fmt: skip
     _add_speculation(p)
     _add_tp(p)
     _add_max_experts(p)
@@ -246,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=512, metavar="N",
                    help="window length in tokens; the second half of each is scored")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw NLL and KL divergence per window into a PNG (the plot extra)")  # fmt: skip
 
     p = sub.add_parser("inspect", help="grid, layers, dtypes, memory")
     p.add_argument("model", help=model_help)
@@ -285,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open client connections; more get 503 (default: 256, or fewer if "
                    "ulimit -n is low)")  # fmt: skip
     _add_kv_cache(p)
-    _add_max_experts(p, memory=False)
+    _add_max_experts(p)
+    _add_tp(p)
     return parser
 
 

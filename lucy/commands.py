@@ -119,12 +119,16 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from lucy import bench, views
+    from lucy import bench, plots, views
 
     if args.compare:
+        if args.plot:
+            raise UsageError("--plot does not apply to --compare")
         return bench.run_compare(args.model, runs=args.runs, as_json=args.json)
     if not args.model:
         raise UsageError("lucy bench needs a MODEL (or --compare)")
+    if args.plot:
+        plots.require(args.plot)  # before the (slow) load
     spec = actions.speculation_from_args(args)
     if args.tp is not None:
         from lucy import tp_cli
@@ -133,6 +137,8 @@ def cmd_bench(args) -> int:
             res = bench.bench_model(model, args.prompt_tokens, args.new_tokens, args.runs)
             res = {"model": str(args.model), **info, **res}
             res.update(tp_cli.bench_extras(model, args.new_tokens))
+            if args.plot:
+                plots.save(plots.bench_figure(res), args.plot)
             if args.json:
                 print(json.dumps(res))
             else:
@@ -150,6 +156,8 @@ def cmd_bench(args) -> int:
         kv_cache=args.kv_cache,
         speculation=spec,
     )
+    if args.plot:
+        plots.save(plots.bench_figure(result), args.plot)
     if args.json:
         print(json.dumps(result))
     else:
@@ -191,6 +199,10 @@ def cmd_download(args) -> int:
 def cmd_serve(args) -> int:
     from lucy.server.run import serve
 
+    if getattr(args, "tp", None) is not None:  # every rank: rank 0 serves (lucy/server/tp.py)
+        from lucy.server import tp
+
+        return tp.serve(args)
     return serve(args, actions.load_model)
 
 

@@ -78,7 +78,7 @@ def set_rank_threads(comm) -> int:
     return kernels.set_num_threads(max(1, kernels.physical_cores() // comm.local_size()))
 
 
-def _rank_error(comm, err: BaseException) -> PolyError:
+def rank_error(comm, err: BaseException) -> PolyError:
     where = f"rank {comm.rank} of {comm.size}"
     if isinstance(err, PolyError):
         err.message = f"{where}: {err.message}"
@@ -112,7 +112,7 @@ def run(tp: int, spec: str, body: Callable[[Any, dict], int], kv_cache: str | No
     except (PolyError, Exception) as err:
         if comm.size == 1:
             raise
-        raise _rank_error(comm, err) from err
+        raise rank_error(comm, err) from err
 
 
 def bench_extras(model, new_tokens: int) -> dict:

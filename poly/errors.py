@@ -49,6 +49,14 @@ class TensorParallelError(LayerConfigError):
     code = "tensor_parallel"
 
 
+class PeerLostError(TensorParallelError):
+    """A rank of a tensor-parallel job died or stopped answering: a collective (or the idle
+    heartbeat) outlived its deadline, or a watchdog saw the process gone."""
+
+    code = "rank_lost"
+    exit_code = 1
+
+
 class UsageError(PolyError, ValueError):
     """A bad argument given to the CLI or the menu."""
 

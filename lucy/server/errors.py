@@ -5,6 +5,7 @@ from __future__ import annotations
 from poly.errors import (
     ContextOverflowError,
     GenerationError,
+    PeerLostError,
     PolyError,
     QueueFullError,
     SamplingParamsError,
@@ -42,6 +43,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def from_poly(err: PolyError) -> ApiError:
     """The HTTP error for a poly error raised while handling a request."""
+    if isinstance(err, PeerLostError):  # a tensor-parallel rank died: this server is done
+        return ApiError(503, f"the server lost a rank: {err}", "server_error", None, err.code)
     if isinstance(err, QueueFullError):
         return ApiError(429, str(err), "rate_limit_error", None, "queue_full")
     if isinstance(err, ContextOverflowError):

@@ -62,14 +62,15 @@ def _server_class(banner: str):
 
 
 def build(model, spec: str, *, max_batch=16, ctx=None, kv_pages=None, api_key=None,
-          prefill_chunk=512, max_queue=64, body_timeout=None):  # fmt: skip
-    """(FastAPI app, ServerState) for a loaded model."""
+          prefill_chunk=512, max_queue=64, body_timeout=None, kv=None):  # fmt: skip
+    """(FastAPI app, ServerState) for a loaded model (`kv`: a KV store made already)."""
     from lucy.server.app import create_app
     from lucy.server.state import ServerState
     from poly.serving import Scheduler
     from poly.serving.kv import make_kv
 
-    kv = make_kv(model, kv_pages=kv_pages, max_batch=max_batch, ctx=ctx)
+    if kv is None:
+        kv = make_kv(model, kv_pages=kv_pages, max_batch=max_batch, ctx=ctx)
     check_memory(model, kv, ctx or model.config.max_seq_len)
     sched = Scheduler(model, max_batch=max_batch, prefill_chunk=prefill_chunk,
                       max_queue=max_queue, max_context=ctx, kv=kv)  # fmt: skip
@@ -196,12 +197,22 @@ def serve(args, load_model) -> int:
 def _serve(args, load_model, sock: socket.socket) -> int:
     # the KV cache and RoPE tables are sized when the model loads
     ctx = {} if args.ctx is None else {"max_seq_len": args.ctx}
+    memory = getattr(args, "memory", None)
     model = load_model(args.model, getattr(args, "max_experts", None),
-                       kv_cache=getattr(args, "kv_cache", None), **ctx)  # fmt: skip
+                       kv_cache=getattr(args, "kv_cache", None), memory=memory, **ctx)  # fmt: skip
+    kv_pages = args.kv_pages
+    if memory is not None and kv_pages is None:  # the budget holds one context of KV (entity.fit)
+        kv_pages = -(-model.config.max_seq_len // 16)
+    return run_app(args, model, sock, kv_pages=kv_pages)
+
+
+def run_app(args, model, sock: socket.socket, kv=None, kv_pages=None, on_server=None) -> int:
+    """Serve the loaded `model` on `sock` until a signal; `on_server(server, state)` sees the
+    uvicorn server and the state before it runs (lucy/server/tp.py stops it on a lost rank)."""
     check_ctx(model, args.ctx)
     app, state = build(model, args.model, max_batch=args.max_batch, ctx=args.ctx,
-                       kv_pages=args.kv_pages, api_key=args.api_key, max_queue=args.max_queue,
-                       body_timeout=getattr(args, "body_timeout", None))  # fmt: skip
+                       kv_pages=kv_pages, api_key=args.api_key, max_queue=args.max_queue,
+                       body_timeout=getattr(args, "body_timeout", None), kv=kv)  # fmt: skip
     if getattr(args, "verbose", False):  # as `lucy generate --verbose` prints them
         from lucy import settings
 
@@ -221,5 +232,8 @@ def _serve(args, load_model, sock: socket.socket) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     banner = f"lucy serve: {state.model_id} on http://{shown}:{port}"
-    _server_class(banner)(config).run(sockets=[sock])
+    server = _server_class(banner)(config)
+    if on_server is not None:
+        on_server(server, state)
+    server.run(sockets=[sock])
     return 0

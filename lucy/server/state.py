@@ -68,6 +68,7 @@ class ServerState:
         self.drain_s = drain_s
         self.created = int(time.time())
         self.draining = False
+        self.down: str | None = None  # why it stopped serving for good (a lost TP rank)
         self.grammars = None  # llguidance's tokenizer, built on the first structured request
         self.defaults = model_defaults(self.model)  # what a request leaves out (gendefaults)
         self._mailbox: Mailbox | None = None
@@ -124,7 +125,8 @@ class ServerState:
     def submit(self, ids, params, mask_factory=None):
         """(handle, asyncio queue of its events)."""
         if self.draining:
-            raise ApiError(503, "the server is shutting down", "server_error", None, "unavailable")
+            why, code = (self.down, "rank_lost") if self.down else ("shutting down", "unavailable")
+            raise ApiError(503, f"the server is {why}", "server_error", None, code)
         loop = asyncio.get_running_loop()
         if self._mailbox is None or self._mailbox.loop is not loop:
             self._mailbox = Mailbox(loop)

@@ -14,12 +14,13 @@ the whole job through MPI_Abort instead of leaving the others waiting in a colle
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Protocol
 
 import numpy as np
 
-from poly.errors import LayerConfigError
+from poly.errors import LayerConfigError, PeerLostError
 
 
 class Communicator(Protocol):
@@ -98,7 +99,15 @@ def _check_buffer(buf: np.ndarray) -> None:
 
 
 class MPIComm:
-    """A communicator over an mpi4py communicator (COMM_WORLD by default)."""
+    """A communicator over an mpi4py communicator (COMM_WORLD by default).
+
+    `timeout` (seconds, None: wait forever) bounds every collective: each then runs as its
+    non-blocking form, polled until done, and raises PeerLostError past the deadline (a dead
+    peer never completes a collective: a server must not hang on one). A watchdog may set
+    `lost` (a reason): every wait then raises at once."""
+
+    timeout: float | None = None
+    lost: str | None = None
 
     def __init__(self, comm: Any = None) -> None:
         from mpi4py import MPI
@@ -113,7 +122,10 @@ class MPIComm:
     def allreduce(self, buf: np.ndarray) -> None:
         _check_buffer(buf)
         t0 = time.perf_counter()
-        self._c.Allreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
+        if self._bounded():
+            self._wait(self._c.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), "all-reduce")
+        else:
+            self._c.Allreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
         self.stats.reduce_s += time.perf_counter() - t0
         self.stats.reduces += 1
 
@@ -134,10 +146,16 @@ class MPIComm:
         flat = np.empty(sum(sizes), dtype=local.dtype)
         kind = self._MPI.FLOAT if local.dtype == np.float32 else self._MPI.DOUBLE
         spec = [flat, sizes, starts, kind]
-        if to_all:
+        if to_all and self._bounded():
+            self._wait(self._c.Iallgatherv(local, spec), "all-gather")
+        elif to_all:
             self._c.Allgatherv(local, spec)
         else:  # rank 0 alone samples: 1/size of the traffic, no copy on the others
-            self._c.Gatherv(local, spec if self.rank == 0 else None, root=0)
+            got = spec if self.rank == 0 else None
+            if self._bounded():
+                self._wait(self._c.Igatherv(local, got, root=0), "gather")
+            else:
+                self._c.Gatherv(local, got, root=0)
             if self.rank:
                 self.stats.gather_s += time.perf_counter() - t0
                 self.stats.gathers += 1
@@ -158,15 +176,46 @@ class MPIComm:
         """JSON, not pickle: a length then the bytes, as two buffer broadcasts."""
         data = json.dumps(obj).encode() if self.rank == root else b""
         n = np.array([len(data)], dtype=np.int64)
-        self._c.Bcast(n, root=root)
+        self._bcast(n, root)
         buf = (
             np.frombuffer(data, np.uint8).copy() if self.rank == root else np.empty(n[0], np.uint8)
         )
-        self._c.Bcast(buf, root=root)
+        self._bcast(buf, root)
         return obj if self.rank == root else json.loads(buf.tobytes())
 
+    def _bcast(self, buf: np.ndarray, root: int) -> None:
+        if self._bounded():
+            self._wait(self._c.Ibcast(buf, root=root), "broadcast")
+        else:
+            self._c.Bcast(buf, root=root)
+
     def barrier(self) -> None:
-        self._c.Barrier()
+        if self._bounded():
+            self._wait(self._c.Ibarrier(), "barrier")
+        else:
+            self._c.Barrier()
+
+    def _bounded(self) -> bool:
+        return self.timeout is not None or self.lost is not None
+
+    def _wait(self, req: Any, what: str) -> None:
+        """Poll `req` until done: spin briefly (an all-reduce of a decode step takes
+        microseconds), then sleep between polls so the other threads get the GIL."""
+        if self.lost is not None:
+            raise PeerLostError(self.lost)
+        deadline = time.monotonic() + (self.timeout if self.timeout is not None else math.inf)
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins < 200:
+                continue
+            if self.lost is not None:
+                raise PeerLostError(self.lost)
+            if time.monotonic() > deadline:
+                self.lost = (f"rank {self.rank} of {self.size}: a {what} waited more than "
+                             f"{self.timeout:g} s for the other ranks")  # fmt: skip
+                raise PeerLostError(self.lost)
+            time.sleep(0.0002 if spins < 5000 else 0.002)
 
     def local_size(self) -> int:
         """Ranks on this machine (they share its cores)."""

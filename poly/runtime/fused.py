@@ -351,12 +351,19 @@ def prompt_rows(p: Plan, x: np.ndarray, states: list[list], lengths: list[int]):
 
 
 def step_paged(
-    p: Plan, x: np.ndarray, pools: list, pos: tuple, tables: tuple, page_size: int, out_rows=None
+    p: Plan,
+    x: np.ndarray,
+    pools: list,
+    pos: tuple,
+    tables: tuple,
+    page_size: int,
+    out_rows=None,
+    reduce=None,
 ):
     """Batched decode over a paged KV pool -> logits [n, V] (or of `out_rows` only). x [n, d]
     (overwritten); pools[j] the (k, v) arrays [pages * page_size, kv_heads, head_dim] of enabled
     block p.index[j]; row i writes position pos[i] and reads its earlier ones through its int32
-    page table tables[i]."""
+    page table tables[i]. `reduce`: a tensor-parallel shard's all-reduce (as `_run`)."""
     n = x.shape[0]
     caches = []
     for k, v in pools:
@@ -365,6 +372,10 @@ def step_paged(
     tuner = p.tuners.setdefault(n, ThreadTuner())
     nt = tuner.threads(kernels.num_threads())
     t0 = time.perf_counter()
+    hook = None
+    if reduce is not None:
+        buf = np.empty_like(x)  # [n, d]
+        hook = (buf, lambda: reduce(buf))
     ckernels.decode(
         p.layers,
         tuple(caches),
@@ -374,7 +385,7 @@ def step_paged(
         pos,
         nt,
         (page_size, tables),
-        None,
+        hook,
         p.exact_bf16,
     )
     tuner.record(nt, time.perf_counter() - t0)

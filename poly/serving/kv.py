@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from poly.runtime.batch import forward_batch
+from poly.serving.ranks import run_batch
 
 
 class ContiguousKV:
@@ -52,11 +52,28 @@ class ContiguousKV:
 
     def prefill_many(self, states: list[list], chunks: list[list[int]]) -> np.ndarray:
         """Several prompts' next chunks in one pass -> logits [B, V] of each one's last token."""
-        return forward_batch(self.model, chunks, states)
+        return run_batch(self.model, chunks, states)
 
     def decode(self, tokens: list[int], states: list[list]) -> np.ndarray:
         """One new token per sequence -> logits [B, V] (the fused multi-row step)."""
-        return forward_batch(self.model, [[t] for t in tokens], states)
+        return run_batch(self.model, [[t] for t in tokens], states)
+
+    def verify(self, state: list, ids: list[int]) -> np.ndarray:
+        """Logits [n, V] of every one of ``ids`` after ``state``'s positions (one fused call)."""
+        from poly.runtime.dispatch import forward_rows
+
+        m = self.model
+        saved = m.swap_state(state)
+        try:
+            return forward_rows(m, np.asarray(ids, dtype=np.int64))
+        finally:
+            state[:] = m.swap_state(saved)
+
+    def set_length(self, state: list, n: int) -> None:
+        """Hold the first n positions, n at most the last `verify`'s end (see PagedKV)."""
+        for c in state:
+            if c is not None:
+                c.length = n
 
     def stats(self) -> dict:
         tokens = 0

@@ -16,6 +16,7 @@ import numpy as np
 from poly.errors import ContextOverflowError, GenerationError
 from poly.nn.mha import KVCache, kv_dtype
 from poly.serving.pages import ROOT, PagePool, chain_hashes
+from poly.serving.ranks import reduce_of, run_batch
 
 
 def _pool_array(shape, dtype=np.float32) -> np.ndarray:
@@ -269,7 +270,8 @@ class PagedKV:
         pools = [(self.k[i], self.v[i]) for i in p.index]
         pos, tabs = tuple(r[1] for r in rows), tuple(tables[r[0]] for r in rows)
         last = np.cumsum([len(c) for c in chunks]) - 1  # each chunk's last row
-        logits = fused.step_paged(p, x, pools, pos, tabs, self.ps, out_rows=last)  # [B, V]
+        reduce = reduce_of(self.model)[0]  # a TP shard's logits are gathered by the caller
+        logits = fused.step_paged(p, x, pools, pos, tabs, self.ps, last, reduce)  # [B, V]
         for s, c in zip(seqs, chunks):
             s.length += len(c)
         self._owner = None  # the scratch no longer mirrors any sequence
@@ -280,11 +282,10 @@ class PagedKV:
         the rows of one fused step; more: each sequence's cached positions gathered into a
         scratch cache of its own, the new ones scattered back."""
         from poly.nn.mha import release_pages
-        from poly.runtime.batch import forward_batch
 
         got = self._prefill_rows(seqs, chunks)
         if got is not None:
-            return got
+            return reduce_of(self.model)[1](got)  # None on a following TP rank
 
         while len(self._scratches) < len(seqs):
             self._scratches.append(self._new_caches())
@@ -294,7 +295,7 @@ class PagedKV:
             slots = self._slots(seq, 0, n0)
             for c, k, v in zip(st, self.k, self.v):
                 c.k[:n0], c.v[:n0], c.length = k[slots], v[slots], n0
-        logits = forward_batch(self.model, chunks, [list(st) for st in states])
+        logits = run_batch(self.model, chunks, [list(st) for st in states])
         for seq, st, ids in zip(seqs, states, chunks):
             n0, n1 = seq.length, seq.length + len(ids)
             self._room(seq, n1)
@@ -315,15 +316,44 @@ class PagedKV:
             self._room(s, s.length + 1)
         p = fused.plan(self.model)
         if p is None:  # no C step for this model: one row at a time through the scratch
-            return np.stack([self.prefill(s, [t]) for s, t in zip(seqs, tokens)])
+            rows = [self.prefill(s, [t]) for s, t in zip(seqs, tokens)]
+            return None if rows[0] is None else np.stack(rows)  # None: a following TP rank
         x = np.ascontiguousarray(self.model.embed(np.asarray(tokens)), np.float32)
         pools = [(self.k[i], self.v[i]) for i in p.index]
         tables = tuple(np.asarray(s.pages, dtype=np.int32) for s in seqs)
         pos = tuple(s.length for s in seqs)
-        logits = fused.step_paged(p, x, pools, pos, tables, self.ps)
+        reduce, gather = reduce_of(self.model)
+        logits = gather(fused.step_paged(p, x, pools, pos, tables, self.ps, reduce=reduce))
         for s in seqs:
             s.length += 1
         return logits
+
+    def verify(self, seq: PagedSeq, ids: list[int]) -> np.ndarray:
+        """Logits [n, V] of every one of ``ids`` after the cached positions (speculative
+        decoding's check): the rows of one fused paged step, each as a one-row decode computes
+        it; one row at a time through the scratch without the C step."""
+        from poly.runtime import fused
+
+        p = fused.plan(self.model)
+        if p is None:
+            return np.stack([self.prefill(seq, [t]) for t in ids])
+        if seq.length + len(ids) > self.layers[0].max_seq_len:
+            raise GenerationError("context overflow in the paged KV cache")
+        self._room(seq, seq.length + len(ids))
+        x = np.ascontiguousarray(self.model.embed(np.asarray(ids)), np.float32)
+        pools = [(self.k[i], self.v[i]) for i in p.index]
+        table = np.asarray(seq.pages, dtype=np.int32)
+        pos = tuple(range(seq.length, seq.length + len(ids)))
+        logits = fused.step_paged(p, x, pools, pos, (table,) * len(ids), self.ps)
+        seq.length += len(ids)
+        self._owner = None
+        return logits
+
+    def set_length(self, seq: PagedSeq, n: int) -> None:
+        """Hold the first n positions, n at most the last `verify`'s end (a rejected
+        proposal's rows are overwritten later)."""
+        seq.length = n
+        self._owner = None
 
     def stats(self) -> dict:
         pool = self.pool
