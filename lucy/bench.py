@@ -87,6 +87,8 @@ def bench_model(model, prompt_tokens: int = 64, new_tokens: int = 32, runs: int 
         "runs": runs,
         "prefill_tok_s": statistics.median(prefill),
         "decode_tok_s": statistics.median(decode),
+        "prefill_runs_tok_s": prefill,  # each timed run, in order (`lucy bench --plot`)
+        "decode_runs_tok_s": decode,
         **turns,
         "peak_rss_mb": peak_rss_mb(),
     }

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from lucy import actions
+from lucy import actions, plots
 from lucy.terminal import clean, make_console, progress_bar
 from poly.errors import ModelNotFoundError, UsageError
 from poly.text.evaluate import (
@@ -70,6 +70,8 @@ def checkpoint_bytes(spec: str) -> int | None:
 
 
 def run_eval(args) -> int:
+    if args.plot:
+        plots.require(args.plot)
     text = read_text(args.text)  # before the (slow) loads: a bad file fails at once
     model = actions.load_model(args.model)
     ref = actions.load_model(args.reference) if args.reference else None
@@ -91,6 +93,11 @@ def run_eval(args) -> int:
             _show(args, partial, total, len(tokens))
         raise
     _show(args, result, total, len(tokens))
+    if args.plot:
+        title = f"lucy eval: {Path(args.model).name}"
+        if args.reference:
+            title += f" vs {Path(args.reference).name}"
+        plots.save(plots.eval_figure(measure, title), args.plot)
     return 0
 
 
