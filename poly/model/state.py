@@ -157,11 +157,14 @@ def check_identity(model, saved) -> None:
 # --- saving ---------------------------------------------------------------------------------------
 
 
-def save(model, path, tokens=None, meta: dict | None = None) -> int:
+def save(model, path, tokens=None, meta: dict | None = None, caches=None) -> int:
     """Write the model's KV state to `path` atomically; the file's size in bytes. `tokens`: the
-    ids the caches hold (exactly `model.position` of them), kept for the caller's history."""
-    caches = [model.attn(i).state for i in range(model.config.num_layers)]
-    position = int(model.position)
+    ids the caches hold (exactly `model.position` of them), kept for the caller's history.
+    ``caches``: another sequence's caches (one per layer, e.g. a server's) instead of the model's."""
+    if caches is None:
+        caches = [model.attn(i).state for i in range(model.config.num_layers)]
+    first = caches[0] if caches else None
+    position = 0 if first is None else int(first.length)
     layers, arrays = [], []
     for i, c in enumerate(caches):
         if not isinstance(c, KVCache) or c.length == 0:

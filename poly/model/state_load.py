@@ -21,6 +21,15 @@ from poly.nn.kvcache import cache_for, kv_dtype, window_rows
 def load(model, path) -> SavedState:
     """Restore the KV state in `path` into `model` (its caches replace the model's only once the
     whole file has been read and checked; on any error the model is as it was)."""
+    caches, saved = read(model, path)
+    for i, c in enumerate(caches):
+        model.attn(i).state = c
+    return saved
+
+
+def read(model, path) -> tuple[list, SavedState]:
+    """The caches (one per layer, sized as `model`'s own) and what else `path` holds, checked
+    as `load` does, without touching the model's live caches (a server's sequences)."""
     path = Path(path)
     try:
         f = open(path, "rb")  # noqa: SIM115 (closed below; the errors differ per step)
@@ -43,10 +52,8 @@ def load(model, path) -> SavedState:
         if err.path is None:
             err.path = str(path)
         raise
-    for i, c in enumerate(caches):
-        model.attn(i).state = c
     meta = state.get("meta")
-    return SavedState(position, tokens, meta if isinstance(meta, dict) else {})
+    return caches, SavedState(position, tokens, meta if isinstance(meta, dict) else {})
 
 
 def _read_header(f, size: int) -> tuple[dict, int]:

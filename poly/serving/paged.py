@@ -330,8 +330,8 @@ class PagedKV:
 
     def verify(self, seq: PagedSeq, ids: list[int]) -> np.ndarray:
         """Logits [n, V] of every one of ``ids`` after the cached positions (speculative
-        decoding's check): the rows of one fused paged step, each as a one-row decode computes
-        it; one row at a time through the scratch without the C step."""
+        decoding's check): the rows of one fused paged step, as batched decode rows; one row
+        at a time through the scratch without the C step."""
         from poly.runtime import fused
 
         p = fused.plan(self.model)

@@ -25,6 +25,7 @@ Drive it by hand (``step()``) or on its own thread (``start()`` / ``shutdown()``
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -64,7 +65,7 @@ class Scheduler:
 
     def __init__(self, model, *, max_batch: int = 16, prefill_chunk: int = 512,
                  max_queue: int = 64, max_context: int | None = None, kv=None,
-                 batch_prefill: bool = True, gather_s: float = 0.002):  # fmt: skip
+                 batch_prefill: bool = True, gather_s: float = 0.002, spec=None):  # fmt: skip
         from poly.serving.kv import make_kv
 
         self.model = model
@@ -80,6 +81,7 @@ class Scheduler:
         if kv is None:
             kv = make_kv(model, max_batch=self.max_batch, ctx=self.max_context)
         self.kv = kv
+        self.spec = spec  # poly.serving.speculate.ServerSpeculation: one lone sequence's passes
         self.metrics = Metrics()
         self._waiting: deque[tuple[RequestHandle, Callable | None]] = deque()
         self._active: list[_Active] = []
@@ -128,6 +130,12 @@ class Scheduler:
     def idle(self) -> bool:
         return not self._waiting and not self._active
 
+    @contextlib.contextmanager
+    def exclusive(self):
+        """The KV store and the model between two steps (a slot's save or restore) -> the store."""
+        with self._cv, model_lock(self.model):
+            yield self.kv
+
     # --- one step -------------------------------------------------------------------------------
 
     def step(self) -> bool:
@@ -138,7 +146,8 @@ class Scheduler:
             return False
         with model_lock(self.model):
             self._drop_cancelled()
-            if not self._mixed():
+            spec = self.spec is not None and self.spec.step(self)  # a lone sequence's pass
+            if not spec and not self._mixed():
                 self._decode()
                 self._prefill()
         return True

@@ -122,7 +122,7 @@ def check_draft(target, draft) -> None:
         )
 
 
-class _Draft:
+class Draft:
     """A draft model's proposals; its KV cache follows the target's accepted tokens."""
 
     def __init__(self, model, sampler: Sampler):
@@ -221,7 +221,7 @@ class Speculator:
         """``lock_of(model)``: a model's generation lock (poly.text.generation.model_lock)."""
         self.spec, self.model, self.sampler = spec, model, sampler
         self.stats = SpecStats()
-        self.draft: _Draft | None = None
+        self.draft: Draft | None = None
         self.size = spec.lookup or spec.draft_tokens or DEFAULT_DRAFT_TOKENS
         self._unlock: Callable[[], None] | None = None
         if spec.draft is not None:
@@ -231,7 +231,7 @@ class Speculator:
                 raise ModelBusyError("the draft model is in use by another generation")
             self._unlock = lock.release
             opts = sampler.options
-            self.draft = _Draft(spec.draft, Sampler(opts, sampler.vocab_size, sampler.eos_tokens))
+            self.draft = Draft(spec.draft, Sampler(opts, sampler.vocab_size, sampler.eos_tokens))
 
     def release(self) -> None:
         unlock, self._unlock = self._unlock, None
