@@ -51,6 +51,31 @@ def test_models_and_health(server, client):
     assert get(server + "/health", None) == (200, b'{"status":"ok"}')
 
 
+def test_chat_page_is_served_offline(server):
+    """GET / is the chat page (no key needed, it asks for one); its script and style come from
+    the server itself and nothing in them points elsewhere (it must work offline)."""
+    import re
+    import urllib.request
+
+    def fetch(path):
+        with urllib.request.urlopen(server + path, timeout=10) as r:
+            return r.status, r.headers, r.read().decode()
+
+    status, headers, html = fetch("/")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert "connect-src 'self'" in headers["content-security-policy"]
+    assert re.findall(r'(?:src|href)="(/[^"]+)"', html) == ["/static/chat.css", "/static/chat.js"]
+    texts = [html]
+    for path, kind in (("/static/chat.js", "text/javascript"), ("/static/chat.css", "text/css")):
+        status, headers, text = fetch(path)
+        assert status == 200 and headers["content-type"].startswith(kind)
+        texts.append(text)
+    for text in texts:  # no URL of another host, no imported style sheet or font
+        assert not re.search(r"https?://|@import|url\(|@font-face", text)
+    code, body = get(server + "/static/nope.js", None)
+    assert code == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+
+
 def test_chat_greedy_equals_lucy_generate(ckpt, client):
     ref = lucy_generate(ckpt, PROMPT, 12, chat=True)
     r = _chat(client, max_tokens=12, temperature=0, logprobs=True)
