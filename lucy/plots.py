@@ -62,7 +62,9 @@ def bench_figure(result: dict):
     ax.set_ylabel("tokens per second")
     ax.set_title(f"lucy bench: {Path(str(result.get('model', ''))).name} — "
                  f"{result['prompt_tokens']} prompt tokens, {result['new_tokens']} new")  # fmt: skip
-    ax.legend(loc="lower right")
+    top = max(result["prefill_runs_tok_s"] + result["decode_runs_tok_s"])
+    ax.set_ylim(0, top * 1.25)  # room for the legend above the bars
+    ax.legend(loc="upper center", ncol=2)
     ax.grid(axis="y", alpha=0.3)
     return fig
 
