@@ -291,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_cache(p)
     _add_max_experts(p)
     _add_tp(p)
+    _add_speculation(p)
+    from lucy.server.extras import add_arguments
+
+    add_arguments(p)
     return parser
 
 

@@ -28,6 +28,14 @@ _HELP = {
     "kv_page_size": ("gauge", "positions per KV page"),
     "kv_bytes_used": ("gauge", "bytes of the KV pages in use"),
     "process_resident_bytes": ("gauge", "resident set size of the server process"),
+    "prompt_cache_loaded": ("counter", "prompts whose KV came from the --prompt-cache folder"),
+    "prompt_cache_stored": ("counter", "prompts written to the --prompt-cache folder"),
+    "spec_checks_total": ("counter", "speculative passes (a lone sequence's proposals checked)"),
+    "spec_proposed_tokens_total": ("counter", "tokens proposed (--lookup or --draft)"),
+    "spec_accepted_tokens_total": ("counter", "proposed tokens the model kept"),
+    "spec_pass_tokens_total": ("counter", "tokens the speculative passes produced"),
+    "spec_acceptance_rate": ("gauge", "accepted / proposed tokens"),
+    "spec_tokens_per_pass": ("gauge", "tokens per speculative pass"),
 }
 
 
@@ -59,6 +67,8 @@ def values(s) -> dict:
     }
     for k, v in s.kv.stats().items():
         out[k] = v
+    if getattr(s, "spec", None) is not None:
+        out.update(s.spec.stats())
     out["process_resident_bytes"] = _rss()
     return out
 

@@ -41,6 +41,7 @@ _FIELDS: dict[str, tuple[tuple, str | None]] = {
     "user": ((str,), None),
     "ignore_eos": ((bool,), "ignore_eos"),
     "logit_bias": ((dict,), None),
+    "id_slot": ((int,), None),  # llama.cpp's: the slot whose cache the request uses (-1: any)
 }
 _CHAT = {
     "messages": ((list,), None),
@@ -119,6 +120,8 @@ def parse_common(
     elif kw.get("stop") == "":
         kw.pop("stop")
     kw["logprobs"] = logprobs
+    if body.get("id_slot") is not None:
+        kw["extra"] = {"id_slot": body["id_slot"]}
     try:
         if body.get("repeat_last_n") is not None:
             kw.update(repeat_last_n_fields(body["repeat_last_n"]))

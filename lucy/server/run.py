@@ -62,8 +62,11 @@ def _server_class(banner: str):
 
 
 def build(model, spec: str, *, max_batch=16, ctx=None, kv_pages=None, api_key=None,
-          prefill_chunk=512, max_queue=64, body_timeout=None, kv=None):  # fmt: skip
-    """(FastAPI app, ServerState) for a loaded model (`kv`: a KV store made already)."""
+          prefill_chunk=512, max_queue=64, body_timeout=None, kv=None, opts=None,
+          draft=None):  # fmt: skip
+    """(FastAPI app, ServerState) for a loaded model (`kv`: a KV store made already; `opts`:
+    the parsed `lucy serve` options lucy/server/extras.py reads, `draft` the --draft model)."""
+    from lucy.server import extras
     from lucy.server.app import create_app
     from lucy.server.state import ServerState
     from poly.serving import Scheduler
@@ -72,12 +75,15 @@ def build(model, spec: str, *, max_batch=16, ctx=None, kv_pages=None, api_key=No
     if kv is None:
         kv = make_kv(model, kv_pages=kv_pages, max_batch=max_batch, ctx=ctx)
     check_memory(model, kv, ctx or model.config.max_seq_len)
-    sched = Scheduler(model, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                      max_queue=max_queue, max_context=ctx, kv=kv)  # fmt: skip
     name, aliases = model_names(spec)
+    kv, speculation = extras.setup(opts, model, kv, name, draft)
+    sched = Scheduler(model, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                      max_queue=max_queue, max_context=ctx, kv=kv, spec=speculation)  # fmt: skip
     timeout = {} if body_timeout is None else {"body_timeout": body_timeout}
     state = ServerState(sched, name, aliases, api_key=api_key, **timeout)
-    return create_app(state), state
+    app = create_app(state)
+    extras.attach(app, state, opts)
+    return app, state
 
 
 def check_args(args) -> None:
@@ -93,6 +99,9 @@ def check_args(args) -> None:
     if args.kv_pages is not None and args.kv_pages < 0:
         raise UsageError(f"--kv-pages must be >= 0, got {args.kv_pages}")
     check_max_connections(getattr(args, "max_connections", None))
+    from lucy.server.extras import check
+
+    check(args)
     for flag in ("header_timeout", "body_timeout"):
         value = getattr(args, flag, 1.0)
         if not (value > 0 and math.isfinite(value)):
@@ -203,16 +212,21 @@ def _serve(args, load_model, sock: socket.socket) -> int:
     kv_pages = args.kv_pages
     if memory is not None and kv_pages is None:  # the budget holds one context of KV (entity.fit)
         kv_pages = -(-model.config.max_seq_len // 16)
-    return run_app(args, model, sock, kv_pages=kv_pages)
+    from lucy.server.extras import load_draft
+
+    draft = load_draft(args, load_model, max_seq_len=model.config.max_seq_len)
+    return run_app(args, model, sock, kv_pages=kv_pages, draft=draft)
 
 
-def run_app(args, model, sock: socket.socket, kv=None, kv_pages=None, on_server=None) -> int:
+def run_app(args, model, sock: socket.socket, kv=None, kv_pages=None, on_server=None,
+            draft=None) -> int:  # fmt: skip
     """Serve the loaded `model` on `sock` until a signal; `on_server(server, state)` sees the
     uvicorn server and the state before it runs (lucy/server/tp.py stops it on a lost rank)."""
     check_ctx(model, args.ctx)
     app, state = build(model, args.model, max_batch=args.max_batch, ctx=args.ctx,
                        kv_pages=kv_pages, api_key=args.api_key, max_queue=args.max_queue,
-                       body_timeout=getattr(args, "body_timeout", None), kv=kv)  # fmt: skip
+                       body_timeout=getattr(args, "body_timeout", None), kv=kv, opts=args,
+                       draft=draft)  # fmt: skip
     if getattr(args, "verbose", False):  # as `lucy generate --verbose` prints them
         from lucy import settings
 

@@ -133,15 +133,21 @@ class ServerState:
         q: asyncio.Queue = asyncio.Queue()
         box = self._mailbox
         rec = REQUEST.get()
+        slots = getattr(self, "slots", None)  # lucy/server/slots.py: the slot this request takes
+        slot = None if slots is None else slots.open(params, ids)
 
         def notify(ev) -> None:
             if rec is not None and isinstance(ev, RequestDone):
                 rec["usage"] = ev.usage
+            if slot is not None:
+                slot.see(ev)
             box.post(q, ev)
 
         try:
             handle = self.scheduler.submit(ids, params, mask_factory=mask_factory, notify=notify,
                                            rid=uuid.uuid4().hex[:24])  # fmt: skip
         except PolyError as err:
+            if slot is not None:
+                slots.close(slot, None)
             raise from_poly(err) from None
         return handle, q
