@@ -33,6 +33,9 @@ def serve(args) -> int:
         raise UsageError("--memory does not run with --tp yet: give --ctx and --kv-pages")
     if getattr(args, "max_experts", None) is not None:
         raise UsageError("--max-experts does not run with --tp (MoE layers are not split yet)")
+    for flag in ("lookup", "draft", "slot_dir", "slots"):  # their KV calls are not mirrored yet
+        if getattr(args, flag, None) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} does not run with --tp yet")
     comm = tp_cli.world_of(args.tp, args.model)
     # every collective from here on is bounded (their blocking and non-blocking forms do not
     # match each other: the ranks switch together)

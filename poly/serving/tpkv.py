@@ -60,8 +60,6 @@ def _gone(pid: int) -> bool:
 class LeadKV:
     """Rank 0's KV store: `inner`'s calls mirrored on the other ranks (see the module)."""
 
-    MIRRORED = ("reserve", "fork", "free", "prefill", "prefill_many", "decode")
-
     def __init__(self, inner: Any, comm: Any, on_lost: Callable[[str], None] | None = None):
         self.inner, self.comm, self.on_lost = inner, comm, on_lost
         self.lost: str | None = None
@@ -75,9 +73,14 @@ class LeadKV:
         self._watch = threading.Thread(target=self._watchdog, name="poly-tp-watchdog", daemon=True)
         self._watch.start()
 
-    def __getattr__(self, name: str) -> Any:  # read-only parts: paged, ps, pool, stats, check...
-        if name in LeadKV.MIRRORED:
-            raise AttributeError(name)
+    # what the scheduler, the metrics and the memory check read; any other call (a new store
+    # method) would run on rank 0 alone and is refused until it is mirrored
+    READ = frozenset({"paged", "ps", "pool", "page_bytes", "stats", "check", "pages_for",
+                      "live", "model", "layers"})  # fmt: skip
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in LeadKV.READ:
+            raise AttributeError(f"{name!r} of the KV store is not mirrored over the TP ranks")
         return getattr(self.inner, name)
 
     # --- mirrored calls -------------------------------------------------------------------------

@@ -1,0 +1,233 @@
+"""`lucy serve --tp N` (issue 60, acceptance 4): greedy answers through the official openai
+client equal the TP = 1 server's; concurrent streams equal the same requests alone; SIGKILL of a
+non-zero rank gives the clients a 503 (one JSON error body) and ends the job within 10 s.
+
+Every server is a real `mpiexec -disable-auto-cleanup -n N python -m mpi4py -m lucy serve` on a
+loopback port, bounded by MPIEXEC_TIMEOUT; the TP = 1 reference is the ordinary `lucy serve`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mpi4py")
+openai = pytest.importorskip("openai")
+
+from tests.serve_helpers import KEY, env, free_port, get, running_server, stop_server  # noqa: E402
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+TIMEOUT_S = 240
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3, 4,"]
+MESSAGES = [[{"role": "user", "content": "Why is the sky blue?"}]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """A random llama with 6 query heads over 3 KV heads: TP = 2 splits them 2 + 1, TP = 3 one
+    each (tests/test_tp.py's split)."""
+    from tests.hf_fixtures import make_tiny_checkpoint
+
+    over = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
+            "max_position_embeddings": 4096}  # fmt: skip
+    base = tmp_path_factory.mktemp("serve_tp")
+    return str(make_tiny_checkpoint(base / "llama", "llama", config_overrides=over))
+
+
+def _tp_env() -> dict:
+    e = env()
+    e.update(MPIEXEC_TIMEOUT=str(TIMEOUT_S), POLY_NUM_THREADS="1", OMP_NUM_THREADS="1",
+             OPENBLAS_NUM_THREADS="1")  # fmt: skip
+    return e
+
+
+@contextlib.contextmanager
+def tp_server(model: str, n: int, *args: str, timeout: float = 180.0):
+    """(base url, mpiexec process) of `lucy serve MODEL --tp n` over n MPI ranks."""
+    if not MPIEXEC.is_file():
+        pytest.skip("no mpiexec in the venv (pip install 'polyloom[mpi]')")
+    port = free_port()
+    cmd = [str(MPIEXEC), "-disable-auto-cleanup", "-n", str(n), sys.executable, "-m", "mpi4py",
+           "-m", "lucy", "serve", model, "--tp", str(n), "--port", str(port), "--api-key", KEY,
+           *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=_tp_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"lucy serve --tp exited: {proc.stderr.read().decode()[-3000:]}")
+            with contextlib.suppress(OSError):
+                if get(base + "/health", None, 1.0)[0] == 200:
+                    break
+            assert time.monotonic() < deadline, "lucy serve --tp did not become healthy"
+            time.sleep(0.3)
+        yield base, proc
+    finally:
+        stop_server(proc)
+
+
+def _client(base: str):
+    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _answers(base: str, model: str, max_tokens: int = 16) -> list[str]:
+    """Greedy completions and chat answers of the fixed prompts."""
+    c = _client(base)
+    out = [c.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0)
+           .choices[0].text for p in PROMPTS]  # fmt: skip
+    out += [c.chat.completions.create(model=model, messages=m, max_tokens=max_tokens,
+                                      temperature=0).choices[0].message.content
+            for m in MESSAGES]  # fmt: skip
+    return out
+
+
+def _stream(c, model: str, prompt: str, max_tokens: int) -> str:
+    got = c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                               stream=True)  # fmt: skip
+    return "".join(ch.choices[0].text or "" for ch in got if ch.choices)
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(tiny) -> list[str]:
+    with running_server(tiny) as (base, _):
+        return _answers(base, "llama")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tp_server_greedy_equals_tp1(tiny, tiny_ref, n):
+    """And (n = 2) six concurrent streams equal the same requests alone."""
+    with tp_server(tiny, n) as (base, _):
+        assert _answers(base, "llama") == tiny_ref
+        _, body = get(base + "/v1/models")
+        assert json.loads(body)["data"][0]["id"] == "llama"
+        if n == 2:
+            _six_streams(base, "llama", [f"Item {i}: " + "more " * (3 * i + 1) for i in range(6)])
+
+
+def _six_streams(base: str, model: str, prompts: list[str], max_tokens: int = 20) -> None:
+    """Each prompt streamed alone, then all six at once: the same text."""
+    c = _client(base)
+    alone = [_stream(c, model, p, max_tokens) for p in prompts]
+    with cf.ThreadPoolExecutor(6) as ex:
+        together = list(ex.map(lambda p: _stream(c, model, p, max_tokens), prompts))
+    assert together == alone and all(alone)
+
+
+def _rank_pids(mpiexec_pid: int) -> list[int]:
+    """The pids of the python ranks under mpiexec (children of its hydra proxy), by rank (the
+    PMI_RANK hydra gives each one)."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout
+    rows = [tuple(map(int, line.split())) for line in out.splitlines()[1:]]
+    proxies = {p for p, pp in rows if pp == mpiexec_pid}
+    ranks = {}
+    for pid in (p for p, pp in rows if pp in proxies):
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = [v for v in environ if v.startswith(b"PMI_RANK=")]
+            if rank:
+                ranks[int(rank[0].split(b"=")[1])] = pid
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def _post(base: str, body: dict, timeout: float = 30.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {KEY}"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_sigkill_of_a_rank_gives_503_and_ends_the_job(tiny, n):
+    with tp_server(tiny, n, "--ctx", "4096") as (base, proc):
+        pids = _rank_pids(proc.pid)
+        assert len(pids) == n
+        inflight: dict = {}
+        long = {
+            "model": "llama",
+            "prompt": "Count: ",
+            "max_tokens": 4000,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        t = threading.Thread(target=lambda: inflight.update(got=_post(base, long, 60)))
+        t.start()
+        time.sleep(1.5)  # the request is decoding
+        t0 = time.monotonic()
+        os.kill(pids[-1], signal.SIGKILL)
+        t.join(30)
+        status, body = inflight["got"]
+        assert status == 503, body
+        err = json.loads(body)["error"]
+        assert err["code"] == "rank_lost" and err["type"] == "server_error"
+        assert f"rank {n - 1} of {n}" in err["message"]
+        status, body = _post(base, {"model": "llama", "prompt": "x", "max_tokens": 2})
+        assert status == 503 and json.loads(body)["error"]["code"] == "rank_lost"
+        try:
+            proc.wait(max(0.1, 10 - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not end within 10 s of the SIGKILL")
+        assert proc.returncode != 0
+        time.sleep(0.3)
+        assert not [p for p in pids if _alive(p)], "a rank survived the job"
+        lines = [ln for ln in proc.stderr.read().decode().splitlines() if ln.startswith("lucy:")]
+        assert lines == [f"lucy: error: rank {n - 1} of {n} (pid {pids[-1]}) is gone"]
+
+
+def test_tp_server_sigterm_ends_every_rank_cleanly(tiny):
+    with tp_server(tiny, 2) as (base, proc):
+        assert _answers(base, "llama", 4)
+        pids = _rank_pids(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not [p for p in pids if _alive(p)]
+
+
+# --- SmolLM2 --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_specs(tmp_path_factory, smollm2_gguf) -> dict:
+    """SmolLM2-135M-Instruct: the Q4_1 GGUF as downloaded and a float32 .entity of it."""
+    import entity
+
+    dst = tmp_path_factory.mktemp("smol_tp") / "smollm2.f32.entity"
+    entity.convert(smollm2_gguf, dst, quant="f32")
+    return {"f32": str(dst), "q4_1": str(smollm2_gguf)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["f32", "q4_1"])
+def test_smollm2_tp_servers_equal_tp1(smol_specs, quant):
+    spec = smol_specs[quant]
+    name = Path(spec).name.removesuffix(".entity").removesuffix(".gguf")
+    with running_server(spec, "--ctx", "1024") as (base, _):
+        want = _answers(base, name, 32)
+    for n in (2, 3):
+        with tp_server(spec, n, "--ctx", "1024") as (base, _):
+            assert _answers(base, name, 32) == want, f"--tp {n}"
+            if n == 2:
+                _six_streams(base, name, [f"Write about the number {i}." for i in range(6)])
