@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 from playwright.sync_api import sync_playwright  # noqa: E402
 
-from tests.serve_helpers import KEY, ROOT, get, metrics, running_server  # noqa: E402
+from tests.serve_helpers import KEY, ROOT, get, metrics, post, running_server  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -54,6 +54,15 @@ def browser_page(tmp_path):
             ctx.close()
 
 
+def _gguf_context(path) -> int:
+    """The GGUF's own <arch>.context_length, read with the gguf library."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    return int(fields[f"{arch}.context_length"].parts[-1][0])
+
+
 def _answer(page) -> str:
     return page.locator(".turn.assistant .text").last.inner_text()
 
@@ -73,6 +82,17 @@ def test_chat_streams_stops_and_cancels(smollm2_gguf, browser_page, tmp_path):
         page.goto(base + "/")
         page.wait_for_function("document.getElementById('model').textContent.length > 0")
         assert page.locator("#key-form").is_hidden()  # no --api-key: no key asked
+        meta = json.loads(get(base + "/v1/models", None)[1])["data"][0]["meta"]
+        assert 0 < meta["context"] <= _gguf_context(smollm2_gguf)
+        msgs = [{"role": "user", "content": "Hi"}]
+        code, err = post(base + "/v1/chat/completions",
+                         json.dumps({"messages": msgs, "max_tokens": meta["context"]}).encode())  # fmt: skip
+        assert code == 400 and f"context is {meta['context']} tokens" in err["error"]["message"]
+        temperature = page.get_by_label("Temperature").get_attribute("placeholder")
+        assert temperature == f"model default: {meta['defaults']['temperature']:g}"
+        assert f"({meta['context']} tokens)" in page.get_by_label("Max tokens").get_attribute(
+            "placeholder"
+        )
         page.get_by_role("button", name="Settings").click()
         page.get_by_label("Temperature").fill("0")
         page.get_by_label("Max tokens").fill("48")
@@ -99,7 +119,7 @@ def test_chat_streams_stops_and_cancels(smollm2_gguf, browser_page, tmp_path):
         meta.wait_for(timeout=30_000)
         assert "stopped" in meta.inner_text()
         m = _wait_metrics(base, lambda m: m["poly_requests_cancelled_total"] >= 1)
-        assert m["poly_requests_total"] == 2
+        assert m["poly_requests_total"] == 2  # the refused one never entered the queue
         assert m["poly_requests_cancelled_total"] == 1
         m = _wait_metrics(base, lambda m: m["poly_kv_sequences"] == 0)
         assert m["poly_kv_sequences"] == 0 and m["poly_batch_rows"] == 0

@@ -113,6 +113,9 @@ def create_app(state: ServerState) -> FastAPI:
             "object": "model",
             "created": state.created,
             "owned_by": "poly",
+            # as llama.cpp's server adds "meta": what a request that leaves fields out runs
+            # with (the chat page shows them); OpenAI's clients ignore unknown fields
+            "meta": {"context": state.scheduler.max_context, "defaults": state.defaults},
         }
         return {"object": "list", "data": [card]}
 

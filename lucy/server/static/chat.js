@@ -54,11 +54,24 @@ async function checkServer() {
     return false;
   }
   const body = await res.json();
-  chat.model = body.data && body.data[0] ? body.data[0].id : null;
+  const card = body.data && body.data[0];
+  chat.model = card ? card.id : null;
   $("model").textContent = chat.model || "";
+  if (card && card.meta) showDefaults(card.meta);
   $("key-form").hidden = true;
   showError("");
   return true;
+}
+
+// The model's own settings (what an empty field means), from the /v1/models card's "meta".
+function showDefaults(meta) {
+  const d = meta.defaults || {};
+  if (d.temperature != null) $("temperature").placeholder = "model default: " + d.temperature;
+  $("max-tokens").placeholder = d.max_tokens != null ? "model default: " + d.max_tokens
+    : "to the context end (" + meta.context + " tokens)";
+  const shown = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty"]
+    .filter((k) => d[k] != null).map((k) => k + " " + d[k]);
+  $("defaults").textContent = shown.length ? "Model defaults: " + shown.join(", ") + "." : "";
 }
 
 // --- rendering: paragraphs, ``` code blocks, `inline code` and **bold**, as DOM nodes ---
