@@ -90,10 +90,11 @@ def run_child(engine: str, path: str, threads: int) -> dict:
     if TREE:  # another checkout of poly (A/B): first on the path
         env["PYTHONPATH"] = TREE
     code = POLY if engine == "poly" else LLAMA
+    safe = ["-P"] if TREE else []  # -c puts the working directory first on the path, not TREE
     r, w = os.pipe()
     t0 = time.perf_counter()
     pid = os.posix_spawn(
-        sys.executable, [sys.executable, "-c", code, path, str(threads), PROMPT], env,
+        sys.executable, [sys.executable, *safe, "-c", code, path, str(threads), PROMPT], env,
         file_actions=[(os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r)],
     )  # fmt: skip
     os.close(w)

@@ -106,14 +106,16 @@ def load(
     if tp is not None and lockstep and tp.rank != 0:
         kw["entity_text"] = False
     from poly.runtime.fused import prepare
+    from poly.weights import deferred_reads
 
-    model = _load(path_or_model_id, **kw)
-    if tp is not None:
-        from poly.runtime.tp import shard
+    with deferred_reads():  # the file mapped; read in at the end but for what copies replace
+        model = _load(path_or_model_id, **kw)
+        if tp is not None:
+            from poly.runtime.tp import shard
 
-        model = shard(model, tp)
-    with timing.phase("repack"):
-        prepare(model)  # the one-time repacking now, not in the first turn (issue 55)
+            model = shard(model, tp)
+        with timing.phase("repack"):
+            prepare(model)  # the one-time repacking now, not in the first turn (issue 55)
     return model
 
 

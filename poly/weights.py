@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -24,11 +27,13 @@ def _huge_zeros(nbytes: int) -> np.ndarray | None:
     step (SmolLM2: 19.8 vs 18.0 ms). None where mmap/madvise are not available."""
     try:
         mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mm.madvise(mmap.MADV_HUGEPAGE)
+        raw = np.frombuffer(mm, dtype=np.uint8)  # the array keeps the mapping alive
+        start = (-raw.ctypes.data) % HUGE  # the untouched slack before it never becomes resident
+        # whole huge pages only: a tail on one would be resident in full (SmolLM2's 3.5 MB FFN
+        # rows in 4 MB: 57 MB of an f32 model's RSS)
+        mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE * HUGE)
     except (AttributeError, OSError, ValueError):
         return None
-    raw = np.frombuffer(mm, dtype=np.uint8)  # the array keeps the mapping alive
-    start = (-raw.ctypes.data) % HUGE  # the untouched slack before it never becomes resident
     return raw[start : start + nbytes]
 
 
@@ -69,6 +74,13 @@ class FileSnapshot(mmap.mmap):
         self._closer = weakref.finalize(self, os.close, fd)
         holes = sorted(r for r in (self._page_range(o, n) for o, n in lazy) if r[1] > r[0])
         holes = [h for h in holes if self._map_file(*h)]  # a range not mapped is read
+        self.lazy, self.released, self.deferred = holes, [], False
+        pending = getattr(_DEFER, "snapshots", None)
+        whole = self._page_range(0, self.size)
+        if pending is not None and self._map_file(*whole):  # read what is left at `settle`
+            self.deferred = True
+            pending.append(self)
+            holes = [whole]
         from poly import timing
 
         with timing.phase("read"):
@@ -106,15 +118,58 @@ class FileSnapshot(mmap.mmap):
         start, stop = self._page_range(offset, length)
         for lo, hi in sorted(getattr(self, "pinned", ())):
             if lo < stop and hi > start:
-                self._map_file(start, lo)
+                self._give_back(start, lo)
                 start = max(start, hi)
-        self._map_file(start, stop)
+        self._give_back(start, stop)
+
+    def _give_back(self, start: int, stop: int) -> None:
+        if stop > start and self._map_file(start, stop):
+            self.released.append((start, stop))
+
+    def evict(self, offset: int, length: int) -> None:
+        """Drop the pages of [offset, offset + length) from the resident set while they are
+        still mapped from the file (read once to check them, before `settle`)."""
+        if self.deferred:
+            self._map_file(*self._page_range(offset, length))
+
+    def settle(self) -> None:
+        """End a deferred open (`deferred_reads`): every page not released (nor lazy) is read
+        into our own memory now, pinned ones always; the file must still be the one opened."""
+        if not self.deferred:
+            return
+        self.deferred = False
+        gone = _merge([*self.released, *self.lazy])
+        keep = _merge([*_gaps(gone, self._page_range(0, self.size)[1]),
+                       *getattr(self, "pinned", ())])  # fmt: skip
+        for lo, hi in keep:
+            hi = min(hi, self._page_range(0, self.size)[1])
+            if hi > lo and not self._own(lo, hi):
+                raise ModelFileChangedError(
+                    "cannot map memory to read the file into", path=self.path
+                )
+        from poly import timing
+
+        with timing.phase("read"):
+            self._read_between(_gaps(keep, self.size))
+        self.check()
+
+    def _own(self, start: int, stop: int) -> bool:
+        """Anonymous pages of our own over [start, stop) (MAP_FIXED), to be read into."""
+        with memoryview(self) as mv:
+            base = np.frombuffer(mv, np.uint8).ctypes.data
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        return _LIBC_MMAP(base + start, stop - start, prot, _ANON_FIXED, -1, 0) == base + start
 
     def pin(self, offset: int, length: int) -> None:
         """Keep [offset, offset + length) in our memory: read every step (an embedding table's
         rows on lookup) while a repacked copy serves the rest, it must never come from the file."""
         page = (offset // PAGE * PAGE, -(-(offset + length) // PAGE) * PAGE)
         self.pinned = [*getattr(self, "pinned", ()), page]
+
+    def unpin(self, offset: int, length: int) -> None:
+        """Forget the pins inside [offset, offset + length) (a copy serves their lookups now)."""
+        lo, hi = offset // PAGE * PAGE, -(-(offset + length) // PAGE) * PAGE
+        self.pinned = [p for p in getattr(self, "pinned", ()) if not (lo <= p[0] and p[1] <= hi)]
 
     def changed(self) -> bool:
         try:
@@ -136,6 +191,20 @@ class FileSnapshot(mmap.mmap):
         arr = np.frombuffer(self, np.uint8, count=self.size)
         arr.flags.writeable = False
         return arr
+
+
+# id(table) -> its rows laid out by 16, k-major ([V / 16, H, 16] of the table's bits): a tied
+# float table's LM-head copy (`poly.runtime.repack.k16`), which its lookups read too, so the
+# table's own rows need not stay in memory (issue 62: one copy of the largest matrix, not two)
+LAID_TABLES: dict[int, np.ndarray] = {}
+
+
+def laid_rows(table: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
+    """Rows `ids` of `table` read from its copy in LAID_TABLES (the same bits), or None."""
+    laid = LAID_TABLES.get(id(table))
+    if laid is None:
+        return None
+    return laid[ids // 16, :, ids % 16].view(table.dtype)
 
 
 def keep_in_memory(value: Any) -> None:
@@ -173,6 +242,46 @@ PAGE = mmap.PAGESIZE
 _PIECE = 64 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 _FILE_FIXED = getattr(mmap, "MAP_SHARED", 1) | 0x10  # MAP_FIXED (Linux, the BSDs, macOS)
+_ANON_FIXED = _PRIVATE | 0x10
+_DEFER = threading.local()  # .snapshots: the FileSnapshots opened inside `deferred_reads`
+
+
+@contextlib.contextmanager
+def deferred_reads() -> Iterator[None]:
+    """FileSnapshots opened inside map their file and read nothing until the block ends: then
+    only the pages no repacked copy replaced (`release`) are read in (`FileSnapshot.settle`).
+    A model opened this way never holds a weight twice, nor reads the bytes a copy serves
+    (issue 62: open time and peak RSS); a block left by an error settles nothing."""
+    if getattr(_DEFER, "snapshots", None) is not None:  # nested: the outer block settles
+        yield
+        return
+    _DEFER.snapshots = []
+    try:
+        yield
+        for snap in _DEFER.snapshots:
+            snap.settle()
+    finally:
+        _DEFER.snapshots = None
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _gaps(ranges: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """The parts of [0, end) outside the sorted, disjoint `ranges`."""
+    out, pos = [], 0
+    for lo, hi in ranges:
+        if lo > pos:
+            out.append((pos, min(lo, end)))
+        pos = max(pos, hi)
+    return [r for r in [*out, (pos, end)] if r[1] > r[0]]
 
 
 class Generations:

@@ -88,6 +88,7 @@ def open_hf(path: str | Path) -> HFSource:
                 "lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings is true"
             )
         slots = {n: s for n, s in slots.items() if n != actual["lm_head.weight"]}
+        release_mapped(ckpt.tensor(actual["lm_head.weight"]))  # checked, never used
     return HFSource(root, cfg, ckpt, slots)
 
 
@@ -136,6 +137,13 @@ def _collect(ckpt: Checkpoint, slots: dict[str, Slot], norm_offset: float = 0.0)
     return out
 
 
+def release_mapped(arr: np.ndarray) -> None:
+    """The file's pages of `arr` handed back (copied into the model: not held twice)."""
+    from poly.runtime.repack import release_mapped as release
+
+    release(arr)
+
+
 def split_rows(value: np.ndarray, rows: tuple[int, ...], groups: int = 1) -> list[np.ndarray]:
     """A fused tensor's parts: `rows` rows each, stacked whole (groups 1) or in `groups` runs
     of rows[k] // groups rows per part (GPT-NeoX's [q_h; k_h; v_h] per head h)."""
@@ -158,6 +166,7 @@ def _fill_block(tf: Any, i: int, block: Block) -> None:
                     f"block {i} {part}.{comp}: layout slot {got}, tensor {arr.shape}"
                 )
             dst[...] = arr  # widens F16/BF16 to the float32 master in place
+            release_mapped(arr)  # the master serves: the file's bytes are not held twice
 
 
 def _ffn_targets(layer):
@@ -173,6 +182,7 @@ def _ffn_targets(layer):
 
 def _fill_globals(tf: Any, parts: Block, table_dtype: Any) -> None:
     emb = np.array(parts["embeddings"]["value"], dtype=table_dtype)  # [V, H], copied off the file
+    release_mapped(parts["embeddings"]["value"])
     tf.embeddings = emb
     tf.final_norm = parts["final_norm"]["value"]
     if "final_norm_bias" in parts:
@@ -181,6 +191,7 @@ def _fill_globals(tf: Any, parts: Block, table_dtype: Any) -> None:
         tf.lm_head_bias[...] = parts["lm_head_bias"]["value"]
     if "lm_head" in parts:
         tf.lm_head = np.array(parts["lm_head"]["value"], dtype=table_dtype)
+        release_mapped(parts["lm_head"]["value"])
     else:
         tf.lm_head = tf.embeddings  # tied: the same object
 
@@ -208,6 +219,7 @@ def load_hf(
     pager = _pager(src, max_resident_experts, dtype)
     tf = Transformer.from_config(cfg.to_transformer_config(max_seq_len))
     table_dtype = TABLE_DTYPES.get(dtype, np.float32)
+    attach_hf_metadata(tf, src)  # first: the tokenizer's build peak comes before the weights'
     if pager is not None:
         paged.drop_expert_masters(tf)
         tf.expert_pager = pager
@@ -220,7 +232,6 @@ def load_hf(
         _fill_block(tf, index, block)
     if dtype not in (None, "float32"):
         morph_network(tf.network, dtype)
-    attach_hf_metadata(tf, src)
     return tf
 
 

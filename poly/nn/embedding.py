@@ -9,6 +9,7 @@ from poly.layer import LayerKind, LayerType
 from poly.nn.dense import DenseViews
 from poly.nn.spec import Spec, carve
 from poly.ops import ACTIVATIONS
+from poly.weights import laid_rows
 
 
 def complete_dims(layer) -> None:
@@ -32,7 +33,8 @@ def lookup(table, ids: np.ndarray, dtype=np.float32) -> np.ndarray:
         bad = int(ids[(ids < 0) | (ids >= vocab)][0])
         raise InvalidTokenError(f"token id {bad} is outside the vocabulary (size {vocab})")
     if isinstance(table, np.ndarray):
-        return np.asarray(table[ids], dtype=dtype)
+        laid = laid_rows(table, ids)  # a tied head's copy serves, when there is one
+        return np.asarray(table[ids] if laid is None else laid, dtype=dtype)
     if not ids.size:
         return np.zeros((0, table.shape[1]), dtype=dtype)
     rows = np.stack([table.dequantize(int(i), int(i) + 1)[0] for i in ids])

@@ -311,7 +311,23 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
         layout_cache.store(raw, "k16", out, extra)
     ckernels.K16[key] = out
     weakref.finalize(w, ckernels.K16.pop, key, None)
+    if isinstance(w, np.ndarray) and order is None and w.shape == (m, k):  # a float table
+        _serve_lookups(w, out)
     return out
+
+
+def _serve_lookups(table: np.ndarray, out: np.ndarray) -> None:
+    """A (tied) table's lookups read its copy from now on (`poly.weights.laid_rows`): its own
+    rows, pinned in memory for them, go back to the file like any repacked matrix's."""
+    from poly.weights import LAID_TABLES
+
+    LAID_TABLES[id(table)] = out
+    weakref.finalize(table, LAID_TABLES.pop, id(table), None)
+    snap = _mapping(table)
+    if snap is not None and hasattr(snap, "unpin"):
+        with memoryview(snap) as mv:
+            snap.unpin(table.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data, table.nbytes)
+    release_mapped(table)
 
 
 def _k16_make(raw: np.ndarray, el, m: int, k: int, order) -> np.ndarray:
