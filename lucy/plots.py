@@ -79,7 +79,13 @@ def eval_figure(measure, title: str):
     ax = axes[0]
     ax.plot(windows, [w.nll.mean() for w in scored], marker="o", label="model")
     if has_ref:
-        ax.plot(windows, [w.ref_nll.mean() for w in scored], marker="s", label="reference")
+        ax.plot(
+            windows,
+            [w.ref_nll.mean() for w in scored],
+            marker="s",
+            linestyle="--",
+            label="reference",
+        )  # dashed: a near-equal model's line still shows under it
     ax.set_ylabel("mean NLL (nats/token)")
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
