@@ -96,9 +96,10 @@ static inline __attribute__((always_inline)) float attn_scores(const step_t *S, 
         sc[t] = dense_dot(h16 ? K_F16 : K_F32, K + slot(S, L, i, t) * rb, q, hd) * scale;
         mx = fmaxf(mx, sc[t]);
     }
-    if (L->softcap > 0.0f) { /* cap * tanh(s / cap) (gemma2) */
+    if (L->softcap > 0.0f) { /* cap * tanh(s / cap) (gemma2), on 8 lanes (core/activations.h) */
+        softcap_rows(sc + t0, L->softcap, t1 - t0);
         mx = -INFINITY;
-        for (t = t0; t < t1; t++) sc[t] = L->softcap * tanhf(sc[t] / L->softcap), mx = fmaxf(mx, sc[t]);
+        for (t = t0; t < t1; t++) mx = fmaxf(mx, sc[t]);
     }
     return mx;
 }

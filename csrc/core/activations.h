@@ -187,6 +187,98 @@ static inline void silu_mul(const float *g, const float *u, float *out, int64_t 
     for (; j < n; j++) out[j] = g[j] / (1.0f + expf(fminf(-g[j], 88.3762626647949f))) * u[j];
 }
 
+/* GELU's tanh form as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same function as
+ * 0.5 x (1 + tanh u), without its cancellation below x ~ -3 (there tanhf's form loses every
+ * digit: x = -5 gives -2.98e-7 for -2.29e-7). Past exp's clamp (|gelu| < |x| 1e-38) x * 0, so
+ * -inf gives NaN and -100 gives -0, as torch's. HF gelu_pytorch_tanh, poly.ops.gelu_tanh. */
+static inline float gelu_tanh1(float x) {
+    const float a = -1.5957691216057308f * (x + 0.044715f * x * x * x); /* -2u */
+    return a > 88.3762626647949f ? x * 0.0f : x / (1.0f + expf(a));
+}
+
+/* tanh with Cephes' tanhf split: x + x^3 P(x^2) below |x| 0.625 (relative, no cancellation),
+ * else 1 - 2 / (exp(2|x|) + 1) with x's sign */
+static inline float tanh1(float x) {
+    const float ax = fabsf(x);
+    if (!(ax >= 0.625f)) {
+        const float z = x * x;
+        return ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
+                3.33332819422e-1f) * z * x + x;
+    }
+    return copysignf(1.0f - 2.0f / (expf(fminf(2.0f * ax, 88.3762626647949f)) + 1.0f), x);
+}
+
+#if PK_SIMD
+/* gelu_tanh1 on 8 lanes (exp8: relative error ~2e-7); NaN stays NaN */
+static inline __m256 gelu8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), c = _mm256_set1_ps(-1.5957691216057308f);
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 a = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+    const __m256 r = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(a)));
+    return _mm256_blendv_ps(r, _mm256_mul_ps(x, _mm256_setzero_ps()), _mm256_cmp_ps(a, hi, _CMP_GT_OQ));
+}
+
+/* tanh1 on 8 lanes (both branches, blended); NaN stays NaN */
+static inline __m256 tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 ax = _mm256_andnot_ps(sign, x), z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(-5.70498872745e-3f), z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    const __m256 e = exp8(_mm256_add_ps(ax, ax));
+    const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    const __m256 r = _mm256_blendv_ps(_mm256_or_ps(big, _mm256_and_ps(x, sign)), p,
+                                      _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+    return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+#endif
+
+/* out[j] = gelu_tanh(g[j]) * u[j] (GeGLU), or gelu_tanh(g[j]) when u is NULL: a tanhf per
+ * element cost as much as a 4-bit FFN's matrix reads (Gemma-2's 0.91x of llama's speed) */
+static void gelu_mul(const float *g, const float *u, float *out, int64_t n) {
+    int64_t j = 0;
+#if PK_SIMD
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = gelu8(_mm256_loadu_ps(g + j));
+        _mm256_storeu_ps(out + j, u ? _mm256_mul_ps(v, _mm256_loadu_ps(u + j)) : v);
+    }
+#endif
+    for (; j < n; j++) out[j] = u ? gelu_tanh1(g[j]) * u[j] : gelu_tanh1(g[j]);
+}
+
+/* x[j] = cap * tanh(x[j] / cap) (soft-capping of attention scores, Gemma-2) in place */
+static void softcap_rows(float *x, float cap, int64_t n) {
+    int64_t j = 0;
+#if PK_SIMD
+    const __m256 c = _mm256_set1_ps(cap);
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(c, tanh8(_mm256_div_ps(_mm256_loadu_ps(x + j), c))));
+#endif
+    for (; j < n; j++) x[j] = cap * tanh1(x[j] / cap);
+}
+
+/* GPT-OSS's expert activation (poly/nn/moe.py clamped_swiglu): gate capped above at lim, up
+ * clipped to +-lim, (up + 1) * gate * sigmoid(a * gate); NaN stays NaN as in numpy (min/max
+ * take their second operand on NaN, so x goes second) */
+static void clamped_swiglu_rows(const float *g, const float *u, float *out, int64_t n, float a, float lim) {
+    int64_t j = 0;
+#if PK_SIMD
+    const __m256 vl = _mm256_set1_ps(lim), nl = _mm256_set1_ps(-lim), va = _mm256_set1_ps(-a), one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 gj = _mm256_min_ps(vl, _mm256_loadu_ps(g + j));
+        const __m256 uj = _mm256_min_ps(vl, _mm256_max_ps(nl, _mm256_loadu_ps(u + j)));
+        const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_mul_ps(va, gj))));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_add_ps(uj, one), _mm256_mul_ps(gj, s)));
+    }
+#endif
+    for (; j < n; j++) {
+        const float gj = g[j] > lim ? lim : g[j];
+        const float uj = u[j] > lim ? lim : (u[j] < -lim ? -lim : u[j]);
+        out[j] = (uj + 1.0f) * (gj * (1.0f / (1.0f + expf(-a * gj))));
+    }
+}
+
 #if PK_SIMD
 /* 8 rows of 8 floats (src, row stride lds elements of kind K_F32, K_F16 or K_BF16, read by
  * load8) stored transposed (the gemm panels' packing, the K-quant prompt panels' codes and

@@ -52,15 +52,9 @@ static void top_k(const moe_t *M, float *p, int32_t *ids, float *w) {
         for (int j = 0; j < M->k; j++) w[j] /= s;
 }
 
-/* GPT-OSS's expert activation (poly/nn/moe.py clamped_swiglu): gate capped above at limit, up
- * clipped to +-limit, (up + 1) * gate * sigmoid(alpha * gate); NaN stays NaN as in numpy */
-static void clamped_swiglu(const moe_t *M, const float *g, const float *u, float *out, int64_t n) {
-    const float lim = M->limit, a = M->alpha;
-    for (int64_t j = 0; j < n; j++) {
-        const float gj = g[j] > lim ? lim : g[j];
-        const float uj = u[j] > lim ? lim : (u[j] < -lim ? -lim : u[j]);
-        out[j] = (uj + 1.0f) * (gj * (1.0f / (1.0f + expf(-a * gj))));
-    }
+/* GPT-OSS's expert activation, on 8 lanes (core/activations.h clamped_swiglu_rows) */
+static inline void clamped_swiglu(const moe_t *M, const float *g, const float *u, float *out, int64_t n) {
+    clamped_swiglu_rows(g, u, out, n, M->alpha, M->limit);
 }
 
 static float dot_f32(const float *a, const float *b, int64_t n) {

@@ -42,6 +42,7 @@ static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))pk_py_decode, METH_FASTCALL, "one decode step of a whole model (see csrc/decode/step.h)"},
     {"rope", (PyCFunction)(void (*)(void))pk_py_rope, METH_FASTCALL, "rotate [n, heads, hd] in place (HF half split)"},
     {"silu_mul", (PyCFunction)(void (*)(void))pk_py_silu_mul, METH_FASTCALL, "out = silu(gate) * up from [n, 2I], or from gate and up"},
+    {"act", (PyCFunction)(void (*)(void))pk_py_act, METH_FASTCALL, "the fused step's activations on vectors (csrc/decode/recipe.h)"},
     {"k16", (PyCFunction)(void (*)(void))py_km16, METH_FASTCALL, "float16/float32 rows laid out by 16, k-major (csrc/formats/float_kmajor16.h)"},
     {"set_threads", py_set_threads, METH_O, "threads for the parallel row loop"},
     {"info", py_info, METH_NOARGS, "build facts: simd, openmp, threads"},
