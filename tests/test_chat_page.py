@@ -31,6 +31,16 @@ WATCH = """() => {
   }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});
 }"""
 
+# the page's markdown: fences, lists, headings, inline code and bold; HTML in model text stays text
+MARKDOWN = ("# Title\n\nSee `x` and **this**:\n\n- one\n- two <b>\n\n1. first\n2. second\n\n"
+            "```python\nprint('<img src=x onerror=alert(1)>')\n```")  # fmt: skip
+RENDERED = (
+    "<h3>Title</h3><p>See <code>x</code> and <strong>this</strong>:</p>"
+    "<ul><li>one</li><li>two &lt;b&gt;</li></ul><ol><li>first</li><li>second</li></ol>"
+    "<pre><code data-lang=\"python\">print('&lt;img src=x onerror=alert(1)&gt;')\n</code></pre>"
+)
+RENDER = "(md) => { const d = document.createElement('div'); renderMarkdown(d, md); return d.innerHTML; }"
+
 
 @pytest.fixture
 def browser_page(tmp_path):
@@ -79,6 +89,10 @@ def _wait_metrics(base: str, ok, timeout: float = 15.0) -> dict:
 def test_chat_streams_stops_and_cancels(smollm2_gguf, browser_page, tmp_path):
     page, seen = browser_page
     with running_server(smollm2_gguf, api_key=None) as (base, _):
+        # one request first: the server's first decode steps choose its thread count, and the
+        # screenshot's tok/s should be the steady state's
+        warm = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}
+        assert post(base + "/v1/chat/completions", json.dumps(warm).encode())[0] == 200
         page.goto(base + "/")
         page.wait_for_function("document.getElementById('model').textContent.length > 0")
         assert page.locator("#key-form").is_hidden()  # no --api-key: no key asked
@@ -119,7 +133,7 @@ def test_chat_streams_stops_and_cancels(smollm2_gguf, browser_page, tmp_path):
         meta.wait_for(timeout=30_000)
         assert "stopped" in meta.inner_text()
         m = _wait_metrics(base, lambda m: m["poly_requests_cancelled_total"] >= 1)
-        assert m["poly_requests_total"] == 2  # the refused one never entered the queue
+        assert m["poly_requests_total"] == 3  # warm-up and the page's two; not the refused one
         assert m["poly_requests_cancelled_total"] == 1
         m = _wait_metrics(base, lambda m: m["poly_kv_sequences"] == 0)
         assert m["poly_kv_sequences"] == 0 and m["poly_batch_rows"] == 0
@@ -153,6 +167,7 @@ def test_api_key_asked_and_401_shown(smollm2_gguf, browser_page):
             "document.getElementById('key-error').textContent.length > 0", timeout=10_000
         )
         assert page.locator("#key-error").inner_text() == message
+        assert page.evaluate(RENDER, MARKDOWN) == RENDERED
         assert page.get_by_role("alert").filter(has_text=message).count() == 1
 
         key.fill(KEY)

@@ -109,12 +109,29 @@ function renderMarkdown(box, text) {
       return;
     }
     for (const para of piece.split(/\n{2,}/)) {
-      if (!para.trim()) continue;
-      const p = document.createElement("p");
-      inline(p, para.replace(/^\n+|\n+$/g, ""));
-      box.appendChild(p);
+      if (para.trim()) box.appendChild(block(para.replace(/^\n+|\n+$/g, "")));
     }
   });
+}
+
+// One paragraph: a list when every line is an item ("- ", "* ", "1. "), a heading ("# "), or text.
+function block(para) {
+  const lines = para.split("\n");
+  const bullet = /^\s*[-*] +/, numbered = /^\s*\d+[.)] +/;
+  for (const [re, tag] of [[bullet, "ul"], [numbered, "ol"]]) {
+    if (!lines.every((ln) => re.test(ln))) continue;
+    const list = document.createElement(tag);
+    for (const ln of lines) {
+      const li = document.createElement("li");
+      inline(li, ln.replace(re, ""));
+      list.appendChild(li);
+    }
+    return list;
+  }
+  const heading = /^(#{1,3}) +(.*)$/.exec(para);
+  const el = document.createElement(heading && lines.length === 1 ? "h" + (heading[1].length + 2) : "p");
+  inline(el, el.tagName === "P" ? para : heading[2]);
+  return el;
 }
 
 function addTurn(role, text) {
