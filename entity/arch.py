@@ -59,6 +59,15 @@ def role_shapes(cfg: TransformerConfig, role: str) -> dict[str, tuple[int, ...]]
     return param_shapes(dataclasses.replace(cfg, moe=None))[role]
 
 
+def stored_shape(cfg: TransformerConfig, comp: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A component's shape as HF and GGUF files store it: per-head q/k norm weights (cohere)
+    are [heads, head_dim] there, one flat row in poly."""
+    heads = cfg.attention is not None and cfg.attention.qk_norm_heads
+    if heads and comp in ("q_norm", "k_norm"):
+        return (shape[0] // cfg.head_dim, cfg.head_dim)
+    return shape
+
+
 def global_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of the global tensors (the embedding table and LM head are [vocab, hidden])."""
     table = (cfg.vocab_size, cfg.hidden_size)

@@ -226,7 +226,8 @@ class TransformerConfig:
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         opts = self.attention or AttentionConfig()
         if self.qk_norm:
-            attn += q + kv if opts.qk_norm_all else 2 * self.head_dim
+            norms = q + kv if opts.qk_norm_all or opts.qk_norm_heads else 2 * self.head_dim
+            attn += norms * (2 if opts.qk_norm_kind == "layernorm" else 1)  # + phi's biases
         attn += self.num_heads if opts.sinks else 0
         dense = attn + 3 * h * self.intermediate_size + 2 * h  # + the two norms
         total = self.num_layers * dense

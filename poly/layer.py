@@ -190,6 +190,8 @@ class VolumetricLayer:
     rope_interleaved: bool = False  # GPT-J pairs (2i, 2i+1), not (i, i + rotary_dim/2)
     use_rope: bool = True  # False: a NoPE layer
     qk_norm_all: bool = False  # q/k RMSNorm over all heads at once, not per head
+    qk_norm_kind: str = "rms"  # q/k norm per head: "rms", "layernorm" (biased), "layernorm_nobias"
+    qk_norm_heads: bool = False  # one q/k norm weight per head ([q]/[kv]), not one shared [hd]
     attn_scale: float = 0.0  # logit scale (0: head_dim ** -0.5)
     attn_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (0: none)
     attn_sinks: bool = False  # a learned per-head logit in the softmax denominator

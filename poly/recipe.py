@@ -22,6 +22,14 @@ def coerce_record(cls, value, what: str):
     raise LayerConfigError(f"bad {what} config {value!r}")
 
 
+# Block recipe kinds. Norms: RMSNorm, LayerNorm with or without a bias. (1 + w) RMSNorm (Gemma)
+# is a storage convention, not a kind: importers add the 1 (llama.cpp's converter does too), so
+# every path runs the plain RMSNorm. FFNs: SwiGLU (silu gated), GeGLU (gelu_tanh gated), a plain
+# biased GELU MLP; the sparse layers of an MoE model are TransformerConfig.moe, never a kind.
+NORM_KINDS = ("rms", "layernorm", "layernorm_nobias")
+FFN_KINDS = ("swiglu", "geglu", "gelu_mlp", "gelu_tanh_mlp")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Attention options beyond causal GQA with RoPE over whole heads (poly.nn.mha; None and the
@@ -35,6 +43,10 @@ class AttentionConfig:
     softcap: float | None = None  # logits -> softcap * tanh(logits / softcap) (gemma2)
     sinks: bool = False  # a learned per-head logit in the softmax denominator (gpt_oss)
     qk_norm_all: bool = False  # q/k RMSNorm over all heads at once (olmo2), not per head
+    # q/k norm (TransformerConfig.qk_norm) over each head: "rms", or a LayerNorm with a bias
+    # ("layernorm": phi's qk_layernorm) or without ("layernorm_nobias": cohere's use_qk_norm)
+    qk_norm_kind: str = "rms"
+    qk_norm_heads: bool = False  # one q/k norm weight per head ([q]/[kv]: cohere), not shared
     scale: float | None = None  # logit scale (granite, gemma2); None: head_dim ** -0.5
     # gemma3: sliding layers rotate with this base, unscaled (global ones: rope_theta, scaling)
     local_rope_theta: float | None = None
@@ -47,6 +59,12 @@ class AttentionConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(int(i) for i in value))
+        if self.qk_norm_kind not in NORM_KINDS:
+            raise LayerConfigError(
+                f"qk_norm_kind {self.qk_norm_kind!r} is not one of {', '.join(NORM_KINDS)}"
+            )
+        if self.qk_norm_heads and self.qk_norm_all:
+            raise LayerConfigError("qk_norm_heads and qk_norm_all exclude each other")
         f = self.partial_rotary_factor
         if not (isinstance(f, (int, float)) and 0 < f <= 1):
             raise LayerConfigError(f"partial_rotary_factor must be in (0, 1], got {f!r}")
@@ -78,14 +96,6 @@ class AttentionConfig:
     def coerce(cls, value) -> AttentionConfig | None:
         """None, an AttentionConfig or its dict form (as stored in a .entity header)."""
         return coerce_record(cls, value, "attention")
-
-
-# Block recipe kinds. Norms: RMSNorm, LayerNorm with or without a bias. (1 + w) RMSNorm (Gemma)
-# is a storage convention, not a kind: importers add the 1 (llama.cpp's converter does too), so
-# every path runs the plain RMSNorm. FFNs: SwiGLU (silu gated), GeGLU (gelu_tanh gated), a plain
-# biased GELU MLP; the sparse layers of an MoE model are TransformerConfig.moe, never a kind.
-NORM_KINDS = ("rms", "layernorm", "layernorm_nobias")
-FFN_KINDS = ("swiglu", "geglu", "gelu_mlp", "gelu_tanh_mlp")
 
 
 @dataclass(frozen=True)

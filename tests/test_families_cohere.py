@@ -2,7 +2,9 @@
 the SwiGLU MLP in parallel, RoPE on GPT-J pairs, logit_scale, GQA, head_dim 18, tied and untied
 heads, q/k/v/o biases. Logits at every position within 1e-4 (float32), 32 greedy tokens equal
 with and without the KV cache, .entity f32 exact and q8 top-1 along the greedy path;
-use_qk_norm (not run yet) and a bad logit_scale are one-line errors naming the key."""
+use_qk_norm (Command-R+: a LayerNorm per head of q and k, each head its own weights) against
+transformers on the Python path (the fused C step has no such norm: its plan declines) and
+split over thread ranks; a bad use_qk_norm or logit_scale is a one-line error naming the key."""
 
 from __future__ import annotations
 
@@ -15,12 +17,17 @@ import pytest
 import entity
 from poly.errors import ConfigError
 from poly.layer import LayerType
+from poly.nn import mha
 from poly.runtime import ckernels, fused
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
 from tests.test_moe_hf import PROMPT, greedy
 
 N_NEW = 32
-VARIANTS = {"tied": ({}, True), "biased": ({"attention_bias": True}, False)}
+VARIANTS = {
+    "tied": ({}, True),
+    "biased": ({"attention_bias": True}, False),
+    "qk_norm": ({"use_qk_norm": True, "attention_bias": True}, False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +46,7 @@ def test_cohere_logits_and_greedy_match_transformers(ckpts, variant):
     src = ckpts[variant]
     tf = entity.load(src)
     assert tf.attn_norm(0).type == LayerType.LAYERNORM and tf.config.block.shared_norm
+    assert tf.config.qk_norm == (variant == "qk_norm")
     assert tf.config.logit_scale == 0.25 and tf.attn(0).rope_interleaved
     np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
     want = hf_greedy(src, PROMPT, N_NEW)
@@ -54,8 +62,35 @@ def test_cohere_runs_the_fused_step(ckpts):
     assert fused.plan(tf) is not None and fused.prepare(tf)
 
 
-def test_cohere_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
-    src = ckpts["biased"]
+def test_cohere_qk_norm_runs_the_python_path(ckpts, monkeypatch):
+    """Per-head q/k LayerNorms are not in the C step: the plan declines, decode never runs,
+    and generation still matches transformers (every q/k norm row differs, as transformers')."""
+    tf = entity.load(ckpts["qk_norm"])
+    q_norm = mha.views(tf.attn(0)).q_norm.reshape(tf.config.num_heads, -1)
+    assert not np.allclose(q_norm[0], q_norm[1])
+    assert fused.plan(tf) is None and not fused.prepare(tf)
+    calls = []
+    monkeypatch.setattr(ckernels, "decode", lambda *a, **k: calls.append(a))
+    assert greedy(tf, PROMPT, 8, use_cache=True) == hf_greedy(ckpts["qk_norm"], PROMPT, 8)
+    assert calls == []
+
+
+def test_cohere_qk_norm_splits_over_thread_ranks(ckpts):
+    """Tensor parallelism keeps each rank's rows of the per-head norm weights."""
+    from poly.runtime.tp import shard
+    from tests.test_tp_shard import in_threads, run_steps
+
+    model = entity.load(ckpts["qk_norm"])
+    want = run_steps(model)
+    model.reset()
+    got = in_threads(2, lambda r, comm: run_steps(shard(model, comm)))
+    for r in range(2):
+        assert np.abs(got[r] - want).max() / np.abs(want).max() <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["biased", "qk_norm"])
+def test_cohere_entity_f32_exact_and_q8_top1(ckpts, tmp_path, variant):
+    src = ckpts[variant]
     ref = entity.load(src).forward_all(PROMPT)
     f32 = tmp_path / "cohere.f32.entity"
     entity.convert(src, f32, quant="f32")
@@ -69,7 +104,7 @@ def test_cohere_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
 
 @pytest.mark.parametrize(
     "changes, key",
-    [({"use_qk_norm": True}, "use_qk_norm"), ({"logit_scale": -1.0}, "logit_scale")],
+    [({"use_qk_norm": "yes"}, "use_qk_norm"), ({"logit_scale": -1.0}, "logit_scale")],
 )
 def test_bad_config_names_the_key(ckpts, tmp_path, changes, key):
     path = Path(shutil.copytree(ckpts["tied"], tmp_path / "m"))
@@ -88,22 +123,30 @@ def gguf_files(ckpts, tmp_path_factory) -> dict[str, Path]:
     if root is None:
         pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
     tmp = tmp_path_factory.mktemp("cohere_gguf")
-    return {
-        kind: llama_convert.convert(ckpts["tied"], tmp / f"cohere.{kind}.gguf", kind, root)
-        for kind in ("f32", "q8_0")
-    }
+    # Command-R+'s per-head q/k norms: the converter writes attn_q_norm [heads, head_dim]
+    over = {"use_qk_norm": True, "attention_bias": True}
+    qk = make_tiny_checkpoint(tmp / "qk", "cohere", seed=107, tied=True, config_overrides=over)
+    out = {}
+    for name, src in (("tied", ckpts["tied"]), ("qk_norm", qk)):
+        out[name] = {"hf": src} | {
+            kind: llama_convert.convert(src, tmp / f"cohere.{name}.{kind}.gguf", kind, root)
+            for kind in ("f32", "q8_0")
+        }
+    return out
 
 
 @pytest.mark.slow
-def test_gguf_from_llama_cpp_matches_transformers(ckpts, gguf_files):
-    src = ckpts["tied"]
-    f32 = entity.load(gguf_files["f32"])
+@pytest.mark.parametrize("variant", ["tied", "qk_norm"])
+def test_gguf_from_llama_cpp_matches_transformers(gguf_files, variant):
+    src, files = gguf_files[variant]["hf"], gguf_files[variant]
+    f32 = entity.load(files["f32"])
     assert f32.config.logit_scale == 0.25 and f32.attn(0).rope_interleaved
+    assert f32.config.qk_norm == (variant == "qk_norm")
     np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
     want = hf_greedy(src, PROMPT, N_NEW)
     assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
     assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
-    q8 = entity.load(gguf_files["q8_0"])  # top-1 along transformers' greedy path
+    q8 = entity.load(files["q8_0"])  # top-1 along transformers' greedy path
     logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
     assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
-    assert fused.plan(q8) is not None
+    assert (fused.plan(q8) is None) == (variant == "qk_norm")

@@ -126,4 +126,7 @@ class Family:
     # TransformerConfig fields past the common ones, from the parsed config.json (its keys,
     # defaults applied) / from the GGUF metadata (`get(key, default)` of ``{arch}.<key>``)
     hf_options: Callable[[Mapping[str, Any]], dict] | None = None
+    # AttentionConfig fields of the q/k norm a config key switches on (cohere's use_qk_norm);
+    # a GGUF file switches it on by holding blk.0.attn_q_norm.weight
+    qk_norm_options: Mapping[str, Any] | None = None
     gguf_options: Callable[[Callable[[str, Any], Any]], dict] | None = None

@@ -1,29 +1,32 @@
 """cohere (Command-R): one LayerNorm without a bias (mean subtracted, weight only) feeds
 attention and the SwiGLU MLP in parallel, x + attn(ln(x)) + mlp(ln(x)); RoPE on GPT-J pairs
-(2i, 2i+1); logits times `logit_scale`; q/k/v/o biases per `attention_bias`. The per-head q/k
-LayerNorms of `use_qk_norm` (Command-R+) are not run yet: refused by name. mlx-lm:
-models/cohere.py."""
+(2i, 2i+1); logits times `logit_scale`; q/k/v/o biases per `attention_bias`. `use_qk_norm`
+(Command-R+): a LayerNorm without a bias over each head of q and k, each head its own weights
+(stored [heads, head_dim]), before RoPE. mlx-lm: models/cohere.py."""
 
 from entity.families.base import LLAMA_TENSORS, Family, TensorName
 from poly.errors import LayerConfigError
 from poly.recipe import BlockRecipe
 
 BLOCK = BlockRecipe(norm="layernorm_nobias", parallel=True, shared_norm=True)
-_DROPPED = {"mlp_norm", "q_norm", "k_norm"}
+_DROPPED = {"mlp_norm"}
+QK_NORM = {"qk_norm_kind": "layernorm_nobias", "qk_norm_heads": True}
 TENSORS: tuple[TensorName, ...] = tuple(
     t for t in LLAMA_TENSORS if t.role not in _DROPPED and t.component not in _DROPPED
 )
 
 
 def _options(cfg) -> dict:
-    if cfg.get("use_qk_norm"):
-        raise LayerConfigError(
-            "use_qk_norm=true (per-head q/k LayerNorms) is not supported for cohere"
-        )
+    qk = cfg.get("use_qk_norm")
+    if type(qk) is not bool:
+        raise LayerConfigError(f"use_qk_norm must be true or false, got {qk!r}")
     scale = cfg.get("logit_scale")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise LayerConfigError(f"logit_scale must be a positive number, got {scale!r}")
-    return {"logit_scale": float(scale), "attention": {"rope_interleaved": True}}
+    attention = {"rope_interleaved": True}
+    if qk:
+        attention |= QK_NORM
+    return {"logit_scale": float(scale), "attention": attention, "qk_norm": qk}
 
 
 def _gguf(get) -> dict:
@@ -52,5 +55,6 @@ FAMILY = Family(
     tensors=TENSORS,
     block=BLOCK,
     hf_options=_options,
+    qk_norm_options=QK_NORM,
     gguf_options=_gguf,
 )

@@ -135,7 +135,7 @@ def gguf_config(gg: GGUFFile, max_seq_len: int | None = None):
             max_seq_len=max_seq_len or min(context, DEFAULT_MAX_SEQ),
             tie_word_embeddings="output.weight" not in gg.tensors,
             attention_bias="blk.0.attn_q.bias" in gg.tensors,
-            qk_norm=family.qk_norm,
+            qk_norm=family.qk_norm or options.pop("qk_norm", False),
             architecture=arch,
             **options,
         )
@@ -152,6 +152,10 @@ def _options(gg: GGUFFile, arch: str, family: Family) -> dict:
         out.update(
             family.gguf_options(lambda key, default: gg.metadata.get(f"{arch}.{key}", default))
         )
+    extra = family.qk_norm_options
+    if not family.qk_norm and extra is not None and "blk.0.attn_q_norm.weight" in gg.tensors:
+        out["qk_norm"] = True  # Command-R+: its norm's kind is the family's
+        out["attention"] = {**(out.get("attention") or {}), **extra}
     return out
 
 

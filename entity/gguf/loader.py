@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from entity.arch import NORM_ROLES, global_shapes, role_shapes, roles
+from entity.arch import NORM_ROLES, global_shapes, role_shapes, roles, stored_shape
 from entity.checks import check_eos_ids
 from entity.families import GGUF_FAMILIES, Family
 from entity.gguf.config import LONGROPE_TENSORS, gguf_config
@@ -32,7 +32,8 @@ QUANT_VERSION = "gguf"
 
 
 # Components a file may leave out (biases: zeros; q/k norms: as the family says).
-OPTIONAL = frozenset({"b_q", "b_k", "b_v", "b_o", "q_norm", "k_norm", "b_gate", "b_up", "b_down"})
+OPTIONAL = frozenset({"b_q", "b_k", "b_v", "b_o", "q_norm", "k_norm", "b_gate", "b_up", "b_down",
+                      "q_norm_bias", "k_norm_bias"})  # fmt: skip
 
 
 def layer_tensors(cfg) -> dict[str, tuple[str, str]]:
@@ -71,7 +72,11 @@ def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
     shapes = {role: role_shapes(cfg, role) for role in {r for r, _ in table.values()}}
     with_norms = dataclasses.replace(cfg, qk_norm=True)  # q/k norm names are known for every arch
     shapes["attn"] = {**role_shapes(with_norms, "attn"), **shapes["attn"]}
-    return {suffix: _shape_of(shapes[role], comp) for suffix, (role, comp) in table.items()}
+    return {  # a component the config has no slot for (phi's q/k norm biases) stays unexpected
+        suffix: stored_shape(cfg, comp, _shape_of(shapes[role], comp))
+        for suffix, (role, comp) in table.items()
+        if all(c in shapes[role] for c in comp.split("+"))
+    }
 
 
 def check_tensors(gg: GGUFFile, cfg) -> None:

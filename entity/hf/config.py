@@ -286,8 +286,9 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
     check_generation(gen, gen_source)
     biased = {"flag": raw.attention_bias, "qkv": True, "none": False}[arch.bias_rule]
     moe = moe_config(raw, raw.num_hidden_layers, source)
+    options = _options(raw, arch, source)
     return HFModelConfig(
-        options=_options(raw, arch, source),
+        options=options,
         moe=None if moe is None else dataclasses.asdict(moe),
         expert_storage=expert_storage(raw, source),
         model_type=raw.model_type,
@@ -305,7 +306,8 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
         tie_word_embeddings=raw.tie_word_embeddings,
         qkv_bias=biased,
         o_bias=biased and arch.bias_rule == "flag",
-        qk_norm=arch.qk_norm,
+        # a family whose q/k norms a config key switches on (cohere, phi) says so in its options
+        qk_norm=arch.qk_norm or bool(options.pop("qk_norm", False)),
         max_position_embeddings=max_positions,
         sliding_window=sliding_window(raw, arch),
         bos_token_id=bos[0] if bos else None,

@@ -129,6 +129,8 @@ def _collect(ckpt: Checkpoint, slots: dict[str, Slot], norm_offset: float = 0.0)
         value = ckpt.tensor(name)
         if norm_offset and (slot.component in NORM_COMPONENTS or slot.part == "final_norm"):
             value = np.asarray(value, np.float32) + np.float32(norm_offset)  # as torch: f32 sum
+        if slot.component in ("q_norm", "k_norm") and value.ndim == 2:
+            value = value.reshape(-1)  # cohere's per-head [heads, head_dim]: poly's flat row
         comps = out.setdefault(slot.part, {})
         if slot.rows:  # fused rows (gate_up_proj): one view per part, in order
             comps.update(zip(slot.component.split("+"), split_rows(value, slot.rows, slot.groups)))

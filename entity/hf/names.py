@@ -11,6 +11,7 @@ weights (Loom's defect). Import is strict: unexpected, missing and mis-shaped te
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ OPTIONAL: dict[str, Callable[[Any], bool]] = {
     "b_o": lambda c: c.o_bias,
     "q_norm": lambda c: c.qk_norm,
     "k_norm": lambda c: c.qk_norm,
+    "q_norm_bias": lambda c: c.qk_norm and _qk_kind(c) == "layernorm",
+    "k_norm_bias": lambda c: c.qk_norm and _qk_kind(c) == "layernorm",
     "lm_head": lambda c: not c.tie_word_embeddings,
     "final_norm_bias": lambda c: c.options.get("block", {}).get("norm") == "layernorm",
     "lm_head_bias": lambda c: c.options.get("lm_head_bias", False),
@@ -52,6 +55,10 @@ OPTIONAL: dict[str, Callable[[Any], bool]] = {
     "b_up": lambda c: c.options.get("block", {}).get("mlp_bias", False),
     "b_down": lambda c: c.options.get("block", {}).get("mlp_bias", False),
 }
+
+
+def _qk_kind(cfg: Any) -> str:
+    return (cfg.options.get("attention") or {}).get("qk_norm_kind", "rms")
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,9 @@ def expected_tensors(cfg: Any) -> dict[str, Slot]:
         for suffix, (part, comp) in block_tensors(family).items():
             if part in shapes and _wanted(cfg, comp) and not (sparse and part == "mlp"):
                 groups = tcfg.num_kv_heads if suffix in per_head else 1
-                out[prefix.format(i=i) + suffix] = _slot(i, part, comp, shapes[part], groups)
+                slot = _slot(i, part, comp, shapes[part], groups)
+                shape = arch.stored_shape(tcfg, comp, slot.shape)
+                out[prefix.format(i=i) + suffix] = dataclasses.replace(slot, shape=shape)
         if sparse:
             for suffix, (part, comp, shape) in moe_tensors(
                 cfg.model_type, moe, cfg.hidden_size, cfg.expert_storage

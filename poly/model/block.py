@@ -105,6 +105,8 @@ def _attn(cfg: TransformerConfig, allocate: bool, index: int) -> VolumetricLayer
         use_rope=rot > 0,
         rope_interleaved=opts.rope_interleaved,
         qk_norm_all=opts.qk_norm_all,
+        qk_norm_kind=opts.qk_norm_kind,
+        qk_norm_heads=opts.qk_norm_heads,
         attn_scale=opts.scale or 0.0,
         attn_softcap=opts.softcap or 0.0,
         attn_sinks=opts.sinks,

@@ -4,7 +4,9 @@
   rotary_dim       RoPE over the first rotary_dim values of each head (0: all), half-split pairs
                    or, with rope_interleaved, GPT-J pairs (2i, 2i+1); use_rope False: NoPE
   qk_norm          q/k RMSNorm per head ([head_dim] weights) or, with qk_norm_all, over all
-                   heads at once ([q_dim] / [kv_dim] weights)
+                   heads at once ([q_dim] / [kv_dim] weights); qk_norm_kind "layernorm" /
+                   "layernorm_nobias": a LayerNorm per head (with q/k_norm_bias or without);
+                   qk_norm_heads: each head its own weights ([q_dim] / [kv_dim])
   attn_scale       the logit scale (0: head_dim ** -0.5); attn_softcap: cap * tanh(logit / cap)
   attn_sinks       a learned logit per head in the softmax denominator ("sinks" [num_heads])
 Dimension rules, parameter spec, named views, plan and reference forward of the MHA kind."""
@@ -25,6 +27,7 @@ from poly.nn.kvcache import (  # noqa: F401 (the cache's names, as callers impor
     live_cache,
     release_pages,
 )
+from poly.nn.layernorm import layer_norm
 from poly.nn.spec import Spec, carve, span
 from poly.ops import HOOKS, dense_matmul, linear, rms_norm
 from poly.rope import LENGTH_DEPENDENT_ROPE, rope_inplace, rope_rows, rope_tables
@@ -45,6 +48,8 @@ class MHAViews:
     q_norm: np.ndarray | None = None  # [head_dim], or [q] with qk_norm_all
     k_norm: np.ndarray | None = None  # [head_dim], or [kv] with qk_norm_all
     sinks: np.ndarray | None = None  # [num_heads] with attn_sinks
+    q_norm_bias: np.ndarray | None = None  # as q_norm, with qk_norm_kind "layernorm"
+    k_norm_bias: np.ndarray | None = None  # as k_norm
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -102,23 +107,28 @@ def _check_options(layer) -> None:
 
 def has_options(layer) -> bool:
     """Whether the layer uses an option the fused C step does not implement (the Python path
-    runs it): a rope scaling recomputed per call (dynamic, longrope) or a q8_0 KV cache."""
+    runs it): a rope scaling recomputed per call (dynamic, longrope), a q8_0 KV cache or a
+    q/k norm other than RMSNorm with one shared weight (or over all heads)."""
     rs = layer.rope_scaling
     return bool(
         (rs is not None and rs.rope_type in LENGTH_DEPENDENT_ROPE)
+        or (layer.qk_norm and (layer.qk_norm_kind != "rms" or layer.qk_norm_heads))
         or np.dtype(getattr(layer, "kv_dtype", np.float32)) == np.int8  # a q8_0 cache
     )
 
 
 def spec(layer) -> Spec:
     """[(role, shape)] in master order: W_Q, W_K, W_V, W_O, the four biases, q/k norms (with
-    qk_norm), sinks (with attn_sinks)."""
+    qk_norm; their biases after them with qk_norm_kind "layernorm"), sinks (with attn_sinks)."""
     d, q, kv = layer.d_model, layer.query_dim, layer.num_kv_heads * layer.head_dim
     table = [("w_q", (q, d)), ("w_k", (kv, d)), ("w_v", (kv, d)), ("w_o", (d, q))]
     table += [("b_q", (q,)), ("b_k", (kv,)), ("b_v", (kv,)), ("b_o", (d,))]
     if layer.qk_norm:
-        qn, kn = (q, kv) if layer.qk_norm_all else (layer.head_dim, layer.head_dim)
+        wide = layer.qk_norm_all or layer.qk_norm_heads
+        qn, kn = (q, kv) if wide else (layer.head_dim, layer.head_dim)
         table += [("q_norm", (qn,)), ("k_norm", (kn,))]
+        if layer.qk_norm_kind == "layernorm":
+            table += [("q_norm_bias", (qn,)), ("k_norm_bias", (kn,))]
     if layer.attn_sinks:
         table += [("sinks", (layer.num_heads,))]
     return table
@@ -294,9 +304,22 @@ def _qk_norm(layer, p: Plan, q, k):
     q = q.reshape(n, layer.num_heads, hd)  # [n, H, hd]
     k = k.reshape(n, layer.num_kv_heads, hd)  # [n, kvh, hd]
     if layer.qk_norm and not layer.qk_norm_all:
-        q = rms_norm(q, p.comps["q_norm"], layer.rms_norm_eps)
-        k = rms_norm(k, p.comps["k_norm"], layer.rms_norm_eps)
+        q, k = _head_norm(layer, p, q, "q"), _head_norm(layer, p, k, "k")
     return q, k
+
+
+def _head_norm(layer, p: Plan, x: np.ndarray, which: str) -> np.ndarray:
+    """x [n, heads, hd] normed over each head: RMSNorm or LayerNorm, its weight shared by the
+    heads or (qk_norm_heads) one row per head."""
+    w, eps = p.comps[f"{which}_norm"], layer.rms_norm_eps
+    if layer.qk_norm_heads:
+        w = w.reshape(x.shape[1], -1)  # [heads, hd]
+    if layer.qk_norm_kind == "rms":
+        return rms_norm(x, w, eps)
+    bias = p.comps.get(f"{which}_norm_bias")
+    if bias is not None and layer.qk_norm_heads:
+        bias = bias.reshape(x.shape[1], -1)
+    return layer_norm(x, w, bias, eps)
 
 
 def _qk_norm_all(layer, p: Plan, q, k):

@@ -231,8 +231,9 @@ def _attn_parts(c: dict, split: Split, head_dim: int, norm_all: bool) -> dict:
         "b_o": _row_parallel_bias(c.get("b_o"), split.rank),
     }
     for name, sel in (("q_norm", q), ("k_norm", kv)):
-        if c.get(name) is not None:  # per head [head_dim]: whole; over all heads: this rank's
-            out[name] = _vec(c[name], sel if norm_all else slice(None))
+        for comp in (name, f"{name}_bias"):  # shared [head_dim]: whole; [q]/[kv]: this rank's
+            if c.get(comp) is not None:
+                out[comp] = _vec(c[comp], sel if norm_all else slice(None))
     if c.get("sinks") is not None:  # one logit per query head
         out["sinks"] = _vec(c["sinks"], slice(*split.heads))
     return out
@@ -310,7 +311,8 @@ def _fill_block(src, blk, split: Split, cfg) -> None:
     for role in NORM_ROLES.intersection(at):
         _copy_norm(s_subs[at[role]], subs[at[role]])
     s_attn, s_mlp = s_subs[at["attn"]], s_subs[at["mlp"]]
-    norm_all = bool(s_attn.qk_norm and s_attn.qk_norm_all)
+    # weights over all heads (olmo2) or one row per head (cohere): sliced by the rank's heads
+    norm_all = bool(s_attn.qk_norm and (s_attn.qk_norm_all or s_attn.qk_norm_heads))
     parts = _attn_parts(layout.components(s_attn), split, cfg.head_dim, norm_all)
     _install(subs[at["attn"]], s_attn.weights, parts)
     _install(subs[at["mlp"]], s_mlp.weights, _mlp_parts(layout.components(s_mlp), split))
