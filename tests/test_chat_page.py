@@ -175,10 +175,23 @@ def test_api_key_asked_and_401_shown(smollm2_gguf, browser_page):
         page.locator("#key-form").wait_for(state="hidden")
         assert page.evaluate("sessionStorage.getItem('lucy-api-key')") == KEY
         page.get_by_role("button", name="Settings").click()
-        page.get_by_label("Max tokens").fill("4")
+
+        # a request the server refuses: its JSON error message is shown, the text kept to retry
+        big = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1 << 20}
+        code, err = post(base + "/v1/chat/completions", json.dumps(big).encode())
+        assert code == 400
+        page.get_by_label("Max tokens").fill(str(big["max_tokens"]))
         page.get_by_label("Message").fill("Hello")
+        page.get_by_role("button", name="Send").click()
+        page.locator("#error").wait_for(state="visible", timeout=30_000)
+        assert page.locator("#error").inner_text() == err["error"]["message"]
+        assert page.get_by_label("Message").input_value() == "Hello"
+        assert page.locator(".turn").count() == 0
+
+        page.get_by_label("Max tokens").fill("4")
         page.get_by_role("button", name="Send").click()
         page.locator(".turn.assistant .meta").last.wait_for(timeout=60_000)
         assert page.locator("#error").is_hidden()
-    # the 401 of the first check is logged by the browser as a failed resource load
-    assert all("401" in e for e in seen["errors"]), seen["errors"]
+        assert page.locator(".turn").count() == 2
+    # the 401 and the 400 are logged by the browser as failed resource loads
+    assert all("401" in e or "400" in e for e in seen["errors"]), seen["errors"]
