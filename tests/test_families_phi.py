@@ -3,7 +3,10 @@ MLP in parallel, biased q/k/v/dense, RoPE over 8 of each head's 20 dims, the bia
 (gelu_new and exact gelu), GQA, the final LayerNorm's bias and the LM head's bias. Logits at
 every position within 1e-4 (float32), 32 greedy tokens equal with and without the KV cache,
 .entity f32 exact and q8 top-1 along the greedy path (the LM head's bias rides in the output
-vectors blob); bad files are typed one-line errors naming the tensor or key."""
+vectors blob); qk_layernorm (a biased LayerNorm over each head of q and k, before the partial
+RoPE) on the Python path (the fused C step has no such norm: its plan declines) and over thread
+ranks; bad files are typed one-line errors naming the tensor or key. llama.cpp's phi2 has no q/k
+norm tensors, so qk_layernorm has no GGUF test."""
 
 from __future__ import annotations
 
@@ -16,12 +19,17 @@ from safetensors.numpy import load_file, save_file
 
 import entity
 from poly.errors import ConfigError, WeightMappingError
+from poly.nn import mha
 from poly.runtime import ckernels, fused
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
 from tests.test_moe_hf import PROMPT, greedy
 
 N_NEW = 32
-VARIANTS = {"gqa": {}, "mha_erf": {"hidden_act": "gelu", "num_key_value_heads": 4}}
+VARIANTS = {
+    "gqa": {},
+    "mha_erf": {"hidden_act": "gelu", "num_key_value_heads": 4},
+    "qk_ln": {"qk_layernorm": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +47,7 @@ def test_phi_logits_and_greedy_match_transformers(ckpts, variant):
     tf = entity.load(src)
     assert tf.config.block.shared_norm and tf.attn(0).rotary_dim == 8
     assert tf.lm_head_bias is not None and np.abs(tf.lm_head_bias).max() > 0
+    assert tf.config.qk_norm == (variant == "qk_ln")
     np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
     want = hf_greedy(src, PROMPT, N_NEW)
     assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
@@ -53,8 +62,36 @@ def test_phi_runs_the_fused_step(ckpts):
     assert fused.plan(tf) is not None and fused.prepare(tf)
 
 
-def test_phi_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
-    src = ckpts["gqa"]
+def test_phi_qk_layernorm_runs_the_python_path(ckpts, monkeypatch):
+    """q/k LayerNorms (random weights and biases, as transformers') are not in the C step: the
+    plan declines, decode never runs, generation still matches transformers."""
+    tf = entity.load(ckpts["qk_ln"])
+    views = mha.views(tf.attn(0))
+    assert views.q_norm.shape == views.k_norm_bias.shape == (tf.config.head_dim,)
+    assert np.abs(views.q_norm_bias).max() > 0
+    assert fused.plan(tf) is None and not fused.prepare(tf)
+    calls = []
+    monkeypatch.setattr(ckernels, "decode", lambda *a, **k: calls.append(a))
+    assert greedy(tf, PROMPT, 8, use_cache=True) == hf_greedy(ckpts["qk_ln"], PROMPT, 8)
+    assert calls == []
+
+
+def test_phi_qk_layernorm_splits_over_thread_ranks(ckpts):
+    """Tensor parallelism gives each rank the shared q/k norm weights and their biases."""
+    from poly.runtime.tp import shard
+    from tests.test_tp_shard import in_threads, run_steps
+
+    model = entity.load(ckpts["qk_ln"])
+    want = run_steps(model)
+    model.reset()
+    got = in_threads(2, lambda r, comm: run_steps(shard(model, comm)))
+    for r in range(2):
+        assert np.abs(got[r] - want).max() / np.abs(want).max() <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["gqa", "qk_ln"])
+def test_phi_entity_f32_exact_and_q8_top1(ckpts, tmp_path, variant):
+    src = ckpts[variant]
     ref = entity.load(src).forward_all(PROMPT)
     f32 = tmp_path / "phi.f32.entity"
     entity.convert(src, f32, quant="f32")
@@ -83,10 +120,21 @@ def test_a_missing_bias_is_named(scratch, name):
     assert "\n" not in str(e.value)
 
 
-def test_qk_layernorm_is_refused_by_name(scratch):
-    set_config_keys(scratch, qk_layernorm=True)
+def test_a_bad_qk_layernorm_is_refused_by_name(scratch):
+    set_config_keys(scratch, qk_layernorm="yes")
     with pytest.raises(ConfigError, match="qk_layernorm") as e:
         entity.load(scratch)
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_qk_layernorm_bias_is_named(ckpts, tmp_path):
+    path = Path(shutil.copytree(ckpts["qk_ln"], tmp_path / "m"))
+    name = "model.layers.0.self_attn.k_layernorm.bias"
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors[name]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightMappingError, match=f"missing tensor '{name}'") as e:
+        entity.load(path)
     assert "\n" not in str(e.value)
 
 

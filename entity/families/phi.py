@@ -1,7 +1,9 @@
 """phi (Phi-1, Phi-1.5, Phi-2): one LayerNorm (with a bias) feeds attention and the MLP in
 parallel, x + attn(ln(x)) + mlp(ln(x)); q/k/v and the output projection (`dense`) biased, RoPE
 over the first `partial_rotary_factor` of each head (NeoX halves), a plain biased GELU MLP
-(fc1, fc2), a final LayerNorm with a bias and a biased LM head. mlx-lm: models/phi.py."""
+(fc1, fc2), a final LayerNorm with a bias and a biased LM head; `qk_layernorm`: a LayerNorm (with
+a bias) over each head of q and k, one [head_dim] weight shared by the heads, before RoPE.
+mlx-lm: models/phi.py."""
 
 import dataclasses
 
@@ -25,6 +27,10 @@ TENSORS: tuple[TensorName, ...] = (
     TensorName("attn", "b_k", "self_attn.k_proj.bias", "attn_k.bias"),
     TensorName("attn", "b_v", "self_attn.v_proj.bias", "attn_v.bias"),
     TensorName("attn", "b_o", "self_attn.dense.bias", "attn_output.bias"),
+    TensorName("attn", "q_norm", "self_attn.q_layernorm.weight", "attn_q_norm.weight"),
+    TensorName("attn", "q_norm_bias", "self_attn.q_layernorm.bias", "attn_q_norm.bias"),
+    TensorName("attn", "k_norm", "self_attn.k_layernorm.weight", "attn_k_norm.weight"),
+    TensorName("attn", "k_norm_bias", "self_attn.k_layernorm.bias", "attn_k_norm.bias"),
     TensorName("mlp", "w_up", "mlp.fc1.weight", "ffn_up.weight"),
     TensorName("mlp", "b_up", "mlp.fc1.bias", "ffn_up.bias"),
     TensorName("mlp", "w_down", "mlp.fc2.weight", "ffn_down.weight"),
@@ -43,10 +49,12 @@ def _options(cfg) -> dict:
     act = cfg.get("hidden_act")
     if act not in FFN:  # _check_features names the key first; this guards direct callers
         raise LayerConfigError(f"hidden_act {act!r} is not supported for phi")
-    if cfg.get("qk_layernorm"):  # per-head LayerNorms of q and k: no such attention option yet
-        raise LayerConfigError("qk_layernorm=true is not supported for phi")
+    qk = cfg.get("qk_layernorm")
+    if type(qk) is not bool:
+        raise LayerConfigError(f"qk_layernorm must be true or false, got {qk!r}")
     block = dataclasses.replace(BLOCK, ffn=FFN[act])
-    return {"block": dataclasses.asdict(block), "lm_head_bias": True}
+    out = {"block": dataclasses.asdict(block), "lm_head_bias": True, "qk_norm": qk}
+    return out | ({"attention": {"qk_norm_kind": "layernorm"}} if qk else {})
 
 
 def _gguf(get) -> dict:
@@ -71,6 +79,7 @@ FAMILY = Family(
         "hidden_act": "gelu_new",
         "attention_bias": True,
         "partial_rotary_factor": 0.5,
+        "qk_layernorm": False,
     },  # fmt: skip
     hf_aliases={"layer_norm_eps": "rms_norm_eps"},
     activations=tuple(FFN),
