@@ -9,7 +9,15 @@ import importlib
 
 from entity.families.base import Family, MoENames, TensorName
 
-__all__ = ["FAMILIES", "GGUF_FAMILIES", "REFUSED_REASONS", "Family", "MoENames", "TensorName"]
+__all__ = [
+    "FAMILIES",
+    "GGUF_FAMILIES",
+    "REFUSED_REASONS",
+    "WRAPPERS",
+    "Family",
+    "MoENames",
+    "TensorName",
+]
 
 # One module per family, one line each (order: GGUF names go to the first family listing them).
 MODULES = (
@@ -47,6 +55,9 @@ GGUF_FAMILIES: dict[str, Family] = {}
 for _family in FAMILIES.values():
     if _family.gguf_arch is not None:
         GGUF_FAMILIES.setdefault(_family.gguf_arch, _family)
+
+# A multimodal model_type -> the family of its nested text_config (Gemma 3 4B-27B: "gemma3").
+WRAPPERS: dict[str, Family] = {w: f for f in FAMILIES.values() for w in f.wrapper_types}
 
 # Why well-known neighbours are refused (Loom "detected" these and then ran them wrongly).
 REFUSED_REASONS: dict[str, str] = {

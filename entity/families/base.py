@@ -121,6 +121,9 @@ class Family:
     rope_aliases: Mapping[str, str] = field(default_factory=dict)
     # HF block tensors are this prefix + the table's suffixes (GPT-NeoX: "gpt_neox.layers.{i}.")
     hf_block_prefix: str = "model.layers.{i}."
+    # multimodal model_types whose config.json nests this family's config under `text_config`
+    # (Gemma3ForConditionalGeneration: "gemma3"); their vision towers are dropped (hf_rename)
+    wrapper_types: tuple[str, ...] = ()
     # HF tensor name -> the canonical name above, or None to drop it (multimodal checkpoints)
     hf_rename: Callable[[str], str | None] | None = None
     # TransformerConfig fields past the common ones, from the parsed config.json (its keys,

@@ -63,6 +63,7 @@ FAMILY = Family(
     model_type="gemma3_text",
     causal_lm_class="Gemma3ForCausalLM",
     other_classes=("Gemma3ForConditionalGeneration",),
+    wrapper_types=("gemma3",),
     bias_rule="flag",
     qk_norm=True,
     default_head_dim=256,

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from entity.families import FAMILIES, REFUSED_REASONS, Family
+from entity.families import FAMILIES, REFUSED_REASONS, WRAPPERS, Family
 from entity.hf.attention import attention_options, sliding_window
 from entity.hf.generation import (
     HFGeneration,
@@ -225,6 +225,29 @@ def _check_features(raw: _RawConfig, source: str | None) -> Family:
     return arch
 
 
+def _unwrap(config: Any, source: str | None) -> Any:
+    """A multimodal config.json (model_type "gemma3": Gemma3ForConditionalGeneration) -> its
+    nested text_config, read as the text family's own, with the outer architectures and tied
+    head (the keys transformers reads at the top level)."""
+    mt = config.get("model_type") if isinstance(config, dict) else None
+    family = WRAPPERS.get(mt) if isinstance(mt, str) else None
+    if family is None:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(
+            f"text_config: a {mt} config.json needs its text model's config", path=source
+        )
+    if text.get("model_type", family.model_type) != family.model_type:
+        raise UnsupportedError(
+            f"text_config.model_type {text.get('model_type')!r} is not supported for {mt} "
+            f"(expected {family.model_type})",
+            path=source,
+        )
+    outer = {k: config[k] for k in ("architectures", "tie_word_embeddings") if k in config}
+    return {**text, "model_type": family.model_type, **outer}
+
+
 def _with_defaults(config: Any) -> Any:
     """config.json with its family's defaults for the keys it leaves out (transformers' own)."""
     mt = config.get("model_type") if isinstance(config, dict) else None
@@ -255,7 +278,7 @@ def _options(raw: _RawConfig, arch: Family, source: str | None) -> dict:
 
 
 def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
-    config = _with_defaults(config)
+    config = _with_defaults(_unwrap(config, source))
     raw: _RawConfig = validate_json(_RawConfig, config, source)
     arch = _check_features(raw, source)
     gen_source = None if source is None else str(Path(source).with_name(GENERATION_FILE))
