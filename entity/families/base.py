@@ -91,8 +91,9 @@ class Family:
 
     model_type: str
     causal_lm_class: str  # HF config.json "architectures"
-    # "flag": q/k/v/o biases follow `attention_bias`; "qkv": q/k/v always biased, o never.
-    bias_rule: Literal["flag", "qkv", "none"]
+    # "flag": q/k/v/o biases follow `attention_bias`; "qkv": q/k/v always biased, o never;
+    # "qkv_flag": q/k/v biases follow `attention_bias`, o never (GLM-4).
+    bias_rule: Literal["flag", "qkv", "qkv_flag", "none"]
     qk_norm: bool
     default_head_dim: int | None  # None: hidden_size // num_attention_heads
     default_max_positions: int

@@ -1,7 +1,7 @@
 """glm4 (GLM-4-0414): sandwich norms (post_self_attn_layernorm after attention,
 post_attention_layernorm before the FFN, post_mlp_layernorm after it), RoPE over the first
 `partial_rotary_factor` (default 0.5) of each head with GPT-J pairs (2i, 2i+1), q/k/v biases
-(o_proj never has one) and the FFN's gate and up rows fused in `gate_up_proj` (gate first),
+per `attention_bias` (default true; o_proj never has one) and the FFN's gate and up rows fused in `gate_up_proj` (gate first),
 split at load. llama.cpp arch "glm4": the same names' tensors, q/k rows as HF stores them."""
 
 from entity.families.base import Family, TensorName
@@ -27,10 +27,6 @@ TENSORS: tuple[TensorName, ...] = (
 
 
 def _hf(cfg) -> dict:
-    if cfg.get("attention_bias") is not True:  # q/k/v biases are read unconditionally
-        raise LayerConfigError(
-            f"attention_bias {cfg.get('attention_bias')!r} is not supported for glm4 (true)"
-        )
     return {"attention": {"rope_interleaved": True}}
 
 
@@ -49,7 +45,7 @@ def _gguf(get) -> dict:
 FAMILY = Family(
     model_type="glm4",
     causal_lm_class="Glm4ForCausalLM",
-    bias_rule="qkv",
+    bias_rule="qkv_flag",
     qk_norm=False,
     default_head_dim=128,
     default_max_positions=131072,

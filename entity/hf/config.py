@@ -307,7 +307,8 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
                 f"special_token_id: {tid} is outside [0, {raw.vocab_size})", path=source
             )
     check_generation(gen, gen_source)
-    biased = {"flag": raw.attention_bias, "qkv": True, "none": False}[arch.bias_rule]
+    rules = {"flag": raw.attention_bias, "qkv": True, "qkv_flag": raw.attention_bias, "none": False}
+    biased = rules[arch.bias_rule]
     moe = moe_config(raw, raw.num_hidden_layers, source)
     options = _options(raw, arch, source)
     return HFModelConfig(
