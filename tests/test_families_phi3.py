@@ -63,13 +63,15 @@ def test_phi3_logits_and_greedy_match_transformers(ckpts, variant):
     assert greedy(tf, PROMPT, N_NEW, use_cache=False) == want
 
 
-def test_phi3_longrope_runs_the_reference_path(ckpts):
-    # longrope's frequencies depend on the length a call reaches: not in the C step yet
-    """The fused C step has no sliding window or longrope: its plan declines the model."""
+def test_phi3_longrope_takes_the_fused_step(ckpts):
+    """longrope's frequencies depend on the length a call reaches: the fused step takes them
+    from tables whose rows are written per call (poly/runtime/fused_rope.py; logits and tokens
+    against transformers in tests/test_fused_recipes.py)."""
     if not ckernels.AVAILABLE:
         pytest.skip("C kernels not built")
     tf = entity.load(ckpts["long"])
-    assert fused.plan(tf) is None and not fused.prepare(tf)
+    assert fused.plan(tf) is not None and fused.prepare(tf)
+    np.testing.assert_allclose(tf.forward(PROMPT), hf_logits(ckpts["long"], PROMPT)[-1], atol=1e-4)
 
 
 def test_phi3_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
@@ -140,7 +142,7 @@ def test_gguf_from_llama_cpp_matches_transformers(ckpts, gguf_files, variant):
     q8 = entity.load(gguf_files[(variant, "q8_0")])  # top-1 along transformers' greedy path
     logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
     assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
-    assert fused.plan(q8) is None
+    assert fused.plan(q8) is not None  # longrope in the fused step (poly/runtime/fused_rope.py)
 
 
 @pytest.mark.slow

@@ -84,6 +84,67 @@ def test_fused_step_matches_transformers_and_the_reference_path(root, monkeypatc
     assert tokens == hf_greedy(path, PROMPT, N_NEW)
 
 
+# A rope recomputed per call (transformers' dynamic_rope_update), its tables' rows written
+# before each fused call (poly/runtime/fused_rope.py): the 18-token prompt stays below 24
+# positions, the generated tokens cross it (dynamic NTK's base grows with the length reached,
+# longrope switches to its long factors)
+PER_CALL = {
+    "llama_dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 3.0,
+                                                    "rope_theta": 1e4},
+                                "max_position_embeddings": 24}),
+    "phi3_longrope": ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                                   "original_max_position_embeddings": 24,
+                                                   "short_factor": [1.0 + 0.1 * i for i in range(9)],
+                                                   "long_factor": [2.0 + 0.3 * i for i in range(9)]},
+                               "original_max_position_embeddings": 24}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PER_CALL))
+def test_per_call_rope_takes_the_fused_step(root, monkeypatch, name):
+    arch, over = PER_CALL[name]
+    path = make_tiny_checkpoint(root / name, arch, seed=13, config_overrides=over)
+    fast, ref = entity.load(path, max_seq_len=96), entity.load(path, max_seq_len=96)
+    assert fast.config.rope_scaling.rope_type in ("dynamic", "longrope")
+    assert fused.plan(fast) is not None  # (was None: the reference path ran)
+    calls = _spy(monkeypatch)
+    # a prompt crossing 24 in one forward (phi3's window: in calls of 7 rows), every row at the
+    # whole prompt's length (first: transformers' dynamic rope keeps the longest length seen)
+    long = PROMPT + PROMPT
+    got = fast.forward(long)
+    assert sum(calls) == len(long)
+    np.testing.assert_allclose(got, ref.reference_forward(long), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, hf_logits(path, long)[-1], atol=1e-4, rtol=0)
+    fast.reset(), ref.reset()
+    got, want = fast.forward(PROMPT), ref.reference_forward(PROMPT)
+    assert sum(calls) == len(long) + len(PROMPT)
+    np.testing.assert_allclose(got, hf_logits(path, PROMPT)[-1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    tokens = []
+    for _ in range(N_NEW):
+        tokens.append(int(np.argmax(got)))
+        got, want = fast.forward(tokens[-1:]), ref.reference_forward(tokens[-1:])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert calls[-N_NEW:] == [1] * N_NEW
+    assert tokens == _hf_steps(path, PROMPT, N_NEW)
+
+
+def _hf_steps(path, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens of transformers' forward, one call per token on its KV cache (phi3's
+    generate() takes another token where longrope switches: its forward per token is ours)."""
+    import torch
+
+    from tests.hf_fixtures import cached_hf_model
+
+    model, out = cached_hf_model(str(path)), []
+    with torch.no_grad():
+        r = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            out.append(int(r.logits[0, -1].argmax()))
+            r = model(torch.tensor([out[-1:]]), past_key_values=r.past_key_values, use_cache=True)
+    return out
+
+
 def test_batched_rows_with_windows_match_one_by_one(root):
     """forward_batch (prompts as rows of one call, then batched steps) of a sliding-window
     family equals each sequence alone on the reference path."""

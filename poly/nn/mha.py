@@ -107,12 +107,11 @@ def _check_options(layer) -> None:
 
 def has_options(layer) -> bool:
     """Whether the layer uses an option the fused C step does not implement (the Python path
-    runs it): a rope scaling recomputed per call (dynamic, longrope), a q8_0 KV cache or a
-    q/k norm other than RMSNorm with one shared weight (or over all heads)."""
-    rs = layer.rope_scaling
+    runs it): a q8_0 KV cache or a q/k norm other than RMSNorm with one shared weight (or
+    over all heads). (A rope recomputed per call, dynamic or longrope, runs in it:
+    poly/runtime/fused_rope.py writes the call's rows of its tables.)"""
     return bool(
-        (rs is not None and rs.rope_type in LENGTH_DEPENDENT_ROPE)
-        or (layer.qk_norm and (layer.qk_norm_kind != "rms" or layer.qk_norm_heads))
+        (layer.qk_norm and (layer.qk_norm_kind != "rms" or layer.qk_norm_heads))
         or np.dtype(getattr(layer, "kv_dtype", np.float32)) == np.int8  # a q8_0 cache
     )
 
@@ -273,6 +272,17 @@ def _attend_tiled(q, k, v, start: int, groups: int, block: int) -> np.ndarray:
     return out.transpose(2, 0, 1, 3).reshape(n, heads, hd)  # [n, H, hd]
 
 
+def rope_seq(rs, cache: KVCache, end: int) -> int:
+    """The length a call ending at position `end` (exclusive) computes a length-dependent rope's
+    frequencies for, as transformers recomputes them; dynamic's grows with the longest length
+    the cache has seen (cache.rope_len, updated here)."""
+    seq, orig = end, rs.original_max_position_embeddings
+    if rs.rope_type == "dynamic":
+        seq = orig if end < orig else max(cache.rope_len or orig, end)
+        cache.rope_len = seq
+    return seq
+
+
 def _rope(layer, cache: KVCache, q, k, start: int, dt):
     """Rotate q and k (own float copies [n, heads, hd]) for positions start.. in place."""
     rot, n = rotary_dim(layer), q.shape[0]
@@ -280,12 +290,7 @@ def _rope(layer, cache: KVCache, q, k, start: int, dt):
         return q, k
     rs, theta = layer.rope_scaling, float(layer.rope_freq_base)
     if rs is not None and rs.rope_type in LENGTH_DEPENDENT_ROPE:
-        # frequencies from the length this call reaches, as transformers recomputes them
-        seq, orig = start + n, rs.original_max_position_embeddings
-        if rs.rope_type == "dynamic":  # transformers: grows with the longest length seen
-            seq = max(cache.rope_len or orig, seq)
-            seq = orig if start + n < orig else seq
-            cache.rope_len = seq
+        seq = rope_seq(rs, cache, start + n)
         cos, sin = rope_rows(rot, theta, rs, start, n, seq, dt.type)
         at = 0
     else:

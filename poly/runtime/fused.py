@@ -19,7 +19,7 @@ from poly.errors import ContextOverflowError
 from poly.model.block import is_recipe_block, slots
 from poly.nn import mha
 from poly.nn.kvcache import window_rows
-from poly.runtime import ckernels, kernels, prefill
+from poly.runtime import ckernels, fused_rope, kernels, prefill
 from poly.runtime.fused_args import is_f32, layer_args, mat, norm_args
 from poly.runtime.threadtune import SHARED, ThreadTuner
 from poly.weights import Generations, PlanCache
@@ -50,6 +50,7 @@ class Plan:
             (b.sequential_layers[mlp], a[14][7]) for b, a in zip(blocks, layers) if is_moe(a)
         ]
         self.layers = layers
+        self.lrope = fused_rope.records(self.attn, layers)  # dynamic / longrope tables
         self.kinds = frozenset(_kinds((layers, lm)))
         self.block_kinds = frozenset(_kinds(layers, True))  # all, repacked or not; no LM head
         # HF bfloat16 arrays: exact rows in the auto mode too (ckernels.Q8_EXACT_BF16)
@@ -206,7 +207,7 @@ def _run(
         raise ContextOverflowError(
             f"context overflow: position {max(pos)} >= max_seq_len {rows[0][0].capacity}"
         )
-    if not _room(rows):
+    if not _room(rows) or not fused_rope.call(p, rows, pos, rows):
         return None
     caches = []
     for li in range(len(p.attn)):  # block-major: (k, v) of row 0, row 1, ...
@@ -259,9 +260,10 @@ def prefill_calls(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     if caches is None:
         return None
     nt = prefill.fused_threads(kernels.num_threads())  # one look at the load per prompt
+    end = caches[0].length + n  # a length-dependent rope's: the whole prompt's (fused_rope)
     for i in range(calls):  # rows n * i // calls .. n * (i + 1) // calls, contiguous
         rows = x[n * i // calls : n * (i + 1) // calls]
-        logits = _prompt_call(p, rows, caches, i == calls - 1, nt)
+        logits = _prompt_call(p, rows, caches, i == calls - 1, nt, end)
     return logits
 
 
@@ -297,19 +299,20 @@ def verify_rows(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     return _run(p, x, [caches] * n, pos=tuple(range(start, start + n)))
 
 
-def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool, nt: int = 0):
+def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool, nt: int = 0, end: int = 0):
     """One fused call over the rows x [n, d] of a prompt, appended to `caches` on `nt` threads
     (0: `prefill.fused_threads`): logits [V] of the last row, or (head False) None and only the
-    last block's k and v."""
+    last block's k and v. `end`: the position the whole prompt reaches (0: this call's end)."""
     n, start = x.shape[0], caches[0].length
     if not _room([caches] * n):  # (prefill_calls' calls of at most call_rows always fit)
         raise ContextOverflowError(f"a sliding-window cache cannot take {n} rows in one call")
+    pos = tuple(range(start, start + n))
+    fused_rope.call(p, [caches] * n, pos, [caches] * n, max(end, start + n))  # one sequence: True
     pairs = []
     for c in caches:
         pairs += _kv(c) * n  # every row of block li reads and writes the same cache
     logits = np.empty((1, p.vocab), dtype=np.float32) if head else None  # [1, V]: the last row's
     nt = nt or prefill.fused_threads(kernels.num_threads())
-    pos = tuple(range(start, start + n))
     ckernels.decode(p.layers, tuple(pairs), p.head, x, logits, pos, nt, None, None, p.exact_bf16)
     _report_experts(p, n)
     for c in caches:
@@ -363,8 +366,11 @@ def step_paged(
     """Batched decode over a paged KV pool -> logits [n, V] (or of `out_rows` only). x [n, d]
     (overwritten); pools[j] the (k, v) arrays [pages * page_size, kv_heads, head_dim] of enabled
     block p.index[j]; row i writes position pos[i] and reads its earlier ones through its int32
-    page table tables[i]. `reduce`: a tensor-parallel shard's all-reduce (as `_run`)."""
+    page table tables[i]. `reduce`: a tensor-parallel shard's all-reduce (as `_run`). None when
+    a length-dependent rope's rows disagree (poly.serving.paged then takes the reference path)."""
     n = x.shape[0]
+    if not fused_rope.call(p, [None] * n, pos, list(tables)):
+        return None
     caches = []
     for k, v in pools:
         caches += (k, v) * n

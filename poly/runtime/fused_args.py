@@ -10,7 +10,7 @@ from poly.layer import Activation, LayerType
 from poly.model.block import slots
 from poly.nn import gelu_mlp, layernorm, mha, moe, rmsnorm, swiglu
 from poly.rope import rope_tables
-from poly.runtime import ckernels, repack
+from poly.runtime import ckernels, fused_rope, repack
 
 _F32 = np.dtype(np.float32)
 
@@ -156,7 +156,9 @@ def layer_args(blk, cfg) -> tuple | None:
         return None  # the C side reads vectors as contiguous float32
     rot = mha.rotary_dim(attn)
     cos, sin = (None, None)
-    if rot:
+    if rot and fused_rope.is_length_dependent(attn):  # rows written per call (fused_rope.fill)
+        cos, sin = fused_rope.own_tables(attn)
+    elif rot:
         base = float(attn.rope_freq_base)
         cos, sin = rope_tables(rot, base, attn.rope_scaling, attn.max_seq_len)
     g1, g2 = got.get("attn_norm", (None, None)), got.get("mlp_norm", (None, None))
