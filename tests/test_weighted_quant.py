@@ -57,3 +57,30 @@ def test_importance_moves_error_off_weighted_channels():
     _, deq = quantize(w, GGMLType.Q4_0, imx)
     weighted = lambda d: float(np.square(w - d).sum(axis=0) @ imx)  # noqa: E731
     assert weighted(deq) < 0.9 * weighted(ref)
+
+
+# (Q8_0's rounding error is the size of its f16 scale rounding: nothing to check there)
+@pytest.mark.parametrize("kind", [GGMLType.Q4_0, GGMLType.Q5_0], ids=lambda k: k.name)
+def test_block_scale_is_least_squares_for_its_codes(kind):
+    """The written scale of each symmetric block is (up to its f16 rounding) the
+    importance-weighted least-squares scale of the codes it holds: refitting d to the stored
+    codes cannot lower Σ w (x - d q)², which llama.cpp's candidate search alone leaves open."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((64, 256)) * 0.05).astype(np.float32)
+    imx = (rng.random(256) ** 4 * 10).astype(np.float32)
+    raw, deq = quantize(w, kind, imx)
+    assert np.array_equal(
+        quants.dequantize(raw, GGMLQuantizationType(int(kind))).reshape(w.shape), deq
+    )
+    d = raw.reshape(-1, raw.shape[1] // 8)[:, :2].copy().view(np.float16).astype(np.float64)
+    q = (deq.reshape(-1, 32) / np.where(d != 0, d, 1.0)).astype(np.float64)  # the stored codes
+    x = w.reshape(-1, 32).astype(np.float64)
+    sig = np.repeat((w.astype(np.float64) ** 2).mean(axis=1, keepdims=True), 8, axis=0)
+    wt = np.tile(imx, 64).reshape(-1, 32) * np.sqrt(sig + x * x)  # llama.cpp's weighting
+    ls = (wt * q * x).sum(1) / np.maximum((wt * q * q).sum(1), 1e-30)
+    err = lambda s: (wt * (x - s[:, None] * q) ** 2).sum(1)  # noqa: E731
+    gain = err(d[:, 0]) - err(ls)
+    # what is left is the f16 rounding of d (relative 2^-11), never a worse scale
+    assert np.all(gain <= 2e-3 * err(d[:, 0]) + 1e-12), gain.max()

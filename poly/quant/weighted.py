@@ -74,6 +74,25 @@ def _best_scale(x, w, grid: _Grid, nmax: float, steps: Iterable[float]) -> np.nd
         better = score > best
         d = np.where(better, sqx / _safe(sq2), d)
         best = np.maximum(best, score)
+    return _refit(x, w, grid, d)
+
+
+def _refit(x, w, grid: _Grid, d: np.ndarray, rounds: int = 6) -> np.ndarray:
+    """Alternate the nearest codes for d and the weighted least-squares d for those codes,
+    keeping a block's new d only where Σw(x - dq)² fell: the search's pick, polished."""
+
+    def fit(d):
+        q = grid.values[_codes(x, d, grid)]
+        err = np.einsum("ij,ij->i", w, np.square(x - d[:, None] * q))
+        sqx, sq2 = np.einsum("ij,ij,ij->i", w, q, x), np.einsum("ij,ij,ij->i", w, q, q)
+        return err, np.where(sq2 > 0, sqx / _safe(sq2), d).astype(np.float32)
+
+    err, nxt = fit(d)
+    for _ in range(rounds):
+        e, after = fit(nxt)
+        better = e < err
+        d, err = np.where(better, nxt, d), np.where(better, e, err)
+        nxt = np.where(better, after, d)
     return d
 
 
@@ -91,6 +110,12 @@ def _codes(x, d, grid: _Grid) -> np.ndarray:
 
 def _nibbles(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return (lo.astype(np.uint8) & 15) | ((hi.astype(np.uint8) & 15) << 4)
+
+
+def _high_bits(lev: np.ndarray) -> np.ndarray:
+    """Bit 4 of each of a block's 32 codes as GGUF's little-endian uint32 qh [B, 4]."""
+    bits = ((lev >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    return np.bitwise_or.reduce(bits, axis=1).astype("<u4")[:, None].view(np.uint8)
 
 
 # --- 32-element blocks: Q4_0, Q5_0, Q8_0, IQ4_NL -----------------------------------------------------
@@ -111,9 +136,7 @@ def _sym32(x, w, kind):
     if kind == _T.Q8_0:
         body = (idx - 127).astype(np.int8).view(np.uint8)
     elif kind == _T.Q5_0:
-        bits = ((idx >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
-        qh = np.bitwise_or.reduce(bits, axis=1).astype("<u4")[:, None].view(np.uint8)
-        body = np.concatenate([qh, _nibbles(idx[:, :16], idx[:, 16:])], axis=1)
+        body = np.concatenate([_high_bits(idx), _nibbles(idx[:, :16], idx[:, 16:])], axis=1)
     else:  # Q4_0 and IQ4_NL: element j low nibble, j + 16 high
         body = _nibbles(idx[:, :16], idx[:, 16:])
     return np.concatenate([head, body], axis=1), deq
@@ -231,21 +254,25 @@ def _qk_affine(x, w, kind):
     return np.concatenate([*parts, qs], axis=1), deq
 
 
-def _q4_1(x, w):
-    """x, w [B, 32] -> Q4_1 blocks [B, 20]: f16 scale and min, 4-bit codes (the min <= 0)."""
-    scale, neg_min = _affine_search(x, w, 15)
+def _affine32(x, w, kind):
+    """x, w [B, 32] -> Q4_1 [B, 20] or Q5_1 [B, 24] blocks: f16 scale and min, 4- or 5-bit
+    codes (the min <= 0)."""
+    nmax = 15 if kind == _T.Q4_1 else 31
+    scale, neg_min = _affine_search(x, w, nmax)
     dh, d = _f16(scale)
     mh, m = _f16(-neg_min)
-    lev = np.clip(np.rint((x - m[:, None]) / _safe(d)[:, None]), 0, 15)
+    lev = np.clip(np.rint((x - m[:, None]) / _safe(d)[:, None]), 0, nmax)
     lev = np.where((d != 0)[:, None], lev, 0).astype(np.uint8)
     deq = d[:, None] * lev + m[:, None]
-    head = np.concatenate([dh[:, None].view(np.uint8), mh[:, None].view(np.uint8)], axis=1)
-    return np.concatenate([head, _nibbles(lev[:, :16], lev[:, 16:])], axis=1), deq
+    parts = [dh[:, None].view(np.uint8), mh[:, None].view(np.uint8)]
+    if kind == _T.Q5_1:
+        parts.append(_high_bits(lev))
+    return np.concatenate([*parts, _nibbles(lev[:, :16], lev[:, 16:])], axis=1), deq
 
 
 # --- the entry points ----------------------------------------------------------------------------
 
-WEIGHTED_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.IQ4_NL, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+WEIGHTED_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.IQ4_NL, _T.Q4_K, _T.Q5_K, _T.Q6_K)
 
 
 def row_bytes(kind: GGMLType, n_in: int) -> int:
@@ -271,8 +298,8 @@ def _quantize_rows(x: np.ndarray, qw: np.ndarray, kind: GGMLType):
         raw, deq = _q6_k(xb, w)
     elif kind in (_T.Q4_K, _T.Q5_K):
         raw, deq = _qk_affine(xb, w, kind)
-    elif kind == _T.Q4_1:
-        raw, deq = _q4_1(xb, w)
+    elif kind in (_T.Q4_1, _T.Q5_1):
+        raw, deq = _affine32(xb, w, kind)
     else:
         raw, deq = _sym32(xb, w, kind)
     return raw.reshape(x.shape[0], -1), deq.reshape(x.shape).astype(np.float32)
