@@ -147,6 +147,7 @@ class EntityFile:
         if crc32(self._buf[rec.offset : rec.offset + rec.length]) != rec.checksum:
             raise IntegrityError(f"checksum mismatch in blob {rec.path!r}", path=self.path)
         self._checked.add(rec.path)
+        self._mm.evict(rec.offset, rec.length)  # still mapped (a deferred open): out of the RSS
 
     def _read_header(self, f) -> tuple[Header, int]:
         raw, flags, hlen = read_raw_header(f, self.size, self.path)

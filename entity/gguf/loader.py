@@ -163,7 +163,8 @@ class _Loader:
             k16_stored(w)  # permuted q/k rows now, in order (others when the plan is made)
             return w
         if order is not None:
-            raw = np.ascontiguousarray(raw[order])  # whole quantized rows reordered
+            stored, raw = raw, np.ascontiguousarray(raw[order])  # whole quantized rows reordered
+            release_mapped(stored)  # the reordered copy serves: the file's rows not held too
         elif info.ggml_type in FLOAT_TYPES:
             raw = _on_huge_pages(self.gg, name, raw)
         return GGUFMatrix(raw, info.ggml_type, info.shape)
@@ -225,7 +226,15 @@ def _on_huge_pages(gg: GGUFFile, name: str, raw: np.ndarray) -> np.ndarray:
 
     out = aligned_zeros(raw.size, np.uint8).reshape(raw.shape)  # [out, row_bytes]
     read_tensor(gg, name, out)
+    release_mapped(raw)
     return out
+
+
+def release_mapped(arr: np.ndarray) -> None:
+    """The file's pages of `arr` handed back (a copy of ours serves: not held twice)."""
+    from poly.runtime.repack import release_mapped as release
+
+    release(arr)
 
 
 def _bias_sizes(cfg) -> dict[str, dict[str, int]]:

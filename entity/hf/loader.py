@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from entity.checks import check_eos_ids
@@ -38,13 +37,24 @@ from poly.errors import (
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves the template
-# Storage of the embedding / LM-head tables per requested dtype (default float32).
+# Storage of the embedding / LM-head tables per requested dtype (default float32); bfloat16
+# from ml_dtypes, imported when asked for (`_table_dtype`)
 TABLE_DTYPES: dict[str | None, Any] = {
     None: np.float32,
     "float32": np.float32,
     "float16": np.float16,
-    "bfloat16": ml_dtypes.bfloat16,
+    "bfloat16": "bfloat16",
 }
+
+
+def _table_dtype(dtype: str | None) -> Any:
+    got = TABLE_DTYPES.get(dtype, np.float32)
+    if isinstance(got, str):
+        import ml_dtypes
+
+        got = getattr(ml_dtypes, got)
+    return got
+
 
 Block = dict[str, dict[str, np.ndarray]]  # part -> component -> array
 
@@ -236,7 +246,7 @@ def load_hf(
     cfg = src.config
     pager = _pager(src, max_resident_experts, dtype)
     tf = Transformer.from_config(cfg.to_transformer_config(max_seq_len))
-    table_dtype = TABLE_DTYPES.get(dtype, np.float32)
+    table_dtype = _table_dtype(dtype)
     attach_hf_metadata(tf, src)  # first: the tokenizer's build peak comes before the weights'
     if pager is not None:
         paged.drop_expert_masters(tf)
