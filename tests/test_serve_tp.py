@@ -53,7 +53,7 @@ def _tp_env() -> dict:
 
 
 @contextlib.contextmanager
-def tp_server(model: str, n: int, *args: str, timeout: float = 180.0):
+def tp_server(model: str, n: int, *args: str, timeout: float = 180.0, env: dict | None = None):
     """(base url, mpiexec process) of `lucy serve MODEL --tp n` over n MPI ranks."""
     if not MPIEXEC.is_file():
         pytest.skip("no mpiexec in the venv (pip install 'polyloom[mpi]')")
@@ -61,7 +61,8 @@ def tp_server(model: str, n: int, *args: str, timeout: float = 180.0):
     cmd = [str(MPIEXEC), "-disable-auto-cleanup", "-n", str(n), sys.executable, "-m", "mpi4py",
            "-m", "lucy", "serve", model, "--tp", str(n), "--port", str(port), "--api-key", KEY,
            *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=_tp_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env={**_tp_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -160,32 +161,47 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _gone_or_503(got: tuple) -> bool:
+    """True for a 503 rank_lost (one JSON error body); False when the connection was closed or
+    refused (hydra's proxy killed rank 0 too, see docs/parallel.md)."""
+    status, body = got
+    if status is None:
+        return False
+    assert status == 503, body[:300]
+    err = json.loads(body)["error"]
+    assert err["code"] == "rank_lost" and err["type"] == "server_error", err
+    return True
+
+
+def _post_or_gone(base: str, body: dict, timeout: float) -> tuple:
+    try:
+        return _post(base, body, timeout)
+    except OSError as err:  # the server went away without an answer
+        return None, repr(err).encode()
+
+
 @pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sigkill_of_a_rank_gives_503_and_ends_the_job(tiny, n):
+    """Rank 0 answers the request in flight and the next one with a 503 and ends the job within
+    10 s. Now and then hydra's proxy kills rank 0 as well (within a millisecond of the SIGKILL,
+    -disable-auto-cleanup or not): the clients then see the connection close, and the job must
+    still end with no rank left."""
     with tp_server(tiny, n, "--ctx", "4096") as (base, proc):
         pids = _rank_pids(proc.pid)
         assert len(pids) == n
         inflight: dict = {}
-        long = {
-            "model": "llama",
-            "prompt": "Count: ",
-            "max_tokens": 4000,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        t = threading.Thread(target=lambda: inflight.update(got=_post(base, long, 60)))
+        long = {"model": "llama", "prompt": "Count: ", "max_tokens": 4000, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        t = threading.Thread(target=lambda: inflight.update(got=_post_or_gone(base, long, 60)))
         t.start()
         time.sleep(1.5)  # the request is decoding
         t0 = time.monotonic()
         os.kill(pids[-1], signal.SIGKILL)
         t.join(30)
-        status, body = inflight["got"]
-        assert status == 503, body
-        err = json.loads(body)["error"]
-        assert err["code"] == "rank_lost" and err["type"] == "server_error"
-        assert f"rank {n - 1} of {n}" in err["message"]
-        status, body = _post(base, {"model": "llama", "prompt": "x", "max_tokens": 2})
-        assert status == 503 and json.loads(body)["error"]["code"] == "rank_lost"
+        served = _gone_or_503(inflight["got"])
+        if served:
+            again = _post_or_gone(base, {"model": "llama", "prompt": "x", "max_tokens": 2}, 10)
+            assert _gone_or_503(again) or time.monotonic() - t0 > 1.5  # past the grace
         try:
             proc.wait(max(0.1, 10 - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
@@ -194,7 +210,36 @@ def test_sigkill_of_a_rank_gives_503_and_ends_the_job(tiny, n):
         time.sleep(0.3)
         assert not [p for p in pids if _alive(p)], "a rank survived the job"
         lines = [ln for ln in proc.stderr.read().decode().splitlines() if ln.startswith("lucy:")]
-        assert lines == [f"lucy: error: rank {n - 1} of {n} (pid {pids[-1]}) is gone"]
+        if served:
+            assert lines == [f"lucy: error: rank {n - 1} of {n} (pid {pids[-1]}) is gone"]
+
+
+def test_stopped_rank_gives_503_after_the_collective_deadline(tiny):
+    """A rank that stops answering (SIGSTOP: alive, so no watchdog or hydra sees it die) must
+    not hang the server: the step's collective gives up after POLY_TP_TIMEOUT seconds, the
+    request in flight and the next one get a 503, and rank 0 ends the job."""
+    with tp_server(tiny, 2, "--ctx", "4096", env={"POLY_TP_TIMEOUT": "3"}) as (base, proc):
+        pids = _rank_pids(proc.pid)
+        long = {"model": "llama", "prompt": "Count: ", "max_tokens": 4000, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        inflight: dict = {}
+        t = threading.Thread(target=lambda: inflight.update(got=_post_or_gone(base, long, 60)))
+        t.start()
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGSTOP)
+        t.join(30)
+        assert _gone_or_503(inflight["got"]), inflight
+        assert 2.5 < time.monotonic() - t0 < 10
+        assert b"waited more than 3 s" in inflight["got"][1]
+        assert _gone_or_503(_post_or_gone(base, {"model": "llama", "prompt": "x"}, 10))
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not end after the lost rank")
+        assert proc.returncode != 0
+        time.sleep(0.3)
+        assert not [p for p in pids if _alive(p)], "a rank survived the job"
 
 
 def test_tp_server_sigterm_ends_every_rank_cleanly(tiny):

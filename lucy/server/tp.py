@@ -102,6 +102,7 @@ def _lead(args, model, comm, sock) -> int:
     comm.bcast(tpkv.shape_of(inner))
     held: dict = {}
     lead = tpkv.LeadKV(inner, comm, on_lost=lambda reason: _on_lost(held, comm, reason))
+    lead.warm()
 
     def on_server(server, state) -> None:
         held.update(server=server, state=state)

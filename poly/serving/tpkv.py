@@ -27,7 +27,8 @@ import numpy as np
 
 from poly.errors import PeerLostError, PolyError, TensorParallelError
 
-STEP_TIMEOUT = 10.0  # seconds one collective of a step may wait for the slowest rank
+# seconds one collective of a step may wait for the slowest rank (POLY_TP_TIMEOUT overrides)
+STEP_TIMEOUT = float(os.environ.get("POLY_TP_TIMEOUT", "") or 10.0)
 IDLE_TIMEOUT = 15.0  # seconds a follower waits for rank 0's next message (heartbeats included)
 BEAT = 1.0  # seconds between an idle leader's heartbeats
 POLL = 0.25  # seconds between the watchdog's looks at the local ranks' processes
@@ -145,6 +146,20 @@ class LeadKV:
     def decode(self, tokens: list[int], seqs: list):
         msg = ["decode", [int(t) for t in tokens], [self._sid(s) for s in seqs]]
         return self._call(msg, lambda: self.inner.decode(tokens, seqs))
+
+    def warm(self) -> None:
+        """A throwaway sequence through every kind of collective before any client comes:
+        MPICH sets some of them up on first use, and a rank dying during that set-up took rank 0
+        down with it (hydra's SIGKILL) before it could answer the 503."""
+        got = self.reserve([0, 0], 2, 1)
+        if got is None:
+            return
+        try:
+            self.prefill(got[0], [0, 0])
+            self.decode([0], [got[0]])
+        finally:
+            self.free(got[0])  # without its tokens: nothing enters the prefix cache
+        self._call(["ping"], self.comm.barrier)
 
     # --- liveness --------------------------------------------------------------------------------
 
