@@ -40,6 +40,7 @@ MODULES = (
     "gpt_neox",
     "phi",
     "cohere",
+    "cohere2",
     "olmo2",
     "granite",
     "glm4",
