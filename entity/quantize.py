@@ -34,7 +34,7 @@ __all__ = ["Recipe", "Planner", "apply_recipe", "check_bpw", "calibration_chunks
 
 _T = GGMLType
 # --bpw candidates, small to large (K kinds only where the row is whole 256-blocks)
-CANDIDATES = (_T.IQ4_NL, _T.Q4_0, _T.Q4_K, _T.Q4_1, _T.Q5_0, _T.Q5_K, _T.Q6_K, _T.Q8_0)
+CANDIDATES = (_T.IQ4_NL, _T.Q4_0, _T.Q4_K, _T.Q4_1, _T.Q5_0, _T.Q5_K, _T.Q5_1, _T.Q6_K, _T.Q8_0)
 FAST = (_T.Q4_0, _T.Q4_1, _T.Q8_0)  # the kinds the fused step's r16 kernels run (default q4)
 SAMPLE_ROWS = 256  # rows per tensor whose error is measured (evenly spaced)
 SENS_TOKENS = 128  # calibration tokens the per-tensor KL is measured on
@@ -122,8 +122,17 @@ class Planner:
     for any budget (convert re-allocates when the written file came out above it)."""
 
     def __init__(
-        self, src, calibration=None, progress: Progress | None = None, *, measured: bool = True
+        self,
+        src,
+        calibration=None,
+        progress: Progress | None = None,
+        *,
+        measured: bool | str = True,
+        imatrix: dict[str, np.ndarray] | None = None,
     ):
+        """``measured``: True, KL per tensor (a partial forward each); "group", the cheap
+        grouped measurement (`entity.sensitivity.measure_grouped`); False, the relative error
+        alone. ``imatrix``: one kept from an earlier Planner of the same source and text."""
         from entity.load import load
         from poly.model.imatrix import collect, matrices
         from poly.text.evaluate import parameter_count
@@ -138,9 +147,12 @@ class Planner:
             if not np.isfinite(w).all():
                 raise ConversionError(f"{name}: non-finite weights (NaN or Inf) in the source")
         chunks = calibration_chunks(tf.tokenizer, text, tf.config.max_seq_len)
-        self.imatrix = collect(tf, chunks, len(chunks), progress)
+        self.imatrix = (
+            imatrix if imatrix is not None else collect(tf, chunks, len(chunks), progress)
+        )
         self.tf, self.measured = tf, measured
         self.sens_ids = chunks[0][:SENS_TOKENS]
+        self.group_ids = chunks[0]  # the grouped measurement scores its second half
         self.kl: dict[str, dict[str, float]] | None = None  # measured KL (entity.sensitivity)
         vectors = [
             v
@@ -155,7 +167,9 @@ class Planner:
         self.header_bytes = len(tf.tokenizer.to_str().encode()) + (1 << 16)
         self.options: dict[str, list[Option]] | None = None  # relative error (the proxy)
         self.kl_options: dict[str, list[Option]] | None = None  # measured KL
-        self.exclude: set[str] = set()  # kind names left out (a benchmark's choice)
+        # kind names left out (a benchmark's choice): "KIND" everywhere, "KIND@prefix" only for
+        # the tensors whose name starts with prefix
+        self.exclude: set[str] = set()
 
     def _measure(self, progress: Progress | None, measured: bool) -> dict[str, list[Option]]:
         tick = progress or (lambda done, total, detail: None)
@@ -171,13 +185,13 @@ class Planner:
         return self.kl_options
 
     def _scaled(self, rel: dict[str, list[Option]], tick: Progress) -> dict[str, list[Option]]:
-        """Each option's cost as measured KL: the head's own at every type, a block matrix's
-        (and a tied table's input side) at MEASURE_KIND times rel(type) / rel(MEASURE_KIND)."""
-        from entity.sensitivity import MEASURE_KIND, measure
+        """Each option's cost as measured KL: the head's own at every type (or at MEASURE_KIND
+        times rel(type) / rel(MEASURE_KIND) when only that was measured), a block matrix's (and
+        a tied table's input side) at MEASURE_KIND times the same ratio."""
+        from entity.sensitivity import MEASURE_KIND
 
-        kinds = {n: [_T[o.kind] for o in v] for n, v in rel.items()}
         if self.kl is None:  # (a benchmark may hand in a kept measurement)
-            self.kl = measure(self.tf, self.sens_ids, self.mats, self.imatrix, kinds, tick)
+            self.kl = self._measure_kl(rel, tick)
         out = {}
         for name, opts in rel.items():
             m = self.kl[name]
@@ -185,26 +199,36 @@ class Planner:
             side = max(m.get("input", m.get(MEASURE_KIND.name, 0.0)), 0.0)  # scaled part
             if name == "lm_head":
                 side = 0.0
-            own = name == "lm_head" or (name == "embeddings" and self.tf.tied)  # exact head KL
-            out[name] = [
-                Option(
-                    o.kind,
-                    o.nbytes,
-                    (max(m[o.kind], 0.0) if own else 0.0) + side * (o.cost / base if base else 0),
-                )
-                for o in opts
-            ]
+            own = name == "lm_head" or (name == "embeddings" and self.tf.tied)  # the head's KL
+            out[name] = [Option(o.kind, o.nbytes, _kl_cost(m, o, base, own, side)) for o in opts]
         return out
 
+    def _measure_kl(self, rel: dict[str, list[Option]], tick: Progress):
+        from entity.sensitivity import MEASURE_KIND, measure, measure_grouped
+
+        if self.measured == "group":
+            at = {n: next(o.cost for o in v if o.kind == MEASURE_KIND.name) for n, v in rel.items()}
+            return measure_grouped(self.tf, self.group_ids, self.mats, self.imatrix, at)
+        kinds = {n: [_T[o.kind] for o in v] for n, v in rel.items()}
+        return measure(self.tf, self.sens_ids, self.mats, self.imatrix, kinds, tick)
+
     def _choose(self, budget: int, kinds, bpw, progress, measured: bool) -> Recipe:
-        names = {k.name for k in kinds} - set(self.exclude)
+        names = {k.name for k in kinds}
         opts = self._measure(progress, measured)
-        opts = {n: [o for o in v if o.kind in names] for n, v in opts.items()}
+        opts = {n: [o for o in v if o.kind in names and self._allowed(n, o.kind)]
+                for n, v in opts.items()}  # fmt: skip
         choice = allocate(opts, budget)
         table = [
             (n, int(np.prod(np.shape(self.mats[n]))), o.kind, o.cost) for n, o in choice.items()
         ]
         return Recipe({n: _T[o.kind] for n, o in choice.items()}, self.imatrix, bpw, table)
+
+    def _allowed(self, name: str, kind: str) -> bool:
+        for rule in self.exclude:
+            k, _, prefix = rule.partition("@")
+            if k == kind and name.startswith(prefix):
+                return False
+        return True
 
     def default(self, progress: Progress | None = None) -> Recipe:
         """The default q4: the fast kinds (Q4_0, Q4_1, Q8_0: the r16 kernels of today's q4)
@@ -242,6 +266,18 @@ class Planner:
         fixed = self.vector_bytes + self.header_bytes + extra
         budget = int((bpw + 0.05) * self.params / 8) - fixed
         return self._choose(budget, CANDIDATES, bpw, progress, self.measured)
+
+
+def _kl_cost(m: dict[str, float], o: Option, base: float, own: bool, side: float) -> float:
+    """One option's predicted KL: the head's own (measured at this type, else at MEASURE_KIND
+    scaled by the relative errors) plus the scaled block / input side."""
+    from entity.sensitivity import MEASURE_KIND
+
+    ratio = o.cost / base if base else 0.0
+    if not own:
+        return side * ratio
+    head = m[o.kind] if o.kind in m else m.get(MEASURE_KIND.name, 0.0) * ratio
+    return max(head, 0.0) + side * ratio
 
 
 def _reference_kind(name: str) -> GGMLType:

@@ -26,7 +26,7 @@ from poly.quant.ggml import GGMLType
 from poly.quant.weighted import quantize
 from poly.text.evaluate import log_softmax
 
-__all__ = ["MEASURE_KIND", "Sensitivity"]
+__all__ = ["MEASURE_KIND", "Sensitivity", "measure", "measure_grouped"]
 
 MEASURE_KIND = GGMLType.Q4_0  # the type every block matrix is measured at (32-element blocks)
 Progress = Callable[[int, int, str], None]
@@ -42,8 +42,8 @@ class Sensitivity:
     """The float model's block inputs, final hidden states and reference log-probabilities on
     ``ids``, kept once; `kl` then measures any one tensor replaced by its dequantized values."""
 
-    def __init__(self, tf, ids: Sequence[int]):
-        self.tf = tf
+    def __init__(self, tf, ids: Sequence[int], first: int = 0):
+        self.tf, self.first = tf, first  # KL over positions first.. (a scored half, as eval)
         tf.reset()
         self.ids = tf.check_ids(ids)
         x = tf.embed(self.ids, tf.activation_dtype)
@@ -52,7 +52,7 @@ class Sensitivity:
         for i in self.live:
             self.inputs[i] = x
             x = self._block(i, x)
-        self.hidden = tf.norm_final(x)
+        self.hidden = tf.norm_final(x)[first:]
         self.ref = log_softmax(tf.logits(self.hidden))
         tf.reset()
 
@@ -70,7 +70,7 @@ class Sensitivity:
             for i in self.live:
                 if i >= start:
                     x = self._block(i, x)
-            return _kl(self.ref, tf.logits(tf.norm_final(x)))
+            return _kl(self.ref, tf.logits(tf.norm_final(x)[self.first :]))
         finally:
             tf.reset()
 
@@ -138,4 +138,46 @@ def measure(
             deq = quantize(np.asarray(w), MEASURE_KIND, imx)[1]
             out[name] = {MEASURE_KIND.name: sens.block_kl(start, w, deq)}
         tick(k + 1, len(mats), f"sensitivity {name}")
+    return out
+
+
+def measure_grouped(
+    tf,
+    ids: Sequence[int],
+    mats: Mapping[str, np.ndarray],
+    imatrix: Mapping[str, np.ndarray],
+    rel: Mapping[str, float],
+) -> dict[str, dict[str, float]]:
+    """The cheap measurement (two forwards, not one per tensor), in `measure`'s format: on the
+    second half of ``ids`` (every scored position has half the chunk as context, as `lucy eval`
+    scores), the KL with every matrix at MEASURE_KIND and the head kept float, shared out over
+    the block matrices and the table's input side in proportion to ``rel`` (each one's relative
+    weighted error at MEASURE_KIND); the head's own KL at MEASURE_KIND exactly. Puts the head and
+    the blocks on one measured scale; the ranking among blocks is the relative error's."""
+    sens = Sensitivity(tf, ids, first=len(ids) // 2)
+    head = "lm_head" if "lm_head" in mats else "embeddings" if tf.tied else None
+    deq = {n: quantize(np.asarray(w), MEASURE_KIND, imatrix.get(n))[1] for n, w in mats.items()}
+    out: dict[str, dict[str, float]] = {}
+    if head is not None:
+        out[head] = {MEASURE_KIND.name: sens.head_kl(mats[head], deq[head])}
+    keep = {n: np.array(w, copy=True) for n, w in mats.items() if n.startswith("blocks.")}
+    table, lm, tied = tf.embeddings, tf.lm_head, tf.tied
+    try:
+        for n in keep:
+            mats[n][...] = deq[n]
+        if tied:
+            tf.lm_head = np.array(lm, copy=True)
+        tf.embeddings = deq.get("embeddings", table)
+        x = tf.embed(sens.ids, tf.activation_dtype)
+        body = sens._from(sens.live[0], x) if sens.live else 0.0
+    finally:
+        for n, w in keep.items():
+            mats[n][...] = w
+        tf.embeddings = table
+        tf.lm_head = table if tied else lm
+    shared = [n for n in mats if n != "lm_head"]
+    total = sum(max(rel[n], 0.0) for n in shared) or 1.0
+    for n in shared:
+        share = body * max(rel[n], 0.0) / total
+        out.setdefault(n, {})["input" if n == "embeddings" else MEASURE_KIND.name] = share
     return out

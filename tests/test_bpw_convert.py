@@ -143,3 +143,38 @@ def _bits():
     from poly.quant.ggml import QUANT_SIZES, GGMLType
 
     return [(k.name, s * 8 / b) for k, (b, s) in QUANT_SIZES.items() if isinstance(k, GGMLType)]
+
+
+def test_grouped_measurement_steers_the_head(tmp_path):
+    """The grouped measurement (two forwards, entity.sensitivity.measure_grouped) puts the head
+    and the block matrices on one KL scale: the tied table's head KL made large gets it a
+    larger type at the same budget than made small; the shares of the body's KL sum to it."""
+    from entity.quantize import Planner
+
+    src = make_tiny_checkpoint(
+        tmp_path / "t", "llama", seed=6, tied=True,
+        config_overrides={"hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
+    )  # fmt: skip
+    planner = Planner(src, measured="group")
+    planner.recipe(6.0)
+    kl = planner.kl
+    assert set(kl["embeddings"]) == {"Q4_0", "input"} and kl["embeddings"]["Q4_0"] > 0
+    assert all(set(kl[n]) == {"Q4_0"} for n in kl if n.startswith("blocks."))
+    kinds = {}
+    for factor in (1e-6, 1e6):
+        emb = {**kl["embeddings"], "Q4_0": kl["embeddings"]["Q4_0"] * factor}
+        planner.kl, planner.kl_options = {**kl, "embeddings": emb}, None
+        kinds[factor] = planner.recipe(6.0).types["embeddings"]
+    size = dict(_bits())
+    assert size[kinds[1e6].name] > size[kinds[1e-6].name]
+
+
+def test_excluded_kinds_by_tensor_prefix(tmp_path):
+    """A benchmark's exclusion "KIND@prefix" keeps that kind off the named tensors only."""
+    from entity.quantize import Planner
+
+    planner = Planner(_tiny(tmp_path), measured=False)
+    planner.exclude = {"Q8_0@blocks."}
+    types = planner.recipe(30.0).types  # room for Q8_0 everywhere
+    assert types["embeddings"].name == "Q8_0"
+    assert all(k.name != "Q8_0" for n, k in types.items() if n.startswith("blocks."))
