@@ -45,10 +45,21 @@ def plain(ckpt):
         return _replies(base)
 
 
+def test_measured_speculation_gives_the_same_replies(ckpt, plain):
+    """Without --spec-always a pass that costs more seconds per token than plain steps turns
+    speculation off for a while: the replies stay the plain ones either way."""
+    with running_server(ckpt, "--lookup", "8") as (base, _):
+        got = _replies(base)
+        m = metrics(base)
+    assert got == plain
+    assert m["poly_spec_checks_total"] > 0
+
+
 @pytest.mark.parametrize("how", ["lookup", "draft"])
 def test_greedy_replies_equal_plain_decoding(ckpt, plain, how):
     # the draft: another copy of the same weights (every proposal is the model's own choice)
     args = ("--lookup", "8") if how == "lookup" else ("--draft", str(ckpt), "--draft-tokens", "6")
+    args += ("--spec-always",)  # every lone step checks proposals, however the machine's load
     with running_server(ckpt, *args) as (base, _):
         got = _replies(base)
         m = metrics(base)

@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep long prompts' KV in DIR: a restarted server skips their prefill")  # fmt: skip
     p.add_argument("--prompt-cache-min", dest="prompt_cache_min", type=int, default=256,
                    metavar="N", help="--prompt-cache: prompts of at least N tokens")  # fmt: skip
+    p.add_argument("--spec-always", dest="spec_always", action="store_true",
+                   help="--lookup/--draft: speculate on every lone greedy step, even when "
+                   "measured slower than plain decoding")  # fmt: skip
     p.add_argument("--prompt-cache-mb", dest="prompt_cache_mb", type=float, default=1024.0,
                    metavar="MB", help="--prompt-cache: size bound, oldest files go first")  # fmt: skip
 
@@ -74,7 +77,8 @@ def setup(args, model, kv, model_id: str, draft=None):
     spec = None
     if getattr(args, "lookup", None) or draft is not None:
         spec = ServerSpeculation(model, lookup=getattr(args, "lookup", None), draft=draft,
-                                 draft_tokens=getattr(args, "draft_tokens", None))  # fmt: skip
+                                 draft_tokens=getattr(args, "draft_tokens", None),
+                                 always=getattr(args, "spec_always", False))  # fmt: skip
     return kv, spec
 
 

@@ -36,6 +36,7 @@ _HELP = {
     "spec_pass_tokens_total": ("counter", "tokens the speculative passes produced"),
     "spec_acceptance_rate": ("gauge", "accepted / proposed tokens"),
     "spec_tokens_per_pass": ("gauge", "tokens per speculative pass"),
+    "spec_gain": ("gauge", "plain over speculative seconds per token (the last measurements)"),
 }
 
 

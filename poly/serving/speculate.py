@@ -29,7 +29,10 @@ from poly.text.speculative import (
     lookup_tokens,
 )
 
-MAX_ROWS = 16  # rows computed exactly as one-row decode steps (the scheduler's MAX_ROWS)
+MAX_ROWS = 16  # rows of one fused decode call (the scheduler's MAX_ROWS)
+PROBE = 4  # plain steps that measure a lone sequence's seconds per token
+WARM = 2  # first passes not timed (the first multi-row calls repack weights, tune threads)
+RETRY = 64  # plain steps after a losing pass; speculative passes between two probes
 
 
 @dataclass
@@ -44,8 +47,10 @@ class ServerSpeculation:
     """The scheduler's proposer: ``lookup`` tokens from the text or a ``draft`` model's."""
 
     def __init__(self, model, lookup: int | None = None, draft=None,
-                 draft_tokens: int | None = None, ngram: int = DEFAULT_NGRAM):  # fmt: skip
-        self.model, self.lookup, self.ngram = model, lookup, ngram
+                 draft_tokens: int | None = None, ngram: int = DEFAULT_NGRAM,
+                 always: bool = False):  # fmt: skip
+        """``always``: speculate on every lone greedy step, even when measured slower."""
+        self.model, self.lookup, self.ngram, self.always = model, lookup, ngram, always
         self.cap = min(lookup or draft_tokens or DEFAULT_DRAFT_TOKENS, MAX_ROWS - 1)
         self.size = self.cap
         self.draft = None
@@ -55,6 +60,11 @@ class ServerSpeculation:
             eos = tuple(getattr(model, "eos_token_ids", ()) or ())
             self.draft = Draft(draft, Sampler(opts, model.config.vocab_size, eos))
         self.counters = SpecCounters()
+        # a pass of k rows costs more than a one-row step (Q4 weights on a busy machine: ~2.5x
+        # for 2 rows): speculation stops for RETRY steps when its seconds per token lose
+        self.plain_cost: float | None = None
+        self.spec_cost: float | None = None
+        self._plain_left, self._mark, self._passes = PROBE, None, 0
 
     @property
     def mode(self) -> str:
@@ -78,17 +88,45 @@ class ServerSpeculation:
         a, s = rows[0]
         if not s.sampler.options.greedy:
             return False
+        if not self.always and self._plain_turn(sched.metrics):
+            return False
         left = min(s.budget - len(s.generated), s.max_len - len(s.tokens))
+        t0 = time.perf_counter()
         proposal = self._propose(s.tokens, min(self.size, left - 1), s.n_prompt)
         if not proposal:
             return False
-        t0 = time.perf_counter()
         logits = sched.kv.verify(s.kv, [s.tokens[-1], *proposal])  # [k + 1, V]
         sched.metrics.decode_step(1, time.perf_counter() - t0)
+        made = self.counters.tokens
         accepted = self._accept(sched, a, s, logits, proposal)
         self._adapt(accepted, len(proposal))
+        self._cost((time.perf_counter() - t0) / (self.counters.tokens - made))
         sched._finish_decoded()
         return True
+
+    def _plain_turn(self, m) -> bool:
+        """Whether this step decodes plainly: a probe of the plain cost, or a back-off."""
+        if self._plain_left > 0:
+            if self._mark is None:
+                self._mark = (m.decode_s, m.decode_rows)
+            self._plain_left -= 1
+            return True
+        if self._mark is not None:
+            ds, rows = m.decode_s - self._mark[0], m.decode_rows - self._mark[1]
+            self.plain_cost = ds / rows if rows else self.plain_cost
+            self._mark = None
+        return False
+
+    def _cost(self, per_token: float) -> None:
+        self._passes += 1
+        if self.always or self._passes <= WARM:
+            return
+        old = self.spec_cost
+        self.spec_cost = per_token if old is None else 0.7 * old + 0.3 * per_token
+        if self.plain_cost is not None and self.spec_cost > self.plain_cost:
+            self._plain_left, self.spec_cost = RETRY, None  # and measured again after
+        elif self._passes % RETRY == 0:
+            self._plain_left = PROBE
 
     def _accept(self, sched, a, s, logits: np.ndarray, proposal: list[int]) -> int:
         """Row by row as decode steps: the KV is cut to the positions computed before each
@@ -126,4 +164,7 @@ class ServerSpeculation:
             "spec_pass_tokens_total": c.tokens,
             "spec_acceptance_rate": c.accepted / c.proposed if c.proposed else 0.0,
             "spec_tokens_per_pass": c.tokens / c.checks if c.checks else 0.0,
+            "spec_gain": self.plain_cost / self.spec_cost
+            if self.spec_cost and self.plain_cost
+            else 0.0,
         }
