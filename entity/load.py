@@ -112,8 +112,11 @@ def load(
         model = _load(path_or_model_id, **kw)
         if tp is not None:
             from poly.runtime.tp import shard
+            from poly.text.gendefaults import defaults_of
 
+            found = defaults_of(model)  # known by the whole config: a shard's heads are cut
             model = shard(model, tp)
+            model.generation_defaults = found
         with timing.phase("repack"):
             prepare(model)  # the one-time repacking now, not in the first turn (issue 55)
     return model
