@@ -302,6 +302,9 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
     if got is not None or not k16_wanted(kind, m) or _mapping(raw) is None:
         return got
     el = np.uint32 if kind == F32 else np.uint16  # the elements' bits, moved as they are
+    table = isinstance(w, np.ndarray) and order is None and w.shape == (m, k)  # a float table
+    if table:  # its rows leave as the copy is made (a first open: not the table twice at once)
+        _unpin(w)
     extra = b"" if order is None else np.asarray(order).tobytes()
     out = layout_cache.load(raw, "k16", (m // 16, k, 16), el, extra)
     if out is not None:
@@ -311,23 +314,22 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
         layout_cache.store(raw, "k16", out, extra)
     ckernels.K16[key] = out
     weakref.finalize(w, ckernels.K16.pop, key, None)
-    if isinstance(w, np.ndarray) and order is None and w.shape == (m, k):  # a float table
-        _serve_lookups(w, out)
+    if table:  # its lookups read the copy from now on (`poly.weights.laid_rows`)
+        from poly.weights import LAID_TABLES
+
+        LAID_TABLES[key] = out
+        weakref.finalize(w, LAID_TABLES.pop, key, None)
+        release_mapped(w)
     return out
 
 
-def _serve_lookups(table: np.ndarray, out: np.ndarray) -> None:
-    """A (tied) table's lookups read its copy from now on (`poly.weights.laid_rows`): its own
-    rows, pinned in memory for them, go back to the file like any repacked matrix's."""
-    from poly.weights import LAID_TABLES
-
-    LAID_TABLES[id(table)] = out
-    weakref.finalize(table, LAID_TABLES.pop, id(table), None)
+def _unpin(table: np.ndarray) -> None:
+    """The table's rows, pinned in memory for its lookups, may go back to the file like any
+    repacked matrix's: its copy serves the lookups (one copy of the largest matrix, not two)."""
     snap = _mapping(table)
     if snap is not None and hasattr(snap, "unpin"):
         with memoryview(snap) as mv:
             snap.unpin(table.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data, table.nbytes)
-    release_mapped(table)
 
 
 def _k16_make(raw: np.ndarray, el, m: int, k: int, order) -> np.ndarray:
@@ -335,7 +337,7 @@ def _k16_make(raw: np.ndarray, el, m: int, k: int, order) -> np.ndarray:
 
     out = aligned_zeros(m * k, el).reshape(m // 16, k, 16)  # [g, k, 16]
     src = np.asarray(raw).view(el).reshape(m, k)
-    step = max(16, (1 << 24) // (16 * el().nbytes * k) * 16)  # rows a piece: 16 MB, then released
+    step = max(16, (1 << 20) // (16 * el().nbytes * k) * 16)  # rows a piece: 1 MB, then released
     for r in range(0, m, step):
         rows = slice(r, r + step) if order is None else order[r : r + step]
         piece = src[rows]  # [rows, k]: a view, or the rows gathered in order
