@@ -37,8 +37,9 @@ class Slot:
     def see(self, ev) -> None:  # on the scheduler thread
         if isinstance(ev, TokenOut) and ev.index == 0:
             self.generated.append(ev.token_id)
-        elif isinstance(ev, RequestDone):
-            self.table.close(self, [*self.prompt, *self.generated[:-1]])  # the last: not run
+        elif isinstance(ev, RequestDone):  # cancelled before its first token: no KV to keep
+            kept = [*self.prompt, *self.generated[:-1]] if self.generated else None
+            self.table.close(self, kept)  # the reply's last token: not run yet
         elif isinstance(ev, RequestFailed):
             self.table.close(self, None)
 
