@@ -7,10 +7,10 @@ Each ``step()``:
    (``forward_batch``, up to ``ckernels.MAX_N`` rows per call); when whole waiting prompts fit
    the same call's rows (``MAX_ROWS`` in all), they ride along: one pass over the weights for
    both instead of two (requests joining a running batch; each row computes as it would alone);
-4. otherwise runs one prefill chunk (``prefill_chunk`` tokens) of the oldest request still prefilling and,
-   within the same token budget, the whole prompts of the requests after it, in one pass over
-   the weights (``batch_prefill``; `poly.runtime.batch.forward_batch`), so a long prompt delays
-   the others' next token by at most one chunk and a burst of short prompts costs one pass.
+4. otherwise runs one prefill chunk (``prefill_chunk`` tokens) of the oldest request still
+   prefilling and, within the same token budget, the whole prompts of the requests after it, in
+   one pass over the weights (``batch_prefill``; `poly.runtime.batch.forward_batch`): a long
+   prompt delays the others by one chunk at most; a burst of short prompts costs one pass.
    When a prompt is done, the last position's logits give every choice its first token
    (choices 2..n fork the prompt's KV).
 
@@ -20,8 +20,7 @@ exactly as the one-row step); prompts prefilled together share matmuls over all 
 whose float32 rounding differs from a one-prompt pass in the last bits (~1e-6 relative), which
 can change a greedy choice only at an exact near-tie. ``batch_prefill=False`` keeps one prompt
 per pass.
-Drive it by hand (``step()``) or on its own thread (``start()`` / ``shutdown()``).
-"""
+Drive it by hand (``step()``) or on its own thread (``start()`` / ``shutdown()``)."""
 
 from __future__ import annotations
 
