@@ -6,7 +6,8 @@ benchmarks/quant_quality.py (Botchan, from CHAPTER I), against the float32 HF sn
 One importance matrix and one sensitivity measurement (entity.quantize.Planner) serve every
 budget. llama.cpp's own files are measured by benchmarks/quant_quality.py (same text, windows).
 
-    python -m benchmarks.quant_calibrated [--bpw 5.0 5.41 6.22] [--windows 5] [--reuse] [--json OUT]
+    python -m benchmarks.quant_calibrated [--bpw 5.0 5.41 6.22] [--windows 5] [--reuse]
+        [--measure group|tensor|proxy] [--imatrix KEPT.npz] [--gguf FILE ...] [--json OUT]
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+import numpy as np
 
 HF = Path.home() / ".cache" / "poly" / "models" / "SmolLM2-135M-Instruct-hf"
 TEXT = Path.home() / ".cache" / "poly" / "eval-text" / "botchan.txt"
@@ -51,10 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--no-default", dest="default", action="store_false")
     ap.add_argument("--reuse", action="store_true", help="measure the files already written")
-    ap.add_argument("--exclude", nargs="*", default=["Q4_1"], help="type names left out")
+    # The snapshot is dequantized from llama.cpp's Q4_1 GGUF (tests/conftest.py): Q4_1 blocks,
+    # and Q5_1's (a superset grid), hold its block matrices exactly, so they are left out there
+    # to measure unseen weights' rounding (its token table was Q8_0: every kind is fair there).
+    ap.add_argument("--exclude", nargs="*", default=["Q4_1@blocks.", "Q5_1@blocks."],
+                    help="type names left out (KIND, or KIND@prefix for some tensors)")  # fmt: skip
+    ap.add_argument("--imatrix", type=Path, default=None, help="keep / reuse the imatrix (.npz)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/quant-calibrated"))
     ap.add_argument("--kl", type=Path, default=None, help="a kept per-tensor KL measurement (JSON)")
-    ap.add_argument("--proxy", action="store_true", help="--bpw by the relative error alone")
+    ap.add_argument(
+        "--measure",
+        choices=("tensor", "group", "proxy"),
+        default="group",
+        help="--bpw's costs: KL per tensor, the grouped KL, or the relative error",
+    )
+    ap.add_argument("--gguf", type=Path, nargs="*", default=[], help="files measured alongside")
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -64,13 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     tokens = text_tokens(ref, text)[: args.ctx * args.windows]
     refs = list(reference_logits(ref, tokens, args.ctx))
     t0 = time.perf_counter()
-    planner = None if args.reuse else Planner(HF, measured=not args.proxy)
+    measured = {"tensor": True, "group": "group", "proxy": False}[args.measure]
+    kept = args.imatrix is not None and args.imatrix.is_file()
+    imx = dict(np.load(args.imatrix)) if kept else None
+    planner = None if args.reuse else Planner(HF, measured=measured, imatrix=imx)
+    if planner is not None and args.imatrix is not None and not kept:
+        np.savez(args.imatrix, **planner.imatrix)
     if planner is not None and args.kl is not None:
         planner.kl = json.loads(args.kl.read_text())
-    rows = {"planner_seconds": round(time.perf_counter() - t0, 1), "windows": args.windows}
+    rows = {"planner_seconds": round(time.perf_counter() - t0, 1), "windows": args.windows,
+            "measure": args.measure}  # fmt: skip
+    for path in args.gguf:  # e.g. llama.cpp's own files, on the same tokens and reference
+        res = evaluate(entity.load(path), tokens, reference=refs, n_ctx=args.ctx,
+                       file_bytes=path.stat().st_size)  # fmt: skip
+        rows[path.name] = {**res.to_json(), "bytes": path.stat().st_size}
+        print(path.name, json.dumps(rows[path.name]), flush=True)
     if planner is not None:
-        # The snapshot is dequantized from llama.cpp's Q4_1 GGUF (tests/conftest.py): Q4_1 blocks
-        # hold its matrices exactly, so Q4_1 is left out to measure unseen weights' rounding.
         planner.exclude = set(args.exclude)
         rows["floor_bpw"] = round(planner.floor_bpw(), 3)
     rows["excluded_types"] = sorted(args.exclude)
