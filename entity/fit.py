@@ -20,6 +20,14 @@ from poly.errors import UsageError
 
 RUNTIME_BYTES = 96 << 20  # Python, numpy, tokenizer, scratch: a tiny MoE run's peak RSS (~80 MiB)
 MIN_CTX = 256  # the shortest KV cache `fit` shrinks to
+# A GGUF's or .entity's tokenizer is built in Python from the vocabulary in the file (an HF
+# snapshot's tokenizer.json goes to the Rust library whole): SmolLM2's 49 152 tokens held
+# 33 MB more peak RSS than the same model from its snapshot (the GGUF and the Loom Q4 .entity
+# alike, at 256 and 1024 tokens of context), about 680 bytes a token.
+TEXT_PER_TOKEN = 680
+# bytes a cached value takes, by --kv-cache: q8_0 is 32 int8 codes and a float16 scale per 32
+# values (poly.nn.kvcache), not float32 (the plan had counted it as 4: 3.8x the memory)
+KV_ITEM = {"f32": 4, "f16": 2, "q8_0": 34 / 32}
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
@@ -63,11 +71,13 @@ class Footprint:
     sparse_layers: int
     transient: int  # experts a fused decode step holds past the budget (top_k per layer)
     kv_layers: tuple  # (kv_heads * head_dim, sliding window or 0) per attention layer
+    text: int = 0  # the tokenizer built from a GGUF's or .entity's vocabulary (TEXT_PER_TOKEN)
 
-    def kv_bytes(self, ctx: int, item: int = 4) -> int:
+    def kv_bytes(self, ctx: int, item: float = 4) -> int:
+        """K and V at `ctx` positions, `item` bytes a value (q8_0: KV_ITEM["q8_0"])."""
         from poly.nn.kvcache import window_rows
 
-        return sum(2 * window_rows(ctx, w) * width * item for width, w in self.kv_layers)
+        return round(sum(2 * window_rows(ctx, w) * width * item for width, w in self.kv_layers))
 
 
 def _held(fmt: str, t) -> tuple[int, int]:
@@ -102,14 +112,15 @@ def footprint(desc) -> Footprint:
         (a.num_kv_heads * a.head_dim, int(getattr(a, "sliding_window", 0) or 0))
         for a in (desc.model.attn(i) for i in range(cfg.num_layers))
     )
+    text = TEXT_PER_TOKEN * cfg.vocab_size if desc.format in ("gguf", "entity") else 0
     if cfg.moe is None:
-        return Footprint(dense, 0, 0, 0, 0, 0, 0, kv)
+        return Footprint(dense, 0, 0, 0, 0, 0, 0, kv, text)
     moe = cfg.moe
     sparse = cfg.num_layers - len(moe.dense_layers)
     count = sparse * moe.num_experts
     per, per_stored = -(-held // count), -(-stored // count)
     transient = moe.top_k * sparse  # the C step (GPT-OSS's options too) reports after it runs
-    return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv)
+    return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv, text)
 
 
 @dataclass(frozen=True)
@@ -131,12 +142,14 @@ class Fit:
         return dict(self.__dict__)
 
 
-def _need(fp: Footprint, ctx: int, n: int, item: int) -> int:
+def _need(fp: Footprint, ctx: int, n: int, item: float) -> int:
     held = min(fp.experts, n + fp.transient) * fp.expert_held
-    return RUNTIME_BYTES + fp.dense + fp.kv_bytes(ctx, item) + held
+    return RUNTIME_BYTES + fp.text + fp.dense + fp.kv_bytes(ctx, item) + held
 
 
-def fit(fp: Footprint, memory: int, ctx: int, *, ctx_fixed: bool = False, kv_item: int = 4) -> Fit:
+def fit(
+    fp: Footprint, memory: int, ctx: int, *, ctx_fixed: bool = False, kv_item: float = 4
+) -> Fit:
     """The largest expert budget (and KV context, shrunk from `ctx` unless `ctx_fixed`) whose
     estimate fits `memory`; UsageError naming the minimum when none does."""
     least = fp.top_k if fp.experts else 0
@@ -147,7 +160,7 @@ def fit(fp: Footprint, memory: int, ctx: int, *, ctx_fixed: bool = False, kv_ite
     if need > memory:
         raise UsageError(
             f"{human(memory)} does not fit: the dense weights need {human(fp.dense)}, the runtime "
-            f"{human(RUNTIME_BYTES)}, the KV cache at {ctx} tokens {human(fp.kv_bytes(ctx, kv_item))}"
+            f"{human(RUNTIME_BYTES + fp.text)}, the KV cache at {ctx} tokens {human(fp.kv_bytes(ctx, kv_item))}"
             + (f", the {m} experts a step needs {human(m * fp.expert_held)}" if least else "")
             + f": at least {human(need)}"
         )
@@ -159,12 +172,12 @@ def fit(fp: Footprint, memory: int, ctx: int, *, ctx_fixed: bool = False, kv_ite
     held = min(fp.experts, n + fp.transient) * fp.expert_held if fp.experts else 0
     miss = 0.0 if budget is None else 1 - budget / fp.experts
     per_step = fp.top_k * fp.sparse_layers
-    return Fit(memory, ctx, fp.kv_bytes(ctx, kv_item), budget, held, fp.dense, RUNTIME_BYTES,
+    return Fit(memory, ctx, fp.kv_bytes(ctx, kv_item), budget, held, fp.dense, RUNTIME_BYTES + fp.text,
                _need(fp, ctx, n, kv_item), fp.dense + per_step * fp.expert_stored,
                int(per_step * miss * fp.expert_stored))  # fmt: skip
 
 
-def _largest_ctx(fp: Footprint, memory: int, n: int, item: int) -> int:
+def _largest_ctx(fp: Footprint, memory: int, n: int, item: float) -> int:
     lo, hi = MIN_CTX, 1 << 22
     while lo < hi:  # the KV bytes grow with ctx: the largest ctx that fits
         mid = (lo + hi + 1) // 2
@@ -181,5 +194,5 @@ def plan(spec, memory: int, ctx: int | None = None, kv_cache: str | None = None)
         raise UsageError("a memory budget needs the headers of a GGUF, .entity v2 or HF model")
     fp = footprint(desc)
     default = desc.model.config.max_seq_len
-    item = 2 if kv_cache == "f16" else 4
+    item = KV_ITEM.get(kv_cache or "f32", 4)
     return fit(fp, memory, ctx or default, ctx_fixed=ctx is not None, kv_item=item), fp

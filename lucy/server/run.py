@@ -135,10 +135,14 @@ def _gib(n: int) -> str:
 
 def check_memory(model, kv, ctx: int) -> None:
     """The KV store must hold one full context, and fit in the machine's memory."""
+    from entity.fit import KV_ITEM
     from poly.nn.mha import kv_dtype
 
-    per_token = sum(2 * a.num_kv_heads * a.head_dim * kv_dtype(a).itemsize
-                    for a in (model.attn(i) for i in range(model.config.num_layers)))  # fmt: skip
+    def item(a) -> float:  # a q8_0 cache (int8 codes) holds a float16 scale per 32 values too
+        return KV_ITEM["q8_0"] if kv_dtype(a).itemsize == 1 else kv_dtype(a).itemsize
+
+    per_token = round(sum(2 * a.num_kv_heads * a.head_dim * item(a)
+                          for a in (model.attn(i) for i in range(model.config.num_layers))))  # fmt: skip
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if getattr(kv, "paged", False):
         pool = kv.pool.n_pages * kv.page_bytes
