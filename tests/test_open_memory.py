@@ -79,3 +79,27 @@ def test_f32_gguf_with_a_tied_table_peak_rss_is_its_file_size(snapshot, tmp_path
     assert first["top"] == again["top"]
     assert again["peak"] <= base + 1.05 * size, f"{(again['peak'] - base) / size:.2f}x the file"
     assert first["peak"] <= base + 1.10 * size, f"{(first['peak'] - base) / size:.2f}x the file"
+
+
+def test_a_tied_q8_0_tables_lookups_read_its_copy_by_16_exactly():
+    """A tied Q8_0 table's rows are no longer kept for its lookups (30 MB of SmolLM2 Q8_0): they
+    are put back together from the LM head's records by 16 and must decode as the stored rows."""
+    import numpy as np
+
+    from poly.quant.ggml import GGMLType
+    from poly.quant.qtensor import GGUFMatrix
+    from poly.runtime import ckernels, repack
+
+    m, k = 64, 256
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(m, k // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = np.frombuffer(rng.uniform(-1, 1, m * k // 32).astype(np.float16).tobytes(),
+                                    np.uint8).reshape(m, k // 32, 2)  # fmt: skip
+    table = GGUFMatrix(blocks.reshape(m, -1), GGMLType.Q8_0, (m, k))
+    rp = repack.il16(ckernels.Q8_0, table.raw, m, k)
+    if rp is None:
+        pytest.skip("this build reads the stored rows")
+    ids = np.array([0, 15, 16, 17, 63, 5, 5, 40])
+    got = repack._q8_0_rows(rp, k)(ids)
+    want = np.stack([table.dequantize(int(i), int(i) + 1)[0] for i in ids])
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -32,11 +32,13 @@ def lookup(table, ids: np.ndarray, dtype=np.float32) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         bad = int(ids[(ids < 0) | (ids >= vocab)][0])
         raise InvalidTokenError(f"token id {bad} is outside the vocabulary (size {vocab})")
-    if isinstance(table, np.ndarray):
-        laid = laid_rows(table, ids)  # a tied head's copy serves, when there is one
-        return np.asarray(table[ids] if laid is None else laid, dtype=dtype)
     if not ids.size:
         return np.zeros((0, table.shape[1]), dtype=dtype)
+    laid = laid_rows(table, ids)  # a tied head's copy serves, when there is one
+    if laid is not None:
+        return np.asarray(laid, dtype=dtype)
+    if isinstance(table, np.ndarray):
+        return np.asarray(table[ids], dtype=dtype)
     rows = np.stack([table.dequantize(int(i), int(i) + 1)[0] for i in ids])
     return rows.astype(dtype, copy=False)
 

@@ -139,6 +139,10 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
         else:
             rp = _cached(kind, data, m, k, aux)
         w.r16 = rp
+        if kind == Q8_0 and rp is not None and getattr(w, "raw", None) is data:
+            _serve_lookups(w, _q8_0_rows(rp, k))  # a tied table's rows need not stay pinned
+            _unpin(data)
+            release_mapped(data)
     return rp
 
 
@@ -315,12 +319,35 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
     ckernels.K16[key] = out
     weakref.finalize(w, ckernels.K16.pop, key, None)
     if table:  # its lookups read the copy from now on (`poly.weights.laid_rows`)
-        from poly.weights import LAID_TABLES
-
-        LAID_TABLES[key] = out
-        weakref.finalize(w, LAID_TABLES.pop, key, None)
+        _serve_lookups(w, lambda ids: out[ids // 16, :, ids % 16].view(w.dtype))
         release_mapped(w)
     return out
+
+
+def _serve_lookups(w, rows) -> None:
+    from poly.weights import LAID_TABLES
+
+    LAID_TABLES[id(w)] = rows
+    weakref.finalize(w, LAID_TABLES.pop, id(w), None)
+
+
+def _q8_0_rows(rp: np.ndarray, k: int):
+    """rows(ids) of a Q8_0 matrix from its records by 16 (`il16`): each row's stored blocks
+    (D, then its 32 codes) put back together and decoded as the stored rows are."""
+    from poly.quant.ggml import GGMLType
+    from poly.quant.qtensor import GGUFMatrix
+
+    def rows(ids: np.ndarray) -> np.ndarray:
+        rec, lane, nb = rp[ids // 16], ids % 16, rp.shape[1]  # [n, nb, 576]
+        n = len(ids)
+        blocks = np.empty((n, nb, 34), dtype=np.uint8)
+        sel = np.arange(n)[:, None, None], np.arange(nb)[None, :, None]
+        blocks[..., :2] = rec[(*sel, 2 * lane[:, None, None] + np.arange(2))]  # D[lane]
+        codes = rec[..., 64:].reshape(n, nb, 8, 16, 4)  # vector q, byte 4 r + i
+        blocks[..., 2:] = codes[np.arange(n), :, :, lane].reshape(n, nb, 32)
+        return GGUFMatrix(blocks.reshape(n, -1), GGMLType.Q8_0, (n, k)).dequantize()
+
+    return rows
 
 
 def _unpin(table: np.ndarray) -> None:
