@@ -103,3 +103,21 @@ def test_a_tied_q8_0_tables_lookups_read_its_copy_by_16_exactly():
     got = repack._q8_0_rows(rp, k)(ids)
     want = np.stack([table.dequantize(int(i), int(i) + 1)[0] for i in ids])
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_a_tied_int8_tables_lookups_read_its_copy_by_16_exactly():
+    """The same for `.entity` q8 (int8 rows with a scale each: 28 MB of SmolLM2)."""
+    import numpy as np
+
+    from poly.quant.qtensor import CodedMatrix
+    from poly.runtime import ckernels, repack
+
+    m, k = 64, 256
+    table = CodedMatrix.encode(np.random.default_rng(1).standard_normal((m, k)), "int8")
+    rp = repack.il16(ckernels.I8, table.encoded.codes, m, k)
+    if rp is None:
+        pytest.skip("this build reads the stored rows")
+    ids = np.array([0, 15, 16, 17, 63, 5, 5, 40])
+    got = repack._i8_rows(rp, table.encoded, k)(ids)
+    want = np.stack([table.dequantize(int(i), int(i) + 1)[0] for i in ids])
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -139,8 +139,14 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
         else:
             rp = _cached(kind, data, m, k, aux)
         w.r16 = rp
+        enc = getattr(w, "encoded", None)
+        rows = None
         if kind == Q8_0 and rp is not None and getattr(w, "raw", None) is data:
-            _serve_lookups(w, _q8_0_rows(rp, k))  # a tied table's rows need not stay pinned
+            rows = _q8_0_rows(rp, k)
+        elif kind == I8 and rp is not None and enc is not None and enc.codes is data:
+            rows = _i8_rows(rp, enc, k)
+        if rows is not None:  # a tied table's stored rows need not stay pinned
+            _serve_lookups(w, rows)
             _unpin(data)
             release_mapped(data)
     return rp
@@ -331,6 +337,31 @@ def _serve_lookups(w, rows) -> None:
     weakref.finalize(w, LAID_TABLES.pop, id(w), None)
 
 
+def _codes_by16(rec: np.ndarray, lane: np.ndarray, at: int) -> np.ndarray:
+    """Each row's code bytes [n, nb, 32] out of its records [n, nb, bytes] (lane = row % 16):
+    8 vectors of 64 bytes from byte `at`, byte 4 lane + i of vector q = code 4 q + i."""
+    n, nb = rec.shape[:2]
+    codes = rec[..., at : at + 512].reshape(n, nb, 8, 16, 4)
+    return codes[np.arange(n), :, :, lane].reshape(n, nb, 32)
+
+
+def _i8_rows(rp: np.ndarray, enc, k: int):
+    """rows(ids) of int8 rows (.entity q8) from their records by 16 (`_repack_i8`): the codes
+    put back together, decoded with the rows' own scales as the stored rows are."""
+    import dataclasses
+
+    from poly.quant.qtensor import CodedMatrix
+
+    def rows(ids: np.ndarray) -> np.ndarray:
+        codes = _codes_by16(rp[ids // 16], ids % 16, 32).reshape(len(ids), k).view(np.int8)
+        zero = None if enc.zero is None else enc.zero[ids]
+        part = dataclasses.replace(enc, shape=(len(ids), k), codes=codes, scales=enc.scales[ids],
+                                   zero=zero)  # fmt: skip
+        return CodedMatrix(part).dequantize()
+
+    return rows
+
+
 def _q8_0_rows(rp: np.ndarray, k: int):
     """rows(ids) of a Q8_0 matrix from its records by 16 (`il16`): each row's stored blocks
     (D, then its 32 codes) put back together and decoded as the stored rows are."""
@@ -343,8 +374,7 @@ def _q8_0_rows(rp: np.ndarray, k: int):
         blocks = np.empty((n, nb, 34), dtype=np.uint8)
         sel = np.arange(n)[:, None, None], np.arange(nb)[None, :, None]
         blocks[..., :2] = rec[(*sel, 2 * lane[:, None, None] + np.arange(2))]  # D[lane]
-        codes = rec[..., 64:].reshape(n, nb, 8, 16, 4)  # vector q, byte 4 r + i
-        blocks[..., 2:] = codes[np.arange(n), :, :, lane].reshape(n, nb, 32)
+        blocks[..., 2:] = _codes_by16(rec, lane, 64)
         return GGUFMatrix(blocks.reshape(n, -1), GGMLType.Q8_0, (n, k)).dequantize()
 
     return rows
