@@ -18,8 +18,9 @@ import entity
 from poly.errors import ConfigError
 from poly.runtime import fused
 from tests import hf_fixtures
-from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
-from tests.test_moe_hf import PROMPT, greedy
+from tests.family_helpers import assert_load_error, assert_matches_transformers, converter_root
+from tests.hf_fixtures import make_tiny_checkpoint, set_config_keys
+from tests.test_moe_hf import PROMPT
 
 N_NEW = 32
 KEYS = {"hidden_size": 72, "num_hidden_layers": 4, "layer_norm_eps": 1e-5, "logit_scale": 0.25,
@@ -50,10 +51,7 @@ def test_cohere2_matches_transformers(ckpts, name):
     assert windows == [0 if i in full else 6 for i in range(4)]
     assert [tf.attn(i).use_rope for i in range(4)] == [i not in full for i in range(4)]
     assert fused.plan(tf) is not None
-    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(src, PROMPT, N_NEW)
-    assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+    assert_matches_transformers(tf, src, PROMPT)
 
 
 def test_cohere2_entity_f32_is_exact(ckpts, tmp_path):
@@ -68,25 +66,18 @@ def test_cohere2_entity_f32_is_exact(ckpts, tmp_path):
 def test_bad_layer_types_names_the_key(ckpts, tmp_path):
     path = Path(shutil.copytree(ckpts["cohere2"], tmp_path / "m"))
     set_config_keys(path, layer_types=["sliding_attention", "chunked_attention"] * 2)
-    with pytest.raises(ConfigError, match="layer_types") as e:
-        entity.load(path)
-    assert "\n" not in str(e.value)
+    assert_load_error(path, ConfigError, "layer_types")
 
 
 @pytest.mark.slow
 def test_cohere2_gguf_from_llama_cpp_matches_transformers(ckpts, tmp_path):
     from benchmarks import llama_convert
 
-    root = llama_convert.converter_dir()
-    if root is None:
-        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    root = converter_root()
     src = ckpts["cohere2"]  # tied: the converter maps a tied head only; llama.cpp's pattern 4
     copy = Path(shutil.copytree(src, tmp_path / "src"))
     set_config_keys(copy, rotary_pct=1.0)
     f32 = entity.load(llama_convert.convert(copy, tmp_path / "c2.f32.gguf", "f32", root))
     assert [f32.attn(i).sliding_window for i in range(4)] == [6, 6, 6, 0]
     assert [f32.attn(i).use_rope for i in range(4)] == [True, True, True, False]
-    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(src, PROMPT, N_NEW)
-    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    assert_matches_transformers(f32, src, PROMPT)

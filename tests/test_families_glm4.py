@@ -16,9 +16,10 @@ import entity
 from poly.nn import mha
 from poly.runtime import fused
 from tests import hf_fixtures
-from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint
+from tests.family_helpers import assert_matches_transformers, converter_root
+from tests.hf_fixtures import make_tiny_checkpoint
 from tests.test_families_dense import CASES as DENSE
-from tests.test_families_dense import PROMPT, _greedy, _with_user_token
+from tests.test_families_dense import PROMPT, _with_user_token
 
 N_NEW = 32
 _, _, BASE = DENSE["glm4"]
@@ -46,10 +47,7 @@ def test_glm4_variant_matches_transformers(ckpts, name):
     # transformers' q/k/v biases (randomised by the fixture) are read; without them, zeros
     assert (np.abs(mha.views(tf.attn(0)).b_q).max() > 0) == biased
     assert fused.plan(tf) is not None  # the fused C step runs it
-    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(path, PROMPT, N_NEW, use_cache=True)
-    assert _greedy(tf, PROMPT, N_NEW, use_cache=True) == want
-    assert _greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+    assert_matches_transformers(tf, path, PROMPT)
 
 
 def test_glm4_without_biases_has_no_bias_tensors(ckpts):
@@ -75,15 +73,10 @@ def test_glm4_entity_f32_is_exact(ckpts, tmp_path):
 def test_glm4_gguf_from_llama_cpp_matches_transformers(ckpts, tmp_path, name):
     from benchmarks import llama_convert
 
-    root = llama_convert.converter_dir()
-    if root is None:
-        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    root = converter_root()
     _, rot, biased = VARIANTS[name]
     path = ckpts[name]
     src = _with_user_token(path, tmp_path / "src")
     f32 = entity.load(llama_convert.convert(src, tmp_path / "glm4.f32.gguf", "f32", root))
     assert f32.config.attention_bias == biased and f32.attn(0).rotary_dim == rot
-    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(path, PROMPT, N_NEW, use_cache=True)
-    assert _greedy(f32, PROMPT, N_NEW, use_cache=True) == want
-    assert _greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    assert_matches_transformers(f32, path, PROMPT)

@@ -18,8 +18,14 @@ import entity
 from poly.errors import ConfigError, WeightMappingError
 from poly.layer import LayerType
 from poly.runtime import ckernels, fused
+from tests.family_helpers import (
+    assert_load_error,
+    assert_matches_transformers,
+    assert_top1_along,
+    converter_root,
+)
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
-from tests.test_moe_hf import PROMPT, greedy
+from tests.test_moe_hf import PROMPT
 
 N_NEW = 32
 VARIANTS = {
@@ -43,10 +49,7 @@ def test_gpt_neox_logits_and_greedy_match_transformers(ckpts, variant):
     tf = entity.load(src)
     assert tf.config.block.parallel == (variant == "parallel")
     assert tf.attn_norm(0).type == LayerType.LAYERNORM and tf.attn(0).rotary_dim == 4
-    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(src, PROMPT, N_NEW)
-    assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+    assert_matches_transformers(tf, src, PROMPT)
 
 
 def test_older_config_keys(ckpts, tmp_path):
@@ -76,8 +79,7 @@ def test_gpt_neox_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
     q8 = tmp_path / "neox.q8.entity"
     entity.convert(src, q8, quant="q8")
     want = hf_greedy(src, PROMPT, N_NEW)
-    logits = entity.load(q8).forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]  # teacher-forced
-    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert_top1_along(entity.load(q8), PROMPT, want)  # teacher-forced
 
 
 @pytest.fixture
@@ -104,9 +106,7 @@ def _edit(path: Path, name: str, cut: int | None) -> None:
 )
 def test_a_bad_tensor_is_named(scratch, name, cut, says):
     _edit(scratch, name, cut)
-    with pytest.raises(WeightMappingError, match=f"{says} '{name}'|tensor '{name}' {says}") as e:
-        entity.load(scratch)
-    assert "\n" not in str(e.value)
+    assert_load_error(scratch, WeightMappingError, f"{says} '{name}'|tensor '{name}' {says}")
 
 
 def test_bad_use_parallel_residual_names_the_key(scratch):
@@ -120,9 +120,7 @@ def test_bad_use_parallel_residual_names_the_key(scratch):
 def gguf_files(ckpts, tmp_path_factory) -> dict[str, Path]:
     from benchmarks import llama_convert
 
-    root = llama_convert.converter_dir()
-    if root is None:
-        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    root = converter_root()
     tmp = tmp_path_factory.mktemp("neox_gguf")
     # transformers 5's AutoConfig folds rotary_pct into rope_parameters; the converter reads it
     return {
@@ -138,13 +136,9 @@ def test_gguf_from_llama_cpp_matches_transformers(ckpts, gguf_files):
     src = ckpts["parallel"]
     f32 = entity.load(gguf_files["f32"])
     assert f32.config.block.parallel and f32.attn(0).rotary_dim == 4
-    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(src, PROMPT, N_NEW)
-    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    want = assert_matches_transformers(f32, src, PROMPT)
     q8 = entity.load(gguf_files["q8_0"])  # top-1 along transformers' greedy path
-    logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
-    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert_top1_along(q8, PROMPT, want)
     assert fused.plan(q8) is not None
 
 
@@ -154,6 +148,4 @@ def test_a_wrong_fused_gguf_tensor_is_named(gguf_files, tmp_path, name):
     from tests.test_moe_gguf import rewrite_gguf
 
     bad = rewrite_gguf(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
-    with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as e:
-        entity.load(bad)
-    assert "\n" not in str(e.value)
+    assert_load_error(bad, WeightMappingError, f"tensor '{name}' has shape")

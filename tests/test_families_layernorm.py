@@ -16,8 +16,14 @@ import entity
 from poly.errors import ConfigError, UnsupportedError, WeightMappingError
 from poly.layer import Activation, LayerType
 from poly.runtime import ckernels, fused, kernels
-from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
-from tests.test_moe_hf import PROMPT, greedy  # 20 ids: more than 3x the window of 6
+from tests.family_helpers import (
+    assert_load_error,
+    assert_matches_transformers,
+    assert_top1_along,
+    converter_root,
+)
+from tests.hf_fixtures import hf_greedy, make_tiny_checkpoint, set_config_keys
+from tests.test_moe_hf import PROMPT  # 20 ids: more than 3x the window of 6
 
 N_NEW = 32
 VARIANTS = {"biased": {}, "unbiased": {"use_bias": False, "hidden_act": "gelu"}}
@@ -39,10 +45,7 @@ def test_starcoder2_logits_and_greedy_match_transformers(ckpts, variant):
     assert tf.attn_norm(0).type == LayerType.LAYERNORM and tf.mlp(0).type == LayerType.GELU_MLP
     want_act = Activation.GELU_ERF if variant == "unbiased" else Activation.GELU
     assert tf.mlp(0).activation == want_act and tf.attn(0).sliding_window == 6
-    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(src, PROMPT, N_NEW)
-    assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+    assert_matches_transformers(tf, src, PROMPT)
 
 
 def test_starcoder2_runs_the_fused_step(ckpts):
@@ -63,8 +66,7 @@ def test_starcoder2_entity_f32_exact_and_q8_top1(ckpts, tmp_path):
     q8 = tmp_path / "sc2.q8.entity"
     entity.convert(src, q8, quant="q8")
     want = hf_greedy(src, PROMPT, N_NEW)
-    logits = entity.load(q8).forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]  # teacher-forced
-    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert_top1_along(entity.load(q8), PROMPT, want)  # teacher-forced
 
 
 @pytest.fixture
@@ -84,9 +86,7 @@ def _drop(path: Path, name: str) -> None:
 )
 def test_a_missing_bias_tensor_is_named(scratch, name):
     _drop(scratch, name)
-    with pytest.raises(WeightMappingError, match=f"missing tensor '{name}'") as err:
-        entity.load(scratch)
-    assert "\n" not in str(err.value)
+    assert_load_error(scratch, WeightMappingError, f"missing tensor '{name}'")
 
 
 def test_unknown_activation_and_bad_use_bias_name_the_key(scratch):
@@ -104,9 +104,7 @@ def test_unknown_activation_and_bad_use_bias_name_the_key(scratch):
 def gguf_files(tmp_path_factory) -> dict[str, Path]:
     from benchmarks import llama_convert
 
-    root = llama_convert.converter_dir()
-    if root is None:
-        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    root = converter_root()
     tmp = tmp_path_factory.mktemp("sc2_gguf")
     src = make_tiny_checkpoint(tmp / "hf", "starcoder2", seed=61,
                                config_overrides={"sliding_window": None})  # fmt: skip
@@ -119,13 +117,9 @@ def test_starcoder2_gguf_from_llama_cpp_matches_transformers(gguf_files):
     src = gguf_files["hf"]
     f32 = entity.load(gguf_files["f32"])
     assert f32.attn_norm(0).type == LayerType.LAYERNORM and f32.attn(0).sliding_window == 0
-    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(src, PROMPT, N_NEW)
-    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    want = assert_matches_transformers(f32, src, PROMPT)
     q8 = entity.load(gguf_files["q8_0"])  # top-1 along transformers' greedy path
-    logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
-    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert_top1_along(q8, PROMPT, want)
     assert fused.plan(q8) is not None
 
 
@@ -135,6 +129,4 @@ def test_a_wrong_starcoder2_gguf_bias_is_named(gguf_files, tmp_path, name):
     from tests.test_moe_gguf import rewrite_gguf
 
     bad = rewrite_gguf(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
-    with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as err:
-        entity.load(bad)
-    assert "\n" not in str(err.value)
+    assert_load_error(bad, WeightMappingError, f"tensor '{name}' has shape")

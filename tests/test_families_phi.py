@@ -21,6 +21,12 @@ import entity
 from poly.errors import ConfigError, WeightMappingError
 from poly.nn import mha
 from poly.runtime import ckernels, fused
+from tests.family_helpers import (
+    assert_load_error,
+    assert_matches_transformers,
+    assert_top1_along,
+    converter_root,
+)
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
 from tests.test_moe_hf import PROMPT, greedy
 
@@ -48,10 +54,7 @@ def test_phi_logits_and_greedy_match_transformers(ckpts, variant):
     assert tf.config.block.shared_norm and tf.attn(0).rotary_dim == 8
     assert tf.lm_head_bias is not None and np.abs(tf.lm_head_bias).max() > 0
     assert tf.config.qk_norm == (variant == "qk_ln")
-    np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(src, PROMPT, N_NEW)
-    assert greedy(tf, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy(tf, PROMPT, N_NEW, use_cache=False) == want
+    assert_matches_transformers(tf, src, PROMPT)
 
 
 def test_phi_runs_the_fused_step(ckpts):
@@ -99,8 +102,7 @@ def test_phi_entity_f32_exact_and_q8_top1(ckpts, tmp_path, variant):
     q8 = tmp_path / "phi.q8.entity"
     entity.convert(src, q8, quant="q8")
     want = hf_greedy(src, PROMPT, N_NEW)
-    logits = entity.load(q8).forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]  # teacher-forced
-    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert_top1_along(entity.load(q8), PROMPT, want)  # teacher-forced
 
 
 @pytest.fixture
@@ -115,16 +117,12 @@ def test_a_missing_bias_is_named(scratch, name):
     tensors = load_file(str(scratch / "model.safetensors"))
     del tensors[name]
     save_file(tensors, str(scratch / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(WeightMappingError, match=f"missing tensor '{name}'") as e:
-        entity.load(scratch)
-    assert "\n" not in str(e.value)
+    assert_load_error(scratch, WeightMappingError, f"missing tensor '{name}'")
 
 
 def test_a_bad_qk_layernorm_is_refused_by_name(scratch):
     set_config_keys(scratch, qk_layernorm="yes")
-    with pytest.raises(ConfigError, match="qk_layernorm") as e:
-        entity.load(scratch)
-    assert "\n" not in str(e.value)
+    assert_load_error(scratch, ConfigError, "qk_layernorm")
 
 
 def test_a_missing_qk_layernorm_bias_is_named(ckpts, tmp_path):
@@ -133,9 +131,7 @@ def test_a_missing_qk_layernorm_bias_is_named(ckpts, tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     del tensors[name]
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(WeightMappingError, match=f"missing tensor '{name}'") as e:
-        entity.load(path)
-    assert "\n" not in str(e.value)
+    assert_load_error(path, WeightMappingError, f"missing tensor '{name}'")
 
 
 def test_eval_window_logits_use_the_biased_head(ckpts):
@@ -155,9 +151,7 @@ def gguf_files(tmp_path_factory) -> dict[str, Path]:
     """llama.cpp's phi2 writes feed_forward_length 4 x hidden and kv heads = heads (as Phi-2)."""
     from benchmarks import llama_convert
 
-    root = llama_convert.converter_dir()
-    if root is None:
-        pytest.skip("llama.cpp converter (llama-cpp-python sdist) not available")
+    root = converter_root()
     tmp = tmp_path_factory.mktemp("phi_gguf")
     over = {"num_key_value_heads": 4, "intermediate_size": 320}
     src = make_tiny_checkpoint(tmp / "hf", "phi", seed=95, config_overrides=over)
@@ -170,13 +164,9 @@ def test_gguf_from_llama_cpp_matches_transformers(gguf_files):
     src = gguf_files["hf"]
     f32 = entity.load(gguf_files["f32"])
     assert f32.lm_head_bias is not None and f32.attn(0).rotary_dim == 8
-    np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(src, PROMPT), atol=1e-4, rtol=0)
-    want = hf_greedy(src, PROMPT, N_NEW)
-    assert greedy(f32, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy(f32, PROMPT, N_NEW, use_cache=False) == want
+    want = assert_matches_transformers(f32, src, PROMPT)
     q8 = entity.load(gguf_files["q8_0"])  # top-1 along transformers' greedy path
-    logits = q8.forward_all(PROMPT + want[:-1])[len(PROMPT) - 1 :]
-    assert int((logits.argmax(-1) == np.array(want)).sum()) >= 31
+    assert_top1_along(q8, PROMPT, want)
     assert fused.plan(q8) is not None
 
 
@@ -186,6 +176,4 @@ def test_a_wrong_gguf_bias_is_named(gguf_files, tmp_path, name):
     from tests.test_moe_gguf import rewrite_gguf
 
     bad = rewrite_gguf(gguf_files["f32"], tmp_path / "bad.gguf", reshape=name)
-    with pytest.raises(WeightMappingError, match=f"tensor '{name}' has shape") as e:
-        entity.load(bad)
-    assert "\n" not in str(e.value)
+    assert_load_error(bad, WeightMappingError, f"tensor '{name}' has shape")
