@@ -11,14 +11,18 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import entity
 from poly.errors import ConfigError
 from poly.runtime import fused
 from tests import hf_fixtures
-from tests.family_helpers import assert_load_error, assert_matches_transformers, converter_root
+from tests.family_helpers import (
+    assert_entity_f32_exact,
+    assert_load_error,
+    assert_matches_transformers,
+    converter_root,
+)
 from tests.hf_fixtures import make_tiny_checkpoint, set_config_keys
 from tests.test_moe_hf import PROMPT
 
@@ -56,11 +60,7 @@ def test_cohere2_matches_transformers(ckpts, name):
 
 def test_cohere2_entity_f32_is_exact(ckpts, tmp_path):
     src = ckpts["cohere2_biased"]
-    out = tmp_path / "c2.f32.entity"
-    entity.convert(src, out, quant="f32")
-    np.testing.assert_array_equal(
-        entity.load(out).forward_all(PROMPT), entity.load(src).forward_all(PROMPT)
-    )
+    assert_entity_f32_exact(src, tmp_path, PROMPT)
 
 
 def test_bad_layer_types_names_the_key(ckpts, tmp_path):

@@ -19,7 +19,7 @@ import pytest
 
 import entity
 from poly.errors import ConfigError
-from tests.family_helpers import assert_load_error, converter_root
+from tests.family_helpers import assert_entity_f32_exact, assert_load_error, converter_root
 from tests.hf_fixtures import (
     BOS_ID,
     CHAT_TEMPLATE,
@@ -147,11 +147,7 @@ def test_text_logits_and_greedy_match_transformers(ckpt):
 
 
 def test_entity_f32_is_exact(ckpt, tmp_path):
-    out = tmp_path / "g3.f32.entity"
-    entity.convert(ckpt, out, quant="f32")
-    np.testing.assert_array_equal(
-        entity.load(out).forward_all(PROMPT), entity.load(ckpt).forward_all(PROMPT)
-    )
+    assert_entity_f32_exact(ckpt, tmp_path, PROMPT)
 
 
 def test_a_missing_text_config_names_the_key(ckpt, tmp_path):

@@ -16,7 +16,11 @@ import entity
 from poly.nn import mha
 from poly.runtime import fused
 from tests import hf_fixtures
-from tests.family_helpers import assert_matches_transformers, converter_root
+from tests.family_helpers import (
+    assert_entity_f32_exact,
+    assert_matches_transformers,
+    converter_root,
+)
 from tests.hf_fixtures import make_tiny_checkpoint
 from tests.test_families_dense import CASES as DENSE
 from tests.test_families_dense import PROMPT, _with_user_token
@@ -61,11 +65,7 @@ def test_glm4_without_biases_has_no_bias_tensors(ckpts):
 
 def test_glm4_entity_f32_is_exact(ckpts, tmp_path):
     src = ckpts["glm4_nobias_quarter"]
-    out = tmp_path / "glm4.f32.entity"
-    entity.convert(src, out, quant="f32")
-    np.testing.assert_array_equal(
-        entity.load(out).forward_all(PROMPT), entity.load(src).forward_all(PROMPT)
-    )
+    assert_entity_f32_exact(src, tmp_path, PROMPT)
 
 
 @pytest.mark.slow
