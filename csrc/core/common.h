@@ -46,6 +46,12 @@ static float *thread_buffer(size_t floats) {
 #else
 #define PK_SIMD 0
 #endif
+/* the avx512 build's 16-lane kernels (rows/avx512.h) */
+#if PK_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PK_AVX512 1
+#else
+#define PK_AVX512 0
+#endif
 
 enum { K_F32, K_F16, K_BF16, K_I8, K_LOOM_Q4, K_Q4_0, K_Q4_1, K_Q8_0, K_Q4_K, K_Q6_K,
        K_Q5_0, K_Q5_1, K_Q2_K, K_Q3_K, K_Q5_K, K_IQ4_NL, K_IQ4_XS, K_MXFP4, K_COUNT };
@@ -54,6 +60,28 @@ enum { K_F32, K_F16, K_BF16, K_I8, K_LOOM_Q4, K_Q4_0, K_Q4_1, K_Q8_0, K_Q4_K, K_
 static const int BLOCK_BYTES[K_COUNT] = {0, 0, 0, 0, 16, 18, 20, 34, 144, 210, 22, 24, 84, 110, 176, 18, 136, 17};
 static const int BLOCK_ELEMS[K_COUNT] = {1, 1, 1, 1, 32, 32, 32, 32, 256, 256, 32, 32, 256, 256, 256, 32, 256, 32};
 static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1};
+
+/* A kind's record: what the generic kernels ask of a stored kind instead of naming it. A
+ * format's own file defines its kinds' records; formats/kinds.h maps kind -> record (KINDS).
+ * Read with a constant kind (the range functions are made per kind) every field folds away. */
+enum { KQP_MIN16, KQP_MIN32, KQP_OFF32, KQP_OFF4, KQP_OFF128 }; /* formats/kquant_panels.h kqp_form */
+enum { KIL8_NONE, KIL8_NIB, KIL8_SIX }; /* rows repacked by 8: nibbles + 6-bit scales, or 6-bit codes */
+typedef struct {
+    uint8_t pq;        /* decoded by the 32-element sub-block decoder (formats/pq_decode.h) */
+    uint8_t super;     /* its 8 sub-block scales unpacked together, a super-block at a time */
+    uint8_t halves;    /* a scale per 16 elements (else one scale and offset per 32) */
+    uint8_t sgn;       /* int8 rows: signed codes (the sign trick in the dot) */
+    uint8_t k8;        /* int8 rows a 256-element super-block at a time (formats/kquant_rows.h) */
+    uint8_t pq8;       /* auto mode: decode rows on x's first code (rows/int8_rows.h pq8_row) */
+    uint8_t pq8_sb;    /* ... its 8 scales decoded once a super-block */
+    uint8_t m32;       /* ... an offset a 32-block, on x's code sums */
+    uint8_t m16;       /* int8 rows: an offset per 16 elements, on x's float sums */
+    uint8_t kqp;       /* prompts on the int8 panels (formats/kquant_panels.h): 1, or 2 with KQP_IQ4 */
+    uint8_t kqp_form;  /* ... how its offsets are taken (KQP_*) */
+    uint8_t kqp_pairs; /* ... maddubs results its int16 lanes can sum before madd widens them */
+    uint8_t kil8;      /* its rows repacked by 8 (formats/kquant_interleave8*.h): KIL8_* */
+    uint8_t vdpbf;     /* a prompt's rows on vdpbf16ps when x is rounded too (formats/bf16_rows.h) */
+} kind_rec;
 static int pk_threads = 1; /* set_threads() (isa/methods.h): threads of the parallel loops */
 #define MAX_N 16
 /* from this many rows a product runs as gemm panels: below it the row kernels' register tiles.

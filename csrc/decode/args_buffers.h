@@ -110,7 +110,7 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     PyObject *ob = PyTuple_GET_ITEM(t, 5), *orp = PyTuple_GET_SIZE(t) == 7 ? PyTuple_GET_ITEM(t, 6) : Py_None;
     if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
     if (orp == Py_None) return 0; /* nothing repacked */
-    if (kind == K_Q4_K || kind == K_Q6_K) { /* rows by 8 (csrc/formats/kquant_interleave8.h) */
+    if (KINDS[kind]->kil8) { /* rows by 8 (csrc/formats/kquant_interleave8.h) */
         const int64_t nrk = kil8_bytes((int)kind, m, k);
         if (nrk < 0) { PyErr_SetString(PyExc_ValueError, "rp: Q4_K/Q6_K rows by 8 need m % 8 == 0 and k % 256 == 0"); return -1; }
         return (M->rk = hold(H, orp, 0, nrk, "rp")) ? 0 : -1;

@@ -3,7 +3,7 @@
 #define POLY_FORMATS_BLOCK_DECODE_H
 #include "core/common.h"
 #include "core/half.h"
-#include "formats/gguf_blocks.h"
+#include "formats/pq_decode.h"
 
 /* ---- 32-element quantized blocks ---------------------------------------------------------- */
 
@@ -13,11 +13,6 @@ static inline void q4_nibbles(const uint8_t *p, uint8_t x, float *q) {
         q[l] = (float)((p[l] ^ x) & 15);
         q[l + 16] = (float)((p[l] ^ x) >> 4);
     }
-}
-
-static inline void k4_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
-    if (j < 4) { *sc = s[j] & 63; *mn = s[j + 4] & 63; }
-    else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
 static inline __attribute__((always_inline)) void dec_scalar(int kind, const mm_args *A, int64_t r, int64_t b, float *q, float *D, float *M,
@@ -36,37 +31,13 @@ static inline __attribute__((always_inline)) void dec_scalar(int kind, const mm_
         for (int l = 0; l < 32; l++) q[l] = (float)c[l];
         *D = h2f(row + b * 34); *M = 0.0f; return;
     }
-    case K_Q4_K: {
-        const uint8_t *p = row + (b / 8) * 144, *qs = p + 16 + 32 * ((b % 8) / 2);
-        int sc, mn, sh = 4 * (b & 1);
-        k4_scale_min((int)(b % 8), p + 4, &sc, &mn);
-        for (int l = 0; l < 32; l++) q[l] = (float)((qs[l] >> sh) & 15);
-        *D = h2f(p) * (float)sc; *M = -h2f(p + 2) * (float)mn; return;
-    }
-    case K_Q6_K: { /* 16-element scale groups, folded into q */
-        const uint8_t *p = row + (b / 8) * 210;
-        int j = (int)(b % 8), h = j / 4, t = j % 4;
-        const uint8_t *ql = p + h * 64 + (t & 1) * 32, *qh = p + 128 + h * 32;
-        const int8_t *sc = (const int8_t *)(p + 192) + h * 8 + 2 * t;
-        for (int l = 0; l < 32; l++) {
-            int c = ((ql[l] >> (4 * (t >> 1))) & 15) | (((qh[l] >> (2 * t)) & 3) << 4);
-            q[l] = (float)(c - 32) * (float)sc[l / 16];
-        }
-        *D = h2f(p + 208); *M = 0.0f; return;
-    }
-    default: pq_dec_scalar(kind, row, b, q, pc); *D = 1.0f; *M = 0.0f; return;
+    default:
+        if (kq_dec_scalar(kind, row, b, q, D, M)) return;
+        pq_dec_scalar(kind, row, b, q, pc); *D = 1.0f; *M = 0.0f; return;
     }
 }
 
 #if PK_SIMD
-static inline void widen_u8(__m256i b, __m256 v[4]) { /* 32 uint8 -> 4 x 8 floats */
-    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
 static inline void widen_i8(__m256i b, __m256 v[4]) {
     __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
     v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
@@ -92,16 +63,9 @@ static inline __attribute__((always_inline)) void dec_simd(int kind, const mm_ar
     case K_Q8_0:
         widen_i8(_mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)), v);
         *D = h2f(row + b * 34); *M = 0.0f; return;
-    case K_Q4_K: {
-        const uint8_t *p = row + (b / 8) * 144, *qs = p + 16 + 32 * ((b % 8) / 2);
-        int sc, mn;
-        k4_scale_min((int)(b % 8), p + 4, &sc, &mn);
-        __m256i q = _mm256_loadu_si256((const __m256i *)qs);
-        if (b & 1) q = _mm256_srli_epi16(q, 4);
-        widen_u8(_mm256_and_si256(q, _mm256_set1_epi8(15)), v);
-        *D = h2f(p) * (float)sc; *M = -h2f(p + 2) * (float)mn; return;
-    }
-    default: pq_dec_simd(kind, row, b, v, D, M, pc); return;
+    default:
+        if (kq_dec_simd(kind, row, b, v, D, M)) return;
+        pq_dec_simd(kind, row, b, v, D, M, pc); return;
     }
 }
 #endif

@@ -143,7 +143,7 @@ static inline __attribute__((always_inline)) __m256 kil8q6_group(const mm_args *
 static int kil8_range(int kind, const mm_args *A, const uint8_t *rk, int64_t r0, int64_t r1) {
     const int64_t nsb = A->k / 256;
     int32_t *xp = NULL;
-    if (kind == K_Q4_K) {
+    if (KINDS[kind]->kil8 == KIL8_NIB) {
         if (!(xp = (int32_t *)thread_buffer((size_t)(A->n * nsb * 4)) /* int32 words */)) return -1;
         for (int64_t c = 0; c < A->n; c++) kil8_xpairs(A, c, nsb, xp + c * nsb * 4);
     }
@@ -154,7 +154,7 @@ static int kil8_range(int kind, const mm_args *A, const uint8_t *rk, int64_t r0,
                                               _mm256_cmpgt_epi32(_mm256_set1_epi32((int)hi), lane));
         for (int64_t c = 0; c < A->n; c++)
             _mm256_maskstore_ps(A->out + c * A->ldo + 8 * g, keep,
-                                kind == K_Q4_K ? kil8_group(A, rk, g, c, nsb, xp + c * nsb * 4) : kil8q6_group(A, rk, g, c, nsb));
+                                KINDS[kind]->kil8 == KIL8_NIB ? kil8_group(A, rk, g, c, nsb, xp + c * nsb * 4) : kil8q6_group(A, rk, g, c, nsb));
     }
     return 0;
 }

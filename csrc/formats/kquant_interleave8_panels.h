@@ -7,17 +7,18 @@
 #define POLY_FORMATS_KQUANT_INTERLEAVE8_PANELS_H
 #include "core/common.h"
 #include "core/prefetch.h"
+#include "formats/kinds.h"
 #include "formats/kquant_panels.h"
 
 #define KIL8_REC 1184  /* Q4_K: 8 rows x 144 bytes + 32 */
 #define KIL8Q6_REC 1680 /* Q6_K: 8 rows x 210 bytes */
-static inline int64_t kil8_rec(int kind) { return kind == K_Q4_K ? KIL8_REC : KIL8Q6_REC; } /* a record's bytes */
+static inline int64_t kil8_rec(int kind) { return KINDS[kind]->kil8 == KIL8_NIB ? KIL8_REC : KIL8Q6_REC; } /* a record's bytes */
 
 /* the bytes of an [m, k] Q4_K matrix repacked by 8, or -1 when its kind or shape takes none (every
  * build takes the argument: a plan made on a SIMD build stays valid when use_isa picks base,
  * which reads the stored rows) */
 static inline int64_t kil8_bytes(int kind, int64_t m, int64_t k) {
-    if ((kind != K_Q4_K && kind != K_Q6_K) || m % 8 || k % 256) return -1;
+    if (kind < 0 || kind >= K_COUNT || !KINDS[kind]->kil8 || m % 8 || k % 256) return -1;
     return m / 8 * (k / 256) * kil8_rec(kind);
 }
 
@@ -25,7 +26,7 @@ static inline int64_t kil8_bytes(int kind, int64_t m, int64_t k) {
  * of a matrix of nsb super-blocks a row */
 static inline void kil8_sb(int kind, const uint8_t *rk, int64_t nsb, int64_t row, int64_t sb, uint8_t *p) {
     const int r = (int)(row % 8);
-    if (kind == K_Q4_K) {
+    if (KINDS[kind]->kil8 == KIL8_NIB) {
         const uint8_t *R = rk + (row / 8 * nsb + sb) * KIL8_REC;
         uint8_t sc[8], mn[8];
         memcpy(p, R + 2 * r, 2);      /* d */
@@ -95,7 +96,7 @@ static inline void kil8_panel(int kind, const uint8_t *rk, int64_t nsb, int64_t 
         const uint8_t *R = rk + ((g + h) * nsb + sb) * rec;
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)R));
         uint8_t *c = d + 32 * h;
-        if (kind == K_Q4_K) { /* word 16 i + 8 e + t: nibble e of vector 8 i + t */
+        if (KINDS[kind]->kil8 == KIL8_NIB) { /* word 16 i + 8 e + t: nibble e of vector 8 i + t */
             for (int v = 0; v < 32; v++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(R + 160 + 32 * v));
                 const int w = 16 * (v / 8) + v % 8;

@@ -41,7 +41,7 @@
 /* the kinds whose prompts (auto mode) take the panels: the K-quants, IQ4 with KQP_IQ4 (rows of
  * whole 256-element super-blocks: IQ4_NL's 8 blocks a record) */
 static inline int kqp_kind(int kind) {
-    return k8_kind(kind) || (KQP_IQ4 && (kind == K_IQ4_NL || kind == K_IQ4_XS));
+    return KINDS[kind]->kqp == 1 || (KQP_IQ4 && KINDS[kind]->kqp == 2); /* record .kqp */
 }
 
 /* the int8 panels read rows of kind in runs of 256 elements */
@@ -77,7 +77,7 @@ static inline mm_args kqp_from(const mm_args *A, int64_t t) {
  * scale per 32 (Q4_K, Q5_K: one int32 sum per 32), KQP_OFF32 / KQP_OFF4 the code offsets 32 / 4
  * (Q6_K, Q3_K: folded into the integer sums, quantize_xi's -32 / -4 code sums start them),
  * KQP_OFF128 the IQ4 codes' 128, one scale and one int32 sum per 32 */
-enum { KQP_MIN16, KQP_MIN32, KQP_OFF32, KQP_OFF4, KQP_OFF128 };
+/* (the enum is core/common.h's: a kind's record holds its form) */
 
 #define KQP_SLOTS 6 /* x's int32 slots a block (quantize_xi) */
 
@@ -86,15 +86,7 @@ static inline int kqp_slot(int F, int all) {
     return !all ? 0 : F == KQP_OFF4 ? 2 : F == KQP_MIN32 ? 4 : F == KQP_OFF128 ? 5 : 0;
 }
 
-static inline int kqp_form(int kind) {
-    switch (kind) {
-    case K_Q4_K: case K_Q5_K: return KQP_MIN32;
-    case K_Q6_K: return KQP_OFF32;
-    case K_Q3_K: return KQP_OFF4;
-    case K_IQ4_NL: case K_IQ4_XS: return KQP_OFF128;
-    default: return KQP_MIN16;
-    }
-}
+static inline int kqp_form(int kind) { return KINDS[kind]->kqp_form; }
 
 /* where block b0 of input row 0 keeps its codes (xb), offset slots (ob) and the rows' strides:
  * the AVX-512 and AVX2 tiles read x the same way */

@@ -6,7 +6,7 @@
 #ifndef POLY_FORMATS_KQUANT_PANELS_AVX2_H
 #define POLY_FORMATS_KQUANT_PANELS_AVX2_H
 #include "core/common.h"
-#include "formats/gguf_blocks.h"
+#include "formats/pq_decode.h"
 #include "rows/avx512.h"
 #include "formats/kquant_rows.h"
 #include "core/activations.h"
@@ -31,7 +31,7 @@ static void kqp_decode(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk
             if (r < rows && kqp_form(kind) == KQP_OFF128) { /* IQ4: the table's signed codes, d * scale per 32 */
                 const uint8_t *p = w + (r0 + r) * rb + sb * kqp_sbb(kind);
                 for (int j = 0; j < 8; j++) {
-                    _mm256_storeu_si256((__m256i *)(codes + r * 64 + 8 * j), pq_codes_simd(kind, kind == K_IQ4_NL ? p + 18 * j : p, j));
+                    _mm256_storeu_si256((__m256i *)(codes + r * 64 + 8 * j), pq_codes_simd(kind, pq_sub(kind, p, j), j));
                     s[16 * r + 2 * j] = s[16 * r + 2 * j + 1] = pq_iq4_d(kind, p, j);
                     o[16 * r + 2 * j] = o[16 * r + 2 * j + 1] = 0.0f;
                 }
@@ -59,15 +59,7 @@ static void kqp_decode(int kind, const uint8_t *w, int64_t rb, const uint8_t *rk
 /* maddubs results a kind's int16 lanes can sum before madd widens them: a pair of products is at
  * most 2 * 127 * max code (Q4_K 15: 8 of them, Q5_K 31: 4, Q6_K 63: 2, Q3_K 7 and Q2_K 3: all 4;
  * IQ4's |code| 127: 1) */
-static inline int kqp_pairs(int kind) {
-    switch (kind) {
-    case K_Q4_K: return 8;
-    case K_Q5_K: return 4;
-    case K_Q6_K: return 2;
-    case K_IQ4_NL: case K_IQ4_XS: return 1;
-    default: return 4;
-    }
-}
+static inline int kqp_pairs(int kind) { return KINDS[kind]->kqp_pairs; }
 
 static inline __attribute__((always_inline)) void kqp_tile(const mm_args *A, const uint8_t *panel, int64_t nsb, int64_t t0,
                                                            float *out, int64_t ldo, int64_t col, int64_t rows,

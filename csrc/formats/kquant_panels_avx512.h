@@ -2,7 +2,7 @@
 #ifndef POLY_FORMATS_KQUANT_PANELS_AVX512_H
 #define POLY_FORMATS_KQUANT_PANELS_AVX512_H
 #include "core/common.h"
-#include "formats/gguf_blocks.h"
+#include "formats/pq_decode.h"
 #include "rows/avx512.h"
 #include "formats/kquant_rows.h"
 #include "formats/kquant_panels.h"

@@ -13,7 +13,7 @@
 #define POLY_FORMATS_KQUANT_ROWS_H
 #include "core/common.h"
 #include "core/half.h"
-#include "formats/gguf_blocks.h"
+#include "formats/pq_decode.h"
 #include "rows/avx512.h"
 #include "rows/dense_dot.h"
 
@@ -21,133 +21,21 @@
  * many input rows (the fused step: every row of independent sequences, csrc/decode/args.h) */
 #define K8_ROWS 1
 
-static inline int k8_kind(int kind) {
-    return kind == K_Q2_K || kind == K_Q3_K || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K;
-}
+/* the kinds read a 256-element super-block at a time (their scales and codes:
+ * formats/kquant_blocks.h k8_scales, k8_codes, formats/gguf_blocks.h k8_codes2) */
+static inline int k8_kind(int kind) { return KINDS[kind]->k8; }
 
 /* the 32-block kinds without repacked rows whose decode rows take x's first int8 code in the auto
- * mode (rows/int8_rows.h pq8_row), like the K-quants: their float rows were compute-bound (1B Q5_0
- * decode 0.85x llama.cpp's) */
-static inline int pq8_kind(int kind) {
-    return kind == K_Q5_0 || kind == K_Q5_1 || kind == K_IQ4_NL || kind == K_IQ4_XS || kind == K_MXFP4;
-}
+ * mode (rows/int8_rows.h pq8_row), like the K-quants (record .pq8) */
+static inline int pq8_kind(int kind) { return KINDS[kind]->pq8; }
 
 #if PK_SIMD
-
-typedef struct {
-    int16_t s[16]; /* integer scale per 16 elements */
-    int16_t o[16]; /* integer offset per 16 elements: the offset is om * o */
-    float D, om;
-} k8_sb;
-
-/* the 16 scales (int8 s8) and offsets (om * the int8 o8) of a super-block into S */
-static inline void k8_put(k8_sb *S, __m128i s8, __m128i o8, float om) {
-    _mm256_storeu_si256((__m256i *)S->s, _mm256_cvtepi8_epi16(s8));
-    _mm256_storeu_si256((__m256i *)S->o, _mm256_cvtepi8_epi16(o8));
-    S->om = om;
-}
 
 /* the float offsets of groups 8 h .. 8 h + 7 (x's two codes: offsets meet x's float sums) */
 static inline __m256 k8_off8(const k8_sb *S, int h) {
     const __m128i o = _mm_loadu_si128((const __m128i *)(S->o + 8 * h));
     return _mm256_mul_ps(_mm256_set1_ps(S->om), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(o)));
 }
-
-/* scales, offsets and D of super-block p (BLOCK_BYTES[kind] bytes), layouts as in formats/gguf_blocks.h */
-static inline __attribute__((always_inline)) void k8_scales(int kind, const uint8_t *p, k8_sb *S) {
-    switch (kind) {
-    case K_Q4_K: case K_Q5_K: { /* 6-bit scales and mins of the 8 sub-blocks (bytes 4-15), as pq_fill */
-        /* in vector lanes (the scalar unpack and its four inserts cost a quarter of a Q4_K row):
-         * bytes 0-3 sc0-3 = q[0-3] & 63, 4-7 sc4-7 = q[8-11] & 15 | (q[0-3] >> 6) << 4, 8-11 m0-3
-         * = q[4-7] & 63, 12-15 m4-7 = q[8-11] >> 4 | (q[4-7] >> 6) << 4 (q: the 12 bytes at p + 4) */
-        const __m128i v = _mm_loadu_si128((const __m128i *)p);
-        const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-        const __m128i lo = _mm_or_si128(_mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
-                                        _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
-        const __m128i hi = _mm_shuffle_epi8(_mm_srli_epi16(v, 2), _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
-        const __m128i sm = _mm_or_si128(lo, _mm_and_si128(hi, _mm_set1_epi8(0x30)));
-        S->D = h2f(p);
-        k8_put(S, _mm_unpacklo_epi8(sm, sm), _mm_unpackhi_epi8(sm, sm), h2f(p + 2)); /* one per 16 */
-        return;
-    }
-    case K_Q6_K: {
-        const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
-        S->D = h2f(p + 208);
-        k8_put(S, s8, s8, 32.0f * S->D);
-        return;
-    }
-    case K_Q3_K: { /* 16 6-bit scales (pq_k3_scale): low 4 bits in bytes 0-7 (scales 0-7 the low
-                    * nibbles, 8-15 the high ones), high 2 in bytes 8-11 (scale 4 g + b: bits 2 g of
-                    * byte b); the 16 bytes at p + 94 end with the block (scales at 2-13) */
-        const __m128i v = _mm_loadu_si128((const __m128i *)(p + 94));
-        const __m128i l = _mm_shuffle_epi8(v, _mm_setr_epi8(2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7, 8, 9));
-        const __m128i lo = _mm_or_si128(_mm_and_si128(l, _mm_setr_epi8(15, 15, 15, 15, 15, 15, 15, 15, 0, 0, 0, 0, 0, 0, 0, 0)),
-                                        _mm_and_si128(_mm_srli_epi16(l, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15, 15, 15, 15, 15)));
-        const __m128i h = _mm_srlv_epi32(_mm_shuffle_epi32(_mm_srli_si128(v, 10), 0), _mm_setr_epi32(0, 2, 4, 6));
-        const __m128i s8 = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi8(3)), 4)), _mm_set1_epi8(32));
-        S->D = h2f(p + 108);
-        k8_put(S, s8, s8, 4.0f * S->D);
-        return;
-    }
-    default: { /* K_Q2_K: scale in the low nibble, min in the high one */
-        const __m128i b = _mm_loadu_si128((const __m128i *)p), lo = _mm_set1_epi8(15);
-        S->D = h2f(p + 80);
-        k8_put(S, _mm_and_si128(b, lo), _mm_and_si128(_mm_srli_epi16(b, 4), lo), h2f(p + 82));
-        return;
-    }
-    }
-}
-
-/* unsigned codes of sub-block j (element l in byte l; Q6_K 0..63 at most: maddubs can't saturate) */
-static inline __attribute__((always_inline)) __m256i k8_codes(int kind, const uint8_t *p, int j) {
-    switch (kind) {
-    case K_Q4_K: return pq_field(p + 16 + 32 * (j >> 1), 4 * (j & 1), 15);
-    case K_Q5_K:
-        return _mm256_or_si256(pq_field(p + 48 + 32 * (j >> 1), 4 * (j & 1), 15), _mm256_slli_epi16(pq_field(p + 16, j, 1), 4));
-    case K_Q6_K: {
-        const int h = j >> 2, t = j & 3;
-        const __m256i ql = pq_field(p + h * 64 + (t & 1) * 32, 4 * (t >> 1), 15);
-        return _mm256_or_si256(ql, _mm256_slli_epi16(pq_field(p + 128 + h * 32, 2 * t, 3), 4));
-    }
-    case K_Q3_K:
-        return _mm256_or_si256(pq_field(p + 32 + 32 * (j >> 2), 2 * (j & 3), 3), _mm256_slli_epi16(pq_field(p, j, 1), 2));
-    default: return pq_field(p + 16 + 32 * (j >> 2), 2 * (j & 3), 3); /* K_Q2_K */
-    }
-}
-
-#if PK_AVX512
-/* 32 bytes at q in both halves, 16-bit lanes shifted right by a (low half) and b (high half),
- * each byte masked: k8_codes' pq_field for two sub-blocks at once */
-static inline __m512i k8_field2(const uint8_t *q, int a, int b, int mask) {
-    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)q));
-    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
-    return _mm512_and_si512(_mm512_srlv_epi16(v, sh), _mm512_set1_epi8((char)mask));
-}
-
-/* codes of sub-blocks 2 q2 and 2 q2 + 1 side by side (bytes 0-31, 32-63) */
-static inline __attribute__((always_inline)) __m512i k8_codes2(int kind, const uint8_t *p, int q2) {
-    const int j = 2 * q2, e = 4 * (q2 & 1); /* Q2_K/Q3_K shifts of the pair: e, e + 2 */
-    switch (kind) {
-    case K_Q4_K: return k8_field2(p + 16 + 32 * q2, 0, 4, 15);
-    case K_Q5_K:
-        return _mm512_or_si512(k8_field2(p + 48 + 32 * q2, 0, 4, 15), _mm512_slli_epi16(k8_field2(p + 16, j, j + 1, 1), 4));
-    case K_Q6_K: { /* ql: 64 bytes in a row; qh: shifts 2t, 2t + 2 */
-        const int h = q2 >> 1;
-        const __m512i ql = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(p + h * 64)), e),
-                                            _mm512_set1_epi8(15));
-        return _mm512_or_si512(ql, _mm512_slli_epi16(k8_field2(p + 128 + h * 32, e, e + 2, 3), 4));
-    }
-    case K_Q3_K:
-        return _mm512_or_si512(k8_field2(p + 32 + 32 * (q2 >> 1), e, e + 2, 3), _mm512_slli_epi16(k8_field2(p, j, j + 1, 1), 2));
-    case K_IQ4_NL: case K_IQ4_XS: { /* the table's codes + 128 (v ^ 0x80: the unsigned side of vpdpbusd) */
-        const uint8_t *a = pq_iq4_nibs(kind, p, j), *b = pq_iq4_nibs(kind, p, j + 1);
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(pq_lut(pq_nib32(a))), pq_lut(pq_nib32(b)), 1);
-        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
-    }
-    default: return k8_field2(p + 16 + 32 * (q2 >> 1), e, e + 2, 3); /* K_Q2_K */
-    }
-}
-#endif
 
 /* 8 int32: sum over the 32 elements of sub-block j of s * u * xc, in 4-element groups */
 static inline __m256i k8_dot(__m256i u, __m256i sv, const int8_t *xc) {

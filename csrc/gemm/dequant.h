@@ -4,7 +4,7 @@
 #define POLY_GEMM_DEQUANT_H
 #include "core/common.h"
 #include "core/half.h"
-#include "formats/gguf_blocks.h"
+#include "formats/pq_decode.h"
 #include "rows/dense_dot.h"
 #include "formats/block_decode.h"
 #include "formats/interleave16.h"
@@ -27,7 +27,7 @@ typedef struct {
     const uint8_t *rp; /* the rows repacked by 16 (csrc/formats/interleave16.h) to read instead of w, or NULL */
     int bf;            /* BF16 gemm panels on vdpbf16ps, x rounded to bf16 (csrc/formats/bf16_rows.h) */
     const void *hk;    /* float16/float32 rows by 16, k-major (csrc/formats/float_kmajor16.h) to read instead of w, or NULL */
-    const uint8_t *rk; /* Q4_K/Q6_K rows by 8 (csrc/formats/kquant_interleave8_panels.h): the int8 panels decode them, not w; or NULL */
+    const uint8_t *rk; /* K-quant rows by 8 (record .kil8: csrc/formats/kquant_interleave8_panels.h): the int8 panels decode them, not w; or NULL */
 } dq_args;
 
 /* float32 and float16 rows laid out by 16, k-major (csrc/formats/float_kmajor16.h): the kinds as bits */
@@ -139,37 +139,7 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
             for (int l = 0; l < 32; l++) dst[l] = (float)c[l] * d;
         }
         return;
-    case K_Q4_K: /* (the SIMD build dequantizes K-quants with pq_dq_row) */
-        for (int64_t s = 0; s < k / 256; s++) {
-            const uint8_t *p = row + s * 144;
-            const float d = h2f(p), dmin = h2f(p + 2);
-            for (int j = 0; j < 8; j++, dst += 32) {
-                int sc, mn;
-                k4_scale_min(j, p + 4, &sc, &mn);
-                const float D = d * (float)sc, M = dmin * (float)mn;
-                const uint8_t *qs = p + 16 + 32 * (j / 2);
-                const int sh = 4 * (j & 1);
-                for (int l = 0; l < 32; l++) dst[l] = D * (float)((qs[l] >> sh) & 15) - M;
-            }
-        }
-        return;
-    case K_Q6_K:
-        for (int64_t s = 0; s < k / 256; s++) {
-            const uint8_t *p = row + s * 210;
-            const float d = h2f(p + 208);
-            for (int j = 0; j < 8; j++, dst += 32) {
-                const int h = j / 4, t = j % 4;
-                const uint8_t *ql = p + h * 64 + (t & 1) * 32, *qh = p + 128 + h * 32;
-                const int8_t *sc = (const int8_t *)(p + 192) + 2 * j;
-                const float D0 = d * (float)sc[0], D1 = d * (float)sc[1];
-                for (int l = 0; l < 32; l++) {
-                    const int c = ((ql[l] >> (4 * (t >> 1))) & 15) | (((qh[l] >> (2 * t)) & 3) << 4);
-                    dst[l] = (l < 16 ? D0 : D1) * (float)(c - 32);
-                }
-            }
-        }
-        return;
-    default: pq_dq_row(kind, row, k, dst);
+    default: pq_dq_row(kind, row, k, dst); /* the GGUF kinds (formats/pq_decode.h), Q4_K and Q6_K too */
     }
 }
 

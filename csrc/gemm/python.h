@@ -34,7 +34,7 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_buffer bx = {0}, bo = {0}, bw = {0}, ba = {0}, br = {0};
     PyObject *orp = nargs == 11 ? args[10] : Py_None; /* rows repacked by 16 (csrc/formats/interleave16.h) or 8 (formats/kquant_interleave8_panels.h) */
     int hk = 0;
-    const int by8 = kind == K_Q4_K || kind == K_Q6_K;
+    const int by8 = KINDS[kind]->kil8 != KIL8_NONE;
     const int64_t nrp = by8 ? kil8_bytes((int)kind, m, k) : rp_bytes((int)kind, m, k, &hk);
     if (orp != Py_None && nrp < 0) {
         PyErr_SetString(PyExc_ValueError,

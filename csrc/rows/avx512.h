@@ -5,9 +5,8 @@
 #define POLY_ROWS_AVX512_H
 #include "core/common.h"
 #include "core/half.h"
-#include "formats/gguf_blocks.h"
-#if PK_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PK_AVX512 1
+#include "formats/pq_decode.h"
+#if PK_AVX512
 
 static inline __m512 pk_widen16(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)); }
 
@@ -195,8 +194,6 @@ static inline __attribute__((always_inline)) float dense_dot512(int kind, const 
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
-#else
-#define PK_AVX512 0
 #endif
 
 #endif /* POLY_ROWS_AVX512_H */

@@ -4,7 +4,7 @@
 #define POLY_ROWS_INT8_ROWS_H
 #include "core/common.h"
 #include "core/half.h"
-#include "formats/gguf_blocks.h"
+#include "formats/pq_decode.h"
 #include "rows/dense_dot.h"
 #include "formats/block_decode.h"
 #include "rows/quant_tiles.h"
@@ -33,9 +33,9 @@ static inline __m256i nib16_i(const uint8_t *p, uint8_t x) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
 }
 
-/* pq8_row for IQ4_XS a super-block at a time: its 8 scales and d decoded once, not per
+/* pq8_row for the .pq8_sb kinds (IQ4_XS) a super-block at a time: its 8 scales and d decoded once, not per
  * sub-block (the row was instruction-bound on them: 1B decode 35 tok/s, IQ4_NL's 50) */
-static inline __attribute__((always_inline)) void iq4xs_row(const mm_args *A, int64_t r, int64_t n) {
+static inline __attribute__((always_inline)) void iq4xs_row(int kind, const mm_args *A, int64_t r, int64_t n) {
     const uint8_t *row = A->w + r * A->rb;
     __m256 acc[2][MAX_N];
     for (int64_t i = 0; i < n; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
@@ -47,7 +47,7 @@ static inline __attribute__((always_inline)) void iq4xs_row(const mm_args *A, in
         for (int j = 0; j < 8; j++) D[j] = d * (float)pq_iq4xs_scale(p, j);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            const __m256i q = pq_codes_simd(K_IQ4_XS, p, j);
+            const __m256i q = pq_codes_simd(kind, p, j);
             const int64_t b = sb * 8 + j;
             for (int64_t i = 0; i < n; i++) {
                 const __m256i xh = _mm256_loadu_si256((const __m256i *)(A->xq + (i * A->nb + b) * 64));
@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) void iq4xs_row(const mm_args *A, in
  * an iteration into two accumulators: one chain of dependent FMAs bound the row (1B Q5_1
  * decode 29 tok/s, 8 cycles a block). */
 static inline __attribute__((always_inline)) void pq8_row(int kind, const mm_args *A, int64_t r, int64_t n) {
-    if (kind == K_IQ4_XS) { iq4xs_row(A, r, n); return; }
+    if (KINDS[kind]->pq8_sb) { iq4xs_row(kind, A, r, n); return; }
     const uint8_t *row = A->w + r * A->rb;
     const __m256i one = _mm256_set1_epi8(1);
     __m256 acc[2][MAX_N];
@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void pq8_row(int kind, const mm_arg
             for (int64_t i = 0; i < n; i++) {
                 const __m256i xh = _mm256_loadu_si256((const __m256i *)(A->xq + (i * A->nb + b) * 64));
                 __m256 t = _mm256_mul_ps(_mm256_set1_ps(D), _mm256_cvtepi32_ps(sgn ? dot_s8s8(q, xh) : dot_u8s8(q, xh)));
-                if (kind == K_Q5_1) t = _mm256_fmadd_ps(_mm256_set1_ps(M), _mm256_cvtepi32_ps(dot_u8s8(one, xh)), t);
+                if (KINDS[kind]->m32) t = _mm256_fmadd_ps(_mm256_set1_ps(M), _mm256_cvtepi32_ps(dot_u8s8(one, xh)), t);
                 acc[u][i] = _mm256_fmadd_ps(_mm256_set1_ps(A->dx[i * A->nb + b]), t, acc[u][i]);
             }
         }
@@ -103,46 +103,23 @@ static inline __attribute__((always_inline)) void quant_row_q8(int kind, const m
         float D, M = 0.0f;
         int sgn = 0;
         __m256 lane = _mm256_set1_ps(1.0f);
-        float m2[2] = {0.0f, 0.0f}; /* Q2_K: offsets of the two 16-element halves */
+        float m2[2] = {0.0f, 0.0f}; /* .m16 kinds: offsets of the two 16-element halves */
         switch (kind) {
         case K_LOOM_Q4: q = nib16_i(A->w + (r * A->nb + b) * 16, 0x88); D = A->aux[r * A->nb + b]; M = -8.0f * D; break;
         case K_Q4_0: q = nib16_i(row + b * 18 + 2, 0); D = h2f(row + b * 18); M = -8.0f * D; break;
         case K_Q4_1: q = nib16_i(row + b * 20 + 4, 0); D = h2f(row + b * 20); M = h2f(row + b * 20 + 2); break;
         case K_Q8_0: q = _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)); D = h2f(row + b * 34); sgn = 1; break;
         case K_I8: q = _mm256_loadu_si256((const __m256i *)(A->w + r * A->k + b * 32)); D = A->aux[r]; sgn = 1; break;
-        case K_Q4_K: {
-            const uint8_t *p = row + (b / 8) * 144, *qs = p + 16 + 32 * ((b % 8) / 2);
-            int sc, mn;
-            k4_scale_min((int)(b % 8), p + 4, &sc, &mn);
-            q = _mm256_loadu_si256((const __m256i *)qs);
-            if (b & 1) q = _mm256_srli_epi16(q, 4);
-            q = _mm256_and_si256(q, _mm256_set1_epi8(15));
-            D = h2f(p) * (float)sc; M = -h2f(p + 2) * (float)mn;
-            break;
-        }
-        case K_Q6_K: { /* (6-bit code - 32) signed, two 16-element scale groups per lane half */
-            const uint8_t *p = row + (b / 8) * 210;
-            int j = (int)(b % 8), h = j / 4, t = j % 4;
-            __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (t & 1) * 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
-            ql = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t >> 1)), _mm256_set1_epi8(15));
-            qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
-            q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
-            const int8_t *sc = (const int8_t *)(p + 192) + h * 8 + 2 * t;
-            lane = _mm256_set_m128(_mm_set1_ps((float)sc[1]), _mm_set1_ps((float)sc[0]));
-            D = h2f(p + 208); sgn = 1;
-            break;
-        }
-        default: /* the formats/gguf_blocks.h kinds (Q5_0 ... IQ4_XS, MXFP4) */
-            q = pq_q8_codes(kind, row, b, &D, &M, &sgn, &lane, m2, &pc, 0);
+        default: /* the GGUF kinds (formats/kquant_blocks.h, formats/pq_decode.h) */
+            if (!kq_q8_codes(kind, row, b, &q, &D, &M, &sgn, &lane)) q = pq_q8_codes(kind, row, b, &D, &M, &sgn, &lane, m2, &pc, 0);
         }
         for (int64_t i = 0; i < n; i++) {
             const int8_t *xb = A->xq + (i * A->nb + b) * 64; /* [32 high codes, 32 low codes] */
             __m256i xh = _mm256_loadu_si256((const __m256i *)xb), xl = _mm256_loadu_si256((const __m256i *)(xb + 32));
             __m256i ih = sgn ? dot_s8s8(q, xh) : dot_u8s8(q, xh), il = sgn ? dot_s8s8(q, xl) : dot_u8s8(q, xl);
             __m256 s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(1.0f / XL_SCALE), _mm256_cvtepi32_ps(ih));
-            if (kind == K_Q6_K || !pq_uniform(kind)) s = _mm256_mul_ps(s, lane);
-            if (kind == K_Q2_K) {
+            if (!pq_uniform(kind)) s = _mm256_mul_ps(s, lane);
+            if (KINDS[kind]->m16) {
                 const float *xf = A->x + i * A->k + b * 32; /* the two 16-element sums of x */
                 macc[i] += m2[0] * hsum(_mm256_add_ps(_mm256_loadu_ps(xf), _mm256_loadu_ps(xf + 8))) +
                            m2[1] * hsum(_mm256_add_ps(_mm256_loadu_ps(xf + 16), _mm256_loadu_ps(xf + 24)));

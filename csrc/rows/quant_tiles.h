@@ -3,7 +3,7 @@
 #ifndef POLY_ROWS_QUANT_TILES_H
 #define POLY_ROWS_QUANT_TILES_H
 #include "core/common.h"
-#include "formats/gguf_blocks.h"
+#include "formats/pq_decode.h"
 #include "rows/avx512.h"
 #include "rows/dense_dot.h"
 #include "formats/block_decode.h"
