@@ -66,6 +66,9 @@ static const int ELEM_BYTES[K_COUNT] = {4, 2, 2, 1};
  * Read with a constant kind (the range functions are made per kind) every field folds away. */
 enum { KQP_MIN16, KQP_MIN32, KQP_OFF32, KQP_OFF4, KQP_OFF128 }; /* formats/kquant_panels.h kqp_form */
 enum { KIL8_NONE, KIL8_NIB, KIL8_SIX }; /* rows repacked by 8: nibbles + 6-bit scales, or 6-bit codes */
+enum { IL16_NONE, IL16_SYM, IL16_MIN, IL16_Q8, IL16_I8 }; /* rows repacked by 16 (formats/interleave16.h): 4-bit codes
+                                                          * with M = -8 D, with float16 M, 8-bit codes, int8 rows */
+enum { AUX_NONE, AUX_ROWS, AUX_BLOCKS }; /* a matrix's float32 scales array (aux): none, one a row, one a 32-block */
 typedef struct {
     uint8_t pq;        /* decoded by the 32-element sub-block decoder (formats/pq_decode.h) */
     uint8_t super;     /* its 8 sub-block scales unpacked together, a super-block at a time */
@@ -81,6 +84,12 @@ typedef struct {
     uint8_t kqp_pairs; /* ... maddubs results its int16 lanes can sum before madd widens them */
     uint8_t kil8;      /* its rows repacked by 8 (formats/kquant_interleave8*.h): KIL8_* */
     uint8_t vdpbf;     /* a prompt's rows on vdpbf16ps when x is rounded too (formats/bf16_rows.h) */
+    uint8_t aux;       /* its float32 scales array: AUX_* */
+    uint8_t flat;      /* one stream of 16-byte nibble blocks over the whole matrix (rb 0, k % 32 == 0), x's
+                        * 32-blocks reordered evens then odds to meet them (core/activations.h loom_order) */
+    uint8_t loom8;     /* 8-lane builds' auto mode: its decode rows on x's int8 codes (PK_LOOM8) */
+    uint8_t nib4;      /* 4-bit codes: 16-lane rows look its 16 values up (rows/avx512.h deq512) */
+    uint8_t il16;      /* its rows repacked by 16: IL16_* */
 } kind_rec;
 static int pk_threads = 1; /* set_threads() (isa/methods.h): threads of the parallel loops */
 #define MAX_N 16

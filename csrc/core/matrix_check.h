@@ -2,6 +2,7 @@
 #ifndef POLY_CORE_MATRIX_CHECK_H
 #define POLY_CORE_MATRIX_CHECK_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "core/prefetch.h"
 
 /* Called once per row r: asks for the bytes PF_BYTES ahead of row r's, up to the matrix end. */
@@ -35,7 +36,7 @@ static inline int check_matrix(int kind, Py_buffer *bw, Py_buffer *ba, mm_args *
     A->nb = k / 32;
     A->rb = k / BLOCK_ELEMS[kind] * BLOCK_BYTES[kind];
     if (want_len(bw, m * A->rb, "w")) return -1;
-    return kind == K_LOOM_Q4 ? want_len(ba, m * A->nb * 4, "block scales") : 0;
+    return KINDS[kind]->aux == AUX_BLOCKS ? want_len(ba, m * A->nb * 4, "block scales") : 0;
 }
 
 #endif /* POLY_CORE_MATRIX_CHECK_H */

@@ -2,6 +2,7 @@
 #ifndef POLY_DECODE_ARGS_H
 #define POLY_DECODE_ARGS_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "core/matrix_check.h"
 #include "formats/kquant_panels.h"
 #include "formats/bf16_rows.h"
@@ -143,9 +144,9 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
         if (q > S->maxq) S->maxq = q;
         if (L->heads > S->maxh) S->maxh = L->heads;
         if (w > S->maxw) S->maxw = w;
-        for (int i = 0; i < L->nqkv; i++) S->loom |= L->qkv[i].kind == K_LOOM_Q4;
-        S->loom |= L->o.kind == K_LOOM_Q4 || L->down.kind == K_LOOM_Q4;
-        for (int i = 0; i < L->ngu; i++) S->loom |= L->gu[i].kind == K_LOOM_Q4;
+        for (int i = 0; i < L->nqkv; i++) S->loom |= KINDS[L->qkv[i].kind]->flat; /* x in Loom order too */
+        S->loom |= KINDS[L->o.kind]->flat || KINDS[L->down.kind]->flat;
+        for (int i = 0; i < L->ngu; i++) S->loom |= KINDS[L->gu[i].kind]->flat;
         if (L->moe) S->loom |= moe_loom(L->moe);
     }
     if (!(S->g_final = hold(H, PyTuple_GET_ITEM(head, 0), 0, S->d * 4, "final gamma"))) return -1;
@@ -156,7 +157,7 @@ static int parse_all(holds_t *H, PyObject *const *args, step_t *S) {
     if (!PyTuple_Check(lm) || PyTuple_GET_SIZE(lm) < 6) { PyErr_SetString(PyExc_ValueError, "lm head: a matrix"); return -1; }
     const int64_t V = PyLong_AsLongLong(PyTuple_GET_ITEM(lm, 3));
     if (PyErr_Occurred() || parse_mat(H, lm, &S->lm, V, S->d)) return -1;
-    S->loom |= S->lm.kind == K_LOOM_Q4;
+    S->loom |= KINDS[S->lm.kind]->flat;
     PyObject *lo = args[4];
     S->nsel = S->n;
     for (int i = 0; i < S->n; i++) S->sel[i] = i;

@@ -3,6 +3,7 @@
 #ifndef POLY_DECODE_ARGS_BUFFERS_H
 #define POLY_DECODE_ARGS_BUFFERS_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "core/matrix_check.h"
 #include "formats/kquant_interleave8_panels.h"
 #include "gemm/dequant.h"
@@ -100,13 +101,13 @@ static int parse_mat(holds_t *H, PyObject *t, mat_t *M, int64_t m, int64_t k) {
     PyObject *ow = PyTuple_GET_ITEM(t, 1), *oa = PyTuple_GET_ITEM(t, 2);
     if (!(M->A.w = hold(H, ow, 0, -1, "w"))) return -1;
     Py_buffer *bw = &H->bufs[H->n - 1], *ba = NULL;
-    if ((kind == K_I8 || kind == K_LOOM_Q4) && oa == Py_None) { PyErr_SetString(PyExc_ValueError, "this kind needs its scales"); return -1; }
+    if (KINDS[kind]->aux && oa == Py_None) { PyErr_SetString(PyExc_ValueError, "this kind needs its scales"); return -1; }
     if (oa != Py_None) {
         if (!(M->A.aux = hold(H, oa, 0, -1, "aux"))) return -1;
         ba = &H->bufs[H->n - 1];
     }
     if (check_matrix((int)kind, bw, ba, &M->A)) return -1;
-    if (kind == K_LOOM_Q4 && k % 32) { PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks"); return -1; }
+    if (KINDS[kind]->flat && k % 32) { PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks"); return -1; }
     PyObject *ob = PyTuple_GET_ITEM(t, 5), *orp = PyTuple_GET_SIZE(t) == 7 ? PyTuple_GET_ITEM(t, 6) : Py_None;
     if (ob != Py_None && !(M->bias = hold(H, ob, 0, m * 4, "bias"))) return -1;
     if (orp == Py_None) return 0; /* nothing repacked */

@@ -4,6 +4,7 @@
 #ifndef POLY_DECODE_MATRIX_H
 #define POLY_DECODE_MATRIX_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "rows/avx512.h"
 #include "rows/quant_tiles.h"
 #include "formats/kquant_rows.h"
@@ -64,7 +65,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
      * MAX_N): x's first code (formats/kquant_rows.h pq8_kind); a prompt's rows the float paths, as in Python */
     const int pq8 = q8 == 2 && PK_SIMD && pq8_kind(M->kind) && grp_pairs(P->grp) && P->gemm_from > MAX_N;
     const int use8 = q8 == 1 ? PK_SIMD && RF8[M->kind] && (M->kind != K_I8 || A.k % 32 == 0)
-                             : k8 || (PK_LOOM8 && q8 == 2 && M->kind == K_LOOM_Q4 && grp_pairs(P->grp)) || pq8;
+                             : k8 || (PK_LOOM8 && q8 == 2 && KINDS[M->kind]->loom8 && grp_pairs(P->grp)) || pq8;
     const int bf = P->bf && bf16_rows(M->kind, 2, A.k); /* a prompt's BF16 products on vdpbf16ps */
     const int hk = PK_KM16 && M->hk; /* rows by 16, k-major: the stored rows are not read */
     const int dense = n > 1 && !use8 && !hk && dense_tiles(M->kind, bf, n);
@@ -81,7 +82,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     }
     if (r0 >= r1 && !h) return 0;
     const int il16 = il16c && !il16_range(M->kind, &A, M->rp, r0, r1);
-    if (M->kind == K_LOOM_Q4) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
+    if (KINDS[M->kind]->flat) { A.x = P->xp; A.xq = P->xqp; } /* Loom's own rows: x in Loom order */
 #if PK_SIMD
     if (kqp) { /* int8 panels: the codes prep wrote (q8_group 8); Q4_K/Q6_K from their rows by 8 */
         A.rk = M->rk;

@@ -13,6 +13,7 @@
 #ifndef POLY_DECODE_MOE_ARGS_H
 #define POLY_DECODE_MOE_ARGS_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "decode/step.h"
 #include "decode/args_buffers.h"
 
@@ -34,8 +35,8 @@ static Py_ssize_t moe_holds(PyObject *layers, Py_ssize_t nl) {
 static int moe_loom(const moe_t *M) {
     int loom = 0;
     for (int e = 0; e < M->nex; e++) {
-        loom |= M->ex[e].down.kind == K_LOOM_Q4;
-        for (int i = 0; i < M->ex[e].ngu; i++) loom |= M->ex[e].gu[i].kind == K_LOOM_Q4;
+        loom |= KINDS[M->ex[e].down.kind]->flat;
+        for (int i = 0; i < M->ex[e].ngu; i++) loom |= KINDS[M->ex[e].gu[i].kind]->flat;
     }
     return loom;
 }

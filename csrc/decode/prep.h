@@ -3,6 +3,7 @@
 #ifndef POLY_DECODE_PREP_H
 #define POLY_DECODE_PREP_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "formats/kquant_rows.h"
 #include "core/activations.h"
 #include "formats/kquant_panels.h"
@@ -58,7 +59,7 @@ static inline int q8_group_n(const step_t *S, int64_t n, int want) {
 static inline int q8_group(const step_t *S, int want) { return q8_group_n(S, S->n, want); }
 
 /* PK_LOOM8 (core/common.h): Loom Q4 rows on x's two int8 codes where rows are independent */
-static inline int loom8(const step_t *S, int kind) { return PK_LOOM8 && !S->seq1 && kind == K_LOOM_Q4; }
+static inline int loom8(const step_t *S, int kind) { return PK_LOOM8 && !S->seq1 && KINDS[kind]->loom8; }
 /* the kinds whose rows take int8 codes in step S's auto mode */
 static inline int auto8(const step_t *S, int kind) {
     return kqp_kind(kind) || loom8(S, kind) || (PK_SIMD && !S->seq1 && pq8_kind(kind));

@@ -17,30 +17,28 @@
 #include "core/common.h"
 #include "core/prefetch.h"
 #include "rows/avx512.h"
+#include "formats/kinds.h"
 
 #define IL16_REC 320 /* bytes per 16 rows and 32-block of Q4_1: D[16], M[16] float16, 4 x 64 codes (stored: 320) */
 #define IL16_REC4 288 /* Q4_0 and Loom Q4: D[16] float16, 4 x 64 codes (Q4_0 stored: 288) */
 #define IL16_REC8 576 /* Q8_0: D[16] float16, S[16] int16 (each row's code sum), 8 x 64 code bytes */
 #define IL16_RECI 544 /* int8 rows (.entity q8): S[16], 8 x 64 code bytes; the scales are per row (aux) */
 /* the symmetric 4-bit kinds: M = -8 D, not stored */
-static inline int il16_sym(int kind) { return kind == K_Q4_0 || kind == K_LOOM_Q4; }
+static inline int il16_sym(int kind) { return KINDS[kind]->il16 == IL16_SYM; }
+/* 8-bit codes (Q8_0, int8 rows), else 4-bit */
+static inline int il16_q8(int kind) { return KINDS[kind]->il16 >= IL16_Q8; }
 static inline int64_t il16_rec(int kind) {
-    return kind == K_Q8_0 ? IL16_REC8 : kind == K_I8 ? IL16_RECI : il16_sym(kind) ? IL16_REC4 : IL16_REC;
+    const int L = KINDS[kind]->il16;
+    return L == IL16_Q8 ? IL16_REC8 : L == IL16_I8 ? IL16_RECI : L == IL16_SYM ? IL16_REC4 : IL16_REC;
 }
 /* where a record's code vectors and S (or M) start */
-static inline int64_t il16_codes_at(int kind) { return kind == K_I8 || il16_sym(kind) ? 32 : 64; }
+static inline int64_t il16_codes_at(int kind) { return KINDS[kind]->il16 == IL16_I8 || il16_sym(kind) ? 32 : 64; }
 static inline int64_t il16_sums_at(int kind) { return kind == K_I8 ? 0 : 32; }
-/* CASES(K) with the tiles' kind a constant: Loom Q4 takes Q4_0's (the same record) */
-#define IL16_KIND_SWITCH(kind, CASES)                                                         \
-    if ((kind) == K_Q8_0) CASES(K_Q8_0)                                                      \
-    else if ((kind) == K_I8) CASES(K_I8)                                                     \
-    else if ((kind) == K_Q4_1) CASES(K_Q4_1)                                                 \
-    else CASES(K_Q4_0)
+/* IL16_KIND_SWITCH (the tiles' kind a constant per layout): formats/kinds.h */
 /* the bytes of an [m, k] matrix repacked by 16, or -1 when its kind or shape is not repacked
  * (the `rp` arguments of decode and gemm) */
 static inline int64_t il16_bytes(int kind, int64_t m, int64_t k) {
-    const int ok = (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q8_0 || kind == K_I8 || kind == K_LOOM_Q4) && m % 16 == 0 &&
-                   k % 32 == 0;
+    const int ok = kind >= 0 && kind < K_COUNT && KINDS[kind]->il16 && m % 16 == 0 && k % 32 == 0;
     return ok ? m / 16 * (k / 32) * il16_rec(kind) : -1;
 }
 #define IL16P_MIN 4 /* inputs from which the 8-lane il16_range takes il16p_range (formats/interleave16_avx2.h) */
@@ -71,10 +69,10 @@ enum { IL16X_COPY, IL16X_FLIP, IL16X_WIDE }; /* il16_inputs' forms: x's two code
  * of 128/512 tokens +45 %, decode +5 % on Zen 3). The symmetric 4-bit formats' own rounding
  * dwarfs x's one code. Q4_1 (the shipped SmolLM2 file: greedy equal to transformers, 64/64 with
  * our f32 where one code gave 33), Q8_0 and int8 keep both codes. */
-static inline int il16_x1(int kind, const mm_args *A) { return A->x1 && (kind == K_Q4_0 || kind == K_LOOM_Q4); }
+static inline int il16_x1(int kind, const mm_args *A) { return A->x1 && il16_sym(kind); }
 /* a tile of KIND on x's one code: x1 (il16_x1, a run-time flag) and a Q4 kind (a constant, so the
  * Q8 tiles never instantiate a one-code variant) */
-#define IL16_ONE(KIND) (x1 && (KIND) != K_Q8_0 && (KIND) != K_I8)
+#define IL16_ONE(KIND) (x1 && !il16_q8(KIND))
 /* the offset term's x sum of block xb: with one code the codes' own sum times dx, so a block's
  * result is exactly the weights times the quantized x (the rounding errors weighted by the
  * weights, not by the unsigned codes: ~half the error on Q4_0); else the float sum */
@@ -115,7 +113,7 @@ static const int8_t *il16_inputs(const mm_args *A, int64_t c, int nn, int form, 
  * D = 1, the row scales (aux) applied once at the end. kind is a constant here. */
 static inline __attribute__((always_inline)) void il16_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn, const int x1) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8, i8 = kind == K_I8, sym = il16_sym(kind);
+    const int q8 = il16_q8(kind), i8 = kind == K_I8, sym = il16_sym(kind);
     const int64_t rec = il16_rec(kind), co = il16_codes_at(kind);
     __m512 acc[8];
     const __m512i m15 = _mm512_set1_epi8(15);
@@ -195,7 +193,7 @@ static int il16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
     for (int64_t b0 = g0; b0 < g1; b0 += gb) /* a prompt's rows read from memory once, not once per 8 inputs */
         for (int64_t c = 0; c < A->n; c += 8) {
             const int nn = A->n - c < 8 ? (int)(A->n - c) : 8;
-            const int8_t *X = il16_inputs(A, c, nn, kind == K_Q8_0 || kind == K_I8 ? IL16X_FLIP : IL16X_COPY, x1);
+            const int8_t *X = il16_inputs(A, c, nn, il16_q8(kind) ? IL16X_FLIP : IL16X_COPY, x1);
             if (!X) return -1;
             for (int64_t g = b0; g < g1 && g < b0 + gb; g++) {
                 const __mmask16 keep = (__mmask16)il16_keep(g, r0, r1);

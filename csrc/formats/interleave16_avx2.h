@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void il16_store8(int kind, const mm
  * it is at hand. kind is a constant here. */
 static inline __attribute__((always_inline)) void il16_tile8(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                             const int8_t *X, unsigned keep, const int nn, const int x1) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8;
+    const int q8 = il16_q8(kind);
     const int64_t rec = il16_rec(kind);
     __m256 acc[2][3];
 #pragma GCC unroll 3
@@ -163,7 +163,7 @@ static int il16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0
 static int il16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     if (A->n >= IL16P_MIN) return il16p_range(kind, A, rp, r0, r1);
     const int x1 = il16_x1(kind, A);
-    const int8_t *X = il16_inputs(A, 0, (int)A->n, kind == K_Q8_0 || kind == K_I8 ? IL16X_WIDE : IL16X_COPY, x1);
+    const int8_t *X = il16_inputs(A, 0, (int)A->n, il16_q8(kind) ? IL16X_WIDE : IL16X_COPY, x1);
     if (!X) return -1;
     for (int64_t g = r0 / 16; g * 16 < r1; g++) {
         const unsigned keep = il16_keep(g, r0, r1);
@@ -181,7 +181,7 @@ static int il16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0,
 static inline __attribute__((always_inline)) void il16p_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g, int h, int64_t t0,
                                                             const int16_t *xw, const float *xs, unsigned keep, int first, const int nn,
                                                             const int x1) {
-    const int q8 = kind == K_Q8_0 || kind == K_I8;
+    const int q8 = il16_q8(kind);
     const int64_t rec = il16_rec(kind);
     __m256 acc[4];
 #pragma GCC unroll 4
@@ -231,7 +231,7 @@ static int il16p_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0
     int64_t blk = (((int64_t)1 << 20) / (A->nb * 64)) & ~(int64_t)3;
     if (blk < 16) blk = 16;
     int16_t *xw = NULL;
-    if ((kind == K_Q8_0 || kind == K_I8) && !(xw = (int16_t *)thread_buffer((size_t)((blk < A->n ? blk : A->n) + 3) * A->nb * 16))) return -1;
+    if ((il16_q8(kind)) && !(xw = (int16_t *)thread_buffer((size_t)((blk < A->n ? blk : A->n) + 3) * A->nb * 16))) return -1;
     const int x1 = il16_x1(kind, A);
     const float *xs = A->xs;
     if (x1) { /* the offsets' x sums as il16_inputs forms them (Q4 kinds; xw is Q8's) */

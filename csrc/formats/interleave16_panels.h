@@ -3,25 +3,26 @@
 #ifndef POLY_FORMATS_INTERLEAVE16_PANELS_H
 #define POLY_FORMATS_INTERLEAVE16_PANELS_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "formats/interleave16.h"
 #include "gemm/dequant.h"
 
 /* row r of a Q4_0/Q4_1/Q8_0/int8 matrix repacked by 16 (csrc/formats/interleave16.h) as its stored rows again,
  * then dq_row: a prompt's GEMM reads the copy, so the stored rows, released after the repack,
  * stay out of memory (a 1B Q4_0 model resident 1.33 GB with both, 0.74 with one) */
-static void dq_row_il16_loom(const dq_args *D, int64_t r, float *dst);
+static void dq_row_il16_loom(int kind, const dq_args *D, int64_t r, float *dst);
 static void dq_row_il16(int kind, const dq_args *D, int64_t r, float *dst) {
-    if (kind == K_LOOM_Q4) { dq_row_il16_loom(D, r, dst); return; }
+    if (KINDS[kind]->flat) { dq_row_il16_loom(kind, D, r, dst); return; }
     const int i8 = kind == K_I8; /* int8 rows: the codes alone, the scale per row (aux) */
-    const int64_t nb = D->k / 32, bb = kind == K_Q4_0 ? 18 : kind == K_Q4_1 ? 20 : i8 ? 32 : 34, l = r % 16;
-    const int64_t rec = il16_rec(kind), nq = kind == K_Q8_0 || i8 ? 8 : 4, co = il16_codes_at(kind); /* code quads a row holds */
+    const int64_t nb = D->k / 32, bb = i8 ? 32 : BLOCK_BYTES[kind], l = r % 16;
+    const int64_t rec = il16_rec(kind), nq = il16_q8(kind) ? 8 : 4, co = il16_codes_at(kind); /* code quads a row holds */
     const uint8_t *g = D->rp + (r / 16) * nb * rec;
     uint8_t row[nb * bb];
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = g + b * rec;
         uint8_t *o = row + b * bb;
         if (!i8) memcpy(o, p + 2 * l, 2);
-        if (kind == K_Q4_1) memcpy(o + 2, p + 32 + 2 * l, 2);
+        if (KINDS[kind]->il16 == IL16_MIN) memcpy(o + 2, p + 32 + 2 * l, 2);
         for (int q = 0; q < nq; q++) memcpy(o + bb - 4 * nq + 4 * q, p + co + 64 * q + 4 * l, 4);
     }
     dq_args T = *D;
@@ -33,9 +34,9 @@ static void dq_row_il16(int kind, const dq_args *D, int64_t r, float *dst) {
 /* Loom Q4's row r from its repacked copy's codes (Q4_0's nibbles of code + 8) and the stored
  * float32 scales (aux; the record's D is their float16 rounding, the decode rows'): (u - 8) * D,
  * the stored rows' dq_row values bit for bit (code * D, one rounding either way) */
-static void dq_row_il16_loom(const dq_args *D, int64_t r, float *dst) {
+static void dq_row_il16_loom(int kind, const dq_args *D, int64_t r, float *dst) {
     const int64_t nb = D->k / 32, l = r % 16;
-    const int64_t rec = il16_rec(K_LOOM_Q4), co = il16_codes_at(K_LOOM_Q4);
+    const int64_t rec = il16_rec(kind), co = il16_codes_at(kind);
     const uint8_t *g = D->rp + (r / 16) * nb * rec;
     for (int64_t b = 0; b < nb; b++, dst += 32) {
         const uint8_t *p = g + b * rec;

@@ -28,6 +28,7 @@
 #ifndef POLY_FORMATS_KQUANT_INTERLEAVE8_H
 #define POLY_FORMATS_KQUANT_INTERLEAVE8_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "core/prefetch.h"
 #include "formats/kquant_interleave8_panels.h"
 

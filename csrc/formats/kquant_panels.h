@@ -15,6 +15,7 @@
 #ifndef POLY_FORMATS_KQUANT_PANELS_H
 #define POLY_FORMATS_KQUANT_PANELS_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "rows/avx512.h"
 #include "formats/kquant_rows.h"
 

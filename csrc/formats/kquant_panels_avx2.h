@@ -6,6 +6,7 @@
 #ifndef POLY_FORMATS_KQUANT_PANELS_AVX2_H
 #define POLY_FORMATS_KQUANT_PANELS_AVX2_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "formats/pq_decode.h"
 #include "rows/avx512.h"
 #include "formats/kquant_rows.h"

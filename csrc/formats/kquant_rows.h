@@ -12,6 +12,7 @@
 #ifndef POLY_FORMATS_KQUANT_ROWS_H
 #define POLY_FORMATS_KQUANT_ROWS_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "core/half.h"
 #include "formats/pq_decode.h"
 #include "rows/avx512.h"

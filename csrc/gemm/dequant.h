@@ -7,6 +7,7 @@
 #include "formats/pq_decode.h"
 #include "rows/dense_dot.h"
 #include "formats/block_decode.h"
+#include "formats/block32.h"
 #include "formats/interleave16.h"
 
 /* ---- dequantize rows [r0, r1) to float32 (prefill: a block of rows, then BLAS sgemm) ---------
@@ -67,79 +68,9 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
         for (int64_t j = 0; j < k; j++) dst[j] = (float)c[j] * s;
         return;
     }
-    case K_LOOM_Q4: { /* blocks of the flat matrix may straddle rows: index elements */
-        const int64_t e0 = r * k;
-#if PK_SIMD
-        if (k % 32 == 0) { /* whole blocks per row: nibbles (low = even element) on 8 lanes */
-            const __m128i m15 = _mm_set1_epi8(15), m8 = _mm_set1_epi8(8);
-            for (int64_t b = e0 >> 5; b < (e0 + k) >> 5; b++, dst += 32) {
-                const __m128i p = _mm_loadu_si128((const __m128i *)(A->w + b * 16));
-                const __m128i lo = _mm_and_si128(p, m15), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m15);
-                const __m128i c0 = _mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(lo, hi), m8), m8);
-                const __m128i c1 = _mm_sub_epi8(_mm_xor_si128(_mm_unpackhi_epi8(lo, hi), m8), m8);
-                __m256 v[4];
-                widen_i8(_mm256_set_m128i(c1, c0), v);
-                for (int l = 0; l < 4; l++) _mm256_storeu_ps(dst + 8 * l, _mm256_mul_ps(v[l], _mm256_set1_ps(A->aux[b])));
-            }
-            return;
-        }
-#endif
-        for (int64_t j = 0; j < k; j++) {
-            const int64_t e = e0 + j, b = e >> 5, l = e & 31;
-            const uint8_t byte = A->w[b * 16 + (l >> 1)];
-            const int c = (int)(((l & 1) ? byte >> 4 : byte & 15) ^ 8) - 8;
-            dst[j] = (float)c * A->aux[b];
-        }
-        return;
-    }
-    case K_Q4_0:
-        for (int64_t b = 0; b < k / 32; b++, dst += 32) {
-            const uint8_t *p = row + b * 18 + 2;
-            const float d = h2f(row + b * 18);
-#if PK_SIMD /* same operations as the scalar loop, 8 lanes: (q - 8) exactly, then one multiply */
-            __m256 v[4];
-            nib16(p, 0, v);
-            for (int l = 0; l < 4; l++)
-                _mm256_storeu_ps(dst + 8 * l, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_sub_ps(v[l], _mm256_set1_ps(8.0f))));
-            continue;
-#endif
-            for (int l = 0; l < 16; l++) {
-                dst[l] = d * (float)((p[l] & 15) - 8);
-                dst[l + 16] = d * (float)((p[l] >> 4) - 8);
-            }
-        }
-        return;
-    case K_Q4_1:
-        for (int64_t b = 0; b < k / 32; b++, dst += 32) {
-            const uint8_t *p = row + b * 20 + 4;
-            const float d = h2f(row + b * 20), m = h2f(row + b * 20 + 2);
-#if PK_SIMD /* multiply, then add: rounded twice like numpy (contraction is off here) */
-            __m256 v[4];
-            nib16(p, 0, v);
-            for (int l = 0; l < 4; l++)
-                _mm256_storeu_ps(dst + 8 * l, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(d), v[l]), _mm256_set1_ps(m)));
-            continue;
-#endif
-            for (int l = 0; l < 16; l++) {
-                dst[l] = d * (float)(p[l] & 15) + m;
-                dst[l + 16] = d * (float)(p[l] >> 4) + m;
-            }
-        }
-        return;
-    case K_Q8_0:
-        for (int64_t b = 0; b < k / 32; b++, dst += 32) {
-            const int8_t *c = (const int8_t *)(row + b * 34 + 2);
-            const float d = h2f(row + b * 34);
-#if PK_SIMD
-            __m256 v[4];
-            widen_i8(_mm256_loadu_si256((const __m256i *)c), v);
-            for (int l = 0; l < 4; l++) _mm256_storeu_ps(dst + 8 * l, _mm256_mul_ps(v[l], _mm256_set1_ps(d)));
-            continue;
-#endif
-            for (int l = 0; l < 32; l++) dst[l] = (float)c[l] * d;
-        }
-        return;
-    default: pq_dq_row(kind, row, k, dst); /* the GGUF kinds (formats/pq_decode.h), Q4_K and Q6_K too */
+    default:
+        if (b32_dq_row(kind, A->w, A->aux, row, r, k, dst)) return; /* formats/block32.h */
+        pq_dq_row(kind, row, k, dst); /* the GGUF kinds (formats/pq_decode.h), Q4_K and Q6_K too */
     }
 }
 

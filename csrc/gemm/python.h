@@ -2,6 +2,7 @@
 #ifndef POLY_GEMM_PYTHON_H
 #define POLY_GEMM_PYTHON_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "core/matrix_check.h"
 #include "formats/kquant_interleave8_panels.h"
 #include "gemm/dequant.h"
@@ -22,12 +23,12 @@ static PyObject *pk_py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "bad kind, shape or threads");
         return NULL;
     }
-    const int scaled = kind == K_I8 || kind == K_LOOM_Q4; /* the kinds with a scales array */
+    const int scaled = KINDS[kind]->aux != AUX_NONE; /* the kinds with a scales array */
     if (scaled != (args[4] != Py_None)) {
         PyErr_SetString(PyExc_ValueError, "int8 rows and Loom Q4 need their scales; other kinds take none");
         return NULL;
     }
-    if (kind == K_LOOM_Q4 && k % 32) {
+    if (KINDS[kind]->flat && k % 32) {
         PyErr_SetString(PyExc_ValueError, "Loom Q4 rows must hold whole blocks");
         return NULL;
     }

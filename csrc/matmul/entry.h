@@ -13,6 +13,7 @@
 #ifndef POLY_MATMUL_ENTRY_H
 #define POLY_MATMUL_ENTRY_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "rows/quant_tiles.h"
 #include "formats/kquant_rows.h"
 #include "core/matrix_check.h"
@@ -81,7 +82,7 @@ static int run(int kind, mm_args *A, int nt, int q8, const uint8_t *rp) {
             xs[i] = t;
         }
         A->xs = xs;
-        if (kind == K_LOOM_Q4 && !rp) { loom_order(A->x, xp, nk); A->x = xp; } /* repacked: Q4_0's order */
+        if (KINDS[kind]->flat && !rp) { loom_order(A->x, xp, nk); A->x = xp; } /* repacked: Q4_0's order */
         if (q8) {
             int8_t *xq = (int8_t *)(xp + nk);
             quantize_x(A->x, xq, dx, nbs);

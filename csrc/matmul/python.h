@@ -2,6 +2,7 @@
 #ifndef POLY_MATMUL_PYTHON_H
 #define POLY_MATMUL_PYTHON_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "formats/kquant_rows.h"
 #include "core/matrix_check.h"
 #include "formats/kquant_panels.h"
@@ -30,10 +31,11 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int hk; /* rows laid out by 16 (csrc/formats/float_kmajor16.h): read whatever q8 */
     const int64_t nrp = rp_bytes((int)kind, A.m, A.k, &hk);
     PyObject *orp = nargs == 10 && ((q8 && PK_IL16) || hk) ? args[9] : Py_None;
-    const int kqp = q8 == 2 && kqp_fits((int)kind, A.k) && A.n >= KQP_MIN && A.n <= KQP_MAX; /* int8 panels */
+    const int valid = kind >= 0 && kind < K_COUNT;
+    const int kqp = valid && q8 == 2 && kqp_fits((int)kind, A.k) && A.n >= KQP_MIN && A.n <= KQP_MAX; /* int8 panels */
     A.x1 = q8 == 2; /* as the fused step: K-quant, Q5_0/Q5_1/IQ4 rows on x's first code in the auto mode */
     if (q8 == 2) /* as the fused step */
-        q8 = (k8_kind((int)kind) || (PK_SIMD && pq8_kind((int)kind)) || (PK_LOOM8 && kind == K_LOOM_Q4)) && A.n <= K8_ROWS;
+        q8 = valid && (k8_kind((int)kind) || (PK_SIMD && pq8_kind((int)kind)) || (PK_LOOM8 && KINDS[kind]->loom8)) && A.n <= K8_ROWS;
     if (kind < 0 || kind >= K_COUNT || A.n < 1 || A.n > MAX_N || A.k < 1 || A.m < 0) {
         PyErr_SetString(PyExc_ValueError, "bad kind or shape");
         return NULL;
@@ -49,7 +51,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (PyObject_GetBuffer(args[2], &bo, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_x;
     if (PyObject_GetBuffer(args[3], &bw, PyBUF_C_CONTIGUOUS) < 0) goto done_o;
     if (have_aux && PyObject_GetBuffer(args[4], &ba, PyBUF_C_CONTIGUOUS) < 0) goto done_w;
-    if ((kind == K_I8 || kind == K_LOOM_Q4) && !have_aux) {
+    if (KINDS[kind]->aux && !have_aux) {
         PyErr_SetString(PyExc_ValueError, "this kind needs its scales");
         goto done_a;
     }
@@ -110,12 +112,12 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "bad kind, shape or row range");
         return NULL;
     }
-    if (kind > K_LOOM_Q4 && k % BLOCK_ELEMS[kind]) {
+    if (!KINDS[kind]->flat && k % BLOCK_ELEMS[kind]) {
         PyErr_Format(PyExc_ValueError, "k=%lld is not a multiple of %d", (long long)k, BLOCK_ELEMS[kind]);
         return NULL;
     }
     const int have_aux = args[2] != Py_None;
-    if ((kind == K_I8 || kind == K_LOOM_Q4) && !have_aux) {
+    if (KINDS[kind]->aux && !have_aux) {
         PyErr_SetString(PyExc_ValueError, "this kind needs its scales");
         return NULL;
     }
@@ -125,11 +127,11 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
     if (have_aux && PyObject_GetBuffer(args[2], &ba, PyBUF_C_CONTIGUOUS) < 0) goto done_w;
     if (PyObject_GetBuffer(args[7], &bo, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done_a;
     const int64_t nb = (m * k + 31) / 32; /* Loom Q4 blocks of the flat matrix */
-    A.rb = kind == K_LOOM_Q4 ? 0 : (kind <= K_I8 ? k * ELEM_BYTES[kind] : k / BLOCK_ELEMS[kind] * BLOCK_BYTES[kind]);
+    A.rb = KINDS[kind]->flat ? 0 : (kind <= K_I8 ? k * ELEM_BYTES[kind] : k / BLOCK_ELEMS[kind] * BLOCK_BYTES[kind]);
     if (want_len(&bo, (A.r1 - A.r0) * k * 4, "out")) goto done_o;
-    if (want_len(&bw, kind == K_LOOM_Q4 ? nb * 16 : m * A.rb, "w")) goto done_o;
+    if (want_len(&bw, KINDS[kind]->flat ? nb * 16 : m * A.rb, "w")) goto done_o;
     if (kind == K_I8 && want_len(&ba, m * 4, "row scales")) goto done_o;
-    if (kind == K_LOOM_Q4 && want_len(&ba, nb * 4, "block scales")) goto done_o;
+    if (KINDS[kind]->aux == AUX_BLOCKS && want_len(&ba, nb * 4, "block scales")) goto done_o;
     A.w = bw.buf; A.aux = have_aux ? ba.buf : NULL; A.out = bo.buf;
     Py_BEGIN_ALLOW_THREADS
     dq_rows((int)kind, &A, nt ? (int)nt : pk_threads);

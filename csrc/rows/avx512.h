@@ -4,7 +4,9 @@
 #ifndef POLY_ROWS_AVX512_H
 #define POLY_ROWS_AVX512_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "core/half.h"
+#include "formats/block32.h"
 #include "formats/pq_decode.h"
 #if PK_AVX512
 
@@ -15,14 +17,7 @@ static inline __attribute__((always_inline)) void dec512(int kind, const mm_args
                                                          float *D, float *M, pq_cache *pc) {
     const uint8_t *row = A->w + r * A->rb;
     __m256i c;
-    switch (kind) {
-    case K_LOOM_Q4: /* nibble ^ 8 = code + 8 */
-        c = _mm256_xor_si256(pq_nib32(A->w + (r * A->nb + b) * 16), _mm256_set1_epi8(8));
-        *D = A->aux[r * A->nb + b]; *M = -8.0f * *D; break;
-    case K_Q4_0: c = pq_nib32(row + b * 18 + 2); *D = h2f(row + b * 18); *M = -8.0f * *D; break;
-    case K_Q4_1: c = pq_nib32(row + b * 20 + 4); *D = h2f(row + b * 20); *M = h2f(row + b * 20 + 2); break;
-    case K_Q8_0: c = pq_ld(row + b * 34 + 2); *D = h2f(row + b * 34); *M = 0.0f; break;
-    default: { /* the pq kinds (Q4_K, Q6_K and the round-2 GGUF kinds): int8 codes, half scales */
+    if (!b32_codes(kind, A, r, b, &c, D, M)) { /* the GGUF kinds: int8 codes, half scales (formats/pq_decode.h) */
         pq_sc s;
         const uint8_t *p = pq_scales(kind, row, b, &s, pc);
         c = pq_codes_simd(kind, p, b);
@@ -33,7 +28,6 @@ static inline __attribute__((always_inline)) void dec512(int kind, const mm_args
         v[1] = _mm512_fmadd_ps(v[1], _mm512_set1_ps(s.d[1]), _mm512_set1_ps(s.m[1]));
         *D = 1.0f; *M = 0.0f;
         return;
-    }
     }
     v[0] = pk_widen16(_mm256_castsi256_si128(c)); /* codes fit int8 for every kind */
     v[1] = pk_widen16(_mm256_extracti128_si256(c, 1));
@@ -84,14 +78,12 @@ static inline __attribute__((always_inline)) void lane_sums(const __m512 *a, con
 /* block b of row r dequantized: D * codes + M as 2 x 16 floats */
 static inline __attribute__((always_inline)) void deq512(int kind, const mm_args *A, int64_t r, int64_t b, __m512 w[2],
                                                          pq_cache *pc) {
-    if (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_LOOM_Q4) { /* 16 values D * c + M, looked up */
-        const uint8_t *row = A->w + r * A->rb, *q;
+    if (KINDS[kind]->nib4) { /* 16 values D * c + M, looked up */
+        const uint8_t *q;
         float D, M;
-        if (kind == K_LOOM_Q4) { q = A->w + (r * A->nb + b) * 16; D = A->aux[r * A->nb + b]; M = -8.0f * D; }
-        else if (kind == K_Q4_0) { q = row + b * 18 + 2; D = h2f(row + b * 18); M = -8.0f * D; }
-        else { q = row + b * 20 + 4; D = h2f(row + b * 20); M = h2f(row + b * 20 + 2); }
+        const int x = b32_nib4(kind, A, r, b, &q, &D, &M); /* formats/block32.h */
         __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)); /* permutes read 4 bits */
-        if (kind == K_LOOM_Q4) lo = _mm512_xor_si512(lo, _mm512_set1_epi32(0x88)); /* nibble ^ 8 = code + 8 */
+        if (x) lo = _mm512_xor_si512(lo, _mm512_set1_epi32(x)); /* Loom: nibble ^ 8 = code + 8 */
         const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         const __m512 tab = _mm512_fmadd_ps(iota, _mm512_set1_ps(D), _mm512_set1_ps(M));
         w[0] = _mm512_permutexvar_ps(lo, tab);
@@ -147,7 +139,7 @@ static inline __attribute__((always_inline)) void quant_rows512(int kind, const 
  * chains, two blocks a step (a 1B Loom Q4 decode 46 tok/s, 34 on the tile's one chain). */
 static inline __attribute__((always_inline)) void quant_tile512(int kind, const mm_args *A, int64_t r, int64_t c,
                                                                 const int nn) {
-    if (nn == 1 && (kind == K_Q4_0 || kind == K_Q4_1 || kind == K_LOOM_Q4)) {
+    if (nn == 1 && KINDS[kind]->nib4) {
         pq_cache pc = {NULL};
         const float *xb = A->x + c * A->k;
         __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, w[2], u[2];

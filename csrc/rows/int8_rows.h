@@ -3,10 +3,12 @@
 #ifndef POLY_ROWS_INT8_ROWS_H
 #define POLY_ROWS_INT8_ROWS_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "core/half.h"
 #include "formats/pq_decode.h"
 #include "rows/dense_dot.h"
 #include "formats/block_decode.h"
+#include "formats/block32.h"
 #include "rows/quant_tiles.h"
 #include "formats/kquant_rows.h"
 
@@ -25,12 +27,6 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) { /* 8 int32 sums of 4 u8*s
 
 static inline __m256i dot_s8s8(__m256i q, __m256i s) {
     return dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(s, q));
-}
-
-static inline __m256i nib16_i(const uint8_t *p, uint8_t x) {
-    __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)x));
-    __m128i m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
 }
 
 /* pq8_row for the .pq8_sb kinds (IQ4_XS) a super-block at a time: its 8 scales and d decoded once, not per
@@ -104,11 +100,8 @@ static inline __attribute__((always_inline)) void quant_row_q8(int kind, const m
         int sgn = 0;
         __m256 lane = _mm256_set1_ps(1.0f);
         float m2[2] = {0.0f, 0.0f}; /* .m16 kinds: offsets of the two 16-element halves */
-        switch (kind) {
-        case K_LOOM_Q4: q = nib16_i(A->w + (r * A->nb + b) * 16, 0x88); D = A->aux[r * A->nb + b]; M = -8.0f * D; break;
-        case K_Q4_0: q = nib16_i(row + b * 18 + 2, 0); D = h2f(row + b * 18); M = -8.0f * D; break;
-        case K_Q4_1: q = nib16_i(row + b * 20 + 4, 0); D = h2f(row + b * 20); M = h2f(row + b * 20 + 2); break;
-        case K_Q8_0: q = _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)); D = h2f(row + b * 34); sgn = 1; break;
+        if (b32_q8_codes(kind, A, r, b, &q, &D, &M, &sgn)) {} /* formats/block32.h */
+        else switch (kind) {
         case K_I8: q = _mm256_loadu_si256((const __m256i *)(A->w + r * A->k + b * 32)); D = A->aux[r]; sgn = 1; break;
         default: /* the GGUF kinds (formats/kquant_blocks.h, formats/pq_decode.h) */
             if (!kq_q8_codes(kind, row, b, &q, &D, &M, &sgn, &lane)) q = pq_q8_codes(kind, row, b, &D, &M, &sgn, &lane, m2, &pc, 0);
