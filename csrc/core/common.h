@@ -83,7 +83,8 @@ typedef struct {
     uint8_t kqp_form;  /* ... how its offsets are taken (KQP_*) */
     uint8_t kqp_pairs; /* ... maddubs results its int16 lanes can sum before madd widens them */
     uint8_t kil8;      /* its rows repacked by 8 (formats/kquant_interleave8*.h): KIL8_* */
-    uint8_t vdpbf;     /* a prompt's rows on vdpbf16ps when x is rounded too (formats/bf16_rows.h) */
+    uint8_t bf16;      /* bfloat16 elements (formats/bf16.h: the dense loaders) */
+    uint8_t vdpbf;     /* a prompt's rows on vdpbf16ps when x is rounded too (formats/vdpbf16_rows.h) */
     uint8_t aux;       /* its float32 scales array: AUX_* */
     uint8_t flat;      /* one stream of 16-byte nibble blocks over the whole matrix (rb 0, k % 32 == 0), x's
                         * 32-blocks reordered evens then odds to meet them (core/activations.h loom_order) */
@@ -156,7 +157,7 @@ typedef struct {
     int64_t n, k, m, rb, nb; /* rb = bytes per stored row, nb = 32-blocks per row */
     int64_t ldo;             /* out row stride (floats): m, or wider when out is a slice */
     int x1; /* K-quant, Q5_0/Q5_1/IQ4 int8 rows (formats/kquant_rows.h, rows/int8_rows.h): x's first code only (the q8 "auto" mode) */
-    const uint16_t *xb; /* a prompt's BF16 rows (formats/bf16_rows.h): x rounded to bf16 [n, k], or NULL */
+    const uint16_t *xb; /* a prompt's BF16 rows (formats/vdpbf16_rows.h): x rounded to bf16 [n, k], or NULL */
     const uint8_t *rk;  /* Q4_K/Q6_K rows by 8 (formats/kquant_interleave8_panels.h): the prompt panels decode them, not w; or NULL */
 } mm_args;
 

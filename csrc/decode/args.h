@@ -5,7 +5,7 @@
 #include "formats/kinds.h"
 #include "core/matrix_check.h"
 #include "formats/kquant_panels.h"
-#include "formats/bf16_rows.h"
+#include "formats/vdpbf16_rows.h"
 #include "formats/interleave16.h"
 #include "formats/interleave16_range.h"
 #include "decode/step.h"
@@ -241,7 +241,7 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (nargs >= 9 && parse_paged(&H, args[8], &S)) goto done;
     if (parse_all(&H, args, &S)) goto done;
     pk_row_sharing(&S); /* seq1 and indep */
-    if (S.q8 == 2) S.bf = bf16_rows(K_BF16, (int)q8, 2), S.q8 = auto_q8(&S); /* q8 0: no int8 codes, no prep */
+    if (S.q8 == 2) S.bf = bf16_auto((int)q8), S.q8 = auto_q8(&S); /* q8 0: no int8 codes, no prep */
     if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
     if (S.red && S.mrows) { PyErr_SetString(PyExc_ValueError, "MoE layers take no reduce"); goto done; }
     const int nt = want_nt ? (int)want_nt : pk_threads;

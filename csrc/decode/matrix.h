@@ -10,7 +10,7 @@
 #include "formats/kquant_rows.h"
 #include "formats/kquant_panels.h"
 #include "formats/kquant_panels_run.h"
-#include "formats/bf16_rows.h"
+#include "formats/vdpbf16_rows.h"
 #include "rows/ranges.h"
 #include "formats/interleave16.h"
 #include "formats/interleave16_avx2.h"
@@ -33,8 +33,8 @@
 #define DENSE_PIECE 64
 #endif
 static inline int dense_tiles(int kind, int bf, int64_t n) {
-    if (!PK_AVX512) return PK_SIMD && n <= MAX_N && (kind == K_F32 || kind == K_F16 || (kind == K_BF16 && !bf));
-    return kind == K_F16 || (kind == K_BF16 && !bf);
+    if (!PK_AVX512) return PK_SIMD && n <= MAX_N && (kind == K_F32 || kind == K_F16 || (KINDS[kind]->bf16 && !bf));
+    return kind == K_F16 || (KINDS[kind]->bf16 && !bf);
 }
 
 /* A prompt's rows [m0, m1) handed out as threads free up: each thread asks the shared counter
@@ -96,7 +96,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
         gemm_rows(M->kind, &D, P->x, n, out, ldo, h ? h->m0 : r0, h ? h->m1 : r1, P->gbuf + pk_tid() * P->gstride,
                   P->gpad, M->bias, h ? h->ctr : NULL);
         return h != NULL;
-    } else if (bf && bf16_tiles(n) && P->gbuf) { /* a prompt's BF16 rows: x as bf16 once (csrc/formats/bf16_rows.h) */
+    } else if (bf && bf16_tiles(n) && P->gbuf) { /* a prompt's BF16 rows: x as bf16 once (csrc/formats/vdpbf16_rows.h) */
         uint16_t *xb = (uint16_t *)(P->gbuf + pk_tid() * P->gstride);
         for (int64_t i = 0; i < n; i++) bf16_x(P->x + i * A.k, A.k, xb + i * A.k);
         A.xb = xb;

@@ -21,7 +21,7 @@ static int64_t gemm_stride(const step_t *S) {
 
 /* whether a step of R rows (prepared inputs) needs the per-thread panel buffers */
 static inline int gemm_bufs(const step_t *S, int64_t R) {
-    return R >= GEMM_ROWS || ((S->q8 == 2 || (S->bf && S->seq1)) && R >= KQP_MIN); /* formats/kquant_panels.h, formats/bf16_rows.h */
+    return R >= GEMM_ROWS || ((S->q8 == 2 || (S->bf && S->seq1)) && R >= KQP_MIN); /* formats/kquant_panels.h, formats/vdpbf16_rows.h */
 }
 
 /* scratch floats for step S with nt threads (see carve); the prepared-input pools cover the

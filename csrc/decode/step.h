@@ -98,7 +98,7 @@ typedef struct { /* one input vector prepared for every kernel kind */
               * dk: the auto mode's K-quant rows, core/activations.h quantize_k), 8 one (the K-quant prompt
               * panels, formats/kquant_panels.h) */
     int x1; /* the auto mode: Q5_0/Q5_1/IQ4 rows take x's first code, K-quant rows xk */
-    int bf; /* a prompt's BF16 products on vdpbf16ps (KQP_MIN rows and more, csrc/formats/bf16_rows.h) */
+    int bf; /* a prompt's BF16 products on vdpbf16ps (KQP_MIN rows and more, csrc/formats/vdpbf16_rows.h) */
     int64_t gemm_from; /* rows from which a product runs as gemm panels: GEMM_ROWS for a prompt,
                         * else MAX_N + 1 (the row kernels: a row's sums alone and in company) */
 } px_t;
@@ -108,7 +108,7 @@ typedef struct {
     int maxh; /* the most query heads of a layer (the attention's score rows a thread) */
     int q8; /* 0 float, 1 int8 codes for every 4/8-bit kind, 2 auto (K-quants), 3 repacked rows only */
     int seq1; /* the n rows are one sequence's tokens (a prompt): they share every cache */
-    int bf;   /* the auto mode on a CPU with AVX512_BF16: BF16 prompts on vdpbf16ps (formats/bf16_rows.h) */
+    int bf;   /* the auto mode on a CPU with AVX512_BF16: BF16 prompts on vdpbf16ps (formats/vdpbf16_rows.h) */
     int indep; /* no two rows share a cache (and page table): each row attends only its own keys */
     int64_t mrows, mE; /* MoE: most gathered rows (n * (k + shared)), most experts; 0 without */
     int64_t pos[STEP_MAX];

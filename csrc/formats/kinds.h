@@ -5,13 +5,13 @@
 #ifndef POLY_FORMATS_KINDS_H
 #define POLY_FORMATS_KINDS_H
 #include "core/common.h"
+#include "formats/bf16.h"
 #include "formats/block32.h"
 #include "formats/kquant_blocks.h"
 #include "formats/gguf_blocks.h"
 
 static const kind_rec REC_NONE = {0}; /* float32, float16: nothing a generic kernel asks of them */
 static const kind_rec REC_I8 = {.aux = AUX_ROWS, .il16 = IL16_I8}; /* int8 rows, a scale each */
-static const kind_rec REC_BF16 = {.vdpbf = 1};
 
 static const kind_rec *const KINDS[K_COUNT] = {
     [K_F32] = &REC_NONE, [K_F16] = &REC_NONE, [K_BF16] = &REC_BF16, [K_I8] = &REC_I8,
@@ -35,5 +35,11 @@ static const kind_rec *const KINDS[K_COUNT] = {
     else if ((kind) == K_I8) CASES(K_I8)                                                     \
     else if ((kind) == K_Q4_1) CASES(K_Q4_1)                                                 \
     else CASES(K_Q4_0)
+
+/* CASE(K) with a constant K for the float kinds' packing (gemm/gemm.h) */
+#define DENSE_FLOAT_SWITCH(kind, CASE)                                                        \
+    if ((kind) == K_F16) CASE(K_F16)                                                         \
+    else if ((kind) == K_BF16) CASE(K_BF16)                                                  \
+    else CASE(K_F32)
 
 #endif /* POLY_FORMATS_KINDS_H */

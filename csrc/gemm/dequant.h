@@ -26,7 +26,7 @@ typedef struct {
     float *out;       /* [r1 - r0, k] */
     int64_t k, rb, r0, r1;
     const uint8_t *rp; /* the rows repacked by 16 (csrc/formats/interleave16.h) to read instead of w, or NULL */
-    int bf;            /* BF16 gemm panels on vdpbf16ps, x rounded to bf16 (csrc/formats/bf16_rows.h) */
+    int bf;            /* BF16 gemm panels on vdpbf16ps, x rounded to bf16 (csrc/formats/vdpbf16_rows.h) */
     const void *hk;    /* float16/float32 rows by 16, k-major (csrc/formats/float_kmajor16.h) to read instead of w, or NULL */
     const uint8_t *rk; /* K-quant rows by 8 (record .kil8: csrc/formats/kquant_interleave8_panels.h): the int8 panels decode them, not w; or NULL */
 } dq_args;
@@ -52,9 +52,7 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
     const int64_t k = A->k;
     const uint8_t *row = A->w + r * A->rb;
     if (pq_kind(kind) && PK_SIMD) { pq_dq_row(kind, row, k, dst); return; }
-    switch (kind) {
-    case K_F32: memcpy(dst, row, (size_t)k * 4); return;
-    case K_F16: case K_BF16: {
+    if (kind == K_F16 || KINDS[kind]->bf16) { /* 16-bit floats (formats/bf16.h: bfloat16's loads) */
         int64_t j = 0;
 #if PK_SIMD
         for (; j + 8 <= k; j += 8) _mm256_storeu_ps(dst + j, load8(kind, row, j));
@@ -62,6 +60,8 @@ static void dq_row(int kind, const dq_args *A, int64_t r, float *dst) {
         for (; j < k; j++) dst[j] = load1(kind, row, j);
         return;
     }
+    switch (kind) {
+    case K_F32: memcpy(dst, row, (size_t)k * 4); return;
     case K_I8: {
         const int8_t *c = (const int8_t *)row;
         const float s = A->aux[r];

@@ -6,7 +6,7 @@
 #include "formats/kquant_panels.h"
 #include "formats/kquant_panels_prep.h"
 #include "formats/kquant_panels_run.h"
-#include "formats/bf16_rows.h"
+#include "formats/vdpbf16_rows.h"
 #include "formats/interleave16.h"
 #include "formats/interleave16_range.h"
 #include "gemm/dequant.h"
@@ -15,7 +15,7 @@
 #include "formats/interleave16_panels.h"
 #include "formats/float_kmajor16.h"
 #include "gemm/prefetch.h"
-#include "formats/bf16_panels.h"
+#include "formats/vdpbf16_panels.h"
 
 /* x's row stride for the tiles: k, or k + 16 when rows k floats apart fall in the same L1 sets (k a
  * multiple of 256: a tile's 12 broadcasts at one column thrashed an 8-way set; one thread, F32 rows
@@ -29,23 +29,23 @@ static void gemm_panel(int kind, const dq_args *D, const float *x, int64_t ldx, 
                        int64_t r0, int64_t rows, float *tmp, float *P, int64_t next) {
     const int64_t k = D->k;
 #if PK_AVX512
-    if (kind == K_BF16 && D->bf) { bf16_panel(D, x, ldx, n, out, m, r0, rows, P, next); return; }
+    if (KINDS[kind]->vdpbf && D->bf) { bf16_panel(kind, D, x, ldx, n, out, m, r0, rows, P, next); return; }
 #endif
     if (PK_KM16 && D->hk) { /* laid out by 16 at load: no packing (csrc/formats/float_kmajor16.h) */
         if (r0 % 16) km16_range(kind, D->hk, k, x, ldx, n, out, m, r0, r0 + rows);
         else km16_group(kind, D->hk, k, r0 + rows, x, ldx, n, out + r0, m, r0, rows, next);
         return;
     }
-    if (kind == K_F16 || kind == K_BF16 || kind == K_F32) { /* packed straight from the stored rows (1B
+    if (kind == K_F16 || kind == K_F32 || KINDS[kind]->bf16) { /* packed straight from the stored rows (1B
                                             * [8192 x 2048], 17 / 42 rows: 1.4x / 1.17x), the next chunk asked for meanwhile */
         const int esz = kind == K_F32 ? 4 : 2;
         const uint8_t *w = D->w + r0 * D->rb;
         for (int64_t c0 = 0; c0 < k; c0 += KC) {
             const int64_t kc = k - c0 < KC ? k - c0 : KC;
             pf_cur pf = pf_chunk(kind, D, r0, rows, next, c0 + kc, esz);
-            if (kind == K_F16) gemm_pack_any(w + 2 * c0, k, rows, kc, P, K_F16);
-            else if (kind == K_BF16) gemm_pack_any(w + 2 * c0, k, rows, kc, P, K_BF16);
-            else gemm_pack_any(w + 4 * c0, k, rows, kc, P, K_F32);
+#define PACK_(K) gemm_pack_any(w + ELEM_BYTES[K] * c0, k, rows, kc, P, K);
+            DENSE_FLOAT_SWITCH(kind, PACK_)
+#undef PACK_
             gemm_chunk(P, x + c0, n, ldx, kc, out + r0, m, rows, c0 > 0, &pf);
         }
         return;
@@ -179,7 +179,7 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
 
 /* gemm_run, K-quants of KQP_MIN rows or more in the auto mode on int8 panels (SIMD builds) */
 static int gemm_any(int kind, const dq_args *D, const float *x, int64_t n, float *out, int64_t m, int nt, int q8) {
-    const int bf = bf16_rows(kind, q8, D->k); /* q8 with Q8_EXACT_BF16 is not 2 */
+    const int bf = bf16_rows(kind, q8, D->k); /* q8 with Q8_EXACT_BFLOAT16 is not 2 */
     q8 &= 3;
     if (q8 && D->rp && n >= IL16P_MIN && il16p_kind(kind)) { /* 8-lane prompts: the repacked rows (formats/interleave16_avx2.h), as matmul */
         mm_args A = {0};

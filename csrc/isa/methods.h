@@ -2,7 +2,7 @@
 #ifndef POLY_ISA_METHODS_H
 #define POLY_ISA_METHODS_H
 #include "core/common.h"
-#include "formats/bf16_rows.h"
+#include "formats/vdpbf16_rows.h"
 #include "formats/interleave16.h"
 #include "formats/interleave16_avx2.h"
 #include "formats/interleave16_range.h"
@@ -31,7 +31,7 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
     int omp = 0;
 #endif
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_IL16, "k16", KM16_KINDS,
-                         "r8k", PK_KIL8, "r16p", PK_IL16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_rows(K_BF16, 2, 2));
+                         "r8k", PK_KIL8, "r16p", PK_IL16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_auto(2));
 }
 
 static PyMethodDef methods[] = {

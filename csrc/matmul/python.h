@@ -6,7 +6,7 @@
 #include "formats/kquant_rows.h"
 #include "core/matrix_check.h"
 #include "formats/kquant_panels.h"
-#include "formats/bf16_rows.h"
+#include "formats/vdpbf16_rows.h"
 #include "formats/interleave16.h"
 #include "formats/interleave16_range.h"
 #include "gemm/dequant.h"
@@ -23,7 +23,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
     mm_args A = {0};
     A.n = PyLong_AsLongLong(args[5]); A.k = PyLong_AsLongLong(args[6]); A.m = PyLong_AsLongLong(args[7]);
     A.ldo = A.m;
-    long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants); | Q8_EXACT_BF16 */
+    long q8 = PyLong_AsLong(args[8]); /* 0 float, 1 int8 activations, 2 auto (K-quants); | Q8_EXACT_BFLOAT16 */
     if (q8 == -1 && PyErr_Occurred()) return NULL;
     const int q8in = (int)q8;
     q8 &= 3;
@@ -62,7 +62,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (want_len(&br, nrp, "rp")) { PyBuffer_Release(&br); goto done_a; }
     }
     int rc;
-    uint16_t *xb = NULL; /* a prompt's BF16 rows on vdpbf16ps, as the fused step (csrc/formats/bf16_rows.h) */
+    uint16_t *xb = NULL; /* a prompt's BF16 rows on vdpbf16ps, as the fused step (csrc/formats/vdpbf16_rows.h) */
     if (bf16_rows((int)kind, q8in, A.k) && bf16_tiles(A.n) && !(xb = malloc((size_t)(A.n * A.k) * 2))) {
         if (br.buf) PyBuffer_Release(&br);
         PyErr_NoMemory();

@@ -5,6 +5,7 @@
 #define POLY_ROWS_AVX512_H
 #include "core/common.h"
 #include "formats/kinds.h"
+#include "formats/bf16.h"
 #include "core/half.h"
 #include "formats/block32.h"
 #include "formats/pq_decode.h"
@@ -168,9 +169,9 @@ static inline __m512 load16(int kind, const uint8_t *row, int64_t j) {
     switch (kind) {
     case K_F32: return _mm512_loadu_ps((const float *)row + j);
     case K_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * j)));
-    case K_BF16:
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * j))), 16));
-    default: return pk_widen16(_mm_loadu_si128((const __m128i *)(row + j)));
+    default:
+        if (KINDS[kind]->bf16) return bf16_16(row, j); /* formats/bf16.h */
+        return pk_widen16(_mm_loadu_si128((const __m128i *)(row + j)));
     }
 }
 

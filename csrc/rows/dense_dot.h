@@ -4,6 +4,8 @@
 #include "core/common.h"
 #include "core/half.h"
 #include "rows/avx512.h"
+#include "formats/kinds.h"
+#include "formats/bf16.h"
 
 /* ---- dense rows (any k): float32, float16, bfloat16, int8 codes x row scale ------------- */
 
@@ -11,8 +13,7 @@ static inline float load1(int kind, const uint8_t *row, int64_t j) {
     switch (kind) {
     case K_F32: return ((const float *)row)[j];
     case K_F16: return h2f(row + 2 * j);
-    case K_BF16: { uint32_t u = (uint32_t)((const uint16_t *)row)[j] << 16; float f; memcpy(&f, &u, 4); return f; }
-    default: return (float)((const int8_t *)row)[j];
+    default: return KINDS[kind]->bf16 ? bf16_1(row, j) : (float)((const int8_t *)row)[j];
     }
 }
 
@@ -21,10 +22,8 @@ static inline __m256 load8(int kind, const uint8_t *row, int64_t j) {
     switch (kind) {
     case K_F32: return _mm256_loadu_ps((const float *)row + j);
     case K_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * j)));
-    case K_BF16:
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * j))), 16));
     default:
+        if (KINDS[kind]->bf16) return bf16_8(row, j); /* formats/bf16.h */
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j))));
     }
 }

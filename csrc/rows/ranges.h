@@ -10,7 +10,7 @@
 #include "formats/kquant_rows.h"
 #include "rows/int8_rows.h"
 #include "core/matrix_check.h"
-#include "formats/bf16_rows.h"
+#include "formats/vdpbf16_rows.h"
 #include "formats/kinds.h"
 
 typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
@@ -39,7 +39,7 @@ typedef void (*range_fn)(const mm_args *A, int64_t r0, int64_t r1);
 #define RANGED(NAME, KIND)                                                                   \
     static void NAME(const mm_args *A, int64_t r0, int64_t r1) {                             \
         int64_t r = r0;                                                                      \
-        if (KINDS[KIND]->vdpbf && A->xb) { bf16_range(A, r0, r1); return; } /* formats/bf16_rows.h */ \
+        if (KINDS[KIND]->vdpbf && A->xb) { bf16_range(A, r0, r1); return; } /* formats/vdpbf16_rows.h */ \
         if (A->n == 1) { dense_rows1(KIND, A, r0, r1); return; }                             \
         for (; r + 3 < r1; r += 4) dense_row4(KIND, A, r);                                   \
         if (r + 1 < r1) { dense_row2(KIND, A, r); r += 2; }                                  \

@@ -1,15 +1,15 @@
-/* BF16 prompts' gemm panels on vdpbf16ps (csrc/formats/bf16_rows.h has the why and the row tiles):
+/* BF16 prompts' gemm panels on vdpbf16ps (csrc/formats/vdpbf16_rows.h has the why and the row tiles):
  * GEMM_ROWS rows and more.
  *
  * A panel of GR = 32 rows is packed per chunk of KC columns as P[kp][r] = row r's bf16 pair at
  * columns 2kp, 2kp + 1: one 32-bit word of the stored row, so packing is gemm_pack_any's 32-bit
  * transpose of the stored words. A tile converts its tokens' chunk of x to bf16 pairs once (1/32
  * of its instructions) and broadcasts a pair per token against the two vectors of weight pairs. */
-#ifndef POLY_FORMATS_BF16_PANELS_H
-#define POLY_FORMATS_BF16_PANELS_H
+#ifndef POLY_FORMATS_VDPBF16_PANELS_H
+#define POLY_FORMATS_VDPBF16_PANELS_H
 #include "core/common.h"
 #include "rows/avx512.h"
-#include "formats/bf16_rows.h"
+#include "formats/vdpbf16_rows.h"
 #include "gemm/dequant.h"
 #include "gemm/vector.h"
 #include "gemm/panels.h"
@@ -28,7 +28,7 @@
 #define BF_ALL(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
 
 /* out[i, 0..rows) (+)= the chunk's products for tokens i < NT (a constant, <= GT = 12); kc even */
-static inline __attribute__((always_inline)) PK_BF16_TARGET void bf16_tile(const uint32_t *P, const float *x, int64_t ldx,
+static inline __attribute__((always_inline)) PK_VDPBF16_TARGET void bf16_tile(const uint32_t *P, const float *x, int64_t ldx,
                                                                           int64_t kc, float *out, int64_t ldo, int64_t rows,
                                                                           int add, const int NT, pf_cur *pf) {
     uint32_t xb[GT * (KC / 2)]; /* the tokens' x as bf16 pairs */
@@ -45,14 +45,14 @@ static inline __attribute__((always_inline)) PK_BF16_TARGET void bf16_tile(const
 
 #define BF_TILE(T) bf16_tile(P, x + i * ldx, ldx, kc, out + i * ldo, ldo, rows, add, T, pf)
 /* tokens [i, i + nt) (nt <= GT) in one tile */
-static inline __attribute__((always_inline)) PK_BF16_TARGET void bf16_span(const uint32_t *P, const float *x, int64_t i, int64_t nt,
+static inline __attribute__((always_inline)) PK_VDPBF16_TARGET void bf16_span(const uint32_t *P, const float *x, int64_t i, int64_t nt,
                                                                           int64_t ldx, int64_t kc, float *out, int64_t ldo,
                                                                           int64_t rows, int add, pf_cur *pf) {
     GT_SWITCH(nt, BF_TILE)
 }
 
 /* tiles of equal size (16 tokens: 8 + 8, not 12 + 4: a small tile loads the weights for few dots) */
-static PK_BF16_TARGET void bf16_chunk(const uint32_t *P, const float *x, int64_t n, int64_t ldx, int64_t kc, float *out,
+static PK_VDPBF16_TARGET void bf16_chunk(const uint32_t *P, const float *x, int64_t n, int64_t ldx, int64_t kc, float *out,
                                       int64_t ldo, int64_t rows, int add, pf_cur *pf) {
     const int64_t tiles = (n + GT - 1) / GT;
     for (int64_t t = 0, i = 0; t < tiles; t++) {
@@ -63,17 +63,17 @@ static PK_BF16_TARGET void bf16_chunk(const uint32_t *P, const float *x, int64_t
 }
 
 /* gemm_panel for BF16 rows [r0, r0 + rows) with D->bf (k even): chunks packed as 32-bit words */
-static PK_BF16_TARGET void bf16_panel(const dq_args *D, const float *x, int64_t ldx, int64_t n, float *out, int64_t m,
+static PK_VDPBF16_TARGET void bf16_panel(int kind, const dq_args *D, const float *x, int64_t ldx, int64_t n, float *out, int64_t m,
                                       int64_t r0, int64_t rows, float *P, int64_t next) {
     const int64_t k = D->k;
     const uint8_t *w = D->w + r0 * D->rb;
     for (int64_t c0 = 0; c0 < k; c0 += KC) {
         const int64_t kc = k - c0 < KC ? k - c0 : KC;
-        pf_cur pf = pf_chunk(K_BF16, D, r0, rows, next, c0 + kc, 2);
+        pf_cur pf = pf_chunk(kind, D, r0, rows, next, c0 + kc, 2);
         gemm_pack_any(w + 2 * c0, k / 2, rows, kc / 2, P, K_F32); /* bf16 pairs as 32-bit words */
         bf16_chunk((const uint32_t *)P, x + c0, n, ldx, kc, out + r0, m, rows, c0 > 0, &pf);
     }
 }
 #endif
 
-#endif /* POLY_FORMATS_BF16_PANELS_H */
+#endif /* POLY_FORMATS_VDPBF16_PANELS_H */

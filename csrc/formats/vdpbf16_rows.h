@@ -4,17 +4,18 @@
  * 16 (1B BF16 prompts were FMA-bound at 0.68-0.98x llama.cpp on Zen 4). The products of two
  * bfloat16 are exact in float32: the only rounding beyond the float path's is x's (relative 2^-9
  * an element). Prompts of KQP_MIN to MAX_N rows: the row tiles here, x converted once per call
- * (mm_args xb); from GEMM_ROWS rows the gemm panels (formats/bf16_panels.h). Decode rows stay on the float
+ * (mm_args xb); from GEMM_ROWS rows the gemm panels (formats/vdpbf16_panels.h). Decode rows stay on the float
  * path (bandwidth-bound; a row's numbers the same alone and in company). */
-#ifndef POLY_FORMATS_BF16_ROWS_H
-#define POLY_FORMATS_BF16_ROWS_H
+#ifndef POLY_FORMATS_VDPBF16_ROWS_H
+#define POLY_FORMATS_VDPBF16_ROWS_H
 #include "core/common.h"
+#include "formats/kinds.h"
 #include "rows/avx512.h"
 #include "rows/dense_tiles.h"
 #include "formats/kquant_panels.h"
 
 #if PK_AVX512
-#define PK_BF16_TARGET __attribute__((target("avx512bf16")))
+#define PK_VDPBF16_TARGET __attribute__((target("avx512bf16")))
 
 /* whether this CPU runs vdpbf16ps (the AVX-512 build is compiled without it: Ice Lake and
  * Skylake-X have AVX-512 but not BF16) */
@@ -25,7 +26,7 @@ static int pk_bf16_ok(void) {
 }
 
 /* x[0..k) rounded to bf16 (nearest even) into xb */
-static inline PK_BF16_TARGET void bf16_x(const float *x, int64_t k, uint16_t *xb) {
+static inline PK_VDPBF16_TARGET void bf16_x(const float *x, int64_t k, uint16_t *xb) {
     int64_t j = 0;
     for (; j + 32 <= k; j += 32)
         _mm512_storeu_si512((void *)(xb + j), (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + j + 16), _mm512_loadu_ps(x + j)));
@@ -46,7 +47,7 @@ static inline float bf16_f(uint16_t h) {
 
 /* rows r .. r + R (R 4 or 1) times the nn (<= 4) inputs from c on, x as bf16 (A->xb): one
  * accumulator per (row, input), each x load feeding R dots; the sums in reduce16's order */
-static inline __attribute__((always_inline)) PK_BF16_TARGET void bf16_rtile(const mm_args *A, int64_t r, int64_t c,
+static inline __attribute__((always_inline)) PK_VDPBF16_TARGET void bf16_rtile(const mm_args *A, int64_t r, int64_t c,
                                                                            const int nn, const int R) {
     const int64_t k = A->k, k32 = k / 32 * 32;
     const uint16_t *w = (const uint16_t *)A->w + r * k;
@@ -82,7 +83,7 @@ static inline __attribute__((always_inline)) PK_BF16_TARGET void bf16_rtile(cons
 
 #define BF_RT(nn) (R == 4 ? bf16_rtile(A, r, c, nn, 4) : bf16_rtile(A, r, c, nn, 1))
 /* BF16 rows [r0, r1) for A->n (<= MAX_N) inputs with A->xb set: quads of rows, then one */
-static PK_BF16_TARGET void bf16_range(const mm_args *A, int64_t r0, int64_t r1) {
+static PK_VDPBF16_TARGET void bf16_range(const mm_args *A, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1;) {
         const int R = r + 4 <= r1 ? 4 : 1;
         int64_t c = 0;
@@ -103,15 +104,17 @@ static inline void bf16_x(const float *x, int64_t k, uint16_t *xb) { (void)x, (v
 static inline void bf16_range(const mm_args *A, int64_t r0, int64_t r1) { (void)A, (void)r0, (void)r1; }
 #endif
 
-/* a flag on the entries' q8 (2 | Q8_EXACT_BF16): BF16 rows stay on the float path. Python sets it
+/* a flag on the entries' q8 (2 | Q8_EXACT_BFLOAT16): BF16 rows stay on the float path. Python sets it
  * for HF weights (bfloat16 arrays: parity with transformers); GGUF's BF16 takes llama.cpp's dots */
-#define Q8_EXACT_BF16 4
+#define Q8_EXACT_BFLOAT16 4
 
-/* whether a product of kind's rows takes the bf16 paths: the auto mode (q8 2, no Q8_EXACT_BF16),
+/* whether a product of kind's rows takes the bf16 paths: the auto mode (q8 2, no Q8_EXACT_BFLOAT16),
  * BF16, k even */
-static inline int bf16_rows(int kind, int q8, int64_t k) { return q8 == 2 && kind == K_BF16 && k % 2 == 0 && pk_bf16_ok(); }
+/* whether the auto mode (q8) on this CPU takes them at all */
+static inline int bf16_auto(int q8) { return q8 == 2 && pk_bf16_ok(); }
+static inline int bf16_rows(int kind, int q8, int64_t k) { return q8 == 2 && KINDS[kind]->vdpbf && k % 2 == 0 && pk_bf16_ok(); }
 
 /* whether n rows of a prompt take the bf16 row tiles (below the panels) */
 static inline int bf16_tiles(int64_t n) { return n >= KQP_MIN && n <= MAX_N; }
 
-#endif /* POLY_FORMATS_BF16_ROWS_H */
+#endif /* POLY_FORMATS_VDPBF16_ROWS_H */
