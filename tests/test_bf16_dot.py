@@ -1,4 +1,4 @@
-"""BF16 prompts on vdpbf16ps (csrc/formats/bf16_rows.h, formats/bf16_panels.h): in the default ("auto") scheme, on the
+"""BF16 prompts on vdpbf16ps (csrc/formats/vdpbf16_rows.h, formats/vdpbf16_panels.h): in the default ("auto") scheme, on the
 AVX-512 build of a CPU with AVX512_BF16, a prompt's products of GGUF BF16 rows, 4 rows or more,
 take x rounded to bfloat16 (nearest even), like llama.cpp's BF16 dots: the result is the stored
 weights times those x to float32 rounding. Elsewhere (one row, other builds, q8 off, and HF

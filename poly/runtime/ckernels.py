@@ -64,7 +64,7 @@ GGUF_TYPE_KINDS = {
 _F32 = np.dtype(np.float32)
 Q8_OFF, Q8_ON, Q8_AUTO = 0, 1, 2
 # a flag on q8 for HF bfloat16 weights: their rows stay exact in the auto mode (parity with
-# transformers); GGUF's BF16 takes llama.cpp's bf16 dots there (csrc/formats/bf16_rows.h)
+# transformers); GGUF's BF16 takes llama.cpp's bf16 dots there (csrc/formats/vdpbf16_rows.h)
 Q8_EXACT_BF16 = 4
 _Q8_ENV = {"0": Q8_OFF, "1": Q8_ON}
 _opts = {"q8": _Q8_ENV.get(os.environ.get("POLY_ACT_Q8", ""), Q8_AUTO)}
@@ -80,7 +80,7 @@ def set_act_q8(on: bool | str) -> int:
     Q8_0, int8 keep two); Q5_0/Q5_1/IQ4_NL/IQ4_XS decode rows (and every row of a batched
     decode, csrc/rows/int8_rows.h), their prompts on the float paths, but IQ4's on the int8 panels too;
     BF16 prompts of 4 rows or more on vdpbf16ps where the CPU has AVX512_BF16 (x rounded to
-    bf16, csrc/formats/bf16_rows.h)."""
+    bf16, csrc/formats/vdpbf16_rows.h)."""
     _opts["q8"] = Q8_AUTO if on == "auto" else (Q8_ON if on else Q8_OFF)
     return _opts["q8"]
 
