@@ -193,12 +193,12 @@ def _positions(rows: list[list]) -> tuple[int, ...] | None:
 
 
 def _run(
-    p: Plan, x: np.ndarray, rows: list[list], reduce=None, pos=None, out_rows=None
+    p: Plan, x: np.ndarray, rows: list[list], reduce=None, pos=None, out_rows=None, tune=None
 ) -> np.ndarray | None:
     """x [n, d] (overwritten) with row i continuing the KVCaches rows[i] -> logits [n, V].
     `pos` (optional): each row's position, for rows that share caches (a prompt's tokens, in
     ascending order); by default each row's caches' length. `out_rows` (optional, ascending):
-    the logits of those rows only, [len(out_rows), V]."""
+    the logits of those rows only, [len(out_rows), V]. `tune`: the thread tuner's key (default n)."""
     if pos is None:
         pos = _positions(rows)
         if pos is None:
@@ -214,7 +214,7 @@ def _run(
         for r in rows:
             caches += _kv(r[li])
     logits, out = _logits(p, x.shape[0], out_rows)
-    tuner = p.tuners.setdefault(x.shape[0], ThreadTuner(shared=SHARED))
+    tuner = p.tuners.setdefault(x.shape[0] if tune is None else tune, ThreadTuner(shared=SHARED))
     nt = tuner.threads(kernels.num_threads())
     t0 = time.perf_counter()
     hook = None
@@ -293,10 +293,11 @@ def verify_rows(model, p: Plan, x: np.ndarray) -> np.ndarray | None:
     caches = _prompt_caches(p, n)
     if caches is None:
         return None
-    # as decode steps (threads from the per-row-count tuner), not as a prompt: a prompt's look
-    # at the machine's load (prefill.fused_threads) costs ~25 ms, more than a pass
+    # threads as decode steps (prefill.fused_threads' look at the load: ~25 ms), a tuner per span
+    # of n: adaptive proposals vary n and a new tuner tries fewer threads; a span's passes ~1.6x
     start = caches[0].length
-    return _run(p, x, [caches] * n, pos=tuple(range(start, start + n)))
+    key = ("verify", (n - 1).bit_length())  # spans 2, 3-4, 5-8, ...
+    return _run(p, x, [caches] * n, pos=tuple(range(start, start + n)), tune=key)
 
 
 def _prompt_call(p: Plan, x: np.ndarray, caches: list, head: bool, nt: int = 0, end: int = 0):
