@@ -8,7 +8,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -191,18 +191,6 @@ class FileSnapshot(mmap.mmap):
         arr = np.frombuffer(self, np.uint8, count=self.size)
         arr.flags.writeable = False
         return arr
-
-
-# id(table) -> rows(ids): a tied table's rows read from its LM-head copy (`poly.runtime.repack`:
-# float rows by 16, k-major; Q8_0 records by 16), so the table's own rows need not stay in
-# memory for its lookups (issue 62: one copy of the largest matrix, not two)
-LAID_TABLES: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
-
-
-def laid_rows(table: Any, ids: np.ndarray) -> np.ndarray | None:
-    """Rows `ids` of `table` from its copy in LAID_TABLES (the same values), or None."""
-    rows = LAID_TABLES.get(id(table))
-    return None if rows is None else rows(ids)
 
 
 def keep_in_memory(value: Any) -> None:

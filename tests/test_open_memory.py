@@ -88,7 +88,7 @@ def test_a_tied_q8_0_tables_lookups_read_its_copy_by_16_exactly():
 
     from poly.quant.ggml import GGMLType
     from poly.quant.qtensor import GGUFMatrix
-    from poly.runtime import ckernels, repack
+    from poly.runtime import ckernels, repack, tied
 
     m, k = 64, 256
     rng = np.random.default_rng(0)
@@ -100,7 +100,7 @@ def test_a_tied_q8_0_tables_lookups_read_its_copy_by_16_exactly():
     if rp is None:
         pytest.skip("this build reads the stored rows")
     ids = np.array([0, 15, 16, 17, 63, 5, 5, 40])
-    got = repack._q8_0_rows(rp, k)(ids)
+    got = tied.q8_0_rows(rp, k)(ids)
     want = np.stack([table.dequantize(int(i), int(i) + 1)[0] for i in ids])
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
@@ -110,7 +110,7 @@ def test_a_tied_int8_tables_lookups_read_its_copy_by_16_exactly():
     import numpy as np
 
     from poly.quant.qtensor import CodedMatrix
-    from poly.runtime import ckernels, repack
+    from poly.runtime import ckernels, repack, tied
 
     m, k = 64, 256
     table = CodedMatrix.encode(np.random.default_rng(1).standard_normal((m, k)), "int8")
@@ -118,6 +118,6 @@ def test_a_tied_int8_tables_lookups_read_its_copy_by_16_exactly():
     if rp is None:
         pytest.skip("this build reads the stored rows")
     ids = np.array([0, 15, 16, 17, 63, 5, 5, 40])
-    got = repack._i8_rows(rp, table.encoded, k)(ids)
+    got = tied.i8_rows(rp, table.encoded, k)(ids)
     want = np.stack([table.dequantize(int(i), int(i) + 1)[0] for i in ids])
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from poly.errors import InvalidTokenError, LayerConfigError
@@ -9,7 +11,6 @@ from poly.layer import LayerKind, LayerType
 from poly.nn.dense import DenseViews
 from poly.nn.spec import Spec, carve
 from poly.ops import ACTIVATIONS
-from poly.weights import laid_rows
 
 
 def complete_dims(layer) -> None:
@@ -23,6 +24,17 @@ def spec(layer) -> Spec:
 
 def views(layer) -> DenseViews:
     return DenseViews(**carve(layer.weights.master, spec(layer)))
+
+
+# id(table) -> rows(ids): a tied table's rows read from its LM head's repacked copy
+# (`poly.runtime.tied`), so the table's own rows need not stay in memory for its lookups
+LAID_TABLES: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
+
+
+def laid_rows(table, ids: np.ndarray) -> np.ndarray | None:
+    """Rows `ids` of `table` from its copy in LAID_TABLES (the same values), or None."""
+    rows = LAID_TABLES.get(id(table))
+    return None if rows is None else rows(ids)
 
 
 def lookup(table, ids: np.ndarray, dtype=np.float32) -> np.ndarray:

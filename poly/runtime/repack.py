@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from poly.runtime import ckernels, layout_cache
+from poly.runtime import ckernels, layout_cache, tied
 from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
 IL16_REC = 320  # bytes per 16 rows and 32-block of Q4_1 (formats/interleave16.h): stored size
@@ -139,15 +139,10 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
         else:
             rp = _cached(kind, data, m, k, aux)
         w.r16 = rp
-        enc = getattr(w, "encoded", None)
-        rows = None
-        if kind == Q8_0 and rp is not None and getattr(w, "raw", None) is data:
-            rows = _q8_0_rows(rp, k)
-        elif kind == I8 and rp is not None and enc is not None and enc.codes is data:
-            rows = _i8_rows(rp, enc, k)
+        rows = None if rp is None else tied.records_rows(kind, rp, w, data, k)
         if rows is not None:  # a tied table's stored rows need not stay pinned
-            _serve_lookups(w, rows)
-            _unpin(data)
+            tied.serve(w, rows)
+            tied.unpin(_mapping(data), data)
             release_mapped(data)
     return rp
 
@@ -314,7 +309,7 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
     el = np.uint32 if kind == F32 else np.uint16  # the elements' bits, moved as they are
     table = isinstance(w, np.ndarray) and order is None and w.shape == (m, k)  # a float table
     if table:  # its rows leave as the copy is made (a first open: not the table twice at once)
-        _unpin(w)
+        tied.unpin(_mapping(w), w)
     extra = b"" if order is None else np.asarray(order).tobytes()
     out = layout_cache.load(raw, "k16", (m // 16, k, 16), el, extra)
     if out is not None:
@@ -324,69 +319,10 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
         layout_cache.store(raw, "k16", out, extra)
     ckernels.K16[key] = out
     weakref.finalize(w, ckernels.K16.pop, key, None)
-    if table:  # its lookups read the copy from now on (`poly.weights.laid_rows`)
-        _serve_lookups(w, lambda ids: out[ids // 16, :, ids % 16].view(w.dtype))
+    if table:  # its lookups read the copy from now on (`poly.nn.embedding.laid_rows`)
+        tied.serve(w, tied.float_rows(out, w.dtype))
         release_mapped(w)
     return out
-
-
-def _serve_lookups(w, rows) -> None:
-    from poly.weights import LAID_TABLES
-
-    LAID_TABLES[id(w)] = rows
-    weakref.finalize(w, LAID_TABLES.pop, id(w), None)
-
-
-def _codes_by16(rec: np.ndarray, lane: np.ndarray, at: int) -> np.ndarray:
-    """Each row's code bytes [n, nb, 32] out of its records [n, nb, bytes] (lane = row % 16):
-    8 vectors of 64 bytes from byte `at`, byte 4 lane + i of vector q = code 4 q + i."""
-    n, nb = rec.shape[:2]
-    codes = rec[..., at : at + 512].reshape(n, nb, 8, 16, 4)
-    return codes[np.arange(n), :, :, lane].reshape(n, nb, 32)
-
-
-def _i8_rows(rp: np.ndarray, enc, k: int):
-    """rows(ids) of int8 rows (.entity q8) from their records by 16 (`_repack_i8`): the codes
-    put back together, decoded with the rows' own scales as the stored rows are."""
-    import dataclasses
-
-    from poly.quant.qtensor import CodedMatrix
-
-    def rows(ids: np.ndarray) -> np.ndarray:
-        codes = _codes_by16(rp[ids // 16], ids % 16, 32).reshape(len(ids), k).view(np.int8)
-        zero = None if enc.zero is None else enc.zero[ids]
-        part = dataclasses.replace(enc, shape=(len(ids), k), codes=codes, scales=enc.scales[ids],
-                                   zero=zero)  # fmt: skip
-        return CodedMatrix(part).dequantize()
-
-    return rows
-
-
-def _q8_0_rows(rp: np.ndarray, k: int):
-    """rows(ids) of a Q8_0 matrix from its records by 16 (`il16`): each row's stored blocks
-    (D, then its 32 codes) put back together and decoded as the stored rows are."""
-    from poly.quant.ggml import GGMLType
-    from poly.quant.qtensor import GGUFMatrix
-
-    def rows(ids: np.ndarray) -> np.ndarray:
-        rec, lane, nb = rp[ids // 16], ids % 16, rp.shape[1]  # [n, nb, 576]
-        n = len(ids)
-        blocks = np.empty((n, nb, 34), dtype=np.uint8)
-        sel = np.arange(n)[:, None, None], np.arange(nb)[None, :, None]
-        blocks[..., :2] = rec[(*sel, 2 * lane[:, None, None] + np.arange(2))]  # D[lane]
-        blocks[..., 2:] = _codes_by16(rec, lane, 64)
-        return GGUFMatrix(blocks.reshape(n, -1), GGMLType.Q8_0, (n, k)).dequantize()
-
-    return rows
-
-
-def _unpin(table: np.ndarray) -> None:
-    """The table's rows, pinned in memory for its lookups, may go back to the file like any
-    repacked matrix's: its copy serves the lookups (one copy of the largest matrix, not two)."""
-    snap = _mapping(table)
-    if snap is not None and hasattr(snap, "unpin"):
-        with memoryview(snap) as mv:
-            snap.unpin(table.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data, table.nbytes)
 
 
 def _k16_make(raw: np.ndarray, el, m: int, k: int, order) -> np.ndarray:
