@@ -5,6 +5,7 @@ llama.cpp's converter (skipped when its sources are absent) and one-line load er
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -85,3 +86,16 @@ def assert_load_error(path: Path, cls: type, match: str) -> str:
         entity.load(path)
     assert "\n" not in str(info.value)
     return str(info.value)
+
+
+def with_user_token(src, dst):
+    """The checkpoint with "<|user|>" added to its tokenizer: llama.cpp's Glm4Model.set_vocab
+    reads that token (GLM-4's end of turn); the weights and ids of the other tokens are the same."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = shutil.copytree(src, dst)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+    assert len(tok) <= 304
+    tok.save_pretrained(path)
+    return path

@@ -201,7 +201,7 @@ def _config(arch: str, tied: bool, overrides: dict[str, Any]):
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def _randomize_norms_and_biases(model, seed: int) -> None:
+def randomize_norms_and_biases(model, seed: int) -> None:
     # HF initializes norms to 1 and biases to 0, which would hide mapping mistakes.
     import torch
 
@@ -239,7 +239,7 @@ def make_tiny_checkpoint(
     config = _config(arch, tied, config_overrides or {})
     torch.manual_seed(seed)
     model = getattr(transformers, _ARCH_CONFIG[arch][1])(config).eval()
-    _randomize_norms_and_biases(model, seed)
+    randomize_norms_and_biases(model, seed)
     model = model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, **(generation or {})

@@ -24,6 +24,7 @@ from tests.family_helpers import (
     assert_matches_transformers,
     assert_top1_along,
     converter_root,
+    with_user_token,
 )
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
 
@@ -109,25 +110,12 @@ GGUF_CASES = ("olmo2", "granite", "glm4")
 def gguf_files(checkpoints, tmp_path_factory):
     root = converter_root()
     tmp = tmp_path_factory.mktemp("dense_gguf")
-    sources = dict(checkpoints, glm4=_with_user_token(checkpoints["glm4"], tmp / "glm4_src"))
+    sources = dict(checkpoints, glm4=with_user_token(checkpoints["glm4"], tmp / "glm4_src"))
     return {
         (mt, kind): llama_convert.convert(sources[mt], tmp / f"{mt}.{kind}.gguf", kind, root)
         for mt in GGUF_CASES
         for kind in ("f32", "q8_0")
     }
-
-
-def _with_user_token(src, dst):
-    """The checkpoint with "<|user|>" added to its tokenizer: llama.cpp's Glm4Model.set_vocab
-    reads that token (GLM-4's end of turn); the weights and ids of the other tokens are the same."""
-    from transformers import PreTrainedTokenizerFast
-
-    path = shutil.copytree(src, dst)
-    tok = PreTrainedTokenizerFast.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
-    assert len(tok) <= 304
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.mark.slow

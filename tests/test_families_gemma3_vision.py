@@ -26,8 +26,8 @@ from tests.hf_fixtures import (
     EOS_ID,
     SPECIALS,
     VOCAB,
-    _randomize_norms_and_biases,
     build_tokenizer,
+    randomize_norms_and_biases,
 )
 from tests.test_moe_hf import greedy
 
@@ -75,7 +75,7 @@ def _build(out: Path, seed: int, **text) -> Path:
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
-    _randomize_norms_and_biases(model, seed)
+    randomize_norms_and_biases(model, seed)
     model.generation_config = transformers.GenerationConfig(bos_token_id=BOS_ID,
                                                             eos_token_id=EOS_ID)  # fmt: skip
     model.save_pretrained(out, safe_serialization=True)

@@ -20,10 +20,11 @@ from tests.family_helpers import (
     assert_entity_f32_exact,
     assert_matches_transformers,
     converter_root,
+    with_user_token,
 )
 from tests.hf_fixtures import make_tiny_checkpoint
 from tests.test_families_dense import CASES as DENSE
-from tests.test_families_dense import PROMPT, _with_user_token
+from tests.test_families_dense import PROMPT
 
 N_NEW = 32
 _, _, BASE = DENSE["glm4"]
@@ -76,7 +77,7 @@ def test_glm4_gguf_from_llama_cpp_matches_transformers(ckpts, tmp_path, name):
     root = converter_root()
     _, rot, biased = VARIANTS[name]
     path = ckpts[name]
-    src = _with_user_token(path, tmp_path / "src")
+    src = with_user_token(path, tmp_path / "src")
     f32 = entity.load(llama_convert.convert(src, tmp_path / "glm4.f32.gguf", "f32", root))
     assert f32.config.attention_bias == biased and f32.attn(0).rotary_dim == rot
     assert_matches_transformers(f32, path, PROMPT)
