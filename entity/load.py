@@ -105,8 +105,8 @@ def load(
     """
     if tp is not None and lockstep and tp.rank != 0:
         kw["entity_text"] = False
+    from poly.filesnapshot import deferred_reads
     from poly.runtime.fused import prepare
-    from poly.weights import deferred_reads
 
     with deferred_reads():  # the file mapped; read in at the end but for what copies replace
         model = _load(path_or_model_id, **kw)

@@ -66,8 +66,8 @@ def test_roundtrip_agrees_with_reference(tmp_path):
                 np.testing.assert_array_equal(ours.tensor_f32(name), want.float().numpy())
             else:
                 np.testing.assert_array_equal(got, want.numpy())
+    from poly.filesnapshot import FileSnapshot
     from poly.runtime.shard import mapping_of
-    from poly.weights import FileSnapshot
 
     assert isinstance(mapping_of(ours.tensor("f32")), FileSnapshot)  # a view of the file's bytes
     assert not ours.tensor("f32").flags.writeable

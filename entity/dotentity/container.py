@@ -66,7 +66,7 @@ from poly.errors import (
     ModelFileChangedError,
     UnsupportedError,
 )
-from poly.weights import FileSnapshot
+from poly.filesnapshot import FileSnapshot
 
 __all__ = [
     "MAGIC",
@@ -96,7 +96,7 @@ class EntityVersionError(EntityFormatError, UnsupportedError):
 
 
 class EntityFile:
-    """A validated `.entity` v2 file, read into memory of our own (`poly.weights.FileSnapshot`).
+    """A validated `.entity` v2 file, read into memory of our own (`poly.filesnapshot.FileSnapshot`).
 
     ``verify``: True checks every blob checksum at open (on the bytes read); "lazy" checks a blob
     the first time `array` returns it; False trusts the blobs (the header checksum, layout and

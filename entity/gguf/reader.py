@@ -4,7 +4,7 @@ Every count, length, type tag, shape, offset and alignment is checked against th
 in the file BEFORE anything is allocated or looped over (reliability.md A2). Any violation raises
 ``GGUFFormatError`` carrying the byte offset; no ``struct.error``/``UnicodeDecodeError``/
 ``MemoryError`` escapes. Tensor data are read-only views on the file's bytes read into memory of
-our own (`poly.weights.FileSnapshot`: the file may change on disk while the model runs).
+our own (`poly.filesnapshot.FileSnapshot`: the file may change on disk while the model runs).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from entity.gguf.header import (
     read_tensor_info,
 )
 from poly.errors import GGUFFormatError, ModelFileChangedError, ModelNotFoundError, UnsupportedError
+from poly.filesnapshot import FileSnapshot
 from poly.quant.ggml import GGMLType, dequantize_mxfp4
-from poly.weights import FileSnapshot
 
 
 @dataclass(frozen=True)

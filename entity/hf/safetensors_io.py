@@ -1,20 +1,17 @@
 """A validating safetensors reader of our own (header rules S1-S12 of reliability.md A1).
 
 Tensors come back as read-only numpy views in their stored dtype (BF16 as
-``ml_dtypes.bfloat16``); :meth:`SafetensorsFile.tensor_f32` widens one on request.
-Dtypes: every name the reference accepts is validated structurally (sizes, offsets);
-F64/F32/F16/BF16, F8_E4M3/F8_E5M2 and the integer/bool kinds can be read; the sub-byte and
-exotic kinds (F4, F6_*, F8_E8M0, *FNUZ, C64) raise ``UnsupportedError`` when read.
-
+``ml_dtypes.bfloat16``); :meth:`SafetensorsFile.tensor_f32` widens one on request. Every dtype
+name the reference accepts is validated structurally (sizes, offsets); F64/F32/F16/BF16,
+F8_E4M3/F8_E5M2 and the integer/bool kinds can be read; the sub-byte and exotic kinds (F4,
+F6_*, F8_E8M0, *FNUZ, C64) raise ``UnsupportedError`` when read.
 Sharded checkpoints (``model.safetensors.index.json``) are opened by :func:`open_checkpoint`:
 shard names must stay inside the model directory and every tensor must live in exactly one
 shard. Pickle checkpoints are never opened (``UnsafeFormatError``).
-
 Every violation raises ``SafetensorsFormatError`` (or ``LimitExceededError`` /
 ``IntegrityError``) whose ``reason`` attribute is a short stable word ("hole", "overlap" ...).
-Tensors are views on the file's bytes read into memory of our own (`poly.weights.FileSnapshot`),
-so another process rewriting the file cannot crash a running model.
-"""
+Tensors are views on the file's bytes in memory of our own (`poly.filesnapshot.FileSnapshot`):
+another process rewriting the file cannot crash a running model."""
 
 from __future__ import annotations
 
@@ -37,7 +34,7 @@ from poly.errors import (
     UnsafeFormatError,
     UnsupportedError,
 )
-from poly.weights import FileSnapshot
+from poly.filesnapshot import FileSnapshot
 
 MAX_HEADER_BYTES = 100_000_000  # the reference cap (S2)
 # JSON values of a header ('[', '{', ',' counted on the bytes): ~9 per tensor entry, so ~450k

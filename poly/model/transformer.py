@@ -9,6 +9,7 @@ import numpy as np
 
 from poly.config import TransformerConfig
 from poly.errors import DTypeError, InvalidTokenError, LayerConfigError
+from poly.filesnapshot import keep_in_memory
 from poly.layer import LayerType, VolumetricLayer
 from poly.model.block import build_block, is_recipe_block, norm_layer, run_block, slots
 from poly.model.hooks import need
@@ -16,7 +17,7 @@ from poly.network import VolumetricNetwork
 from poly.nn import layernorm, rmsnorm
 from poly.nn.embedding import lookup
 from poly.ops import linear, rms_norm
-from poly.weights import Generations, keep_in_memory
+from poly.weights import Generations
 
 T = TypeVar("T")
 ACTIVATION_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))

@@ -27,9 +27,9 @@ from poly.nn.kvcache import (  # noqa: F401 (the cache's names, as callers impor
     live_cache,
     release_pages,
 )
-from poly.nn.layernorm import layer_norm
+from poly.nn.qknorm import qk_norm
 from poly.nn.spec import Spec, carve, span
-from poly.ops import HOOKS, dense_matmul, linear, rms_norm
+from poly.ops import HOOKS, dense_matmul, linear
 from poly.rope import LENGTH_DEPENDENT_ROPE, rope_inplace, rope_rows, rope_tables
 
 MATRICES = frozenset({"w_q", "w_k", "w_v", "w_o"})
@@ -301,46 +301,6 @@ def _rope(layer, cache: KVCache, q, k, start: int, dt):
     return q, k
 
 
-def _qk_norm(layer, p: Plan, q, k):
-    """q [n, q_dim], k [n, kv_dim] -> q [n, H, hd], k [n, kvh, hd], RMS-normed if asked."""
-    n, hd = q.shape[0], layer.head_dim
-    if layer.qk_norm and layer.qk_norm_all:  # one norm over every head's values at once
-        q, k = _qk_norm_all(layer, p, q, k)
-    q = q.reshape(n, layer.num_heads, hd)  # [n, H, hd]
-    k = k.reshape(n, layer.num_kv_heads, hd)  # [n, kvh, hd]
-    if layer.qk_norm and not layer.qk_norm_all:
-        q, k = _head_norm(layer, p, q, "q"), _head_norm(layer, p, k, "k")
-    return q, k
-
-
-def _head_norm(layer, p: Plan, x: np.ndarray, which: str) -> np.ndarray:
-    """x [n, heads, hd] normed over each head: RMSNorm or LayerNorm, its weight shared by the
-    heads or (qk_norm_heads) one row per head."""
-    w, eps = p.comps[f"{which}_norm"], layer.rms_norm_eps
-    if layer.qk_norm_heads:
-        w = w.reshape(x.shape[1], -1)  # [heads, hd]
-    if layer.qk_norm_kind == "rms":
-        return rms_norm(x, w, eps)
-    bias = p.comps.get(f"{which}_norm_bias")
-    if bias is not None and layer.qk_norm_heads:
-        bias = bias.reshape(x.shape[1], -1)
-    return layer_norm(x, w, bias, eps)
-
-
-def _qk_norm_all(layer, p: Plan, q, k):
-    """RMSNorm of q [n, q_dim] and k [n, kv_dim] over every head. A tensor-parallel shard holds
-    some of the heads: its `qk_norm_share` (poly.runtime.tp) turns the local sums of squares
-    [n, 2] into the mean squares over all heads (one small all-reduce)."""
-    share, eps = getattr(layer, "qk_norm_share", None), layer.rms_norm_eps
-    if share is None:
-        return rms_norm(q, p.comps["q_norm"], eps), rms_norm(k, p.comps["k_norm"], eps)
-    dt = np.float64 if q.dtype == np.float64 else np.float32
-    q, k = np.asarray(q, dtype=dt), np.asarray(k, dtype=dt)
-    sums = np.stack([np.einsum("ni,ni->n", q, q), np.einsum("ni,ni->n", k, k)], axis=1)
-    inv = dt(1.0) / np.sqrt(share(np.ascontiguousarray(sums)) + dt(eps))  # [n, 2]
-    return q * inv[:, :1] * p.comps["q_norm"], k * inv[:, 1:] * p.comps["k_norm"]
-
-
 def _softmax_opts(layer, p: Plan) -> Attn:
     return Attn(
         scale=float(layer.attn_scale or 1.0 / np.sqrt(layer.head_dim)),
@@ -358,7 +318,7 @@ def _append(layer, cache: KVCache, p: Plan, q, k, v, tile: int) -> np.ndarray:
         raise ContextOverflowError(
             f"context overflow: {start} cached + {n} new tokens > max_seq_len {cache.capacity}"
         )
-    q, k = _qk_norm(layer, p, q, k)
+    q, k = qk_norm(layer, p.comps, q, k)
     dt = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
     q = np.array(q, dtype=dt, order="C")  # own copies, rotated in place
     k = np.array(k, dtype=dt, order="C")

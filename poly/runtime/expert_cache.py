@@ -9,7 +9,7 @@ hit; otherwise a miss, which asks the kernel to read the expert's range ahead
 ``max_resident`` experts (over all layers) are resident, the least recently used one is evicted:
 ``MADV_DONTNEED`` on its range drops its pages from the process (RSS), and the next use reads
 them again from the page cache or disk. Results never depend on the budget. Every use first
-checks that the file is still the one loaded (`poly.weights.FileSnapshot.check`): a rewritten
+checks that the file is still the one loaded (`poly.filesnapshot.FileSnapshot.check`): a rewritten
 or truncated file fails the request with ModelFileChangedError, not the process with SIGBUS.
 
 An expert whose stored form no kernel reads as it is (GGUF MXFP4, GPT-OSS's transposed HF

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from poly.weights import FileSnapshot, aligned_zeros
+from poly.filesnapshot import FileSnapshot
+from poly.weights import aligned_zeros
 
 VERSION = 1
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open

@@ -34,7 +34,7 @@ def _mapping(arr: np.ndarray):
         b = mm if isinstance(mm, mmap.mmap) else getattr(b, nxt, None)
     if b is None or not hasattr(b, "madvise") or b.closed:
         return None
-    if hasattr(b, "release"):  # a poly.weights.FileSnapshot: hands pages back to its file
+    if hasattr(b, "release"):  # a poly.filesnapshot.FileSnapshot: hands pages back to its file
         return b
     return b if memoryview(b).readonly else None
 

@@ -238,7 +238,7 @@ def drop_pages(maps: list[mmap.mmap]) -> None:
     matrix's kept columns cross every page of it) does not keep them in its RSS."""
     for mm in maps:
         try:
-            if hasattr(mm, "release"):  # a poly.weights.FileSnapshot: the file's pages back
+            if hasattr(mm, "release"):  # a poly.filesnapshot.FileSnapshot: the file's pages back
                 mm.release(0, len(mm))
                 continue
             if not memoryview(mm).readonly:

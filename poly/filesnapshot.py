@@ -1,0 +1,238 @@
+"""A model file's bytes in this process's memory (`FileSnapshot`), read in lazily while a model
+opens (`deferred_reads`): weights are numpy views of it, and a rewritten file never reaches the
+running model."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from poly.errors import ModelFileChangedError
+
+
+class FileSnapshot(mmap.mmap):
+    """A model file's bytes read into this process's own memory (private anonymous pages), so a
+    change on disk (``cp other.gguf served.gguf`` truncates then rewrites the same inode) can
+    never reach the running model: a file mapping's pages past a new end of file raise SIGBUS.
+
+    Weights are numpy views on it, as on a file mapping. `release` (the repackers' "these rows
+    are copied, drop them") maps the file's pages back over a range: read again, the rows come
+    from the page cache, as before, and RSS holds one copy. ``lazy`` ranges (experts paged
+    from disk) are mapped from the file from the start; `check` (fstat) tells whether the file
+    still is the one loaded before such pages are read."""
+
+    def __new__(cls, path, lazy: tuple[tuple[int, int], ...] = ()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            self = super().__new__(cls, -1, max(st.st_size, 1), flags=_PRIVATE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self.path, self.size = fd, str(path), st.st_size
+        self.identity = (st.st_size, st.st_mtime_ns)
+        self._closer = weakref.finalize(self, os.close, fd)
+        holes = sorted(r for r in (self._page_range(o, n) for o, n in lazy) if r[1] > r[0])
+        holes = [h for h in holes if self._map_file(*h)]  # a range not mapped is read
+        self.lazy, self.released, self.deferred = holes, [], False
+        pending = getattr(_DEFER, "snapshots", None)
+        whole = self._page_range(0, self.size)
+        if pending is not None and self._map_file(*whole):  # read what is left at `settle`
+            self.deferred = True
+            pending.append(self)
+            holes = [whole]
+        from poly import timing
+
+        with timing.phase("read"):
+            self._read_between(holes)
+        return self
+
+    def _page_range(self, offset: int, length: int) -> tuple[int, int]:
+        return -(-offset // PAGE) * PAGE, min((offset + length) // PAGE * PAGE, self.size)
+
+    def _read_between(self, holes: list[tuple[int, int]]) -> None:
+        pos = 0
+        with memoryview(self) as mv:
+            for lo, hi in [*holes, (self.size, self.size)]:
+                while pos < lo:
+                    got = os.preadv(self.fd, [mv[pos : min(lo, pos + _PIECE)]], pos)
+                    if got <= 0:
+                        raise ModelFileChangedError(
+                            "the file shrank as it was read", path=self.path
+                        )
+                    pos += got
+                pos = max(pos, hi)
+
+    def _map_file(self, start: int, stop: int) -> bool:
+        """The file's pages [start, stop) over ours (MAP_FIXED): ours are freed."""
+        if _LIBC_MMAP is None or stop <= start:
+            return False
+        with memoryview(self) as mv:
+            base = np.frombuffer(mv, np.uint8).ctypes.data
+        got = _LIBC_MMAP(base + start, stop - start, mmap.PROT_READ, _FILE_FIXED, self.fd, start)
+        return got == base + start
+
+    def release(self, offset: int, length: int) -> None:
+        """Hand the whole pages of [offset, offset + length) back to the file (see the class),
+        but for pinned ones."""
+        start, stop = self._page_range(offset, length)
+        for lo, hi in sorted(getattr(self, "pinned", ())):
+            if lo < stop and hi > start:
+                self._give_back(start, lo)
+                start = max(start, hi)
+        self._give_back(start, stop)
+
+    def _give_back(self, start: int, stop: int) -> None:
+        if stop > start and self._map_file(start, stop):
+            self.released.append((start, stop))
+
+    def evict(self, offset: int, length: int) -> None:
+        """Drop the pages of [offset, offset + length) from the resident set while they are
+        still mapped from the file (read once to check them, before `settle`)."""
+        if self.deferred:
+            self._map_file(*self._page_range(offset, length))
+
+    def settle(self) -> None:
+        """End a deferred open (`deferred_reads`): every page not released (nor lazy) is read
+        into our own memory now, pinned ones always; the file must still be the one opened."""
+        if not self.deferred:
+            return
+        self.deferred = False
+        gone = _merge([*self.released, *self.lazy])
+        keep = _merge([*_gaps(gone, self._page_range(0, self.size)[1]),
+                       *getattr(self, "pinned", ())])  # fmt: skip
+        for lo, hi in keep:
+            hi = min(hi, self._page_range(0, self.size)[1])
+            if hi > lo and not self._own(lo, hi):
+                raise ModelFileChangedError(
+                    "cannot map memory to read the file into", path=self.path
+                )
+        from poly import timing
+
+        with timing.phase("read"):
+            self._read_between(_gaps(keep, self.size))
+        self.check()
+
+    def _own(self, start: int, stop: int) -> bool:
+        """Anonymous pages of our own over [start, stop) (MAP_FIXED), to be read into."""
+        with memoryview(self) as mv:
+            base = np.frombuffer(mv, np.uint8).ctypes.data
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        return _LIBC_MMAP(base + start, stop - start, prot, _ANON_FIXED, -1, 0) == base + start
+
+    def pin(self, offset: int, length: int) -> None:
+        """Keep [offset, offset + length) in our memory: read every step (an embedding table's
+        rows on lookup) while a repacked copy serves the rest, it must never come from the file."""
+        page = (offset // PAGE * PAGE, -(-(offset + length) // PAGE) * PAGE)
+        self.pinned = [*getattr(self, "pinned", ()), page]
+
+    def unpin(self, offset: int, length: int) -> None:
+        """Forget the pins inside [offset, offset + length) (a copy serves their lookups now)."""
+        lo, hi = offset // PAGE * PAGE, -(-(offset + length) // PAGE) * PAGE
+        self.pinned = [p for p in getattr(self, "pinned", ()) if not (lo <= p[0] and p[1] <= hi)]
+
+    def changed(self) -> bool:
+        try:
+            st = os.fstat(self.fd)
+        except OSError:
+            return True
+        return (st.st_size, st.st_mtime_ns) != self.identity
+
+    def check(self) -> None:
+        """ModelFileChangedError when the file is no longer the one loaded (size or mtime)."""
+        if self.changed():
+            raise ModelFileChangedError(
+                "the model file changed on disk since it was loaded; restart to load it again",
+                path=self.path,
+            )
+
+    def array(self) -> np.ndarray:
+        """The whole file as a read-only uint8 array (views of it keep the snapshot alive)."""
+        arr = np.frombuffer(self, np.uint8, count=self.size)
+        arr.flags.writeable = False
+        return arr
+
+
+def keep_in_memory(value: Any) -> None:
+    """Pin the arrays of `value` (an ndarray or a quantized matrix's parts) where they view a
+    `FileSnapshot`: a later release of their rows keeps them in our memory."""
+    parts = [value] if isinstance(value, np.ndarray) else []
+    parts += [getattr(value, n, None) for n in ("array", "raw", "scales", "packed")]
+    enc = getattr(value, "encoded", None)
+    parts += [getattr(enc, n, None) for n in ("codes", "scales")]
+    for a in parts:
+        if not isinstance(a, np.ndarray) or not a.nbytes:
+            continue
+        b, seen = a, 0
+        while b is not None and not isinstance(b, FileSnapshot) and seen < 64:
+            b, seen = (b.obj if isinstance(b, memoryview) else getattr(b, "base", None)), seen + 1
+        if isinstance(b, FileSnapshot):
+            with memoryview(b) as mv:
+                b.pin(a.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data, a.nbytes)
+
+
+def _libc_mmap():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.mmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int64]  # fmt: skip
+    return fn
+
+
+_LIBC_MMAP = _libc_mmap() if hasattr(mmap, "MAP_PRIVATE") else None  # None: releases keep ours
+PAGE = mmap.PAGESIZE
+_PIECE = 64 << 20
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+_FILE_FIXED = getattr(mmap, "MAP_SHARED", 1) | 0x10  # MAP_FIXED (Linux, the BSDs, macOS)
+_ANON_FIXED = _PRIVATE | 0x10
+_DEFER = threading.local()  # .snapshots: the FileSnapshots opened inside `deferred_reads`
+
+
+@contextlib.contextmanager
+def deferred_reads() -> Iterator[None]:
+    """FileSnapshots opened inside map their file and read nothing until the block ends: then
+    only the pages no repacked copy replaced (`release`) are read in (`FileSnapshot.settle`).
+    A model opened this way never holds a weight twice, nor reads the bytes a copy serves
+    (issue 62: open time and peak RSS); a block left by an error settles nothing."""
+    if getattr(_DEFER, "snapshots", None) is not None:  # nested: the outer block settles
+        yield
+        return
+    _DEFER.snapshots = []
+    try:
+        yield
+        for snap in _DEFER.snapshots:
+            snap.settle()
+    finally:
+        _DEFER.snapshots = None
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _gaps(ranges: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """The parts of [0, end) outside the sorted, disjoint `ranges`."""
+    out, pos = [], 0
+    for lo, hi in ranges:
+        if lo > pos:
+            out.append((pos, min(lo, end)))
+        pos = max(pos, hi)
+    return [r for r in [*out, (pos, end)] if r[1] > r[0]]
