@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -79,15 +80,27 @@ def timed(events) -> tuple[list[int], float, dict | None]:
     """(tokens, decode tok/s after the first token, speculative report) of a poly stream."""
     from poly.text.generation import DoneEvent
 
-    toks, stamps, done = [], [], None
+    toks, stamps, done, cpu = [], [], None, []
     for ev in events:
         if isinstance(ev, DoneEvent):
             done = ev
         else:
             toks.append(ev.token_id)
             stamps.append(time.perf_counter())
+            cpu.append(_cpu())
     rate = (len(toks) - 1) / (stamps[-1] - stamps[0]) if len(toks) > 1 else 0.0
+    CPU_MS[0] = 1e3 * (cpu[-1] - cpu[0]) / (len(toks) - 1) if len(toks) > 1 else 0.0
     return toks, rate, done.speculative
+
+
+CPU_MS = [0.0]  # the last poly stream's process CPU ms per decoded token (timed)
+
+
+def _cpu() -> float:
+    """This process's CPU seconds (all threads): on a loaded machine a steadier cost than wall
+    time, which mostly measures the share of the cores the scheduler gave us."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def poly_engines(args) -> dict:
@@ -144,15 +157,21 @@ def llama_round(ids, args) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def summarize(runs: dict, reports: dict, tokens: dict) -> dict:
+def summarize(runs: dict, reports: dict, tokens: dict, cpu: dict) -> dict:
     out = {}
     for name, rates in runs.items():
         base = name.split("-lookup")[0].split("-draft")[0]
         med = statistics.median(rates)
         row = {"tok_s_median": med, "tok_s_runs": rates, "tokens": len(tokens[name])}
+        if name in cpu:  # poly engines: process CPU ms per decoded token
+            row["cpu_ms_per_token_median"] = statistics.median(cpu[name])
         if base != name:
             row["speedup_vs_plain"] = med / statistics.median(runs[base])
             row["same_tokens_as_plain"] = tokens[name] == tokens[base]
+            if name in cpu and base in cpu:
+                row["cpu_speedup_vs_plain"] = (
+                    statistics.median(cpu[base]) / row["cpu_ms_per_token_median"]
+                )
         if name in reports and reports[name]:
             rep = reports[name]
             row.update({k: rep[k] for k in ("acceptance_rate", "tokens_per_pass", "mean_proposed")})
@@ -179,12 +198,13 @@ def main() -> None:
         return llama_worker(args.new, args.lookup, args.threads)
     load0 = os.getloadavg()
     ids, engines = poly_engines(args)
-    runs, reports, tokens = {}, {}, {}
+    runs, reports, tokens, cpu = {}, {}, {}, {}
     for r in range(args.rounds):
         for name, fn in engines.items():
             toks, rate, rep = fn()
             runs.setdefault(name, []).append(rate)
             reports[name], tokens[name] = rep, toks
+            cpu.setdefault(name, []).append(CPU_MS[0])
             print(f"round {r + 1} {name}: {rate:.1f} tok/s, {len(toks)} tokens", file=sys.stderr)
         if not args.no_llama:
             for name, row in llama_round(ids, args).items():
@@ -204,7 +224,7 @@ def main() -> None:
         "loadavg_before": load0,
         "loadavg_after": os.getloadavg(),
         "cpus": os.cpu_count(),
-        "engines": summarize(runs, reports, tokens),
+        "engines": summarize(runs, reports, tokens, cpu),
     }
     text = json.dumps(result, indent=1)
     if args.json:
