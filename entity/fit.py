@@ -20,11 +20,6 @@ from poly.errors import UsageError
 
 RUNTIME_BYTES = 96 << 20  # Python, numpy, tokenizer, scratch: a tiny MoE run's peak RSS (~80 MiB)
 MIN_CTX = 256  # the shortest KV cache `fit` shrinks to
-# A GGUF's or .entity's tokenizer is built in Python from the vocabulary in the file (an HF
-# snapshot's tokenizer.json goes to the Rust library whole): SmolLM2's 49 152 tokens held
-# 33 MB more peak RSS than the same model from its snapshot (the GGUF and the Loom Q4 .entity
-# alike, at 256 and 1024 tokens of context), about 680 bytes a token.
-TEXT_PER_TOKEN = 680
 # bytes a cached value takes, by --kv-cache: q8_0 is 32 int8 codes and a float16 scale per 32
 # values (poly.nn.kvcache), not float32 (the plan had counted it as 4: 3.8x the memory)
 KV_ITEM = {"f32": 4, "f16": 2, "q8_0": 34 / 32}
@@ -71,7 +66,6 @@ class Footprint:
     sparse_layers: int
     transient: int  # experts a fused decode step holds past the budget (top_k per layer)
     kv_layers: tuple  # (kv_heads * head_dim, sliding window or 0) per attention layer
-    text: int = 0  # the tokenizer built from a GGUF's or .entity's vocabulary (TEXT_PER_TOKEN)
 
     def kv_bytes(self, ctx: int, item: float = 4) -> int:
         """K and V at `ctx` positions, `item` bytes a value (q8_0: KV_ITEM["q8_0"])."""
@@ -112,15 +106,14 @@ def footprint(desc) -> Footprint:
         (a.num_kv_heads * a.head_dim, int(getattr(a, "sliding_window", 0) or 0))
         for a in (desc.model.attn(i) for i in range(cfg.num_layers))
     )
-    text = TEXT_PER_TOKEN * cfg.vocab_size if desc.format in ("gguf", "entity") else 0
     if cfg.moe is None:
-        return Footprint(dense, 0, 0, 0, 0, 0, 0, kv, text)
+        return Footprint(dense, 0, 0, 0, 0, 0, 0, kv)
     moe = cfg.moe
     sparse = cfg.num_layers - len(moe.dense_layers)
     count = sparse * moe.num_experts
     per, per_stored = -(-held // count), -(-stored // count)
     transient = moe.top_k * sparse  # the C step (GPT-OSS's options too) reports after it runs
-    return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv, text)
+    return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv)
 
 
 @dataclass(frozen=True)
@@ -144,7 +137,7 @@ class Fit:
 
 def _need(fp: Footprint, ctx: int, n: int, item: float) -> int:
     held = min(fp.experts, n + fp.transient) * fp.expert_held
-    return RUNTIME_BYTES + fp.text + fp.dense + fp.kv_bytes(ctx, item) + held
+    return RUNTIME_BYTES + fp.dense + fp.kv_bytes(ctx, item) + held
 
 
 def fit(
@@ -160,7 +153,7 @@ def fit(
     if need > memory:
         raise UsageError(
             f"{human(memory)} does not fit: the dense weights need {human(fp.dense)}, the runtime "
-            f"{human(RUNTIME_BYTES + fp.text)}, the KV cache at {ctx} tokens {human(fp.kv_bytes(ctx, kv_item))}"
+            f"{human(RUNTIME_BYTES)}, the KV cache at {ctx} tokens {human(fp.kv_bytes(ctx, kv_item))}"
             + (f", the {m} experts a step needs {human(m * fp.expert_held)}" if least else "")
             + f": at least {human(need)}"
         )
@@ -172,7 +165,7 @@ def fit(
     held = min(fp.experts, n + fp.transient) * fp.expert_held if fp.experts else 0
     miss = 0.0 if budget is None else 1 - budget / fp.experts
     per_step = fp.top_k * fp.sparse_layers
-    return Fit(memory, ctx, fp.kv_bytes(ctx, kv_item), budget, held, fp.dense, RUNTIME_BYTES + fp.text,
+    return Fit(memory, ctx, fp.kv_bytes(ctx, kv_item), budget, held, fp.dense, RUNTIME_BYTES,
                _need(fp, ctx, n, kv_item), fp.dense + per_step * fp.expert_stored,
                int(per_step * miss * fp.expert_stored))  # fmt: skip
 
