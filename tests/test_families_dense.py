@@ -26,6 +26,7 @@ from tests.family_helpers import (
     converter_root,
     with_user_token,
 )
+from tests.family_helpers import greedy as family_greedy
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
 
 N_NEW = 32
@@ -53,19 +54,6 @@ hf_fixtures._ARCH_CONFIG.update(CASES)
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("dense")
     return {mt: make_tiny_checkpoint(root / mt, mt, seed=5) for mt in CASES}
-
-
-def _greedy(tf, ids, n, use_cache):
-    tf.reset()
-    out, logits = [], tf.forward(ids)
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        if use_cache:
-            logits = tf.forward([out[-1]])
-        else:
-            tf.reset()
-            logits = tf.forward(ids + out)
-    return out
 
 
 @pytest.mark.parametrize("model_type", list(CASES))
@@ -126,7 +114,7 @@ def test_gguf_from_llama_cpp_matches_transformers(checkpoints, gguf_files, model
     assert f32.config.architecture == model_type
     np.testing.assert_allclose(f32.forward_all(PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)
     want = hf_greedy(path, PROMPT, N_NEW, use_cache=True)
-    assert _greedy(f32, PROMPT, N_NEW, use_cache=True) == want
+    assert family_greedy(f32, PROMPT, N_NEW, use_cache=True) == want
     q8 = entity.load(gguf_files[(model_type, "q8_0")])  # top-1 along transformers' greedy path
     assert_top1_along(q8, PROMPT, want)
 

@@ -14,6 +14,7 @@ from entity.hf.config import load_hf_config
 from poly.errors import ConfigError, PolyError
 from poly.runtime import fused
 from tests import hf_fixtures
+from tests.family_helpers import greedy as family_greedy
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
 
 N_NEW = 32
@@ -49,19 +50,6 @@ def checkpoints(tmp_path_factory):
     return {mt: make_tiny_checkpoint(root / mt, mt, tied=True, seed=3) for mt in CASES}
 
 
-def greedy_tokens(tf, ids, n, use_cache):
-    tf.reset()
-    out, logits = [], tf.forward(ids)
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        if use_cache:
-            logits = tf.forward([out[-1]])
-        else:
-            tf.reset()
-            logits = tf.forward(ids + out)
-    return out
-
-
 @pytest.mark.parametrize("model_type", list(CASES))
 def test_logits_and_greedy_match_transformers(checkpoints, model_type):
     path = checkpoints[model_type]
@@ -69,8 +57,8 @@ def test_logits_and_greedy_match_transformers(checkpoints, model_type):
     ours = tf.forward_all(PROMPT)
     np.testing.assert_allclose(ours, hf_logits(path, PROMPT), atol=1e-4, rtol=0)
     want = hf_greedy(path, PROMPT, N_NEW, use_cache=True)
-    assert greedy_tokens(tf, PROMPT, N_NEW, use_cache=True) == want
-    assert greedy_tokens(tf, PROMPT, N_NEW, use_cache=False) == want
+    assert family_greedy(tf, PROMPT, N_NEW, use_cache=True) == want
+    assert family_greedy(tf, PROMPT, N_NEW, use_cache=False) == want
 
 
 def test_the_recipe_takes_the_fused_step(checkpoints):

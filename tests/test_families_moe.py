@@ -21,7 +21,7 @@ from entity.convert import convert
 from poly.errors import ConfigError, WeightMappingError
 from poly.layer import LayerType
 from poly.runtime import fused_args, kernels
-from tests.family_helpers import assert_load_error, assert_top1_along
+from tests.family_helpers import assert_load_error, assert_top1_along, greedy
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint
 
 ARCHS = ("olmoe", "granitemoe", "gpt_oss")
@@ -62,20 +62,6 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe_families")
     out = {a: make_tiny_checkpoint(root / a, a, seed=60 + i) for i, a in enumerate(ARCHS)}
     out["gpt_oss_mxfp4"] = to_mxfp4(out["gpt_oss"], root / "gpt_oss_mxfp4")
-    return out
-
-
-def greedy(tf, ids: list[int], n: int, use_cache: bool) -> list[int]:
-    tf.reset()
-    out: list[int] = []
-    logits = tf.forward(ids)
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        if use_cache:
-            logits = tf.forward([out[-1]])
-        else:
-            tf.reset()
-            logits = tf.forward(ids + out)
     return out
 
 

@@ -20,8 +20,9 @@ import pytest
 import entity
 from benchmarks import llama_convert
 from tests import hf_fixtures
+from tests.family_helpers import greedy as greedy_tokens
 from tests.hf_fixtures import hf_greedy, hf_logits, make_tiny_checkpoint, set_config_keys
-from tests.test_families_gemma import CASES, PROMPT, WINDOW, greedy_tokens
+from tests.test_families_gemma import CASES, PROMPT, WINDOW
 
 N_NEW = 32
 HEAD_DIM = 24  # CASES' head_dim; the scalar llama.cpp assumes for all but the 27B models

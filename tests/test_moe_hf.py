@@ -12,6 +12,7 @@ import pytest
 
 import entity
 from poly.layer import LayerType
+from tests.family_helpers import greedy
 from tests.hf_fixtures import MOE_ARCHS, VOCAB, hf_greedy, hf_logits, make_tiny_checkpoint
 
 PROMPT = [5, 17, 42, 99, 123, 7, 250, 3, 64, 128, 200, 11, 33, 77, 1, 180, 222, 9, 150, 299]
@@ -26,20 +27,6 @@ def moe_checkpoints(tmp_path_factory) -> dict[str, Path]:
         a: make_tiny_checkpoint(root / a, a, tied=TIED[a], seed=40 + i)
         for i, a in enumerate(MOE_ARCHS)
     }
-
-
-def greedy(tf, ids: list[int], n: int, use_cache: bool) -> list[int]:
-    tf.reset()
-    out: list[int] = []
-    logits = tf.forward(ids)
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        if use_cache:
-            logits = tf.forward([out[-1]])
-        else:
-            tf.reset()
-            logits = tf.forward(ids + out)
-    return out
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
