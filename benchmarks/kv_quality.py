@@ -2,12 +2,14 @@
 q8_0 cache adds against the float32 cache, by `lucy eval`'s function (poly.text.evaluate, the
 float32-cache run's logits as the reference), the bytes a position costs, and decode speed at a
 long context (caches filled by one float32 prefill, then converted, so every cache holds the same
-positions). The fused C step reads float32/float16 caches; a q8_0 cache runs the reference path,
-so decode is timed on both paths where they apply.
+positions). The fused C step reads every cache (q8_0: csrc/decode/kv_q8.h); `--reference` also
+times the Python reference path. The machine's load average (`uptime`) is recorded before and
+after the decode rounds.
 
 Evaluation text: Botchan (benchmarks/quant_quality.py's, Project Gutenberg #8868).
 
-    python -m benchmarks.kv_quality [--ctx 1024] [--windows 2] [--decode-at 4000] [--json OUT]
+    python -m benchmarks.kv_quality [--ctx 1024] [--windows 2] [--decode-at 4000] [--reference]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _fill(model, kv: str, saved: list, length: int) -> None:
         c.length = length
 
 
-def decode_rows(model, tokens, at: int, steps: int, rounds: int, log) -> dict:
+def decode_rows(model, tokens, at: int, steps: int, rounds: int, log, reference=False) -> dict:
     """Decode tok/s after `at` cached positions: per cache and path, the median of `rounds`."""
     from poly.runtime import fused
 
@@ -70,7 +72,7 @@ def decode_rows(model, tokens, at: int, steps: int, rounds: int, log) -> dict:
     log(f"prefill {at} tokens: {time.perf_counter() - t0:.1f} s")
     saved = [(model.attn(i).state.k[:at].copy(), model.attn(i).state.v[:at].copy())
              for i in range(model.config.num_layers)]  # fmt: skip
-    cells = [(kv, "fused") for kv in ("f32", "f16")] + [(kv, "reference") for kv in CACHES]
+    cells = [(kv, "fused") for kv in CACHES] + [(kv, "reference") for kv in CACHES if reference]
     runs: dict = {f"{kv} {path}": [] for kv, path in cells}
     for _ in range(rounds):  # alternating: the load of the machine hits every cell alike
         for kv, path in cells:
@@ -101,6 +103,12 @@ def bytes_per_position(model) -> dict:
     return out
 
 
+def _uptime() -> str:
+    import subprocess
+
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=HF_DIR)
@@ -109,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-at", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reference", action="store_true", help="also time the reference path")
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
@@ -131,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         "text": source,
         "bytes_per_position": bytes_per_position(model),
         "lucy_eval": kld_rows(model, tokens[: args.windows * args.ctx], args.ctx, log),
-        "decode": decode_rows(model, tokens, args.decode_at, args.steps, args.rounds, log),
+        "uptime_before": _uptime(),
+        "decode": decode_rows(
+            model, tokens, args.decode_at, args.steps, args.rounds, log, args.reference
+        ),
+        "uptime_after": _uptime(),
         "decode_at": args.decode_at,
         "machine": machine(),
         "git": git_revision(),

@@ -3,8 +3,8 @@ values with a float16 scale, as llama.cpp's q8_0 K/V cache. Its blocks are the g
 Q8_0 blocks (llama.cpp's Python reference). The model reference: transformers' eager attention
 reading its keys and values through those gguf Q8_0 blocks (`_hf_q8`): logits and greedy tokens
 agree on tiny random checkpoints, with a sliding window and across a saved state too; the KL
-divergence from unquantized transformers stays small; the fused C step (no q8_0 kernel) falls
-back to the reference path."""
+divergence from unquantized transformers stays small, on the fused C step (csrc/decode/kv_q8.h,
+the c backend) as on the reference path (numpy)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_q8_cache_against_transformers(llama, backend, float_path):
     kernels.set_backend(backend)
     try:
         tf = _q8(llama)
-        assert fused.plan(tf) is None  # no C kernel reads q8_0 blocks: the reference path runs
+        assert (fused.plan(tf) is not None) == (backend == "c")  # the C step reads q8_0 rows
         got = tf.forward_all(PROMPT)
         want, want_tokens = _hf_q8(llama, PROMPT, 12)
         np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
@@ -124,7 +124,7 @@ def test_q8_cache_against_transformers(llama, backend, float_path):
         kernels.set_backend()
 
 
-def test_c_backend_falls_back_to_the_same_logits(llama, float_path):
+def test_c_backend_gives_the_same_logits(llama, float_path):
     outs = []
     for backend in ("c", "numpy"):
         kernels.set_backend(backend)
@@ -134,7 +134,10 @@ def test_c_backend_falls_back_to_the_same_logits(llama, float_path):
             outs.append(np.stack([tf.forward([t]) for t in PROMPT[20:]]))
         finally:
             kernels.set_backend()
-    np.testing.assert_allclose(outs[0], outs[1], atol=2e-5, rtol=0)
+    # the C step (c) and the reference path (numpy) quantize keys from sums in another order: a
+    # value on a rounding tie may take the other code (~1e-3 on the logits from then on)
+    diffs = np.abs(outs[0] - outs[1]).max(axis=1)
+    assert diffs.max() < 5e-3 and np.median(diffs) < 2e-5, diffs
 
 
 def test_window_and_state_with_q8(tmp_path):

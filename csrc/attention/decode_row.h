@@ -4,8 +4,10 @@
  * streams V (head_dim 64 and 128 unrolled), takes exp on 8 lanes (exp8) and divides once at the
  * end: at position 1,000 the scalar loop (a load, FMA and store of o per V element, a libm expf
  * and a division per position) cost more than the 4-bit weights of the step.
- * The caches hold float32, or float16 (h16: llama.cpp's default, half the bytes a position to
- * read at long context); every function takes h16 as a constant, so each form is its own loop.
+ * The caches hold float32, float16 (llama.cpp's default, half the bytes a position to read at
+ * long context) or q8_0 rows (decode/kv_q8.h); every function takes the form fm (KV_F32, KV_F16,
+ * KV_Q8) as a constant, so each form is its own loop. A q8_0 head's scales sit so bytes after
+ * its codes (so: 0 for the float forms).
  * A thread's heads go together in blocks of positions (attend_heads_kv): 1B Q4_0 decode at context
  * 1,000 +11 % (float16 cache), +5 % (float32). */
 #ifndef POLY_ATTENTION_DECODE_ROW_H
@@ -17,6 +19,20 @@
 #include "core/activations.h"
 #include "decode/step.h"
 #include "decode/kv.h"
+#include "decode/kv_q8.h"
+
+enum { KV_F32, KV_F16, KV_Q8 }; /* a layer's cache form (fm) */
+
+/* the form of layer L's caches */
+static inline int kv_form(const layer_t *L) { return L->kv8 ? KV_Q8 : L->kv16 ? KV_F16 : KV_F32; }
+
+/* a position's row bytes, and KV group g's offset in it (so: its scales' offset from its codes) */
+static inline int64_t kv_group(const layer_t *L, int64_t g, const int fm, int64_t *rb, int64_t *so) {
+    const int64_t hd = L->hd, kvd = (int64_t)L->kvh * hd, es = fm == KV_F32 ? 4 : fm == KV_F16 ? 2 : 1;
+    *rb = kv_row_bytes(kvd, (int)es);
+    *so = fm == KV_Q8 ? kvd + g * hd / 16 - g * hd : 0;
+    return g * hd * es;
+}
 
 /* element j of a cache row (float32 or float16) */
 static inline __attribute__((always_inline)) float kv_ld1(const uint8_t *p, int64_t j, const int h16) {
@@ -72,7 +88,7 @@ static inline __attribute__((always_inline)) __m256 dot8x(const uint8_t *const k
  * position takes the same 8-lane or scalar dot whatever the range); returns their max */
 static inline __attribute__((always_inline)) float attn_scores(const step_t *S, const layer_t *L, int i, const uint8_t *K, int64_t rb,
                                                                 const float *q, int64_t hd, float scale, float *sc,
-                                                                int64_t t0, int64_t t1, const int h16) {
+                                                                int64_t t0, int64_t t1, int64_t so, const int fm) {
     float mx = -INFINITY;
     int64_t t = t0;
 #if PK_SIMD
@@ -82,7 +98,8 @@ static inline __attribute__((always_inline)) float attn_scores(const step_t *S, 
         for (; t + 8 <= t1; t += 8) {
             const uint8_t *k[8];
             for (int j = 0; j < 8; j++) k[j] = K + slot(S, L, i, t + j) * rb;
-            const __m256 s = _mm256_mul_ps(dot8x(k, q, hd, h16), vs);
+            const __m256 d = fm == KV_Q8 ? kv8_dot8x(k, so, q, hd) : dot8x(k, q, hd, fm == KV_F16);
+            const __m256 s = _mm256_mul_ps(d, vs);
             _mm256_storeu_ps(sc + t, s);
             vmx = _mm256_max_ps(s, vmx); /* a NaN score is skipped, like fmaxf; exp keeps it NaN */
         }
@@ -93,7 +110,8 @@ static inline __attribute__((always_inline)) float attn_scores(const step_t *S, 
 #endif
     for (; t < t1; t++) {
         /* the SIMD dot of the matrix kernels: a plain loop is one dependent add chain */
-        sc[t] = dense_dot(h16 ? K_F16 : K_F32, K + slot(S, L, i, t) * rb, q, hd) * scale;
+        const uint8_t *k = K + slot(S, L, i, t) * rb;
+        sc[t] = (fm == KV_Q8 ? kv8_dot(k, so, q, hd) : dense_dot(fm == KV_F16 ? K_F16 : K_F32, k, q, hd)) * scale;
         mx = fmaxf(mx, sc[t]);
     }
     if (L->softcap > 0.0f) { /* cap * tanh(s / cap) (gemma2), on 8 lanes (core/activations.h) */
@@ -125,13 +143,15 @@ static inline float attn_exp(float *sc, int64_t lo, int64_t pos, float mx) {
  * NV * 8 = head_dim (NV a constant: the row stays in registers) */
 static inline __attribute__((always_inline)) void attn_values(const step_t *S, const layer_t *L, int i, const uint8_t *V,
                                                               int64_t rb, const float *p, int64_t lo, int64_t t0, int64_t t1, int last,
-                                                              float inv, float *o, const int NV, const int h16) {
+                                                              float inv, float *o, int64_t so, const int NV, const int fm) {
     __m256 acc[32];
     for (int c = 0; c < NV; c++) acc[c] = t0 > lo ? _mm256_loadu_ps(o + 8 * c) : _mm256_setzero_ps();
     for (int64_t t = t0; t < t1; t++) {
         const __m256 pt = _mm256_set1_ps(p[t]);
         const uint8_t *v = V + slot(S, L, i, t) * rb;
-        for (int c = 0; c < NV; c++) acc[c] = _mm256_fmadd_ps(pt, kv_ld8(v, 8 * c, h16), acc[c]);
+        if (fm == KV_Q8) kv8_axpy(acc, p[t], v, so, NV);
+        else
+            for (int c = 0; c < NV; c++) acc[c] = _mm256_fmadd_ps(pt, kv_ld8(v, 8 * c, fm == KV_F16), acc[c]);
     }
     for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, last ? _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)) : acc[c]);
 }
@@ -139,10 +159,10 @@ static inline __attribute__((always_inline)) void attn_values(const step_t *S, c
 static inline __attribute__((always_inline)) void attn_values_hd(const step_t *S, const layer_t *L, int i,
                                                                  const uint8_t *V, int64_t rb, const float *p, int64_t lo,
                                                                  int64_t t0, int64_t t1, int last, float inv, float *o,
-                                                                 int64_t hd, const int h16) {
-    if (hd == 64) attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, 8, h16);
-    else if (hd == 128) attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, 16, h16);
-    else attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, (int)(hd / 8), h16);
+                                                                 int64_t hd, int64_t so, const int fm) {
+    if (hd == 64) attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, so, 8, fm);
+    else if (hd == 128) attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, so, 16, fm);
+    else attn_values(S, L, i, V, rb, p, lo, t0, t1, last, inv, o, so, (int)(hd / 8), fm);
 }
 #endif
 
@@ -162,18 +182,19 @@ static inline float sink_exp(const layer_t *L, int h, float mx) {
 /* row i, head h: softmax(q . K[lo..pos] * scale) . V[lo..pos], scalar (builds without SIMD, head
  * dims the 8-lane loops do not take) */
 static inline __attribute__((always_inline)) void attend_kv(const step_t *S, const layer_t *L, const float *q, float *o,
-                                                            float *sc, int64_t pos, int i, int h, const int h16) {
-    const int64_t hd = L->hd, g = h / (L->heads / L->kvh), es = h16 ? 2 : 4, rb = (int64_t)L->kvh * hd * es;
-    const int64_t lo = attn_lo(L, pos);
-    const uint8_t *K = (const uint8_t *)L->kc[i] + g * hd * es, *V = (const uint8_t *)L->vc[i] + g * hd * es;
-    const float mx = sink_max(L, h, attn_scores(S, L, i, K, rb, q, hd, L->scale, sc, lo, pos + 1, h16));
+                                                            float *sc, int64_t pos, int i, int h, const int fm) {
+    const int64_t hd = L->hd, lo = attn_lo(L, pos);
+    int64_t rb, so;
+    const int64_t go = kv_group(L, h / (L->heads / L->kvh), fm, &rb, &so);
+    const uint8_t *K = (const uint8_t *)L->kc[i] + go, *V = (const uint8_t *)L->vc[i] + go;
+    const float mx = sink_max(L, h, attn_scores(S, L, i, K, rb, q, hd, L->scale, sc, lo, pos + 1, so, fm));
     float sum = sink_exp(L, h, mx);
     for (int64_t t = lo; t <= pos; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
     for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
     for (int64_t t = lo; t <= pos; t++) {
         const float p = sc[t] / sum;
         const uint8_t *v = V + slot(S, L, i, t) * rb;
-        for (int64_t j = 0; j < hd; j++) o[j] += p * kv_ld1(v, j, h16);
+        for (int64_t j = 0; j < hd; j++) o[j] += p * (fm == KV_Q8 ? kv8_ld1(v, so, j) : kv_ld1(v, j, fm == KV_F16));
     }
 }
 
@@ -185,9 +206,9 @@ static inline __attribute__((always_inline)) void attend_kv(const step_t *S, con
  * order as one head at a time (o carries a head's value sums between blocks). */
 static inline __attribute__((always_inline)) void attend_heads_kv(const step_t *S, const layer_t *L, const float *q,
                                                                   float *o, float *sc, int64_t sst, int64_t pos, int i,
-                                                                  int h0, int h1, const int h16) {
+                                                                  int h0, int h1, const int fm) {
     const int G = L->heads / L->kvh;
-    const int64_t hd = L->hd, es = h16 ? 2 : 4, rb = (int64_t)L->kvh * hd * es, blk = h16 ? 64 : 32;
+    const int64_t hd = L->hd, blk = fm == KV_F32 ? 32 : 64;
     const int64_t lo = attn_lo(L, pos);
     const uint8_t *K = (const uint8_t *)L->kc[i], *V = (const uint8_t *)L->vc[i];
     float mx[h1 - h0], inv[h1 - h0];
@@ -195,8 +216,9 @@ static inline __attribute__((always_inline)) void attend_heads_kv(const step_t *
     for (int64_t t0 = lo; t0 <= pos; t0 += blk) {
         const int64_t t1 = t0 + blk < pos + 1 ? t0 + blk : pos + 1;
         for (int h = h0; h < h1; h++) {
-            const float m = attn_scores(S, L, i, K + (h / G) * hd * es, rb, q + h * hd, hd, L->scale,
-                                        sc + (h - h0) * sst, t0, t1, h16);
+            int64_t rb, so;
+            const int64_t go = kv_group(L, h / G, fm, &rb, &so);
+            const float m = attn_scores(S, L, i, K + go, rb, q + h * hd, hd, L->scale, sc + (h - h0) * sst, t0, t1, so, fm);
             mx[h - h0] = fmaxf(mx[h - h0], m);
         }
     }
@@ -206,9 +228,12 @@ static inline __attribute__((always_inline)) void attend_heads_kv(const step_t *
     }
     for (int64_t t0 = lo; t0 <= pos; t0 += blk) {
         const int64_t t1 = t0 + blk < pos + 1 ? t0 + blk : pos + 1;
-        for (int h = h0; h < h1; h++)
-            attn_values_hd(S, L, i, V + (h / G) * hd * es, rb, sc + (h - h0) * sst, lo, t0, t1, t1 == pos + 1,
-                           inv[h - h0], o + h * hd, hd, h16);
+        for (int h = h0; h < h1; h++) {
+            int64_t rb, so;
+            const int64_t go = kv_group(L, h / G, fm, &rb, &so);
+            attn_values_hd(S, L, i, V + go, rb, sc + (h - h0) * sst, lo, t0, t1, t1 == pos + 1, inv[h - h0], o + h * hd,
+                           hd, so, fm);
+        }
     }
 }
 #endif
@@ -218,14 +243,16 @@ static void attend_heads(const step_t *S, const layer_t *L, const float *q, floa
                          int64_t pos, int i, int h0, int h1) {
 #if PK_SIMD
     if (L->hd % 8 == 0 && L->hd <= 256) {
-        if (L->kv16) attend_heads_kv(S, L, q, o, sc, sst, pos, i, h0, h1, 1);
-        else attend_heads_kv(S, L, q, o, sc, sst, pos, i, h0, h1, 0);
+        if (L->kv8) attend_heads_kv(S, L, q, o, sc, sst, pos, i, h0, h1, KV_Q8);
+        else if (L->kv16) attend_heads_kv(S, L, q, o, sc, sst, pos, i, h0, h1, KV_F16);
+        else attend_heads_kv(S, L, q, o, sc, sst, pos, i, h0, h1, KV_F32);
         return;
     }
 #endif
     for (int h = h0; h < h1; h++) {
-        if (L->kv16) attend_kv(S, L, q + h * L->hd, o + h * L->hd, sc, pos, i, h, 1);
-        else attend_kv(S, L, q + h * L->hd, o + h * L->hd, sc, pos, i, h, 0);
+        if (L->kv8) attend_kv(S, L, q + h * L->hd, o + h * L->hd, sc, pos, i, h, KV_Q8);
+        else if (L->kv16) attend_kv(S, L, q + h * L->hd, o + h * L->hd, sc, pos, i, h, KV_F16);
+        else attend_kv(S, L, q + h * L->hd, o + h * L->hd, sc, pos, i, h, KV_F32);
     }
 }
 

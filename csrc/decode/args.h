@@ -9,6 +9,7 @@
 #include "formats/interleave16.h"
 #include "formats/interleave16_range.h"
 #include "decode/step.h"
+#include "decode/kv_q8.h"
 #include "decode/prep.h"
 #include "decode/run.h"
 #include "decode/args_buffers.h"
@@ -65,19 +66,21 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t 
         PyObject *vc = PyTuple_GET_ITEM(caches, 2 * ((Py_ssize_t)l * n + i) + 1);
         int es = 0;
         if (!(L->kc[i] = hold_kv(H, kc, &es, "k cache"))) return -1;
-        if (i && es != (L->kv16 ? 2 : 4)) { PyErr_SetString(PyExc_ValueError, "a layer's caches differ in dtype"); return -1; }
+        if (i && es != (L->kv8 ? 1 : L->kv16 ? 2 : 4)) { PyErr_SetString(PyExc_ValueError, "a layer's caches differ in dtype"); return -1; }
+        if (es == 1 && hd % KV8_BLOCK) { PyErr_SetString(PyExc_ValueError, "q8_0 caches need head_dim % 32 == 0"); return -1; }
         L->kv16 = es == 2;
+        L->kv8 = es == 1;
         tb = &H->bufs[H->n - 1];
-        const int64_t T = tb->len / (kvd * es);
+        const int64_t rbytes = kv_row_bytes(kvd, es), T = tb->len / rbytes; /* decode/kv_q8.h */
         const int64_t b = L->kbase[i], lo = L->window && S->pos[i] - L->window + 1 > 0 ? S->pos[i] - L->window + 1 : 0;
-        if (tb->len % (kvd * es) || (!S->tab[i] && (S->pos[i] - b >= T || lo < b)) || (S->tab[i] && (T % S->ps || b))) {
+        if (tb->len % rbytes || (!S->tab[i] && (S->pos[i] - b >= T || lo < b)) || (S->tab[i] && (T % S->ps || b))) {
             PyErr_SetString(PyExc_ValueError, "KV cache full or mis-sized");
             return -1;
         }
         if (S->tab[i] && check_table(S, i, T / S->ps)) return -1;
         int ev = 0;
         if (!(L->vc[i] = hold_kv(H, vc, &ev, "v cache"))) return -1;
-        if (ev != es || want_len(&H->bufs[H->n - 1], T * kvd * es, "v cache")) {
+        if (ev != es || want_len(&H->bufs[H->n - 1], T * rbytes, "v cache")) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "k and v caches differ in dtype");
             return -1;
         }

@@ -38,9 +38,9 @@ static void *hold_kv(holds_t *H, PyObject *o, int *es, const char *what) {
     Py_buffer *b = &H->bufs[H->n];
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return NULL;
     H->n++;
-    *es = buf_is(b, "f", 4) ? 4 : buf_is(b, "e", 2) ? 2 : 0;
+    *es = buf_is(b, "f", 4) ? 4 : buf_is(b, "e", 2) ? 2 : buf_is(b, "b", 1) ? 1 : 0; /* 1: q8_0 rows */
     if (!*es) {
-        PyErr_Format(PyExc_ValueError, "%s must be float32 or float16", what);
+        PyErr_Format(PyExc_ValueError, "%s must be float32, float16 or int8 (q8_0 rows)", what);
         return NULL;
     }
     return b->buf;

@@ -1,10 +1,12 @@
-/* The fused step's KV caches: a position's slot (contiguous or paged), stores, rope of the new row. */
+/* The fused step's KV caches: a position's slot (contiguous or paged), stores (float32, float16,
+ * q8_0), rope of the new row. */
 #ifndef POLY_DECODE_KV_H
 #define POLY_DECODE_KV_H
 #include "core/common.h"
 #include "core/half.h"
 #include "decode/step.h"
 #include "decode/rmsnorm.h"
+#include "decode/kv_q8.h"
 
 /* the cache slot of position t of row i of layer L (its page table, or t less the position of the
  * cache's row 0 when contiguous: a sliding window's cache keeps its last rows only) */
@@ -50,6 +52,12 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
         if (L->rot) rope_head(v, L->cos + pos * half, L->sin + pos * half, L->rot, L->ileave);
     }
     const int64_t at = slot(S, L, i, pos);
+    if (L->kv8) { /* q8_0: the row's codes and scales (decode/kv_q8.h) */
+        const int64_t rb = kv_row_bytes(kvd, 1);
+        kv8_store((uint8_t *)L->kc[i] + at * rb, qkv + q, kvd);
+        kv8_store((uint8_t *)L->vc[i] + at * rb, qkv + q + kvd, kvd);
+        return;
+    }
     kv_store(L->kc[i], at * kvd, qkv + q, kvd, L->kv16);
     kv_store(L->vc[i], at * kvd, qkv + q + kvd, kvd, L->kv16);
 }

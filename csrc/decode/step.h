@@ -68,8 +68,9 @@ typedef struct {
     int heads, kvh, hd, nqkv, ngu;
     float eps;
     const float *g_attn, *g_q, *g_k, *g_mlp, *cos, *sin;
-    void *kc[STEP_MAX], *vc[STEP_MAX]; /* [T, kvh, hd] float32, or float16 when kv16 */
+    void *kc[STEP_MAX], *vc[STEP_MAX]; /* [T, kvh, hd] float32, float16 when kv16, q8_0 rows when kv8 */
     int kv16; /* every cache of the layer holds float16 (half the bytes a position) */
+    int kv8;  /* every cache holds q8_0 rows (decode/kv_q8.h: 17/32 of float16's bytes) */
     mat_t qkv[3], o, gu[2], down;
     moe_t *moe; /* NULL: the dense FFN gu/down */
     /* the block recipe's options (decode/recipe_args.h; zero or NULL: llama's block) */

@@ -190,6 +190,11 @@ def _read_arrays(model, f, base: int, entries: dict, layers: list, state: dict):
 
 
 def _read_into(f, base: int, entry, out: np.ndarray, crc, name: str) -> None:
+    if not out.flags.c_contiguous:  # a q8_0 cache's codes/scales: views into its rows
+        tmp = np.empty_like(out, order="C")
+        _read_into(f, base, entry, tmp, crc, name)
+        out[...] = tmp
+        return
     f.seek(base + entry[0])
     view = memoryview(out).cast("B")
     if f.readinto(view) != entry[1]:

@@ -43,6 +43,17 @@ def q8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return (cb * scales.astype(np.float32)[..., None]).reshape(codes.shape)
 
 
+def q8_rows(rows: int, kv_heads: int, head_dim: int) -> tuple[np.ndarray, ...]:
+    """A q8_0 cache's rows: (rows int8 [rows, bytes], codes int8 [rows, kvh, hd], scales float16
+    [rows, kvh, hd/32]), codes and scales views into one buffer whose row for a position holds its
+    codes then its scales, so the fused C step reads a position at one place (csrc/decode/kv_q8.h)."""
+    kvd = kv_heads * head_dim
+    buf = lazy_zeros((rows, kvd + kvd // Q8_BLOCK * 2), Q8)
+    codes = buf[:, :kvd].reshape(rows, kv_heads, head_dim)
+    scales = buf[:, kvd:].view(np.float16).reshape(rows, kv_heads, head_dim // Q8_BLOCK)
+    return buf, codes, scales
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     """Zeros whose pages exist only once written: a private anonymous mapping. np.zeros may take
     heap memory that calloc clears page by page (glibc raises its mmap threshold after a large
@@ -76,14 +87,15 @@ class KVCache:
 
     def __init__(self, max_len: int, kv_heads: int, head_dim: int, dtype=np.float32, window=0):
         rows = window_rows(max_len, window)
-        self.k = lazy_zeros((rows, kv_heads, head_dim), dtype)  # [rows, kvh, hd]
-        self.v = lazy_zeros((rows, kv_heads, head_dim), dtype)  # [rows, kvh, hd]
-        self.ks = self.vs = None  # q8_0: the scales [rows, kvh, hd/32] float16
-        if self.k.dtype == Q8:
+        self.ks = self.vs = self.kb = self.vb = None  # q8_0 only (q8_rows)
+        if np.dtype(dtype) == Q8:
             if head_dim % Q8_BLOCK:
                 raise DTypeError(f"a q8_0 KV cache needs head_dim a multiple of 32, not {head_dim}")
-            self.ks = lazy_zeros((rows, kv_heads, head_dim // Q8_BLOCK), np.float16)
-            self.vs = lazy_zeros((rows, kv_heads, head_dim // Q8_BLOCK), np.float16)
+            self.kb, self.k, self.ks = q8_rows(rows, kv_heads, head_dim)
+            self.vb, self.v, self.vs = q8_rows(rows, kv_heads, head_dim)
+        else:
+            self.k = lazy_zeros((rows, kv_heads, head_dim), dtype)  # [rows, kvh, hd]
+            self.v = lazy_zeros((rows, kv_heads, head_dim), dtype)  # [rows, kvh, hd]
         self.max_len, self.window = int(max_len), int(window)
         self.length = 0
         self.start = 0  # the position of row 0

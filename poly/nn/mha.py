@@ -107,13 +107,10 @@ def _check_options(layer) -> None:
 
 def has_options(layer) -> bool:
     """Whether the layer uses an option the fused C step does not implement (the Python path
-    runs it): a q8_0 KV cache or a q/k norm other than RMSNorm with one shared weight (or
-    over all heads). (A rope recomputed per call, dynamic or longrope, runs in it:
-    poly/runtime/fused_rope.py writes the call's rows of its tables.)"""
-    return bool(
-        (layer.qk_norm and (layer.qk_norm_kind != "rms" or layer.qk_norm_heads))
-        or np.dtype(getattr(layer, "kv_dtype", np.float32)) == np.int8  # a q8_0 cache
-    )
+    runs it): a q/k norm other than RMSNorm with one shared weight (or over all heads). (A
+    rope recomputed per call, dynamic or longrope, runs in it: poly/runtime/fused_rope.py writes
+    the call's rows of its tables; a q8_0 KV cache too: csrc/decode/kv_q8.h.)"""
+    return bool(layer.qk_norm and (layer.qk_norm_kind != "rms" or layer.qk_norm_heads))
 
 
 def spec(layer) -> Spec:

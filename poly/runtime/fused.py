@@ -106,8 +106,10 @@ def _room(rows: list[list]) -> bool:
 
 
 def _kv(c) -> tuple:
-    """A cache's (k, v) call items: k as (k, start) when its row 0 is not position 0."""
-    return ((c.k, c.start) if c.start else c.k), c.v
+    """A cache's (k, v) call items: k as (k, start) when its row 0 is not position 0; a q8_0
+    cache's are its int8 rows of codes and scales (kvcache.q8_rows)."""
+    k, v = (c.k, c.v) if c.kb is None else (c.kb, c.vb)
+    return ((k, c.start) if c.start else k), v
 
 
 def _kinds(args, repacked=False):
