@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.quant_quality import eval_text, git_revision, machine
 
 HF_DIR = Path.home() / ".cache" / "poly" / "models" / "SmolLM2-135M-Instruct-hf"
@@ -28,7 +30,7 @@ OUT = Path(__file__).parent / "results" / "kv-quality-smollm2.json"
 CACHES = ("f32", "f16", "q8_0")
 
 
-def kld_rows(model, tokens, ctx: int, log) -> dict:
+def kld_rows(model, tokens, ctx: int, log, caches=CACHES) -> dict:
     from poly.text.evaluate import evaluate, reference_logits
 
     model.kv_cache_dtype = "f32"
@@ -36,7 +38,7 @@ def kld_rows(model, tokens, ctx: int, log) -> dict:
     refs = list(reference_logits(model, tokens, ctx))
     log(f"f32 cache reference: {time.perf_counter() - t0:.1f} s")
     rows = {}
-    for kv in CACHES:
+    for kv in caches:
         model.kv_cache_dtype = kv
         r = evaluate(model, tokens, reference=refs, n_ctx=ctx).to_json()
         rows[kv] = {k: r[k] for k in ("tokens", "ppl", "kld_mean", "kld_stderr", "kld_p99",
@@ -60,18 +62,26 @@ def _fill(model, kv: str, saved: list, length: int) -> None:
         c.length = length
 
 
-def decode_rows(model, tokens, at: int, steps: int, rounds: int, log, reference=False) -> dict:
+def decode_rows(
+    model, tokens, at: int, steps: int, rounds: int, log, reference=False, synthetic=False
+) -> dict:
     """Decode tok/s after `at` cached positions: per cache and path, the median of `rounds`."""
     from poly.runtime import fused
 
     model.kv_cache_dtype = "f32"
     model.reset()
     t0 = time.perf_counter()
-    for i in range(0, at, 256):
-        model.forward(tokens[i : min(at, i + 256)])
-    log(f"prefill {at} tokens: {time.perf_counter() - t0:.1f} s")
-    saved = [(model.attn(i).state.k[:at].copy(), model.attn(i).state.v[:at].copy())
-             for i in range(model.config.num_layers)]  # fmt: skip
+    if synthetic:  # speed only: any keys/values cost the same (a loaded machine: no prefill)
+        rng = np.random.default_rng(0)
+        shape = (at, model.config.num_kv_heads, model.config.head_dim)
+        saved = [(rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32))
+                 for _ in range(model.config.num_layers)]  # fmt: skip
+    else:
+        for i in range(0, at, 256):
+            model.forward(tokens[i : min(at, i + 256)])
+        log(f"prefill {at} tokens: {time.perf_counter() - t0:.1f} s")
+        saved = [(model.attn(i).state.k[:at].copy(), model.attn(i).state.v[:at].copy())
+                 for i in range(model.config.num_layers)]  # fmt: skip
     cells = [(kv, "fused") for kv in CACHES] + [(kv, "reference") for kv in CACHES if reference]
     runs: dict = {f"{kv} {path}": [] for kv, path in cells}
     for _ in range(rounds):  # alternating: the load of the machine hits every cell alike
@@ -118,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reference", action="store_true", help="also time the reference path")
+    ap.add_argument("--kld-caches", default=",".join(CACHES), help="caches whose KLD is measured")
+    ap.add_argument("--synthetic", action="store_true", help="decode over random keys/values")
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
@@ -139,13 +151,23 @@ def main(argv: list[str] | None = None) -> int:
         "windows": args.windows,
         "text": source,
         "bytes_per_position": bytes_per_position(model),
-        "lucy_eval": kld_rows(model, tokens[: args.windows * args.ctx], args.ctx, log),
+        "lucy_eval": kld_rows(
+            model, tokens[: args.windows * args.ctx], args.ctx, log, args.kld_caches.split(",")
+        ),
         "uptime_before": _uptime(),
         "decode": decode_rows(
-            model, tokens, args.decode_at, args.steps, args.rounds, log, args.reference
-        ),
+            model,
+            tokens,
+            args.decode_at,
+            args.steps,
+            args.rounds,
+            log,
+            args.reference,
+            args.synthetic,
+        ),  # fmt: skip
         "uptime_after": _uptime(),
         "decode_at": args.decode_at,
+        "decode_fill": "random normal keys/values" if args.synthetic else "the text's prefill",
         "machine": machine(),
         "git": git_revision(),
     }
