@@ -44,6 +44,8 @@ CASES = {
     "olmoe": ("olmoe", {}),  # q/k norm over all heads
     "granitemoe": ("granitemoe", {}),  # multipliers: embedding, residual, attention, logits
     "gpt_oss": ("gpt_oss", {}),  # sinks, alternating window 6 / full, yarn
+    # GPT-OSS-20B's 32 experts, top 4 (the C call's buffer count missed options layers' experts)
+    "gpt_oss_32": ("gpt_oss", {"num_local_experts": 32, "num_experts_per_tok": 4}),
 }
 
 

@@ -24,7 +24,7 @@ static Py_ssize_t moe_holds(PyObject *layers, Py_ssize_t nl) {
     Py_ssize_t c = 0;
     for (Py_ssize_t l = 0; l < nl; l++) {
         PyObject *t = PyTuple_GET_ITEM(layers, l);
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 15) continue;
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 15) continue; /* 16: with recipe options (GPT-OSS) */
         PyObject *m = PyTuple_GET_ITEM(t, 14);
         if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 8 || !PyTuple_Check(PyTuple_GET_ITEM(m, 6))) continue;
         c += 10 * PyTuple_GET_SIZE(PyTuple_GET_ITEM(m, 6)) + 8;
