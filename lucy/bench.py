@@ -94,6 +94,27 @@ def bench_model(model, prompt_tokens: int = 64, new_tokens: int = 32, runs: int 
     }
 
 
+DEFAULT_LENGTHS = (16, 64, 256, 1024)  # `lucy bench --plot` without --lengths: those that fit
+
+
+def sweep(model, lengths, new_tokens: int, runs: int) -> list[dict]:
+    """Per prompt length L (also the context the decode runs after): median prefill tok/s of an
+    L-token prompt and decode tok/s of the `new_tokens` after it (`lucy bench --lengths`).
+    ``lengths`` None: the `DEFAULT_LENGTHS` within the model's context."""
+    max_seq = getattr(model.config, "max_seq_len", None)
+    if lengths is None:
+        lengths = [n for n in DEFAULT_LENGTHS if max_seq is None or n + new_tokens <= max_seq]
+    out = []
+    for n in lengths:
+        _check(n, new_tokens, runs, max_seq)
+        ids = prompt_ids(model, n)
+        times = [time_run(model, ids, new_tokens) for _ in range(runs)]
+        out.append({"prompt_tokens": n,
+                    "prefill_tok_s": statistics.median(n / p for p, _ in times),
+                    "decode_tok_s": statistics.median(new_tokens / d for _, d in times)})  # fmt: skip
+    return out
+
+
 def run_bench(
     spec: str,
     prompt_tokens: int = 64,
@@ -104,11 +125,14 @@ def run_bench(
     kv_cache: str | None = None,
     speculation: dict | None = None,
     memory: str | None = None,
+    lengths: list[int] | None = None,
+    sweep_lengths: bool = False,
 ) -> dict:
     """Load `spec` through `entity.load` (timed), then `bench_model`; an MoE model under a
     ``max_experts`` budget adds its expert-cache report ("experts"); ``kv_cache``: "f16" or
     "f32" (`Transformer.kv_cache_dtype`); ``speculation`` (the checked --lookup/--draft flags)
-    adds `bench_speculative` ("speculative")."""
+    adds `bench_speculative` ("speculative"); ``lengths`` (or
+    ``sweep_lengths``: the default ones) adds `sweep` ("sweep")."""
     from lucy.actions import load_model, load_speculation
 
     _check(prompt_tokens, new_tokens, runs, None)
@@ -116,6 +140,8 @@ def run_bench(
     model = load_model(spec, max_experts, kv_cache, memory=memory)
     load_s = time.perf_counter() - t0
     result = bench_model(model, prompt_tokens, new_tokens, runs)
+    if lengths or sweep_lengths:
+        result["sweep"] = sweep(model, lengths, new_tokens, runs)
     pager = getattr(model, "expert_pager", None)
     if pager is not None:
         result["experts"] = pager.report()

@@ -231,15 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to decode per run")  # fmt: skip
     p.add_argument("--runs", type=int, default=3, help="timed runs (the median is shown)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="also measure prefill of N-token prompts and decode after N tokens of "
+                   "context, for each N")  # fmt: skip
     p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="also draw each run's prefill and decode tok/s into a PNG (the plot extra)")  # fmt: skip
+                   help="draw prefill and decode tok/s against prompt length and context into a "
+                   "PNG (the plot extra; --lengths, default 16 64 256 1024 where they fit)")  # fmt: skip
     _add_speculation(p)
     _add_tp(p)
     _add_max_experts(p)
     _add_kv_cache(p)
 
     p = sub.add_parser("eval", help="perplexity and KL divergence from a reference, on a text")
-    p.add_argument("model", help=model_help)
+    p.add_argument("model", nargs="+", help=model_help + " (several: each in turn)")
     p.add_argument("--reference", default=None, metavar="REF",
                    help="the model to compare with (usually the float32 of the same weights)")  # fmt: skip
     p.add_argument(
@@ -247,9 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ctx", type=int, default=512, metavar="N",
                    help="window length in tokens; the second half of each is scored")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object (a line per MODEL) instead of a table")  # fmt: skip
     p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="also draw NLL and KL divergence per window into a PNG (the plot extra)")  # fmt: skip
+                   help="draw each MODEL's KL divergence from REF (perplexity without --reference) "
+                   "against its bits per weight into a PNG (the plot extra)")  # fmt: skip
 
     p = sub.add_parser("inspect", help="grid, layers, dtypes, memory")
     p.add_argument("model", help=model_help)

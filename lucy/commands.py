@@ -136,6 +136,8 @@ def cmd_bench(args) -> int:
         def body(model, info) -> int:
             res = bench.bench_model(model, args.prompt_tokens, args.new_tokens, args.runs)
             res = {"model": str(args.model), **info, **res}
+            if args.lengths or args.plot:
+                res["sweep"] = bench.sweep(model, args.lengths, args.new_tokens, args.runs)
             res.update(tp_cli.bench_extras(model, args.new_tokens))
             if args.plot:
                 plots.save(plots.bench_figure(res), args.plot)
@@ -155,6 +157,8 @@ def cmd_bench(args) -> int:
         memory=args.memory,
         kv_cache=args.kv_cache,
         speculation=spec,
+        lengths=args.lengths,
+        sweep_lengths=bool(args.plot),
     )
     if args.plot:
         plots.save(plots.bench_figure(result), args.plot)

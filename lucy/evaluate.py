@@ -70,11 +70,22 @@ def checkpoint_bytes(spec: str) -> int | None:
 
 
 def run_eval(args) -> int:
+    """Each MODEL in turn against REF (loaded once): its table or JSON line; --plot draws them."""
     if args.plot:
         plots.require(args.plot)
     text = read_text(args.text)  # before the (slow) loads: a bad file fails at once
-    model = actions.load_model(args.model)
     ref = actions.load_model(args.reference) if args.reference else None
+    points = [_eval_one(args, spec, ref, text) for spec in args.model]
+    if args.plot:
+        sized = [p for p in points if p.get("bpw") is not None]
+        if not sized:
+            raise UsageError("--plot: no file size known for the models (bits per weight)")
+        plots.save(plots.eval_figure(sized, args.reference), args.plot)
+    return 0
+
+
+def _eval_one(args, spec: str, ref, text: str) -> dict:
+    model = actions.load_model(spec)
     if ref is not None:
         check_same_vocab(model, ref)
     tokens = text_tokens(model, text, ref)
@@ -84,21 +95,15 @@ def run_eval(args) -> int:
                              f"({m.config.max_seq_len})")  # fmt: skip
     total = len(window_starts(len(tokens), args.ctx))
     measure = Measure()
-    size = checkpoint_bytes(args.model)
+    size = checkpoint_bytes(spec)
     try:
         result = _measure(model, ref, tokens, args.ctx, measure, size, total)
     except KeyboardInterrupt:
         if measure.windows:  # what was measured is printed, then cli.run's "interrupted", 130
             partial = measure.result(n_ctx=args.ctx, complete=False, bpw=_bpw(size, model))
-            _show(args, partial, total, len(tokens))
+            _show(args, spec, partial, total, len(tokens))
         raise
-    _show(args, result, total, len(tokens))
-    if args.plot:
-        title = f"lucy eval: {Path(args.model).name}"
-        if args.reference:
-            title += f" vs {Path(args.reference).name}"
-        plots.save(plots.eval_figure(measure, title), args.plot)
-    return 0
+    return _show(args, spec, result, total, len(tokens))
 
 
 def _bpw(size: int | None, model) -> float | None:
@@ -117,13 +122,14 @@ def _measure(model, ref, tokens, n_ctx, measure, size, total):
                         measure=measure, file_bytes=size)  # fmt: skip
 
 
-def _show(args, result, total: int, n_tokens: int) -> None:
-    data = {"model": str(args.model), "reference": args.reference, "text": str(args.text),
+def _show(args, spec: str, result, total: int, n_tokens: int) -> dict:
+    data = {"model": str(spec), "reference": args.reference, "text": str(args.text),
             "text_tokens": n_tokens, "windows_total": total, **result.to_json()}  # fmt: skip
     if args.json:
-        print(json.dumps(data), flush=True)
-        return
-    make_console().print(eval_table(data))
+        print(json.dumps(data), flush=True)  # one line per MODEL
+    else:
+        make_console().print(eval_table(data))
+    return data
 
 
 ROWS = (

@@ -1,17 +1,17 @@
-"""`lucy bench --plot FILE` and `lucy eval --plot FILE`: PNG charts with matplotlib's Agg backend
-(no display needed). matplotlib is the optional ``plot`` extra; without it --plot is refused
-before any model loads."""
+"""`lucy bench --plot FILE` (tok/s against prompt length and context) and `lucy eval --plot FILE`
+(KL divergence against bits per weight, a point per file): PNG charts with matplotlib's Agg
+backend (no display needed). matplotlib is the optional ``plot`` extra; without it --plot is
+refused before any model loads."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from poly.errors import UsageError
 
 INSTALL_HINT = "--plot needs matplotlib: pip install 'polyloom[plot]'"
 SIZE_IN, DPI = (8.0, 4.5), 100  # 800 x 450 pixels
+PREFILL_COLOR, DECODE_COLOR, EVAL_COLOR = "#1f5fbf", "#d9730d", "#c0392b"
 
 
 def require(path: str) -> Path:
@@ -28,12 +28,11 @@ def require(path: str) -> Path:
     return out
 
 
-def _figure(rows: int = 1):
+def _figure():
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend chosen
 
-    fig = Figure(figsize=(SIZE_IN[0], SIZE_IN[1] * (1 if rows == 1 else 1.5)), dpi=DPI)
-    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
-    return fig, list(axes)
+    fig = Figure(figsize=SIZE_IN, dpi=DPI)
+    return fig, [fig.subplots()]
 
 
 def save(fig, path: str | Path) -> None:
@@ -48,53 +47,42 @@ def save(fig, path: str | Path) -> None:
 
 
 def bench_figure(result: dict):
-    """Prefill and decode tok/s of each timed run (bars), their medians (dashed lines)."""
+    """Prefill tok/s against prompt length and decode tok/s against the context it runs after
+    (`result["sweep"]`, one point per length; log-2 axis of lengths)."""
     fig, (ax,) = _figure()
-    runs = np.arange(1, len(result["decode_runs_tok_s"]) + 1)
-    phases = (("prefill", "prefill_runs_tok_s", "prefill_tok_s", "#1f5fbf"),
-              ("decode", "decode_runs_tok_s", "decode_tok_s", "#d9730d"))  # fmt: skip
-    for k, (label, runs_key, median_key, color) in enumerate(phases):
-        ax.bar(runs + (k - 0.5) * 0.38, result[runs_key], width=0.38, color=color,
-               label=f"{label} ({result[median_key]:.1f} tok/s median)")  # fmt: skip
-        ax.axhline(result[median_key], color=color, linestyle="--", linewidth=1)
-    ax.set_xticks(runs)
-    ax.set_xlabel("timed run")
+    rows = result["sweep"]
+    lengths = [r["prompt_tokens"] for r in rows]
+    for label, key, color in (("prefill (prompt of N tokens)", "prefill_tok_s", PREFILL_COLOR),
+                              ("decode (after N tokens of context)", "decode_tok_s", DECODE_COLOR)):  # fmt: skip
+        ax.plot(lengths, [r[key] for r in rows], marker="o", color=color, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("prompt length / context N (tokens)")
     ax.set_ylabel("tokens per second")
     ax.set_title(f"lucy bench: {Path(str(result.get('model', ''))).name} — "
-                 f"{result['prompt_tokens']} prompt tokens, {result['new_tokens']} new")  # fmt: skip
-    top = max(result["prefill_runs_tok_s"] + result["decode_runs_tok_s"])
-    ax.set_ylim(0, top * 1.25)  # room for the legend above the bars
-    ax.legend(loc="upper center", ncol=2)
-    ax.grid(axis="y", alpha=0.3)
+                 f"{result['new_tokens']} new tokens, medians of {result['runs']} runs")  # fmt: skip
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="best")
+    ax.grid(alpha=0.3)
     return fig
 
 
-def eval_figure(measure, title: str):
-    """Per window (chunk) of the text: mean negative log-likelihood of the model (and of the
-    reference), and with a reference the mean KL divergence, each against the window's index."""
-    scored = measure.scored
-    windows = np.arange(1, len(scored) + 1)
-    has_ref = bool(scored) and scored[0].kld is not None
-    fig, axes = _figure(2 if has_ref else 1)
-    ax = axes[0]
-    ax.plot(windows, [w.nll.mean() for w in scored], marker="o", label="model")
-    if has_ref:
-        ax.plot(
-            windows,
-            [w.ref_nll.mean() for w in scored],
-            marker="s",
-            linestyle="--",
-            label="reference",
-        )  # dashed: a near-equal model's line still shows under it
-    ax.set_ylabel("mean NLL (nats/token)")
-    ax.legend(loc="upper right")
-    ax.grid(alpha=0.3)
+def eval_figure(points: list[dict], reference: str | None):
+    """One point per evaluated file: its mean KL divergence from `reference` (its perplexity
+    without one) against its bits per weight, each point named by its file."""
+    fig, (ax,) = _figure()
+    key, label = ("kld_mean", "mean KL divergence (nats)") if reference else ("ppl", "perplexity")
+    xs = [p["bpw"] for p in points]
+    ys = [p[key] for p in points]
+    err = [p.get("kld_stderr") or 0.0 for p in points] if reference else None
+    ax.errorbar(xs, ys, yerr=err, fmt="o", color=EVAL_COLOR, capsize=3)
+    for p, x, y in zip(points, xs, ys, strict=True):
+        ax.annotate(Path(str(p["model"])).name, (x, y), textcoords="offset points", xytext=(5, 5),
+                    fontsize=8)  # fmt: skip
+    ax.margins(x=0.12, y=0.1)  # room for the names beside the outer points
+    ax.set_xlabel("bits per weight (file size × 8 / parameters)")
+    ax.set_ylabel(label)
+    title = "lucy eval" + (f": against {Path(reference).name}" if reference else "")
     ax.set_title(title)
-    if has_ref:
-        kld = axes[1]
-        kld.plot(windows, [w.kld.mean() for w in scored], marker="o", color="#c0392b")
-        kld.set_ylabel("mean KL divergence (nats)")
-        kld.grid(alpha=0.3)
-    axes[-1].set_xlabel("window of the text (scored half of each)")
-    axes[-1].xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
     return fig

@@ -138,6 +138,10 @@ def bench_table(result: dict) -> Table:
     for key in ("decode_tok_s", "speedup", "acceptance_rate", "tokens_per_pass", "same_tokens"):
         if key in spec:
             table.add_row(f"speculative {key}", _fmt(spec[key]))
+    for row in result.get("sweep") or ():
+        n = row["prompt_tokens"]
+        table.add_row(f"prefill_tok_s at {n}", _fmt(row["prefill_tok_s"]))
+        table.add_row(f"decode_tok_s after {n}", _fmt(row["decode_tok_s"]))
     return table
 
 

@@ -1,5 +1,6 @@
-"""`lucy bench --plot` and `lucy eval --plot` (issue 63): valid PNG files of the expected size
-holding what the commands measured, labelled axes, and a one-line install hint without
+"""`lucy bench --plot` (tok/s against prompt length and context) and `lucy eval --plot` (KL
+divergence against bits per weight, a point per file; issue 63): valid PNG files of the expected
+size holding what the commands measured, labelled axes, and a one-line install hint without
 matplotlib (the plot extra)."""
 
 from __future__ import annotations
@@ -57,47 +58,66 @@ def _has_color(pixels: np.ndarray, hex_color: str) -> int:
     return int((np.abs(pixels.astype(int) - rgb).sum(axis=-1) < 12).sum())
 
 
-def test_bench_plot_draws_each_run(ckpts, tmp_path, capsys):
+def test_bench_plot_draws_tok_s_against_length(ckpts, tmp_path, capsys):
     out = tmp_path / "bench.png"
-    code, stdout, err = _lucy(capsys, "bench", ckpts["a"], "--runs", 3, "--prompt-tokens", 16, "--new-tokens", 8,
-                 "--json", "--plot", out)  # fmt: skip
+    code, stdout, err = _lucy(capsys, "bench", ckpts["a"], "--runs", 2, "--prompt-tokens", 16, "--new-tokens", 8,
+                 "--lengths", 4, 16, 48, "--json", "--plot", out)  # fmt: skip
     assert code == 0, err
     data = json.loads(stdout)
-    assert len(data["prefill_runs_tok_s"]) == len(data["decode_runs_tok_s"]) == 3
-    assert data["decode_tok_s"] == pytest.approx(np.median(data["decode_runs_tok_s"]))
+    assert [r["prompt_tokens"] for r in data["sweep"]] == [4, 16, 48]
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in data["sweep"])
     pixels = _png(out, (800, 450))
-    assert _has_color(pixels, "#1f5fbf") > 500 and _has_color(pixels, "#d9730d") > 500  # both bars
+    assert (
+        _has_color(pixels, plots.PREFILL_COLOR) > 100
+        and _has_color(pixels, plots.DECODE_COLOR) > 100
+    )
 
     (ax,) = plots.bench_figure(data).axes
-    assert ax.get_xlabel() == "timed run" and ax.get_ylabel() == "tokens per second"
-    heights = [b.get_height() for b in ax.patches]
-    assert heights == data["prefill_runs_tok_s"] + data["decode_runs_tok_s"]
+    assert (
+        ax.get_xlabel().startswith("prompt length / context")
+        and ax.get_ylabel() == "tokens per second"
+    )
+    prefill, decode = ax.lines
+    assert list(prefill.get_xdata()) == [4, 16, 48]
+    assert list(prefill.get_ydata()) == [r["prefill_tok_s"] for r in data["sweep"]]
+    assert list(decode.get_ydata()) == [r["decode_tok_s"] for r in data["sweep"]]
 
 
-def test_eval_plot_draws_nll_and_kld_per_window(ckpts, tmp_path, capsys):
+def test_bench_plot_without_lengths_takes_those_that_fit(ckpts, tmp_path, capsys):
     import entity
-    from poly.text.evaluate import Measure, evaluate, text_tokens
 
+    out = tmp_path / "bench.png"
+    code, stdout, err = _lucy(capsys, "bench", ckpts["a"], "--runs", 1, "--new-tokens", 8, "--json", "--plot", out)  # fmt: skip
+    assert code == 0, err
+    ctx = entity.load(ckpts["a"]).config.max_seq_len
+    want = [n for n in (16, 64, 256, 1024) if n + 8 <= ctx]
+    assert [r["prompt_tokens"] for r in json.loads(stdout)["sweep"]] == want and want
+    _png(out, (800, 450))
+
+
+def test_eval_plot_draws_kld_against_bits_per_weight(ckpts, tmp_path, capsys):
+    from entity.convert import convert
+
+    files = [tmp_path / "a.f32.entity", tmp_path / "a.q8.entity"]
+    for f, quant in zip(files, ("f32", "q8"), strict=True):
+        convert(ckpts["a"], f, quant=quant)
     out = tmp_path / "eval.png"
-    code, stdout, err = _lucy(capsys, "eval", ckpts["a"], "--reference", ckpts["b"], "--text", ckpts["text"],
+    code, stdout, err = _lucy(capsys, "eval", *files, "--reference", ckpts["a"], "--text", ckpts["text"],
                  "--ctx", N_CTX, "--json", "--plot", out)  # fmt: skip
     assert code == 0, err
-    data = json.loads(stdout)
-    pixels = _png(out, (800, 675))
-    assert _has_color(pixels, "#c0392b") > 200  # the KLD curve
+    rows = [json.loads(line) for line in stdout.splitlines()]
+    assert [r["model"] for r in rows] == [str(f) for f in files]
+    f32, q8 = rows
+    assert f32["kld_mean"] < 1e-9 < q8["kld_mean"] and q8["bpw"] < f32["bpw"]
+    pixels = _png(out, (800, 450))
+    assert _has_color(pixels, plots.EVAL_COLOR) > 20  # the points
 
-    a, b = entity.load(ckpts["a"]), entity.load(ckpts["b"])
-    measure = Measure()
-    evaluate(a, text_tokens(a, TEXT, b), reference=b, n_ctx=N_CTX, measure=measure)
-    fig = plots.eval_figure(measure, "t")
-    nll_ax, kld_ax = fig.axes
-    assert nll_ax.get_ylabel().startswith("mean NLL") and kld_ax.get_ylabel().startswith("mean KL")
-    assert kld_ax.get_xlabel().startswith("window")
-    kld = kld_ax.lines[0].get_ydata()
-    assert len(kld) == data["windows"] > 1
-    assert np.mean(kld) == pytest.approx(data["kld_mean"], rel=1e-6)  # equal-sized windows
-    model_nll = nll_ax.lines[0].get_ydata()
-    assert np.exp(np.mean(model_nll)) == pytest.approx(data["ppl"], rel=1e-6)
+    (ax,) = plots.eval_figure(rows, str(ckpts["a"])).axes
+    assert ax.get_xlabel().startswith("bits per weight") and ax.get_ylabel().startswith("mean KL")
+    points = ax.lines[0]  # the markers (the error bars' caps follow)
+    assert list(points.get_xdata()) == [f32["bpw"], q8["bpw"]]
+    assert list(points.get_ydata()) == [f32["kld_mean"], q8["kld_mean"]]
+    assert [t.get_text() for t in ax.texts] == ["a.f32.entity", "a.q8.entity"]
 
 
 @pytest.mark.parametrize("command", ["bench", "eval"])
@@ -123,3 +143,16 @@ def test_plot_path_errors_are_one_line(ckpts, tmp_path, capsys):
         assert code == UsageError.exit_code
         assert err.startswith("lucy: error: --plot"), err
         assert len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_docs_charts_are_drawn_from_the_results(tmp_path):
+    from benchmarks import plot_docs
+
+    assert plot_docs.main(["--out", str(tmp_path)]) == 0
+    _png(tmp_path / "quantization_kld.png", (800, 450))
+    data = json.loads(plot_docs.QUANT.read_text())
+    points = plot_docs.quantization_points(data)
+    names = {p["model"] for p in points}
+    assert {"llama.cpp Q4_0", "llama.cpp Q4_K_M"} <= names
+    assert all(p["kld_mean"] == data["llama_cpp_files_by_lucy_eval"][p["model"][10:]]["kld_mean"]
+               for p in points if p["model"].startswith("llama.cpp "))  # fmt: skip
