@@ -123,7 +123,7 @@ def test_measured_kl_steers_the_allocation(tmp_path):
     head's KL, computed from the final hidden states, falls with every larger type."""
     from entity.quantize import Planner
 
-    planner = Planner(_tiny(tmp_path))
+    planner = Planner(_tiny(tmp_path), measured=True)  # per tensor
     planner.recipe(6.0)  # measures once
     kl = planner.kl
     head = kl["lm_head"]
