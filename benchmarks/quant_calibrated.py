@@ -7,7 +7,8 @@ One importance matrix and one sensitivity measurement (entity.quantize.Planner) 
 budget. llama.cpp's own files are measured by benchmarks/quant_quality.py (same text, windows).
 
     python -m benchmarks.quant_calibrated [--bpw 5.0 5.41 6.22] [--windows 5] [--reuse]
-        [--measure group|tensor|proxy] [--imatrix KEPT.npz] [--gguf FILE ...] [--json OUT]
+        [--measure group|tensor|proxy] [--imatrix KEPT.npz] [--gguf FILE ...] [--llama-cpp]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -42,11 +43,21 @@ def _kinds(path: Path) -> dict[str, int]:
     return out
 
 
+def _llama_files(args) -> tuple[dict[str, Path], int | None]:
+    """llama.cpp's F32 / Q4_0 / Q4_K_M files of the snapshot (benchmarks/quant_quality.py's,
+    made once) and whether they add a BOS token (then both engines' windows start with it)."""
+    from benchmarks import llama_eval, quant_quality
+
+    files = quant_quality.build_llama_files(HF, quant_quality.CACHE / "quant-quality")
+    files = {k: v for k, v in files.items() if not k.endswith("Q8_0")}
+    return files, llama_eval.adds_bos(files["llama.cpp F32"])
+
+
 def main(argv: list[str] | None = None) -> int:
     import entity
     from entity.quantize import Planner
     from poly.errors import UsageError
-    from poly.text.evaluate import evaluate, reference_logits, text_tokens
+    from poly.text.evaluate import evaluate, parameter_count, reference_logits, text_tokens
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bpw", type=float, nargs="*", default=[5.0, 5.41, 6.22])
@@ -69,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         help="--bpw's costs: KL per tensor, the grouped KL, or the relative error",
     )
     ap.add_argument("--gguf", type=Path, nargs="*", default=[], help="files measured alongside")
+    ap.add_argument("--llama-cpp", dest="llama_cpp", action="store_true",
+                    help="also llama.cpp's Q4_0 and Q4_K_M files of the snapshot, measured by "
+                    "llama.cpp itself (against its F32 file) and by lucy eval, in this run")  # fmt: skip
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -76,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     text = text[text.index("CHAPTER I") :]
     ref = entity.load(HF)
     tokens = text_tokens(ref, text)[: args.ctx * args.windows]
-    refs = list(reference_logits(ref, tokens, args.ctx))
+    llama, bos = _llama_files(args) if args.llama_cpp else ({}, None)
+    refs = list(reference_logits(ref, tokens, args.ctx, bos=bos))
     t0 = time.perf_counter()
     measured = {"tensor": True, "group": "group", "proxy": False}[args.measure]
     kept = args.imatrix is not None and args.imatrix.is_file()
@@ -88,8 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         planner.kl = json.loads(args.kl.read_text())
     rows = {"planner_seconds": round(time.perf_counter() - t0, 1), "windows": args.windows,
             "measure": args.measure}  # fmt: skip
-    for path in args.gguf:  # e.g. llama.cpp's own files, on the same tokens and reference
-        res = evaluate(entity.load(path), tokens, reference=refs, n_ctx=args.ctx,
+    if llama:
+        from benchmarks.quant_quality import measure_llama
+
+        by_llama = measure_llama(llama, tokens, args.ctx, bos, lambda m: print(m, flush=True))
+        rows["llama_cpp_files_by_llama_cpp"] = {
+            name: {**row, "bpw": llama[name].stat().st_size * 8.0 / parameter_count(ref)}
+            for name, row in by_llama.items()
+        }
+    for path in [*args.gguf, *(p for n, p in llama.items() if not n.endswith("F32"))]:
+        res = evaluate(entity.load(path), tokens, reference=refs, n_ctx=args.ctx, bos=bos,
                        file_bytes=path.stat().st_size)  # fmt: skip
         rows[path.name] = {**res.to_json(), "bytes": path.stat().st_size}
         print(path.name, json.dumps(rows[path.name]), flush=True)
@@ -110,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         secs = time.perf_counter() - t
         size = dst.stat().st_size
-        res = evaluate(entity.load(dst), tokens, reference=refs, n_ctx=args.ctx, file_bytes=size)
+        res = evaluate(entity.load(dst), tokens, reference=refs, n_ctx=args.ctx, bos=bos,
+                       file_bytes=size)  # fmt: skip
         rows[name] = {**res.to_json(), "bytes": size, "params_by_type": _kinds(dst)}
         if planner is not None:
             rows[name]["convert_seconds"] = round(secs, 1)

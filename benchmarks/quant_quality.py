@@ -77,9 +77,20 @@ def snapshot() -> Path:
 
 def build_files(hf_dir: Path, work: Path) -> dict[str, Path]:
     """llama.cpp's F32 / Q8_0 / Q4_K_M / Q4_0 GGUF files and poly's .entity q8 / q4, made once."""
+    import entity
+
+    files = build_llama_files(hf_dir, work)
+    for quant in ("q8", "q4"):  # converted every run: the code under test may have changed
+        path = files[f"poly .entity {quant}"] = work / f"smollm2.{quant}.entity"
+        entity.convert(hf_dir, path, quant=quant, force=True)
+    return files
+
+
+def build_llama_files(hf_dir: Path, work: Path) -> dict[str, Path]:
+    """llama.cpp's F32 / Q8_0 / Q4_K_M / Q4_0 GGUF files of the snapshot (its converter and its
+    quantizer), made once in `work`."""
     import llama_cpp
 
-    import entity
     from benchmarks import llama_convert
 
     work.mkdir(parents=True, exist_ok=True)
@@ -105,9 +116,6 @@ def build_files(hf_dir: Path, work: Path) -> dict[str, Path]:
             src, dst = str(files["llama.cpp F32"]).encode(), str(path).encode()
             if llama_cpp.llama_model_quantize(src, dst, ctypes.byref(params)):
                 raise SystemExit(f"llama_model_quantize {name} failed")
-    for quant in ("q8", "q4"):  # converted every run: the code under test may have changed
-        path = files[f"poly .entity {quant}"] = work / f"smollm2.{quant}.entity"
-        entity.convert(hf_dir, path, quant=quant, force=True)
     return files
 
 
