@@ -1,11 +1,8 @@
 """The fused decode step: one call into poly.runtime.native.ckernels.decode per generated token.
-
-For a model whose blocks are all the plain pre-norm kind (`poly.model.block.is_plain_block`) and
-whose every matrix is a form the C kernels read (float32 arrays, float16/bfloat16, int8 rows,
-Loom Q4, GGUF blocks), a one-token `Transformer.forward` runs every block, the final norm and
-the LM head inside one OpenMP region (csrc/pk_decode.c). The Python path stays the reference
-and the fallback (tiling, other activations, forms without a C kernel, the numpy backend).
-
+For a model whose blocks the C step knows (plain pre-norm blocks and the recipes of
+`poly.recipe`) and whose matrices are forms the C kernels read, a one-token forward runs every
+block, the final norm and the LM head inside one OpenMP region (csrc/decode/step.h). The Python
+path stays the reference and the fallback (forms or options without a C kernel, numpy backend).
 The call's argument tuples are built once per Generations value (`Plan`) and checked again in C.
 """
 
