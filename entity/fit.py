@@ -66,6 +66,9 @@ class Footprint:
     sparse_layers: int
     transient: int  # experts a fused decode step holds past the budget (top_k per layer)
     kv_layers: tuple  # (kv_heads * head_dim, sliding window or 0) per attention layer
+    # while a GGUF/.entity opens, its largest matrix is held twice (stored rows and the repacked
+    # copy): a peak the KV cache, allocated later, may not reach (SmolLM2 Q4_1: its 30 MB table)
+    load_extra: int = 0
 
     def kv_bytes(self, ctx: int, item: float = 4) -> int:
         """K and V at `ctx` positions, `item` bytes a value (q8_0: KV_ITEM["q8_0"])."""
@@ -95,25 +98,27 @@ def footprint(desc) -> Footprint:
     """The footprint of a `entity.load.Description`."""
     cfg = desc.model.config
     pattern = _EXPERT[desc.format]
-    dense = held = stored = 0
+    dense = held = stored = largest = 0
     for t in desc.tensors:
         if cfg.moe is not None and pattern.fullmatch(t.name):
             h, s = _held(desc.format, t)
             held, stored = held + h, stored + s
         else:
             dense += 4 * math.prod(t.shape) if desc.format == "hf" else t.nbytes
+            largest = max(largest, t.nbytes)
+    extra = 0 if desc.format == "hf" else largest  # HF masters are copied a piece at a time
     kv = tuple(
         (a.num_kv_heads * a.head_dim, int(getattr(a, "sliding_window", 0) or 0))
         for a in (desc.model.attn(i) for i in range(cfg.num_layers))
     )
     if cfg.moe is None:
-        return Footprint(dense, 0, 0, 0, 0, 0, 0, kv)
+        return Footprint(dense, 0, 0, 0, 0, 0, 0, kv, extra)
     moe = cfg.moe
     sparse = cfg.num_layers - len(moe.dense_layers)
     count = sparse * moe.num_experts
     per, per_stored = -(-held // count), -(-stored // count)
     transient = moe.top_k * sparse  # the C step (GPT-OSS's options too) reports after it runs
-    return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv)
+    return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv, extra)
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,7 @@ class Fit:
 
 def _need(fp: Footprint, ctx: int, n: int, item: float) -> int:
     held = min(fp.experts, n + fp.transient) * fp.expert_held
-    return RUNTIME_BYTES + fp.dense + fp.kv_bytes(ctx, item) + held
+    return RUNTIME_BYTES + fp.dense + max(fp.kv_bytes(ctx, item), fp.load_extra) + held
 
 
 def fit(
