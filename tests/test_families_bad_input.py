@@ -12,7 +12,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
@@ -27,7 +26,7 @@ from poly.errors import (
     UnsupportedError,
     WeightMappingError,
 )
-from tests.family_helpers import assert_load_error, converter_root
+from tests.family_helpers import assert_load_error, converter_root, gguf_edit
 from tests.hf_fixtures import make_tiny_checkpoint, set_config_keys
 
 WAVY = {"rope_type": "wavy", "rope_theta": 10000.0, "factor": 2.0}
@@ -135,40 +134,19 @@ def test_the_cli_prints_one_line_and_the_exit_code(broken, capfd, tmp_path, comm
 
 
 # --- GGUF files from llama.cpp's own converter, edited -------------------------------------------
-def _without(src: Path, dst: Path, name: str) -> Path:
-    """A copy of the GGUF file `src` without tensor `name` (gguf-py)."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-    reader = GGUFReader(str(src))
-    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
-            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
-        if t.name != name:
-            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 @pytest.mark.slow
 def test_bad_gguf_files_name_the_key(gpt_oss, tmp_path):
     from benchmarks import llama_convert
-    from tests.test_moe_gguf import rewrite_gguf
 
     root = converter_root()
     good = llama_convert.convert(gpt_oss, tmp_path / "g.gguf", "f32", root)
     assert entity.load(good).config.attention.sinks
     cases = [
-        (_without(good, tmp_path / "a.gguf", "blk.1.attn_sinks.weight"), WeightMappingError,
+        (gguf_edit(good, tmp_path / "a.gguf", drop=["blk.1.attn_sinks.weight"]), WeightMappingError,
          "missing tensor 'blk.1.attn_sinks.weight'"),
-        (rewrite_gguf(good, tmp_path / "b.gguf", meta={"gpt-oss.attention.sliding_window": 0}),
+        (gguf_edit(good, tmp_path / "b.gguf", meta={"gpt-oss.attention.sliding_window": 0}),
          GGUFFormatError, "sliding_window"),
-        (rewrite_gguf(good, tmp_path / "c.gguf", meta={"gpt-oss.rope.scaling.type": "wavy"}),
+        (gguf_edit(good, tmp_path / "c.gguf", meta={"gpt-oss.rope.scaling.type": "wavy"}),
          UnsupportedError, "'wavy'"),
     ]  # fmt: skip
     for path, cls, key in cases:

@@ -24,6 +24,7 @@ from tests.family_helpers import (
     assert_matches_transformers,
     assert_top1_along,
     converter_root,
+    gguf_edit,
     with_user_token,
 )
 from tests.family_helpers import greedy as family_greedy
@@ -195,29 +196,6 @@ def test_a_block_without_norms_is_refused():
         BlockRecipe(pre_norms=False)  # neither pre- nor post-norms
 
 
-def _gguf_edit(src, dst, meta=None, drop=()):
-    """A copy of a GGUF file with edited metadata and some tensors left out (gguf-py)."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-    reader = GGUFReader(str(src))
-    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        value = (meta or {}).get(field.name, field.contents())
-        writer.add_key_value(field.name, value, vtype, sub_type=sub)
-    for t in reader.tensors:
-        if t.name not in drop:
-            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model_type, change, match",
@@ -229,7 +207,7 @@ def _gguf_edit(src, dst, meta=None, drop=()):
     ],
 )
 def test_bad_gguf_is_a_one_line_error_naming_it(gguf_files, tmp_path, model_type, change, match):
-    bad = _gguf_edit(gguf_files[(model_type, "f32")], tmp_path / "bad.gguf", **change)
+    bad = gguf_edit(gguf_files[(model_type, "f32")], tmp_path / "bad.gguf", **change)
     assert_load_error(bad, PolyError, match)
 
 

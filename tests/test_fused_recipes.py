@@ -66,6 +66,17 @@ def _spy(monkeypatch) -> list:
     return calls
 
 
+def _greedy_against_reference(fast, ref, logits) -> list[int]:
+    """N_NEW greedy tokens from `logits` on, each step's fused logits checked against the
+    reference path's."""
+    tokens = []
+    for _ in range(N_NEW):
+        tokens.append(int(np.argmax(logits)))
+        logits, want = fast.forward(tokens[-1:]), ref.reference_forward(tokens[-1:])
+        np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)
+    return tokens
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_step_matches_transformers_and_the_reference_path(root, monkeypatch, name):
     arch, over = CASES[name]
@@ -77,11 +88,7 @@ def test_fused_step_matches_transformers_and_the_reference_path(root, monkeypatc
     assert sum(calls) == len(PROMPT)  # every prompt row ran in the C step
     np.testing.assert_allclose(got, hf_logits(path, PROMPT)[-1], atol=1e-4, rtol=0)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    tokens = []
-    for _ in range(N_NEW):
-        tokens.append(int(np.argmax(got)))
-        got, want = fast.forward(tokens[-1:]), ref.reference_forward(tokens[-1:])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    tokens = _greedy_against_reference(fast, ref, got)
     assert len(calls) >= 1 + N_NEW and calls[-N_NEW:] == [1] * N_NEW
     assert tokens == hf_greedy(path, PROMPT, N_NEW)
 
@@ -122,11 +129,7 @@ def test_per_call_rope_takes_the_fused_step(root, monkeypatch, name):
     assert sum(calls) == len(long) + len(PROMPT)
     np.testing.assert_allclose(got, hf_logits(path, PROMPT)[-1], atol=1e-4, rtol=0)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    tokens = []
-    for _ in range(N_NEW):
-        tokens.append(int(np.argmax(got)))
-        got, want = fast.forward(tokens[-1:]), ref.reference_forward(tokens[-1:])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    tokens = _greedy_against_reference(fast, ref, got)
     assert calls[-N_NEW:] == [1] * N_NEW
     assert tokens == _hf_steps(path, PROMPT, N_NEW)
 
