@@ -69,6 +69,18 @@ class Footprint:
     # while a GGUF/.entity opens, its largest matrix is held twice (stored rows and the repacked
     # copy): a peak the KV cache, allocated later, may not reach (SmolLM2 Q4_1: its 30 MB table)
     load_extra: int = 0
+    heads: int = 0  # the most query heads of an attention layer: a prefill chunk's scores
+
+    def prefill_scratch(self, ctx: int) -> int:
+        """The float32 attention scores of one prefill chunk over `ctx` positions (the run's
+        peak above the KV cache: 17 MiB of SmolLM2's at 1024)."""
+        from poly.model.transformer import PREFILL_CHUNK
+
+        return 4 * self.heads * min(ctx, PREFILL_CHUNK) * ctx
+
+    def run_bytes(self, ctx: int, item: float = 4) -> int:
+        """What a run adds after loading: the KV cache and a prefill chunk's scores."""
+        return self.kv_bytes(ctx, item) + self.prefill_scratch(ctx)
 
     def kv_bytes(self, ctx: int, item: float = 4) -> int:
         """K and V at `ctx` positions, `item` bytes a value (q8_0: KV_ITEM["q8_0"])."""
@@ -107,18 +119,19 @@ def footprint(desc) -> Footprint:
             dense += 4 * math.prod(t.shape) if desc.format == "hf" else t.nbytes
             largest = max(largest, t.nbytes)
     extra = 0 if desc.format == "hf" else largest  # HF masters are copied a piece at a time
+    attn = [desc.model.attn(i) for i in range(cfg.num_layers)]
     kv = tuple(
-        (a.num_kv_heads * a.head_dim, int(getattr(a, "sliding_window", 0) or 0))
-        for a in (desc.model.attn(i) for i in range(cfg.num_layers))
+        (a.num_kv_heads * a.head_dim, int(getattr(a, "sliding_window", 0) or 0)) for a in attn
     )
+    heads = max((a.num_heads for a in attn), default=0)
     if cfg.moe is None:
-        return Footprint(dense, 0, 0, 0, 0, 0, 0, kv, extra)
+        return Footprint(dense, 0, 0, 0, 0, 0, 0, kv, extra, heads)
     moe = cfg.moe
     sparse = cfg.num_layers - len(moe.dense_layers)
     count = sparse * moe.num_experts
     per, per_stored = -(-held // count), -(-stored // count)
     transient = moe.top_k * sparse  # the C step (GPT-OSS's options too) reports after it runs
-    return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv, extra)
+    return Footprint(dense, count, per, per_stored, moe.top_k, sparse, transient, kv, extra, heads)
 
 
 @dataclass(frozen=True)
@@ -142,7 +155,7 @@ class Fit:
 
 def _need(fp: Footprint, ctx: int, n: int, item: float) -> int:
     held = min(fp.experts, n + fp.transient) * fp.expert_held
-    return RUNTIME_BYTES + fp.dense + max(fp.kv_bytes(ctx, item), fp.load_extra) + held
+    return RUNTIME_BYTES + fp.dense + max(fp.run_bytes(ctx, item), fp.load_extra) + held
 
 
 def fit(
@@ -159,6 +172,7 @@ def fit(
         raise UsageError(
             f"{human(memory)} does not fit: the dense weights need {human(fp.dense)}, the runtime "
             f"{human(RUNTIME_BYTES)}, the KV cache at {ctx} tokens {human(fp.kv_bytes(ctx, kv_item))}"
+            f" and a prefill chunk's attention scores {human(fp.prefill_scratch(ctx))}"
             + (f", the {m} experts a step needs {human(m * fp.expert_held)}" if least else "")
             + f": at least {human(need)}"
         )

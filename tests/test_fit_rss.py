@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 # the child: load through `--memory`'s own path (lucy.actions.load_model), fill the planned
-# context in chunks (a server's prefill), one decode step, then its peak RSS (VmHWM: ru_maxrss
-# keeps the high-water mark of the forked parent across the exec, 597 MiB of pytest here)
-# and the plan
+# context with one prompt (forward runs it in PREFILL_CHUNK chunks), one decode step, then its
+# peak RSS (VmHWM: ru_maxrss keeps the high-water mark of the forked parent across the exec,
+# 597 MiB of pytest here) and the plan
 CHILD = """
 import json, sys
 from entity.fit import parse_size, plan
@@ -35,8 +35,7 @@ spec, memory, ctx, kv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] 
 got, _ = plan(spec, parse_size(memory), ctx, kv)
 model = actions.load_model(spec, kv_cache=kv, memory=memory, max_seq_len=ctx)
 ids = [(7 * i) % 1000 + 20 for i in range(got.ctx - 1)]
-for a in range(0, len(ids), 256):
-    model.forward(ids[a:a + 256])
+model.forward(ids)
 model.forward([5])
 status = open("/proc/self/status").read().split("VmHWM:")[1]
 peak = int(status.split()[0]) * 1024

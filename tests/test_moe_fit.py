@@ -85,7 +85,7 @@ def test_kv_bytes_are_the_caches_a_model_allocates(gguf, ctx):
 
 def test_a_run_under_the_plan_holds_what_it_planned(gguf):
     fp = footprint(describe(gguf))
-    memory = RUNTIME_BYTES + fp.dense + fp.kv_bytes(512) + 10 * fp.expert_held
+    memory = RUNTIME_BYTES + fp.dense + fp.run_bytes(512) + 10 * fp.expert_held
     got, _ = plan(gguf, memory, 512)
     assert got.ctx == 512 and got.total <= memory
     assert got.max_resident == 10 - fp.transient  # the decode step's top_k per layer on top
@@ -100,10 +100,10 @@ def test_a_run_under_the_plan_holds_what_it_planned(gguf):
 def test_plan_shrinks_the_default_context_or_refuses(gguf):
     fp = footprint(describe(gguf))
     base = RUNTIME_BYTES + fp.dense + 6 * fp.expert_held  # top_k 2 + the step's 2 x 3 layers...
-    got, _ = plan(gguf, base + 8 * fp.expert_held + fp.kv_bytes(1024))
+    got, _ = plan(gguf, base + 8 * fp.expert_held + fp.run_bytes(1024))
     assert 256 <= got.ctx < 2048  # the loader's default context did not fit
     with pytest.raises(UsageError, match=r"the KV cache at 2048 tokens .*: at least"):
-        plan(gguf, base + fp.kv_bytes(1024), ctx=2048)  # an asked-for context is kept
+        plan(gguf, base + fp.run_bytes(1024), ctx=2048)  # an asked-for context is kept
     assert plan(gguf, 1 << 40)[0].max_resident is None  # everything fits: no budget
 
 

@@ -36,7 +36,7 @@ def test_serve_memory_too_small_is_one_line(tiny):
 def test_serve_memory_sizes_the_context_and_the_kv_pool(tiny):
     fp_plan, fp = plan(tiny, 1 << 40, None)
     # room for the dense part and 512 positions of KV cache, not the model's 1024
-    memory = fp_plan.total - fp.kv_bytes(1024) + fp.kv_bytes(512)
+    memory = fp_plan.total - fp.run_bytes(1024) + fp.run_bytes(512)
     want = plan(tiny, memory)[0]
     assert want.ctx == 512 and want.total <= memory
     with running_server(tiny, "--memory", str(memory)) as (base, _):
