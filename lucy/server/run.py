@@ -40,6 +40,15 @@ def _server_class(banner: str):
         """uvicorn's server, minus re-raising the signal after a graceful shutdown (exit 0);
         prints ``banner`` once it listens."""
 
+        # asked on SIGINT/SIGTERM: True keeps serving (a TP server that lost a rank answers 503
+        # until it stops itself; mpiexec.gforker sends the others SIGINT when a rank dies)
+        hold_exit = None
+
+        def handle_exit(self, sig, frame):
+            if self.hold_exit is not None and self.hold_exit():
+                return
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.started:

@@ -1,13 +1,15 @@
 """`lucy serve --tp N`: one model over N MPI ranks behind one HTTP server.
 
-    mpiexec -disable-auto-cleanup -n 2 python -m mpi4py -m lucy serve MODEL --tp 2
+    mpiexec.gforker -n 2 python -m mpi4py -m lucy serve MODEL --tp 2   # one machine
+    mpiexec -disable-auto-cleanup -hosts a,b -n 2 python -m mpi4py -m lucy serve MODEL --tp 2
 
 Every rank loads its shard (lucy/tp_cli.py, as `lucy generate --tp`); rank 0 binds the port and
 runs the HTTP server and the scheduler, whose KV calls the other ranks mirror on their own KV
 heads (poly.serving.tpkv). A lost rank (killed, or silent past a collective's deadline) fails
 the requests in flight and every new one with a 503, and rank 0 ends the job `GRACE` seconds
-later (MPI_Abort: the other ranks go too). `-disable-auto-cleanup` keeps mpiexec from killing
-rank 0 the moment another rank dies, so that the clients get the 503 instead of a reset.
+later (MPI_Abort: the other ranks go too). mpiexec.gforker's SIGINT and SIGQUIT after a rank
+dies are held until then; hydra's `-disable-auto-cleanup` keeps it from killing rank 0 at once,
+but its proxy may still do so (docs/parallel.md), so the clients can see a reset instead.
 """
 
 from __future__ import annotations
@@ -106,7 +108,11 @@ def _lead(args, model, comm, sock) -> int:
 
     def on_server(server, state) -> None:
         held.update(server=server, state=state)
+        server.hold_exit = lambda: lead.rank_lost() is not None
 
+    # mpiexec.gforker follows its SIGINT with SIGQUIT when a rank dies: the lost-rank path ends
+    # the job itself (GRACE, then MPI_Abort with its one line)
+    signal.signal(signal.SIGQUIT, lambda *_: _quit_unless_lost(lead))
     try:
         code = run.run_app(args, model, sock, kv=lead, on_server=on_server)
     finally:
@@ -114,6 +120,12 @@ def _lead(args, model, comm, sock) -> int:
     if lead.lost is not None:
         _end_job(comm, lead.lost)
     return code
+
+
+def _quit_unless_lost(lead) -> None:
+    if lead.rank_lost() is None:  # SIGQUIT's own default: end the process
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGQUIT)
 
 
 def _on_lost(held: dict, comm, reason: str) -> None:

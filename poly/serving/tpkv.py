@@ -169,14 +169,18 @@ class LeadKV:
         if first and self.on_lost is not None:
             self.on_lost(self.lost)
 
-    def _watchdog(self) -> None:
-        while not self._stopped.wait(POLL):
-            if self.lost is not None:
-                return
+    def rank_lost(self) -> str | None:
+        """Look now for a dead rank on this machine -> why a rank is lost (None: none is)."""
+        if self.lost is None:
             dead = [r for r, (pid, local) in enumerate(self._peers) if r and local and _gone(pid)]
             if dead:
                 size = self.comm.size
                 self._lose(f"rank {dead[0]} of {size} (pid {self._peers[dead[0]][0]}) is gone")
+        return self.lost
+
+    def _watchdog(self) -> None:
+        while not self._stopped.wait(POLL):
+            if self.rank_lost() is not None:
                 return
             if time.monotonic() - self._last >= BEAT and self._lock.acquire(blocking=False):
                 try:
