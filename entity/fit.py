@@ -74,7 +74,7 @@ class Footprint:
     def prefill_scratch(self, ctx: int) -> int:
         """The float32 attention scores of one prefill chunk over `ctx` positions (the run's
         peak above the KV cache: 17 MiB of SmolLM2's at 1024)."""
-        from poly.model.transformer import PREFILL_CHUNK
+        from poly.model.prefill import PREFILL_CHUNK
 
         return 4 * self.heads * min(ctx, PREFILL_CHUNK) * ctx
 

@@ -9,7 +9,7 @@ import pytest
 
 import entity
 from poly.errors import ContextOverflowError
-from poly.model.transformer import PREFILL_CHUNK
+from poly.model.prefill import PREFILL_CHUNK
 from tests.hf_fixtures import hf_logits, make_tiny_checkpoint
 
 

@@ -8,9 +8,10 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from poly.config import TransformerConfig
-from poly.errors import DTypeError, GenerationError, InvalidTokenError, LayerConfigError
+from poly.errors import DTypeError, InvalidTokenError, LayerConfigError
 from poly.filesnapshot import keep_in_memory
 from poly.layer import LayerType, VolumetricLayer
+from poly.model import prefill
 from poly.model.block import build_block, is_recipe_block, norm_layer, run_block, slots
 from poly.model.hooks import need
 from poly.network import VolumetricNetwork
@@ -21,9 +22,6 @@ from poly.weights import Generations
 
 T = TypeVar("T")
 ACTIVATION_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-# a long prompt runs in chunks of this many tokens (as llama.cpp's ubatch): the attention
-# scores of a chunk are heads x chunk x context floats, not heads x context^2 (entity.fit)
-PREFILL_CHUNK = 512
 
 
 class Transformer(Generic[T]):
@@ -268,24 +266,8 @@ class Transformer(Generic[T]):
     def forward(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [V] (activation dtype) of the last of the new tokens. The runtime decides
         whether the fused step or the reference path runs (poly/runtime/dispatch.py). A prompt
-        longer than PREFILL_CHUNK runs in chunks; an error in one rolls the cache back."""
-        arr, step = self.check_ids(ids), need("forward")
-        if arr.size <= PREFILL_CHUNK:
-            return step(self, arr)
-        start = self.position
-        try:
-            for a in range(0, arr.size - PREFILL_CHUNK, PREFILL_CHUNK):
-                step(self, arr[a : a + PREFILL_CHUNK])
-            return step(self, arr[a + PREFILL_CHUNK :])
-        except BaseException:
-            self._roll_back(start)
-            raise
-
-    def _roll_back(self, n: int) -> None:
-        try:
-            self.truncate(n)
-        except GenerationError:  # a sliding window already dropped rows before n
-            self.reset()
+        longer than poly.model.prefill.PREFILL_CHUNK runs in chunks; an error in one rolls the cache back."""
+        return prefill.in_chunks(self, self.check_ids(ids), need("forward"))
 
     def forward_all(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [n, V] of every new token."""
