@@ -95,7 +95,10 @@ static void moe_route(const step_t *S, const moe_t *M, bufs_t *B) {
         s->cnt = row - s->row0;
         goff += s->cnt * 2 * M->ex[e].I; hoff += s->cnt * M->ex[e].I;
     }
-    prep(&B->P, B->mx, row * d, S->loom, q8_group(S, S->q8 != 0 ? 3 : 0));
+    /* the gathered rows' codes: pairs and per-256 (any expert's kind); never a prompt's panel
+     * codes (n 1: the experts' rows are gathered, not the step's n) */
+    B->P.grp = q8_group_n(S, 1, S->q8 != 0 ? 3 : 0);
+    prep(&B->P, B->mx, row * d, S->loom, B->P.grp);
 }
 
 /* gate|up rows [r0, r1) of expert X for the slot's rows, then SiLU(gate) * up into hid */
@@ -135,7 +138,7 @@ static void block_moe(const step_t *S, const layer_t *L, bufs_t *B, int tid, int
     for (int u = 0; u < B->nslots; u++) {
         const slot_t *s = &B->slots[u];
         px_t V = px_view(&B->P, B->mhid + s->hoff, s->hoff);
-        prep(&V, B->mhid + s->hoff, s->cnt * M->ex[s->e].I, S->loom, q8_group(S, S->q8 != 0 ? 3 : 0));
+        prep(&V, B->mhid + s->hoff, s->cnt * M->ex[s->e].I, S->loom, B->P.grp);
     }
     part(d, tid, nt, &r0, &r1);
     for (int u = 0; u < B->nslots; u++) {
