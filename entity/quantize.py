@@ -35,7 +35,11 @@ __all__ = ["Recipe", "Planner", "apply_recipe", "check_bpw", "calibration_chunks
 _T = GGMLType
 # --bpw candidates, small to large (K kinds only where the row is whole 256-blocks)
 CANDIDATES = (_T.IQ4_NL, _T.Q4_0, _T.Q4_K, _T.Q4_1, _T.Q5_0, _T.Q5_K, _T.Q5_1, _T.Q6_K, _T.Q8_0)
-FAST = (_T.Q4_0, _T.Q4_1, _T.Q8_0)  # the kinds the fused step's r16 kernels run (default q4)
+FAST = (
+    _T.Q4_0,
+    _T.Q4_1,
+    _T.Q8_0,
+)  # the kinds the fused step's interleave16 kernels run (default q4)
 SAMPLE_ROWS = 256  # rows per tensor whose error is measured (evenly spaced)
 SENS_TOKENS = 128  # calibration tokens the per-tensor KL is measured on
 CHUNK_TOKENS = 512
@@ -231,7 +235,7 @@ class Planner:
         return True
 
     def default(self, progress: Progress | None = None) -> Recipe:
-        """The default q4: the fast kinds (Q4_0, Q4_1, Q8_0: the r16 kernels of today's q4)
+        """The default q4: the fast kinds (Q4_0, Q4_1, Q8_0: the interleave16 kernels of today's q4)
         allocated within the matrix bytes of llama.cpp's Q4_0 recipe (Q4_0 blocks, Q8_0
         embeddings / LM head), the .entity header taken out of them: never larger than that
         file, the bytes moved to the tensors where the imatrix-weighted error is largest."""

@@ -16,7 +16,12 @@ import pytest
 from poly.runtime import ckernels, kernels, repack
 
 needs_c = pytest.mark.skipif(not ckernels.AVAILABLE, reason="no C kernels in this build")
-ONE_TIME = ("il16", "kil8", "kil8q6", "k16")  # what makes the fused step's copies
+ONE_TIME = (
+    "interleave16",
+    "kquant_interleave8",
+    "kquant_interleave8_q6",
+    "float_kmajor16",
+)  # what makes the fused step's copies
 
 
 @pytest.fixture

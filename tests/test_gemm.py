@@ -157,13 +157,13 @@ def test_softmax_causal_bad_inputs_raise():
 def test_a_long_prompt_on_the_repacked_rows_is_its_8_input_pieces(scheme, each_isa):
     """Past 8 inputs the rows go in blocks of groups (AVX-512: a block's records stay in L2 while
     every 8 inputs pass; k = 8192 makes 3 blocks of 160 rows): bit for bit the pieces' sums."""
-    if not ckernels.info().get("r16"):
+    if not ckernels.info().get("interleave16"):
         pytest.skip("no repacked rows in this build")
     rng = np.random.default_rng(8)
     m, k, n = 160, 8192, 20
     qt = MAKERS[scheme](rng.standard_normal((m, k)).astype(np.float32))
     kind, raw, aux = ckernels.operands(qt)
-    rp = repack.il16(kind, raw, m, k, aux)
+    rp = repack.interleave16(kind, raw, m, k, aux)
     x = ckernels.aligned(rng.standard_normal((n, k)).astype(np.float32))
     got, part = np.empty((n, m), np.float32), np.empty((8, m), np.float32)
     ckernels.EXT.gemm(kind, x, got, raw, aux, n, k, m, 0, ckernels.Q8_AUTO, rp)

@@ -1,6 +1,6 @@
 """A GGUF file's float q/k rows (llama.cpp's permuted order) laid out by 16 in the model's order
-straight from the file's mapping (poly.runtime.repack.k16_stored): no reordered copy in memory,
-the logits of transformers' model."""
+straight from the file's mapping (poly.runtime.repack.float_kmajor16_stored): no reordered copy
+in memory, the logits of transformers' model."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_permuted_float_rows_are_laid_out_without_a_copy(tmp_path, dtype, each_i
     comps = mha.plan(tf.attn(0)).comps
     wq, wk = comps["w_q"], comps["w_k"]
     kind = ckernels.F32 if dtype == np.float32 else ckernels.F16
-    laid = repack.k16_wanted(kind, 16)
+    laid = repack.float_kmajor16_wanted(kind, 16)
     assert (wq.order is not None) == laid and (wk.order is not None) == laid
     assert fused.plan(tf) is not None
     # laid out or not, float16 blocks count as F16 for the long prompts' fused calls at any width
@@ -49,5 +49,5 @@ def test_permuted_float_rows_are_laid_out_without_a_copy(tmp_path, dtype, each_i
     steps = np.stack([tf.forward([t]) for t in ids])
     np.testing.assert_allclose(steps, ref, atol=2e-4, rtol=0)
     if laid:  # read from the layout alone: the reordered copy was never made
-        assert wq._raw is None and wk._raw is None and wq.r16.shape == (4, 64, 16)
+        assert wq._raw is None and wk._raw is None and wq.repacked16.shape == (4, 64, 16)
         np.testing.assert_array_equal(wq.raw, wq.stored[wq.order])  # on demand, in order

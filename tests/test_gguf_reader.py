@@ -362,7 +362,8 @@ def _tiny_qwen2(tmp_path):
 
 def test_f32_matrices_kept_as_stored_leave_the_file_mapping(tmp_path):
     """keep_quantized float tensors are not read from the mapping's 4 KB pages every token: copied
-    to aligned memory, or laid out by 16 there by the plan (repack.k16); the logits do not change."""
+    to aligned memory, or laid out by 16 there by the plan (repack.float_kmajor16); the logits do
+    not change."""
     from entity.gguf.loader import load_gguf
     from poly.nn import swiglu
     from poly.runtime import ckernels, fused, repack
@@ -371,10 +372,10 @@ def test_f32_matrices_kept_as_stored_leave_the_file_mapping(tmp_path):
     kept, dense = load_gguf(path, keep_quantized=True), load_gguf(path, keep_quantized=False)
     w = swiglu.components(kept.mlp(0))["w_down"]
 
-    laid = repack.k16_wanted(ckernels.F32, w.shape[0])
+    laid = repack.float_kmajor16_wanted(ckernels.F32, w.shape[0])
     assert (repack._mapping(w.raw) is not None) == laid  # on the file's bytes (FileSnapshot)
     if laid:  # the plan's copy, aligned
-        assert fused.plan(kept) is not None and w.r16.ctypes.data % 64 == 0
+        assert fused.plan(kept) is not None and w.repacked16.ctypes.data % 64 == 0
     ids = [3, 17, 42, 5]
     np.testing.assert_allclose(kept.forward_all(ids), dense.forward_all(ids), atol=1e-5, rtol=0)
 

@@ -48,7 +48,12 @@ def _no_repacking(monkeypatch) -> None:
 
         return refuse
 
-    for name in ("_k16_make", "il16", "kil8", "kil8q6"):
+    for name in (
+        "_float_kmajor16_make",
+        "interleave16",
+        "kquant_interleave8",
+        "kquant_interleave8_q6",
+    ):
         monkeypatch.setattr(repack, name, refusing(getattr(repack, name)))
 
 
@@ -63,11 +68,15 @@ def tiny(tmp_path):
 
 @pytest.mark.parametrize("quant", ["f16", "q8"])
 def test_cached_entity_layouts_give_the_same_logits(home, tiny, tmp_path, monkeypatch, quant):
-    """float16 rows laid out by 16 k-major (k16), int8 rows by 16 (il16)."""
+    """float16 rows laid out by 16 k-major (float_kmajor16), int8 rows by 16 (interleave16)."""
     import entity
     from poly.runtime import ckernels
 
-    if not (ckernels.AVAILABLE and ckernels.EXT.info().get("k16") and ckernels.EXT.info()["r16"]):
+    if not (
+        ckernels.AVAILABLE
+        and ckernels.EXT.info().get("float_kmajor16")
+        and ckernels.EXT.info()["interleave16"]
+    ):
         pytest.skip("this build reads the stored rows (no repacked layouts)")
     path = tmp_path / f"m-{quant}.entity"
     entity.convert(str(tiny), str(path), quant=quant)
@@ -91,7 +100,7 @@ def test_cached_entity_layouts_give_the_same_logits(home, tiny, tmp_path, monkey
 def test_cached_q4_1_rows_give_the_same_logits(home, smollm2_gguf, monkeypatch):
     from poly.runtime import ckernels
 
-    if not (ckernels.AVAILABLE and ckernels.EXT.info().get("r16")):
+    if not (ckernels.AVAILABLE and ckernels.EXT.info().get("interleave16")):
         pytest.skip("no repacked rows in this build")
     monkeypatch.setenv("POLY_LAYOUT_CACHE", "0")
     off = _logits(smollm2_gguf)

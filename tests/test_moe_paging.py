@@ -96,8 +96,8 @@ def test_gguf_paged_experts_get_no_repacked_copies(ggufs):
     full = entity.load(ggufs["Q8_0"])
     paged = entity.load(ggufs["Q8_0"], max_resident_experts=2)
     assert fused.plan(paged) is not None  # the C decode step still runs
-    assert getattr(first_expert(paged), "r16", None) is None  # rows read from the file pages
-    if getattr(first_expert(full), "r16", None) is None:
+    assert getattr(first_expert(paged), "repacked16", None) is None  # rows read from the file pages
+    if getattr(first_expert(full), "repacked16", None) is None:
         pytest.skip("this build repacks no Q8_0 rows")
 
 

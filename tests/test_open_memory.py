@@ -96,7 +96,7 @@ def test_a_tied_q8_0_tables_lookups_read_its_copy_by_16_exactly():
     blocks[..., :2] = np.frombuffer(rng.uniform(-1, 1, m * k // 32).astype(np.float16).tobytes(),
                                     np.uint8).reshape(m, k // 32, 2)  # fmt: skip
     table = GGUFMatrix(blocks.reshape(m, -1), GGMLType.Q8_0, (m, k))
-    rp = repack.il16(ckernels.Q8_0, table.raw, m, k)
+    rp = repack.interleave16(ckernels.Q8_0, table.raw, m, k)
     if rp is None:
         pytest.skip("this build reads the stored rows")
     ids = np.array([0, 15, 16, 17, 63, 5, 5, 40])
@@ -114,7 +114,7 @@ def test_a_tied_int8_tables_lookups_read_its_copy_by_16_exactly():
 
     m, k = 64, 256
     table = CodedMatrix.encode(np.random.default_rng(1).standard_normal((m, k)), "int8")
-    rp = repack.il16(ckernels.I8, table.encoded.codes, m, k)
+    rp = repack.interleave16(ckernels.I8, table.encoded.codes, m, k)
     if rp is None:
         pytest.skip("this build reads the stored rows")
     ids = np.array([0, 15, 16, 17, 63, 5, 5, 40])

@@ -18,8 +18,8 @@ from poly.runtime import ckernels
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_TESTS = [
-    "tests/test_r16.py",
-    "tests/test_k16.py",
+    "tests/test_interleave16.py",
+    "tests/test_float_kmajor16.py",
     "tests/test_fused.py",
     "tests/test_serving_scheduler.py",
     "tests/test_native_smollm2.py",

@@ -30,8 +30,9 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 #else
     int omp = 0;
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads, "r16", PK_IL16, "k16", KM16_KINDS,
-                         "r8k", PK_KIL8, "r16p", PK_IL16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_auto(2));
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads,
+                         "interleave16", PK_IL16, "float_kmajor16", KM16_KINDS, "kquant_interleave8", PK_KIL8,
+                         "interleave16_panels", PK_IL16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_auto(2));
 }
 
 static PyMethodDef methods[] = {
@@ -43,7 +44,7 @@ static PyMethodDef methods[] = {
     {"rope", (PyCFunction)(void (*)(void))pk_py_rope, METH_FASTCALL, "rotate [n, heads, hd] in place (HF half split)"},
     {"silu_mul", (PyCFunction)(void (*)(void))pk_py_silu_mul, METH_FASTCALL, "out = silu(gate) * up from [n, 2I], or from gate and up"},
     {"act", (PyCFunction)(void (*)(void))pk_py_act, METH_FASTCALL, "the fused step's activations on vectors (csrc/decode/recipe.h)"},
-    {"k16", (PyCFunction)(void (*)(void))py_km16, METH_FASTCALL, "float16/float32 rows laid out by 16, k-major (csrc/formats/float_kmajor16.h)"},
+    {"float_kmajor16", (PyCFunction)(void (*)(void))py_km16, METH_FASTCALL, "float16/float32 rows laid out by 16, k-major (csrc/formats/float_kmajor16.h)"},
     {"set_threads", py_set_threads, METH_O, "threads for the parallel row loop"},
     {"info", py_info, METH_NOARGS, "build facts: simd, openmp, threads"},
     {NULL, NULL, 0, NULL},

@@ -158,15 +158,15 @@ done_w:
                     for (int64_t kk = c; kk < k && kk < c + 64; kk++) d[(g * k + kk) * 16 + r] = s[(g * 16 + r) * k + kk]; \
     } while (0)
 
-/* km16(src, dst, m, k, esz): rows [m, k] of esz-byte elements (2: float16, 4: float32) laid out by
+/* float_kmajor16(src, dst, m, k, esz) (py_km16): rows [m, k] of esz-byte elements (2: float16, 4: float32) laid out by
  * 16, k-major (csrc/formats/float_kmajor16.h), into dst */
 static PyObject *py_km16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "k16(src, dst, m, k, esz)"); return NULL; }
+    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "float_kmajor16(src, dst, m, k, esz)"); return NULL; }
     const int64_t m = PyLong_AsLongLong(args[2]), k = PyLong_AsLongLong(args[3]), esz = PyLong_AsLongLong(args[4]);
     if (PyErr_Occurred()) return NULL;
     if (m < 0 || m % 16 || k < 1 || (esz != 2 && esz != 4)) {
-        PyErr_SetString(PyExc_ValueError, "k16: rows a multiple of 16, elements of 2 or 4 bytes");
+        PyErr_SetString(PyExc_ValueError, "float_kmajor16: rows a multiple of 16, elements of 2 or 4 bytes");
         return NULL;
     }
     Py_buffer bs = {0}, bd = {0};

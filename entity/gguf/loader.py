@@ -151,7 +151,7 @@ class _Loader:
 
     def matrix(self, name: str, comp: str) -> Any:
         from poly.quant.qtensor import GGUFMatrix
-        from poly.runtime.repack import k16_stored
+        from poly.runtime.repack import float_kmajor16_stored
 
         info, order = self.gg.tensors[name], self.orders.get(comp)
         if not self.keep:
@@ -160,7 +160,9 @@ class _Loader:
         raw = self.gg.tensor_bytes(name)  # [out, row_bytes]
         if info.ggml_type in FLOAT_TYPES and _by16(info):  # laid out from the mapping
             w = GGUFMatrix(raw, info.ggml_type, info.shape, order)
-            k16_stored(w)  # permuted q/k rows now, in order (others when the plan is made)
+            float_kmajor16_stored(
+                w
+            )  # permuted q/k rows now, in order (others when the plan is made)
             return w
         if order is not None:
             stored, raw = raw, np.ascontiguousarray(raw[order])  # whole quantized rows reordered
@@ -208,12 +210,13 @@ FLOAT_TYPES = (0, 1, 30)  # ggml type ids of float32, float16, bfloat16
 
 
 def _by16(info) -> bool:
-    """float16/float32 rows the fused plan lays out by 16 (poly.runtime.repack.k16): left on the
-    file's mapping, whose pages the copy releases (read into memory first, they would be held twice)."""
+    """float16/float32 rows the fused plan lays out by 16 (poly.runtime.repack.float_kmajor16):
+    left on the file's mapping, whose pages the copy releases (read into memory first, they would
+    be held twice)."""
     from poly.runtime import ckernels, repack
 
     kind = {0: ckernels.F32, 1: ckernels.F16}.get(info.ggml_type)
-    return kind is not None and repack.k16_wanted(kind, int(info.shape[0]))
+    return kind is not None and repack.float_kmajor16_wanted(kind, int(info.shape[0]))
 
 
 def _on_huge_pages(gg: GGUFFile, name: str, raw: np.ndarray) -> np.ndarray:

@@ -74,7 +74,8 @@ def _config_digest(config) -> str:
 
 
 # The arrays that define a stored matrix (poly/quant/qtensor.py); not the copies made from them
-# on first use (repacked rows r16/r8k, GGUF's reordered _raw), which come and go.
+# on first use (repacked rows repacked16/kquant_interleave8, GGUF's reordered _raw), which come
+# and go.
 _DEFINING = ("array", "encoded", "codes", "scales", "zero", "packed", "stored", "order")
 
 

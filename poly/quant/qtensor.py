@@ -312,7 +312,7 @@ class GGUFMatrix(QTensor):
 
     `order` (optional): the rows of `raw` in this matrix's order (llama.cpp's q/k permutation),
     applied by a copy made when a path first reads `raw`; `stored` keeps the file's order (float
-    rows are laid out by 16 from it, `repack.k16_stored`, and never ask for the copy)."""
+    rows are laid out by 16 from it, `repack.float_kmajor16_stored`, and never ask for the copy)."""
 
     def __init__(self, raw: np.ndarray, ggml_type: int, shape, order: np.ndarray | None = None):
         try:

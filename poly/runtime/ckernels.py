@@ -16,7 +16,7 @@ integer dot products (maddubs/madd, or AVX-VNNI). Measured error vs the exact fl
 ~1e-4 of max|out| (tests/test_ckernels.py asserts <= 2e-3 with an outlier channel); ~1.7x
 faster for Q4_1 rows. The default, "auto", takes integer paths where they win, on one int8
 code per element for the K-quants, the repacked Q4_0 and Loom Q4 rows (x's rounding is the
-error, ~5e-3 of max|out| on Gaussian x; tests/test_k8.py, tests/test_r16_codes.py), on two for
+error, ~5e-3 of max|out| on Gaussian x; tests/test_k8.py, tests/test_interleave16_codes.py), on two for
 the other repacked rows (`set_act_q8`). False or POLY_ACT_Q8=0: the float path always.
 
 `AVAILABLE` is False when the extension was not built (no compiler at install time).
@@ -45,7 +45,8 @@ _MAIN = EXT  # the build chosen at import
 
 MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
 STEP_ROWS = 64  # rows of one fused step (csrc/decode/step.h STEP_MAX)
-K16: dict[int, np.ndarray] = {}  # id(f16/f32 array or QTensor) -> rows by 16 (repack.k16)
+# id(f16/f32 array or QTensor) -> its rows by 16, k-major (repack.float_kmajor16)
+FLOAT_KMAJOR16: dict[int, np.ndarray] = {}
 
 # kind ids of csrc/core/common.h (poly.quant.schemes); k8_kind, pq8_kind: formats/kquant_rows.h
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
@@ -76,7 +77,7 @@ def set_act_q8(on: bool | str) -> int:
     "auto" (the default) = integer paths where they win, on one int8 code per element like
     llama.cpp's for: the K-quants (Q2_K..Q6_K) in decode rows (csrc/formats/kquant_rows.h; in the fused step
     every row of a batched decode too) and prompts of 4 rows or more (csrc/formats/kquant_panels.h: int8
-    panels); the repacked Q4_0 and Loom Q4 rows, every row alike (csrc/formats/interleave16.h r16_x1; Q4_1,
+    panels); the repacked Q4_0 and Loom Q4 rows, every row alike (csrc/formats/interleave16.h il16_x1; Q4_1,
     Q8_0, int8 keep two); Q5_0/Q5_1/IQ4_NL/IQ4_XS decode rows (and every row of a batched
     decode, csrc/rows/int8_rows.h), their prompts on the float paths, but IQ4's on the int8 panels too;
     BF16 prompts of 4 rows or more on vdpbf16ps where the CPU has AVX512_BF16 (x rounded to
@@ -170,8 +171,9 @@ def operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
 
 def laid(qt) -> tuple | None:
     """(kind, stored rows, None) of a GGUF float matrix whose rows the file permutes, laid out by 16
-    in order (`repack.k16_stored`): read with its `r16` alone, never as the reordered `qt.raw`."""
-    if getattr(qt, "order", None) is not None and getattr(qt, "r16", None) is not None:
+    in order (`repack.float_kmajor16_stored`): read with its `repacked16` alone, never as the
+    reordered `qt.raw`."""
+    if getattr(qt, "order", None) is not None and getattr(qt, "repacked16", None) is not None:
         return GGUF_KINDS[qt.scheme], qt.stored, None
     return None
 
@@ -387,10 +389,11 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    rp = getattr(qt, "r16", K16.get(id(w)))  # the copy (fused_args.mat) read instead of w
+    # the copy (fused_args.mat) read instead of w
+    rp = getattr(qt, "repacked16", FLOAT_KMAJOR16.get(id(w)))
     tiles = kind in (F32, F16, BF16) and n <= MAX_N  # dense rows: the register tiles to MAX_N
     if n >= GEMM_ROWS and not tiles:  # Q4_K/Q6_K's copy by 8: gemm's int8 panels read it
-        EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _q8(w), getattr(qt, "r8k", rp))
+        EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _q8(w), getattr(qt, "kquant_interleave8", rp))
     else:  # as the fused step's rows: the repacked rows on x's int8 codes unless q8 is off
         EXT.matmul(kind, aligned(x2), dst, w, aux, n, k, m, _q8(w), rp)
     if dst is not res:

@@ -24,7 +24,9 @@ def mat(w, bias=None, by16: bool = True, copy: bool = True) -> tuple | None:
         kind = ckernels.DENSE_KINDS.get(w.dtype.name)
         if kind is None or w.ndim != 2 or not w.flags.c_contiguous:
             return None
-        hk = repack.k16(kind, w, w, *w.shape) if by16 else None  # rows by 16 (pk_k16.h)
+        hk = (
+            repack.float_kmajor16(kind, w, w, *w.shape) if by16 else None
+        )  # rows by 16 (float_kmajor16.h)
         return (kind, w, None, w.shape[0], w.shape[1], bias) + (() if hk is None else (hk,))
     ops = (ckernels.laid(w) or ckernels.operands(w)) if ckernels.AVAILABLE else None
     if ops is None:

@@ -32,7 +32,7 @@ import numpy as np
 from poly.filesnapshot import FileSnapshot
 from poly.weights import aligned_zeros
 
-VERSION = 1
+VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
 _HEAD = 64 << 10  # bytes of the model file hashed into its key
 DEFAULT_MAX_BYTES = 4 << 30

@@ -1,9 +1,9 @@
 """GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows regrouped 16 at a time for the fused step's integer row kernels
 (csrc/formats/interleave16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
 its row's lane and the block scale applies to 16 rows in one FMA. Made once per matrix when the
-fused plan is built (`fused_args.mat`, kept as the QTensor's `r16`); the stored rows' pages are then
+fused plan is built (`fused_args.mat`, kept as the QTensor's `repacked16`); the stored rows' pages are then
 released, and a prompt's GEMM dequantizes the copy. Float16/float32 rows mapped from a file are
-laid out by 16, k-major (`k16`, csrc/formats/float_kmajor16.h): the gemm panels' packed form."""
+laid out by 16, k-major (`float_kmajor16`, csrc/formats/float_kmajor16.h): the gemm panels' packed form."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import numpy as np
 from poly.runtime import ckernels, layout_cache, tied
 from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
-IL16_REC = 320  # bytes per 16 rows and 32-block of Q4_1 (formats/interleave16.h): stored size
-IL16_REC4 = 288  # Q4_0 and Loom Q4: D[16] float16 and the codes (M = -8 D in the tiles)
-IL16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes (the row scales stay)
-KIL8_REC = 1184  # bytes per 8 Q4_K rows and super-block (csrc/formats/kquant_interleave8.h)
-KIL8Q6_REC = 1680  # bytes per 8 Q6_K rows and super-block: the stored 8 x 210
+# bytes of one record: per 16 rows and 32-block (csrc/formats/interleave16.h), per 8 rows and
+# super-block (csrc/formats/kquant_interleave8.h)
+INTERLEAVE16_REC = 320  # Q4_1: D[16], M[16] float16 and the codes: the stored size
+INTERLEAVE16_REC4 = 288  # Q4_0 and Loom Q4: D[16] float16 and the codes (M = -8 D in the tiles)
+INTERLEAVE16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes
+KQUANT_INTERLEAVE8_REC = 1184  # Q4_K
+KQUANT_INTERLEAVE8_Q6_REC = 1680  # Q6_K: the stored 8 x 210
 
 
 def _mapping(arr: np.ndarray):
@@ -58,7 +60,7 @@ def release_mapped(arr: np.ndarray) -> None:
             b.madvise(mmap.MADV_DONTNEED, p0, p1 - p0)
 
 
-def il16(
+def interleave16(
     kind: int, raw: np.ndarray, m: int, k: int, aux: np.ndarray | None = None, owner=None
 ) -> np.ndarray | None:
     """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/formats/interleave16.h (the fused step's decode
@@ -70,12 +72,12 @@ def il16(
     read once here, they stay out of the resident set (a prompt's GEMM reads the copy). int8
     rows with a scale per row (.entity q8, kind I8: `raw` the [m, k] codes): S[16] and the
     codes alone (`_repack_i8`). Loom Q4 (.entity q4, `aux` its float32 block scales): Q4_0's
-    record, D[16] rounded to float16 (`_repack_loom`). float16/float32 rows: `k16` when `owner`
-    (the weight object the copy lives with) is given."""
+    record, D[16] rounded to float16 (`_repack_loom`). float16/float32 rows: `float_kmajor16`
+    when `owner` (the weight object the copy lives with) is given."""
     if kind in (F16, F32):
-        return None if owner is None else k16(kind, owner, raw, m, k)
+        return None if owner is None else float_kmajor16(kind, owner, raw, m, k)
     ok = kind in (Q4_0, Q4_1, Q8_0, I8, LOOM_Q4) and not (m % 16 or k % 32)
-    if not (ok and ckernels.AVAILABLE and ckernels.EXT.info().get("r16")):
+    if not (ok and ckernels.AVAILABLE and ckernels.EXT.info().get("interleave16")):
         return None
     if kind == I8:
         return _repack_i8(raw, m, k)
@@ -126,19 +128,20 @@ def _place_codes(out: np.ndarray, at: int, codes: np.ndarray) -> None:
 
 def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) -> np.ndarray | None:
     """The copy of `w`'s rows the fused step reads (`_mat`'s rp), made once per matrix and kept
-    on w: Q4_K/Q6_K rows by 8 (`w.r8k`: the decode rows and the prompt panels; not for experts,
-    by16 False), the other kinds by 16 (`w.r16`, which a prompt's GEMM reads too), or None."""
+    on w: Q4_K/Q6_K rows by 8 (`w.kquant_interleave8`: the decode rows and the prompt panels;
+    not for experts, by16 False), the other kinds by 16 (`w.repacked16`: interleave16 records, or
+    float_kmajor16 rows for float kinds; a prompt's GEMM reads it too), or None."""
     if kind in (Q4_K, Q6_K):
-        if not hasattr(w, "r8k"):
-            w.r8k = _cached(kind, data, m, k, aux) if by16 else None
-        return w.r8k
-    rp = getattr(w, "r16", None)
-    if rp is None and not hasattr(w, "r16"):
+        if not hasattr(w, "kquant_interleave8"):
+            w.kquant_interleave8 = _cached(kind, data, m, k, aux) if by16 else None
+        return w.kquant_interleave8
+    rp = getattr(w, "repacked16", None)
+    if rp is None and not hasattr(w, "repacked16"):
         if kind in (F16, F32) or not by16 or kind not in _RECORDS:
-            rp = il16(kind, data, m, k, aux, w if by16 else None)
+            rp = interleave16(kind, data, m, k, aux, w if by16 else None)
         else:
             rp = _cached(kind, data, m, k, aux)
-        w.r16 = rp
+        w.repacked16 = rp
         rows = None if rp is None else tied.records_rows(kind, rp, w, data, k)
         if rows is not None:  # a tied table's stored rows need not stay pinned
             tied.serve(w, rows)
@@ -147,26 +150,29 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
     return rp
 
 
-# (rows, columns, bytes) of one record of each kind's repacked rows (kil8, kil8q6, il16)
-_RECORDS = {Q4_K: (8, 256, KIL8_REC), Q6_K: (8, 256, KIL8Q6_REC), Q4_0: (16, 32, IL16_REC4),
-            LOOM_Q4: (16, 32, IL16_REC4), Q4_1: (16, 32, IL16_REC), Q8_0: (16, 32, 576),
-            I8: (16, 32, IL16_REC_I8)}  # fmt: skip
+# (rows, columns, bytes) of one record of each kind's repacked rows (kquant_interleave8,
+# kquant_interleave8_q6, interleave16)
+_RECORDS = {Q4_K: (8, 256, KQUANT_INTERLEAVE8_REC), Q6_K: (8, 256, KQUANT_INTERLEAVE8_Q6_REC),
+            Q4_0: (16, 32, INTERLEAVE16_REC4), LOOM_Q4: (16, 32, INTERLEAVE16_REC4),
+            Q4_1: (16, 32, INTERLEAVE16_REC), Q8_0: (16, 32, 576),
+            I8: (16, 32, INTERLEAVE16_REC_I8)}  # fmt: skip
 
 
 def _cached(kind: int, data: np.ndarray, m: int, k: int, aux) -> np.ndarray | None:
-    """The repacked rows of `kind` (kil8, kil8q6 or il16), read from the layout cache when a
-    process made them before (`layout_cache`), else made and written there."""
+    """The repacked rows of `kind` (kquant_interleave8, kquant_interleave8_q6 or interleave16),
+    read from the layout cache when a process made them before (`layout_cache`), else made and
+    written there."""
     rows, cols, rec = _RECORDS[kind]
-    name = f"r{rows}-{kind}"
+    name = f"{'kquant_interleave8' if rows == 8 else 'interleave16'}-{kind}"  # the file's layout
     if not (m % rows or k % cols):
         got = layout_cache.load(data, name, (m // rows, k // cols, rec), np.uint8)
         if got is not None:
             release_mapped(data)  # as the repackers do: the copy serves, the stored rows leave
             return got
     if kind in (Q4_K, Q6_K):
-        out = (kil8 if kind == Q4_K else kil8q6)(data, m, k)
+        out = (kquant_interleave8 if kind == Q4_K else kquant_interleave8_q6)(data, m, k)
     else:
-        out = il16(kind, data, m, k, aux)
+        out = interleave16(kind, data, m, k, aux)
     if out is not None:
         layout_cache.store(data, name, out)
     return out
@@ -174,10 +180,14 @@ def _cached(kind: int, data: np.ndarray, m: int, k: int, aux) -> np.ndarray | No
 
 def _by8(m: int, k: int) -> bool:
     """Whether this build reads [m, k] K-quant rows by 8 (csrc/formats/kquant_interleave8.h)."""
-    return not (m % 8 or k % 256) and ckernels.AVAILABLE and bool(ckernels.EXT.info().get("r8k"))
+    return (
+        not (m % 8 or k % 256)
+        and ckernels.AVAILABLE
+        and bool(ckernels.EXT.info().get("kquant_interleave8"))
+    )
 
 
-def kil8(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+def kquant_interleave8(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     """GGUF Q4_K rows [m, k] regrouped 8 at a time for csrc/formats/kquant_interleave8.h (the auto mode's decode
     rows, one vector lane per row), or None where this build or shape takes none. Per 8 rows and
     super-block: D[8], Dmin[8] as float16, the 6-bit scales (byte 8 j + r) and mins (byte 16 i +
@@ -189,7 +199,7 @@ def kil8(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
         return None
     g, ns = m // 8, k // 256
     blocks = np.asarray(raw).reshape(g, 8, ns, 144)  # the stored bytes [group, row, sb, block]
-    out = np.empty((g, ns, KIL8_REC), dtype=np.uint8)
+    out = np.empty((g, ns, KQUANT_INTERLEAVE8_REC), dtype=np.uint8)
     for j, lo in enumerate((0, 2)):  # D, Dmin: [g, 8, ns, 2] -> [g, ns, 8 rows, 2]
         half = blocks[..., lo : lo + 2]
         out[..., 16 * j : 16 * j + 16].reshape(g, ns, 8, 2)[...] = half.transpose(0, 2, 1, 3)
@@ -208,19 +218,19 @@ def kil8(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     return out
 
 
-def kil8q6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+def kquant_interleave8_q6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     """GGUF Q6_K rows [m, k] regrouped 8 at a time for csrc/formats/kquant_interleave8.h (the auto mode's decode
     rows and the prompt panels), or None where this build or shape takes none. Per 8 rows and
     super-block: D[8] as float16, the int8 scales (byte 16 i + 2 r + e: 16-group 2 i + e of row
     r), then the 6-bit codes in natural order, three vectors per 16-group j: byte 4 r + b of
     vector 3 j + k holds the code of element 16 j + 4 k + b in bits 0-5 and bits 4 - 2 k,
     5 - 2 k of the code of element 16 j + 12 + b in bits 6-7. As many bytes as stored. The
-    stored rows' pages are released as kil8's."""
+    stored rows' pages are released as kquant_interleave8's."""
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
     blocks = np.asarray(raw).reshape(g, 8, ns, 210)  # the stored bytes [group, row, sb, block]
-    out = np.empty((g, ns, KIL8Q6_REC), dtype=np.uint8)
+    out = np.empty((g, ns, KQUANT_INTERLEAVE8_Q6_REC), dtype=np.uint8)
     d = blocks[..., 208:210]  # [g, row, ns, 2] -> [g, ns, row, 2]
     out[..., 0:16].reshape(g, ns, 8, 2)[...] = d.transpose(0, 2, 1, 3)
     sc = blocks[..., 192:208].reshape(g, 8, ns, 8, 2)  # [g, row, ns, i, e]
@@ -252,7 +262,7 @@ def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
     4 q + i of row r's block (Q8_0's record without its scales: those are per row)."""
     g, nb = m // 16, k // 32
     c = np.asarray(codes).view(np.uint8).reshape(m, nb, 32)  # [m, nb, 32]
-    out = np.empty((g, nb, IL16_REC_I8), dtype=np.uint8)
+    out = np.empty((g, nb, INTERLEAVE16_REC_I8), dtype=np.uint8)
     sums = c.view(np.int8).sum(axis=-1, dtype=np.int16)  # [m, nb]
     _place_fields(out, 0, sums)
     _place_codes(out, 32, c)
@@ -267,7 +277,7 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
     M = -8 D. Why float16: the decode rows read 288 bytes a block, not 320 (1B .entity q4
     decode +12 % on Zen 3). Its rounding (2^-12 relative at most) is far below the 4-bit codes'
     own and the auto mode's one code of x (1/254); with q8 on (two codes of x) it is the larger
-    error, within 6e-4 of the float rows (tests/test_r16.py). A prompt's GEMM reads the stored
+    error, within 6e-4 of the float rows (tests/test_interleave16.py). A prompt's GEMM reads the stored
     float32 scales (csrc/formats/interleave16_panels.h). None where a scale overflows float16 (the float
     kernels then take the stored rows)."""
     g, nb = m // 16, k // 32
@@ -281,21 +291,21 @@ def _repack_loom(packed: np.ndarray, scales: np.ndarray, m: int, k: int) -> np.n
     u[..., 1::2] = p >> 4
     u ^= 8
     q = u[..., :16] | (u[..., 16:] << 4)  # [m, nb, 16] as Q4_0 stores them
-    out = np.empty((g, nb, IL16_REC4), dtype=np.uint8)
+    out = np.empty((g, nb, INTERLEAVE16_REC4), dtype=np.uint8)
     _place_fields(out, 0, d16.reshape(m, nb))
     _place_codes(out, 32, q)
     release_mapped(packed)
     return out
 
 
-def k16_wanted(kind: int, m: int) -> bool:
+def float_kmajor16_wanted(kind: int, m: int) -> bool:
     """Whether this build lays [m, k] rows of `kind` out by 16, k-major: float32 on the SIMD
-    builds and float16 too (info()["k16"]: the kinds as bits)."""
-    laid = ckernels.EXT.info().get("k16", 0) if ckernels.AVAILABLE else 0
+    builds and float16 too (info()["float_kmajor16"]: the kinds as bits)."""
+    laid = ckernels.EXT.info().get("float_kmajor16", 0) if ckernels.AVAILABLE else 0
     return kind in (F16, F32) and m % 16 == 0 and bool(laid >> kind & 1)
 
 
-def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray | None:
+def float_kmajor16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray | None:
     """float16/float32 rows [m, k] as [m / 16, k, 16] (group g: rows 16 g .. 16 g + 15, k-major)
     for csrc/formats/float_kmajor16.h, made once per array, or None where the build or shape takes none or `raw`
     is not mapped from a file (a copy would double the resident weights). The mapped pages are
@@ -303,29 +313,29 @@ def k16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) -> np.ndarray
     reads the rows. `w`: the weight object the copy lives with (the array, or its QTensor);
     `order` (optional): row i of the layout is stored row order[i] (a GGUF file's q/k rows)."""
     key = id(w)
-    got = ckernels.K16.get(key)
-    if got is not None or not k16_wanted(kind, m) or _mapping(raw) is None:
+    got = ckernels.FLOAT_KMAJOR16.get(key)
+    if got is not None or not float_kmajor16_wanted(kind, m) or _mapping(raw) is None:
         return got
     el = np.uint32 if kind == F32 else np.uint16  # the elements' bits, moved as they are
     table = isinstance(w, np.ndarray) and order is None and w.shape == (m, k)  # a float table
     if table:  # its rows leave as the copy is made (a first open: not the table twice at once)
         tied.unpin(_mapping(w), w)
     extra = b"" if order is None else np.asarray(order).tobytes()
-    out = layout_cache.load(raw, "k16", (m // 16, k, 16), el, extra)
+    out = layout_cache.load(raw, "float_kmajor16", (m // 16, k, 16), el, extra)
     if out is not None:
         release_mapped(raw)
     else:
-        out = _k16_make(raw, el, m, k, order)
-        layout_cache.store(raw, "k16", out, extra)
-    ckernels.K16[key] = out
-    weakref.finalize(w, ckernels.K16.pop, key, None)
+        out = _float_kmajor16_make(raw, el, m, k, order)
+        layout_cache.store(raw, "float_kmajor16", out, extra)
+    ckernels.FLOAT_KMAJOR16[key] = out
+    weakref.finalize(w, ckernels.FLOAT_KMAJOR16.pop, key, None)
     if table:  # its lookups read the copy from now on (`poly.nn.embedding.laid_rows`)
         tied.serve(w, tied.float_rows(out, w.dtype))
         release_mapped(w)
     return out
 
 
-def _k16_make(raw: np.ndarray, el, m: int, k: int, order) -> np.ndarray:
+def _float_kmajor16_make(raw: np.ndarray, el, m: int, k: int, order) -> np.ndarray:
     from poly.weights import aligned_zeros
 
     out = aligned_zeros(m * k, el).reshape(m // 16, k, 16)  # [g, k, 16]
@@ -334,18 +344,20 @@ def _k16_make(raw: np.ndarray, el, m: int, k: int, order) -> np.ndarray:
     for r in range(0, m, step):
         rows = slice(r, r + step) if order is None else order[r : r + step]
         piece = src[rows]  # [rows, k]: a view, or the rows gathered in order
-        ckernels.EXT.k16(piece, out[r // 16 : (r + step) // 16], len(piece), k, el().nbytes)
+        ckernels.EXT.float_kmajor16(
+            piece, out[r // 16 : (r + step) // 16], len(piece), k, el().nbytes
+        )
         release_mapped(piece if order is None else src[rows.min() : rows.max() + 1])
     return out
 
 
-def k16_stored(w) -> np.ndarray | None:
-    """`w.r16`: a GGUF float matrix whose file permutes its rows (`GGUFMatrix.order`: llama.cpp's
-    q/k) laid out by 16 in the matrix's order straight from the file's mapping (at load), so the
-    reordered copy (`w.raw`) is never made: the C side reads the layout alone (csrc/decode/matrix.h:
-    hk; `ckernels.laid`). None where the build or shape takes none."""
+def float_kmajor16_stored(w) -> np.ndarray | None:
+    """`w.repacked16`: a GGUF float matrix whose file permutes its rows (`GGUFMatrix.order`:
+    llama.cpp's q/k) laid out by 16 in the matrix's order straight from the file's mapping (at
+    load), so the reordered copy (`w.raw`) is never made: the C side reads the layout alone
+    (csrc/decode/matrix.h: hk; `ckernels.laid`). None where the build or shape takes none."""
     kind = ckernels.GGUF_KINDS.get(w.scheme)
     if w.order is None or kind not in (F16, F32):
         return None
-    w.r16 = k16(kind, w, w.stored, int(w.shape[0]), int(w.shape[1]), w.order)
-    return w.r16
+    w.repacked16 = float_kmajor16(kind, w, w.stored, int(w.shape[0]), int(w.shape[1]), w.order)
+    return w.repacked16

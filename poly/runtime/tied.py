@@ -1,7 +1,7 @@
 """A tied table's lookups read its LM head's repacked copy (issue 62: the largest matrix held
 once, not twice). The copy's rows are put back together per lookup: float rows by 16, k-major
-(`repack.k16`: the same bits), Q8_0 records by 16 (`repack.il16`: each row's blocks, decoded
-as the stored rows are) and int8 records (`.entity` q8, decoded with the rows' own scales).
+(`repack.float_kmajor16`: the same bits), Q8_0 records by 16 (`repack.interleave16`: each
+row's blocks, decoded as the stored rows are) and int8 records (`.entity` q8, decoded with the rows' own scales).
 The table's own rows, pinned for its lookups until then, go back to the file."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the kernel against the float rows, and a sequence's logits the same decoded alon
 
 The repacked rows are the fused step's path on the SIMD builds (AVX-512 VNNI, and the 8-lane
 tile of csrc/formats/interleave16_avx2.h elsewhere; the default "auto" q8 mode); on the portable build
-`il16` returns None and only the layout tests run.
+`interleave16` returns None and only the layout tests run.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from tests.test_ckernels import MAKERS
 from tests.test_fused import quantize_all, tiny_cfg
 from tests.tiny_model import random_transformer
 
-R16 = ckernels.AVAILABLE and bool(ckernels.info().get("r16"))
-needs_r16 = pytest.mark.skipif(not R16, reason="the repacked rows need a SIMD build")
+INTERLEAVE16 = ckernels.AVAILABLE and bool(ckernels.info().get("interleave16"))
+needs_interleave16 = pytest.mark.skipif(
+    not INTERLEAVE16, reason="the repacked rows need a SIMD build"
+)
 
 
 @pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1"])
@@ -32,14 +34,17 @@ def test_repacked_record_holds_each_rows_scales_and_codes(scheme, monkeypatch):
     qt = MAKERS[scheme](rng.standard_normal((48, 96)).astype(np.float32))
     kind, raw, _ = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))  # the layout on every build
-    rp = repack.il16(kind, raw, 48, 96)
+    rp = repack.interleave16(kind, raw, 48, 96)
     q4_1 = scheme == "gguf_q4_1"
     assert rp.shape == (
         3,
         3,
-        repack.IL16_REC if q4_1 else repack.IL16_REC4,
+        repack.INTERLEAVE16_REC if q4_1 else repack.INTERLEAVE16_REC4,
     )  # [groups, blocks, record]
-    assert (repack.IL16_REC, repack.IL16_REC4) == (320, 288)  # the stored sizes of 16 rows' blocks
+    assert (repack.INTERLEAVE16_REC, repack.INTERLEAVE16_REC4) == (
+        320,
+        288,
+    )  # the stored sizes of 16 rows' blocks
     d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
     mn = rp[..., 32:64].copy().view(np.float16).astype(np.float32) if q4_1 else -8.0 * d
     co = 64 if q4_1 else 32  # where the code vectors start
@@ -52,13 +57,13 @@ def test_repacked_record_holds_each_rows_scales_and_codes(scheme, monkeypatch):
 
 
 class _FakeExt:
-    """The build's module with r16 reported on (the layout is plain numpy)."""
+    """The build's module with interleave16 reported on (the layout is plain numpy)."""
 
     def __init__(self, ext):
         self._ext = ext
 
     def info(self):
-        return {**self._ext.info(), "r16": 1}
+        return {**self._ext.info(), "interleave16": 1}
 
     def __getattr__(self, name):
         return getattr(self._ext, name)
@@ -76,7 +81,7 @@ def test_release_mapped_keeps_the_bytes(tmp_path):
     repack.release_mapped(np.zeros(10))  # not a mapping: nothing to do
 
 
-def r16_model(scheme: str, seed: int = 11):
+def interleave16_model(scheme: str, seed: int = 11):
     tf = random_transformer(tiny_cfg(hidden=64, inter=96), seed=seed)
     if scheme != "float32":
         quantize_all(tf, scheme)
@@ -91,10 +96,10 @@ def decode_steps(tf, prompts, steps):
     return [forward_batch(tf, [[s[j]] for s in steps], states) for j in range(len(steps[0]))]
 
 
-@needs_r16
+@needs_interleave16
 @pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1"])
 def test_repacked_rows_stay_close_to_the_float_rows(scheme, float_path):
-    tf = r16_model(scheme)
+    tf = interleave16_model(scheme)
     p = fused.plan(tf)
     assert len(p.layers[0][10]) == 7, "the O projection was not repacked"
     prompts, steps = [[1, 2, 3], [4, 5]], [[20, 21], [30, 31]]
@@ -113,14 +118,14 @@ def test_repacked_rows_stay_close_to_the_float_rows(scheme, float_path):
             np.testing.assert_array_equal(g, t)  # Q4_1 keeps both codes in the auto mode
 
 
-@needs_r16
+@needs_interleave16
 @pytest.mark.parametrize("scheme", ["gguf_q4_1", "gguf_q8_0", "int8", "loom_q4"])
 def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
     """Bit for bit, in the default mode: one sequence's logits alone, and as row 0 of batches
     of 2, 5 and 9 rows (the server's promise: concurrent greedy output equals solo). The LM head
     quantized too (Q8_0, 120 rows: not repacked, the tiles' sums): a float32 head keeps
     `dense_dot`'s four chains for one input, which differ from a batch's in the last bits."""
-    tf = r16_model(scheme)
+    tf = interleave16_model(scheme)
     tf.lm_head = MAKERS["gguf_q8_0"](np.ascontiguousarray(tf.lm_head, dtype=np.float32))
     prompt, toks = [5, 6, 7], [40, 41, 42]
     alone = decode_steps(tf, [prompt], [toks])
@@ -131,22 +136,22 @@ def test_a_sequence_decodes_the_same_alone_and_batched(scheme):
             np.testing.assert_array_equal(g[0], a[0])
 
 
-@needs_r16
+@needs_interleave16
 def test_a_prompts_gemm_reads_the_repacked_copy_bit_for_bit(monkeypatch, float_path):
     """Prompts past 16 rows run the float GEMM (q8 off; in the auto mode SIMD builds take the
     repacked rows below), which dequantizes the repacked copy (the stored rows stay released):
     the same logits as from the stored rows."""
     prompt = list(range(1, 25))
-    tf = r16_model("gguf_q4_1")
+    tf = interleave16_model("gguf_q4_1")
     assert len(fused.plan(tf).layers[0][10]) == 7
     got = tf.forward(prompt)
-    monkeypatch.setattr(repack, "il16", lambda *a: None)
-    ref_model = r16_model("gguf_q4_1")  # the same weights, no copy: the stored rows
+    monkeypatch.setattr(repack, "interleave16", lambda *a: None)
+    ref_model = interleave16_model("gguf_q4_1")  # the same weights, no copy: the stored rows
     assert len(fused.plan(ref_model).layers[0][10]) == 6
     np.testing.assert_array_equal(got, ref_model.forward(prompt))
 
 
-@needs_r16
+@needs_interleave16
 @pytest.mark.parametrize("scheme", ["gguf_q4_0", "int8", "loom_q4"])
 def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit(scheme, float_path):
     rng = np.random.default_rng(5)
@@ -155,11 +160,11 @@ def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit(scheme, float_path)
     ref = np.empty((20, 48), np.float32)
     ckernels.kernel(qt, x, ref)  # the stored rows
     kind, raw, aux = ckernels.operands(qt)
-    qt.r16 = repack.il16(kind, raw, 48, 96, aux)
+    qt.repacked16 = repack.interleave16(kind, raw, 48, 96, aux)
     got = np.empty_like(ref)
     ckernels.kernel(qt, x, got)
     np.testing.assert_array_equal(got, ref)
-    qt.r16 = np.zeros_like(qt.r16)  # and the copy is what it reads
+    qt.repacked16 = np.zeros_like(qt.repacked16)  # and the copy is what it reads
     ckernels.kernel(qt, x, got)
     assert not np.array_equal(got, ref)
 
@@ -169,7 +174,7 @@ def test_repacked_q8_0_record_holds_scales_code_sums_and_codes(monkeypatch):
     qt = MAKERS["gguf_q8_0"](rng.standard_normal((32, 64)).astype(np.float32))
     kind, raw, _ = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
-    rp = repack.il16(kind, raw, 32, 64)
+    rp = repack.interleave16(kind, raw, 32, 64)
     assert rp.shape == (2, 2, 576)  # [groups, blocks, D + S + 8 x 64 codes]
     d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
     s = rp[..., 32:64].copy().view(np.int16)
@@ -187,8 +192,8 @@ def test_repacked_int8_record_holds_code_sums_and_codes(monkeypatch):
     qt = MAKERS["int8"](rng.standard_normal((32, 64)).astype(np.float32))
     kind, codes, scales = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
-    rp = repack.il16(kind, codes, 32, 64)
-    assert rp.shape == (2, 2, repack.IL16_REC_I8)  # [groups, blocks, S + 8 x 64 codes]
+    rp = repack.interleave16(kind, codes, 32, 64)
+    assert rp.shape == (2, 2, repack.INTERLEAVE16_REC_I8)  # [groups, blocks, S + 8 x 64 codes]
     s = rp[..., 0:32].copy().view(np.int16)  # [g, b, 16]
     got = rp[..., 32:].copy().view(np.int8).reshape(2, 2, 8, 16, 4)  # [g, b, q, row, i]
     got = got.transpose(0, 3, 1, 2, 4).reshape(32, 64)  # [row, element]
@@ -207,13 +212,13 @@ def _float_rows(fn, *args):
         ckernels.set_act_q8("auto")
 
 
-@needs_r16
+@needs_interleave16
 def test_a_fused_prompt_stays_within_its_codes_error(each_isa):
     """A 12-token prompt through the fused step, auto mode: the repacked rows on x's two codes
     (1e-4 of the float path), the same numbers run twice."""
-    if not ckernels.info().get("r16"):
+    if not ckernels.info().get("interleave16"):
         pytest.skip("no repacked rows in this build")
-    tf = r16_model("gguf_q4_1")
+    tf = interleave16_model("gguf_q4_1")
     prompt = list(range(3, 15))  # 12 rows: the prompt tile on 8 lanes (the gemm from 9 there)
 
     def run():
@@ -226,16 +231,18 @@ def test_a_fused_prompt_stays_within_its_codes_error(each_isa):
     assert 0 < err <= 2e-4
 
 
-@needs_r16
+@needs_interleave16
 def test_loom_q4_rows_are_repacked_and_take_x_codes(each_isa):
     """.entity q4 (Loom Q4) matrices are repacked as Q4_0 (the block scales rounded to float16):
     decode and prompt rows on x's int8 codes (q8 on, two codes: within 6e-4 of the float rows,
     the scales' rounding, 2^-12 relative at most, above x's codes' 1e-5; the auto mode, one code
     as Q4_0: within 2e-2, not equal), a sequence's logits the same alone and batched, and a
     prompt's rows alike alone and in company."""
-    if not ckernels.info().get("r16"):
+    if not ckernels.info().get("interleave16"):
         pytest.skip("no repacked rows in this build")
-    tf = r16_model("loom_q4")  # a quantized head too: a float32 one differs alone in the last bits
+    tf = interleave16_model(
+        "loom_q4"
+    )  # a quantized head too: a float32 one differs alone in the last bits
     tf.lm_head = MAKERS["gguf_q8_0"](np.ascontiguousarray(tf.lm_head, dtype=np.float32))
     assert len(fused.plan(tf).layers[0][10]) == 7, "the O projection was not repacked"
     prompts, steps = [[1, 2, 3], [4, 5]], [[20, 21], [30, 31]]
@@ -263,8 +270,8 @@ def test_repacked_loom_record_holds_float16_scales_and_q4_0_codes(monkeypatch):
     qt = MAKERS["loom_q4"](rng.standard_normal((32, 64)).astype(np.float32))
     kind, packed, scales = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
-    rp = repack.il16(kind, packed, 32, 64, scales)
-    assert rp.shape == (2, 2, repack.IL16_REC4)
+    rp = repack.interleave16(kind, packed, 32, 64, scales)
+    assert rp.shape == (2, 2, repack.INTERLEAVE16_REC4)
     d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
     s = np.asarray(scales, dtype=np.float32).reshape(32, 2)  # [row, b]
     np.testing.assert_array_equal(d.transpose(0, 2, 1).reshape(32, 2), s.astype(np.float16))
@@ -284,5 +291,5 @@ def test_repacked_loom_takes_the_stored_rows_when_a_scale_overflows_float16(monk
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
     big = np.array(scales, dtype=np.float32, copy=True)
     big.flat[7] = 7.0e4  # past float16's 65,504
-    assert repack.il16(kind, packed, 32, 64, big) is None
-    assert repack.il16(kind, packed, 32, 64, scales) is not None
+    assert repack.interleave16(kind, packed, 32, 64, big) is None
+    assert repack.interleave16(kind, packed, 32, 64, scales) is not None

@@ -1,6 +1,6 @@
 """x's int8 codes on the rows repacked by 16 (csrc/formats/interleave16.h, formats/interleave16_avx2.h): every build's tile
 gives the same bits, exact on a code grid, within two codes' 1e-4 of the float rows (q8 on; Q4_1,
-Q8_0 and int8 in the auto mode too) or, the auto mode's Q4_0 and Loom Q4 (r16_x1), exactly the
+Q8_0 and int8 in the auto mode too) or, the auto mode's Q4_0 and Loom Q4 (il16_x1), exactly the
 weights times x's first code, with the offsets on the codes' own sums.
 """
 
@@ -11,21 +11,21 @@ import pytest
 
 from poly.runtime import ckernels, fused, repack
 from tests.test_ckernels import MAKERS
-from tests.test_r16 import needs_r16, r16_model
+from tests.test_interleave16 import interleave16_model, needs_interleave16
 
 
-def _r16_builds() -> list[str]:
+def _interleave16_builds() -> list[str]:
     """The instruction-set builds here that read the repacked rows (avx2, avx512)."""
     got = []
     for isa in ckernels.isas():
         old = ckernels.use_isa(isa)
-        if ckernels.info().get("r16"):
+        if ckernels.info().get("interleave16"):
             got.append(isa)
         ckernels.use_isa(old)
     return got
 
 
-def _r16_matmul(qt, x, rp, q8=None):
+def _interleave16_matmul(qt, x, rp, q8=None):
     """The rows' tile: two codes of x with q8 on (the default here), the auto mode's one code
     of x for the Q4 kinds."""
     kind, raw, aux = ckernels.operands(qt)
@@ -60,7 +60,7 @@ def _held(qt, scheme: str) -> np.ndarray:
     return (codes * s.astype(np.float16).astype(np.float64)).reshape(m, k)
 
 
-@needs_r16
+@needs_interleave16
 @pytest.mark.parametrize("mode", ["on", "auto"])
 @pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8", "loom_q4"])
 def test_the_repacked_rows_give_the_same_bits_on_every_build(scheme, mode):
@@ -71,17 +71,19 @@ def test_the_repacked_rows_give_the_same_bits_on_every_build(scheme, mode):
     rng = np.random.default_rng(8)
     qt = MAKERS[scheme](rng.standard_normal((80, 256)).astype(np.float32))
     kind, raw, aux = ckernels.operands(qt)
-    rp = repack.il16(kind, raw, 80, 256, aux)
+    rp = repack.interleave16(kind, raw, 80, 256, aux)
     x = ckernels.aligned(rng.standard_normal((11, 256)).astype(np.float32))
     wf = _held(qt, scheme)
     ref = x.astype(np.float64) @ wf.T
     q8 = ckernels.Q8_AUTO if mode == "auto" else ckernels.Q8_ON
-    builds = _r16_builds()
+    builds = _interleave16_builds()
     got = {}
     for isa in builds:
         old = ckernels.use_isa(isa)
         try:
-            got[isa] = [_r16_matmul(qt, np.ascontiguousarray(x[:n]), rp, q8) for n in (1, 5, 11)]
+            got[isa] = [
+                _interleave16_matmul(qt, np.ascontiguousarray(x[:n]), rp, q8) for n in (1, 5, 11)
+            ]
         finally:
             ckernels.use_isa(old)
     first = got[builds[0]]
@@ -100,21 +102,21 @@ def test_the_repacked_rows_give_the_same_bits_on_every_build(scheme, mode):
         assert 0 < err <= 2e-4 * scale
 
 
-@needs_r16
+@needs_interleave16
 def test_q8_0_codes_of_minus_128_multiply_exactly(each_isa):
     """-128 is a valid Q8_0 code (llama.cpp's quantizer never writes it; other tools may): the
     AVX2 tile takes |w| as the unsigned side, where -128 reads as 128, so the sums stay exact."""
-    if not ckernels.info().get("r16"):
+    if not ckernels.info().get("interleave16"):
         pytest.skip("no repacked rows in this build")
     rng = np.random.default_rng(9)
     qt = MAKERS["gguf_q8_0"](rng.standard_normal((16, 64)).astype(np.float32))
     kind, raw, _ = ckernels.operands(qt)
     blocks = raw.reshape(16, 2, 34)  # [row, block, f16 scale + 32 codes]
     blocks[:, :, 2:] = np.where(rng.random((16, 2, 32)) < 0.5, 0x80, blocks[:, :, 2:])  # -128
-    rp = repack.il16(kind, raw, 16, 64)
+    rp = repack.interleave16(kind, raw, 16, 64)
     x = ckernels.aligned(rng.standard_normal((3, 64)).astype(np.float32))
     ref = x @ qt.dequantize().T
-    got = _r16_matmul(qt, x, rp)
+    got = _interleave16_matmul(qt, x, rp)
     assert float(np.abs(got - ref).max()) <= 2e-4 * float(np.abs(ref).max())
 
 
@@ -128,20 +130,21 @@ def _on_grid(rng, n, k):
 
 @pytest.mark.parametrize("scheme", ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0", "int8", "loom_q4"])
 def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa):
-    """The repacked rows for 5 and 20 inputs (8-lane builds: the prompt tile r16p of
+    """The repacked rows for 5 and 20 inputs (8-lane builds: the prompt tile il16p_tile of
     csrc/formats/interleave16_avx2.h, for gemm and the Python rows alike): exact when x's codes are (a code
     grid), otherwise within the two codes' 1e-4 (Q8_0, int8) or, Q4 kinds, the weights times x's
     one code, and row 0 the same as alone."""
-    if not ckernels.info().get("r16"):
+    if not ckernels.info().get("interleave16"):
         pytest.skip("no repacked rows in this build")
     rng = np.random.default_rng(12)
     m, k = 80, 256
     qt = MAKERS[scheme](rng.standard_normal((m, k)).astype(np.float32))
     kind, raw, aux = ckernels.operands(qt)
-    rp = repack.il16(kind, raw, m, k, aux)
+    rp = repack.interleave16(kind, raw, m, k, aux)
     wf = _held(qt, scheme)
-    # past 16 rows SIMD builds keep the repacked rows (r16p: 8 lanes' prompt tile, AVX-512's by blocks)
-    for n in (5, 20) if ckernels.info().get("r16p") else (5,):
+    # past 16 rows SIMD builds keep the repacked rows (info()["interleave16_panels"]: 8 lanes'
+    # prompt tile, AVX-512's by blocks)
+    for n in (5, 20) if ckernels.info().get("interleave16_panels") else (5,):
         for grid in (True, False):
             x = _on_grid(rng, n, k) if grid else rng.standard_normal((n, k)).astype(np.float32)
             ref = x.astype(np.float64) @ wf.T
@@ -166,10 +169,12 @@ def test_many_inputs_on_the_repacked_rows_are_exact_on_x_codes(scheme, each_isa)
                 kind, ckernels.aligned(x[:1]), alone, raw, aux, 1, k, m, ckernels.Q8_AUTO, rp
             )
             np.testing.assert_array_equal(out[:1], alone)
-    assert fused.rows_alike(r16_model(scheme))  # a prompt's rows are the same alone and in company
+    assert fused.rows_alike(
+        interleave16_model(scheme)
+    )  # a prompt's rows are the same alone and in company
 
 
-@needs_r16
+@needs_interleave16
 def test_the_python_rows_read_the_repacked_copy():
     """`ckernels.kernel` below GEMM_ROWS rows: the repacked rows on x's codes, as the fused step
     (the stored rows' pages may be released); the float rows when q8 is off."""
@@ -177,11 +182,11 @@ def test_the_python_rows_read_the_repacked_copy():
     qt = MAKERS["gguf_q4_1"](rng.standard_normal((48, 96)).astype(np.float32))
     x = rng.standard_normal((3, 96)).astype(np.float32)
     kind, raw, _ = ckernels.operands(qt)
-    qt.r16 = repack.il16(kind, raw, 48, 96)
+    qt.repacked16 = repack.interleave16(kind, raw, 48, 96)
     got = np.empty((3, 48), np.float32)
     ckernels.kernel(qt, x, got)
     np.testing.assert_array_equal(
-        got, _r16_matmul(qt, ckernels.aligned(x), qt.r16, ckernels.Q8_AUTO)
+        got, _interleave16_matmul(qt, ckernels.aligned(x), qt.repacked16, ckernels.Q8_AUTO)
     )
     ckernels.set_act_q8(False)
     try:

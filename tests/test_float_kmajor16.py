@@ -1,9 +1,10 @@
-"""float16/float32 rows laid out by 16, k-major (csrc/formats/float_kmajor16.h, poly.runtime.repack.k16): the layout,
-the kernels that read it against the same products on the stored rows (bitwise: one order of sums),
-and whole models whose rows are mapped from a file against the same weights in memory.
+"""float16/float32 rows laid out by 16, k-major (csrc/formats/float_kmajor16.h,
+poly.runtime.repack.float_kmajor16): the layout, the kernels that read it against the same
+products on the stored rows (bitwise: one order of sums), and whole models whose rows are mapped
+from a file against the same weights in memory.
 
-The layout is made on the SIMD builds (`info()["k16"]`); the kernel tests take every build through
-`each_isa`, the model tests run again on the AVX2 build in tests/test_other_isa.py.
+The layout is made on the SIMD builds (`info()["float_kmajor16"]`); the kernel tests take every
+build through `each_isa`, the model tests run again on the AVX2 build in tests/test_other_isa.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from poly import layout
 from poly.layer import LayerType
 from poly.runtime import ckernels, dispatch, fused, kernels, repack
-from tests.test_r16 import decode_steps
+from tests.test_interleave16 import decode_steps
 from tests.tiny_model import random_transformer, tiny_cfg
 
 needs_c = pytest.mark.skipif(not ckernels.AVAILABLE, reason="the C kernels are not built")
@@ -22,7 +23,7 @@ needs_c = pytest.mark.skipif(not ckernels.AVAILABLE, reason="the C kernels are n
 
 def _laid(kind: int) -> bool:
     """Whether the build in use lays `kind` out by 16 (float32 and float16 on the SIMD builds)."""
-    return bool(ckernels.EXT.info().get("k16", 0) >> kind & 1)
+    return bool(ckernels.EXT.info().get("float_kmajor16", 0) >> kind & 1)
 
 
 def _by16(w: np.ndarray) -> np.ndarray:
@@ -40,14 +41,14 @@ def test_the_layout_is_groups_of_16_rows_k_major(m, k, dtype, each_isa):
     w = np.random.default_rng(m).standard_normal((m, k)).astype(dtype)
     es = w.itemsize
     dst = np.zeros((m // 16, k, 16), dtype)
-    ckernels.EXT.k16(w, dst, m, k, es)
+    ckernels.EXT.float_kmajor16(w, dst, m, k, es)
     np.testing.assert_array_equal(dst, _by16(w))
     with pytest.raises(ValueError):
-        ckernels.EXT.k16(w[:8], dst[:0], 8, k, es)  # rows not a multiple of 16
+        ckernels.EXT.float_kmajor16(w[:8], dst[:0], 8, k, es)  # rows not a multiple of 16
     with pytest.raises(ValueError):
-        ckernels.EXT.k16(w, dst[:-1], m, k, es)  # dst too short
+        ckernels.EXT.float_kmajor16(w, dst[:-1], m, k, es)  # dst too short
     with pytest.raises(ValueError):
-        ckernels.EXT.k16(w, dst, m, k, 3)  # elements of 2 or 4 bytes
+        ckernels.EXT.float_kmajor16(w, dst, m, k, 3)  # elements of 2 or 4 bytes
 
 
 @needs_c
@@ -160,7 +161,7 @@ def test_a_model_on_mapped_rows_matches_the_same_weights_in_memory(tmp_path, dty
     monkeypatch.setattr(dispatch, "SMALL_WIDTH", 0)
     mapped, memory = _model(tmp_path, dtype=dtype), _model(dtype=dtype)
     assert fused.plan(mapped) is not None and fused.plan(memory) is not None
-    assert (id(mapped.lm_head) in ckernels.K16) == _laid(KINDS[dtype])
+    assert (id(mapped.lm_head) in ckernels.FLOAT_KMAJOR16) == _laid(KINDS[dtype])
     for prompt in ([3, 9, 27], list(range(1, 21)), [(7 * i) % 120 for i in range(70)]):
         outs = []
         for tf in (mapped, memory):
@@ -193,7 +194,7 @@ def test_a_sequence_decodes_the_same_alone_and_batched_on_the_layout(tmp_path, d
 def test_arrays_in_memory_are_not_laid_out():
     """A copy of rows held in memory would double the resident weights: only mapped rows are laid out."""
     w = np.zeros((32, 64), np.float16)
-    assert repack.k16(ckernels.F16, w, w, 32, 64) is None
+    assert repack.float_kmajor16(ckernels.F16, w, w, 32, 64) is None
 
 
 def test_rows_on_an_anonymous_mapping_keep_their_bytes():
@@ -204,6 +205,6 @@ def test_rows_on_an_anonymous_mapping_keep_their_bytes():
 
     w = aligned_zeros(HUGE // 4, np.float32).reshape(-1, 512)  # [1024, 512] on an anonymous mmap
     w[...] = 1.5
-    assert repack.k16(ckernels.F32, w, w, *w.shape) is None
+    assert repack.float_kmajor16(ckernels.F32, w, w, *w.shape) is None
     repack.release_mapped(w)
     assert float(w.min()) == 1.5 == float(w.max())

@@ -1,7 +1,8 @@
-"""Q4_K and Q6_K rows repacked by 8 (poly.runtime.repack.kil8/kil8q6, csrc/formats/kquant_interleave8.h): the
-auto mode's decode rows read one vector lane per weight row. The records are checked field by
-field against gguf-py's reading of the stored blocks, and the fused step's decode rows on them
-against the stored rows' kernel (formats/kquant_rows.h: the same integer sums) and against the float path."""
+"""Q4_K and Q6_K rows repacked by 8 (poly.runtime.repack.kquant_interleave8 and
+kquant_interleave8_q6, csrc/formats/kquant_interleave8.h): the auto mode's decode rows read one
+vector lane per weight row. The records are checked field by field against gguf-py's reading of
+the stored blocks, and the fused step's decode rows on them against the stored rows' kernel
+(formats/kquant_rows.h: the same integer sums) and against the float path."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from tests.test_fused import quantize_all, run_steps, tiny_cfg
 from tests.tiny_model import random_transformer
 
 pytestmark = pytest.mark.skipif(
-    not (ckernels.AVAILABLE and ckernels.EXT.info().get("r8k")), reason="no SIMD C kernels"
+    not (ckernels.AVAILABLE and ckernels.EXT.info().get("kquant_interleave8")),
+    reason="no SIMD C kernels",
 )
 
 
@@ -40,8 +42,8 @@ def test_record_fields_match_gguf_py():
     codes interleaved 4 bytes a row."""
     m, k = 16, 512
     raw = _q4k_rows(m, k, seed=1)
-    rk = repack.kil8(raw, m, k)
-    assert rk.shape == (m // 8, k // 256, repack.KIL8_REC)
+    rk = repack.kquant_interleave8(raw, m, k)
+    assert rk.shape == (m // 8, k // 256, repack.KQUANT_INTERLEAVE8_REC)
     ref = dequantize(raw.reshape(-1), T.Q4_K).reshape(m, k)
     got = np.empty((m, k), dtype=np.float32)
     for g in range(m // 8):
@@ -82,8 +84,10 @@ def test_q6k_record_fields_match_gguf_py():
     against gguf-py's dequantization); no bigger than the stored rows."""
     m, k = 16, 512
     raw = _q6k_rows(m, k, seed=3)
-    rk = repack.kil8q6(raw, m, k)
-    assert rk.shape == (m // 8, k // 256, repack.KIL8Q6_REC) and rk.nbytes == raw.nbytes
+    rk = repack.kquant_interleave8_q6(raw, m, k)
+    assert (
+        rk.shape == (m // 8, k // 256, repack.KQUANT_INTERLEAVE8_Q6_REC) and rk.nbytes == raw.nbytes
+    )
     ref = dequantize(raw.reshape(-1), T.Q6_K).reshape(m, k)
     got = np.empty((m, k), dtype=np.float32)
     for g in range(m // 8):
@@ -111,7 +115,9 @@ def _rss_kb(arr: np.ndarray) -> int:
     raise AssertionError("no mapping holds the array")
 
 
-@pytest.mark.parametrize("maker, rows", [("kil8", _q4k_rows), ("kil8q6", _q6k_rows)])
+@pytest.mark.parametrize(
+    "maker, rows", [("kquant_interleave8", _q4k_rows), ("kquant_interleave8_q6", _q6k_rows)]
+)
 def test_stored_rows_are_released_after_the_repack(tmp_path, maker, rows):
     """The prompt panels read the records too: the stored rows' pages leave the resident set
     once repacked (and still read back the same from the file)."""
@@ -128,17 +134,20 @@ def test_stored_rows_are_released_after_the_repack(tmp_path, maker, rows):
 
 
 def test_shapes_without_whole_groups_are_not_repacked():
-    assert repack.kil8(_q4k_rows(12, 256, seed=2), 12, 256) is None  # m % 8
+    assert repack.kquant_interleave8(_q4k_rows(12, 256, seed=2), 12, 256) is None  # m % 8
     raw = _q4k_rows(8, 512, seed=2)
-    assert repack.kil8(raw[:, :144], 8, 256) is not None
-    assert repack.kil8q6(_q6k_rows(12, 256, seed=2), 12, 256) is None
-    assert repack.kil8q6(_q6k_rows(8, 256, seed=2), 8, 256) is not None
+    assert repack.kquant_interleave8(raw[:, :144], 8, 256) is not None
+    assert repack.kquant_interleave8_q6(_q6k_rows(12, 256, seed=2), 12, 256) is None
+    assert repack.kquant_interleave8_q6(_q6k_rows(8, 256, seed=2), 8, 256) is not None
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
     "scheme, maker, kind",
-    [("gguf_q4_k", "kil8", ckernels.Q4_K), ("gguf_q6_k", "kil8q6", ckernels.Q6_K)],
+    [
+        ("gguf_q4_k", "kquant_interleave8", ckernels.Q4_K),
+        ("gguf_q6_k", "kquant_interleave8_q6", ckernels.Q6_K),
+    ],
 )
 def test_decode_rows_read_the_copy(threads, scheme, maker, kind, monkeypatch):
     """A Q4_K (Q6_K) model's fused decode steps read the rows by 8 (a zeroed copy changes them)
@@ -169,7 +178,10 @@ def test_decode_rows_read_the_copy(threads, scheme, maker, kind, monkeypatch):
 @pytest.mark.parametrize("threads, tokens", [(1, 6), (3, 6), (2, 80)])
 @pytest.mark.parametrize(
     "scheme, maker, kind",
-    [("gguf_q4_k", "kil8", ckernels.Q4_K), ("gguf_q6_k", "kil8q6", ckernels.Q6_K)],
+    [
+        ("gguf_q4_k", "kquant_interleave8", ckernels.Q4_K),
+        ("gguf_q6_k", "kquant_interleave8_q6", ckernels.Q6_K),
+    ],
 )
 def test_prompt_panels_read_the_copy(threads, tokens, scheme, maker, kind, monkeypatch):
     """A prompt's int8 panels decode the rows by 8 when they exist (csrc/formats/kquant_interleave8_panels.h rebuilds
@@ -183,11 +195,14 @@ def test_prompt_panels_read_the_copy(threads, tokens, scheme, maker, kind, monke
 
 @pytest.mark.parametrize(
     "scheme, maker, kind",
-    [("gguf_q4_k", "kil8", ckernels.Q4_K), ("gguf_q6_k", "kil8q6", ckernels.Q6_K)],
+    [
+        ("gguf_q4_k", "kquant_interleave8", ckernels.Q4_K),
+        ("gguf_q6_k", "kquant_interleave8_q6", ckernels.Q6_K),
+    ],
 )
 def test_prompt_panels_of_a_lone_group(scheme, maker, kind, monkeypatch):
     """k and v of one 8-head-wide KV head: 8 rows, a panel that is not two whole groups, so each
-    stored super-block is rebuilt byte for byte from its record (formats/kquant_interleave8_panels.h r8k_sb)."""
+    stored super-block is rebuilt byte for byte from its record (formats/kquant_interleave8_panels.h kil8_sb)."""
     _panels_case(1, 6, maker, kind, monkeypatch, scheme=scheme, num_heads=32, num_kv_heads=1)
 
 
