@@ -32,8 +32,8 @@ def test_a_long_prompt_matches_transformers(snap):
 def test_an_overflow_in_a_later_chunk_rolls_the_cache_back(snap):
     tf = entity.load(snap, max_seq_len=PREFILL_CHUNK + 100)
     tf.forward(list(range(5, 55)))
-    with pytest.raises(ContextOverflowError):
-        tf.forward([5 + i % 150 for i in range(PREFILL_CHUNK + 60)])  # the first chunk fits, the second not
+    with pytest.raises(ContextOverflowError):  # the first chunk fits, the second does not
+        tf.forward([5 + i % 150 for i in range(PREFILL_CHUNK + 60)])
     assert tf.position == 50
     more = tf.forward([7, 8])  # the cache still holds the first 50 tokens
     assert tf.position == 52 and np.isfinite(more).all()
