@@ -40,8 +40,9 @@ static int parse_layer(holds_t *H, PyObject *t, PyObject *caches, int l, step_t 
     if (recipe_vec(H, PyTuple_GET_ITEM(t, 4), d, "attn gamma", &L->g_attn)) return -1;
     if (!L->g_attn && !L->no_pre) { PyErr_SetString(PyExc_ValueError, "attn gamma: None without no_pre"); return -1; }
     PyObject *oq = PyTuple_GET_ITEM(t, 5), *ok = PyTuple_GET_ITEM(t, 6);
-    if (oq != Py_None && !(L->g_q = hold(H, oq, 0, (L->qk_all ? q : hd) * 4, "q gamma"))) return -1;
-    if (ok != Py_None && !(L->g_k = hold(H, ok, 0, (L->qk_all ? kvd : hd) * 4, "k gamma"))) return -1;
+    const int whole = L->qk_all || L->qk_heads; /* one value per q (k) dim, not one head's */
+    if (oq != Py_None && !(L->g_q = hold(H, oq, 0, (whole ? q : hd) * 4, "q gamma"))) return -1;
+    if (ok != Py_None && !(L->g_k = hold(H, ok, 0, (whole ? kvd : hd) * 4, "k gamma"))) return -1;
     PyObject *mq = PyTuple_GET_ITEM(t, 7);
     if (!PyTuple_Check(mq) || (PyTuple_GET_SIZE(mq) != 1 && PyTuple_GET_SIZE(mq) != 3)) {
         PyErr_SetString(PyExc_ValueError, "qkv must be 1 or 3 matrices");

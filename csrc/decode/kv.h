@@ -6,6 +6,7 @@
 #include "core/half.h"
 #include "decode/step.h"
 #include "decode/rmsnorm.h"
+#include "decode/recipe.h"
 #include "decode/kv_q8.h"
 
 /* the cache slot of position t of row i of layer L (its page table, or t less the position of the
@@ -39,7 +40,7 @@ static inline void rope_head(float *v, const float *c, const float *s, int64_t r
     }
 }
 
-/* row i: q/k norm (per head, or over all heads with qk_all), RoPE of the first rot values of each
+/* row i: q/k norm (per head, RMSNorm or LayerNorm, or RMSNorm over all heads with qk_all), RoPE of the first rot values of each
  * head at pos, then k/v appended to its caches */
 static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t pos, int i) {
     const int64_t hd = L->hd, q = (int64_t)L->heads * hd, kvd = (int64_t)L->kvh * hd, half = L->rot / 2;
@@ -47,8 +48,10 @@ static void rope_append(const step_t *S, const layer_t *L, float *qkv, int64_t p
     if (L->qk_all && L->g_k) pk_rmsnorm(qkv + q, L->g_k, L->eps, qkv + q, kvd);
     for (int64_t h = 0; h < L->heads + L->kvh; h++) {
         float *v = qkv + h * hd;
-        const float *g = h < L->heads ? L->g_q : L->g_k;
-        if (g && !L->qk_all) pk_rmsnorm(v, g, L->eps, v, hd);
+        const int isq = h < L->heads;
+        const int64_t row = L->qk_heads ? (isq ? h : h - L->heads) * hd : 0; /* one weight row per head */
+        const float *g = isq ? L->g_q : L->g_k, *b = isq ? L->b_q : L->b_k;
+        if (g && !L->qk_all) pk_norm(L->qk_ln, v, g + row, b ? b + row : NULL, L->eps, v, hd);
         if (L->rot) rope_head(v, L->cos + pos * half, L->sin + pos * half, L->rot, L->ileave);
     }
     const int64_t at = slot(S, L, i, pos);

@@ -85,6 +85,8 @@ typedef struct {
     int64_t window;                           /* keys a query sees, itself included (0: all) */
     const float *sinks;                       /* a logit per head in the softmax denominator, or NULL */
     int rot, ileave, qk_all;                  /* rotated dims (0: NoPE), GPT-J pairs, q/k norm over all heads */
+    int qk_ln, qk_heads;                      /* q/k norm: LayerNorm (betas b_q, b_k); a weight row per head */
+    const float *b_q, *b_k;
     int64_t kbase[STEP_MAX];                  /* position of row 0 of row i's cache (a window's moved rows) */
 } layer_t;
 

@@ -107,10 +107,23 @@ def _check_options(layer) -> None:
 
 def has_options(layer) -> bool:
     """Whether the layer uses an option the fused C step does not implement (the Python path
-    runs it): a q/k norm other than RMSNorm with one shared weight (or over all heads). (A
-    rope recomputed per call, dynamic or longrope, runs in it: poly/runtime/fused_rope.py writes
-    the call's rows of its tables; a q8_0 KV cache too: csrc/decode/kv_q8.h.)"""
-    return bool(layer.qk_norm and (layer.qk_norm_kind != "rms" or layer.qk_norm_heads))
+    runs it): a q/k norm other than RMSNorm or LayerNorm. (Per-head q/k norms of either kind
+    run in it, as does a rope recomputed per call, dynamic or longrope:
+    poly/runtime/fused_rope.py writes the call's rows of its tables; a q8_0 KV cache too:
+    csrc/decode/kv_q8.h.)"""
+    return bool(layer.qk_norm and layer.qk_norm_kind not in QK_NORM_FORMS)
+
+
+# the C step's q/k norm kinds (csrc/decode/recipe_args.h qk_form bit 0)
+QK_NORM_FORMS = {"rms": 0, "layernorm": 1, "layernorm_nobias": 1}
+
+
+def qk_form(layer) -> int:
+    """The C step's qk_form: bit 0 LayerNorm, bit 1 one weight row per head (0: RMSNorm with
+    one shared weight, or none)."""
+    if not layer.qk_norm:
+        return 0
+    return QK_NORM_FORMS[layer.qk_norm_kind] | (2 if layer.qk_norm_heads else 0)
 
 
 def spec(layer) -> Spec:

@@ -153,8 +153,9 @@ def layer_args(blk, cfg) -> tuple | None:
         return None
     vecs = [v for pair in got.values() for v in pair if v is not None]
     qn, kn = (c["q_norm"], c["k_norm"]) if attn.qk_norm else (None, None)
+    qb, kb = (c.get("q_norm_bias"), c.get("k_norm_bias")) if attn.qk_norm else (None, None)
     sinks = c["sinks"] if attn.attn_sinks else None
-    if not all(is_f32(v) for v in (*vecs, qn, kn, sinks) if v is not None):
+    if not all(is_f32(v) for v in (*vecs, qn, kn, qb, kb, sinks) if v is not None):
         return None  # the C side reads vectors as contiguous float32
     rot = mha.rotary_dim(attn)
     cos, sin = (None, None)
@@ -169,7 +170,7 @@ def layer_args(blk, cfg) -> tuple | None:
         items = (*heads, g1[0], qn, kn, qkv, cos, sin, o, g2[0], None, None, ffn)
     else:
         items = (*heads, g1[0], qn, kn, qkv, cos, sin, o, g2[0], ffn[1], ffn[2])
-    opts = recipe_args(cfg, attn, got, 0 if sparse else ffn[0], rot, sinks)
+    opts = recipe_args(cfg, attn, got, 0 if sparse else ffn[0], rot, sinks, (qb, kb))
     if opts is None:
         return items
     if sparse and not cfg.block.plain:
@@ -177,13 +178,14 @@ def layer_args(blk, cfg) -> tuple | None:
     return (*items[:14], items[14] if sparse else None, opts)
 
 
-def recipe_args(cfg, attn, norms: dict, act: int, rot: int, sinks) -> tuple | None:
+def recipe_args(cfg, attn, norms: dict, act: int, rot: int, sinks, qk_betas) -> tuple | None:
     """The 16th item of a layer's C tuple (csrc/decode/recipe_args.h), None for llama's block
     with plain attention."""
     r = cfg.block
+    form = mha.qk_form(attn)
     plain_attn = rot == attn.head_dim and not (
         attn.sliding_window or attn.rope_interleaved or attn.attn_scale or attn.attn_softcap
-        or sinks is not None or (attn.qk_norm and attn.qk_norm_all)
+        or sinks is not None or (attn.qk_norm and attn.qk_norm_all) or form
     )  # fmt: skip
     if r.plain and plain_attn and cfg.residual_multiplier == 1 and act == 0:
         return None
@@ -194,7 +196,8 @@ def recipe_args(cfg, attn, norms: dict, act: int, rot: int, sinks) -> tuple | No
     return (ln, norms.get("attn_norm", none)[1], norms.get("mlp_norm", none)[1],
             *post_a, *post_m, int(not r.pre_norms), par, float(cfg.residual_multiplier), act,
             float(attn.attn_scale), float(attn.attn_softcap), int(attn.sliding_window), sinks,
-            rot, int(attn.rope_interleaved), int(bool(attn.qk_norm and attn.qk_norm_all)))  # fmt: skip
+            rot, int(attn.rope_interleaved), int(bool(attn.qk_norm and attn.qk_norm_all)), form,
+            *qk_betas)  # fmt: skip
 
 
 def is_f32(a) -> bool:
