@@ -45,8 +45,7 @@ _MAIN = EXT  # the build chosen at import
 
 MAX_N = 16  # input rows per call (the C side keeps one accumulator per row)
 STEP_ROWS = 64  # rows of one fused step (csrc/decode/step.h STEP_MAX)
-# id(f16/f32 array or QTensor) -> its rows by 16, k-major (repack.float_kmajor16)
-FLOAT_KMAJOR16: dict[int, np.ndarray] = {}
+FLOAT_KMAJOR16: dict[int, np.ndarray] = {}  # id(array or QTensor) -> repack.float_kmajor16
 
 # kind ids of csrc/core/common.h (poly.quant.schemes); k8_kind, pq8_kind: formats/kquant_rows.h
 F32, F16, BF16, I8, LOOM_Q4 = qs.C_F32, qs.C_F16, qs.C_BF16, qs.C_I8, qs.C_LOOM_Q4
@@ -171,8 +170,7 @@ def operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
 
 def laid(qt) -> tuple | None:
     """(kind, stored rows, None) of a GGUF float matrix whose rows the file permutes, laid out by 16
-    in order (`repack.float_kmajor16_stored`): read with its `repacked16` alone, never as the
-    reordered `qt.raw`."""
+    in order (`repack.float_kmajor16_stored`): read with its `repacked16` alone, not `qt.raw`."""
     if getattr(qt, "order", None) is not None and getattr(qt, "repacked16", None) is not None:
         return GGUF_KINDS[qt.scheme], qt.stored, None
     return None
@@ -389,8 +387,7 @@ def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     x2 = np.ascontiguousarray(x2, dtype=np.float32)
     # q/k/v (and gate/up) write into column slices of one buffer: strided for n > 1
     dst = res if res.flags.c_contiguous else np.empty((n, m), dtype=np.float32)
-    # the copy (fused_args.mat) read instead of w
-    rp = getattr(qt, "repacked16", FLOAT_KMAJOR16.get(id(w)))
+    rp = getattr(qt, "repacked16", FLOAT_KMAJOR16.get(id(w)))  # read instead of w (fused_args)
     tiles = kind in (F32, F16, BF16) and n <= MAX_N  # dense rows: the register tiles to MAX_N
     if n >= GEMM_ROWS and not tiles:  # Q4_K/Q6_K's copy by 8: gemm's int8 panels read it
         EXT.gemm(kind, x2, dst, w, aux, n, k, m, 0, _q8(w), getattr(qt, "kquant_interleave8", rp))
