@@ -243,7 +243,7 @@ def prompts(args) -> dict:
 def engine_specs(model: str, precision: str, files: dict, args) -> dict[str, dict]:
     n_ctx = max(args.prefill + [args.agree_new + 64]) + max(args.contexts) + args.new + 16
     base = {"threads": args.threads}
-    ours = dict(base, kind="poly", kv_cache=args.kv_cache)
+    ours = dict(base, kind="poly", kv_cache=args.kv_cache, n_ctx=n_ctx)
     specs = {"poly": dict(ours, path=str(files["gguf"]))}
     if "entity" in files:
         specs[f"poly-entity-{ENTITY_IN[precision]}"] = dict(ours, path=str(files["entity"]))

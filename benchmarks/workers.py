@@ -85,16 +85,18 @@ class Engine:
 
 
 class PolyEngine(Engine):
-    def __init__(self, path: str, threads: int, keep_quantized: bool = True, kv_cache="f32"):
+    def __init__(self, path: str, threads: int, keep_quantized: bool = True, kv_cache="f32",
+                 n_ctx: int | None = None):  # fmt: skip
         import entity
         from entity.gguf.loader import load_gguf
         from poly.runtime import kernels
 
         kernels.set_num_threads(threads)
+        ctx = {} if n_ctx is None else {"max_seq_len": n_ctx}  # None: the loader's default
         if path.endswith(".entity"):
-            self.model = entity.load(path)
+            self.model = entity.load(path, **ctx)
         else:
-            self.model = load_gguf(path, keep_quantized=keep_quantized)
+            self.model = load_gguf(path, keep_quantized=keep_quantized, **ctx)
         self.model.kv_cache_dtype = kv_cache  # llama.cpp's own default is f16
 
     def reset(self) -> None:
@@ -209,8 +211,9 @@ def make_engine(spec: dict) -> Engine:
     kind, path, threads = spec["kind"], str(spec["path"]), int(spec.get("threads", 2))
     if kind == "poly":
         return PolyEngine(
-            path, threads, bool(spec.get("keep_quantized", True)), spec.get("kv_cache", "f32")
-        )
+            path, threads, bool(spec.get("keep_quantized", True)), spec.get("kv_cache", "f32"),
+            spec.get("n_ctx"),
+        )  # fmt: skip
     if kind == "llama":
         n_ctx = int(spec.get("n_ctx", 512))
         return LlamaEngine(path, threads, n_ctx, spec.get("buffers", "default"))
