@@ -28,7 +28,7 @@ import numpy as np
 
 # ~0.5 B parameters each (vocabulary: the fixtures' small tokenizer)
 SHAPES = {
-    "gemma2": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=26,
+    "gemma2": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                    query_pre_attn_scalar=128, sliding_window=64),
     "gpt_oss": dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=10,
