@@ -13,7 +13,7 @@ medians, load time, peak RSS, decode as a fraction of the memory-read ceiling (w
 per token / read bandwidth measured in the same run) and, on SmolLM2, how many of 64 greedy
 tokens on the chat prompt equal our F32 engine's.
 
-    python -m benchmarks.matrix [--runs 5] [--models smollm2 synth1b] [--json out.json]
+    python -m benchmarks.matrix [--runs 5] [--models smollm2 synth1b synth8b] [--json out.json]
     python -m benchmarks.matrix --quick          # smoke run: SmolLM2, 1 round, short lengths
     python -m benchmarks.matrix --prepare        # only write the files (needs no quiet machine)
 """
@@ -48,10 +48,9 @@ PRECISIONS = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_K_M": 17,
 DEFAULT_PRECISIONS = tuple(PRECISIONS)[:9]
 ENTITY_IN = {"F16": "f16", "Q8_0": "q8", "Q4_0": "q4"}  # .entity quant run in that GGUF's cell
 AGREE_IN = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M")  # 8-bit and 4-bit cells (and the f32 base)
-MODELS = ("smollm2", "synth1b")
+MODELS = ("smollm2", "synth1b", "synth8b")  # synth8b (28 GB in F32) only when asked for
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
-# seconds before each request: OpenMP and ggml worker threads spin for a while after their
-# work, and the next engine's short prefill would share the cores with them
+# seconds before each request: the last engine's OpenMP/ggml threads spin a while after work
 SETTLE = 0.05
 QUICK = {
     "runs": 1,
@@ -72,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup", type=int, default=1, help="untimed runs of each op per engine before its rounds"
     )
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS[:2]))
     ap.add_argument(
         "--precisions", nargs="+", choices=list(PRECISIONS), default=list(DEFAULT_PRECISIONS)
     )
@@ -173,22 +172,23 @@ def quantize(src: Path, dst: Path, ftype: int, threads: int, pure: bool = False)
 
 def source_f32(model: str) -> Path:
     """The model's F32 GGUF, written once."""
+    from entity.smollm2 import ensure_smollm2
+
     if model == "smollm2":
         from benchmarks.gguf_export import export
-        from entity.smollm2 import ensure_smollm2
 
         path = WORK / "smollm2-f32.gguf"  # the same file compare.py writes
         if not path.is_file():
             tmp = path.with_name(path.name + ".tmp")
             os.replace(export(ensure_smollm2(), tmp, "f32"), path)
         return path
-    from benchmarks.synthetic_gguf import write
-    from entity.smollm2 import ensure_smollm2
+    from benchmarks.synthetic_gguf import SHAPES, parameter_count, write
 
-    path = WORK / "synth1b-f32.gguf"
+    path = WORK / f"{model}-f32.gguf"
     if not path.is_file():
-        progress("writing the synthetic 1B model (F32 GGUF, ~4.3 GB)")
-        write(path, ensure_smollm2())
+        gb = parameter_count(vocab=49152, **SHAPES[model]) * 4e-9  # SmolLM2's vocabulary
+        progress(f"writing the synthetic model {model} (F32 GGUF, ~{gb:.1f} GB)")
+        write(path, ensure_smollm2(), **SHAPES[model])
     return path
 
 
@@ -206,7 +206,7 @@ def cell_files(model: str, precision: str, threads: int) -> dict[str, Path]:
             progress(f"quantizing {model} to {precision} (llama_model_quantize)")
             quantize(src, files["gguf"], PRECISIONS[precision], threads)
     quant = ENTITY_IN.get(precision)
-    if quant:
+    if quant and model != "synth8b":  # converting its 28 GB F32 is not what those cells measure
         import entity
 
         files["entity"] = out / f"{model}-{quant}.entity"
@@ -247,8 +247,8 @@ def engine_specs(model: str, precision: str, files: dict, args) -> dict[str, dic
     specs = {"poly": dict(ours, path=str(files["gguf"]))}
     if "entity" in files:
         specs[f"poly-entity-{ENTITY_IN[precision]}"] = dict(ours, path=str(files["entity"]))
-    specs["llama"] = dict(base, kind="llama", path=str(files["gguf"]), n_ctx=n_ctx)
-    specs["llama"]["buffers"] = args.llama_buffers
+    llama = dict(kind="llama", path=str(files["gguf"]), n_ctx=n_ctx, buffers=args.llama_buffers)
+    specs["llama"] = dict(base, **llama)
     if precision == "F32" and not args.no_hf:
         specs["hf"] = dict(base, kind="hf", path=str(files["gguf"]))
     return specs

@@ -19,6 +19,9 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 SHAPE_1B = {"hidden": 2048, "layers": 16, "ffn": 8192, "heads": 32, "kv_heads": 8}
+# Llama-3-8B's blocks (issue 62's 8B-shaped cells); with SmolLM2's 49k vocabulary, tied: 7.0 B
+SHAPE_8B = {"hidden": 4096, "layers": 32, "ffn": 14336, "heads": 32, "kv_heads": 8}
+SHAPES = {"synth1b": SHAPE_1B, "synth8b": SHAPE_8B}
 
 
 def tensor_shapes(vocab: int, hidden: int, layers: int, ffn: int, heads: int, kv_heads: int):
