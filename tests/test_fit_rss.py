@@ -72,11 +72,9 @@ def _peak(spec: str, memory: str, ctx: int, kv: str | None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def smol_files(smollm2_gguf, tmp_path_factory) -> dict:
+def smol_files(smollm2_gguf, smollm2_hf_dir, tmp_path_factory) -> dict:
     """The GGUF, an HF snapshot and a Loom Q4 .entity of SmolLM2-135M-Instruct."""
-    snap = Path.home() / ".cache/poly/models/SmolLM2-135M-Instruct-hf"
-    if not (snap / "model.safetensors").is_file():
-        pytest.skip("no SmolLM2 HF snapshot in ~/.cache/poly/models")
+    snap = smollm2_hf_dir
     dst = tmp_path_factory.mktemp("fit_rss") / "smollm2.q4.entity"
     entity.convert(smollm2_gguf, dst, quant="q4")
     return {"gguf": str(smollm2_gguf), "hf": str(snap), "entity": str(dst)}
@@ -86,7 +84,10 @@ def smol_files(smollm2_gguf, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("kv", [None, "q8_0"])
 @pytest.mark.parametrize("fmt", ["gguf", "hf", "entity"])
 def test_memory_plan_within_10_percent_of_peak_rss(smol_files, fmt, kv):
-    got = _peak(smol_files[fmt], "4G", 1024, kv)
+    # the median of three children: the same run's peak moved 253-277 MiB between processes on
+    # one machine (allocator and kernel luck), a spread of its own as wide as the tolerance
+    runs = [_peak(smol_files[fmt], "4G", 1024, kv) for _ in range(3)]
+    got = dict(runs[0], peak=sorted(r["peak"] for r in runs)[1])
     assert got["ctx"] == 1024
     err = got["total"] / got["peak"] - 1
     assert abs(err) <= 0.10, f"{fmt} kv={kv}: plan {got['total'] / MiB:.0f} MiB, peak RSS " \
