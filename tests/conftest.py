@@ -41,6 +41,13 @@ def pytest_configure(config):
     # a skip there would be a comparison that cannot fail
     if os.environ.get("CI") and importlib.util.find_spec("llama_cpp") is None:
         raise pytest.UsageError("CI: llama-cpp-python is missing (pip install -e '.[test]')")
+    # llama.cpp in this process on plain CPU buffers: its default ones (AMX tiles on an Intel
+    # CPU that has them) segfaulted in llama_decode on a VM, ending the whole run; the tests
+    # compare logits, which plain buffers compute as llama.cpp's reference path does
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from benchmarks.workers import llama_plain_buffers
+
+        llama_plain_buffers()
 
 
 @pytest.fixture(scope="session")
