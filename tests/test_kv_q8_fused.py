@@ -62,9 +62,11 @@ def _run(tf, ref, steps=STEPS) -> list:
 
 
 def _close(diffs) -> None:
-    # the step's own new rows may still take another code (~1e-3); most steps agree to float
-    # rounding. Against the float32 cache these models differ by 0.04-0.06.
-    assert max(diffs) < 5e-3 and np.median(diffs) < 2e-5, diffs
+    # the step's own new rows may still take another code (~1e-3 each); most steps agree to
+    # float rounding. The prompt quantizes all its rows unsynced, so several such codes can
+    # meet (5.4e-3 with a window on an AVX-512 build). Against the float32 cache these models
+    # differ by 0.04-0.06.
+    assert diffs[0] < 1e-2 and max(diffs[1:]) < 5e-3 and np.median(diffs) < 2e-5, diffs
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
