@@ -61,7 +61,10 @@ def test_q8_0_kv_cache_is_planned_at_its_bytes(tmp_path):
 
 def _peak(spec: str, memory: str, ctx: int, kv: str | None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), POLY_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    env.pop("POLY_TUNE", None)  # a user's default (conftest turns it off for the suite)
+    # the dispatch as settled: a first prompt of a length class on a machine may probe both
+    # paths on a few blocks (poly.runtime.crossover), once, holding ~20 MiB more for that
+    # prompt; whether it ran (the load decides) moved this child's peak 219 -> 238 MiB
+    env["POLY_TUNE"] = "0"
     # the on-disk layout cache off: whether an earlier process (a convert) left the repacked
     # copies there changed the peak by 60 MB (their file pages are mapped as well)
     env["POLY_LAYOUT_CACHE"] = "0"
@@ -84,8 +87,7 @@ def smol_files(smollm2_gguf, smollm2_hf_dir, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("kv", [None, "q8_0"])
 @pytest.mark.parametrize("fmt", ["gguf", "hf", "entity"])
 def test_memory_plan_within_10_percent_of_peak_rss(smol_files, fmt, kv):
-    # the median of three children: the same run's peak moved 253-277 MiB between processes on
-    # one machine (allocator and kernel luck), a spread of its own as wide as the tolerance
+    # the median of three children: a peak is one process's high-water mark
     runs = [_peak(smol_files[fmt], "4G", 1024, kv) for _ in range(3)]
     got = dict(runs[0], peak=sorted(r["peak"] for r in runs)[1])
     assert got["ctx"] == 1024
