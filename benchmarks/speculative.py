@@ -10,13 +10,18 @@ the whole function": the answer repeats the input). Engines, each a greedy gener
 - llama.cpp (llama-cpp-python) on the same Q4_1 GGUF: plain and its prompt-lookup decoding
   (`LlamaPromptLookupDecoding`), in a subprocess of its own (its OpenMP threads apart).
 
+Sampling: plain greedy in every engine (no repetition penalty, no DRY: llama.cpp's engines run
+temp 0, top_k 1, repeat_penalty 1.0), or with `--model-settings` poly's engines keep SmolLM2's
+known-model defaults (repetition penalty 1.1 over 64 ids and DRY 0.8 on the reply,
+poly.text.known_models), which make the reply copy less of the prompt.
+
 Decode tok/s = (tokens - 1) / (last token time - first token time): the prefill and the first
 token are out, the same rule for every engine. Reported: medians, ratios to plain, acceptance
 rates, tokens per pass, whether the greedy tokens equal plain decoding's, and the machine's
 load average before and after (the machine may be shared).
 
     python -m benchmarks.speculative [--rounds 5] [--new 320] [--lookup 8] [--draft-tokens 8]
-        [--json benchmarks/results/results-speculative-smollm2-zen3.json]
+        [--model-settings] [--json benchmarks/results/results-speculative-smollm2-zen3.json]
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ def poly_engines(args) -> dict:
     draft = entity.load(GGUF)  # its own KV cache beside the Q4_1 target
     ids = prompt_ids(f32)
     opts = dict(temperature=0.0, max_tokens=args.new)
+    if not args.model_settings:
+        opts.update(repetition_penalty=1.0, dry_multiplier=0.0)  # llama.cpp's engines' greedy
 
     def run(model, **kw):
         return lambda: timed(model.stream(ids, **opts, **kw))
@@ -191,6 +198,12 @@ def main() -> None:
     ap.add_argument("--draft-tokens", dest="draft_tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument(
+        "--model-settings",
+        dest="model_settings",
+        action="store_true",
+        help="poly engines keep the model's penalties (plain greedy otherwise)",
+    )
     ap.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -216,6 +229,9 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct (f32: HF snapshot of the Q4_1 GGUF; Q4_1 GGUF)",
         "prompt_tokens": len(ids),
         "new_tokens_max": args.new,
+        "sampling": "poly: the model's known settings (penalties), greedy"
+        if args.model_settings
+        else "greedy, no penalties (every engine)",
         "lookup": args.lookup,
         "draft_tokens": args.draft_tokens,
         "rounds": args.rounds,

@@ -97,8 +97,8 @@ def _add_kv_cache(p: argparse.ArgumentParser) -> None:
 def _add_speculation(p: argparse.ArgumentParser, draft: bool = True) -> None:
     """Speculative decoding: N proposed tokens checked in one pass (docs/speculative.md)."""
     p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="prompt lookup: propose N tokens that followed the latest earlier "
-                   "occurrence of the last 3-gram (1..63)")  # fmt: skip
+                   help="prompt lookup: propose up to N tokens that followed the first earlier "
+                   "occurrence of the last n-gram (8 tokens down to 1; 1..63)")  # fmt: skip
     if not draft:
         return
     p.add_argument("--draft", default=None, metavar="MODEL",

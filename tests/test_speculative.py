@@ -101,8 +101,12 @@ def test_early_stop_leaves_the_cache_as_plain_decoding(tiny):
         assert done.tokens == plain.tokens and model.position == pos
 
 
-def test_lookup_tokens_take_the_latest_longest_match():
-    assert lookup_tokens([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # 3-gram [2,3] latest
+def test_lookup_tokens_take_the_first_longest_match_sized_by_it():
+    # 2-gram [2, 3] first at 1: its followers, 2 x 2 + 1 = 5 of them at most
+    seq = [1, 2, 3, 9, 8, 7, 6, 5, 4, 1, 2, 3, 7, 5, 2, 3]
+    assert lookup_tokens(seq, 8) == [9, 8, 7, 6, 5]
+    assert lookup_tokens(seq, 2) == [9, 8]
+    assert lookup_tokens(seq, 8, ngram=1) == [9, 8, 7]  # a 1-gram earns 3
     assert lookup_tokens([4, 5, 6, 4], 3) == [5, 6, 4]
     assert lookup_tokens([1, 2, 3], 4) == []
 

@@ -152,7 +152,10 @@ class ServerSpeculation:
 
     def _adapt(self, accepted: int, proposed: int) -> None:
         """Double after a full acceptance, one past the accepted ones after a rejection (as
-        poly.text.speculative.Speculator: rejected rows cost part of a pass)."""
+        poly.text.speculative.Speculator: rejected rows cost part of a pass); lookup sizes its
+        proposals by the match (lookup_tokens)."""
+        if self.draft is None:
+            return
         self.size = min(self.cap, 2 * self.size) if accepted == proposed else max(1, accepted + 1)
 
     def stats(self) -> dict:

@@ -1,7 +1,8 @@
 """Speculative decoding: propose several tokens cheaply, check them all in one target pass.
 
-Proposals come from the text itself (prompt lookup: the tokens that followed the latest earlier
-occurrence of the last n-gram, as llama.cpp's lookup and transformers' prompt_lookup_num_tokens)
+Proposals come from the text itself (prompt lookup: the tokens that followed the first earlier
+occurrence of the last n-gram, as transformers' prompt_lookup_num_tokens and llama-cpp-python's
+LlamaPromptLookupDecoding)
 or from a draft model with the same vocabulary. The target runs the last token and the k
 proposals as the k + 1 rows of one forward over its KV cache (one fused call: the weights are
 read once), keeps the accepted prefix plus one token of its own, and rolls the cache back.
@@ -26,7 +27,8 @@ from poly.text.sampling import Sampler, is_whole_number
 # one fused call takes 64 rows: the last accepted token and up to 63 proposals
 MAX_PROPOSED = 63
 DEFAULT_DRAFT_TOKENS = 8
-DEFAULT_NGRAM = 3
+DEFAULT_NGRAM = 8
+LOOKUP_PER_MATCHED = 2  # proposed tokens per token of the matched n-gram
 
 
 def _check_n(name: str, n) -> int:
@@ -40,9 +42,9 @@ def _check_n(name: str, n) -> int:
 
 @dataclass(frozen=True)
 class Speculation:
-    """Validated speculative decoding options: ``lookup`` N tokens from the text (n-grams of
-    ``ngram`` tokens down to 1) or a ``draft`` model proposing ``draft_tokens`` (the start and
-    the cap; ``adaptive`` shrinks it after an early rejection and grows it back)."""
+    """Validated speculative decoding options: up to ``lookup`` N tokens from the text (n-grams
+    of ``ngram`` tokens down to 1) or a ``draft`` model proposing ``draft_tokens`` (the start and
+    the cap; ``adaptive`` shrinks a draft's after an early rejection and grows it back)."""
 
     lookup: int | None = None
     ngram: int = DEFAULT_NGRAM
@@ -89,15 +91,18 @@ class Speculation:
 
 
 def lookup_tokens(tokens: Sequence[int], n: int, ngram: int = DEFAULT_NGRAM) -> list[int]:
-    """Up to n tokens that followed the latest earlier occurrence of the longest suffix of
-    ``tokens`` of at most ``ngram`` tokens (down to 1); [] when none occurred before."""
+    """The tokens that followed the first earlier occurrence of the longest suffix of ``tokens``
+    of at most ``ngram`` tokens (down to 1): 2 per matched token plus one, at most n; [] when
+    none occurred before. A longer match is likelier a copy, so it earns a longer proposal (on
+    four SmolLM2 edit and summary traces this beat a fixed n, adaptive or not); the first
+    occurrence is usually in the prompt, the source being edited, not in the model's rewrite."""
     seq = np.asarray(tokens, dtype=np.int64)
     for size in range(min(ngram, len(seq) - 1), 0, -1):
         windows = sliding_window_view(seq[:-1], size)  # every earlier n-gram with a follower
         hits = np.flatnonzero((windows == seq[len(seq) - size :]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + size
-            return seq[start : start + n].tolist()
+            start = int(hits[0]) + size
+            return seq[start : start + min(n, LOOKUP_PER_MATCHED * size + 1)].tolist()
     return []
 
 
@@ -255,8 +260,9 @@ class Speculator:
     def _adapt(self, n_acc: int, n_prop: int) -> None:
         """Double the proposals after a full acceptance, cut them to one past the accepted
         ones after a rejection: each checked row costs a part of a pass (f32 SmolLM2: ~15 %,
-        Q4: ~40 %), so rows that are rejected early are not free."""
-        if not self.spec.adaptive:
+        Q4: ~40 %), so rows that are rejected early are not free. Lookup sizes its proposals
+        by the match instead (lookup_tokens)."""
+        if not self.spec.adaptive or self.draft is None:
             return
         cap = self.spec.lookup or self.spec.draft_tokens or DEFAULT_DRAFT_TOKENS
         self.size = min(cap, 2 * self.size) if n_acc == n_prop else max(1, n_acc + 1)
