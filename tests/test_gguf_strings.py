@@ -37,3 +37,13 @@ def test_string_array_elements_are_checked_like_strings(tmp_path):
     many = ("tokenizer.ggml.tokens", ARRAY, (STRING, [f"t{i}ü" for i in range(5000)]))
     gg = open_bytes(tmp_path, write_gguf([*KVS[:4], many], TENSORS))
     assert gg.metadata["tokenizer.ggml.tokens"] == [f"t{i}ü" for i in range(5000)]
+
+
+def test_byte_level_vocab_respells_outsiders_and_keeps_a_repeat_first():
+    from entity.gguf.tokenizer import _byte_level, bytes_to_unicode
+
+    spelled = "".join(bytes_to_unicode()[b] for b in "日".encode())
+    tok = _byte_level(["a", "b", "ab", "a", "日"], [("a", "b")], None)
+    vocab = tok.get_vocab()
+    assert vocab["a"] == 0 and vocab["ab"] == 2 and vocab[spelled] == 4 and "日" not in vocab
+    assert tok.encode("ab").ids == [2]

@@ -8,9 +8,9 @@ import struct
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from poly.errors import GGUFFormatError, LimitExceededError
+from poly.quant.ggml import QUANT_SIZES, GGMLType
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -182,12 +182,12 @@ def read_kv(cur: Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[int
     return metadata, types
 
 
-def _ggml_type(cur: Cursor, raw: int, name: str, at: int) -> GGMLQuantizationType:
+def _ggml_type(cur: Cursor, raw: int, name: str, at: int) -> GGMLType:
     try:
-        qtype = GGMLQuantizationType(raw)
+        qtype = GGMLType(raw)
     except ValueError:
         raise cur.fail(f"tensor {name!r}: unknown ggml type {raw}", at) from None
-    if qtype not in GGML_QUANT_SIZES:
+    if qtype not in QUANT_SIZES:
         raise cur.fail(f"tensor {name!r}: ggml type {qtype.name} has no known size", at)
     return qtype
 
@@ -211,7 +211,7 @@ def read_tensor_info(cur: Cursor, file_size: int) -> tuple[str, tuple[int, ...],
             raise cur.fail(f"tensor {name!r}: shape {dims} is larger than the file", start)
     at = cur.pos
     qtype = _ggml_type(cur, cur.u32(f"type of {name!r}"), name, at)
-    block, size = GGML_QUANT_SIZES[qtype]
+    block, size = QUANT_SIZES[qtype]
     if dims[0] % block:
         raise cur.fail(f"tensor {name!r}: row of {dims[0]} not a multiple of {block}", at)
     nbytes = count // block * size

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from entity.gguf.header import (
     HEADER_BYTES,
@@ -29,7 +28,7 @@ from entity.gguf.header import (
 )
 from poly.errors import GGUFFormatError, ModelFileChangedError, ModelNotFoundError, UnsupportedError
 from poly.filesnapshot import FileSnapshot
-from poly.quant.ggml import GGMLType, dequantize_mxfp4
+from poly.quant.ggml import QUANT_SIZES, GGMLType, dequantize_mxfp4
 
 
 @dataclass(frozen=True)
@@ -44,15 +43,15 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return GGMLQuantizationType(self.ggml_type).name
+        return GGMLType(self.ggml_type).name
 
     @property
     def block_size(self) -> int:
-        return GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)][0]
+        return QUANT_SIZES[GGMLType(self.ggml_type)][0]
 
     @property
     def row_bytes(self) -> int:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        block, size = QUANT_SIZES[GGMLType(self.ggml_type)]
         return self.shape[-1] // block * size
 
 
@@ -197,6 +196,11 @@ def dequantize_rows(raw: np.ndarray, ggml_type: int, row_len: int) -> np.ndarray
     """Dequantize raw rows ``[*rows, row_bytes]`` of one ggml type into float32 ``[*rows, row_len]``."""
     if ggml_type == GGMLType.MXFP4:  # GPT-OSS experts: poly's own numpy dequantization
         return dequantize_mxfp4(raw, row_len).reshape(*raw.shape[:-1], row_len)
+    plain = PLAIN_DTYPES.get(ggml_type) if ggml_type in (GGMLType.F32, GGMLType.F16) else None
+    if plain is not None:  # norms and biases: a view, not gguf-py (its import costs ~40 ms)
+        flat = np.ascontiguousarray(raw).view(plain).astype(np.float32)
+        return flat.reshape(*raw.shape[:-1], row_len)
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
     qtype = GGMLQuantizationType(ggml_type)

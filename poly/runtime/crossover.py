@@ -28,7 +28,7 @@ from poly.model.block import run_block
 from poly.nn import mha
 from poly.ops import linear
 from poly.quant.schemes import SCHEMES
-from poly.runtime import ckernels, fused, kernels, prefill, threadtune, tune_cache
+from poly.runtime import ckernels, fused, kernels, prefill, threadtune
 
 BUCKETS = (16, 32, 64, 128, 256, 512)  # prompt lengths a decision covers (up to and including)
 ROUNDS = 7  # alternations of the two paths at most (a cheap probe: the least of many)
@@ -58,6 +58,8 @@ def entry_name(model, p: fused.Plan, n: int, threads: int) -> str:
 def fused_wins(model, p: fused.Plan, n: int, default: bool) -> bool:
     """Whether an n-token prompt runs faster as fused calls than on the reference path: the
     tune file's finding for this class, else a probe now, else `default` (the shipped rule)."""
+    from poly.runtime import tune_cache  # hashlib, json, tempfile: ~7 ms, not at every start
+
     mode = tune_cache.mode()
     if mode == "off":
         return default
@@ -192,6 +194,8 @@ def table(model, rule, lengths=BUCKETS) -> list[dict]:
     """Measure every length class now (as POLY_TUNE=force would), keep the findings and return
     one row each: {"tokens", "blocks", "fused_s", "reference_s", "fused", "default"}; `rule`:
     the shipped rule, rule(model, plan, n) -> bool (dispatch.shipped_rule; `lucy bench --tune`)."""
+    from poly.runtime import tune_cache  # as in `fused_wins`
+
     p = fused.plan(model) if ckernels.SIMD else None
     if p is None or model.activation_dtype != np.float32:
         return []

@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from poly.runtime import ckernels, layout_cache, tied
+from poly.runtime import ckernels, tied
 from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
 # bytes of one record: per 16 rows and 32-block (csrc/formats/interleave16.h), per 8 rows and
@@ -162,6 +162,8 @@ def _cached(kind: int, data: np.ndarray, m: int, k: int, aux) -> np.ndarray | No
     """The repacked rows of `kind` (kquant_interleave8, kquant_interleave8_q6 or interleave16),
     read from the layout cache when a process made them before (`layout_cache`), else made and
     written there."""
+    from poly.runtime import layout_cache  # hashlib, json, shutil, tempfile: ~8 ms at start
+
     rows, cols, rec = _RECORDS[kind]
     name = f"{'kquant_interleave8' if rows == 8 else 'interleave16'}-{kind}"  # the file's layout
     if not (m % rows or k % cols):
@@ -312,6 +314,8 @@ def float_kmajor16(kind: int, w, raw: np.ndarray, m: int, k: int, order=None) ->
     then released (`release_mapped`): they stay in the page cache and fault back in if a path
     reads the rows. `w`: the weight object the copy lives with (the array, or its QTensor);
     `order` (optional): row i of the layout is stored row order[i] (a GGUF file's q/k rows)."""
+    from poly.runtime import layout_cache  # as in `_cached`: only once a copy is wanted
+
     key = id(w)
     got = ckernels.FLOAT_KMAJOR16.get(key)
     if got is not None or not float_kmajor16_wanted(kind, m) or _mapping(raw) is None:

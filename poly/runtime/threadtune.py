@@ -24,7 +24,6 @@ follows a prefill which found fewer threads faster starts on fewer threads, and 
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 WINDOW = 4  # steps per measurement
@@ -33,6 +32,12 @@ GAIN = 0.9  # a trial count is kept when its window is at least 10 % faster
 RECHECK = 64  # steps on fewer threads before trying all threads again
 MAX_RECHECK = 1024
 GAP = 0.001  # seconds between reads of the run queue
+
+
+def _median(times: list[float]) -> float:
+    import statistics  # imported when a tuner first decides: it costs ~4 ms (fractions, decimal)
+
+    return statistics.median(times)
 
 
 def adaptive() -> bool:
@@ -87,7 +92,7 @@ class ThreadTuner:
         self.recent = [*self.recent[-(WINDOW - 1) :], seconds]
         if len(self.recent) < WINDOW:
             return
-        med = statistics.median(self.recent)
+        med = _median(self.recent)
         best = self.best[threads] = min(self.best.get(threads, med), med)
         if threads == self.full and (not self.calibrated or med > SLOW * best):
             self.calibrated = True
@@ -102,7 +107,7 @@ class ThreadTuner:
     def _record_trial(self, seconds: float) -> None:
         threads, times = self.trial
         times.append(seconds)
-        base = statistics.median(self.recent)
+        base = _median(self.recent)
         retry = threads == self.full
         if retry and seconds > SLOW * base:  # still loaded: stop at once, wait longer next time
             self.trial = None
@@ -111,7 +116,7 @@ class ThreadTuner:
         if len(times) < WINDOW:
             return
         self.trial = None
-        ours = statistics.median(times)
+        ours = _median(times)
         self.best[threads] = min(self.best.get(threads, ours), ours)
         if ours < GAIN * base:
             self.current, self.recent = threads, []
@@ -199,7 +204,7 @@ class PrefillTuner:
 
     def reference(self) -> float:
         """Seconds per token of a full block, the median of the recent ones (0: none yet)."""
-        return statistics.median(self.recent) if self.recent else 0.0
+        return _median(self.recent) if self.recent else 0.0
 
     def begin(self, full: int, tokens: int = 1) -> PrefillPace:
         return PrefillPace(self, full, max(1, tokens))
