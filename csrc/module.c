@@ -12,6 +12,8 @@
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "formats/gguf_strings.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define PK_X86 1
@@ -94,6 +96,8 @@ static PyObject *py_variant(PyObject *self, PyObject *arg) {
 
 static PyMethodDef extra[] = {
     {"variant", py_variant, METH_O, "the module of one instruction-set build (see ISAS)"},
+    {"gguf_strings", (PyCFunction)(void (*)(void))py_gguf_strings, METH_FASTCALL,
+     "gguf_strings(buf, pos, count, cap) -> (list of str, end) or None (formats/gguf_strings.h)"},
     {NULL, NULL, 0, NULL},
 };
 

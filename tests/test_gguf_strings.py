@@ -47,3 +47,27 @@ def test_byte_level_vocab_respells_outsiders_and_keeps_a_repeat_first():
     vocab = tok.get_vocab()
     assert vocab["a"] == 0 and vocab["ab"] == 2 and vocab[spelled] == 4 and "日" not in vocab
     assert tok.encode("ab").ids == [2]
+
+
+def test_the_c_reader_reads_what_the_loop_reads_and_leaves_errors_to_it(tmp_path):
+    import pytest
+
+    from entity.gguf.header import Cursor
+    from poly.runtime.ckernels import EXT
+
+    if getattr(EXT, "gguf_strings", None) is None:
+        pytest.skip("the C extension is not built")
+    words = ["", "a", "Ġthe", "日本語", "👋🏽", "x" * 300] * 40
+    blob = b"".join(_str(w) for w in words) + b"tail"
+    assert EXT.gguf_strings(blob, 0, len(words), 1 << 20) == (words, len(blob) - 4)
+    loop = Cursor(blob, "mem")
+    assert loop.strings(len(words), "element", 1 << 20) == words  # the C path, via the cursor
+    assert EXT.gguf_strings(blob, 0, len(words), 299) is None  # "x" * 300 over the cap
+    assert EXT.gguf_strings(blob[:-10], 0, len(words), 1 << 20) is None  # truncated
+    assert EXT.gguf_strings(blob, 0, len(blob), 1 << 20) is None  # count past the buffer
+    # a bad element among many: the C reader declines, the loop names it at its offset
+    bad = [f"t{i}" for i in range(200)]
+    data = write_gguf([*KVS[:4], ("tokenizer.ggml.tokens", ARRAY, (STRING, [*bad, b"\xc3"]))],
+                      TENSORS)  # fmt: skip
+    err = assert_bad(tmp_path, data, "element of .*UTF-8")
+    assert err.offset == data.index(_str(b"\xc3")) + 8
