@@ -22,6 +22,11 @@ load average before and after (the machine may be shared).
 
     python -m benchmarks.speculative [--rounds 5] [--new 320] [--lookup 8] [--draft-tokens 8]
         [--model-settings] [--json benchmarks/results/results-speculative-smollm2-zen3.json]
+    python -m benchmarks.speculative --agreement [--new 48] [--json ...]
+
+`--agreement`: issue 61's first point on the real model: 20 chat prompts (questions, rewrites,
+code), greedy, each decoded plainly, with lookup and with the Q4_1 draft, f32 target; the
+tokens must be equal.
 """
 
 from __future__ import annotations
@@ -190,6 +195,55 @@ def summarize(runs: dict, reports: dict, tokens: dict, cpu: dict) -> dict:
     return out
 
 
+AGREEMENT_PROMPTS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog.",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is in two sentences.",
+    "Translate to French: good morning, how are you?",
+    "List the days of the week.",
+    "Write a Python function that adds two numbers.",
+    "Fix the grammar: she go to school every days.",
+    "What is 12 times 12?",
+    "Summarize: The sun is a star at the center of the solar system.",
+    "Give me a recipe for pancakes.",
+    "Rename the variable a to total: def f(a):\n    a = a + 1\n    return a",
+    "Why is the sky blue?",
+    "Write a short email asking for a meeting on Monday.",
+    "Count from one to ten in words.",
+    "What does HTTP stand for?",
+    "Convert this list to uppercase: apple, banana, cherry.",
+    "Describe a cat in one sentence.",
+    'Return this JSON with the key renamed to id: {"key": 1, "name": "x"}',
+)
+
+
+def agreement(args) -> dict:
+    """Greedy tokens of plain, lookup and draft decoding on 20 prompts (f32 target)."""
+    import entity
+    import poly.text  # noqa: F401
+
+    f32, draft = entity.load(HF_DIR), entity.load(GGUF)
+    opts = dict(temperature=0.0, max_tokens=args.new, repetition_penalty=1.0, dry_multiplier=0.0)
+    rows = []
+    for text in AGREEMENT_PROMPTS:
+        ids = f32.prompt_ids(text, chat=True)
+        plain = f32.generate(ids, **opts).tokens
+        look = f32.generate(ids, lookup=args.lookup, **opts)
+        drafted = f32.generate(ids, draft=draft, draft_tokens=args.draft_tokens, **opts)
+        rows.append({"prompt": text, "tokens": len(plain),
+                     "lookup_equal": look.tokens == plain, "draft_equal": drafted.tokens == plain,
+                     "lookup_accepted": look.speculative["accepted"],
+                     "draft_accepted": drafted.speculative["accepted"]})  # fmt: skip
+        print(f"{len(rows)}/20 lookup={rows[-1]['lookup_equal']} draft={rows[-1]['draft_equal']}",
+              file=sys.stderr)  # fmt: skip
+    return {"benchmark": "speculative greedy agreement, 20 prompts (issue 61, acceptance 1)",
+            "model": "SmolLM2-135M-Instruct f32 (draft: its Q4_1 GGUF)", "new_tokens_max": args.new,
+            "all_equal": all(r["lookup_equal"] and r["draft_equal"] for r in rows),
+            "prompts": rows}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -204,11 +258,17 @@ def main() -> None:
         action="store_true",
         help="poly engines keep the model's penalties (plain greedy otherwise)",
     )
+    ap.add_argument("--agreement", action="store_true", help="greedy equality on 20 prompts")
     ap.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.llama_worker:
         return llama_worker(args.new, args.lookup, args.threads)
+    if args.agreement:
+        text = json.dumps(agreement(args), indent=1)
+        if args.json:
+            Path(args.json).write_text(text + "\n")
+        return print(text)
     load0 = os.getloadavg()
     ids, engines = poly_engines(args)
     runs, reports, tokens, cpu = {}, {}, {}, {}

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "formats/gguf_strings.h"
+#include "formats/repack_records.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define PK_X86 1
@@ -98,6 +99,8 @@ static PyMethodDef extra[] = {
     {"variant", py_variant, METH_O, "the module of one instruction-set build (see ISAS)"},
     {"gguf_strings", (PyCFunction)(void (*)(void))py_gguf_strings, METH_FASTCALL,
      "gguf_strings(buf, pos, count, cap) -> (list of str, end) or None (formats/gguf_strings.h)"},
+    {"repack_records", (PyCFunction)(void (*)(void))py_repack_records, METH_FASTCALL,
+     "repack_records(layout, raw, m, k, out): rows by 16 or 8 (formats/repack_records.h)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,6 +5,7 @@ cache file is ignored (never unpickled) and written again."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -164,3 +165,14 @@ def test_a_corrupt_cache_file_is_ignored_never_unpickled(home, tiny, tmp_path):
     for f in files[:3]:  # rewritten as valid layouts
         arr = np.load(f, allow_pickle=False)
         assert arr.dtype != object and arr.size > 0
+
+
+def test_a_file_larger_than_the_cap_is_not_cached(home, tiny, tmp_path, monkeypatch):
+    # its layouts would evict every other model's, then its own at the next open of another
+    served = _f16(tiny, tmp_path / "m.entity")
+    first = _logits(served)
+    assert _files(home)  # under the cap: cached
+    shutil.rmtree(home)
+    monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", str(os.path.getsize(served) - 1))
+    np.testing.assert_array_equal(_logits(served), first)
+    assert not home.exists() or not _files(home)

@@ -15,7 +15,8 @@ written again. Written to a temporary name and renamed: a reader never sees half
 directory whose source file is gone or changed is removed when a new one is written.
 POLY_LAYOUT_CACHE=0 turns it off (nothing read or written); matrices under 64 KB are not cached.
 The layouts are a second copy of the weights: past POLY_LAYOUT_CACHE_MAX bytes in all (default
-4 GiB) the directories used longest ago are removed when a new one is written.
+4 GiB) the directories used longest ago are removed when a new one is written, and a model file
+larger than that is not cached at all (an 8B-class Q8_0: its copies are made in C at each open).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _entry(raw: np.ndarray, name: str, extra: bytes) -> tuple[FileSnapshot, Path
     if not enabled() or raw.nbytes < MIN_BYTES:
         return None
     snap = _snapshot_of(raw)
-    if snap is None or snap.closed:
+    # a file past the cap: its layouts would evict every other model's, then its own
+    if snap is None or snap.closed or snap.size > max_bytes():
         return None
     folder = _source_dir(snap)
     if folder is None:
