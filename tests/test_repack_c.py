@@ -1,5 +1,5 @@
 """The repacked records made in C (csrc/formats/repack_records.h) are the bytes of
-poly.runtime.repack's numpy copies: Q4_0/Q4_1/Q8_0 rows by 16, Q4_K rows by 8, on random
+poly.runtime.repack's numpy copies: Q4_0/Q4_1/Q8_0 rows by 16, Q4_K/Q6_K rows by 8, on random
 stored rows (the copies move bits: any byte pattern is a fair input)."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from poly.runtime import ckernels, repack
-from poly.runtime.ckernels import Q4_0, Q4_1, Q4_K, Q8_0
+from poly.runtime.ckernels import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
 pytestmark = pytest.mark.skipif(
     not (ckernels.AVAILABLE and hasattr(ckernels.EXT, "repack_records")),
     reason="the C extension is not built",
 )
 
-BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144)}
+BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+BY8 = {Q4_K: repack.kquant_interleave8, Q6_K: repack.kquant_interleave8_q6}
 
 
 def _both(kind: int, m: int, k: int, monkeypatch) -> tuple[np.ndarray, np.ndarray]:
@@ -32,7 +33,9 @@ def _both(kind: int, m: int, k: int, monkeypatch) -> tuple[np.ndarray, np.ndarra
     return fast, slow
 
 
-@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q8_0, Q4_K], ids=["q4_0", "q4_1", "q8_0", "q4_k"])
+@pytest.mark.parametrize(
+    "kind", [Q4_0, Q4_1, Q8_0, Q4_K, Q6_K], ids=["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"]
+)
 @pytest.mark.parametrize("m,k", [(16, 256), (48, 512)])
 def test_c_records_are_the_numpy_records(kind, m, k, monkeypatch):
     fast, slow = _both(kind, m, k, monkeypatch)

@@ -1,5 +1,5 @@
 /* The repacked records of poly/runtime/repack.py made in C: GGUF Q4_0/Q4_1/Q8_0 rows by 16
- * (interleave16.h's records) and Q4_K rows by 8 (kquant_interleave8.h's). The same bytes as
+ * (interleave16.h's records) and Q4_K/Q6_K rows by 8 (kquant_interleave8.h's). The same bytes as
  * repack.py's numpy copies (tests/test_repack_c.py), ~10x faster: an 8B-class file is gigabytes
  * of them on every open its layouts are not cached for. Plain C, one thread: module.c's. */
 #ifndef POLY_FORMATS_REPACK_RECORDS_H
@@ -54,8 +54,35 @@ static void kil8_group(const uint8_t *rows, int64_t ns, uint8_t *out) {
     }
 }
 
-/* repack_records(layout, raw, m, k, out): layout "q4_0" | "q4_1" | "q8_0" (by 16) | "q4_k"
- * (by 8); raw the [m, row bytes] stored rows, out the records' buffer (writable). */
+/* One group of 8 Q6_K rows [8][ns][210] -> ns records of 1680 bytes: D[8] (f16 bits), the int8
+ * scales (byte 16 + 16 i + 2 r + e: 16-group 2 i + e), then per 16-group j three 32-byte vectors:
+ * byte 4 r + b of vector 3 j + k = the 6-bit code of element 16 j + 4 k + b, bits 6-7 bits
+ * 4 - 2 k, 5 - 2 k of element 16 j + 12 + b's code. */
+static void kil8q6_group(const uint8_t *rows, int64_t ns, uint8_t *out) {
+    uint8_t c[256];
+    for (int r = 0; r < 8; r++) {
+        const uint8_t *blk = rows + (int64_t)r * ns * 210;
+        for (int64_t s = 0; s < ns; s++, blk += 210) {
+            uint8_t *o = out + s * 1680;
+            const uint8_t *ql = blk, *qh = blk + 128;
+            memcpy(o + 2 * r, blk + 208, 2);
+            for (int i = 0; i < 8; i++) memcpy(o + 16 + 16 * i + 2 * r, blk + 192 + 2 * i, 2);
+            for (int h = 0; h < 2; h++)
+                for (int q = 0; q < 4; q++)
+                    for (int l = 0; l < 32; l++)
+                        c[128 * h + 32 * q + l] = (uint8_t)(((ql[64 * h + 32 * (q & 1) + l] >> (4 * (q >> 1))) & 15) |
+                                                            (((qh[32 * h + l] >> (2 * q)) & 3) << 4));
+            for (int j = 0; j < 16; j++)
+                for (int k = 0; k < 3; k++)
+                    for (int b = 0; b < 4; b++)
+                        o[144 + 32 * (3 * j + k) + 4 * r + b] =
+                            (uint8_t)(c[16 * j + 4 * k + b] | (uint8_t)((c[16 * j + 12 + b] >> (4 - 2 * k)) << 6));
+        }
+    }
+}
+
+/* repack_records(layout, raw, m, k, out): layout "q4_0" | "q4_1" | "q8_0" (by 16) | "q4_k" |
+ * "q6_k" (by 8); raw the [m, row bytes] stored rows, out the records' buffer (writable). */
 static PyObject *py_repack_records(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 5) {
@@ -71,6 +98,7 @@ static PyObject *py_repack_records(PyObject *self, PyObject *const *args, Py_ssi
     else if (!strcmp(layout, "q4_1")) bb = 20, nq = 4, field2 = 1, rec = 320;
     else if (!strcmp(layout, "q8_0")) bb = 34, nq = 8, sums = 1, rec = 576;
     else if (!strcmp(layout, "q4_k")) bb = 144, rows = 8, cols = 256, rec = 1184;
+    else if (!strcmp(layout, "q6_k")) bb = 210, rows = 8, cols = 256, rec = 1680;
     if (!bb || m <= 0 || k <= 0 || m % rows || k % cols) {
         PyErr_SetString(PyExc_ValueError, "repack_records: unknown layout or shape");
         return NULL;
@@ -90,7 +118,8 @@ static PyObject *py_repack_records(PyObject *self, PyObject *const *args, Py_ssi
         Py_BEGIN_ALLOW_THREADS
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *grp = src + g * rows * nb * bb;
-            if (rows == 8) kil8_group(grp, nb, dst + g * nb * rec);
+            if (bb == 210) kil8q6_group(grp, nb, dst + g * nb * rec);
+            else if (rows == 8) kil8_group(grp, nb, dst + g * nb * rec);
             else il16_group(grp, nb, bb, nq, field2, sums, dst + g * nb * rec, rec);
         }
         Py_END_ALLOW_THREADS

@@ -105,7 +105,8 @@ def interleave16(
 
 
 _RECORD_SHAPE = {"q4_0": (16, 32, INTERLEAVE16_REC4), "q4_1": (16, 32, INTERLEAVE16_REC),
-                 "q8_0": (16, 32, 576), "q4_k": (8, 256, KQUANT_INTERLEAVE8_REC)}  # fmt: skip
+                 "q8_0": (16, 32, 576), "q4_k": (8, 256, KQUANT_INTERLEAVE8_REC),
+                 "q6_k": (8, 256, KQUANT_INTERLEAVE8_Q6_REC)}  # fmt: skip
 
 
 def _records_in_c(layout: str, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
@@ -266,6 +267,9 @@ def kquant_interleave8_q6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
+    fast = _records_in_c("q6_k", raw, m, k)
+    if fast is not None:
+        return fast
     blocks = np.asarray(raw).reshape(g, 8, ns, 210)  # the stored bytes [group, row, sb, block]
     out = np.empty((g, ns, KQUANT_INTERLEAVE8_Q6_REC), dtype=np.uint8)
     d = blocks[..., 208:210]  # [g, row, ns, 2] -> [g, ns, row, 2]
