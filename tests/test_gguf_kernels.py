@@ -210,7 +210,8 @@ def test_unknown_build_is_a_usage_error():
 def test_the_matrix_type_table_is_what_gguf_py_dequantizes():
     # opening a file checks the table, not gguf-py (its import is ~40 ms of an open): every type
     # the table lets in must be one gguf-py's reference path decodes
-    from poly.quant.qtensor import GGUF_MATRIX_TYPES, gguf_supported
+    from poly.quant.ggml import GGUF_MATRIX_TYPES
+    from poly.quant.qtensor import gguf_supported
 
     assert GGUF_MATRIX_TYPES <= gguf_supported()
     assert {GGMLQuantizationType.Q4_K.value, GGMLQuantizationType.IQ4_XS.value} <= {

@@ -39,12 +39,15 @@ def test_string_array_elements_are_checked_like_strings(tmp_path):
     assert gg.metadata["tokenizer.ggml.tokens"] == [f"t{i}ü" for i in range(5000)]
 
 
-def test_byte_level_vocab_respells_outsiders_and_keeps_a_repeat_first():
-    from entity.gguf.tokenizer import _byte_level, bytes_to_unicode
+def test_byte_level_vocab_respells_outsiders_and_keeps_a_repeat_first(tmp_path):
+    from entity.gguf.tokenizer import build_tokenizer
 
-    spelled = "".join(bytes_to_unicode()[b] for b in "日".encode())
-    tok = _byte_level(["a", "b", "ab", "a", "日"], [("a", "b")], None)
+    kvs = [*KVS[:4], ("tokenizer.ggml.model", STRING, "gpt2"),
+           ("tokenizer.ggml.tokens", ARRAY, (STRING, ["a", "b", "ab", "a", "日"])),
+           ("tokenizer.ggml.merges", ARRAY, (STRING, ["a b"]))]  # fmt: skip
+    tok = build_tokenizer(open_bytes(tmp_path, write_gguf(kvs, TENSORS))).tokenizer
     vocab = tok.get_vocab()
+    spelled = "".join(chr(c) for c in (0x00E6, 0x0139, 0x00A5))  # "日"'s UTF-8 bytes, GPT-2 spelled
     assert vocab["a"] == 0 and vocab["ab"] == 2 and vocab[spelled] == 4 and "日" not in vocab
     assert tok.encode("ab").ids == [2]
 

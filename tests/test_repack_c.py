@@ -28,7 +28,7 @@ def _both(kind: int, m: int, k: int, monkeypatch) -> tuple[np.ndarray, np.ndarra
         else (lambda r, m, k: repack.interleave16(kind, r, m, k))
     )
     fast = make(raw.copy(), m, k)
-    monkeypatch.setattr(repack, "_records_in_c", lambda *a: None)
+    monkeypatch.setattr(repack.repack_records, "make", lambda *a: None)
     slow = make(raw.copy(), m, k)
     return fast, slow
 

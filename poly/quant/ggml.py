@@ -91,6 +91,13 @@ QUANT_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q1_0: (128, 18),
 }
 
+# The types a GGUFMatrix holds, checked against gguf-py's dequantizer by a test (asking it at
+# every open imported gguf-py, ~40 ms): plain and integer tensors and blocks it cannot decode out.
+GGUF_MATRIX_TYPES = frozenset(GGMLType) - {
+    GGMLType.F64, GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64,
+    GGMLType.Q1_0, GGMLType.Q8_1, GGMLType.Q8_K,
+}  # fmt: skip
+
 
 # --- MXFP4 (OCP microscaling: 32 e2m1 values sharing one e8m0 exponent) -------------------------
 

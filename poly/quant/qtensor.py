@@ -22,7 +22,7 @@ from poly.errors import (
     NumericalError,
     UnsupportedError,
 )
-from poly.quant.ggml import QUANT_SIZES, GGMLType, dequantize_mxfp4
+from poly.quant.ggml import GGUF_MATRIX_TYPES, QUANT_SIZES, GGMLType, dequantize_mxfp4
 
 KERNELS: dict[str, Callable[[QTensor, np.ndarray, np.ndarray], None]] = {}
 # A compiled dequantizer a backend installs (poly.runtime.kernels): "supported"(qt) -> bool,
@@ -300,19 +300,11 @@ def _gguf_dequantizable(qtype: GGMLType) -> bool:
 
 @functools.cache
 def gguf_supported() -> frozenset[GGMLType]:
-    """The GGML types gguf-py dequantizes, asked of it (tests check GGUF_MATRIX_TYPES against it)."""
+    """The GGML types gguf-py dequantizes, asked of it (a test checks ggml.GGUF_MATRIX_TYPES)."""
     own = {GGMLType.MXFP4}  # dequantized by poly.quant.ggml, whatever gguf-py's version
     return frozenset(
         t for t in GGMLType if t in QUANT_SIZES and (t in own or _gguf_dequantizable(t))
     )
-
-
-# The types a GGUFMatrix holds: a table, not the probe above, so that opening a file does not
-# import gguf-py (~40 ms); plain and integer tensors, and blocks gguf-py cannot decode, are out.
-GGUF_MATRIX_TYPES = frozenset(GGMLType) - {
-    GGMLType.F64, GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64,
-    GGMLType.Q1_0, GGMLType.Q8_1, GGMLType.Q8_K,
-}  # fmt: skip
 
 
 class GGUFMatrix(QTensor):
@@ -327,7 +319,7 @@ class GGUFMatrix(QTensor):
             qtype = GGMLType(int(ggml_type))
         except ValueError as exc:
             raise GGUFFormatError(f"unknown ggml tensor type {ggml_type} (tensor_type)") from exc
-        if qtype not in GGUF_MATRIX_TYPES:
+        if qtype not in GGUF_MATRIX_TYPES:  # a table: opening a file imports no gguf-py
             raise UnsupportedError(f"ggml type {qtype.name} cannot be dequantized (quant_type)")
         self.shape = _shape2(shape)
         block, type_size = QUANT_SIZES[qtype]

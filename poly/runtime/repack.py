@@ -8,13 +8,11 @@ laid out by 16, k-major (`float_kmajor16`, csrc/formats/float_kmajor16.h): the g
 from __future__ import annotations
 
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from poly.runtime import ckernels, kernels, tied
+from poly.runtime import ckernels, repack_records, tied
 from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
-from poly.weights import aligned_zeros
 
 # bytes of one record: per 16 rows and 32-block (csrc/formats/interleave16.h), per 8 rows and
 # super-block (csrc/formats/kquant_interleave8.h)
@@ -87,8 +85,9 @@ def interleave16(
         return None if aux is None else _repack_loom(raw, aux, m, k)
     nb, g = k // 32, m // 16
     bb, nq = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}[kind]  # block bytes, code quads
-    fast = _records_in_c({Q4_0: "q4_0", Q4_1: "q4_1", Q8_0: "q8_0"}[kind], raw, m, k)
+    fast = repack_records.make({Q4_0: "q4_0", Q4_1: "q4_1", Q8_0: "q8_0"}[kind], raw, m, k)
     if fast is not None:
+        release_mapped(raw)
         return fast
     blocks = np.asarray(raw).reshape(m, nb, bb)  # the stored bytes [m, nb, block]
     fields = [_field(blocks, 0)]  # D as float16 bits [m, nb]; Q4_0: D alone (M = -8 D)
@@ -100,34 +99,6 @@ def interleave16(
     for j, v in enumerate(fields):
         _place_fields(out, 32 * j, v)
     _place_codes(out, 32 * len(fields), blocks[..., bb - 4 * nq :])
-    release_mapped(raw)
-    return out
-
-
-_RECORD_SHAPE = {"q4_0": (16, 32, INTERLEAVE16_REC4), "q4_1": (16, 32, INTERLEAVE16_REC),
-                 "q8_0": (16, 32, 576), "q4_k": (8, 256, KQUANT_INTERLEAVE8_REC),
-                 "q6_k": (8, 256, KQUANT_INTERLEAVE8_Q6_REC)}  # fmt: skip
-
-
-def _records_in_c(layout: str, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
-    """The records made by csrc/formats/repack_records.h (~10x the numpy copies below, the
-    same bytes), the stored rows then released; None when the extension has no such call."""
-    make = getattr(ckernels.EXT, "repack_records", None) if ckernels.AVAILABLE else None
-    if make is None:
-        return None
-    rows, cols, rec = _RECORD_SHAPE[layout]
-    g = m // rows
-    out = aligned_zeros(g * (k // cols) * rec, np.uint8).reshape(g, k // cols, rec)  # huge pages
-    src = np.ascontiguousarray(raw).reshape(m, -1)
-    parts = min(kernels.num_threads(), max(1, src.nbytes >> 24))  # threads for 16 MB and up
-    cuts = [g * i // parts for i in range(parts + 1)]
-    jobs = [(layout, src[a * rows : b * rows], (b - a) * rows, k, out[a:b])
-            for a, b in zip(cuts, cuts[1:]) if b > a]  # fmt: skip
-    if len(jobs) == 1:
-        make(*jobs[0])
-    else:  # the call lets the GIL go: the pages fault in (file and copy) on every core
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            list(pool.map(lambda job: make(*job), jobs))
     release_mapped(raw)
     return out
 
@@ -233,8 +204,9 @@ def kquant_interleave8(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
-    fast = _records_in_c("q4_k", raw, m, k)
+    fast = repack_records.make("q4_k", raw, m, k)
     if fast is not None:
+        release_mapped(raw)
         return fast
     blocks = np.asarray(raw).reshape(g, 8, ns, 144)  # the stored bytes [group, row, sb, block]
     out = np.empty((g, ns, KQUANT_INTERLEAVE8_REC), dtype=np.uint8)
@@ -267,8 +239,9 @@ def kquant_interleave8_q6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
-    fast = _records_in_c("q6_k", raw, m, k)
+    fast = repack_records.make("q6_k", raw, m, k)
     if fast is not None:
+        release_mapped(raw)
         return fast
     blocks = np.asarray(raw).reshape(g, 8, ns, 210)  # the stored bytes [group, row, sb, block]
     out = np.empty((g, ns, KQUANT_INTERLEAVE8_Q6_REC), dtype=np.uint8)
