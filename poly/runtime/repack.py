@@ -85,9 +85,8 @@ def interleave16(
         return None if aux is None else _repack_loom(raw, aux, m, k)
     nb, g = k // 32, m // 16
     bb, nq = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}[kind]  # block bytes, code quads
-    fast = repack_records.make({Q4_0: "q4_0", Q4_1: "q4_1", Q8_0: "q8_0"}[kind], raw, m, k)
+    fast = _records_in_c(kind, raw, m, k)
     if fast is not None:
-        release_mapped(raw)
         return fast
     blocks = np.asarray(raw).reshape(m, nb, bb)  # the stored bytes [m, nb, block]
     fields = [_field(blocks, 0)]  # D as float16 bits [m, nb]; Q4_0: D alone (M = -8 D)
@@ -162,6 +161,15 @@ _RECORDS = {Q4_K: (8, 256, KQUANT_INTERLEAVE8_REC), Q6_K: (8, 256, KQUANT_INTERL
             I8: (16, 32, INTERLEAVE16_REC_I8)}  # fmt: skip
 
 
+def _records_in_c(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
+    """`kind`'s records made by the C extension (`repack_records`), the stored rows released as
+    the numpy copies below release them; None where the extension makes none."""
+    out = repack_records.make(kind, raw, m, k, _RECORDS[kind])
+    if out is not None:
+        release_mapped(raw)
+    return out
+
+
 def _cached(kind: int, data: np.ndarray, m: int, k: int, aux) -> np.ndarray | None:
     """The repacked rows of `kind` (kquant_interleave8, kquant_interleave8_q6 or interleave16),
     read from the layout cache when a process made them before (`layout_cache`), else made and
@@ -204,9 +212,8 @@ def kquant_interleave8(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
-    fast = repack_records.make("q4_k", raw, m, k)
+    fast = _records_in_c(Q4_K, raw, m, k)
     if fast is not None:
-        release_mapped(raw)
         return fast
     blocks = np.asarray(raw).reshape(g, 8, ns, 144)  # the stored bytes [group, row, sb, block]
     out = np.empty((g, ns, KQUANT_INTERLEAVE8_REC), dtype=np.uint8)
@@ -239,9 +246,8 @@ def kquant_interleave8_q6(raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
     if not _by8(m, k):
         return None
     g, ns = m // 8, k // 256
-    fast = repack_records.make("q6_k", raw, m, k)
+    fast = _records_in_c(Q6_K, raw, m, k)
     if fast is not None:
-        release_mapped(raw)
         return fast
     blocks = np.asarray(raw).reshape(g, 8, ns, 210)  # the stored bytes [group, row, sb, block]
     out = np.empty((g, ns, KQUANT_INTERLEAVE8_Q6_REC), dtype=np.uint8)

@@ -12,18 +12,19 @@ import numpy as np
 from poly.runtime import ckernels, kernels
 from poly.weights import aligned_zeros
 
-# layout -> (rows, columns, bytes) of one record (csrc/formats/interleave16.h, kquant_interleave8.h)
-SHAPES = {"q4_0": (16, 32, 288), "q4_1": (16, 32, 320), "q8_0": (16, 32, 576),
-          "q4_k": (8, 256, 1184), "q6_k": (8, 256, 1680)}  # fmt: skip
+# the C side's name of each kind's layout (csrc/formats/repack_records.h)
+LAYOUTS = {ckernels.Q4_0: "q4_0", ckernels.Q4_1: "q4_1", ckernels.Q8_0: "q8_0",
+           ckernels.Q4_K: "q4_k", ckernels.Q6_K: "q6_k"}  # fmt: skip
 
 
-def make(layout: str, raw: np.ndarray, m: int, k: int) -> np.ndarray | None:
-    """The records of `raw` [m, row bytes] on huge pages, over the threads; None when the
-    extension has no such call (the caller's numpy copies then)."""
+def make(kind: int, raw: np.ndarray, m: int, k: int, record: tuple) -> np.ndarray | None:
+    """The records of `raw` [m, row bytes] on huge pages, over the threads; `record`: (rows,
+    columns, bytes) of one (poly.runtime.repack's table). None when the extension has no such
+    call (the caller's numpy copies then)."""
     call = getattr(ckernels.EXT, "repack_records", None) if ckernels.AVAILABLE else None
-    if call is None:
+    if call is None or kind not in LAYOUTS:
         return None
-    rows, cols, rec = SHAPES[layout]
+    layout, (rows, cols, rec) = LAYOUTS[kind], record
     g = m // rows
     out = aligned_zeros(g * (k // cols) * rec, np.uint8).reshape(g, k // cols, rec)
     src = np.ascontiguousarray(raw).reshape(m, -1)
