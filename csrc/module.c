@@ -99,6 +99,8 @@ static PyMethodDef extra[] = {
     {"variant", py_variant, METH_O, "the module of one instruction-set build (see ISAS)"},
     {"gguf_strings", (PyCFunction)(void (*)(void))py_gguf_strings, METH_FASTCALL,
      "gguf_strings(buf, pos, count, cap) -> (list of str, end) or None (formats/gguf_strings.h)"},
+    {"merge_pairs", (PyCFunction)py_merge_pairs, METH_O,
+     "merge_pairs(list of str) -> list of (left, right) or None (formats/gguf_strings.h)"},
     {"repack_records", (PyCFunction)(void (*)(void))py_repack_records, METH_FASTCALL,
      "repack_records(layout, raw, m, k, out): rows by 16 or 8 (formats/repack_records.h)"},
     {NULL, NULL, 0, NULL},

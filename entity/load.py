@@ -9,6 +9,7 @@ so that one missing or broken module does not break the others.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import os
 import stat
@@ -105,10 +106,23 @@ def load(
     """
     if tp is not None and lockstep and tp.rank != 0:
         kw["entity_text"] = False
+    paused = gc.isenabled()
+    gc.disable()  # an open makes ~10^5 long-lived objects (a vocabulary): collecting is waste (~15 ms)
+    try:
+        return _open(path_or_model_id, tp, kw)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _open(path_or_model_id: str | os.PathLike, tp: Any, kw: dict) -> Any:
     from poly.filesnapshot import deferred_reads
     from poly.runtime.fused import prepare
+    from poly.runtime.layout_cache import KEPT
 
-    with deferred_reads():  # the file mapped; read in at the end but for what copies replace
+    # the file mapped; read in at the end (or mapped from the layout cache's copy of those
+    # pages) but for what copies replace
+    with deferred_reads(KEPT):
         model = _load(path_or_model_id, **kw)
         if tp is not None:
             from poly.runtime.tp import shard

@@ -100,26 +100,45 @@ class FileSnapshot(mmap.mmap):
         if self.deferred:
             self._map_file(*self._page_range(offset, length))
 
-    def settle(self) -> None:
+    def settle(self, copies: Any = None) -> None:
         """End a deferred open (`deferred_reads`): every page not released (nor lazy) is read
-        into our own memory now, pinned ones always; the file must still be the one opened."""
+        into our own memory now, pinned ones always; the file must still be the one opened.
+        `copies` (poly.runtime.layout_cache.KEPT) maps those pages from a private copy of them
+        a former open wrote, instead of reading the file, and writes one when there is none."""
         if not self.deferred:
             return
         self.deferred = False
         gone = _merge([*self.released, *self.lazy])
-        keep = _merge([*_gaps(gone, self._page_range(0, self.size)[1]),
-                       *getattr(self, "pinned", ())])  # fmt: skip
-        for lo, hi in keep:
-            hi = min(hi, self._page_range(0, self.size)[1])
-            if hi > lo and not self._own(lo, hi):
-                raise ModelFileChangedError(
-                    "cannot map memory to read the file into", path=self.path
-                )
+        end = self._page_range(0, self.size)[1]
+        keep = _merge([*_gaps(gone, end), *getattr(self, "pinned", ())])
+        keep = [(lo, min(hi, end)) for lo, hi in keep if min(hi, end) > lo]
         from poly import timing
 
         with timing.phase("read"):
-            self._read_between(_gaps(keep, self.size))
+            if copies is None or not copies.map(self, keep):  # (a partial last page: read at open)
+                self._own_and_read(keep)
+                if copies is not None:
+                    copies.store(self, keep)
         self.check()
+
+    def _own_and_read(self, keep: list[tuple[int, int]]) -> None:
+        for lo, hi in keep:
+            if not self._own(lo, hi):
+                raise ModelFileChangedError(
+                    "cannot map memory to read the file into", path=self.path
+                )
+        self._read_between(_gaps(keep, self.size))
+
+    def map_copy(self, start: int, stop: int, fd: int, offset: int) -> bool:
+        """Pages [start, stop) mapped copy-on-write from `fd` at `offset` (MAP_FIXED): a copy of
+        these bytes that no one rewrites in place (the layout cache's, renamed into place)."""
+        if _LIBC_MMAP is None or stop <= start:
+            return False
+        with memoryview(self) as mv:
+            base = np.frombuffer(mv, np.uint8).ctypes.data
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        flags = getattr(mmap, "MAP_PRIVATE", 2) | 0x10  # MAP_FIXED
+        return _LIBC_MMAP(base + start, stop - start, prot, flags, fd, offset) == base + start
 
     def _own(self, start: int, stop: int) -> bool:
         """Anonymous pages of our own over [start, stop) (MAP_FIXED), to be read into."""
@@ -201,11 +220,12 @@ _DEFER = threading.local()  # .snapshots: the FileSnapshots opened inside `defer
 
 
 @contextlib.contextmanager
-def deferred_reads() -> Iterator[None]:
+def deferred_reads(copies: Any = None) -> Iterator[None]:
     """FileSnapshots opened inside map their file and read nothing until the block ends: then
     only the pages no repacked copy replaced (`release`) are read in (`FileSnapshot.settle`).
     A model opened this way never holds a weight twice, nor reads the bytes a copy serves
-    (issue 62: open time and peak RSS); a block left by an error settles nothing."""
+    (issue 62: open time and peak RSS); a block left by an error settles nothing. `copies`: see
+    `FileSnapshot.settle`."""
     if getattr(_DEFER, "snapshots", None) is not None:  # nested: the outer block settles
         yield
         return
@@ -213,7 +233,7 @@ def deferred_reads() -> Iterator[None]:
     try:
         yield
         for snap in _DEFER.snapshots:
-            snap.settle()
+            snap.settle(copies)
     finally:
         _DEFER.snapshots = None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import struct
 
+import pytest
+
 from tests.fuzz.corpus import ARRAY, STRING
 from tests.fuzz.corpus import gguf_pack as write_gguf
 from tests.fuzz.corpus import gstr as _str
@@ -74,3 +76,15 @@ def test_the_c_reader_reads_what_the_loop_reads_and_leaves_errors_to_it(tmp_path
                       TENSORS)  # fmt: skip
     err = assert_bad(tmp_path, data, "element of .*UTF-8")
     assert err.offset == data.index(_str(b"\xc3")) + 8
+
+
+def test_merge_pairs_split_at_the_first_space_as_the_python_path():
+    from poly.runtime.ckernels import EXT
+
+    split = getattr(EXT, "merge_pairs", None)
+    if split is None:
+        pytest.skip("no C extension")
+    merges = ["Ġ t", "a b c", "é ü", "x  y", " lead"]
+    assert split(merges) == [tuple(m.split(" ", 1)) for m in merges]
+    assert split(["nospace"]) is None and split(["a b", 3]) is None
+    assert split([]) == []

@@ -176,3 +176,35 @@ def test_a_file_larger_than_the_cap_is_not_cached(home, tiny, tmp_path, monkeypa
     monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", str(os.path.getsize(served) - 1))
     np.testing.assert_array_equal(_logits(served), first)
     assert not home.exists() or not _files(home)
+
+
+def _mapped_files(model) -> set[str]:
+    """The files mapped into this process (/proc/self/maps) while `model` is alive."""
+    assert model is not None
+    with open("/proc/self/maps") as f:
+        return {line.split()[-1] for line in f if line.count(" ") >= 5 and "/" in line}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux /proc")
+def test_kept_pages_and_layouts_are_mapped_from_the_cache(home, tiny, tmp_path):
+    """A second open maps the pages no layout replaces from the cache's kept-*.bin copy and the
+    layouts from their .npy files (nothing read into memory), with the same logits; a short
+    copy is ignored and written again."""
+    import entity
+
+    served = tmp_path / "m.entity"
+    entity.convert(str(tiny), str(served), quant="q8")
+    first = _logits(served)
+    kept = sorted(home.rglob("kept-*.bin"))
+    assert len(kept) == 1 and kept[0].stat().st_size % os.sysconf("SC_PAGE_SIZE") == 0
+    model = entity.load(served)
+    maps = _mapped_files(model)
+    assert str(kept[0]) in maps
+    assert any(f.endswith(".npy") for f in maps)
+    assert np.array_equal(np.array(model.forward(IDS)), first)
+    model.reset()
+    del model
+    kept[0].write_bytes(kept[0].read_bytes()[:-4096])  # a short copy: read the file, write anew
+    assert np.array_equal(_logits(served), first)
+    assert kept[0].stat().st_size % os.sysconf("SC_PAGE_SIZE") == 0
+    assert kept[0].stat().st_size > os.path.getsize(served) // 8

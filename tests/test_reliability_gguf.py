@@ -16,6 +16,7 @@ from entity.gguf.reader import GGUFFile
 from poly.errors import (
     GGUFFormatError,
     PolyError,
+    TemplateError,
     TemplateSecurityError,
     TokenizerError,
     UnsupportedError,
@@ -242,3 +243,13 @@ def test_b5_78_nan_weights_never_become_tokens(tmp_path):
     expect_error(lambda: generate_text(tf, [0, 1], opts), NumericalError, "numerical")
     expect_error(lambda: generate_text(tf, [0, 1], opts.replace(temperature=1.0, seed=1)),
                  NumericalError, "numerical")  # fmt: skip
+
+
+def test_a_broken_template_is_refused_at_the_first_render_not_the_open(tmp_path):
+    # a model's template compiles at its first render: the open imports no jinja2 (~25 ms)
+    load = _load(tmp_path, gguf_model({"tokenizer.chat_template": (STRING, "{% for %}")}))
+    tf = load()
+    assert tf.chat_template.source == "{% for %}"
+    exc = expect_error(lambda: tf.chat_template.render([{"role": "user", "content": "hi"}]),
+                       TemplateError)  # fmt: skip
+    assert exc.code == "bad_template"

@@ -96,7 +96,7 @@ def attach_meta(tf, ef: EntityFile, text: bool = True) -> None:
         tf.tokenizer = Tokenizer.from_str(vocab, path=ef.path, **special)
     source = ef.meta("chat_template") if text else None
     if source is not None:
-        tf.chat_template = ChatTemplate(source, **(tok_cfg.get("template") or {}))
+        tf.chat_template = ChatTemplate(source, lazy=True, **(tok_cfg.get("template") or {}))
     tf.eos_token_ids = tuple(ef.meta("eos_token_ids"))
     check_eos_ids(tf.eos_token_ids, tf.config.vocab_size, path=ef.path, cls=EntityFormatError)
     try:  # files without settings (GGUF sources, older writers' {}) run with the fallback

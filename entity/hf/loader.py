@@ -310,7 +310,7 @@ def attach_hf_metadata(tf: Any, src: HFSource) -> None:
         tf.tokenizer = tok
         if not eos and tok.eos_token_id is not None:
             eos = (tok.eos_token_id,)
-    tf.chat_template = ChatTemplate.from_tokenizer_config(tok_cfg)
+    tf.chat_template = ChatTemplate.from_tokenizer_config(tok_cfg, lazy=True)
     tf.eos_token_ids = tuple(eos)
     check_eos_ids(tf.eos_token_ids, cfg.vocab_size, path=root / "config.json", cls=ConfigError)
     try:

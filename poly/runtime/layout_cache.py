@@ -5,9 +5,12 @@ function of a matrix's stored bytes, yet made again by every process that opens 
 once, each is written as a .npy file under ``$POLY_HOME/layouts/<source>/`` (default
 ~/.cache/poly), where <source> hashes the model file's identity (path, device, inode, size,
 mtime, its first 64 KB) and the C extension's own identity (a rebuilt extension may lay rows out
-differently). A later open reads the file back into aligned memory (huge pages for large arrays,
-as the repackers' own copies) instead of repacking: a changed model file or extension is another
-directory, never a stale layout.
+differently). A later open maps the file copy-on-write instead of repacking (no copy made: the
+first forward pulls the pages from the page cache; decode measured as fast as from huge pages),
+and maps the model file's other kept pages from one `kept-*.bin` copy (`KeptPages`) instead of
+reading them: the model file itself is then never read, so rewriting it cannot reach the model.
+A changed model file or extension is another directory, never a stale layout. Nothing here is
+rewritten in place (a mapping of a file cut short would fault): new files are renamed in.
 
 Files are plain .npy, read with pickles refused and checked against the expected shape, dtype
 and size; one that does not match (truncated, corrupt, of another version) is ignored and
@@ -22,7 +25,9 @@ larger than that is not cached at all (an 8B-class Q8_0: its copies are made in 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -31,7 +36,6 @@ from pathlib import Path
 import numpy as np
 
 from poly.filesnapshot import FileSnapshot
-from poly.weights import aligned_zeros
 
 VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
@@ -122,9 +126,14 @@ def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> No
     """Write `out`, the layout `name` of `raw`; errors (a full disk, no permission) leave it
     uncached."""
     got = _entry(raw, name, extra)
-    if got is None:
-        return
-    snap, path = got
+    if got is not None:
+        _write(got[0], got[1], lambda f: np.lib.format.write_array(
+            f, np.ascontiguousarray(out), allow_pickle=False))  # fmt: skip
+
+
+def _write(snap: FileSnapshot, path: Path, fill) -> None:
+    """`fill(file)` into a temporary name renamed to `path`: a reader (a mapping) never sees a
+    file change in place. Errors (a full disk, no permission) leave it uncached."""
     try:
         fresh = not path.parent.is_dir()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,42 +142,99 @@ def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> No
             _prune(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            np.lib.format.write_array(f, np.ascontiguousarray(out), allow_pickle=False)
+            fill(f)
         os.replace(tmp, path)
     except OSError:
         return
 
 
+class KeptPages:
+    """The pages of a model file that no repacked copy replaces (`FileSnapshot.settle`'s kept
+    ranges: matrices read as stored, norms, pinned tables), kept as one file per set of ranges,
+    each range at a page boundary. A later open maps them from it copy-on-write instead of
+    reading the model file into anonymous memory (issue 62: ~30 ms of Q4_K_M SmolLM2's open)."""
+
+    @staticmethod
+    def _path(snap: FileSnapshot, keep: list[tuple[int, int]]) -> Path | None:
+        if not enabled() or snap.size > max_bytes() or not keep:
+            return None
+        folder = _source_dir(snap)
+        tag = hashlib.sha256(repr(keep).encode()).hexdigest()[:16]
+        return None if folder is None else folder / f"kept-{tag}.bin"
+
+    def map(self, snap: FileSnapshot, keep: list[tuple[int, int]]) -> bool:
+        path = self._path(snap, keep)
+        try:
+            fd = os.open(path, os.O_RDONLY) if path is not None else -1
+        except OSError:
+            return False
+        if fd < 0:
+            return False
+        try:
+            offsets = _page_offsets(keep)
+            if os.fstat(fd).st_size != offsets[-1]:
+                return False
+            return all(snap.map_copy(lo, hi, fd, at) for (lo, hi), at in zip(keep, offsets))
+        finally:
+            os.close(fd)  # the mappings hold the file
+
+    def store(self, snap: FileSnapshot, keep: list[tuple[int, int]]) -> None:
+        path = self._path(snap, keep)
+        if path is None:
+            return
+
+        def fill(f) -> None:
+            with memoryview(snap) as mv:
+                for (lo, hi), at in zip(keep, _page_offsets(keep)):
+                    f.seek(at)
+                    f.write(mv[lo:hi])
+                f.truncate(_page_offsets(keep)[-1])
+
+        _write(snap, path, fill)
+
+
+def _page_offsets(keep: list[tuple[int, int]]) -> list[int]:
+    """Where each range starts in a kept-pages file, and (last) the file's size."""
+    out = [0]
+    for lo, hi in keep:
+        out.append(out[-1] + -(-(hi - lo) // mmap.PAGESIZE) * mmap.PAGESIZE)
+    return out
+
+
+KEPT = KeptPages()
+
+
 def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
+    """The layout at `path` mapped copy-on-write (no copy made at open: the first forward pulls
+    its pages from the page cache, as llama.cpp's mapping does), or None where it does not match.
+    The .npy header must be byte for byte the one `store` writes for `shape` and `dtype` (numpy's
+    own parser evaluates it with `ast`: ~0.1 ms a file, 12 ms of a Q8_0 SmolLM2's open)."""
+    head = _npy_header(shape, dtype)
+    n = int(np.prod(shape))
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            fmt = np.lib.format
-            version = fmt.read_magic(f)
-            header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
-            if version not in header:
-                return None
-            got_shape, fortran, got_dtype = header[version](f, max_header_size=10_000)
-            start = f.tell()
-            n = int(np.prod(shape)) * dtype.itemsize
-            if got_shape != shape or fortran or got_dtype != dtype or dtype.hasobject:
-                return None
-            if os.fstat(f.fileno()).st_size != start + n:
-                return None
-            out = aligned_zeros(int(np.prod(shape)), dtype).reshape(shape)
-            with memoryview(out.reshape(-1).view(np.uint8)) as mv:
-                pos = 0
-                while pos < n:
-                    got = os.preadv(f.fileno(), [mv[pos : min(n, pos + (64 << 20))]], start + pos)
-                    if got <= 0:
-                        return None
-                    pos += got
-            return out
-    except (OSError, ValueError, SyntaxError, TypeError):
+        if os.fstat(fd).st_size != len(head) + n * dtype.itemsize or dtype.hasobject:
+            return None
+        if os.pread(fd, len(head), 0) != head:
+            return None
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        return np.frombuffer(mapped, dtype, count=n, offset=len(head)).reshape(shape)
+    except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)  # the mapping holds the file
+
+
+def _npy_header(shape: tuple, dtype: np.dtype) -> bytes:
+    """The magic and header `np.lib.format.write_array` writes for a C-ordered `shape`/`dtype`."""
+    buf = io.BytesIO()
+    fmt = np.lib.format
+    meta = {"descr": fmt.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+    fmt.write_array_header_1_0(buf, meta)
+    return buf.getvalue()
 
 
 def _prune(keep: Path) -> None:

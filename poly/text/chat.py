@@ -9,20 +9,19 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-
 from poly.errors import TemplateError, TemplateSecurityError
-from poly.text.jinja_sandbox import (
-    BUDGET,
-    MAX_OUTPUT_CHARS,
-    MAX_TEMPLATE_CHARS,
-    RenderBudget,
-    TemplateLimitError,
-    compile_template,
-)
+
+# jinja2 and the sandbox load with the first template compiled (~25 ms of a model's open): a
+# model's own template is compiled at its first render (`ChatTemplate(lazy=True)`).
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the sandbox's names, loaded on first use
+    if name in ("TemplateLimitError", "MAX_TEMPLATE_CHARS", "MAX_OUTPUT_CHARS"):
+        from poly.text import jinja_sandbox
+
+        return getattr(jinja_sandbox, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # --- rendering ---------------------------------------------------------------------------------
 
@@ -65,7 +64,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _render(template: jinja2.Template, context: dict[str, Any]) -> str:
+def _render(template: Any, context: dict[str, Any]) -> str:
+    import jinja2
+
+    from poly.text.jinja_sandbox import BUDGET, MAX_OUTPUT_CHARS, RenderBudget, TemplateLimitError
+
     token = BUDGET.set(RenderBudget())
     try:
         parts, size = [], 0
@@ -96,7 +99,8 @@ class ChatTemplate:
     """A compiled chat template. `render(messages)` returns the prompt text.
 
     Like transformers, the template sees `bos_token`, `eos_token` (and any other `special_tokens`
-    given, e.g. `pad_token`) as variables.
+    given, e.g. `pad_token`) as variables. ``lazy=True`` (a loaded model's template) compiles it
+    at the first `render`: a bad one is refused there, not while the model opens.
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class ChatTemplate:
         eos_token: str | None = None,
         name: str | None = None,
         special_tokens: Mapping[str, str | None] | None = None,
+        lazy: bool = False,
     ):
         if not isinstance(source, str):
             raise TemplateError(f"chat template must be a string, got {type(source).__name__}")
@@ -117,7 +122,7 @@ class ChatTemplate:
         for label, tok in specials.items():
             if tok is not None and not isinstance(tok, str):
                 raise TemplateError(f"{label} must be a string or None, got {tok!r}")
-        self._template = compile_template(source)
+        self._template = None if lazy else _compile(source)
         self._source = source
         self._specials = {k: v for k, v in specials.items() if v is not None}
         self._name = name
@@ -137,6 +142,8 @@ class ChatTemplate:
         context.update(_plain(extra))
         context["messages"] = validate_messages(messages)
         context["add_generation_prompt"] = bool(add_generation_prompt)
+        if self._template is None:
+            self._template = _compile(self._source)
         return _render(self._template, context)
 
     @classmethod
@@ -155,6 +162,7 @@ class ChatTemplate:
         *,
         source: str | None = None,
         name: str | None = None,
+        lazy: bool = False,
     ) -> ChatTemplate:
         """From a tokenizer_config.json dict (`source` overrides its `chat_template`, as a
         chat_template.jinja file does); the `fallback` preset when there is no template."""
@@ -162,7 +170,7 @@ class ChatTemplate:
             raise TemplateError("tokenizer_config must be a JSON object")
         specials = {k: _token_content(cfg.get(k), k) for k in _SPECIAL_KEYS}
         bos, eos = specials.pop("bos_token"), specials.pop("eos_token")
-        kw = {"bos_token": bos, "eos_token": eos, "special_tokens": specials}
+        kw = {"bos_token": bos, "eos_token": eos, "special_tokens": specials, "lazy": lazy}
         source = source if source is not None else _pick_template(cfg.get("chat_template"))
         if source is not None:
             return cls(source, name=name or "tokenizer_config", **kw)
@@ -185,7 +193,15 @@ class ChatTemplate:
         return f"ChatTemplate(name={self._name!r}, {len(self._source)} chars)"
 
 
+def _compile(source: str) -> Any:
+    from poly.text.jinja_sandbox import compile_template
+
+    return compile_template(source)
+
+
 def _read_capped(path: str) -> str | None:
+    from poly.text.jinja_sandbox import MAX_TEMPLATE_CHARS, TemplateLimitError
+
     if not os.path.exists(path):
         return None
     try:
