@@ -107,7 +107,7 @@ def load(
     if tp is not None and lockstep and tp.rank != 0:
         kw["entity_text"] = False
     paused = gc.isenabled()
-    gc.disable()  # an open makes ~10^5 long-lived objects (a vocabulary): collecting is waste (~15 ms)
+    gc.disable()  # an open makes a vocabulary of long-lived objects: collecting them is waste
     try:
         return _open(path_or_model_id, tp, kw)
     finally:

@@ -73,12 +73,16 @@ class FileSnapshot(mmap.mmap):
 
     def _map_file(self, start: int, stop: int) -> bool:
         """The file's pages [start, stop) over ours (MAP_FIXED): ours are freed."""
+        return self._map_fixed(start, stop, mmap.PROT_READ, _FILE_FIXED, self.fd, start)
+
+    def _map_fixed(self, start: int, stop: int, prot: int, flags: int, fd: int, at: int) -> bool:
+        """mmap(2) over our pages [start, stop) (flags hold MAP_FIXED); False where it fails or
+        this platform has no such call."""
         if _LIBC_MMAP is None or stop <= start:
             return False
         with memoryview(self) as mv:
             base = np.frombuffer(mv, np.uint8).ctypes.data
-        got = _LIBC_MMAP(base + start, stop - start, mmap.PROT_READ, _FILE_FIXED, self.fd, start)
-        return got == base + start
+        return _LIBC_MMAP(base + start, stop - start, prot, flags, fd, at) == base + start
 
     def release(self, offset: int, length: int) -> None:
         """Hand the whole pages of [offset, offset + length) back to the file (see the class),
@@ -115,7 +119,8 @@ class FileSnapshot(mmap.mmap):
         from poly import timing
 
         with timing.phase("read"):
-            if copies is None or not copies.map(self, keep):  # (a partial last page: read at open)
+            # (a partial last page is never mapped: __new__ read it)
+            if copies is None or not copies.map(self, keep):
                 self._own_and_read(keep)
                 if copies is not None:
                     copies.store(self, keep)
@@ -130,22 +135,13 @@ class FileSnapshot(mmap.mmap):
         self._read_between(_gaps(keep, self.size))
 
     def map_copy(self, start: int, stop: int, fd: int, offset: int) -> bool:
-        """Pages [start, stop) mapped copy-on-write from `fd` at `offset` (MAP_FIXED): a copy of
-        these bytes that no one rewrites in place (the layout cache's, renamed into place)."""
-        if _LIBC_MMAP is None or stop <= start:
-            return False
-        with memoryview(self) as mv:
-            base = np.frombuffer(mv, np.uint8).ctypes.data
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        flags = getattr(mmap, "MAP_PRIVATE", 2) | 0x10  # MAP_FIXED
-        return _LIBC_MMAP(base + start, stop - start, prot, flags, fd, offset) == base + start
+        """Pages [start, stop) mapped copy-on-write from `fd` at `offset`: a copy of these bytes
+        that no one rewrites in place (the layout cache's, renamed into place)."""
+        return self._map_fixed(start, stop, _READ_WRITE, _COPY_FIXED, fd, offset)
 
     def _own(self, start: int, stop: int) -> bool:
         """Anonymous pages of our own over [start, stop) (MAP_FIXED), to be read into."""
-        with memoryview(self) as mv:
-            base = np.frombuffer(mv, np.uint8).ctypes.data
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        return _LIBC_MMAP(base + start, stop - start, prot, _ANON_FIXED, -1, 0) == base + start
+        return self._map_fixed(start, stop, _READ_WRITE, _ANON_FIXED, -1, 0)
 
     def pin(self, offset: int, length: int) -> None:
         """Keep [offset, offset + length) in our memory: read every step (an embedding table's
@@ -216,6 +212,8 @@ _PIECE = 64 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 _FILE_FIXED = getattr(mmap, "MAP_SHARED", 1) | 0x10  # MAP_FIXED (Linux, the BSDs, macOS)
 _ANON_FIXED = _PRIVATE | 0x10
+_COPY_FIXED = getattr(mmap, "MAP_PRIVATE", 2) | 0x10  # a file's pages, writes kept to ourselves
+_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 _DEFER = threading.local()  # .snapshots: the FileSnapshots opened inside `deferred_reads`
 
 

@@ -123,7 +123,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 def _erf_pieces() -> np.ndarray:
     """Power-basis coefficients [6, 19] of erf on [p, p+1], p = 0..5, in t = 2(x-p)-1: Chebyshev
     interpolants of math.erf (numpy has no erf and scipy is not a dependency); max error 3e-15."""
-    from numpy.polynomial import chebyshev as C  # ~3 ms to import: exact GELU (gelu_erf) only
+    from numpy.polynomial import chebyshev as C  # imported for exact GELU (gelu_erf) only
 
     exact = np.vectorize(math.erf)
     pieces = [C.Chebyshev.interpolate(exact, 18, domain=[p, p + 1]).coef for p in range(6)]

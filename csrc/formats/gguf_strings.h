@@ -1,6 +1,6 @@
 /* GGUF string arrays (each a little-endian u64 byte length, then UTF-8 bytes, `count` in a row)
  * as a Python list of str: a vocabulary and its merges are 100-400k strings, which a Python loop
- * reads at ~0.4 us each (entity/gguf/header.py Cursor.strings, its fallback and error path). */
+ * reads one at a time (entity/gguf/header.py Cursor.strings, its fallback and error path). */
 #ifndef POLY_FORMATS_GGUF_STRINGS_H
 #define POLY_FORMATS_GGUF_STRINGS_H
 #include <Python.h>
@@ -55,7 +55,7 @@ done:
 
 /* merge_pairs(list of str) -> list of (left, right) | None: a GGUF BPE merge "a b" split at its
  * first space, as tokenizers' BPE takes them; None when an entry is not a str or has no space
- * (entity/gguf/tokenizer.py then names it). ~3x the join/split/zip of the Python path. */
+ * (entity/gguf/tokenizer.py then names it). */
 static PyObject *py_merge_pairs(PyObject *self, PyObject *arg) {
     (void)self;
     if (!PyList_Check(arg)) {

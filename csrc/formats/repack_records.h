@@ -1,7 +1,8 @@
 /* The repacked records of poly/runtime/repack.py made in C: GGUF Q4_0/Q4_1/Q8_0 rows by 16
  * (interleave16.h's records) and Q4_K/Q6_K rows by 8 (kquant_interleave8.h's). The same bytes as
- * repack.py's numpy copies (tests/test_repack_c.py), ~10x faster: an 8B-class file is gigabytes
- * of them on every open its layouts are not cached for. Plain C, one thread: module.c's. */
+ * repack.py's numpy copies (tests/test_repack_c.py), without numpy's strided copies: an 8B-class
+ * file is gigabytes of them on every open its layouts are not cached for. Plain C, one thread:
+ * module.c's. */
 #ifndef POLY_FORMATS_REPACK_RECORDS_H
 #define POLY_FORMATS_REPACK_RECORDS_H
 #include <Python.h>

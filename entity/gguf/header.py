@@ -130,7 +130,7 @@ _U64 = struct.Struct("<Q")
 
 
 def _native_strings(buf, pos: int, count: int, cap: int) -> tuple[list, int] | None:
-    """The C reader (csrc/formats/gguf_strings.h, ~10x the loop) when it is built and every
+    """The C reader (csrc/formats/gguf_strings.h) when it is built and every
     string is sound; else None, and the loop reads them (and names what is wrong)."""
     from poly.runtime.ckernels import EXT
 

@@ -196,7 +196,7 @@ def dequantize_rows(raw: np.ndarray, ggml_type: int, row_len: int) -> np.ndarray
     """Dequantize raw rows ``[*rows, row_bytes]`` of one ggml type into float32 ``[*rows, row_len]``."""
     if ggml_type == GGMLType.MXFP4:  # GPT-OSS experts: poly's own numpy dequantization
         return dequantize_mxfp4(raw, row_len).reshape(*raw.shape[:-1], row_len)
-    if ggml_type in (GGMLType.F32, GGMLType.F16):  # norms, biases: not gguf-py (~40 ms import)
+    if ggml_type in (GGMLType.F32, GGMLType.F16):  # norms, biases: no gguf-py import
         flat = np.ascontiguousarray(raw).view(PLAIN_DTYPES[ggml_type]).astype(np.float32)
         return flat.reshape(*raw.shape[:-1], row_len)
     from gguf.constants import GGMLQuantizationType

@@ -92,7 +92,7 @@ QUANT_SIZES: dict[GGMLType, tuple[int, int]] = {
 }
 
 # The types a GGUFMatrix holds, checked against gguf-py's dequantizer by a test (asking it at
-# every open imported gguf-py, ~40 ms): plain and integer tensors and blocks it cannot decode out.
+# every open imported gguf-py): plain and integer tensors and blocks it cannot decode out.
 GGUF_MATRIX_TYPES = frozenset(GGMLType) - {
     GGMLType.F64, GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64,
     GGMLType.Q1_0, GGMLType.Q8_1, GGMLType.Q8_K,

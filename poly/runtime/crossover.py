@@ -58,7 +58,7 @@ def entry_name(model, p: fused.Plan, n: int, threads: int) -> str:
 def fused_wins(model, p: fused.Plan, n: int, default: bool) -> bool:
     """Whether an n-token prompt runs faster as fused calls than on the reference path: the
     tune file's finding for this class, else a probe now, else `default` (the shipped rule)."""
-    from poly.runtime import tune_cache  # hashlib, json, tempfile: ~7 ms, not at every start
+    from poly.runtime import tune_cache  # hashlib, json, tempfile: not at every start
 
     mode = tune_cache.mode()
     if mode == "off":

@@ -53,7 +53,7 @@ NUMBA: Any = None  # poly.runtime.numba_kernels once the numba backend was chose
 
 def _sysfs_cores() -> int:
     """Distinct core sibling lists in Linux sysfs (0 if none): psutil's own first method for
-    cpu_count(logical=False), read here because importing psutil costs ~12 ms of every start."""
+    cpu_count(logical=False), read here so that no start pays for importing psutil."""
     base = "/sys/devices/system/cpu/cpu[0-9]*/topology/"
     paths = glob.glob(base + "core_cpus_list") or glob.glob(base + "thread_siblings_list")
     lists = set()

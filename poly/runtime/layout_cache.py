@@ -5,21 +5,22 @@ function of a matrix's stored bytes, yet made again by every process that opens 
 once, each is written as a .npy file under ``$POLY_HOME/layouts/<source>/`` (default
 ~/.cache/poly), where <source> hashes the model file's identity (path, device, inode, size,
 mtime, its first 64 KB) and the C extension's own identity (a rebuilt extension may lay rows out
-differently). A later open maps the file copy-on-write instead of repacking (no copy made: the
-first forward pulls the pages from the page cache; decode measured as fast as from huge pages),
-and maps the model file's other kept pages from one `kept-*.bin` copy (`KeptPages`) instead of
-reading them: the model file itself is then never read, so rewriting it cannot reach the model.
-A changed model file or extension is another directory, never a stale layout. Nothing here is
+differently). A later open maps the file copy-on-write instead of repacking: no copy is made,
+the first forward pulls the pages from the page cache (decode is as fast as from huge pages:
+docs/performance.md). It also maps the model file's other kept pages from one `kept-*.bin` copy
+(`KeptPages`) instead of reading them, so a rewrite of the model file cannot reach the model. A
+changed model file or extension is another directory, never a stale layout. Nothing here is
 rewritten in place (a mapping of a file cut short would fault): new files are renamed in.
 
-Files are plain .npy, read with pickles refused and checked against the expected shape, dtype
-and size; one that does not match (truncated, corrupt, of another version) is ignored and
-written again. Written to a temporary name and renamed: a reader never sees half a file. A
-directory whose source file is gone or changed is removed when a new one is written.
-POLY_LAYOUT_CACHE=0 turns it off (nothing read or written); matrices under 64 KB are not cached.
-The layouts are a second copy of the weights: past POLY_LAYOUT_CACHE_MAX bytes in all (default
-4 GiB) the directories used longest ago are removed when a new one is written, and a model file
-larger than that is not cached at all (an 8B-class Q8_0: its copies are made in C at each open).
+Files are plain .npy; one is used only when its header is byte for byte the one poly writes for
+the expected shape and dtype and its size matches (pickles are never read), else it is ignored
+and written again (truncated, corrupt, of another version). Written to a temporary name and
+renamed: a reader never sees half a file. A directory whose source file is gone or changed is
+removed when a new one is written. POLY_LAYOUT_CACHE=0 turns it off (nothing read or
+written); matrices under 64 KB are not cached. The layouts are a second copy of the weights:
+past POLY_LAYOUT_CACHE_MAX bytes in all (default 4 GiB) the directories used longest ago are
+removed when a new one is written, and a model file larger than that is not cached at all (an
+8B-class Q8_0: its copies are made in C at each open).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class KeptPages:
     """The pages of a model file that no repacked copy replaces (`FileSnapshot.settle`'s kept
     ranges: matrices read as stored, norms, pinned tables), kept as one file per set of ranges,
     each range at a page boundary. A later open maps them from it copy-on-write instead of
-    reading the model file into anonymous memory (issue 62: ~30 ms of Q4_K_M SmolLM2's open)."""
+    reading the model file into anonymous memory (issue 62: open time)."""
 
     @staticmethod
     def _path(snap: FileSnapshot, keep: list[tuple[int, int]]) -> Path | None:
@@ -164,11 +165,11 @@ class KeptPages:
 
     def map(self, snap: FileSnapshot, keep: list[tuple[int, int]]) -> bool:
         path = self._path(snap, keep)
-        try:
-            fd = os.open(path, os.O_RDONLY) if path is not None else -1
-        except OSError:
+        if path is None:
             return False
-        if fd < 0:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
             return False
         try:
             offsets = _page_offsets(keep)
@@ -182,13 +183,14 @@ class KeptPages:
         path = self._path(snap, keep)
         if path is None:
             return
+        offsets = _page_offsets(keep)
 
         def fill(f) -> None:
             with memoryview(snap) as mv:
-                for (lo, hi), at in zip(keep, _page_offsets(keep)):
+                for (lo, hi), at in zip(keep, offsets):
                     f.seek(at)
                     f.write(mv[lo:hi])
-                f.truncate(_page_offsets(keep)[-1])
+                f.truncate(offsets[-1])
 
         _write(snap, path, fill)
 
@@ -207,8 +209,8 @@ KEPT = KeptPages()
 def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
     """The layout at `path` mapped copy-on-write (no copy made at open: the first forward pulls
     its pages from the page cache, as llama.cpp's mapping does), or None where it does not match.
-    The .npy header must be byte for byte the one `store` writes for `shape` and `dtype` (numpy's
-    own parser evaluates it with `ast`: ~0.1 ms a file, 12 ms of a Q8_0 SmolLM2's open)."""
+    The .npy header must be byte for byte the one `store` writes for `shape` and `dtype`: numpy's
+    own parser compiles each header with `ast`, a cost every layout of an open would pay."""
     head = _npy_header(shape, dtype)
     n = int(np.prod(shape))
     try:

@@ -174,7 +174,7 @@ def _cached(kind: int, data: np.ndarray, m: int, k: int, aux) -> np.ndarray | No
     """The repacked rows of `kind` (kquant_interleave8, kquant_interleave8_q6 or interleave16),
     read from the layout cache when a process made them before (`layout_cache`), else made and
     written there."""
-    from poly.runtime import layout_cache  # hashlib, json, shutil, tempfile: ~8 ms at start
+    from poly.runtime import layout_cache  # hashlib, json, shutil, tempfile: not at start
 
     rows, cols, rec = _RECORDS[kind]
     name = f"{'kquant_interleave8' if rows == 8 else 'interleave16'}-{kind}"  # the file's layout

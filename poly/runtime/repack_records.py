@@ -1,7 +1,7 @@
 """The repacked records of poly.runtime.repack made by the C extension
 (csrc/formats/repack_records.h): Q4_0/Q4_1/Q8_0 rows by 16, Q4_K/Q6_K rows by 8. The same bytes
-as repack's numpy copies (tests/test_repack_c.py), ~10x faster: an 8B-class file is gigabytes
-of them at every open its layouts are not cached for."""
+as repack's numpy copies (tests/test_repack_c.py), without numpy's strided copies: an 8B-class
+file is gigabytes of them at every open its layouts are not cached for."""
 
 from __future__ import annotations
 

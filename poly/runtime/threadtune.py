@@ -35,7 +35,7 @@ GAP = 0.001  # seconds between reads of the run queue
 
 
 def _median(times: list[float]) -> float:
-    import statistics  # imported when a tuner first decides: it costs ~4 ms (fractions, decimal)
+    import statistics  # imported when a tuner first decides (it pulls in fractions, decimal)
 
     return statistics.median(times)
 

@@ -25,6 +25,7 @@ from poly.text.speculative import (
     DEFAULT_DRAFT_TOKENS,
     DEFAULT_NGRAM,
     Draft,
+    adapted_size,
     check_draft,
     lookup_tokens,
 )
@@ -151,12 +152,10 @@ class ServerSpeculation:
         return accepted
 
     def _adapt(self, accepted: int, proposed: int) -> None:
-        """Double after a full acceptance, one past the accepted ones after a rejection (as
-        poly.text.speculative.Speculator: rejected rows cost part of a pass); lookup sizes its
-        proposals by the match (lookup_tokens)."""
-        if self.draft is None:
-            return
-        self.size = min(self.cap, 2 * self.size) if accepted == proposed else max(1, accepted + 1)
+        """A draft's next proposal size (`adapted_size`); lookup sizes its proposals by the
+        match (lookup_tokens)."""
+        if self.draft is not None:
+            self.size = adapted_size(self.size, self.cap, accepted, proposed)
 
     def stats(self) -> dict:
         c = self.counters

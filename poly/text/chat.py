@@ -11,7 +11,7 @@ from typing import Any
 
 from poly.errors import TemplateError, TemplateSecurityError
 
-# jinja2 and the sandbox load with the first template compiled (~25 ms of a model's open): a
+# jinja2 and the sandbox load with the first template compiled, not with a model's open: a
 # model's own template is compiled at its first render (`ChatTemplate(lazy=True)`).
 
 

@@ -90,6 +90,13 @@ class Speculation:
 # --- proposals --------------------------------------------------------------------------------
 
 
+def adapted_size(size: int, cap: int, accepted: int, proposed: int) -> int:
+    """A draft's next proposal size: double after a full acceptance (up to `cap`), one past the
+    accepted ones after a rejection: each checked row costs a part of a pass, so rows that are
+    rejected early are not free."""
+    return min(cap, 2 * size) if accepted == proposed else max(1, accepted + 1)
+
+
 def lookup_tokens(tokens: Sequence[int], n: int, ngram: int = DEFAULT_NGRAM) -> list[int]:
     """The tokens that followed the first earlier occurrence of the longest suffix of ``tokens``
     of at most ``ngram`` tokens (down to 1): 2 per matched token plus one, at most n; [] when
@@ -258,14 +265,12 @@ class Speculator:
         return self.draft.propose(tokens, n, n_prompt, self.sampler.rng)
 
     def _adapt(self, n_acc: int, n_prop: int) -> None:
-        """Double the proposals after a full acceptance, cut them to one past the accepted
-        ones after a rejection: each checked row costs a part of a pass (f32 SmolLM2: ~15 %,
-        Q4: ~40 %), so rows that are rejected early are not free. Lookup sizes its proposals
-        by the match instead (lookup_tokens)."""
+        """A draft's next proposal size (`adapted_size`); lookup sizes its proposals by the
+        match instead (lookup_tokens)."""
         if not self.spec.adaptive or self.draft is None:
             return
         cap = self.spec.lookup or self.spec.draft_tokens or DEFAULT_DRAFT_TOKENS
-        self.size = min(cap, 2 * self.size) if n_acc == n_prop else max(1, n_acc + 1)
+        self.size = adapted_size(self.size, cap, n_acc, n_prop)
 
     def tokens(self, logits, tokens: list[int], n_prompt: int, left: Callable[[], int]) -> Iterator:
         """Yield generated ids: the first from the prefill's logits, then per target pass the
