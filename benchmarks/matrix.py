@@ -49,6 +49,9 @@ DEFAULT_PRECISIONS = tuple(PRECISIONS)[:9]
 ENTITY_IN = {"F16": "f16", "Q8_0": "q8", "Q4_0": "q4"}  # .entity quant run in that GGUF's cell
 AGREE_IN = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M")  # 8-bit and 4-bit cells (and the f32 base)
 MODELS = ("smollm2", "synth1b", "synth8b")  # synth8b (28 GB in F32) only when asked for
+# whether the cells of ENTITY_IN run a `.entity` converted from the model's F32 GGUF: not
+# synth8b, converting its 28 GB F32 is not what those cells measure
+ENTITY_COPY = {"smollm2": True, "synth1b": True, "synth8b": False}
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
 # seconds before each request: the last engine's OpenMP/ggml threads spin a while after work
 SETTLE = 0.05
@@ -170,6 +173,13 @@ def quantize(src: Path, dst: Path, ftype: int, threads: int, pure: bool = False)
     os.replace(tmp, dst)
 
 
+def vocab_size(path: str | os.PathLike) -> int:
+    """The number of tokens in a GGUF's vocabulary (its tokenizer.ggml.tokens array)."""
+    from gguf import GGUFReader
+
+    return len(GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].data)
+
+
 def source_f32(model: str) -> Path:
     """The model's F32 GGUF, written once."""
     from entity.smollm2 import ensure_smollm2
@@ -186,9 +196,10 @@ def source_f32(model: str) -> Path:
 
     path = WORK / f"{model}-f32.gguf"
     if not path.is_file():
-        gb = parameter_count(vocab=49152, **SHAPES[model]) * 4e-9  # SmolLM2's vocabulary
+        tokenizer = ensure_smollm2()  # the synthetic model copies SmolLM2's tokenizer
+        gb = parameter_count(vocab=vocab_size(tokenizer), **SHAPES[model]) * 4e-9
         progress(f"writing the synthetic model {model} (F32 GGUF, ~{gb:.1f} GB)")
-        write(path, ensure_smollm2(), **SHAPES[model])
+        write(path, tokenizer, **SHAPES[model])
     return path
 
 
@@ -206,7 +217,7 @@ def cell_files(model: str, precision: str, threads: int) -> dict[str, Path]:
             progress(f"quantizing {model} to {precision} (llama_model_quantize)")
             quantize(src, files["gguf"], PRECISIONS[precision], threads)
     quant = ENTITY_IN.get(precision)
-    if quant and model != "synth8b":  # converting its 28 GB F32 is not what those cells measure
+    if quant and ENTITY_COPY[model]:
         import entity
 
         files["entity"] = out / f"{model}-{quant}.entity"

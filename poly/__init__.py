@@ -42,8 +42,6 @@ __all__ = [
     "morph_network",
     "nn",
     "param_shapes",
-    "nn",
-    "param_shapes",
     "parse_dtype",
     "parse_layer_type",
 ]

@@ -207,3 +207,30 @@ def test_kept_pages_and_layouts_are_mapped_from_the_cache(home, tiny, tmp_path):
     assert np.array_equal(_logits(served), first)
     assert kept[0].stat().st_size % os.sysconf("SC_PAGE_SIZE") == 0
     assert kept[0].stat().st_size > os.path.getsize(served) // 8
+
+
+def test_blob_checksums_are_checked_once_per_unchanged_file(home, tiny, tmp_path, monkeypatch):
+    """load_entity checks every blob's crc32 at a file's first open, records it in the layout
+    cache, and skips them while the file is unchanged; a rewritten file (one byte of a blob) is
+    checked again and refused; verify=True always checks."""
+    import entity
+    from entity.dotentity import container
+    from entity.dotentity.read import load_entity
+    from poly.errors import IntegrityError
+
+    served = _f16(tiny, tmp_path / "m.entity")
+    calls = []
+    crc = container.crc32
+    monkeypatch.setattr(container, "crc32", lambda *a: calls.append(1) or crc(*a))
+    entity.load(served)
+    first = len(calls)
+    assert first > 5 and len(list(home.rglob("blobs-verified"))) == 1
+    entity.load(served)
+    assert len(calls) == first + 1, "an unchanged file's blobs were checked again"  # the header's
+    load_entity(served, verify=True)
+    assert len(calls) == 2 * first + 1
+    data = bytearray(served.read_bytes())
+    data[-1] ^= 1  # the last blob's last byte
+    served.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="checksum"):
+        entity.load(served)

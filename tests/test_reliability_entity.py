@@ -6,6 +6,7 @@ checks themselves are exercised (a checksum alone would hide them).
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 
@@ -197,7 +198,7 @@ def _rewrite_blob(src, dst, name: str, fn):
     for rec in ef.header.blobs:
         arr = np.array(ef.array(rec.path))
         w.add(rec.path, fn(arr) if rec.path == name else arr)
-    head = ef.header.model_dump()
+    head = dataclasses.asdict(ef.header)
     meta = {k: v for k, v in head.items() if k not in ("format_version", "blobs", "header_crc32")}
     return w.finish(meta)
 

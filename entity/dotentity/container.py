@@ -98,17 +98,18 @@ class EntityVersionError(EntityFormatError, UnsupportedError):
 class EntityFile:
     """A validated `.entity` v2 file, read into memory of our own (`poly.filesnapshot.FileSnapshot`).
 
-    ``verify``: True checks every blob checksum at open (on the bytes read); "lazy" checks a blob
-    the first time `array` returns it; False trusts the blobs (the header checksum, layout and
-    padding are always checked). ``lazy_experts``: MoE expert blobs stay mapped from the file
-    (paged in and out by `poly.runtime.expert_cache`).
+    ``verify``: True checks every blob checksum at open (on the bytes read); "once" does too, but
+    not again for a file `poly.runtime.layout_cache` saw verified (the same path, inode, size,
+    mtime and first 64 KB); "lazy" checks a blob the first time `array` returns it; False trusts
+    the blobs (the header checksum, layout and padding are always checked). ``lazy_experts``:
+    MoE expert blobs stay mapped from the file (paged in and out by `poly.runtime.expert_cache`).
     """
 
     def __init__(
         self, path: str | os.PathLike, *, verify: bool | str = True, lazy_experts: bool = False
     ):
-        if verify not in (True, False, "lazy"):
-            raise ValueError("verify must be True, False or 'lazy'")
+        if verify not in (True, False, "lazy", "once"):
+            raise ValueError("verify must be True, False, 'lazy' or 'once'")
         self.path = str(path)
         self._verify = verify
         self._checked: set[str] = set()
@@ -122,15 +123,27 @@ class EntityFile:
             self.blobs = {b.path: b for b in self.header.blobs}
             self._check_padding(f)
             lazy = [r for r in self.header.blobs if lazy_experts and _EXPERT.match(r.path)]
-            if verify is True:  # paged experts from the file: they stay out of the RSS
-                for rec in lazy:
+            self._mm = self._snapshot(lazy) if self.size else None
+            self._buf = self._mm.array() if self._mm is not None else None
+            if self._verify_all(verify):
+                for rec in lazy:  # paged experts from the file: they stay out of the RSS
                     self._verify_record(f, rec)
-        self._mm = self._snapshot(lazy) if self.size else None
-        self._buf = self._mm.array() if self._mm is not None else None
-        if verify is True:
-            for rec in self.header.blobs:
-                if rec.path not in self._checked:
-                    self._check_in_memory(rec)
+                for rec in self.header.blobs:
+                    if rec.path not in self._checked:
+                        self._check_in_memory(rec)
+                if verify == "once" and self._mm is not None:
+                    from poly.runtime import layout_cache
+
+                    layout_cache.mark_verified(self._mm)
+
+    def _verify_all(self, verify: bool | str) -> bool:
+        if verify != "once":
+            return verify is True
+        if self._mm is None:
+            return True
+        from poly.runtime import layout_cache
+
+        return not layout_cache.verified(self._mm)
 
     def _snapshot(self, lazy: list[BlobRecord]) -> FileSnapshot:
         """The file read into memory of our own (``lazy`` records stay mapped from the file): a

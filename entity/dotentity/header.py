@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any
 
 import msgpack
 import numpy as np
 
 # ISA-L's crc32: zlib's checksum, several times faster (round 2, session 35)
 from isal.isal_zlib import crc32
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from entity.dotentity.native_blocks import check_record
 from poly.errors import EntityFormatError
@@ -88,36 +88,110 @@ BLOB_DTYPES: dict[str, np.dtype] = _BlobDtypes(
 )
 
 
-class BlobRecord(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
-    path: str = Field(min_length=1, max_length=512)
-    offset: int = Field(ge=0)
-    length: int = Field(ge=0)
+@dataclass(frozen=True, slots=True)
+class BlobRecord:
+    path: str
+    offset: int
+    length: int
     dtype: str
     shape: list[int]
-    checksum: int = Field(ge=0, lt=1 << 32)
-    # GGUF blocks kept native (entity.dotentity.native_blocks): uint8 [out, row_bytes]; absent otherwise,
-    # so files without native blobs are byte-identical to those of older writers.
+    checksum: int
+    # GGUF blocks kept native (entity.dotentity.native_blocks): uint8 [out, row_bytes]; absent
+    # otherwise, so files without native blobs are byte-identical to those of older writers.
     ggml_type: int | None = None
 
 
-class Header(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    format_version: Literal[2]
+@dataclass(frozen=True, slots=True)
+class Header:
+    format_version: int
     network: dict[str, Any]
     transformer: dict[str, Any]
     quant: dict[str, Any]
-    blobs: list[BlobRecord] = Field(max_length=MAX_BLOBS)
+    blobs: list[BlobRecord]
     tokenizer: str | None
     tokenizer_config: dict[str, Any]
     chat_template: str | None
     generation_config: dict[str, Any]
     eos_token_ids: list[int]
     source: dict[str, Any]
-    header_crc32: int = Field(ge=0, lt=1 << 32)
+    header_crc32: int
 
 
-META_KEYS = tuple(k for k in Header.model_fields if k not in ("format_version", "blobs", _CRC_KEY))
+# The schema as name tables: field -> (test, what it must be). Checked by hand, not by pydantic,
+# whose import cost every .entity open ~80 ms. Integers are strict (a bool is not one).
+def _int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _u32(v: Any) -> bool:
+    return _int(v) and 0 <= v < 1 << 32
+
+
+def _ints(v: Any) -> bool:
+    return type(v) is list and all(type(x) is int for x in v)
+
+
+def _opt_str(v: Any) -> bool:
+    return v is None or type(v) is str
+
+
+BLOB_FIELDS: dict[str, tuple[Any, str]] = {
+    "path": (lambda v: type(v) is str and 1 <= len(v) <= 512, "a string of 1 to 512 characters"),
+    "offset": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "length": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "dtype": (lambda v: type(v) is str, "a string"),
+    "shape": (_ints, "a list of integers"),
+    "checksum": (_u32, "an integer in [0, 2**32)"),
+    "ggml_type": (lambda v: v is None or _int(v), "an integer or nil"),
+}
+HEADER_FIELDS: dict[str, tuple[Any, str]] = {
+    "format_version": (lambda v: _int(v) and v == 2, "2"),
+    "network": (lambda v: type(v) is dict, "a map"),
+    "transformer": (lambda v: type(v) is dict, "a map"),
+    "quant": (lambda v: type(v) is dict, "a map"),
+    "blobs": (lambda v: type(v) is list and len(v) <= MAX_BLOBS, f"a list of <= {MAX_BLOBS}"),
+    "tokenizer": (_opt_str, "a string or nil"),
+    "tokenizer_config": (lambda v: type(v) is dict, "a map"),
+    "chat_template": (_opt_str, "a string or nil"),
+    "generation_config": (lambda v: type(v) is dict, "a map"),
+    "eos_token_ids": (_ints, "a list of integers"),
+    "source": (lambda v: type(v) is dict, "a map"),
+    _CRC_KEY: (_u32, "an integer in [0, 2**32)"),
+}
+_OPTIONAL = {"ggml_type": None}  # fields a record may leave out, with their value
+
+
+def _checked(obj: Any, table: dict[str, tuple[Any, str]], where: str) -> dict[str, Any]:
+    """`obj`'s fields once each is what `table` says (ValueError naming the first that is not)."""
+    if type(obj) is not dict:
+        raise ValueError(f"bad header field {where.rstrip('.') or 'header'}: must be a map")
+    for key in obj:
+        if key not in table:
+            raise ValueError(f"bad header field {where}{key}: not a field of the header")
+    out = {}
+    for key, (test, what) in table.items():
+        if key not in obj and key in _OPTIONAL:
+            out[key] = _OPTIONAL[key]
+        elif key not in obj:
+            raise ValueError(f"bad header field {where}{key}: missing")
+        elif not test(obj[key]):
+            raise ValueError(f"bad header field {where}{key}: must be {what}")
+        else:
+            out[key] = obj[key]
+    return out
+
+
+def _header(obj: Any) -> Header:
+    head = _checked(obj, HEADER_FIELDS, "")
+    head["blobs"] = [
+        BlobRecord(**_checked(b, BLOB_FIELDS, f"blobs.{i}.")) for i, b in enumerate(head["blobs"])
+    ]
+    return Header(**head)
+
+
+META_KEYS = tuple(
+    f.name for f in fields(Header) if f.name not in ("format_version", "blobs", _CRC_KEY)
+)
 
 
 def align(n: int) -> int:
@@ -212,13 +286,12 @@ def decode_header(raw: bytes, path: str | None) -> Header:
         if not isinstance(obj, dict):
             raise ValueError("header is not a map")
         _check_finite(obj)
-        return Header.model_validate(obj)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise fail(f"bad header field {loc}: {err['msg']}", path, PREFIX.size) from exc
     except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
         raise fail(f"bad msgpack header: {_describe(exc)}", path, PREFIX.size) from exc
+    try:
+        return _header(obj)
+    except ValueError as exc:
+        raise fail(str(exc), path, PREFIX.size) from None
 
 
 def peek_fields(raw: bytes, keys: tuple[str, ...], path: str | None) -> dict[str, Any]:

@@ -112,7 +112,7 @@ def attach_meta(tf, ef: EntityFile, text: bool = True) -> None:
 def load_entity(
     path: str | os.PathLike,
     *,
-    verify: bool | str = True,
+    verify: bool | str = "once",
     max_seq_len: int | None = None,
     max_resident_experts: int | None = None,
     text: bool = True,
@@ -121,7 +121,8 @@ def load_entity(
 
     v2 weights are zero-copy views on the file's bytes read into memory of our own (a change of the
     file on disk cannot crash the model): f32 masters, or f16/bf16/int8/Q4 stored versions (no
-    float32 copy of quantized matrices). ``verify``: see `EntityFile`.
+    float32 copy of quantized matrices). ``verify``: see `EntityFile` (by default every blob's
+    checksum at the first open of a file, not again while it is unchanged).
     ``max_resident_experts``: MoE experts stay mapped from the file, at most that many resident (LRU,
     see `poly.runtime.expert_cache`); stats in ``tf.expert_pager.report()``. ``text=False``
     leaves out the tokenizer and chat template (a tensor-parallel follower rank never tokenizes).

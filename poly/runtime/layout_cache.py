@@ -9,7 +9,9 @@ differently). A later open maps the file copy-on-write instead of repacking: no 
 the first forward pulls the pages from the page cache (decode is as fast as from huge pages:
 docs/performance.md). It also maps the model file's other kept pages from one `kept-*.bin` copy
 (`KeptPages`) instead of reading them, so a rewrite of the model file cannot reach the model. A
-changed model file or extension is another directory, never a stale layout. Nothing here is
+changed model file or extension is another directory, never a stale layout. A `.entity` file
+whose blob checksums all matched leaves a `blobs-verified` marker there (`mark_verified`): a
+later open of the same file skips them (`EntityFile(verify="once")`, `load_entity`'s default). Nothing here is
 rewritten in place (a mapping of a file cut short would fault): new files are renamed in.
 
 Files are plain .npy; one is used only when its header is byte for byte the one poly writes for
@@ -147,6 +149,25 @@ def _write(snap: FileSnapshot, path: Path, fill) -> None:
         os.replace(tmp, path)
     except OSError:
         return
+
+
+def _verified_path(snap: FileSnapshot) -> Path | None:
+    folder = _source_dir(snap) if enabled() else None
+    return None if folder is None else folder / "blobs-verified"
+
+
+def verified(snap: FileSnapshot) -> bool:
+    """Whether an earlier open checked every blob checksum of this same file (`mark_verified`):
+    its identity is the directory's (path, inode, size, mtime, first 64 KB)."""
+    path = _verified_path(snap)
+    return path is not None and path.is_file()
+
+
+def mark_verified(snap: FileSnapshot) -> None:
+    """Record that every blob checksum of `snap`'s file matched (an empty marker file)."""
+    path = _verified_path(snap)
+    if path is not None:
+        _write(snap, path, lambda f: None)
 
 
 class KeptPages:
