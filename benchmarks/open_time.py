@@ -9,8 +9,8 @@ rusage: ru_maxrss of that child alone); for poly the phases of `poly.timing`
 (POLY_PROFILE_OPEN=1: read, parse, tokenizer, verify, repack; `import` and `forward` timed here).
 llama.cpp reads GGUF only: a `.entity` or an HF snapshot runs against the GGUF named with
 `--peer` (its matching file). Page cache warm: every file is read once before the rounds, and
-one untimed run per engine warms the layout cache (`poly.runtime.layout_cache`) as a user's
-first open would.
+one untimed run per engine warms the layout cache (`poly.runtime.layout_cache`) and writes the
+bytecode of the modules it imports, as a user's first open would.
 
     python -m benchmarks.open_time --rounds 5 --json benchmarks/results/results-open-time-X.json
     python -m benchmarks.open_time --files F32=/tmp/poly-bench/smollm2-f32.gguf
@@ -83,10 +83,15 @@ print(json.dumps(out))
 """
 
 
-def run_child(engine: str, path: str, threads: int) -> dict:
+def run_child(engine: str, path: str, threads: int, first: bool = False) -> dict:
     """One fresh child: its JSON line, wall, CPU seconds and peak RSS. Spawned and waited for
-    with os.wait4 (subprocess reaps its own children): ru_maxrss of this child alone."""
+    with os.wait4 (subprocess reaps its own children): ru_maxrss of this child alone. `first`:
+    the untimed first open, which also writes the bytecode of what it imports (__pycache__, as
+    any user's first run does; llama-cpp-python's was written at install), even where the
+    environment says PYTHONDONTWRITEBYTECODE."""
     env = {**os.environ, "POLY_PROFILE_OPEN": "1"}
+    if first:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     if TREE:  # another checkout of poly (A/B): first on the path
         env["PYTHONPATH"] = TREE
     code = POLY if engine == "poly" else LLAMA
@@ -128,8 +133,8 @@ def medians(runs: list[dict]) -> dict:
 
 def measure(label: str, ours: str, peer: str, rounds: int, threads: int) -> dict:
     warm(ours), warm(peer)
-    run_child("poly", ours, threads)  # untimed: the layout cache written, as a first open
-    run_child("llama", peer, threads)
+    run_child("poly", ours, threads, first=True)  # untimed: the layout cache written
+    run_child("llama", peer, threads, first=True)
     runs = {"poly": [], "llama": []}
     for r in range(rounds):
         for eng in ("poly", "llama") if r % 2 == 0 else ("llama", "poly"):

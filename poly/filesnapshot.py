@@ -206,7 +206,18 @@ def _libc_mmap():
     return fn
 
 
+def _libc_munmap():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).munmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
 _LIBC_MMAP = _libc_mmap() if hasattr(mmap, "MAP_PRIVATE") else None  # None: releases keep ours
+_LIBC_MUNMAP = _libc_munmap() if _LIBC_MMAP is not None else None
+_MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE = mmap.PAGESIZE
 _PIECE = 64 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
@@ -215,6 +226,30 @@ _ANON_FIXED = _PRIVATE | 0x10
 _COPY_FIXED = getattr(mmap, "MAP_PRIVATE", 2) | 0x10  # a file's pages, writes kept to ourselves
 _READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 _DEFER = threading.local()  # .snapshots: the FileSnapshots opened inside `deferred_reads`
+
+
+class _Mapped:
+    """The owner of a mapping made by `map_private`: arrays on it keep it alive."""
+
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, at: int, size: int):
+        self.__array_interface__ = {"data": (at, False), "shape": (size,), "typestr": "|u1",
+                                    "version": 3}  # fmt: skip
+        weakref.finalize(self, _LIBC_MUNMAP, at, size)
+
+
+def map_private(fd: int, size: int) -> np.ndarray | None:
+    """The first `size` bytes of file `fd` mapped copy-on-write, as a uint8 array that holds no
+    descriptor (mmap.mmap keeps a dup of one per mapping: past 256 open descriptors the kernel
+    grows the table behind an RCU grace period, 10-15 ms in a VM); unmapped once no array views
+    it. None where libc's mmap is out of reach (then mmap.mmap serves)."""
+    if _LIBC_MUNMAP is None or size <= 0:
+        return None
+    at = _LIBC_MMAP(None, size, _READ_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if at is None or at == _MAP_FAILED:
+        return None
+    return np.asarray(_Mapped(at, size))
 
 
 @contextlib.contextmanager

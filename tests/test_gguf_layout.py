@@ -40,7 +40,9 @@ def test_permuted_float_rows_are_laid_out_without_a_copy(tmp_path, dtype, each_i
     wq, wk = comps["w_q"], comps["w_k"]
     kind = ckernels.F32 if dtype == np.float32 else ckernels.F16
     laid = repack.float_kmajor16_wanted(kind, 16)
-    assert (wq.order is not None) == laid and (wk.order is not None) == laid
+    # the file's order kept: laid out by 16 from it, or read through the rows put in order
+    assert wq.order is not None and wk.order is not None
+    assert laid or (wq._raw is not None and wk._raw is not None)
     assert fused.plan(tf) is not None
     # laid out or not, float16 blocks count as F16 for the long prompts' fused calls at any width
     assert (fused.plan(tf).block_kinds <= dispatch.CALLS_WIN) == (dtype == np.float16)

@@ -151,7 +151,7 @@ class _Loader:
 
     def matrix(self, name: str, comp: str) -> Any:
         from poly.quant.qtensor import GGUFMatrix
-        from poly.runtime.repack import float_kmajor16_stored
+        from poly.runtime.repack import float_kmajor16_stored, ordered_rows
 
         info, order = self.gg.tensors[name], self.orders.get(comp)
         if not self.keep:
@@ -164,10 +164,9 @@ class _Loader:
                 w
             )  # permuted q/k rows now, in order (others when the plan is made)
             return w
-        if order is not None:
-            stored, raw = raw, np.ascontiguousarray(raw[order])  # whole quantized rows reordered
-            release_mapped(stored)  # the reordered copy serves: the file's rows not held too
-        elif info.ggml_type in FLOAT_TYPES:
+        if order is not None:  # whole quantized rows reordered, the copy cached as layouts are
+            return GGUFMatrix(raw, info.ggml_type, info.shape, order, ordered_rows(raw, order))
+        if info.ggml_type in FLOAT_TYPES:
             raw = _on_huge_pages(self.gg, name, raw)
         return GGUFMatrix(raw, info.ggml_type, info.shape)
 

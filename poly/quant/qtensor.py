@@ -311,10 +311,18 @@ class GGUFMatrix(QTensor):
     """A GGUF tensor's raw bytes (numpy row-major shape (out, in)), dequantized per row block.
 
     `order` (optional): the rows of `raw` in this matrix's order (llama.cpp's q/k permutation),
-    applied by a copy made when a path first reads `raw`; `stored` keeps the file's order (float
+    applied by a copy made when a path first reads `raw`, or given as `rows` (the loader's copy
+    mapped from the layout cache, `repack.ordered_rows`); `stored` keeps the file's order (float
     rows are laid out by 16 from it, `repack.float_kmajor16_stored`, and never ask for the copy)."""
 
-    def __init__(self, raw: np.ndarray, ggml_type: int, shape, order: np.ndarray | None = None):
+    def __init__(
+        self,
+        raw: np.ndarray,
+        ggml_type: int,
+        shape,
+        order: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
+    ):
         try:
             qtype = GGMLType(int(ggml_type))
         except ValueError as exc:
@@ -339,7 +347,9 @@ class GGUFMatrix(QTensor):
         if order is not None and not np.array_equal(np.sort(order), np.arange(self.shape[0])):
             raise GGUFFormatError(f"row order is not a permutation of {self.shape[0]} rows")
         self.order = order
-        self._raw = self.stored if order is None else None
+        if rows is not None and (order is None or rows.shape != self.stored.shape):
+            raise ValueError("rows are the stored rows in order: same shape, with an order")
+        self._raw = self.stored if order is None else rows
         self.ggml_type = qtype
         self.scheme = "gguf_" + qtype.name.lower()
 

@@ -171,8 +171,10 @@ def operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
 def laid(qt) -> tuple | None:
     """(kind, stored rows, None) of a GGUF float matrix whose rows the file permutes, laid out by 16
     in order (`repack.float_kmajor16_stored`): read with its `repacked16` alone, not `qt.raw`."""
-    if getattr(qt, "order", None) is not None and getattr(qt, "repacked16", None) is not None:
-        return GGUF_KINDS[qt.scheme], qt.stored, None
+    if getattr(qt, "order", None) is None or getattr(qt, "repacked16", None) is None:
+        return None
+    kind = GGUF_KINDS[qt.scheme]
+    return (kind, qt.stored, None) if kind in (F16, F32) else None  # quantized: routes read raw
     return None
 
 

@@ -27,6 +27,7 @@ removed when a new one is written, and a model file larger than that is not cach
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from poly.filesnapshot import FileSnapshot
+from poly.filesnapshot import FileSnapshot, map_private
 
 VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
@@ -243,7 +244,9 @@ def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
             return None
         if os.pread(fd, len(head), 0) != head:
             return None
-        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        mapped = map_private(fd, len(head) + n * dtype.itemsize)
+        if mapped is None:
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         return np.frombuffer(mapped, dtype, count=n, offset=len(head)).reshape(shape)
     except (OSError, ValueError):
         return None
@@ -251,6 +254,7 @@ def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
         os.close(fd)  # the mapping holds the file
 
 
+@functools.lru_cache(maxsize=256)  # a model's layers share their shapes
 def _npy_header(shape: tuple, dtype: np.dtype) -> bytes:
     """The magic and header `np.lib.format.write_array` writes for a C-ordered `shape`/`dtype`."""
     buf = io.BytesIO()

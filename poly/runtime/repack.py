@@ -134,16 +134,18 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
     on w: Q4_K/Q6_K rows by 8 (`w.kquant_interleave8`: the decode rows and the prompt panels;
     not for experts, by16 False), the other kinds by 16 (`w.repacked16`: interleave16 records, or
     float_kmajor16 rows for float kinds; a prompt's GEMM reads it too), or None."""
+    order = getattr(w, "order", None)  # rows reordered from the file's: cached by file and order
+    key = (data, b"") if order is None else (w.stored, np.asarray(order).tobytes())
     if kind in (Q4_K, Q6_K):
         if not hasattr(w, "kquant_interleave8"):
-            w.kquant_interleave8 = _cached(kind, data, m, k, aux) if by16 else None
+            w.kquant_interleave8 = _cached(kind, data, m, k, aux, key) if by16 else None
         return w.kquant_interleave8
     rp = getattr(w, "repacked16", None)
     if rp is None and not hasattr(w, "repacked16"):
         if kind in (F16, F32) or not by16 or kind not in _RECORDS:
             rp = interleave16(kind, data, m, k, aux, w if by16 else None)
         else:
-            rp = _cached(kind, data, m, k, aux)
+            rp = _cached(kind, data, m, k, aux, key)
         w.repacked16 = rp
         rows = None if rp is None else tied.records_rows(kind, rp, w, data, k)
         if rows is not None:  # a tied table's stored rows need not stay pinned
@@ -170,16 +172,18 @@ def _records_in_c(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | No
     return out
 
 
-def _cached(kind: int, data: np.ndarray, m: int, k: int, aux) -> np.ndarray | None:
+def _cached(kind: int, data: np.ndarray, m: int, k: int, aux, key: tuple) -> np.ndarray | None:
     """The repacked rows of `kind` (kquant_interleave8, kquant_interleave8_q6 or interleave16),
     read from the layout cache when a process made them before (`layout_cache`), else made and
-    written there."""
+    written there. `key`: (the file's rows, extra bytes) the cache names them by: `data` itself,
+    or the stored rows and the order `data` has them in (`ordered_rows`)."""
     from poly.runtime import layout_cache  # hashlib, json, shutil, tempfile: not at start
 
     rows, cols, rec = _RECORDS[kind]
     name = f"{'kquant_interleave8' if rows == 8 else 'interleave16'}-{kind}"  # the file's layout
+    src, extra = key
     if not (m % rows or k % cols):
-        got = layout_cache.load(data, name, (m // rows, k // cols, rec), np.uint8)
+        got = layout_cache.load(src, name, (m // rows, k // cols, rec), np.uint8, extra)
         if got is not None:
             release_mapped(data)  # as the repackers do: the copy serves, the stored rows leave
             return got
@@ -188,7 +192,22 @@ def _cached(kind: int, data: np.ndarray, m: int, k: int, aux) -> np.ndarray | No
     else:
         out = interleave16(kind, data, m, k, aux)
     if out is not None:
-        layout_cache.store(data, name, out)
+        layout_cache.store(src, name, out, extra)
+    return out
+
+
+def ordered_rows(stored: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """`stored[order]`: a file's rows [out, row_bytes] in the model's order (llama.cpp's q/k
+    permutation undone), mapped from the layout cache when an earlier open made them, else
+    copied and written there; the file's own rows are released (the copy serves)."""
+    from poly.runtime import layout_cache
+
+    extra = np.asarray(order).tobytes()
+    out = layout_cache.load(stored, "rows", stored.shape, np.uint8, extra)
+    if out is None:
+        out = np.ascontiguousarray(stored[order])
+        layout_cache.store(stored, "rows", out, extra)
+    release_mapped(stored)
     return out
 
 
