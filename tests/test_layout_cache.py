@@ -37,7 +37,7 @@ def _logits(path) -> np.ndarray:
 
 def _no_repacking(monkeypatch) -> None:
     """Repacking raises: a load that passes read every layout from the cache."""
-    from poly.runtime import layout_cache, repack
+    from poly.runtime import repack
 
     def refusing(fn):
         def refuse(*a, **k):
