@@ -18,10 +18,14 @@ from typing import Any
 import tokenizers
 
 from poly.errors import InvalidTokenError, LimitExceededError, TokenizerError
+from poly.text import tokenizer_cache
 from poly.text.regex_guard import nested_quantifier
 
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # real tokenizer.json files are < 20 MB
 MAX_VOCAB = 1 << 22
+# The checks `_validate_structure` makes; a text kept by `tokenizer_cache` skips them, so a
+# change to them bumps this (texts kept under the old checks are checked again).
+CHECKS = "structure-1"
 REPLACEMENT_CHAR = "\ufffd"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -131,6 +135,15 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer.json text must be str, got {type(json_text).__name__}")
         if len(json_text) > MAX_TOKENIZER_BYTES:
             raise LimitExceededError("tokenizer.json is too large", path=path)
+        name = tokenizer_cache.key(json_text, f"{CHECKS}|vocab<={MAX_VOCAB}")
+        tk = tokenizer_cache.lookup(name)  # this text, checked and kept by an earlier build
+        if tk is None:
+            tk = cls._checked_build(json_text, name, path)
+        return cls(tk, **{k: special_token_content(v) for k, v in special.items()})
+
+    @staticmethod
+    def _checked_build(json_text: str, name: str, path: str | None) -> tokenizers.Tokenizer:
+        """The structure checks, the Rust build, and the fast form kept (`tokenizer_cache`)."""
         try:
             data = json.loads(json_text)
         except (ValueError, RecursionError) as e:
@@ -140,6 +153,7 @@ class Tokenizer:
         except TokenizerError as e:
             e.path = path if path is not None else e.path
             raise
+        form = tokenizer_cache.fast_form(data)
         del data  # the parsed tree (~15 MB for a 49k vocabulary) goes before Rust parses again
         try:
             tk = tokenizers.Tokenizer.from_str(json_text)
@@ -147,8 +161,10 @@ class Tokenizer:
             raise TokenizerError(f"invalid tokenizer.json: {e}", path=path) from e
         except BaseException as e:
             raise _panic_error("loading tokenizer.json", e) from e
+        tokenizer_cache.store(name, form, tk)
+        del form
         trim_heap()
-        return cls(tk, **{k: special_token_content(v) for k, v in special.items()})
+        return tk
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **special: Any) -> Tokenizer:

@@ -1,0 +1,95 @@
+"""A tokenizer.json kept in the form the tokenizers library parses fastest (issue 62: open time).
+
+`tokenizers.Tokenizer.from_str` spends most of its ~80 ms on a 49k BPE vocabulary in serde's
+generic handling of the model section; the same tokenizer written with its vocabulary sorted by
+token and its merges as "a b" strings parses in ~50 ms. The first `poly.text.tokenizer.Tokenizer`
+built from a tokenizer.json text checks it (`_validate_structure`), builds it, and writes that
+form here, kept only when it serializes back to the very same tokenizer (`to_str` equal; else a
+`.skip` marker). A later build from the same text (its sha256) reads the kept form and skips the
+JSON checks that text passed. Files: ``$POLY_HOME/tokenizers/<sha256>-<tokenizers version>.json``
+(default ~/.cache/poly), written to a temporary name and renamed; one that does not parse is
+ignored and written again. POLY_LAYOUT_CACHE=0 turns this off with the layout cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+
+def key(text: str, checks: str) -> str:
+    """The name of `text`'s kept form: the sha256 of it and of `checks` (the limits it was checked
+    against), and the tokenizers version that built it."""
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass"))
+    digest.update(b"\0" + checks.encode())
+    return f"{digest.hexdigest()}-{tokenizers.__version__}"
+
+
+def _folder() -> Path | None:
+    from poly.runtime import layout_cache
+
+    return layout_cache.cache_root().parent / "tokenizers" if layout_cache.enabled() else None
+
+
+def lookup(name: str) -> tokenizers.Tokenizer | None:
+    """The kept tokenizer `name` (`key`), or None: not kept, off, or a file that does not parse."""
+    folder = _folder()
+    if folder is None:
+        return None
+    try:
+        with open(folder / f"{name}.json", "rb") as f:
+            return tokenizers.Tokenizer.from_buffer(f.read())
+    except Exception:  # missing, unreadable, or not a tokenizer (the Rust side raises Exception)
+        return None
+
+
+def fast_form(data: Any) -> bytes | None:
+    """A parsed BPE tokenizer.json as the JSON serde parses fastest: vocabulary sorted by token,
+    merges as "a b" strings where no part holds a space; None for other models."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return None
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        return None
+    if all(_plain_pair(m) for m in merges):
+        merges = [f"{a} {b}" for a, b in merges]
+    model = dict(model, vocab=dict(sorted(vocab.items())), merges=merges)
+    return json.dumps(dict(data, model=model), ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _plain_pair(m: Any) -> bool:
+    return (
+        isinstance(m, list)
+        and len(m) == 2
+        and all(isinstance(s, str) and " " not in s for s in m)
+        and not m[0].startswith("#version")  # a merges.txt header line, to the legacy parser
+    )
+
+
+def store(name: str, form: bytes | None, built: tokenizers.Tokenizer) -> None:
+    """Keep `form` (`fast_form`) as `name` when it builds `built` exactly, else a `.skip` marker
+    (that text is built from its JSON every time). Errors leave nothing kept."""
+    folder = _folder()
+    if folder is None or (folder / f"{name}.skip").exists():
+        return
+    try:
+        same = (
+            form is not None and tokenizers.Tokenizer.from_buffer(form).to_str() == built.to_str()
+        )
+    except Exception:  # the Rust side raises Exception
+        same = False
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(form if same else b"")
+        os.replace(tmp, folder / f"{name}{'.json' if same else '.skip'}")
+    except OSError:
+        return
