@@ -8,10 +8,9 @@ of F16/Q8_0/Q4_0). A cell is one (model, precision): its engines each load in th
 process (benchmarks/workers.py) and answer in turn, round after round (alternating, so load
 drift hits all alike). Measured: prefill of each length from an empty context, then greedy
 decode of `--new` tokens after a context of each length (prefilled once, not timed; each round
-cuts the cache back to it, benchmarks/workers.py `decode`). Reported per engine:
-medians, load time, peak RSS, decode as a fraction of the memory-read ceiling (weight bytes
-per token / read bandwidth measured in the same run) and, on SmolLM2, how many of 64 greedy
-tokens on the chat prompt equal our F32 engine's.
+cuts the cache back to it, workers.py `decode`). Reported per engine: medians, load time, peak
+RSS, decode as a fraction of the memory-read ceiling (weight bytes per token / read bandwidth
+measured in the same run), on SmolLM2 how many of 64 greedy chat tokens equal our F32's.
 
     python -m benchmarks.matrix [--runs 5] [--models smollm2 synth1b synth8b] [--json out.json]
     python -m benchmarks.matrix --quick          # smoke run: SmolLM2, 1 round, short lengths
@@ -49,9 +48,7 @@ DEFAULT_PRECISIONS = tuple(PRECISIONS)[:9]
 ENTITY_IN = {"F16": "f16", "Q8_0": "q8", "Q4_0": "q4"}  # .entity quant run in that GGUF's cell
 AGREE_IN = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M")  # 8-bit and 4-bit cells (and the f32 base)
 MODELS = ("smollm2", "synth1b", "synth8b")  # synth8b (28 GB in F32) only when asked for
-# whether the cells of ENTITY_IN run a `.entity` converted from the model's F32 GGUF: not
-# synth8b, converting its 28 GB F32 is not what those cells measure
-ENTITY_COPY = {"smollm2": True, "synth1b": True, "synth8b": False}
+ENTITY_COPY = {"smollm2": True, "synth1b": True, "synth8b": False}  # ENTITY_IN runs (not 28 GB)
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
 # seconds before each request: the last engine's OpenMP/ggml threads spin a while after work
 SETTLE = 0.05
@@ -173,13 +170,6 @@ def quantize(src: Path, dst: Path, ftype: int, threads: int, pure: bool = False)
     os.replace(tmp, dst)
 
 
-def vocab_size(path: str | os.PathLike) -> int:
-    """The number of tokens in a GGUF's vocabulary (its tokenizer.ggml.tokens array)."""
-    from gguf import GGUFReader
-
-    return len(GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].data)
-
-
 def source_f32(model: str) -> Path:
     """The model's F32 GGUF, written once."""
     from entity.smollm2 import ensure_smollm2
@@ -189,17 +179,16 @@ def source_f32(model: str) -> Path:
 
         path = WORK / "smollm2-f32.gguf"  # the same file compare.py writes
         if not path.is_file():
-            tmp = path.with_name(path.name + ".tmp")
-            os.replace(export(ensure_smollm2(), tmp, "f32"), path)
+            os.replace(export(ensure_smollm2(), path.with_name(path.name + ".tmp"), "f32"), path)
         return path
-    from benchmarks.synthetic_gguf import SHAPES, parameter_count, write
+    from benchmarks.synthetic_gguf import SHAPES, parameter_count, vocab_size, write
 
     path = WORK / f"{model}-f32.gguf"
     if not path.is_file():
-        tokenizer = ensure_smollm2()  # the synthetic model copies SmolLM2's tokenizer
-        gb = parameter_count(vocab=vocab_size(tokenizer), **SHAPES[model]) * 4e-9
+        tok = ensure_smollm2()  # the synthetic model copies its tokenizer: its vocabulary
+        gb = parameter_count(vocab=vocab_size(tok), **SHAPES[model]) * 4e-9
         progress(f"writing the synthetic model {model} (F32 GGUF, ~{gb:.1f} GB)")
-        write(path, tokenizer, **SHAPES[model])
+        write(path, tok, **SHAPES[model])
     return path
 
 

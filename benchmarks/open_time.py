@@ -5,7 +5,8 @@ Each run is one new interpreter that imports the engine, opens the model file, t
 alternate run by run (ABBA ...), medians of `--rounds`. Measured per run: seconds from the
 child's first line to the logits (`open_s`), the parent's wall from spawn to exit (`process_s`:
 interpreter start and teardown too), the child's CPU seconds and peak RSS (`os.wait4`'s
-rusage: ru_maxrss of that child alone); for poly the phases of `poly.timing`
+rusage: ru_maxrss of that child alone) and that peak past the child's RSS after its imports
+(`model_rss_mb`: what the model costs, beside the file's size); for poly the phases of `poly.timing`
 (POLY_PROFILE_OPEN=1: read, parse, tokenizer, verify, repack; `import` and `forward` timed here).
 llama.cpp reads GGUF only: a `.entity` or an HF snapshot runs against the GGUF named with
 `--peer` (its matching file). Page cache warm: every file is read once before the rounds, and
@@ -53,12 +54,15 @@ except ImportError:  # a tree from before the hook
 from poly.runtime import kernels
 kernels.set_num_threads(int(sys.argv[2]))
 t1 = time.perf_counter()
+rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+rss_import = rss()
 model = entity.load(sys.argv[1])
 t2 = time.perf_counter()
 ids = model.tokenizer.encode(sys.argv[3])
 logits = model.forward(ids)
 t3 = time.perf_counter()
-out = {"open_s": t3 - t0, "n_ids": len(ids), "top": int(logits.argmax()), "poly": entity.__file__}
+out = {"open_s": t3 - t0, "n_ids": len(ids), "top": int(logits.argmax()), "poly": entity.__file__,
+       "import_rss_mb": rss_import / 1024}
 out["phases"] = {"import": t1 - t0, "load": t2 - t1, **timing.PHASES, "first_forward": t3 - t2}
 print(json.dumps(out))
 """
@@ -69,6 +73,8 @@ import json, sys
 import numpy as np
 import llama_cpp
 t1 = time.perf_counter()
+rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+rss_import = rss()
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=512, n_threads=int(sys.argv[2]),
                       n_batch=512, verbose=False)
 t2 = time.perf_counter()
@@ -77,7 +83,8 @@ llm.eval(ids)
 ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
 logits = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
 t3 = time.perf_counter()
-out = {"open_s": t3 - t0, "n_ids": len(ids), "top": int(logits.argmax())}
+out = {"open_s": t3 - t0, "n_ids": len(ids), "top": int(logits.argmax()),
+       "import_rss_mb": rss_import / 1024}
 out["phases"] = {"import": t1 - t0, "load": t2 - t1, "first_forward": t3 - t2}
 print(json.dumps(out))
 """
@@ -124,7 +131,9 @@ def warm(path: str) -> None:
 
 
 def medians(runs: list[dict]) -> dict:
-    keys = ("open_s", "process_s", "cpu_s", "peak_rss_mb")
+    for r in runs:  # what the model costs: the peak past the interpreter and its imports
+        r["model_rss_mb"] = r["peak_rss_mb"] - r["import_rss_mb"]
+    keys = ("open_s", "process_s", "cpu_s", "peak_rss_mb", "model_rss_mb")
     md = {k: statistics.median(r[k] for r in runs) for k in keys}
     phases = {p for r in runs for p in r.get("phases", {})}
     md["phases"] = {p: statistics.median(r["phases"].get(p, 0.0) for r in runs) for p in phases}
@@ -141,17 +150,26 @@ def measure(label: str, ours: str, peer: str, rounds: int, threads: int) -> dict
             runs[eng].append(run_child(eng, ours if eng == "poly" else peer, threads))
     print(f"{label}: done", file=sys.stderr, flush=True)
     return {"poly_file": ours, "llama_file": peer, "medians": {e: medians(v) for e, v in runs.items()},
-            "runs": runs}  # fmt: skip
+            "runs": runs, "file_mb": _size(ours) / 2**20}  # fmt: skip
+
+
+def _size(path: str) -> int:
+    """Bytes of a model file, or of a snapshot directory's weights (*.safetensors)."""
+    p = Path(path)
+    return (
+        sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size
+    )
 
 
 def table(results: dict) -> str:
-    lines = ["| file | poly s | llama.cpp s | ratio | CPU s poly / llama | peak RSS MB poly / llama |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| file | poly s | llama.cpp s | ratio | CPU s poly / llama | peak RSS MB poly / llama "
+             "| past imports MB poly / llama / file |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for label, res in results.items():
         p, q = res["medians"]["poly"], res["medians"]["llama"]
         lines.append(
             f"| {label} | {p['open_s']:.2f} | {q['open_s']:.2f} | {p['open_s'] / q['open_s']:.2f}x "
-            f"| {p['cpu_s']:.2f} / {q['cpu_s']:.2f} | {p['peak_rss_mb']:.0f} / {q['peak_rss_mb']:.0f} |"
+            f"| {p['cpu_s']:.2f} / {q['cpu_s']:.2f} | {p['peak_rss_mb']:.0f} / {q['peak_rss_mb']:.0f} "
+            f"| {p['model_rss_mb']:.0f} / {q['model_rss_mb']:.0f} / {res['file_mb']:.0f} |"
         )
     lines += [
         "",

@@ -49,6 +49,11 @@ def parameter_count(**shape) -> int:
     return sum(int(np.prod(s)) for _, s in tensor_shapes(**shape))
 
 
+def vocab_size(path: str | os.PathLike) -> int:
+    """The number of tokens in a GGUF's vocabulary (its tokenizer.ggml.tokens array)."""
+    return len(GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].data)
+
+
 def _copy_tokenizer(src: GGUFReader, writer: GGUFWriter) -> int:
     """Copy the tokenizer.* keys; return the vocabulary size."""
     vocab = 0

@@ -154,6 +154,26 @@ class FileSnapshot(mmap.mmap):
         lo, hi = offset // PAGE * PAGE, -(-(offset + length) // PAGE) * PAGE
         self.pinned = [p for p in getattr(self, "pinned", ()) if not (lo <= p[0] and p[1] <= hi)]
 
+    def offset_of(self, arr: np.ndarray) -> int:
+        """Where `arr` (a view of these bytes) starts in the file."""
+        with memoryview(self) as mv:
+            return arr.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data
+
+    def read_into(self, view: np.ndarray, out: np.ndarray) -> None:
+        """`out[...] = view` read with pread from the file (the kernel copies from the page
+        cache; a copy off the mapping takes a page fault per 4 KB: SmolLM2's 540 MB of float32
+        masters), then `view`'s pages released. Both C-contiguous, of one size; during a
+        deferred open (`deferred_reads`: the file is still the one opened, `settle` checks)."""
+        dst = memoryview(out.reshape(-1).view(np.uint8))
+        at = self.offset_of(view)
+        pos = 0
+        while pos < dst.nbytes:
+            got = os.preadv(self.fd, [dst[pos : pos + _PIECE]], at + pos)
+            if got <= 0:
+                raise ModelFileChangedError("the file shrank as it was read", path=self.path)
+            pos += got
+        self.release(at, view.nbytes)
+
     def changed(self) -> bool:
         try:
             st = os.fstat(self.fd)
@@ -186,12 +206,17 @@ def keep_in_memory(value: Any) -> None:
     for a in parts:
         if not isinstance(a, np.ndarray) or not a.nbytes:
             continue
-        b, seen = a, 0
-        while b is not None and not isinstance(b, FileSnapshot) and seen < 64:
-            b, seen = (b.obj if isinstance(b, memoryview) else getattr(b, "base", None)), seen + 1
-        if isinstance(b, FileSnapshot):
-            with memoryview(b) as mv:
-                b.pin(a.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data, a.nbytes)
+        snap = snapshot_of(a)
+        if snap is not None:
+            snap.pin(snap.offset_of(a), a.nbytes)
+
+
+def snapshot_of(arr: np.ndarray) -> FileSnapshot | None:
+    """The `FileSnapshot` `arr` views (through numpy bases and memoryviews), or None."""
+    b, seen = arr, 0
+    while b is not None and not isinstance(b, FileSnapshot) and seen < 64:
+        b, seen = (b.obj if isinstance(b, memoryview) else getattr(b, "base", None)), seen + 1
+    return b if isinstance(b, FileSnapshot) else None
 
 
 def _libc_mmap():

@@ -67,6 +67,7 @@ from poly.errors import (
     UnsupportedError,
 )
 from poly.filesnapshot import FileSnapshot
+from poly.runtime import layout_cache
 
 __all__ = [
     "MAGIC",
@@ -132,18 +133,12 @@ class EntityFile:
                     if rec.path not in self._checked:
                         self._check_in_memory(rec)
                 if verify == "once" and self._mm is not None:
-                    from poly.runtime import layout_cache
-
                     layout_cache.mark_verified(self._mm)
 
     def _verify_all(self, verify: bool | str) -> bool:
-        if verify != "once":
-            return verify is True
-        if self._mm is None:
-            return True
-        from poly.runtime import layout_cache
-
-        return not layout_cache.verified(self._mm)
+        if verify == "once":
+            return self._mm is None or not layout_cache.verified(self._mm)
+        return verify is True
 
     def _snapshot(self, lazy: list[BlobRecord]) -> FileSnapshot:
         """The file read into memory of our own (``lazy`` records stay mapped from the file): a

@@ -310,19 +310,11 @@ def gguf_supported() -> frozenset[GGMLType]:
 class GGUFMatrix(QTensor):
     """A GGUF tensor's raw bytes (numpy row-major shape (out, in)), dequantized per row block.
 
-    `order` (optional): the rows of `raw` in this matrix's order (llama.cpp's q/k permutation),
-    applied by a copy made when a path first reads `raw`, or given as `rows` (the loader's copy
-    mapped from the layout cache, `repack.ordered_rows`); `stored` keeps the file's order (float
-    rows are laid out by 16 from it, `repack.float_kmajor16_stored`, and never ask for the copy)."""
+    `order`: the rows of `raw` in this matrix's order (llama.cpp's q/k permutation); `rows` that
+    copy (`repack.ordered_rows`), else made when a path first reads `raw`. `stored`: the file's
+    order (float rows laid out by 16 from it, `repack.float_kmajor16_stored`, need no copy)."""
 
-    def __init__(
-        self,
-        raw: np.ndarray,
-        ggml_type: int,
-        shape,
-        order: np.ndarray | None = None,
-        rows: np.ndarray | None = None,
-    ):
+    def __init__(self, raw: np.ndarray, ggml_type: int, shape, order=None, rows=None):
         try:
             qtype = GGMLType(int(ggml_type))
         except ValueError as exc:
@@ -346,10 +338,9 @@ class GGUFMatrix(QTensor):
         self.stored = flat.reshape(self.shape[0], row_bytes)  # [out, row_bytes], a view
         if order is not None and not np.array_equal(np.sort(order), np.arange(self.shape[0])):
             raise GGUFFormatError(f"row order is not a permutation of {self.shape[0]} rows")
-        self.order = order
         if rows is not None and (order is None or rows.shape != self.stored.shape):
-            raise ValueError("rows are the stored rows in order: same shape, with an order")
-        self._raw = self.stored if order is None else rows
+            raise ValueError("rows: the stored rows in `order`, of their shape")
+        self.order, self._raw = order, self.stored if order is None else rows  # None: made later
         self.ggml_type = qtype
         self.scheme = "gguf_" + qtype.name.lower()
 

@@ -7,8 +7,8 @@ Sums are float32, parallel over output rows with OpenMP.
 
 One extension holds a build of the kernels per instruction set ("base" C, "avx2": AVX2 + FMA +
 F16C, "avx512": AVX-512 F/BW/DQ/VL/VNNI); csrc/module.c picks the best the CPU runs at import
-(cpuid), POLY_ISA=base|avx2|avx512 caps it; `isas()`, `use_isa(name)`, `info()["isa"]`. Inputs are validated here (poly errors); the C side re-checks
-buffer sizes, so a bad call can never read out of bounds.
+(cpuid), POLY_ISA=base|avx2|avx512 caps it; `isas()`, `use_isa(name)`, `info()["isa"]`. Inputs
+are validated here (poly errors); the C side re-checks sizes: no read out of bounds.
 
 Scheme flag `set_act_q8(True)` (or POLY_ACT_Q8=1): the 4/8-bit kinds and int8 take x as two
 int8 codes per element per 32-block (x ~= dx * (xh + xl / 254), dx = max|x| / 127) and use
@@ -56,11 +56,8 @@ DENSE_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is DenseM
 GGUF_KINDS = {n: r.c_kind for n, r in qs.SCHEMES.items() if r.qtensor is GGUFMatrix}
 GGUF_BLOCK = {r.c_kind: r.block for r in qs.SCHEMES.values() if r.qtensor is GGUFMatrix}
 # GGUF (ggml) tensor type id -> the C kind that reads its stored bytes (decode and dequantize)
-GGUF_TYPE_KINDS = {
-    r.ggml_type: r.c_kind
-    for r in qs.SCHEMES.values()
-    if r.ggml_type is not None and r.c_kind is not None
-}
+GGUF_TYPE_KINDS = {r.ggml_type: r.c_kind for r in qs.SCHEMES.values()
+                   if r.ggml_type is not None and r.c_kind is not None}  # fmt: skip
 _F32 = np.dtype(np.float32)
 Q8_OFF, Q8_ON, Q8_AUTO = 0, 1, 2
 # a flag on q8 for HF bfloat16 weights: their rows stay exact in the auto mode (parity with
@@ -170,12 +167,11 @@ def operands(qt) -> tuple[int, np.ndarray, np.ndarray | None] | None:
 
 def laid(qt) -> tuple | None:
     """(kind, stored rows, None) of a GGUF float matrix whose rows the file permutes, laid out by 16
-    in order (`repack.float_kmajor16_stored`): read with its `repacked16` alone, not `qt.raw`."""
-    if getattr(qt, "order", None) is None or getattr(qt, "repacked16", None) is None:
-        return None
-    kind = GGUF_KINDS[qt.scheme]
-    return (kind, qt.stored, None) if kind in (F16, F32) else None  # quantized: routes read raw
-    return None
+    in order (`repack.float_kmajor16_stored`): read with its `repacked16` alone (not quantized
+    ones: some routes read their rows, in order, `qt.raw`)."""
+    kind = GGUF_KINDS[qt.scheme] if getattr(qt, "order", None) is not None else None
+    laid16 = kind in (F16, F32) and getattr(qt, "repacked16", None) is not None
+    return (kind, qt.stored, None) if laid16 else None
 
 
 def supports(qt) -> bool:

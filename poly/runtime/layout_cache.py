@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from poly.filesnapshot import FileSnapshot, map_private
+from poly.filesnapshot import FileSnapshot, map_private, snapshot_of
 
 VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
@@ -94,27 +94,19 @@ def _source_dir(snap: FileSnapshot) -> Path | None:
     return snap._layout_dir
 
 
-def _snapshot_of(arr: np.ndarray) -> FileSnapshot | None:
-    b, seen = arr, 0
-    while b is not None and not isinstance(b, FileSnapshot) and seen < 64:
-        b, seen = (b.obj if isinstance(b, memoryview) else getattr(b, "base", None)), seen + 1
-    return b if isinstance(b, FileSnapshot) else None
-
-
 def _entry(raw: np.ndarray, name: str, extra: bytes) -> tuple[FileSnapshot, Path] | None:
     """(snapshot, .npy path) of the layout `name` of `raw`, or None where it is not cached:
     off, small, or `raw` is not a view of a model file read by `FileSnapshot`."""
     if not enabled() or raw.nbytes < MIN_BYTES:
         return None
-    snap = _snapshot_of(raw)
+    snap = snapshot_of(raw)
     # a file past the cap: its layouts would evict every other model's, then its own
     if snap is None or snap.closed or snap.size > max_bytes():
         return None
     folder = _source_dir(snap)
     if folder is None:
         return None
-    with memoryview(snap) as mv:
-        offset = raw.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data
+    offset = snap.offset_of(raw)
     tag = hashlib.sha256(extra).hexdigest()[:12] if extra else "0"
     return snap, folder / f"{offset}-{raw.nbytes}-{name}-{tag}.npy"
 

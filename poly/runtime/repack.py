@@ -1,9 +1,9 @@
-"""GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows regrouped 16 at a time for the fused step's integer row kernels
-(csrc/formats/interleave16.h): one vector lane per weight row, so a 32-block's integer dot product lands in
-its row's lane and the block scale applies to 16 rows in one FMA. Made once per matrix when the
-fused plan is built (`fused_args.mat`, kept as the QTensor's `repacked16`); the stored rows' pages are then
+"""GGUF Q4_0/Q4_1/Q8_0 and int8 (.entity q8) rows regrouped 16 at a time for the fused step's
+integer row kernels (csrc/formats/interleave16.h): a lane per row, a 32-block's integer dot
+product in its row's lane, the block scale on 16 rows in one FMA. Made once per matrix when the
+fused plan is built (`fused_args.mat`, kept as the QTensor's `repacked16`); the stored rows are
 released, and a prompt's GEMM dequantizes the copy. Float16/float32 rows mapped from a file are
-laid out by 16, k-major (`float_kmajor16`, csrc/formats/float_kmajor16.h): the gemm panels' packed form."""
+laid out by 16, k-major (`float_kmajor16`, csrc/formats/float_kmajor16.h): the gemm panels'."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import numpy as np
 from poly.runtime import ckernels, repack_records, tied
 from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
-# bytes of one record: per 16 rows and 32-block (csrc/formats/interleave16.h), per 8 rows and
-# super-block (csrc/formats/kquant_interleave8.h)
+# bytes of a record: per 16 rows and 32-block (interleave16.h), 8 rows and super-block (by 8)
 INTERLEAVE16_REC = 320  # Q4_1: D[16], M[16] float16 and the codes: the stored size
 INTERLEAVE16_REC4 = 288  # Q4_0 and Loom Q4: D[16] float16 and the codes (M = -8 D in the tiles)
 INTERLEAVE16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes
@@ -47,8 +46,7 @@ def release_mapped(arr: np.ndarray) -> None:
     stay in the page cache and fault back in when read."""
     import mmap
 
-    b = _mapping(arr)
-    if b is None:
+    if (b := _mapping(arr)) is None:
         return
     a0 = arr.ctypes.data - np.frombuffer(b, np.uint8).ctypes.data
     page = mmap.PAGESIZE
@@ -134,7 +132,7 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
     on w: Q4_K/Q6_K rows by 8 (`w.kquant_interleave8`: the decode rows and the prompt panels;
     not for experts, by16 False), the other kinds by 16 (`w.repacked16`: interleave16 records, or
     float_kmajor16 rows for float kinds; a prompt's GEMM reads it too), or None."""
-    order = getattr(w, "order", None)  # rows reordered from the file's: cached by file and order
+    order = getattr(w, "order", None)  # rows reordered: cached by the file's rows and the order
     key = (data, b"") if order is None else (w.stored, np.asarray(order).tobytes())
     if kind in (Q4_K, Q6_K):
         if not hasattr(w, "kquant_interleave8"):
@@ -173,10 +171,9 @@ def _records_in_c(kind: int, raw: np.ndarray, m: int, k: int) -> np.ndarray | No
 
 
 def _cached(kind: int, data: np.ndarray, m: int, k: int, aux, key: tuple) -> np.ndarray | None:
-    """The repacked rows of `kind` (kquant_interleave8, kquant_interleave8_q6 or interleave16),
-    read from the layout cache when a process made them before (`layout_cache`), else made and
-    written there. `key`: (the file's rows, extra bytes) the cache names them by: `data` itself,
-    or the stored rows and the order `data` has them in (`ordered_rows`)."""
+    """The repacked rows of `kind` (kquant_interleave8, kquant_interleave8_q6 or interleave16)
+    from the layout cache, else made and written there. `key`: (file rows, extra bytes) naming
+    them there: `data`, or the stored rows and the order `data` holds them in (`ordered_rows`)."""
     from poly.runtime import layout_cache  # hashlib, json, shutil, tempfile: not at start
 
     rows, cols, rec = _RECORDS[kind]
@@ -197,9 +194,8 @@ def _cached(kind: int, data: np.ndarray, m: int, k: int, aux, key: tuple) -> np.
 
 
 def ordered_rows(stored: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """`stored[order]`: a file's rows [out, row_bytes] in the model's order (llama.cpp's q/k
-    permutation undone), mapped from the layout cache when an earlier open made them, else
-    copied and written there; the file's own rows are released (the copy serves)."""
+    """`stored[order]` (a GGUF's q/k rows, llama.cpp's permutation undone): mapped from the layout
+    cache when an earlier open made it, else copied and written there; `stored` released."""
     from poly.runtime import layout_cache
 
     extra = np.asarray(order).tobytes()
