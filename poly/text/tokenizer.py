@@ -139,6 +139,8 @@ class Tokenizer:
         tk = tokenizer_cache.lookup(name)  # this text, checked and kept by an earlier build
         if tk is None:
             tk = cls._checked_build(json_text, name, path)
+        else:
+            trim_heap()  # the parse's ~20 MB, before a model's weights come in
         return cls(tk, **{k: special_token_content(v) for k, v in special.items()})
 
     @staticmethod
