@@ -75,3 +75,34 @@ def test_other_models_and_a_switched_off_cache_keep_nothing(home, sp_tokenizers,
     monkeypatch.setenv("POLY_LAYOUT_CACHE", "0")
     Tokenizer.from_str(sp_tokenizers[0].to_str())
     assert not list(home.glob("*.json"))
+
+
+def test_a_gguf_tokenizer_is_built_once(home, smollm2_gguf, hf_smol_tokenizer, monkeypatch):
+    """The kept tokenizer of a GGUF is named by its metadata bytes: a second open builds none
+    and encodes as transformers' tokenizer of the same model."""
+    from entity.gguf import tokenizer as gguf_tok
+    from entity.gguf.reader import GGUFFile
+
+    gg = GGUFFile(smollm2_gguf)
+    first = gguf_tok.build_tokenizer(gg).tokenizer
+    assert len(list(home.glob("*.json"))) == 1
+
+    def refuse(*a, **k):
+        raise AssertionError("built again although kept")
+
+    monkeypatch.setattr(gguf_tok, "_construct", refuse)
+    second = gguf_tok.build_tokenizer(gg).tokenizer
+    assert second.to_str() == first.to_str()
+    for sample in SAMPLE_TEXTS:
+        ids = hf_smol_tokenizer.encode(sample, add_special_tokens=False)
+        assert second.encode(sample, add_special_tokens=False).ids == ids
+
+
+def test_past_max_kept_the_least_recently_used_go(home, sp_tokenizers, monkeypatch):
+    from poly.text import tokenizer_cache
+
+    monkeypatch.setattr(tokenizer_cache, "MAX_KEPT", 2)
+    text = sp_tokenizers[0].to_str()
+    for pad in ("", " ", "  "):  # three texts of one tokenizer: three names
+        Tokenizer.from_str(text + pad)
+    assert len(list(home.iterdir())) == 2

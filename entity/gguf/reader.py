@@ -86,6 +86,11 @@ class GGUFFile:
         self.file_size = size
         self._parse(Cursor(self._mm, self.path))
 
+    def kv_bytes(self) -> memoryview:
+        """The metadata section as stored (what names a tokenizer kept by `tokenizer_cache`)."""
+        lo, hi = self.kv_span
+        return memoryview(self._mm[lo:hi])
+
     def _lazy_open(self, lazy) -> None:
         """Parse the header off a mapping of the whole file, then read it in but for the
         tensors `lazy` names (parsed again there: no value keeps the first mapping)."""
@@ -113,7 +118,9 @@ class GGUFFile:
             raise cur.fail(f"kv count {n_kv} cannot fit in the file", 16)
         if n_tensors * MIN_TENSOR_INFO_BYTES > cur.remaining:
             raise cur.fail(f"tensor count {n_tensors} cannot fit in the file", 8)
+        kv_start = cur.pos
         self.metadata, self.metadata_types = read_kv(cur, n_kv)
+        self.kv_span = (kv_start, cur.pos)  # the metadata's bytes (`kv_bytes`)
         self.alignment = read_alignment(cur, self.metadata, self.metadata_types)
         if n_tensors * MIN_TENSOR_INFO_BYTES > cur.remaining:
             raise cur.fail(f"tensor count {n_tensors} cannot fit in the file", 8)

@@ -8,6 +8,7 @@ Control tokens (token_type 3) become special added tokens.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -18,6 +19,7 @@ from tokenizers.models import BPE
 from entity.gguf.header import T_ARRAY, T_STRING
 from entity.gguf.reader import GGUFFile
 from poly.errors import TokenizerError, UnsupportedError
+from poly.text import tokenizer_cache
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 MAX_VOCAB = 1 << 22  # reliability.md A5: vocab <= 2^22
@@ -279,6 +281,23 @@ def _post_processor(tok: Tokenizer, spec_ids: dict[str, int | None], add_bos: bo
 BUILDERS = {"gpt2": "byte_level", "llama": "sentencepiece"}
 
 
+# How `build_tokenizer` builds one; a tokenizer kept by `tokenizer_cache` names it, so a change to
+# the building below bumps this (tokenizers kept by the old one are built again).
+BUILT = "gguf-1"
+
+
+def _construct(gg: GGUFFile, model: str, tokens, scores, types, pre, ids) -> Tokenizer:
+    merges = _merges(gg, tokens, scores)
+    if model == "gpt2":
+        tok = _byte_level(tokens, merges, pre)
+    else:
+        unk = tokens[ids["unknown"]] if ids["unknown"] is not None else None
+        space = bool(gg.metadata.get("tokenizer.ggml.add_space_prefix", True))
+        tok = _sentencepiece(tokens, merges, unk, space)
+    _add_special(tok, tokens, types, byte_level=model == "gpt2")
+    return tok
+
+
 def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
     """Build the tokenizer a GGUF file describes. Bad or missing metadata -> ``TokenizerError``."""
     md = gg.metadata
@@ -301,24 +320,20 @@ def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
     ids = {
         k: _token_id(gg, k, len(tokens)) for k in ("bos", "eos", "unknown", "padding", "eot", "eom")
     }
-    try:
-        merges = _merges(gg, tokens, scores)
-        if model == "gpt2":
-            tok = _byte_level(tokens, merges, pre)
-        else:
-            unk = tokens[ids["unknown"]] if ids["unknown"] is not None else None
-            tok = _sentencepiece(
-                tokens, merges, unk, bool(md.get("tokenizer.ggml.add_space_prefix", True))
-            )
-        _add_special(tok, tokens, types, byte_level=model == "gpt2")
-    except TokenizerError:
-        raise
-    except Exception as exc:  # the tokenizers crate raises plain Exception subclasses
-        raise TokenizerError(f"cannot build the GGUF tokenizer: {exc}", path=gg.path) from None
     # llama.cpp adds BOS to SentencePiece vocabularies that do not say otherwise.
     add_bos = bool(md.get("tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
-    _post_processor(tok, {"bos": ids["bos"], "eos": ids["eos"]}, add_bos, add_eos)
+    name = tokenizer_cache.key(gg.kv_bytes(), f"{BUILT}|vocab<={MAX_VOCAB}")
+    tok = tokenizer_cache.lookup(name)  # built from these very metadata bytes before
+    if tok is None:
+        try:
+            tok = _construct(gg, model, tokens, scores, types, pre, ids)
+        except TokenizerError:
+            raise
+        except Exception as exc:  # the tokenizers crate raises plain Exception subclasses
+            raise TokenizerError(f"cannot build the GGUF tokenizer: {exc}", path=gg.path) from None
+        _post_processor(tok, {"bos": ids["bos"], "eos": ids["eos"]}, add_bos, add_eos)
+        tokenizer_cache.store(name, tokenizer_cache.fast_form(json.loads(tok.to_str())), tok)
     template = md.get("tokenizer.chat_template")
     return GGUFTokenizerSpec(
         tokenizer=tok,

@@ -8,11 +8,13 @@ form here, kept only when it serializes back to the very same tokenizer (`to_str
 `.skip` marker). A later build from the same text (its sha256) reads the kept form and skips the
 JSON checks that text passed. Files: ``$POLY_HOME/tokenizers/<sha256>-<tokenizers version>.json``
 (default ~/.cache/poly), written to a temporary name and renamed; one that does not parse is
-ignored and written again. POLY_LAYOUT_CACHE=0 turns this off with the layout cache.
+ignored and written again; past MAX_KEPT files the ones used longest ago go. POLY_LAYOUT_CACHE=0
+turns this off with the layout cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,11 +24,14 @@ from typing import Any
 
 import tokenizers
 
+MAX_KEPT = 32  # tokenizers kept (a SmolLM2-sized one is 1.4 MB)
 
-def key(text: str, checks: str) -> str:
-    """The name of `text`'s kept form: the sha256 of it and of `checks` (the limits it was checked
-    against), and the tokenizers version that built it."""
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass"))
+
+def key(text: str | bytes | memoryview, checks: str) -> str:
+    """The name of `text`'s kept form (a tokenizer.json, or what a tokenizer is built from): the
+    sha256 of it and of `checks` (how it was checked and built), and the tokenizers version."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    digest = hashlib.sha256(data)
     digest.update(b"\0" + checks.encode())
     return f"{digest.hexdigest()}-{tokenizers.__version__}"
 
@@ -42,9 +47,12 @@ def lookup(name: str) -> tokenizers.Tokenizer | None:
     folder = _folder()
     if folder is None:
         return None
+    path = folder / f"{name}.json"
     try:
-        with open(folder / f"{name}.json", "rb") as f:
-            return tokenizers.Tokenizer.from_buffer(f.read())
+        with open(path, "rb") as f:
+            tok = tokenizers.Tokenizer.from_buffer(f.read())
+        os.utime(path)  # used now: the last to go past MAX_KEPT
+        return tok
     except Exception:  # missing, unreadable, or not a tokenizer (the Rust side raises Exception)
         return None
 
@@ -91,5 +99,17 @@ def store(name: str, form: bytes | None, built: tokenizers.Tokenizer) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(form if same else b"")
         os.replace(tmp, folder / f"{name}{'.json' if same else '.skip'}")
+        _prune(folder)
     except OSError:
         return
+
+
+def _prune(folder: Path) -> None:
+    """Remove the files used longest ago past MAX_KEPT (another process may remove them too)."""
+    entries = []
+    for p in folder.iterdir():
+        with contextlib.suppress(OSError):
+            entries.append((p.stat().st_mtime, p))
+    for _, p in sorted(entries)[: max(0, len(entries) - MAX_KEPT)]:
+        with contextlib.suppress(OSError):
+            p.unlink()
