@@ -6,10 +6,12 @@ token and its merges as "a b" strings parses in ~50 ms. The first `poly.text.tok
 built from a tokenizer.json text checks it (`_validate_structure`), builds it, and writes that
 form here, kept only when it serializes back to the very same tokenizer (`to_str` equal; else a
 `.skip` marker). A later build from the same text (its sha256) reads the kept form and skips the
-JSON checks that text passed. Files: ``$POLY_HOME/tokenizers/<sha256>-<tokenizers version>.json``
-(default ~/.cache/poly), written to a temporary name and renamed; one that does not parse is
-ignored and written again; past MAX_KEPT files the ones used longest ago go. POLY_LAYOUT_CACHE=0
-turns this off with the layout cache.
+JSON checks that text passed. A GGUF's tokenizer is kept the same way, named by the file's
+metadata bytes (`entity.gguf.tokenizer.build_tokenizer`: its vocabulary and merges not built
+again). Files: ``$POLY_HOME/tokenizers/<sha256>-<tokenizers version>.json`` (default
+~/.cache/poly), written to a temporary name and renamed; one that does not parse is ignored and
+written again; past MAX_KEPT files the ones used longest ago go. POLY_LAYOUT_CACHE=0 turns this
+off with the layout cache.
 """
 
 from __future__ import annotations
