@@ -95,14 +95,26 @@ class FileSnapshot(mmap.mmap):
         self._give_back(start, stop)
 
     def _give_back(self, start: int, stop: int) -> None:
-        if stop > start and self._map_file(start, stop):
+        if stop > start and (self._drop(start, stop) or self._map_file(start, stop)):
             self.released.append((start, stop))
+
+    def _drop(self, start: int, stop: int) -> bool:
+        """During a deferred open the file is mapped here already: the pages a read brought in
+        are dropped (madvise), not mapped again (an mmap a release split the mapping in VMAs)."""
+        if not self.deferred:
+            return False
+        try:
+            self.madvise(mmap.MADV_DONTNEED, start, stop - start)
+        except (AttributeError, OSError, ValueError):
+            return False
+        return True
 
     def evict(self, offset: int, length: int) -> None:
         """Drop the pages of [offset, offset + length) from the resident set while they are
         still mapped from the file (read once to check them, before `settle`)."""
         if self.deferred:
-            self._map_file(*self._page_range(offset, length))
+            start, stop = self._page_range(offset, length)
+            self._drop(start, stop) or self._map_file(start, stop)
 
     def settle(self, copies: Any = None) -> None:
         """End a deferred open (`deferred_reads`): every page not released (nor lazy) is read
