@@ -229,10 +229,12 @@ class VolumetricLayer:
             raise LayerConfigError(
                 f"weight store holds {self.weights.size} values, {self.type.label} needs {count}"
             )
+        object.__setattr__(self, "_built", True)
+        Generations.bump()  # once for a new layer, not once per field (~50 a layer)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
-        if name not in _UNPLANNED:
+        if name not in _UNPLANNED and "_built" in self.__dict__:
             Generations.bump()  # kind, flags, dims or sub-layers changed: plans are stale
 
     def forward(self, x: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
