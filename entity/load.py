@@ -134,7 +134,7 @@ def _open(path_or_model_id: str | os.PathLike, tp: Any, kw: dict) -> Any:
             model.generation_defaults = found
         with timing.phase("repack"):
             prepare(model)  # the one-time repacking now, not in the first turn (issue 55)
-    trim_heap()  # the open's temporaries (vocabulary lists, header records): ~8 MB of RSS
+    trim_heap()  # the open's temporaries (vocabulary lists, header records) leave the RSS
     return model
 
 

@@ -62,14 +62,18 @@ class FileSnapshot(mmap.mmap):
         pos = 0
         with memoryview(self) as mv:
             for lo, hi in [*holes, (self.size, self.size)]:
-                while pos < lo:
-                    got = os.preadv(self.fd, [mv[pos : min(lo, pos + _PIECE)]], pos)
-                    if got <= 0:
-                        raise ModelFileChangedError(
-                            "the file shrank as it was read", path=self.path
-                        )
-                    pos += got
-                pos = max(pos, hi)
+                if pos < lo:
+                    self._pread(mv[pos:lo], pos)
+                pos = max(pos, hi, lo)
+
+    def _pread(self, dst: memoryview, at: int) -> None:
+        """Fill `dst` with the file's bytes from `at` on, _PIECE at a time."""
+        pos = 0
+        while pos < dst.nbytes:
+            got = os.preadv(self.fd, [dst[pos : pos + _PIECE]], at + pos)
+            if got <= 0:
+                raise ModelFileChangedError("the file shrank as it was read", path=self.path)
+            pos += got
 
     def _map_file(self, start: int, stop: int) -> bool:
         """The file's pages [start, stop) over ours (MAP_FIXED): ours are freed."""
@@ -100,7 +104,8 @@ class FileSnapshot(mmap.mmap):
 
     def _drop(self, start: int, stop: int) -> bool:
         """During a deferred open the file is mapped here already: the pages a read brought in
-        are dropped (madvise), not mapped again (an mmap a release split the mapping in VMAs)."""
+        are dropped (madvise) rather than the file mapped again (each such mmap split the
+        mapping into more VMAs)."""
         if not self.deferred:
             return False
         try:
@@ -173,17 +178,11 @@ class FileSnapshot(mmap.mmap):
 
     def read_into(self, view: np.ndarray, out: np.ndarray) -> None:
         """`out[...] = view` read with pread from the file (the kernel copies from the page
-        cache; a copy off the mapping takes a page fault per 4 KB: SmolLM2's 540 MB of float32
-        masters), then `view`'s pages released. Both C-contiguous, of one size; during a
+        cache; a copy off the mapping takes a page fault per 4 KB), then `view`'s pages
+        released. Both C-contiguous, of one size; during a
         deferred open (`deferred_reads`: the file is still the one opened, `settle` checks)."""
-        dst = memoryview(out.reshape(-1).view(np.uint8))
         at = self.offset_of(view)
-        pos = 0
-        while pos < dst.nbytes:
-            got = os.preadv(self.fd, [dst[pos : pos + _PIECE]], at + pos)
-            if got <= 0:
-                raise ModelFileChangedError("the file shrank as it was read", path=self.path)
-            pos += got
+        self._pread(memoryview(out.reshape(-1).view(np.uint8)), at)
         self.release(at, view.nbytes)
 
     def changed(self) -> bool:
@@ -231,29 +230,22 @@ def snapshot_of(arr: np.ndarray) -> FileSnapshot | None:
     return b if isinstance(b, FileSnapshot) else None
 
 
-def _libc_mmap():
+def _libc_calls() -> tuple:
+    """libc's (mmap, munmap), or (None, None) where there is no such libc."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.mmap
+        mmap_, munmap = libc.mmap, libc.munmap
     except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_void_p
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int64]  # fmt: skip
-    return fn
+        return None, None
+    mmap_.restype = ctypes.c_void_p
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int64]  # fmt: skip
+    munmap.restype, munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
+    return mmap_, munmap
 
 
-def _libc_munmap():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).munmap
-    except (OSError, AttributeError):
-        return None
-    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
-    return fn
-
-
-_LIBC_MMAP = _libc_mmap() if hasattr(mmap, "MAP_PRIVATE") else None  # None: releases keep ours
-_LIBC_MUNMAP = _libc_munmap() if _LIBC_MMAP is not None else None
+# None: releases keep our pages, layouts are mapped by mmap.mmap
+_LIBC_MMAP, _LIBC_MUNMAP = _libc_calls() if hasattr(mmap, "MAP_PRIVATE") else (None, None)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE = mmap.PAGESIZE
 _PIECE = 64 << 20
@@ -279,8 +271,8 @@ class _Mapped:
 def map_private(fd: int, size: int) -> np.ndarray | None:
     """The first `size` bytes of file `fd` mapped copy-on-write, as a uint8 array that holds no
     descriptor (mmap.mmap keeps a dup of one per mapping: past 256 open descriptors the kernel
-    grows the table behind an RCU grace period, 10-15 ms in a VM); unmapped once no array views
-    it. None where libc's mmap is out of reach (then mmap.mmap serves)."""
+    grows the table behind an RCU grace period: docs/performance.md); unmapped once no array
+    views it. None where libc's mmap is out of reach (then mmap.mmap serves)."""
     if _LIBC_MUNMAP is None or size <= 0:
         return None
     at = _LIBC_MMAP(None, size, _READ_WRITE, mmap.MAP_PRIVATE, fd, 0)

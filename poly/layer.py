@@ -230,7 +230,7 @@ class VolumetricLayer:
                 f"weight store holds {self.weights.size} values, {self.type.label} needs {count}"
             )
         object.__setattr__(self, "_built", True)
-        Generations.bump()  # once for a new layer, not once per field (~50 a layer)
+        Generations.bump()  # once for a new layer, not once per dataclass field
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

@@ -118,7 +118,7 @@ class Header:
 
 
 # The schema as name tables: field -> (test, what it must be). Checked by hand, not by pydantic,
-# whose import cost every .entity open ~80 ms. Integers are strict (a bool is not one).
+# whose import every .entity open would pay. Integers are strict (a bool is not one).
 def _int(v: Any) -> bool:
     return type(v) is int
 
@@ -285,7 +285,7 @@ def decode_header(raw: bytes, path: str | None) -> Header:
         )
         if not isinstance(obj, dict):
             raise ValueError("header is not a map")
-        # blob records hold no float that passes their type checks: ~12k values not walked
+        # blob records hold no float that passes their type checks: their values are not walked
         _check_finite({k: v for k, v in obj.items() if k != "blobs"})
     except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
         raise fail(f"bad msgpack header: {_describe(exc)}", path, PREFIX.size) from exc

@@ -333,7 +333,9 @@ def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
         except Exception as exc:  # the tokenizers crate raises plain Exception subclasses
             raise TokenizerError(f"cannot build the GGUF tokenizer: {exc}", path=gg.path) from None
         _post_processor(tok, {"bos": ids["bos"], "eos": ids["eos"]}, add_bos, add_eos)
-        tokenizer_cache.store(name, tokenizer_cache.fast_form(json.loads(tok.to_str())), tok)
+        if tokenizer_cache.wanted(name):
+            built = tok.to_str()
+            tokenizer_cache.store(name, tokenizer_cache.fast_form(json.loads(built)), built)
     template = md.get("tokenizer.chat_template")
     return GGUFTokenizerSpec(
         tokenizer=tok,

@@ -6,13 +6,14 @@ once, each is written as a .npy file under ``$POLY_HOME/layouts/<source>/`` (def
 ~/.cache/poly), where <source> hashes the model file's identity (path, device, inode, size,
 mtime, its first 64 KB) and the C extension's own identity (a rebuilt extension may lay rows out
 differently). A later open maps the file copy-on-write instead of repacking: no copy is made,
-the first forward pulls the pages from the page cache (decode is as fast as from huge pages:
-docs/performance.md). It also maps the model file's other kept pages from one `kept-*.bin` copy
-(`KeptPages`) instead of reading them, so a rewrite of the model file cannot reach the model. A
-changed model file or extension is another directory, never a stale layout. A `.entity` file
-whose blob checksums all matched leaves a `blobs-verified` marker there (`mark_verified`): a
-later open of the same file skips them (`EntityFile(verify="once")`, `load_entity`'s default). Nothing here is
-rewritten in place (a mapping of a file cut short would fault): new files are renamed in.
+the first forward pulls the pages from the page cache (decode speed then depends on how the page
+cache holds them: docs/performance.md). It also maps the model file's other kept pages from one
+`kept-*.bin` copy (`KeptPages`) instead of reading them, so a rewrite of the model file cannot
+reach the model. A changed model file or extension is another directory, never a stale layout.
+A `.entity` file whose blob checksums all matched leaves a `blobs-verified` marker there
+(`mark_verified`): a later open of the same file skips them (`EntityFile(verify="once")`,
+`load_entity`'s default). Nothing here is rewritten in place (a mapping of a file cut short
+would fault): new files are renamed in (`write_renamed`).
 
 Files are plain .npy; one is used only when its header is byte for byte the one poly writes for
 the expected shape and dtype and its size matches (pickles are never read), else it is ignored
@@ -128,20 +129,30 @@ def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> No
 
 
 def _write(snap: FileSnapshot, path: Path, fill) -> None:
-    """`fill(file)` into a temporary name renamed to `path`: a reader (a mapping) never sees a
-    file change in place. Errors (a full disk, no permission) leave it uncached."""
+    """`write_renamed` into `snap`'s directory, made (and the cache pruned) on its first file.
+    Errors (a full disk, no permission) leave it uncached."""
     try:
         fresh = not path.parent.is_dir()
         path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:
             (path.parent / "source.json").write_text(json.dumps(snap._layout_source))
             _prune(path.parent)
+    except OSError:
+        return
+    write_renamed(path, fill)
+
+
+def write_renamed(path: Path, fill) -> bool:
+    """`fill(file)` into a temporary name beside `path`, renamed to `path`: a reader (a mapping)
+    never sees a file change in place. False where it fails (a full disk, no permission)."""
+    try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             fill(f)
         os.replace(tmp, path)
     except OSError:
-        return
+        return False
+    return True
 
 
 def _verified_path(snap: FileSnapshot) -> Path | None:
@@ -227,16 +238,17 @@ def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
     own parser compiles each header with `ast`, a cost every layout of an open would pay."""
     head = _npy_header(shape, dtype)
     n = int(np.prod(shape))
+    size = len(head) + n * dtype.itemsize
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size != len(head) + n * dtype.itemsize or dtype.hasobject:
+        if os.fstat(fd).st_size != size or dtype.hasobject:
             return None
         if os.pread(fd, len(head), 0) != head:
             return None
-        mapped = map_private(fd, len(head) + n * dtype.itemsize)
+        mapped = map_private(fd, size)
         if mapped is None:
             mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         return np.frombuffer(mapped, dtype, count=n, offset=len(head)).reshape(shape)

@@ -140,7 +140,7 @@ class Tokenizer:
         if tk is None:
             tk = cls._checked_build(json_text, name, path)
         else:
-            trim_heap()  # the parse's ~20 MB, before a model's weights come in
+            trim_heap()  # the parse's heap, before a model's weights come in
         return cls(tk, **{k: special_token_content(v) for k, v in special.items()})
 
     @staticmethod
@@ -155,7 +155,8 @@ class Tokenizer:
         except TokenizerError as e:
             e.path = path if path is not None else e.path
             raise
-        form = tokenizer_cache.fast_form(data)
+        keep = tokenizer_cache.wanted(name)
+        form = tokenizer_cache.fast_form(data) if keep else None
         del data  # the parsed tree (~15 MB for a 49k vocabulary) goes before Rust parses again
         try:
             tk = tokenizers.Tokenizer.from_str(json_text)
@@ -163,7 +164,8 @@ class Tokenizer:
             raise TokenizerError(f"invalid tokenizer.json: {e}", path=path) from e
         except BaseException as e:
             raise _panic_error("loading tokenizer.json", e) from e
-        tokenizer_cache.store(name, form, tk)
+        if keep:
+            tokenizer_cache.store(name, form, tk.to_str())
         del form
         trim_heap()
         return tk

@@ -1,8 +1,8 @@
 """A tokenizer.json kept in the form the tokenizers library parses fastest (issue 62: open time).
 
-`tokenizers.Tokenizer.from_str` spends most of its ~80 ms on a 49k BPE vocabulary in serde's
+`tokenizers.Tokenizer.from_str` spends most of its time on a large BPE vocabulary in serde's
 generic handling of the model section; the same tokenizer written with its vocabulary sorted by
-token and its merges as "a b" strings parses in ~50 ms. The first `poly.text.tokenizer.Tokenizer`
+token and its merges as "a b" strings parses faster (docs/performance.md). The first `poly.text.tokenizer.Tokenizer`
 built from a tokenizer.json text checks it (`_validate_structure`), builds it, and writes that
 form here, kept only when it serializes back to the very same tokenizer (`to_str` equal; else a
 `.skip` marker). A later build from the same text (its sha256) reads the kept form and skips the
@@ -20,13 +20,12 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
-MAX_KEPT = 32  # tokenizers kept (a SmolLM2-sized one is 1.4 MB)
+MAX_KEPT = 32  # tokenizers kept (each is about the size of its tokenizer.json)
 
 
 def key(text: str | bytes | memoryview, checks: str) -> str:
@@ -83,27 +82,31 @@ def _plain_pair(m: Any) -> bool:
     )
 
 
-def store(name: str, form: bytes | None, built: tokenizers.Tokenizer) -> None:
-    """Keep `form` (`fast_form`) as `name` when it builds `built` exactly, else a `.skip` marker
-    (that text is built from its JSON every time). Errors leave nothing kept."""
+def wanted(name: str) -> bool:
+    """Whether `store` would keep anything for `name` (on, and not marked `.skip`): a caller makes
+    the fast form only then."""
     folder = _folder()
-    if folder is None or (folder / f"{name}.skip").exists():
+    return folder is not None and not (folder / f"{name}.skip").exists()
+
+
+def store(name: str, form: bytes | None, built: str) -> None:
+    """Keep `form` (`fast_form`) as `name` when it builds the tokenizer whose `to_str()` is
+    `built` exactly, else a `.skip` marker (that text is built from its JSON every time). Errors
+    leave nothing kept."""
+    from poly.runtime import layout_cache
+
+    folder = _folder()
+    if folder is None:
         return
     try:
-        same = (
-            form is not None and tokenizers.Tokenizer.from_buffer(form).to_str() == built.to_str()
-        )
+        same = form is not None and tokenizers.Tokenizer.from_buffer(form).to_str() == built
     except Exception:  # the Rust side raises Exception
         same = False
-    try:
+    with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(form if same else b"")
-        os.replace(tmp, folder / f"{name}{'.json' if same else '.skip'}")
+    path = folder / f"{name}{'.json' if same else '.skip'}"
+    if layout_cache.write_renamed(path, lambda f: f.write(form if same else b"")):
         _prune(folder)
-    except OSError:
-        return
 
 
 def _prune(folder: Path) -> None:
