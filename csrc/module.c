@@ -99,6 +99,8 @@ static PyMethodDef extra[] = {
     {"variant", py_variant, METH_O, "the module of one instruction-set build (see ISAS)"},
     {"gguf_strings", (PyCFunction)(void (*)(void))py_gguf_strings, METH_FASTCALL,
      "gguf_strings(buf, pos, count, cap) -> (list of str, end) or None (formats/gguf_strings.h)"},
+    {"gguf_strings_end", (PyCFunction)(void (*)(void))py_gguf_strings_end, METH_FASTCALL,
+     "gguf_strings_end(buf, pos, count, cap) -> end or None (formats/gguf_strings.h)"},
     {"merge_pairs", (PyCFunction)py_merge_pairs, METH_O,
      "merge_pairs(list of str) -> list of (left, right) or None (formats/gguf_strings.h)"},
     {"repack_records", (PyCFunction)(void (*)(void))py_repack_records, METH_FASTCALL,

@@ -226,10 +226,10 @@ def _describe_gguf(path: Path) -> Description:
     from entity.gguf.config import gguf_config
     from entity.gguf.loader import check_tensors
     from entity.gguf.reader import open_gguf
-    from entity.gguf.tokenizer import load_gguf_tokenizer
+    from entity.gguf.tokenizer import VOCABULARY_KEYS, load_gguf_tokenizer
     from poly.errors import WeightMappingError
 
-    gg = open_gguf(path, weights=False)
+    gg = open_gguf(path, weights=False, later=VOCABULARY_KEYS)
     cfg = gguf_config(gg)
     check_tensors(gg, cfg)
     tf = _skeleton(cfg)

@@ -88,3 +88,38 @@ def test_merge_pairs_split_at_the_first_space_as_the_python_path():
     assert split(merges) == [tuple(m.split(" ", 1)) for m in merges]
     assert split(["nospace"]) is None and split(["a b", 3]) is None
     assert split([]) == []
+
+
+def test_strings_left_for_later_are_read_checked_when_asked(tmp_path):
+    """`GGUFFile(later=...)` checks a string array's lengths at the parse and reads it only at
+    `strings`: the same list as an eager parse, and a bad element still a GGUFFormatError naming
+    its offset (then, not at the parse)."""
+    from entity.gguf.header import StringArray
+    from entity.gguf.reader import GGUFFile
+    from entity.gguf.tokenizer import VOCABULARY_KEYS
+    from poly.errors import GGUFFormatError
+    from poly.runtime.ckernels import EXT
+
+    if getattr(EXT, "gguf_strings_end", None) is None:
+        pytest.skip("the C extension is not built")
+    words = [f"t{i}ü" for i in range(300)]
+    path = tmp_path / "later.gguf"
+    path.write_bytes(write_gguf([*KVS[:4], ("tokenizer.ggml.tokens", ARRAY, (STRING, words))],
+                                TENSORS))  # fmt: skip
+    gg = GGUFFile(path, later=VOCABULARY_KEYS)
+    left = gg.metadata["tokenizer.ggml.tokens"]
+    assert isinstance(left, StringArray) and len(left) == len(words)
+    assert gg.strings("tokenizer.ggml.tokens") == words == GGUFFile(path).metadata[
+        "tokenizer.ggml.tokens"]  # fmt: skip
+    assert gg.metadata["tokenizer.ggml.tokens"] == words  # read once, kept
+    data = write_gguf([*KVS[:4], ("tokenizer.ggml.tokens", ARRAY, (STRING, [*words, b"\xc3"]))],
+                      TENSORS)  # fmt: skip
+    path.write_bytes(data)
+    gg = GGUFFile(path, later=VOCABULARY_KEYS)  # lengths sound: the parse passes
+    with pytest.raises(GGUFFormatError, match="element of .*UTF-8") as err:
+        gg.strings("tokenizer.ggml.tokens")
+    assert err.value.offset == data.index(_str(b"\xc3")) + 8
+    long = data.index(_str(b"\xc3"))  # a length past the file: refused at the parse
+    path.write_bytes(data[:long] + struct.pack("<Q", 2**40) + data[long + 8 :])
+    with pytest.raises(GGUFFormatError, match="element of .*length"):
+        GGUFFile(path, later=VOCABULARY_KEYS)

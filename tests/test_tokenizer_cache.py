@@ -78,9 +78,11 @@ def test_other_models_and_a_switched_off_cache_keep_nothing(home, sp_tokenizers,
 
 
 def test_a_gguf_tokenizer_is_built_once(home, smollm2_gguf, hf_smol_tokenizer, monkeypatch):
-    """The kept tokenizer of a GGUF is named by its metadata bytes: a second open builds none
-    and encodes as transformers' tokenizer of the same model."""
+    """The kept tokenizer of a GGUF is named by its metadata bytes: a second open builds none,
+    nor reads the vocabulary's strings, and encodes as transformers' tokenizer of the same
+    model."""
     from entity.gguf import tokenizer as gguf_tok
+    from entity.gguf.header import StringArray
     from entity.gguf.reader import GGUFFile
 
     gg = GGUFFile(smollm2_gguf)
@@ -91,8 +93,10 @@ def test_a_gguf_tokenizer_is_built_once(home, smollm2_gguf, hf_smol_tokenizer, m
         raise AssertionError("built again although kept")
 
     monkeypatch.setattr(gguf_tok, "_construct", refuse)
+    gg = GGUFFile(smollm2_gguf, later=gguf_tok.VOCABULARY_KEYS)
     second = gguf_tok.build_tokenizer(gg).tokenizer
     assert second.to_str() == first.to_str()
+    assert all(isinstance(gg.metadata[k], StringArray) for k in gguf_tok.VOCABULARY_KEYS)
     for sample in SAMPLE_TEXTS:
         ids = hf_smol_tokenizer.encode(sample, add_special_tokens=False)
         assert second.encode(sample, add_special_tokens=False).ids == ids

@@ -53,6 +53,39 @@ done:
     return ret;
 }
 
+/* gguf_strings_end(buf, pos, count, cap) -> end | None: where `count` strings from `pos` end, their
+ * lengths checked as gguf_strings checks them but their bytes not decoded (a vocabulary read only
+ * when its tokenizer is built: entity/gguf/header.py StringArray). */
+static PyObject *py_gguf_strings_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "gguf_strings_end(buf, pos, count, cap)");
+        return NULL;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
+    const Py_ssize_t pos0 = PyLong_AsSsize_t(args[1]), count = PyLong_AsSsize_t(args[2]);
+    const unsigned long long cap = PyLong_AsUnsignedLongLong(args[3]);
+    PyObject *ret = NULL;
+    if (PyErr_Occurred()) goto done;
+    if (pos0 < 0 || pos0 > b.len || count < 0 || count > (b.len - pos0) / 8) goto off;
+    const unsigned char *p = b.buf;
+    Py_ssize_t pos = pos0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (b.len - pos < 8) goto off;
+        const uint64_t n = gguf_u64(p + pos);
+        if (n > cap || n > (uint64_t)(b.len - pos - 8)) goto off;
+        pos += 8 + (Py_ssize_t)n;
+    }
+    ret = PyLong_FromSsize_t(pos);
+    goto done;
+off:
+    ret = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&b);
+    return ret;
+}
+
 /* merge_pairs(list of str) -> list of (left, right) | None: a GGUF BPE merge "a b" split at its
  * first space, as tokenizers' BPE takes them; None when an entry is not a str or has no space
  * (entity/gguf/tokenizer.py then names it). */

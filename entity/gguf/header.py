@@ -5,6 +5,7 @@ key/value pairs, tensor infos and alignment. A violation is a GGUFFormatError wi
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,21 @@ SCALAR_TYPES: dict[int, tuple[str, np.dtype]] = {
     12: ("<d", np.dtype("<f8")),
 }
 T_UINT32, T_BOOL, T_STRING, T_ARRAY = 4, 7, 8, 9
+
+
+@dataclass(frozen=True)
+class StringArray:
+    """A string array left unread by the parse (`read_kv`'s ``later`` keys), its lengths checked:
+    its `count` strings start at `start`. `GGUFFile.strings` reads them when they are needed (a
+    vocabulary and its merges are ~100k strings, which a tokenizer kept by an earlier open does
+    not need)."""
+
+    start: int
+    count: int
+    cap: int
+
+    def __len__(self) -> int:
+        return self.count
 
 
 class Cursor:
@@ -140,7 +156,16 @@ def _native_strings(buf, pos: int, count: int, cap: int) -> tuple[list, int] | N
     return read(buf, pos, count, cap)
 
 
-def _read_value(cur: Cursor, vtype: int, key: str) -> tuple[Any, int | None]:
+def _strings_end(buf, pos: int, count: int, cap: int) -> int | None:
+    """Where `count` strings from `pos` end, their lengths checked (C); None where one is off or
+    the extension is not built (then they are read, and the error names what is off)."""
+    from poly.runtime.ckernels import EXT
+
+    end = getattr(EXT, "gguf_strings_end", None)
+    return None if end is None else end(buf, pos, count, cap)
+
+
+def _read_value(cur: Cursor, vtype: int, key: str, later=()) -> tuple[Any, int | None]:
     """Returns (value, element type for arrays or None)."""
     if vtype in SCALAR_TYPES:
         value = cur.scalar(SCALAR_TYPES[vtype][0], key)
@@ -149,11 +174,11 @@ def _read_value(cur: Cursor, vtype: int, key: str) -> tuple[Any, int | None]:
         cap = cur.remaining if key.startswith(LARGE_STRING_KEYS) else MAX_STRING
         return cur.string(f"value of {key!r}", cap), None
     if vtype == T_ARRAY:
-        return _read_array(cur, key)
+        return _read_array(cur, key, later)
     raise cur.fail(f"unknown value type {vtype} for key {key!r}", cur.pos - 4)
 
 
-def _read_array(cur: Cursor, key: str) -> tuple[Any, int]:
+def _read_array(cur: Cursor, key: str, later=()) -> tuple[Any, int]:
     start = cur.pos
     etype = cur.u32(f"array type of {key!r}")
     n = cur.u64(f"array length of {key!r}")
@@ -173,6 +198,10 @@ def _read_array(cur: Cursor, key: str) -> tuple[Any, int]:
                 f"array {key!r}: {n} strings (limit {MAX_STRING_ARRAY})", path=cur.path
             )
         cap = min(cur.remaining, MAX_STRING)
+        end = _strings_end(cur.buf, cur.pos, n, cap) if key in later else None
+        if end is not None:
+            value, cur.pos = StringArray(cur.pos, n, cap), end
+            return value, etype
         return cur.strings(n, f"element of {key!r}", cap), etype
     dtype = SCALAR_TYPES[etype][1]
     arr = np.frombuffer(cur.buf, dtype=dtype, count=n, offset=cur.pos).copy()
@@ -180,7 +209,10 @@ def _read_array(cur: Cursor, key: str) -> tuple[Any, int]:
     return arr, etype
 
 
-def read_kv(cur: Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
+def read_kv(
+    cur: Cursor, n_kv: int, later: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
+    """The key/value pairs; the string arrays named in `later` stay unread (`StringArray`)."""
     metadata: dict[str, Any] = {}
     types: dict[str, tuple[int, int | None]] = {}
     for _ in range(n_kv):
@@ -191,7 +223,7 @@ def read_kv(cur: Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[int
         if key in metadata:
             raise cur.fail(f"duplicate metadata key {key!r}", start)
         vtype = cur.u32(f"type of {key!r}")
-        value, etype = _read_value(cur, vtype, key)
+        value, etype = _read_value(cur, vtype, key, later)
         metadata[key] = value
         types[key] = (vtype, etype)
     return metadata, types

@@ -22,7 +22,7 @@ from entity.gguf.moe import PAGED_TENSORS, attach_pager, fill_moe
 from entity.gguf.moe import required as moe_required
 from entity.gguf.moe import tensor_shape as moe_tensor_shape
 from entity.gguf.reader import GGUFFile
-from entity.gguf.tokenizer import load_gguf_tokenizer
+from entity.gguf.tokenizer import VOCABULARY_KEYS, load_gguf_tokenizer
 from poly.errors import GGUFFormatError, PolyError, UsageError, WeightMappingError
 from poly.recipe import AttentionConfig
 from poly.runtime.expert_cache import check_budget
@@ -317,7 +317,7 @@ def load_gguf(
         check_budget(max_resident_experts, None)  # its UsageError before the file is read
         if not keep_quantized:
             raise UsageError("an expert budget pages the stored experts: keep_quantized=True")
-    gg = GGUFFile(path, lazy=PAGED_TENSORS.fullmatch if paged else None)
+    gg = GGUFFile(path, lazy=PAGED_TENSORS.fullmatch if paged else None, later=VOCABULARY_KEYS)
     cfg = gguf_config(gg, max_seq_len)
     if paged:
         check_budget(max_resident_experts, cfg.moe)

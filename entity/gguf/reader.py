@@ -22,6 +22,7 @@ from entity.gguf.header import (
     MIN_TENSOR_INFO_BYTES,
     VERSIONS,
     Cursor,
+    StringArray,
     read_alignment,
     read_kv,
     read_tensor_info,
@@ -59,11 +60,15 @@ class GGUFFile:
     """A parsed, validated GGUF file: ``metadata`` maps keys to Python values (numeric arrays
     as numpy arrays, string arrays as lists), ``tensors`` names to ``TensorInfo`` in file order."""
 
-    def __init__(self, path: str | os.PathLike, *, weights: bool = True, lazy=None):
+    def __init__(
+        self, path: str | os.PathLike, *, weights: bool = True, lazy=None, later: tuple = ()
+    ):
         """``weights=False``: header and tensor table only, the file mapped (never read in full).
         ``lazy``: a test on tensor names; those tensors stay mapped from the file (MoE experts
-        paged by `poly.runtime.expert_cache`), the rest is read into memory of our own."""
-        self.path = str(path)
+        paged by `poly.runtime.expert_cache`), the rest is read into memory of our own.
+        ``later``: metadata keys of string arrays read only when `strings` asks for them (until
+        then ``metadata`` holds a `StringArray`)."""
+        self.path, self._later = str(path), later
         if lazy is not None and weights:
             self._lazy_open(lazy)
             return
@@ -90,6 +95,15 @@ class GGUFFile:
         """The metadata section as stored (what names a tokenizer kept by `tokenizer_cache`)."""
         lo, hi = self.kv_span
         return memoryview(self._mm[lo:hi])
+
+    def strings(self, key: str) -> list[str]:
+        """The string array `key` (``metadata[key]``), read now where the parse left it for later."""
+        value = self.metadata[key]
+        if isinstance(value, StringArray):
+            cur = Cursor(self._mm, self.path)
+            cur.pos = value.start
+            value = self.metadata[key] = cur.strings(value.count, f"element of {key!r}", value.cap)
+        return value
 
     def _lazy_open(self, lazy) -> None:
         """Parse the header off a mapping of the whole file, then read it in but for the
@@ -119,7 +133,7 @@ class GGUFFile:
         if n_tensors * MIN_TENSOR_INFO_BYTES > cur.remaining:
             raise cur.fail(f"tensor count {n_tensors} cannot fit in the file", 8)
         kv_start = cur.pos
-        self.metadata, self.metadata_types = read_kv(cur, n_kv)
+        self.metadata, self.metadata_types = read_kv(cur, n_kv, self._later)
         self.kv_span = (kv_start, cur.pos)  # the metadata's bytes (`kv_bytes`)
         self.alignment = read_alignment(cur, self.metadata, self.metadata_types)
         if n_tensors * MIN_TENSOR_INFO_BYTES > cur.remaining:
@@ -218,6 +232,7 @@ def dequantize_rows(raw: np.ndarray, ggml_type: int, row_len: int) -> np.ndarray
     return out.reshape(*raw.shape[:-1], row_len)  # [*rows, row_len]
 
 
-def open_gguf(path: str | os.PathLike, *, weights: bool = True) -> GGUFFile:
-    """Parse and validate a GGUF file (``weights=False``: its header and tensor table only)."""
-    return GGUFFile(Path(path), weights=weights)
+def open_gguf(path: str | os.PathLike, *, weights: bool = True, later: tuple = ()) -> GGUFFile:
+    """Parse and validate a GGUF file (``weights=False``: its header and tensor table only;
+    ``later``: see `GGUFFile`)."""
+    return GGUFFile(Path(path), weights=weights, later=later)

@@ -121,6 +121,11 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def _string_array(gg: GGUFFile, key: str, required: bool = True) -> list[str] | None:
+    return None if _declared(gg, key, required) is None else gg.strings(key)
+
+
+def _declared(gg: GGUFFile, key: str, required: bool = True):
+    """``metadata[key]``, a string array (read or not yet: `GGUFFile.strings`), or None."""
     if key not in gg.metadata:
         if required:
             raise TokenizerError(f"GGUF has no {key}", path=gg.path)
@@ -128,6 +133,14 @@ def _string_array(gg: GGUFFile, key: str, required: bool = True) -> list[str] | 
     if gg.metadata_types[key] != (T_ARRAY, T_STRING):
         raise TokenizerError(f"{key} must be an array of strings", path=gg.path)
     return gg.metadata[key]
+
+
+def _vocabulary_size(gg: GGUFFile) -> int:
+    """How many tokens tokenizer.ggml.tokens lists (its strings not read: `GGUFFile.strings`)."""
+    n = len(_declared(gg, "tokenizer.ggml.tokens"))
+    if not 0 < n <= MAX_VOCAB:
+        raise TokenizerError(f"tokenizer.ggml.tokens has {n} entries", path=gg.path)
+    return n
 
 
 def _numeric_array(gg: GGUFFile, key: str, n: int, kinds: str) -> np.ndarray | None:
@@ -279,6 +292,9 @@ def _post_processor(tok: Tokenizer, spec_ids: dict[str, int | None], add_bos: bo
 
 
 BUILDERS = {"gpt2": "byte_level", "llama": "sentencepiece"}
+# The string arrays a parse may leave unread (`GGUFFile(later=...)`): only a tokenizer that no
+# earlier open kept (`tokenizer_cache`) is built from them.
+VOCABULARY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 
 
 # How `build_tokenizer` builds one; a tokenizer kept by `tokenizer_cache` names it, so a change to
@@ -306,26 +322,24 @@ def build_tokenizer(gg: GGUFFile) -> GGUFTokenizerSpec:
         raise TokenizerError(
             f"unsupported GGUF tokenizer model {model!r} (supported: gpt2, llama)", path=gg.path
         )
-    tokens = _string_array(gg, "tokenizer.ggml.tokens")
-    if not 0 < len(tokens) <= MAX_VOCAB:
-        raise TokenizerError(f"tokenizer.ggml.tokens has {len(tokens)} entries", path=gg.path)
-    scores = _numeric_array(gg, "tokenizer.ggml.scores", len(tokens), "f")
-    types = _numeric_array(gg, "tokenizer.ggml.token_type", len(tokens), "iu")
+    n_vocab = _vocabulary_size(gg)
+    scores = _numeric_array(gg, "tokenizer.ggml.scores", n_vocab, "f")
+    types = _numeric_array(gg, "tokenizer.ggml.token_type", n_vocab, "iu")
     pre = md.get("tokenizer.ggml.pre")
     pre = pre if isinstance(pre, str) else None
     if model == "gpt2":
         _check_pre(pre, gg.path)
-    else:
-        _check_spm_spelling(tokens, gg.path)
-    ids = {
-        k: _token_id(gg, k, len(tokens)) for k in ("bos", "eos", "unknown", "padding", "eot", "eom")
-    }
+    ids = {k: _token_id(gg, k, n_vocab) for k in ("bos", "eos", "unknown", "padding", "eot", "eom")}
     # llama.cpp adds BOS to SentencePiece vocabularies that do not say otherwise.
     add_bos = bool(md.get("tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
     name = tokenizer_cache.key(gg.kv_bytes(), f"{BUILT}|vocab<={MAX_VOCAB}")
-    tok = tokenizer_cache.lookup(name)  # built from these very metadata bytes before
+    # built from these very metadata bytes before: the vocabulary's strings are not read
+    tok = tokenizer_cache.lookup(name)
     if tok is None:
+        tokens = _string_array(gg, "tokenizer.ggml.tokens")
+        if model != "gpt2":
+            _check_spm_spelling(tokens, gg.path)
         try:
             tok = _construct(gg, model, tokens, scores, types, pre, ids)
         except TokenizerError:

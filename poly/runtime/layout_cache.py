@@ -34,8 +34,6 @@ import io
 import json
 import mmap
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +143,8 @@ def _write(snap: FileSnapshot, path: Path, fill) -> None:
 def write_renamed(path: Path, fill) -> bool:
     """`fill(file)` into a temporary name beside `path`, renamed to `path`: a reader (a mapping)
     never sees a file change in place. False where it fails (a full disk, no permission)."""
+    import tempfile  # here, not at the top: an open that writes nothing never loads it
+
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -285,7 +285,7 @@ def _prune(keep: Path) -> None:
         except (OSError, KeyError, TypeError):
             same = False
         if not same:
-            shutil.rmtree(d, ignore_errors=True)
+            _remove_tree(d)
     _cap(keep)
 
 
@@ -310,4 +310,10 @@ def _cap(keep: Path) -> None:
         if total <= max_bytes():
             break
         total -= _size(d)
-        shutil.rmtree(d, ignore_errors=True)
+        _remove_tree(d)
+
+
+def _remove_tree(d: Path) -> None:
+    import shutil  # here, not at the top: it loads the compression modules (open time)
+
+    shutil.rmtree(d, ignore_errors=True)

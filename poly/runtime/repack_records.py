@@ -5,8 +5,6 @@ file is gigabytes of them at every open its layouts are not cached for."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from poly.runtime import ckernels, kernels
@@ -35,6 +33,8 @@ def make(kind: int, raw: np.ndarray, m: int, k: int, record: tuple) -> np.ndarra
     if len(jobs) == 1:
         call(*jobs[0])
     else:  # the call lets the GIL go: the pages fault in (file and copy) on every core
+        from concurrent.futures import ThreadPoolExecutor  # (loads logging: not at open)
+
         with ThreadPoolExecutor(len(jobs)) as pool:
             list(pool.map(lambda job: call(*job), jobs))
     return out

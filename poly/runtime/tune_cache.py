@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import threading
 from pathlib import Path
 
@@ -108,6 +107,8 @@ class TuneStore:
     def _write(self, doc: dict) -> bool:
         """The standard atomic write (temp file in the folder, fsync, rename, fsync the folder):
         a reader sees the old file or the new one, never a torn one."""
+        import tempfile  # here, not at the top: a process that measures nothing never loads it
+
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

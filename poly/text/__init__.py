@@ -3,7 +3,6 @@ prompting, sampling, generation events and chat sessions. Importing this package
 model's "prompt_ids" and "stream" hooks (poly.model.hooks)."""
 
 from poly.model.hooks import provide
-from poly.text import prompting
 
-provide("prompt_ids", prompting.prompt_to_ids)
-provide("stream", prompting.stream)
+provide("prompt_ids", "poly.text.prompting:prompt_to_ids")
+provide("stream", "poly.text.prompting:stream")
