@@ -118,8 +118,8 @@ def load(
 def _open(path_or_model_id: str | os.PathLike, tp: Any, kw: dict) -> Any:
     from poly.filesnapshot import deferred_reads
     from poly.runtime.fused import prepare
+    from poly.runtime.heap import trim_heap
     from poly.runtime.layout_cache import KEPT
-    from poly.text.tokenizer import trim_heap
 
     # the file mapped; read in at the end (or mapped from the layout cache's copy of those
     # pages) but for what copies replace

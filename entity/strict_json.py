@@ -1,18 +1,20 @@
 """Strict reading of a JSON object file (``config.json``, ``generation_config.json``,
-``tokenizer_config.json``): a size cap, no duplicate keys, no NaN/Infinity, typed poly errors.
-"""
+``tokenizer_config.json``): a size cap, no duplicate keys, no NaN/Infinity, typed poly errors;
+and records checked against name tables (`Field`, `validate_json`). Checked by hand rather than
+by pydantic, whose import and model classes an HF open would pay in RSS and time (issue 62,
+docs/performance.md)."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from pydantic import BaseModel, ValidationError
+from typing import Any, NamedTuple
 
 from poly.errors import ConfigError, LimitExceededError, PolyError
 
-__all__ = ["MAX_JSON_BYTES", "read_json", "validate_json"]
+__all__ = ["MAX_JSON_BYTES", "Field", "JsonRecord", "read_json", "validate_json"]
 
 MAX_JSON_BYTES = 4 * 1024 * 1024  # real configs are a few KB
 
@@ -51,11 +53,78 @@ def read_json(path: Path, error: type[PolyError] = ConfigError) -> dict[str, Any
     return data
 
 
-def validate_json(model: type[BaseModel], data: Any, source: str | None) -> Any:
-    """`data` as a `model`; a ConfigError naming the first bad key (no pydantic traceback)."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "<root>"
-        raise ConfigError(f"{key}: {first['msg']}", path=source) from None
+# --- records checked by name tables -------------------------------------------------------------
+
+REQUIRED = object()  # a Field's default: the key must be present
+
+
+class Field(NamedTuple):
+    """One key of a record: `test` of its value (after `convert`), `what` it must be in words."""
+
+    test: Callable[[Any], bool]
+    what: str
+    default: Any = None
+    convert: Callable[[Any], Any] | None = None
+
+
+def _number(v: Any) -> bool:  # JSON's 1e999 parses to inf: refused as NaN is
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _int_list(v: Any) -> bool:
+    return type(v) is list and all(type(x) is int for x in v)
+
+
+# The kinds of value config files hold (integers are strict: true is not 1, 1.0 is not 1).
+STR = Field(lambda v: type(v) is str, "a string", REQUIRED)
+INT = Field(lambda v: type(v) is int, "an integer", REQUIRED)
+FLOAT = Field(_number, "a finite number", REQUIRED, float)
+BOOL = Field(lambda v: type(v) is bool, "true or false", REQUIRED)
+MAP = Field(lambda v: type(v) is dict, "an object", REQUIRED)
+STRS = Field(lambda v: type(v) is list and all(type(x) is str for x in v), "a list of strings",
+             REQUIRED)  # fmt: skip
+FLOATS = Field(lambda v: type(v) is list and all(_number(x) for x in v), "a list of numbers",
+               REQUIRED, lambda v: [float(x) for x in v])  # fmt: skip
+TOKEN_IDS = Field(lambda v: type(v) is int or _int_list(v), "an integer or a list of integers")
+
+
+def default(kind: Field, value: Any = None) -> Field:
+    """`kind`, optional: `value` when the key is absent or null."""
+    return kind._replace(default=value)
+
+
+class JsonRecord:
+    """A checked JSON object: its table's keys as attributes; `extra` holds the keys the table
+    does not name (kept by ``extra=True``)."""
+
+    def __init__(self, values: dict[str, Any], extra: dict[str, Any]):
+        self.__dict__.update(values)
+        self.extra = extra
+        self._names = tuple(values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every key: the table's (checked) and the extra ones."""
+        return {**self.extra, **{k: getattr(self, k) for k in self._names}}
+
+
+def validate_json(
+    fields: dict[str, Field], data: Any, source: str | None, *, extra: bool = False
+) -> JsonRecord:
+    """`data` checked against `fields`; a ConfigError naming the first bad key. A null value is
+    an absent one. ``extra``: keep the keys `fields` does not name (`JsonRecord.extra`)."""
+    if type(data) is not dict:
+        raise ConfigError(f"<root>: must be an object, got {type(data).__name__}", path=source)
+    values = {}
+    for key, (test, what, fallback, convert) in fields.items():
+        value = data.get(key)
+        if value is None:
+            if fallback is REQUIRED:
+                raise ConfigError(f"{key}: missing (must be {what})", path=source)
+            values[key] = fallback
+        elif not test(value):
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ConfigError(f"{key}: must be {what}, got {shown}", path=source)
+        else:
+            values[key] = value if convert is None else convert(value)
+    kept = {k: v for k, v in data.items() if k not in fields} if extra else {}
+    return JsonRecord(values, kept)

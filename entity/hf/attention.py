@@ -28,7 +28,7 @@ _WINDOW_LAYERS = {
 def attention_options(raw: Any, arch: Family, source: str | None) -> dict:
     """poly.recipe.AttentionConfig fields every family reads alike: the sliding window and the
     layers it applies to, a partial rotary factor ({}: llama's attention)."""
-    extra, out = raw.model_extra or {}, {}
+    extra, out = raw.extra, {}
     window = sliding_window(raw, arch)
     if window is not None:
         if window <= 0:

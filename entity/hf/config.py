@@ -1,10 +1,10 @@
 """Parse and validate a HuggingFace ``config.json`` (+ ``generation_config.json``) once.
 
-The result is a frozen pydantic record, :class:`HFModelConfig`, holding only what poly needs.
-Every failure is a typed poly error: malformed JSON, wrong types and missing keys are
-``ConfigError`` naming the key; absurd sizes are ``LimitExceededError``; architectures or
-features we cannot run exactly (gemma, phi3, dynamic/longrope rope scaling, MLP biases ...) are
-``UnsupportedError`` naming them. No pydantic traceback leaks out. The files are read by
+The result is a frozen record, :class:`HFModelConfig`, holding only what poly needs. Every
+failure is a typed poly error: malformed JSON, wrong types and missing keys are ``ConfigError``
+naming the key (`entity.strict_json`'s name tables); absurd sizes are ``LimitExceededError``;
+architectures or features we cannot run exactly (gemma, phi3, dynamic/longrope rope scaling, MLP
+biases ...) are ``UnsupportedError`` naming them. The files are read by
 `entity.strict_json.read_json` (callers that import it from here still can).
 """
 
@@ -14,19 +14,25 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from entity.families import FAMILIES, REFUSED_REASONS, WRAPPERS, Family
 from entity.hf.attention import attention_options, sliding_window
-from entity.hf.generation import (
-    HFGeneration,
-    RawGeneration,
-    SamplingKnobs,
-    check_generation,
-)
+from entity.hf.generation import RAW_GENERATION, HFGeneration, check_generation
 from entity.hf.moe import expert_storage, moe_config
 from entity.hf.rope import HFRopeScaling, parse_rope
-from entity.strict_json import read_json, validate_json
+from entity.strict_json import (
+    BOOL,
+    FLOAT,
+    INT,
+    MAP,
+    STR,
+    STRS,
+    TOKEN_IDS,
+    Field,
+    JsonRecord,
+    default,
+    read_json,
+    validate_json,
+)
 from poly.config import LIMITS as POLY_LIMITS
 from poly.errors import ConfigError, LayerConfigError, LimitExceededError, UnsupportedError
 from poly.recipe import AttentionConfig
@@ -46,41 +52,39 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
 LIMITS: dict[str, int] = {key: POLY_LIMITS[name] for key, name in HF_KEYS.items()}
 TokenIds = int | list[int] | None
 
-
-class _RawConfig(BaseModel):
-    """config.json keys as written by transformers 4.x and 5.x (types checked strictly)."""
-
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
-    model_type: str
-    architectures: list[str] | None = None
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float | None = None
-    rope_scaling: dict[str, Any] | None = None
-    rope_parameters: dict[str, Any] | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
-    max_position_embeddings: int | None = None
-    sliding_window: int | None = None
-    use_sliding_window: bool = False
-    bos_token_id: TokenIds = None
-    eos_token_id: TokenIds = None
-    torch_dtype: str | None = None
-    dtype: str | None = None
+# config.json keys as written by transformers 4.x and 5.x (the others are kept: `raw.extra`).
+RAW_CONFIG: dict[str, Field] = {
+    "model_type": STR,
+    "architectures": default(STRS),
+    "vocab_size": INT,
+    "hidden_size": INT,
+    "intermediate_size": INT,
+    "num_hidden_layers": INT,
+    "num_attention_heads": INT,
+    "num_key_value_heads": default(INT),
+    "head_dim": default(INT),
+    "rms_norm_eps": default(FLOAT, 1e-6),
+    "rope_theta": default(FLOAT),
+    "rope_scaling": default(MAP),
+    "rope_parameters": default(MAP),
+    "tie_word_embeddings": default(BOOL, False),
+    "attention_bias": default(BOOL, False),
+    "mlp_bias": default(BOOL, False),
+    "hidden_act": default(STR, "silu"),
+    "max_position_embeddings": default(INT),
+    "sliding_window": default(INT),
+    "use_sliding_window": default(BOOL, False),
+    "bos_token_id": TOKEN_IDS,
+    "eos_token_id": TOKEN_IDS,
+    "torch_dtype": default(STR),
+    "dtype": default(STR),
+}
 
 
-class HFModelConfig(BaseModel):
+@dataclasses.dataclass(frozen=True)
+class HFModelConfig:
     """A validated HF decoder config. Build it with :func:`load_hf_config` or :meth:`parse`."""
 
-    model_config = ConfigDict(frozen=True)
     model_type: str
     architectures: tuple[str, ...]
     vocab_size: int
@@ -105,7 +109,8 @@ class HFModelConfig(BaseModel):
     generation: HFGeneration
     moe: dict | None = None  # poly.config.MoEConfig fields (entity.hf.moe), None when dense
     expert_storage: str | None = None  # "mxfp4": GPT-OSS's experts as *_blocks/*_scales
-    options: dict = {}  # further TransformerConfig fields: the family's block recipe and options
+    # further TransformerConfig fields: the family's block recipe and options
+    options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def arch(self) -> Family:
@@ -130,7 +135,7 @@ class HFModelConfig(BaseModel):
         if type(seq) is not int or seq <= 0:
             raise ConfigError(f"max_seq_len must be a positive int, got {seq!r}")
         rs = self.rope_scaling
-        scaling = None if rs is None else RopeScaling(**rs.model_dump())
+        scaling = None if rs is None else RopeScaling(**dataclasses.asdict(rs))
         return TransformerConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -167,7 +172,7 @@ def _token_ids(value: TokenIds) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
-def _check_sizes(raw: _RawConfig, kv_heads: int, head_dim: int, source: str | None) -> None:
+def _check_sizes(raw: JsonRecord, kv_heads: int, head_dim: int, source: str | None) -> None:
     sizes = {
         "vocab_size": raw.vocab_size,
         "hidden_size": raw.hidden_size,
@@ -193,7 +198,7 @@ def _check_sizes(raw: _RawConfig, kv_heads: int, head_dim: int, source: str | No
         raise ConfigError(f"rms_norm_eps: must be in (0, 1), got {raw.rms_norm_eps}", path=source)
 
 
-def _check_features(raw: _RawConfig, source: str | None) -> Family:
+def _check_features(raw: JsonRecord, source: str | None) -> Family:
     arch = FAMILIES.get(raw.model_type)
     if arch is None:
         why = REFUSED_REASONS.get(raw.model_type, "no importer for it")
@@ -259,13 +264,13 @@ def _with_defaults(config: Any) -> Any:
     return {**aliases, **merged}
 
 
-def _options(raw: _RawConfig, arch: Family, source: str | None) -> dict:
+def _options(raw: JsonRecord, arch: Family, source: str | None) -> dict:
     """TransformerConfig fields of the family's recipe and its own config keys."""
     out: dict = {"block": dataclasses.asdict(arch.block)} if not arch.block.plain else {}
     attention = attention_options(raw, arch, source)
     if arch.hf_options is not None:
         try:
-            out.update(arch.hf_options(raw.model_dump()))
+            out.update(arch.hf_options(raw.as_dict()))
         except (LayerConfigError, TypeError, ValueError) as exc:
             raise ConfigError(str(exc), path=source) from None
     attention.update(out.get("attention") or {})  # the family's own options on top
@@ -279,10 +284,10 @@ def _options(raw: _RawConfig, arch: Family, source: str | None) -> dict:
 
 def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
     config = _with_defaults(_unwrap(config, source))
-    raw: _RawConfig = validate_json(_RawConfig, config, source)
+    raw = validate_json(RAW_CONFIG, config, source, extra=True)
     arch = _check_features(raw, source)
     gen_source = None if source is None else str(Path(source).with_name(GENERATION_FILE))
-    gen: RawGeneration = validate_json(RawGeneration, generation or {}, gen_source)
+    gen = validate_json(RAW_GENERATION, generation or {}, gen_source)
     kv_heads = raw.num_key_value_heads or raw.num_attention_heads
     if raw.head_dim is not None:
         head_dim = raw.head_dim
@@ -337,10 +342,7 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=eos,
         dtype=raw.dtype or raw.torch_dtype,
-        generation=HFGeneration(
-            present=generation is not None,
-            **gen.model_dump(include=set(SamplingKnobs.model_fields)),
-        ),
+        generation=HFGeneration.of(gen, present=generation is not None),
     )
 
 

@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
+from entity.strict_json import BOOL, FLOAT, INT, TOKEN_IDS, Field, JsonRecord, default
 from poly.errors import ConfigError
 
 # transformers' sampling defaults used when do_sample is true and a knob is absent.
 HF_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-TokenIds = int | list[int] | None
+
+# The generation_config.json fields poly's sampler understands (one table for both records).
+SAMPLING_KNOBS: dict[str, Field] = {
+    "do_sample": default(BOOL, False),
+    "temperature": default(FLOAT),
+    "top_k": default(INT),
+    "top_p": default(FLOAT),
+    "min_p": default(FLOAT),
+    "repetition_penalty": default(FLOAT),
+    "no_repeat_ngram_size": default(INT),
+    "max_new_tokens": default(INT),
+}
+# The file as read (`entity.strict_json.validate_json`): unknown keys ignored, plus the token
+# ids it may name.
+RAW_GENERATION: dict[str, Field] = {
+    **SAMPLING_KNOBS,
+    "bos_token_id": TOKEN_IDS,
+    "eos_token_id": TOKEN_IDS,
+}
 
 
-class SamplingKnobs(BaseModel):
-    """The generation_config.json fields poly's sampler understands (one list for both records)."""
+@dataclasses.dataclass(frozen=True)
+class HFGeneration:
+    """generation_config.json, reduced to what poly's sampler understands. ``present`` is false
+    when the snapshot has no such file (the model then runs with poly's documented fallback)."""
 
     do_sample: bool = False
     temperature: float | None = None
@@ -24,22 +44,11 @@ class SamplingKnobs(BaseModel):
     repetition_penalty: float | None = None
     no_repeat_ngram_size: int | None = None
     max_new_tokens: int | None = None
-
-
-class RawGeneration(SamplingKnobs):
-    """The file as read: strict types, unknown keys ignored, plus the token ids it may name."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-    bos_token_id: TokenIds = None
-    eos_token_id: TokenIds = None
-
-
-class HFGeneration(SamplingKnobs):
-    """generation_config.json, reduced to what poly's sampler understands. ``present`` is false
-    when the snapshot has no such file (the model then runs with poly's documented fallback)."""
-
-    model_config = ConfigDict(frozen=True)
     present: bool = True
+
+    @classmethod
+    def of(cls, raw: JsonRecord, present: bool) -> HFGeneration:
+        return cls(present=present, **{k: getattr(raw, k) for k in SAMPLING_KNOBS})
 
     def gen_options_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``poly.GenOptions`` as transformers reads the file: do_sample
@@ -55,15 +64,15 @@ class HFGeneration(SamplingKnobs):
         if not self.do_sample:
             out["temperature"] = 0.0
             return out
-        for key, default in HF_SAMPLING_DEFAULTS.items():
+        for key, fallback in HF_SAMPLING_DEFAULTS.items():
             value = getattr(self, key)
-            out[key] = default if value is None else value
+            out[key] = fallback if value is None else value
         if self.min_p is not None:
             out["min_p"] = self.min_p
         return out
 
 
-def check_generation(gen: RawGeneration, source: str | None) -> None:
+def check_generation(gen: JsonRecord, source: str | None) -> None:
     # Same rules as the sampling parameters of the CLI (reliability B3 #48).
     checks = {
         "temperature": gen.temperature is None or 0 <= gen.temperature,

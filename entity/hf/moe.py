@@ -29,11 +29,11 @@ def moe_config(raw: Any, num_layers: int, source: str | None) -> MoEConfig | Non
     names = _names(raw.model_type)
     if names is None:
         return None
-    extra = raw.model_extra or {}
+    extra = raw.extra
     # transformers 5 writes num_local_experts for every family (num_experts is an alias).
     n = extra.get("num_local_experts", extra.get("num_experts"))
     k = extra.get("num_experts_per_tok")
-    width = raw.model_dump().get(names.width_key)
+    width = raw.as_dict().get(names.width_key)
     shared = extra.get("shared_expert_intermediate_size", 0) if names.shared else 0
     norm = extra.get("norm_topk_prob", names.norm_topk) if names.norm_topk_key else names.norm_topk
     step = extra.get("decoder_sparse_step", 1)
@@ -64,7 +64,7 @@ def moe_config(raw: Any, num_layers: int, source: str | None) -> MoEConfig | Non
 
 def expert_storage(raw: Any, source: str | None) -> str | None:
     """ "mxfp4" when config.json's quantization_config says GPT-OSS's experts are stored so."""
-    quant = (raw.model_extra or {}).get("quantization_config")
+    quant = raw.extra.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method != "mxfp4":
         return None

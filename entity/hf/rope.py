@@ -3,23 +3,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from entity.families import FAMILIES
-from entity.strict_json import validate_json
+from entity.strict_json import BOOL, FLOAT, FLOATS, INT, STR, Field, default, validate_json
 from poly.errors import ConfigError, UnsupportedError
 from poly.rope import ROPE_FIELDS
 
 SUPPORTED_ROPE_TYPES = ("default", *ROPE_FIELDS)  # "default": no scaling
 
+# A scaled rope_type's keys (ROPE_FIELDS names the ones each type needs).
+ROPE_SCALING: dict[str, Field] = {
+    "rope_type": STR,
+    "factor": FLOAT,
+    "low_freq_factor": default(FLOAT),
+    "high_freq_factor": default(FLOAT),
+    "original_max_position_embeddings": default(INT),
+    "attention_factor": default(FLOAT),
+    "beta_fast": default(FLOAT),
+    "beta_slow": default(FLOAT),
+    "mscale": default(FLOAT),
+    "mscale_all_dim": default(FLOAT),
+    "truncate": default(BOOL, True),
+    "short_factor": default(FLOATS),
+    "long_factor": default(FLOATS),
+}
 
-class HFRopeScaling(BaseModel):
-    """A scaled rope_type's keys (ROPE_FIELDS names the ones each type needs)."""
 
-    model_config = ConfigDict(frozen=True, strict=True, allow_inf_nan=False)
+@dataclasses.dataclass(frozen=True)
+class HFRopeScaling:
+    """A checked `ROPE_SCALING` record (`poly.rope.RopeScaling`'s fields)."""
+
     rope_type: str
     factor: float
     low_freq_factor: float | None = None
@@ -68,7 +84,7 @@ def parse_rope(
 def _scaling(
     raw: Any, kind: str, params: dict, max_positions: int, source: str | None
 ) -> HFRopeScaling:
-    extra = raw.model_extra or {}
+    extra = raw.extra
     if kind == "dynamic":  # transformers' dynamic NTK grows from max_position_embeddings
         params["original_max_position_embeddings"] = max_positions
     # As transformers' standardize_rope_params: a top-level original_max_position_embeddings
@@ -80,8 +96,9 @@ def _scaling(
         )
         if kind in ("yarn", "longrope") and params.get("factor") is None:  # the extension
             params["factor"] = max_positions / params["original_max_position_embeddings"]
-    wanted = {k: params[k] for k in HFRopeScaling.model_fields if params.get(k) is not None}
-    scaling = validate_json(HFRopeScaling, dict(wanted, rope_type=kind), source)
+    wanted = {k: params[k] for k in ROPE_SCALING if params.get(k) is not None}
+    checked = validate_json(ROPE_SCALING, dict(wanted, rope_type=kind), source)
+    scaling = HFRopeScaling(**{k: getattr(checked, k) for k in ROPE_SCALING})
     missing = [key for key in ROPE_FIELDS[kind] if getattr(scaling, key) is None]
     if missing:
         raise ConfigError(f"rope_scaling: {kind} needs {', '.join(missing)}", path=source)

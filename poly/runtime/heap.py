@@ -38,3 +38,20 @@ def keep_temporaries() -> bool:
         ok = False
     _state["set"] = ok
     return ok
+
+
+def trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc's malloc_trim; elsewhere nothing): an open's
+    temporaries (a tokenizer's parse, header records) leave free heap that every later peak RSS
+    would otherwise carry (the thresholds above keep it mapped)."""
+    if _LIBC.get("libc") is None:
+        try:
+            _LIBC["libc"] = ctypes.CDLL("libc.so.6")
+            _LIBC["libc"].malloc_trim  # noqa: B018 - a libc without it (musl) raises here
+        except (OSError, AttributeError):
+            _LIBC["libc"] = False
+    if _LIBC["libc"]:
+        _LIBC["libc"].malloc_trim(0)
+
+
+_LIBC: dict = {}  # "libc": glibc's, or False where there is none

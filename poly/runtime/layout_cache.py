@@ -29,7 +29,6 @@ removed when a new one is written, and a model file larger than that is not cach
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import mmap
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from poly.digest import hasher, hexdigest
 from poly.filesnapshot import FileSnapshot, map_private, snapshot_of
 
 VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
@@ -84,9 +84,9 @@ def _source_dir(snap: FileSnapshot) -> Path | None:
     except OSError:
         snap._layout_dir = None
         return None
-    head = hashlib.sha256(np.frombuffer(snap, np.uint8, count=min(_HEAD, snap.size)))
+    head = hasher(np.frombuffer(snap, np.uint8, count=min(_HEAD, snap.size)))
     ident = f"{VERSION}|{snap.path}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|"
-    key = hashlib.sha256((ident + head.hexdigest() + "|" + _ext_identity()).encode())
+    key = hasher((ident + head.hexdigest() + "|" + _ext_identity()).encode())
     snap._layout_dir = cache_root() / key.hexdigest()[:32]
     snap._layout_source = {"path": snap.path, "ino": st.st_ino, "size": st.st_size,
                            "mtime_ns": st.st_mtime_ns}  # fmt: skip
@@ -106,7 +106,7 @@ def _entry(raw: np.ndarray, name: str, extra: bytes) -> tuple[FileSnapshot, Path
     if folder is None:
         return None
     offset = snap.offset_of(raw)
-    tag = hashlib.sha256(extra).hexdigest()[:12] if extra else "0"
+    tag = hexdigest(extra)[:12] if extra else "0"
     return snap, folder / f"{offset}-{raw.nbytes}-{name}-{tag}.npy"
 
 
@@ -185,7 +185,7 @@ class KeptPages:
         if not enabled() or snap.size > max_bytes() or not keep:
             return None
         folder = _source_dir(snap)
-        tag = hashlib.sha256(repr(keep).encode()).hexdigest()[:16]
+        tag = hexdigest(repr(keep).encode())[:16]
         return None if folder is None else folder / f"kept-{tag}.bin"
 
     def map(self, snap: FileSnapshot, keep: list[tuple[int, int]]) -> bool:

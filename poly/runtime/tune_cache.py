@@ -14,12 +14,13 @@ one that cannot be written leaves the findings in memory for this process.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import re
 import threading
 from pathlib import Path
+
+from poly.digest import hexdigest
 
 VERSION = 1
 # /proc/cpuinfo flags that change which kernels run or how fast: the key ignores the others
@@ -65,7 +66,7 @@ def cpu_facts(cpuinfo: str | None = None) -> dict:
 def cpu_key(facts: dict, isa: str, cores: int) -> str:
     """The file name's stem: readable model and build, plus a hash of everything that counts."""
     ident = json.dumps([facts, isa, cores], sort_keys=True)
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:10]
+    digest = hexdigest(ident.encode())[:10]
     slug = re.sub(r"[^a-z0-9]+", "-", facts.get("model", "cpu").lower()).strip("-")[:40] or "cpu"
     fms = f"f{facts.get('family') or 0}m{facts.get('cpu_model') or 0}"
     return f"{slug}-{fms}-{isa}-{cores}c-{digest}"

@@ -6,8 +6,8 @@ Every failure of the Rust side surfaces as `poly.errors.TokenizerError`.
 
 from __future__ import annotations
 
-import ctypes
 import json
+import mmap
 import os
 import re
 import threading
@@ -18,6 +18,7 @@ from typing import Any
 import tokenizers
 
 from poly.errors import InvalidTokenError, LimitExceededError, TokenizerError
+from poly.runtime.heap import trim_heap
 from poly.text import tokenizer_cache
 from poly.text.regex_guard import nested_quantifier
 
@@ -125,20 +126,19 @@ class Tokenizer:
     # --- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_str(cls, json_text: str, *, path: str | None = None, **special: Any) -> Tokenizer:
-        if isinstance(json_text, bytes | bytearray):
-            try:
-                json_text = bytes(json_text).decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TokenizerError(f"tokenizer.json is not UTF-8: {e}", path=path) from e
-        if not isinstance(json_text, str):
+    def from_str(
+        cls, json_text: str | bytes | mmap.mmap, *, path: str | None = None, **special: Any
+    ) -> Tokenizer:
+        """A tokenizer.json's text, or its UTF-8 bytes (any buffer): a kept form of the same text
+        (`tokenizer_cache`, named by the bytes' hash) is read without decoding them."""
+        if not isinstance(json_text, str | bytes | bytearray | mmap.mmap):
             raise TokenizerError(f"tokenizer.json text must be str, got {type(json_text).__name__}")
         if len(json_text) > MAX_TOKENIZER_BYTES:
             raise LimitExceededError("tokenizer.json is too large", path=path)
         name = tokenizer_cache.key(json_text, f"{CHECKS}|vocab<={MAX_VOCAB}")
         tk = tokenizer_cache.lookup(name)  # this text, checked and kept by an earlier build
         if tk is None:
-            tk = cls._checked_build(json_text, name, path)
+            tk = cls._checked_build(_utf8(json_text, path), name, path)
         else:
             trim_heap()  # the parse's heap, before a model's weights come in
         return cls(tk, **{k: special_token_content(v) for k, v in special.items()})
@@ -172,16 +172,22 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **special: Any) -> Tokenizer:
+        """tokenizer.json read through a mapping: its bytes are hashed in place (a kept form then
+        serves) and decoded only to be built, no copy of them left on the heap."""
         path = os.fspath(path)
         try:
             size = os.path.getsize(path)
             if size > MAX_TOKENIZER_BYTES:
                 raise LimitExceededError(f"tokenizer.json is {size} bytes", path=path)
             with open(path, "rb") as f:
-                raw = f.read()
-        except OSError as e:
+                text = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except (OSError, ValueError) as e:
             raise TokenizerError(f"cannot read tokenizer file: {e}", path=path) from e
-        return cls.from_str(raw, path=path, **special)
+        try:
+            return cls.from_str(text, path=path, **special)
+        finally:
+            if isinstance(text, mmap.mmap):
+                text.close()
 
     @classmethod
     def from_tokenizers(cls, tk: tokenizers.Tokenizer, **special: Any) -> Tokenizer:
@@ -374,19 +380,10 @@ class StreamDecoder:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
 
-def trim_heap() -> None:
-    """Give freed heap pages back to the OS (glibc's malloc_trim; elsewhere nothing). Parsing a
-    tokenizer.json twice (checks, then Rust) leaves ~27 MB of free heap for SmolLM2's
-    vocabulary that every later peak RSS would otherwise carry (measured)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim  # noqa: B018 - a libc without it (musl) raises here
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC = None
+def _utf8(text: str | bytes | mmap.mmap, path: str | None) -> str:
+    if isinstance(text, str):
+        return text
+    try:
+        return str(text, "utf-8") if not isinstance(text, mmap.mmap) else text[:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"tokenizer.json is not UTF-8: {e}", path=path) from e

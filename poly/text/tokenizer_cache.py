@@ -5,10 +5,10 @@ generic handling of the model section; the same tokenizer written with its vocab
 token and its merges as "a b" strings parses faster (docs/performance.md). The first `poly.text.tokenizer.Tokenizer`
 built from a tokenizer.json text checks it (`_validate_structure`), builds it, and writes that
 form here, kept only when it serializes back to the very same tokenizer (`to_str` equal; else a
-`.skip` marker). A later build from the same text (its sha256) reads the kept form and skips the
+`.skip` marker). A later build from the same text (its hash) reads the kept form and skips the
 JSON checks that text passed. A GGUF's tokenizer is kept the same way, named by the file's
 metadata bytes (`entity.gguf.tokenizer.build_tokenizer`: its vocabulary and merges not built
-again). Files: ``$POLY_HOME/tokenizers/<sha256>-<tokenizers version>.json`` (default
+again). Files: ``$POLY_HOME/tokenizers/<BLAKE2b>-<tokenizers version>.json`` (default
 ~/.cache/poly), written to a temporary name and renamed; one that does not parse is ignored and
 written again; past MAX_KEPT files the ones used longest ago go. POLY_LAYOUT_CACHE=0 turns this
 off with the layout cache.
@@ -17,7 +17,6 @@ off with the layout cache.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -25,14 +24,16 @@ from typing import Any
 
 import tokenizers
 
+from poly.digest import hasher
+
 MAX_KEPT = 32  # tokenizers kept (each is about the size of its tokenizer.json)
 
 
 def key(text: str | bytes | memoryview, checks: str) -> str:
     """The name of `text`'s kept form (a tokenizer.json, or what a tokenizer is built from): the
-    sha256 of it and of `checks` (how it was checked and built), and the tokenizers version."""
+    hash of it and of `checks` (how it was checked and built), and the tokenizers version."""
     data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    digest = hashlib.sha256(data)
+    digest = hasher(data)
     digest.update(b"\0" + checks.encode())
     return f"{digest.hexdigest()}-{tokenizers.__version__}"
 
