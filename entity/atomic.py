@@ -11,8 +11,6 @@ import errno
 import fcntl
 import os
 import re
-import secrets
-import shutil
 import stat
 import time
 from collections.abc import Iterable, Iterator
@@ -45,7 +43,7 @@ STALE_UNLOCKABLE_S = 24 * 3600.0
 def temp_name(path: str | os.PathLike) -> Path:
     """A fresh temp path next to ``path`` for this process."""
     p = Path(path)
-    return p.with_name(f".{p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    return p.with_name(f".{p.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
 
 
 def open_locked_temp(path: str | os.PathLike) -> int:
@@ -187,7 +185,8 @@ def _fsync_dir(directory: Path) -> None:
 def _preflight_space(parent: Path, expected_size: int | None, out: Path) -> None:
     if not expected_size:
         return
-    free = shutil.disk_usage(parent).free
+    st = os.statvfs(parent)  # shutil.disk_usage's reading (shutil: not imported to read a file)
+    free = st.f_bavail * st.f_frsize
     if free < expected_size + _SPACE_MARGIN:
         raise InsufficientSpaceError(
             f"need about {expected_size + _SPACE_MARGIN} bytes, {free} free", path=str(out)

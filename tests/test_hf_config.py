@@ -205,6 +205,13 @@ def test_malformed_json(tmp_path, raw, needle):
         load_hf_config(_write(tmp_path, raw))
 
 
+def test_an_overflowing_number_is_refused_as_nan_is(tmp_path):
+    """JSON's 1e999 parses to infinity: refused like the NaN/Infinity constants, naming the key."""
+    text = json.dumps(dict(BASE, rms_norm_eps=12345.0)).replace("12345.0", "1e999")
+    with pytest.raises(ConfigError, match="rms_norm_eps: must be a finite number"):
+        load_hf_config(_write(tmp_path, text.encode()))
+
+
 def test_missing_config(tmp_path):
     with pytest.raises(ConfigError, match="missing"):
         load_hf_config(tmp_path)

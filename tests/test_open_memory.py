@@ -121,3 +121,21 @@ def test_a_tied_int8_tables_lookups_read_its_copy_by_16_exactly():
     got = tied.i8_rows(rp, table.encoded, k)(ids)
     want = np.stack([table.dequantize(int(i), int(i) + 1)[0] for i in ids])
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_an_open_loads_neither_pydantic_nor_openssl(snapshot, tmp_path):
+    """pydantic's model classes and OpenSSL's libcrypto (hashlib) are megabytes of RSS and
+    milliseconds of every open: an HF snapshot's config is checked by name tables
+    (entity.strict_json) and the caches are named by BLAKE2b (poly.digest)."""
+    child = (
+        "import sys, entity\n"
+        "m = entity.load(sys.argv[1])\n"
+        "m.forward(m.tokenizer.encode('hello world'))\n"
+        "print(sorted(k for k in ('pydantic', '_hashlib') if k in sys.modules))\n"
+    )
+    for _ in range(2):  # the second open reads the caches the first one wrote
+        out = subprocess.run([sys.executable, "-c", child, str(snapshot)], capture_output=True,
+                             text=True, timeout=300, check=False,
+                             env={**os.environ, "POLY_HOME": str(tmp_path)})  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == "[]"
