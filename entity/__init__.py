@@ -12,7 +12,7 @@ from entity.load import load
 __all__ = ["convert", "load"]
 
 # Names bound to a function of the submodule they share a name with; loaded on first use, since
-# `entity.convert` pulls in the .entity writer (pydantic, msgpack) that loading never needs.
+# `entity.convert` pulls in the .entity writer and the quantizers, which loading never needs.
 _LAZY = {"convert": "entity.convert"}
 
 
