@@ -12,10 +12,39 @@ static uint64_t gguf_u64(const unsigned char *p) {
     return n;
 }
 
-/* gguf_strings(buf, pos, count, cap) -> (list, end) | None: None when a string is off (past the
- * end, longer than cap, not UTF-8): the caller's Python loop then raises the precise error. */
-static PyObject *py_gguf_strings(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+/* Walks `count` strings from `pos0`, each length checked against `cap` and the buffer; with a
+ * `list`, each is decoded into it. 1 with *end set; 0 when one is off (past the end, longer than
+ * cap, not UTF-8); -1 with a Python error set. */
+static int gguf_walk(const Py_buffer *b, Py_ssize_t pos0, Py_ssize_t count,
+                     unsigned long long cap, PyObject *list, Py_ssize_t *end) {
+    if (pos0 < 0 || pos0 > b->len || count < 0 || count > (b->len - pos0) / 8) return 0;
+    const unsigned char *p = b->buf;
+    Py_ssize_t pos = pos0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (b->len - pos < 8) return 0;
+        const uint64_t n = gguf_u64(p + pos);
+        if (n > cap || n > (uint64_t)(b->len - pos - 8)) return 0;
+        if (list) {
+            PyObject *s = PyUnicode_DecodeUTF8((const char *)p + pos + 8, (Py_ssize_t)n, NULL);
+            if (!s) {
+                if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return -1;
+                PyErr_Clear();
+                return 0;
+            }
+            PyList_SET_ITEM(list, i, s);
+        }
+        pos += 8 + (Py_ssize_t)n;
+    }
+    *end = pos;
+    return 1;
+}
+
+/* gguf_strings(buf, pos, count, cap[, decode]) -> (list, end) | None; with decode false
+ * (gguf_strings_end) -> end | None: where the strings end, their bytes not decoded (a vocabulary
+ * read only when its tokenizer is built: entity/gguf/header.py StringArray). None when a string
+ * is off (past the end, longer than cap, not UTF-8): the caller's Python loop then raises the
+ * precise error. */
+static PyObject *gguf_strings_call(PyObject *const *args, Py_ssize_t nargs, int decode) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "gguf_strings(buf, pos, count, cap)");
         return NULL;
@@ -25,65 +54,29 @@ static PyObject *py_gguf_strings(PyObject *self, PyObject *const *args, Py_ssize
     const Py_ssize_t pos0 = PyLong_AsSsize_t(args[1]), count = PyLong_AsSsize_t(args[2]);
     const unsigned long long cap = PyLong_AsUnsignedLongLong(args[3]);
     PyObject *list = NULL, *ret = NULL;
+    Py_ssize_t end = 0;
+    int got = -1;
     if (PyErr_Occurred()) goto done;
-    if (pos0 < 0 || pos0 > b.len || count < 0 || count > (b.len - pos0) / 8) goto off;
-    if (!(list = PyList_New(count))) goto done;
-    const unsigned char *p = b.buf;
-    Py_ssize_t pos = pos0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (b.len - pos < 8) goto off;
-        const uint64_t n = gguf_u64(p + pos);
-        if (n > cap || n > (uint64_t)(b.len - pos - 8)) goto off;
-        PyObject *s = PyUnicode_DecodeUTF8((const char *)p + pos + 8, (Py_ssize_t)n, NULL);
-        if (!s) {
-            if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) goto done;
-            PyErr_Clear();
-            goto off;
-        }
-        PyList_SET_ITEM(list, i, s);
-        pos += 8 + (Py_ssize_t)n;
-    }
-    ret = Py_BuildValue("(On)", list, pos);
-    goto done;
-off:
-    ret = Py_NewRef(Py_None);
+    if (decode && count >= 0 && count <= b.len / 8 && !(list = PyList_New(count))) goto done;
+    got = gguf_walk(&b, pos0, count, cap, list, &end);
+    if (got > 0)
+        ret = decode ? Py_BuildValue("(On)", list, end) : PyLong_FromSsize_t(end);
+    else if (got == 0)
+        ret = Py_NewRef(Py_None);
 done:
     Py_XDECREF(list);
     PyBuffer_Release(&b);
     return ret;
 }
 
-/* gguf_strings_end(buf, pos, count, cap) -> end | None: where `count` strings from `pos` end, their
- * lengths checked as gguf_strings checks them but their bytes not decoded (a vocabulary read only
- * when its tokenizer is built: entity/gguf/header.py StringArray). */
+static PyObject *py_gguf_strings(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return gguf_strings_call(args, nargs, 1);
+}
+
 static PyObject *py_gguf_strings_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "gguf_strings_end(buf, pos, count, cap)");
-        return NULL;
-    }
-    Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
-    const Py_ssize_t pos0 = PyLong_AsSsize_t(args[1]), count = PyLong_AsSsize_t(args[2]);
-    const unsigned long long cap = PyLong_AsUnsignedLongLong(args[3]);
-    PyObject *ret = NULL;
-    if (PyErr_Occurred()) goto done;
-    if (pos0 < 0 || pos0 > b.len || count < 0 || count > (b.len - pos0) / 8) goto off;
-    const unsigned char *p = b.buf;
-    Py_ssize_t pos = pos0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (b.len - pos < 8) goto off;
-        const uint64_t n = gguf_u64(p + pos);
-        if (n > cap || n > (uint64_t)(b.len - pos - 8)) goto off;
-        pos += 8 + (Py_ssize_t)n;
-    }
-    ret = PyLong_FromSsize_t(pos);
-    goto done;
-off:
-    ret = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&b);
-    return ret;
+    return gguf_strings_call(args, nargs, 0);
 }
 
 /* merge_pairs(list of str) -> list of (left, right) | None: a GGUF BPE merge "a b" split at its
