@@ -114,21 +114,19 @@ def _lucy(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_lucy_inspect_fit_and_memory(gguf):
-    res = _lucy("inspect", str(gguf), "--fit", "120M", "--ctx", "1024", "--json")
+    res = _lucy("inspect", str(gguf), "--fit", "96M", "--ctx", "1024", "--json")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)["fit"]
-    want, fp = plan(gguf, 120 * MiB, 1024)
+    want, fp = plan(gguf, 96 * MiB, 1024)
     assert data["ctx"] == 1024 and data["kv_bytes"] == want.kv_bytes == fp.kv_bytes(1024)
     assert data["max_resident"] == want.max_resident and data["dense"] == fp.dense
-    text = _lucy("inspect", str(gguf), "--fit", "120M").stdout
+    text = _lucy("inspect", str(gguf), "--fit", "96M").stdout
     assert "weights resident" in text and "from the file" in text
     gen = _lucy("generate", str(gguf), "--prompt", "hello", "--max-tokens", "4", "--greedy",
-                "--memory", "103M", "--json")  # fmt: skip
+                "--memory", "79M", "--json")  # fmt: skip
     assert gen.returncode == 0, gen.stderr
-    assert (
-        json.loads(gen.stdout)["experts"]["max_resident"] == plan(gguf, 103 * MiB)[0].max_resident
-    )
-    for args, message in ((("--memory", "100M"), "at least"), (("--memory", "6Q"), "not a size"),
+    assert json.loads(gen.stdout)["experts"]["max_resident"] == plan(gguf, 79 * MiB)[0].max_resident
+    for args, message in ((("--memory", "76M"), "at least"), (("--memory", "6Q"), "not a size"),
                           (("--memory", "1G", "--max-experts", "4"), "not both")):  # fmt: skip
         bad = _lucy("generate", str(gguf), "--prompt", "x", *args)
         assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and message in bad.stderr
