@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from poly.errors import UsageError
 
 # Python, numpy, the tokenizer, scratch: tests/test_fit_rss.py holds the plan to within 10 % of
-# real peaks (lowered from 96 MiB once an open loaded neither pydantic nor OpenSSL)
+# real peaks
 RUNTIME_BYTES = 72 << 20
 MIN_CTX = 256  # the shortest KV cache `fit` shrinks to
 # bytes a cached value takes, by --kv-cache: q8_0 is 32 int8 codes and a float16 scale per 32

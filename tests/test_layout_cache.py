@@ -247,3 +247,18 @@ def test_blob_checksums_are_checked_once_per_unchanged_file(home, tiny, tmp_path
     served.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="checksum"):
         entity.load(served)
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    """`write_renamed` (the layout and tokenizer caches' writer): a fill that fails (a full disk)
+    returns False and leaves neither the file nor its temporary beside it."""
+    from poly.runtime.layout_cache import write_renamed
+
+    def full(f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    assert write_renamed(tmp_path / "x.npy", full) is False
+    assert list(tmp_path.iterdir()) == []
+    assert write_renamed(tmp_path / "x.npy", lambda f: f.write(b"ok")) is True
+    assert [p.name for p in tmp_path.iterdir()] == ["x.npy"]

@@ -148,21 +148,21 @@ _U64 = struct.Struct("<Q")
 def _native_strings(buf, pos: int, count: int, cap: int) -> tuple[list, int] | None:
     """The C reader (csrc/formats/gguf_strings.h) when it is built and every
     string is sound; else None, and the loop reads them (and names what is wrong)."""
-    from poly.runtime.ckernels import EXT
-
-    read = getattr(EXT, "gguf_strings", None)
-    if read is None or count < 64:
-        return None
-    return read(buf, pos, count, cap)
+    return _native("gguf_strings", buf, pos, count, cap) if count >= 64 else None
 
 
 def _strings_end(buf, pos: int, count: int, cap: int) -> int | None:
     """Where `count` strings from `pos` end, their lengths checked (C); None where one is off or
     the extension is not built (then they are read, and the error names what is off)."""
+    return _native("gguf_strings_end", buf, pos, count, cap)
+
+
+def _native(name: str, *args: Any) -> Any:
+    """The C extension's `name` called on `args`; None where the extension has no such call."""
     from poly.runtime.ckernels import EXT
 
-    end = getattr(EXT, "gguf_strings_end", None)
-    return None if end is None else end(buf, pos, count, cap)
+    call = getattr(EXT, name, None)
+    return None if call is None else call(*args)
 
 
 def _read_value(cur: Cursor, vtype: int, key: str, later=()) -> tuple[Any, int | None]:

@@ -145,13 +145,18 @@ def write_renamed(path: Path, fill) -> bool:
     never sees a file change in place. False where it fails (a full disk, no permission)."""
     import tempfile  # here, not at the top: an open that writes nothing never loads it
 
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             fill(f)
         os.replace(tmp, path)
+        tmp = None
     except OSError:
         return False
+    finally:
+        if tmp is not None:  # a failure before the rename (a full disk): no stray temp file
+            Path(tmp).unlink(missing_ok=True)
     return True
 
 

@@ -384,6 +384,6 @@ def _utf8(text: str | bytes | mmap.mmap, path: str | None) -> str:
     if isinstance(text, str):
         return text
     try:
-        return str(text, "utf-8") if not isinstance(text, mmap.mmap) else text[:].decode("utf-8")
+        return str(text, "utf-8")
     except UnicodeDecodeError as e:
         raise TokenizerError(f"tokenizer.json is not UTF-8: {e}", path=path) from e
