@@ -6,7 +6,8 @@ revision) runs in its own process, one process per tree and round, the trees alt
 timed prompts of each `--prefill` length from an empty cache and `--reps` greedy decodes of
 `--new` tokens after a `--context`-token prompt. Printed: medians per tree and B/A. With
 `--drop-caches` (root) the page cache is dropped first: the tree whose layout files were written
-last would otherwise decode from pages the kernel holds in 2 MB folios, ~10 % faster.
+last would otherwise decode from pages the kernel holds in 2 MB folios, the faster
+(docs/performance.md).
 
     git worktree add /tmp/old HEAD~1 && (cd /tmp/old && python setup.py build_ext --inplace)
     python -m benchmarks.ab MODEL.gguf --a /tmp/old --b . --rounds 6 --prefill 16 42 --new 64
@@ -83,7 +84,7 @@ def one_round(tree: str, a: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def drop_caches() -> None:
-    """sync, then drop the page cache: decode from mapped layouts reads files just written ~10 %
+    """sync, then drop the page cache: decode from mapped layouts reads files just written
     faster than the same files read back (docs/performance.md), so A/B from one state."""
     os.sync()
     try:
