@@ -1,8 +1,8 @@
 """Strict reading of a JSON object file (``config.json``, ``generation_config.json``,
 ``tokenizer_config.json``): a size cap, no duplicate keys, no NaN/Infinity, typed poly errors;
-and records checked against name tables (`Field`, `validate_json`). Checked by hand rather than
-by pydantic, whose import and model classes an HF open would pay in RSS and time (issue 62,
-docs/performance.md)."""
+and records checked against name tables (`Field`, `check_fields`, `validate_json`; the `.entity`
+header's schema uses the same tables). Checked by hand rather than by pydantic, whose import and
+model classes an open would pay in RSS and time (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ from typing import Any, NamedTuple
 
 from poly.errors import ConfigError, LimitExceededError, PolyError
 
-__all__ = ["MAX_JSON_BYTES", "Field", "JsonRecord", "read_json", "validate_json"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "Field",
+    "FieldError",
+    "JsonRecord",
+    "check_fields",
+    "read_json",
+    "validate_json",
+]
 
 MAX_JSON_BYTES = 4 * 1024 * 1024  # real configs are a few KB
 
@@ -71,13 +79,21 @@ def _number(v: Any) -> bool:  # JSON's 1e999 parses to inf: refused as NaN is
     return type(v) in (int, float) and math.isfinite(v)
 
 
-def _int_list(v: Any) -> bool:
+def is_int(v: Any) -> bool:  # strict: a bool is not an integer
+    return type(v) is int
+
+
+def is_int_list(v: Any) -> bool:
     return type(v) is list and all(type(x) is int for x in v)
+
+
+def is_u32(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 1 << 32
 
 
 # The kinds of value config files hold (integers are strict: true is not 1, 1.0 is not 1).
 STR = Field(lambda v: type(v) is str, "a string", REQUIRED)
-INT = Field(lambda v: type(v) is int, "an integer", REQUIRED)
+INT = Field(is_int, "an integer", REQUIRED)
 FLOAT = Field(_number, "a finite number", REQUIRED, float)
 BOOL = Field(lambda v: type(v) is bool, "true or false", REQUIRED)
 MAP = Field(lambda v: type(v) is dict, "an object", REQUIRED)
@@ -85,7 +101,7 @@ STRS = Field(lambda v: type(v) is list and all(type(x) is str for x in v), "a li
              REQUIRED)  # fmt: skip
 FLOATS = Field(lambda v: type(v) is list and all(_number(x) for x in v), "a list of numbers",
                REQUIRED, lambda v: [float(x) for x in v])  # fmt: skip
-TOKEN_IDS = Field(lambda v: type(v) is int or _int_list(v), "an integer or a list of integers")
+TOKEN_IDS = Field(lambda v: type(v) is int or is_int_list(v), "an integer or a list of integers")
 
 
 def default(kind: Field, value: Any = None) -> Field:
@@ -107,6 +123,47 @@ class JsonRecord:
         return {**self.extra, **{k: getattr(self, k) for k in self._names}}
 
 
+class FieldError(ValueError):
+    """The first key of a record that is not what its table says; str() is "key: problem"."""
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_fields(
+    fields: dict[str, Field],
+    data: dict,
+    *,
+    refuse_unknown: bool = False,
+    null_is_absent: bool = True,
+) -> dict[str, Any]:
+    """`data`'s values by `fields` (defaults filled in, `convert` applied); FieldError naming the
+    first bad key. ``refuse_unknown``: a key `fields` does not name is an error. ``null_is_absent``:
+    a null value takes the default, as JSON configs mean it; else it is a value to test."""
+    if refuse_unknown:
+        for key in data:
+            if key not in fields:
+                raise FieldError(key, "not a known field")
+    values = {}
+    for key, (test, what, fallback, convert) in fields.items():
+        value = data.get(key)
+        if key in data and (value is not None or not null_is_absent):
+            if not test(value):
+                raise FieldError(key, f"must be {what}, got {_shown(value)}")
+            values[key] = value if convert is None else convert(value)
+        elif fallback is REQUIRED:
+            raise FieldError(key, f"missing (must be {what})")
+        else:
+            values[key] = fallback
+    return values
+
+
 def validate_json(
     fields: dict[str, Field], data: Any, source: str | None, *, extra: bool = False
 ) -> JsonRecord:
@@ -114,17 +171,9 @@ def validate_json(
     an absent one. ``extra``: keep the keys `fields` does not name (`JsonRecord.extra`)."""
     if type(data) is not dict:
         raise ConfigError(f"<root>: must be an object, got {type(data).__name__}", path=source)
-    values = {}
-    for key, (test, what, fallback, convert) in fields.items():
-        value = data.get(key)
-        if value is None:
-            if fallback is REQUIRED:
-                raise ConfigError(f"{key}: missing (must be {what})", path=source)
-            values[key] = fallback
-        elif not test(value):
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-            raise ConfigError(f"{key}: must be {what}, got {shown}", path=source)
-        else:
-            values[key] = value if convert is None else convert(value)
+    try:
+        values = check_fields(fields, data)
+    except FieldError as exc:
+        raise ConfigError(str(exc), path=source) from None
     kept = {k: v for k, v in data.items() if k not in fields} if extra else {}
     return JsonRecord(values, kept)

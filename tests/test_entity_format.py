@@ -182,6 +182,11 @@ def _data_start(hlen):
         (lambda h: h["blobs"][0].update(shape=[999]), "length"),
         (lambda h: h["blobs"][1].update(path=h["blobs"][0]["path"]), "duplicate"),
         (lambda h: h["blobs"].reverse(), None),  # order in the list does not matter
+        (lambda h: h["blobs"][0].__delitem__("checksum"), r"blobs\.0\.checksum: missing"),
+        (lambda h: h["blobs"][0].update(checksum=1 << 32), r"checksum: must be an integer in"),
+        (lambda h: h["blobs"][0].update(ggml_type=None), None),  # nil: no native blocks
+        (lambda h: h.update(network=None), "network: must be a map, got None"),  # nil is a value
+        (lambda h: h.update(tokenizer=None), None),
     ],
 )
 def test_schema_and_layout_checks(small, tmp_path, edit, match):

@@ -177,6 +177,12 @@ BAD_CONFIGS = [
         "partial_rotary_factor",
     ),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, ConfigError, "low_freq_factor"),
+    # poly.RopeScaling's range checks, raised at parse time as the file's error
+    (
+        {"rope_scaling": {"rope_type": "linear", "factor": -2.0}},
+        ConfigError,
+        "rope_scaling: .*positive",
+    ),
 ]
 
 

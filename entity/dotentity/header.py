@@ -19,6 +19,15 @@ import numpy as np
 from isal.isal_zlib import crc32
 
 from entity.dotentity.native_blocks import check_record
+from entity.strict_json import (
+    REQUIRED,
+    Field,
+    FieldError,
+    check_fields,
+    is_int,
+    is_int_list,
+    is_u32,
+)
 from poly.errors import EntityFormatError
 
 __all__ = [
@@ -117,68 +126,56 @@ class Header:
     header_crc32: int
 
 
-# The schema as name tables: field -> (test, what it must be). Checked by hand, not by pydantic,
-# whose import every .entity open would pay. Integers are strict (a bool is not one).
-def _int(v: Any) -> bool:
-    return type(v) is int
+# The schema as name tables (`entity.strict_json.Field`), checked by hand, not by pydantic,
+# whose import every .entity open would pay. Unlike a config file, a header names no key outside
+# its tables and a nil is a value (tested like any other).
+def _string(low: int, high: int) -> Field:
+    def test(v: Any) -> bool:
+        return type(v) is str and low <= len(v) <= high
+
+    return Field(test, f"a string of {low} to {high} characters", REQUIRED)
 
 
-def _u32(v: Any) -> bool:
-    return _int(v) and 0 <= v < 1 << 32
+_NATURAL = Field(lambda v: is_int(v) and v >= 0, "an integer >= 0", REQUIRED)
+_MAP = Field(lambda v: type(v) is dict, "a map", REQUIRED)
+_U32 = Field(is_u32, "an integer in [0, 2**32)", REQUIRED)
+_OPT_STR = Field(lambda v: v is None or type(v) is str, "a string or nil", REQUIRED)
 
-
-def _ints(v: Any) -> bool:
-    return type(v) is list and all(type(x) is int for x in v)
-
-
-def _opt_str(v: Any) -> bool:
-    return v is None or type(v) is str
-
-
-BLOB_FIELDS: dict[str, tuple[Any, str]] = {
-    "path": (lambda v: type(v) is str and 1 <= len(v) <= 512, "a string of 1 to 512 characters"),
-    "offset": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
-    "length": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
-    "dtype": (lambda v: type(v) is str, "a string"),
-    "shape": (_ints, "a list of integers"),
-    "checksum": (_u32, "an integer in [0, 2**32)"),
-    "ggml_type": (lambda v: v is None or _int(v), "an integer or nil"),
+BLOB_FIELDS: dict[str, Field] = {
+    "path": _string(1, 512),
+    "offset": _NATURAL,
+    "length": _NATURAL,
+    "dtype": Field(lambda v: type(v) is str, "a string", REQUIRED),
+    "shape": Field(is_int_list, "a list of integers", REQUIRED),
+    "checksum": _U32,
+    "ggml_type": Field(lambda v: v is None or is_int(v), "an integer or nil"),  # may be left out
 }
-HEADER_FIELDS: dict[str, tuple[Any, str]] = {
-    "format_version": (lambda v: _int(v) and v == 2, "2"),
-    "network": (lambda v: type(v) is dict, "a map"),
-    "transformer": (lambda v: type(v) is dict, "a map"),
-    "quant": (lambda v: type(v) is dict, "a map"),
-    "blobs": (lambda v: type(v) is list and len(v) <= MAX_BLOBS, f"a list of <= {MAX_BLOBS}"),
-    "tokenizer": (_opt_str, "a string or nil"),
-    "tokenizer_config": (lambda v: type(v) is dict, "a map"),
-    "chat_template": (_opt_str, "a string or nil"),
-    "generation_config": (lambda v: type(v) is dict, "a map"),
-    "eos_token_ids": (_ints, "a list of integers"),
-    "source": (lambda v: type(v) is dict, "a map"),
-    _CRC_KEY: (_u32, "an integer in [0, 2**32)"),
+HEADER_FIELDS: dict[str, Field] = {
+    "format_version": Field(lambda v: is_int(v) and v == 2, "2", REQUIRED),
+    "network": _MAP,
+    "transformer": _MAP,
+    "quant": _MAP,
+    "blobs": Field(
+        lambda v: type(v) is list and len(v) <= MAX_BLOBS, f"a list of <= {MAX_BLOBS}", REQUIRED
+    ),  # fmt: skip
+    "tokenizer": _OPT_STR,
+    "tokenizer_config": _MAP,
+    "chat_template": _OPT_STR,
+    "generation_config": _MAP,
+    "eos_token_ids": Field(is_int_list, "a list of integers", REQUIRED),
+    "source": _MAP,
+    _CRC_KEY: _U32,
 }
-_OPTIONAL = {"ggml_type": None}  # fields a record may leave out, with their value
 
 
-def _checked(obj: Any, table: dict[str, tuple[Any, str]], where: str) -> dict[str, Any]:
-    """`obj`'s fields once each is what `table` says (ValueError naming the first that is not)."""
+def _checked(obj: Any, table: dict[str, Field], where: str) -> dict[str, Any]:
+    """`obj`'s fields, each what `table` says (ValueError naming the first that is not)."""
     if type(obj) is not dict:
         raise ValueError(f"bad header field {where.rstrip('.') or 'header'}: must be a map")
-    for key in obj:
-        if key not in table:
-            raise ValueError(f"bad header field {where}{key}: not a field of the header")
-    out = {}
-    for key, (test, what) in table.items():
-        if key not in obj and key in _OPTIONAL:
-            out[key] = _OPTIONAL[key]
-        elif key not in obj:
-            raise ValueError(f"bad header field {where}{key}: missing")
-        elif not test(obj[key]):
-            raise ValueError(f"bad header field {where}{key}: must be {what}")
-        else:
-            out[key] = obj[key]
-    return out
+    try:
+        return check_fields(table, obj, refuse_unknown=True, null_is_absent=False)
+    except FieldError as exc:
+        raise ValueError(f"bad header field {where}{exc}") from None
 
 
 def _header(obj: Any) -> Header:

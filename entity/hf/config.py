@@ -18,7 +18,7 @@ from entity.families import FAMILIES, REFUSED_REASONS, WRAPPERS, Family
 from entity.hf.attention import attention_options, sliding_window
 from entity.hf.generation import RAW_GENERATION, HFGeneration, check_generation
 from entity.hf.moe import expert_storage, moe_config
-from entity.hf.rope import HFRopeScaling, parse_rope
+from entity.hf.rope import parse_rope
 from entity.strict_json import (
     BOOL,
     FLOAT,
@@ -36,6 +36,7 @@ from entity.strict_json import (
 from poly.config import LIMITS as POLY_LIMITS
 from poly.errors import ConfigError, LayerConfigError, LimitExceededError, UnsupportedError
 from poly.recipe import AttentionConfig
+from poly.rope import RopeScaling
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
@@ -96,7 +97,7 @@ class HFModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: HFRopeScaling | None
+    rope_scaling: RopeScaling | None
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -129,13 +130,11 @@ class HFModelConfig:
     def to_transformer_config(self, max_seq_len: int | None = None):
         """The matching ``poly.TransformerConfig`` (KV cache sized to ``max_seq_len``; a sliding
         window layer's cache keeps its window only)."""
-        from poly import RopeScaling, TransformerConfig
+        from poly import TransformerConfig
 
         seq = self.default_max_seq_len() if max_seq_len is None else max_seq_len
         if type(seq) is not int or seq <= 0:
             raise ConfigError(f"max_seq_len must be a positive int, got {seq!r}")
-        rs = self.rope_scaling
-        scaling = None if rs is None else RopeScaling(**dataclasses.asdict(rs))
         return TransformerConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -146,7 +145,7 @@ class HFModelConfig:
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
-            rope_scaling=scaling,
+            rope_scaling=self.rope_scaling,
             max_seq_len=seq,
             tie_word_embeddings=self.tie_word_embeddings,
             attention_bias=self.qkv_bias or self.o_bias,
@@ -282,28 +281,26 @@ def _options(raw: JsonRecord, arch: Family, source: str | None) -> dict:
     return out
 
 
-def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
-    config = _with_defaults(_unwrap(config, source))
-    raw = validate_json(RAW_CONFIG, config, source, extra=True)
-    arch = _check_features(raw, source)
-    gen_source = None if source is None else str(Path(source).with_name(GENERATION_FILE))
-    gen = validate_json(RAW_GENERATION, generation or {}, gen_source)
-    kv_heads = raw.num_key_value_heads or raw.num_attention_heads
+def _head_dim(raw: JsonRecord, arch: Family, source: str | None) -> int:
+    """config.json's head_dim, else the family's, else hidden_size / num_attention_heads."""
     if raw.head_dim is not None:
-        head_dim = raw.head_dim
-    elif arch.default_head_dim is not None:
-        head_dim = arch.default_head_dim
-    else:
-        if raw.num_attention_heads <= 0 or raw.hidden_size % raw.num_attention_heads:
-            raise ConfigError(
-                f"hidden_size: {raw.hidden_size} is not a multiple of num_attention_heads "
-                f"{raw.num_attention_heads} and no head_dim is given",
-                path=source,
-            )
-        head_dim = raw.hidden_size // raw.num_attention_heads
-    _check_sizes(raw, kv_heads, head_dim, source)
-    max_positions = raw.max_position_embeddings or arch.default_max_positions
-    theta, scaling = parse_rope(raw, max_positions, source)
+        return raw.head_dim
+    if arch.default_head_dim is not None:
+        return arch.default_head_dim
+    if raw.num_attention_heads <= 0 or raw.hidden_size % raw.num_attention_heads:
+        raise ConfigError(
+            f"hidden_size: {raw.hidden_size} is not a multiple of num_attention_heads "
+            f"{raw.num_attention_heads} and no head_dim is given",
+            path=source,
+        )
+    return raw.hidden_size // raw.num_attention_heads
+
+
+def _special_tokens(
+    raw: JsonRecord, gen: JsonRecord, source: str | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(eos ids of config.json then generation_config.json, bos ids of the first that has one),
+    each checked to be a token of the vocabulary."""
     eos = _union(_token_ids(raw.eos_token_id), _token_ids(gen.eos_token_id))
     bos = _token_ids(raw.bos_token_id) or _token_ids(gen.bos_token_id)
     for tid in (*eos, *bos):
@@ -311,6 +308,21 @@ def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
             raise ConfigError(
                 f"special_token_id: {tid} is outside [0, {raw.vocab_size})", path=source
             )
+    return eos, bos
+
+
+def _build(config: Any, generation: Any, source: str | None) -> HFModelConfig:
+    config = _with_defaults(_unwrap(config, source))
+    raw = validate_json(RAW_CONFIG, config, source, extra=True)
+    arch = _check_features(raw, source)
+    gen_source = None if source is None else str(Path(source).with_name(GENERATION_FILE))
+    gen = validate_json(RAW_GENERATION, generation or {}, gen_source)
+    kv_heads = raw.num_key_value_heads or raw.num_attention_heads
+    head_dim = _head_dim(raw, arch, source)
+    _check_sizes(raw, kv_heads, head_dim, source)
+    max_positions = raw.max_position_embeddings or arch.default_max_positions
+    theta, scaling = parse_rope(raw, max_positions, source)
+    eos, bos = _special_tokens(raw, gen, source)
     check_generation(gen, gen_source)
     rules = {"flag": raw.attention_bias, "qkv": True, "qkv_flag": raw.attention_bias, "none": False}
     biased = rules[arch.bias_rule]

@@ -1,20 +1,20 @@
 """config.json's rotary embedding keys: rope_theta and a scaled rope_type with its parameters
-(transformers 4.x top-level keys or 5.x rope_parameters), validated into HFRopeScaling."""
+(transformers 4.x top-level keys or 5.x rope_parameters), validated into `poly.RopeScaling`."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 from entity.families import FAMILIES
 from entity.strict_json import BOOL, FLOAT, FLOATS, INT, STR, Field, default, validate_json
-from poly.errors import ConfigError, UnsupportedError
-from poly.rope import ROPE_FIELDS
+from poly.errors import ConfigError, LayerConfigError, UnsupportedError
+from poly.rope import ROPE_FIELDS, RopeScaling
 
 SUPPORTED_ROPE_TYPES = ("default", *ROPE_FIELDS)  # "default": no scaling
 
-# A scaled rope_type's keys (ROPE_FIELDS names the ones each type needs).
+# A scaled rope_type's keys: `poly.RopeScaling`'s fields (ROPE_FIELDS names the ones each
+# type needs).
 ROPE_SCALING: dict[str, Field] = {
     "rope_type": STR,
     "factor": FLOAT,
@@ -32,28 +32,9 @@ ROPE_SCALING: dict[str, Field] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class HFRopeScaling:
-    """A checked `ROPE_SCALING` record (`poly.rope.RopeScaling`'s fields)."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
-    attention_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    short_factor: list[float] | None = None
-    long_factor: list[float] | None = None
-
-
 def parse_rope(
     raw: Any, max_positions: int, source: str | None
-) -> tuple[float, HFRopeScaling | None]:
+) -> tuple[float, RopeScaling | None]:
     """rope_theta and the rope scaling (None: unscaled) of a parsed config.json."""
     # 4.x: top-level rope_theta + optional rope_scaling; 5.x: rope_parameters holds both.
     params = dict(raw.rope_parameters or raw.rope_scaling or {})
@@ -83,7 +64,7 @@ def parse_rope(
 
 def _scaling(
     raw: Any, kind: str, params: dict, max_positions: int, source: str | None
-) -> HFRopeScaling:
+) -> RopeScaling:
     extra = raw.extra
     if kind == "dynamic":  # transformers' dynamic NTK grows from max_position_embeddings
         params["original_max_position_embeddings"] = max_positions
@@ -98,8 +79,10 @@ def _scaling(
             params["factor"] = max_positions / params["original_max_position_embeddings"]
     wanted = {k: params[k] for k in ROPE_SCALING if params.get(k) is not None}
     checked = validate_json(ROPE_SCALING, dict(wanted, rope_type=kind), source)
-    scaling = HFRopeScaling(**{k: getattr(checked, k) for k in ROPE_SCALING})
-    missing = [key for key in ROPE_FIELDS[kind] if getattr(scaling, key) is None]
+    missing = [key for key in ROPE_FIELDS[kind] if getattr(checked, key) is None]
     if missing:
         raise ConfigError(f"rope_scaling: {kind} needs {', '.join(missing)}", path=source)
-    return scaling
+    try:  # RopeScaling's own range checks, named as the file's
+        return RopeScaling(**{k: getattr(checked, k) for k in ROPE_SCALING})
+    except LayerConfigError as exc:
+        raise ConfigError(f"rope_scaling: {exc.message}", path=source) from None
