@@ -19,6 +19,8 @@ import os
 import re
 from pathlib import Path
 
+from poly.runtime.cache_files import poly_home
+
 __all__ = ["poly_home", "models_dir", "entities_dir", "model_name", "entity_filename"]
 
 ENTITY_SUFFIX = ".entity"
@@ -28,11 +30,6 @@ _QUANT_TAG = re.compile(
 )
 _EXTENSION = re.compile(r"\.(?:gguf|entity|safetensors)$", re.IGNORECASE)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def poly_home() -> Path:
-    """``$POLY_HOME`` or ``~/.cache/poly``."""
-    return Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly")
 
 
 def models_dir() -> Path:

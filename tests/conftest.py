@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -15,6 +16,21 @@ HF_DIR_NAME = "SmolLM2-135M-Instruct-hf"
 # the shipped dispatch rules, not this machine's tune file: the same path on every run and host
 # (tests/test_crossover.py turns tuning on against a temporary POLY_HOME)
 os.environ["POLY_TUNE"] = "0"
+
+
+def _private_home() -> None:
+    """A POLY_HOME of this run's own, so the tests' layouts, tokenizers and entities never land
+    in (nor are served from) the user's caches; only `models` (SmolLM2, fetched through pip)
+    links to the real home's."""
+    real = Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly")
+    home = Path(tempfile.mkdtemp(prefix="poly-test-home-"))
+    (real / "models").mkdir(parents=True, exist_ok=True)
+    (home / "models").symlink_to(real / "models", target_is_directory=True)
+    os.environ["POLY_HOME"] = str(home)
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+
+
+_private_home()
 
 
 def pytest_addoption(parser):

@@ -252,7 +252,7 @@ def test_blob_checksums_are_checked_once_per_unchanged_file(home, tiny, tmp_path
 def test_a_failed_write_leaves_no_temporary_file(tmp_path):
     """`write_renamed` (the layout and tokenizer caches' writer): a fill that fails (a full disk)
     returns False and leaves neither the file nor its temporary beside it."""
-    from poly.runtime.layout_cache import write_renamed
+    from poly.runtime.cache_files import write_renamed
 
     def full(f):
         f.write(b"partial")

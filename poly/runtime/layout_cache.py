@@ -39,6 +39,7 @@ import numpy as np
 
 from poly.digest import hasher, hexdigest
 from poly.filesnapshot import FileSnapshot, map_private, snapshot_of
+from poly.runtime.cache_files import poly_home, write_renamed
 
 VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
@@ -60,7 +61,7 @@ def enabled() -> bool:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly") / "layouts"
+    return poly_home() / "layouts"
 
 
 def _ext_identity() -> str:
@@ -138,26 +139,6 @@ def _write(snap: FileSnapshot, path: Path, fill) -> None:
     except OSError:
         return
     write_renamed(path, fill)
-
-
-def write_renamed(path: Path, fill) -> bool:
-    """`fill(file)` into a temporary name beside `path`, renamed to `path`: a reader (a mapping)
-    never sees a file change in place. False where it fails (a full disk, no permission)."""
-    import tempfile  # here, not at the top: an open that writes nothing never loads it
-
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError:
-        return False
-    finally:
-        if tmp is not None:  # a failure before the rename (a full disk): no stray temp file
-            Path(tmp).unlink(missing_ok=True)
-    return True
 
 
 def _verified_path(snap: FileSnapshot) -> Path | None:

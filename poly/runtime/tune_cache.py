@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from poly.digest import hexdigest
+from poly.runtime.cache_files import poly_home, write_renamed
 
 VERSION = 1
 # /proc/cpuinfo flags that change which kernels run or how fast: the key ignores the others
@@ -34,7 +35,7 @@ def mode() -> str:
 
 
 def tune_dir() -> Path:
-    return Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly") / "tune"
+    return poly_home() / "tune"
 
 
 def cpu_facts(cpuinfo: str | None = None) -> dict:
@@ -106,40 +107,13 @@ class TuneStore:
         return dict(entries) if isinstance(entries, dict) else {}
 
     def _write(self, doc: dict) -> bool:
-        """The standard atomic write (temp file in the folder, fsync, rename, fsync the folder):
-        a reader sees the old file or the new one, never a torn one."""
-        import tempfile  # here, not at the top: a process that measures nothing never loads it
-
-        tmp = None
+        """Atomic and durable: a reader sees the old file or the new one, never a torn one."""
+        text = json.dumps(doc, indent=1, sort_keys=True).encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tune-", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            tmp = None
-            _fsync_dir(self.path.parent)
-            return True
-        except OSError:  # read-only or full disk: keep the findings for this process only
+        except OSError:  # read-only home: keep the findings for this process only
             return False
-        finally:
-            if tmp is not None:  # any failure (or interrupt) before the rename
-                Path(tmp).unlink(missing_ok=True)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse a directory fsync: the rename stands
-    finally:
-        os.close(fd)
+        return write_renamed(self.path, lambda f: f.write(text), durable=True)
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from typing import Any
 import tokenizers
 
 from poly.digest import hasher
+from poly.runtime.cache_files import poly_home, write_renamed
 
 MAX_KEPT = 32  # tokenizers kept (each is about the size of its tokenizer.json)
 
@@ -41,7 +42,7 @@ def key(text: str | bytes | memoryview, checks: str) -> str:
 def _folder() -> Path | None:
     from poly.runtime import layout_cache
 
-    return layout_cache.cache_root().parent / "tokenizers" if layout_cache.enabled() else None
+    return poly_home() / "tokenizers" if layout_cache.enabled() else None
 
 
 def lookup(name: str) -> tokenizers.Tokenizer | None:
@@ -94,8 +95,6 @@ def store(name: str, form: bytes | None, built: str) -> None:
     """Keep `form` (`fast_form`) as `name` when it builds the tokenizer whose `to_str()` is
     `built` exactly, else a `.skip` marker (that text is built from its JSON every time). Errors
     leave nothing kept."""
-    from poly.runtime import layout_cache
-
     folder = _folder()
     if folder is None:
         return
@@ -106,7 +105,7 @@ def store(name: str, form: bytes | None, built: str) -> None:
     with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}{'.json' if same else '.skip'}"
-    if layout_cache.write_renamed(path, lambda f: f.write(form if same else b"")):
+    if write_renamed(path, lambda f: f.write(form if same else b"")):
         _prune(folder)
 
 
