@@ -284,6 +284,33 @@ def convert(
     re-opened (checksums verified) and compared tensor by tensor with the source; a lossless (f32)
     conversion that does not match exactly raises `IntegrityError` and the output is removed.
     """
+    out_path = _checked_output(src, dst, quant, to, verify, force)
+    start = time.perf_counter()
+    settings = dict(GenerationDefaults(dict(generation or {})).settings)  # SamplingParamsError
+    source = _open_source(src)
+    if settings:
+        source.meta["generation_config"] = {**source.meta["generation_config"], **settings}
+    n = source.cfg.num_layers
+    total = n + 2 + (n + 1 if verify else 0)
+    cb = progress or (lambda done, total, detail: None)
+    lower: set[str] = set()
+    write = _writer(source, out_path, to, quant, embed_quant, force, lower, cb, total)
+    # the calibrated default applies to float checkpoints (a GGUF's blocks are kept as they are)
+    calibrate = quant == "q4" if calibrate is None else calibrate
+    calibrate = bool(planner) or (calibrate and source.kind == "hf")
+    recipe = _calibrated(src, write, out_path, bpw, calibrate, calibration, cb, planner)
+    report = _report(src, out_path, quant, source.kind, recipe, lower)
+    if verify:
+        step = iter(range(n + 3, total + 1))
+        _verify_into(report, source, out_path, lambda d: cb(next(step, total), total, d))
+        cb(total, total, "verified")
+    report.bytes = out_path.stat().st_size
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _checked_output(src, dst, quant: str, to: str, verify: bool, force: bool) -> Path:
+    """Refuse bad arguments and pick the output path, all before a big source is read."""
     if quant not in SCHEMES:
         raise UsageError(f"unknown quant {quant!r}; choose one of {sorted(SCHEMES)}")
     if to not in ("entity", "gguf"):
@@ -296,16 +323,12 @@ def convert(
     if dst is None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
     check_output(out_path, force=force)  # fail fast, before reading a big source
-    start = time.perf_counter()
-    settings = dict(GenerationDefaults(dict(generation or {})).settings)  # SamplingParamsError
-    source = _open_source(src)
-    if settings:
-        source.meta["generation_config"] = {**source.meta["generation_config"], **settings}
-    n = source.cfg.num_layers
-    total = n + 2 + (n + 1 if verify else 0)
-    cb = progress or (lambda done, total, detail: None)
+    return out_path
+
+
+def _writer(source: _Source, out_path: Path, to, quant, embed_quant, force, lower, cb, total):
+    """``write(recipe=None)``: one pass of ``source`` into ``out_path``; ``lower``: `_checked`'s."""
     matrix_enc, embed_enc = check_quant(quant, embed_quant)
-    lower: set[str] = set()
     keep_as = embed_keep_as(quant, embed_quant)
 
     def write(recipe=None) -> None:
@@ -327,11 +350,11 @@ def convert(
         from entity.gguf.export import check_exportable
 
         check_exportable(source.cfg)  # before any calibration work
-    # the calibrated default applies to float checkpoints (a GGUF's blocks are kept as they are)
-    calibrate = quant == "q4" if calibrate is None else calibrate
-    calibrate = bool(planner) or (calibrate and source.kind == "hf")
-    recipe = _calibrated(src, write, out_path, bpw, calibrate, calibration, cb, planner)
-    report = ConvertReport(str(src), str(out_path), quant, source.kind)
+    return write
+
+
+def _report(src, out_path: Path, quant: str, kind: str, recipe, lower: set[str]) -> ConvertReport:
+    report = ConvertReport(str(src), str(out_path), quant, kind)
     report.recipe = recipe
     if lower - {""}:
         kinds = ", ".join(sorted(lower - {""}))
@@ -339,12 +362,6 @@ def convert(
             f"precision cannot exceed the source: the {quant} file holds the values of its "
             f"{kinds} blocks, re-encoded as {quant}"
         )
-    if verify:
-        step = iter(range(n + 3, total + 1))
-        _verify_into(report, source, out_path, lambda d: cb(next(step, total), total, d))
-        cb(total, total, "verified")
-    report.bytes = out_path.stat().st_size
-    report.seconds = time.perf_counter() - start
     return report
 
 

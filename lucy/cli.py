@@ -160,17 +160,13 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Run, convert and inspect local LLMs (no args: menu).")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    parser.add_argument("--version", action="version", version=f"lucy {__version__} (polyloom)")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    model_help = ".entity file, HF model dir, .gguf file or cached HF model id"
-
-    p = sub.add_parser("models", help="list HF-cache models, .entity files and the demo's GGUFs")
+def _models_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="list HF-cache models, .entity files and the demo's GGUFs")
     p.add_argument("--json", action="store_true", help="one JSON list instead of a table")
 
-    p = sub.add_parser("chat", help="chat with a model")
+
+def _chat_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="chat with a model")
     p.add_argument("model", help=model_help)
     p.add_argument(
         "--on-full",
@@ -185,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_experts(p)
     _add_kv_cache(p)
 
-    p = sub.add_parser("convert", help="convert HF/GGUF to .entity")
+
+def _convert_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="convert HF/GGUF to .entity")
     p.add_argument("src", help="HF model dir, .gguf file or cached HF model id")
     p.add_argument(
         "-o", "--out", dest="dst", default=None, help="output .entity path (default: in POLY_HOME)"
@@ -206,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="output format: .entity, or a GGUF file llama.cpp loads (llama/qwen2/qwen3)",
     )  # fmt: skip
 
-    p = sub.add_parser("generate", help="one completion, streamed to stdout")
+
+def _generate_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="one completion, streamed to stdout")
     p.add_argument("model", help=model_help)
     p.add_argument("--prompt", required=True, help="the prompt text (required)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -218,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_experts(p)
     _add_kv_cache(p)
 
-    p = sub.add_parser("bench", help="prefill/decode tok/s and peak RSS")
+
+def _bench_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="prefill/decode tok/s and peak RSS")
     p.add_argument("model", nargs="?", help="model to measure (with --compare: a .gguf, optional)")
     p.add_argument(
         "--compare",
@@ -242,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_experts(p)
     _add_kv_cache(p)
 
-    p = sub.add_parser("eval", help="perplexity and KL divergence from a reference, on a text")
+
+def _eval_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="perplexity and KL divergence from a reference, on a text")
     p.add_argument("model", nargs="+", help=model_help + " (several: each in turn)")
     p.add_argument("--reference", default=None, metavar="REF",
                    help="the model to compare with (usually the float32 of the same weights)")  # fmt: skip
@@ -257,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw each MODEL's KL divergence from REF (perplexity without --reference) "
                    "against its bits per weight into a PNG (the plot extra)")  # fmt: skip
 
-    p = sub.add_parser("inspect", help="grid, layers, dtypes, memory")
+
+def _inspect_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="grid, layers, dtypes, memory")
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     _add_max_experts(p, memory=False)
@@ -265,12 +271,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="will it fit in SIZE (e.g. 8G): weights, experts, KV cache, bytes per token")  # fmt: skip
     p.add_argument("--ctx", type=int, default=None, help="--fit: the context, tokens")
 
-    sub.add_parser("demo", help="SmolLM2-135M: convert once to .entity, then chat")
 
-    p = sub.add_parser("download", help="download a model into the HF cache")
+def _demo_parser(sub, name: str, model_help: str) -> None:
+    sub.add_parser(name, help="SmolLM2-135M: convert once to .entity, then chat")
+
+
+def _download_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="download a model into the HF cache")
     p.add_argument("repo_id", help="HF repo id, org/name")
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the serve extra)")
+
+def _serve_parser(sub, name: str, model_help: str) -> None:
+    p = sub.add_parser(name, help="OpenAI-compatible HTTP server (the serve extra)")
     p.add_argument("model", help=model_help)
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -301,6 +313,31 @@ def build_parser() -> argparse.ArgumentParser:
     from lucy.server.extras import add_arguments
 
     add_arguments(p)
+
+
+# The order here is the order `lucy --help` lists the subcommands in.
+SUBCOMMANDS = {
+    "models": _models_parser,
+    "chat": _chat_parser,
+    "convert": _convert_parser,
+    "generate": _generate_parser,
+    "bench": _bench_parser,
+    "eval": _eval_parser,
+    "inspect": _inspect_parser,
+    "demo": _demo_parser,
+    "download": _download_parser,
+    "serve": _serve_parser,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Run, convert and inspect local LLMs (no args: menu).")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"lucy {__version__} (polyloom)")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    model_help = ".entity file, HF model dir, .gguf file or cached HF model id"
+    for name, add_parser in SUBCOMMANDS.items():
+        add_parser(sub, name, model_help)
     return parser
 
 

@@ -83,6 +83,23 @@ def _version_name(matrices: list, matrix_enc: str) -> str:
     return "+".join(sorted({native_kind(m) or matrix_enc for m in matrices}))
 
 
+def _install_globals(tf, ef: EntityFile, embed_enc: str, tied: bool) -> None:
+    """The embeddings, the untied LM head and the output vectors (final norm, head bias)."""
+    table = global_shapes(tf.config)
+    tf.embeddings = read_matrix(ef, embed_enc, "embeddings", table["embeddings"])
+    if not tied:
+        tf.lm_head = read_matrix(ef, embed_enc, "lm_head", table["lm_head"])
+    # the output vectors: gamma, then beta for a LayerNorm with a bias, the LM head's bias
+    h, beta = table["final_norm"][0], table.get("final_norm_bias", (0,))[0]
+    vb = table.get("lm_head_bias", (0,))[0]
+    final = read_vector(ef, "final_norm", h + beta + vb)
+    tf.final_norm = final[:h]
+    if beta:
+        tf.final_norm_bias = final[h : h + beta]
+    if vb:
+        tf.lm_head_bias[...] = final[h + beta :]
+
+
 def attach_meta(tf, ef: EntityFile, text: bool = True) -> None:
     from poly.errors import SamplingParamsError
     from poly.text.chat import ChatTemplate
@@ -148,19 +165,7 @@ def load_entity(
         tf = Transformer.from_config(cfg, allocate=False)
         for i in range(cfg.num_layers):
             _install_block(tf, ef, i, matrix_enc)
-        table = global_shapes(cfg)
-        tf.embeddings = read_matrix(ef, embed_enc, "embeddings", table["embeddings"])
-        if not tied:
-            tf.lm_head = read_matrix(ef, embed_enc, "lm_head", table["lm_head"])
-        # the output vectors: gamma, then beta for a LayerNorm with a bias, the LM head's bias
-        h, beta = table["final_norm"][0], table.get("final_norm_bias", (0,))[0]
-        vb = table.get("lm_head_bias", (0,))[0]
-        final = read_vector(ef, "final_norm", h + beta + vb)
-        tf.final_norm = final[:h]
-        if beta:
-            tf.final_norm_bias = final[h : h + beta]
-        if vb:
-            tf.lm_head_bias[...] = final[h + beta :]
+        _install_globals(tf, ef, embed_enc, tied)
         attach_meta(tf, ef, text)
     except EntityFormatError as exc:
         exc.path = exc.path or ef.path

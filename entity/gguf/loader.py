@@ -296,38 +296,10 @@ def _end_tokens(spec, template_source: str | None) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_gguf(
-    path: str | os.PathLike,
-    *,
-    keep_quantized: bool = True,
-    max_seq_len: int | None = None,
-    max_resident_experts: int | None = None,
-):
-    """Load a GGUF checkpoint as a ``poly.Transformer`` with its tokenizer and chat template.
-
-    ``keep_quantized`` keeps the block matrices as ``GGUFMatrix`` (else float32 masters);
-    ``max_seq_len`` sizes the KV cache (default min(context_length, 2048));
-    ``max_resident_experts``: MoE experts stay on the file mapping, at most that many resident
-    (`entity.gguf.moe.attach_pager`; stats in ``tf.expert_pager.report()``).
-    """
+def _load_weights(gg: GGUFFile, cfg, keep_quantized: bool, paged: bool):
+    """A ``poly.Transformer`` holding the file's weights (no tokenizer or metadata yet)."""
     from poly import Transformer
 
-    paged = max_resident_experts is not None
-    if paged:
-        check_budget(max_resident_experts, None)  # its UsageError before the file is read
-        if not keep_quantized:
-            raise UsageError("an expert budget pages the stored experts: keep_quantized=True")
-    gg = GGUFFile(path, lazy=PAGED_TENSORS.fullmatch if paged else None, later=VOCABULARY_KEYS)
-    cfg = gguf_config(gg, max_seq_len)
-    if paged:
-        check_budget(max_resident_experts, cfg.moe)
-    check_tensors(gg, cfg)
-    tokenizer, template, spec = load_gguf_tokenizer(gg)
-    if tokenizer.vocab_size != cfg.vocab_size:  # llama.cpp requires them equal too
-        raise WeightMappingError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but token_embd has {cfg.vocab_size} rows",
-            path=gg.path,
-        )
     loader = _Loader(gg, cfg, keep_quantized)
     loader.paged = paged
     try:
@@ -346,6 +318,40 @@ def load_gguf(
         raise
     except (ValueError, TypeError) as exc:  # e.g. a dequantizer rejecting bad block bytes
         raise GGUFFormatError(f"cannot load GGUF weights: {exc}", path=gg.path) from None
+    return tf
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    *,
+    keep_quantized: bool = True,
+    max_seq_len: int | None = None,
+    max_resident_experts: int | None = None,
+):
+    """Load a GGUF checkpoint as a ``poly.Transformer`` with its tokenizer and chat template.
+
+    ``keep_quantized`` keeps the block matrices as ``GGUFMatrix`` (else float32 masters);
+    ``max_seq_len`` sizes the KV cache (default min(context_length, 2048));
+    ``max_resident_experts``: MoE experts stay on the file mapping, at most that many resident
+    (`entity.gguf.moe.attach_pager`; stats in ``tf.expert_pager.report()``).
+    """
+    paged = max_resident_experts is not None
+    if paged:
+        check_budget(max_resident_experts, None)  # its UsageError before the file is read
+        if not keep_quantized:
+            raise UsageError("an expert budget pages the stored experts: keep_quantized=True")
+    gg = GGUFFile(path, lazy=PAGED_TENSORS.fullmatch if paged else None, later=VOCABULARY_KEYS)
+    cfg = gguf_config(gg, max_seq_len)
+    if paged:
+        check_budget(max_resident_experts, cfg.moe)
+    check_tensors(gg, cfg)
+    tokenizer, template, spec = load_gguf_tokenizer(gg)
+    if tokenizer.vocab_size != cfg.vocab_size:  # llama.cpp requires them equal too
+        raise WeightMappingError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but token_embd has {cfg.vocab_size} rows",
+            path=gg.path,
+        )
+    tf = _load_weights(gg, cfg, keep_quantized, paged)
     tf.tokenizer, tf.chat_template = tokenizer, template
     tf.eos_token_ids = _end_tokens(spec, spec.chat_template)
     check_eos_ids(tf.eos_token_ids, cfg.vocab_size, path=gg.path, cls=GGUFFormatError)

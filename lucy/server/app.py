@@ -70,6 +70,23 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.add_middleware(RequestLog)
+    _add_error_handlers(app)
+    page.add_routes(app)  # the chat page at /
+    _add_status_routes(app, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await routes.chat(state, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await routes.completions(state, request)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or FastAPI's, answered as an OpenAI-style JSON error body."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
@@ -90,7 +107,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def _internal(request: Request, err: Exception):
         return _error_response(ApiError(500, "internal server error", "server_error"))
 
-    page.add_routes(app)  # the chat page at /
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /metrics and /v1/models: the server's state, no generation."""
 
     @app.get("/health")
     async def health():
@@ -118,13 +137,3 @@ def create_app(state: ServerState) -> FastAPI:
             "meta": {"context": state.scheduler.max_context, "defaults": state.defaults},
         }
         return {"object": "list", "data": [card]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await routes.chat(state, request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await routes.completions(state, request)
-
-    return app
