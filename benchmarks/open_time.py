@@ -99,8 +99,8 @@ def run_child(engine: str, path: str, threads: int, first: bool = False) -> dict
     env = {**os.environ, "POLY_PROFILE_OPEN": "1"}
     if first:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-    if TREE:  # another checkout of poly (A/B): first on the path
-        env["PYTHONPATH"] = TREE
+    if TREE:  # another checkout of poly (A/B): first on the path, before the caller's entries
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (TREE, os.environ.get("PYTHONPATH"))))
     code = POLY if engine == "poly" else LLAMA
     safe = ["-P"] if TREE else []  # -c puts the working directory first on the path, not TREE
     r, w = os.pipe()

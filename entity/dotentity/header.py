@@ -246,6 +246,22 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} not allowed")
 
 
+def _all_finite(obj: Any) -> bool:
+    """No NaN or infinity anywhere in `obj` (a walk without paths: `_check_finite` names one)."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is float:
+            if not math.isfinite(item):
+                return False
+        elif kind is dict:
+            stack.extend(item.values())
+        elif kind is list:
+            stack.extend(item)
+    return True
+
+
 def _check_finite(obj: Any, where: str = "header") -> None:
     if isinstance(obj, float) and not math.isfinite(obj):
         raise ValueError(f"non-finite number at {where}")
@@ -283,7 +299,9 @@ def decode_header(raw: bytes, path: str | None) -> Header:
         if not isinstance(obj, dict):
             raise ValueError("header is not a map")
         # blob records hold no float that passes their type checks: their values are not walked
-        _check_finite({k: v for k, v in obj.items() if k != "blobs"})
+        rest = {k: v for k, v in obj.items() if k != "blobs"}
+        if not _all_finite(rest):
+            _check_finite(rest)
     except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
         raise fail(f"bad msgpack header: {_describe(exc)}", path, PREFIX.size) from exc
     try:
