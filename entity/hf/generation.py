@@ -33,22 +33,16 @@ RAW_GENERATION: dict[str, Field] = {
 
 @dataclasses.dataclass(frozen=True)
 class HFGeneration:
-    """generation_config.json, reduced to what poly's sampler understands. ``present`` is false
-    when the snapshot has no such file (the model then runs with poly's documented fallback)."""
+    """generation_config.json, reduced to what poly's sampler understands: `knobs` holds each
+    `SAMPLING_KNOBS` key (None where the file leaves it out). ``present`` is false when the
+    snapshot has no such file (the model then runs with poly's documented fallback)."""
 
-    do_sample: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    max_new_tokens: int | None = None
+    knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
     present: bool = True
 
     @classmethod
     def of(cls, raw: JsonRecord, present: bool) -> HFGeneration:
-        return cls(present=present, **{k: getattr(raw, k) for k in SAMPLING_KNOBS})
+        return cls({k: getattr(raw, k) for k in SAMPLING_KNOBS}, present)
 
     def gen_options_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``poly.GenOptions`` as transformers reads the file: do_sample
@@ -56,19 +50,20 @@ class HFGeneration:
         out: dict[str, Any] = {}
         if not self.present:
             return out
+        knobs = self.knobs
         renamed = {"repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
                    "no_repeat_ngram_size": "no_repeat_ngram"}  # fmt: skip
         for key, name in renamed.items():
-            if getattr(self, key) is not None:
-                out[name] = getattr(self, key)
-        if not self.do_sample:
+            if knobs.get(key) is not None:
+                out[name] = knobs[key]
+        if not knobs.get("do_sample"):
             out["temperature"] = 0.0
             return out
         for key, fallback in HF_SAMPLING_DEFAULTS.items():
-            value = getattr(self, key)
+            value = knobs.get(key)
             out[key] = fallback if value is None else value
-        if self.min_p is not None:
-            out["min_p"] = self.min_p
+        if knobs.get("min_p") is not None:
+            out["min_p"] = knobs["min_p"]
         return out
 
 
