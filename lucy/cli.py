@@ -160,14 +160,17 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _models_parser(sub, name: str, model_help: str) -> None:
+MODEL_HELP = ".entity file, HF model dir, .gguf file or cached HF model id"
+
+
+def _models_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="list HF-cache models, .entity files and the demo's GGUFs")
     p.add_argument("--json", action="store_true", help="one JSON list instead of a table")
 
 
-def _chat_parser(sub, name: str, model_help: str) -> None:
+def _chat_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="chat with a model")
-    p.add_argument("model", help=model_help)
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument(
         "--on-full",
         choices=("ask", "drop-oldest", "stop"),
@@ -182,7 +185,7 @@ def _chat_parser(sub, name: str, model_help: str) -> None:
     _add_kv_cache(p)
 
 
-def _convert_parser(sub, name: str, model_help: str) -> None:
+def _convert_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="convert HF/GGUF to .entity")
     p.add_argument("src", help="HF model dir, .gguf file or cached HF model id")
     p.add_argument(
@@ -205,9 +208,9 @@ def _convert_parser(sub, name: str, model_help: str) -> None:
     )  # fmt: skip
 
 
-def _generate_parser(sub, name: str, model_help: str) -> None:
+def _generate_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="one completion, streamed to stdout")
-    p.add_argument("model", help=model_help)
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--prompt", required=True, help="the prompt text (required)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--greedy", action="store_true", help="pure argmax, no logit processors")
@@ -219,7 +222,7 @@ def _generate_parser(sub, name: str, model_help: str) -> None:
     _add_kv_cache(p)
 
 
-def _bench_parser(sub, name: str, model_help: str) -> None:
+def _bench_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="prefill/decode tok/s and peak RSS")
     p.add_argument("model", nargs="?", help="model to measure (with --compare: a .gguf, optional)")
     p.add_argument(
@@ -245,9 +248,9 @@ def _bench_parser(sub, name: str, model_help: str) -> None:
     _add_kv_cache(p)
 
 
-def _eval_parser(sub, name: str, model_help: str) -> None:
+def _eval_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="perplexity and KL divergence from a reference, on a text")
-    p.add_argument("model", nargs="+", help=model_help + " (several: each in turn)")
+    p.add_argument("model", nargs="+", help=MODEL_HELP + " (several: each in turn)")
     p.add_argument("--reference", default=None, metavar="REF",
                    help="the model to compare with (usually the float32 of the same weights)")  # fmt: skip
     p.add_argument(
@@ -262,9 +265,9 @@ def _eval_parser(sub, name: str, model_help: str) -> None:
                    "against its bits per weight into a PNG (the plot extra)")  # fmt: skip
 
 
-def _inspect_parser(sub, name: str, model_help: str) -> None:
+def _inspect_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="grid, layers, dtypes, memory")
-    p.add_argument("model", help=model_help)
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     _add_max_experts(p, memory=False)
     p.add_argument("--fit", default=None, metavar="SIZE",
@@ -272,18 +275,18 @@ def _inspect_parser(sub, name: str, model_help: str) -> None:
     p.add_argument("--ctx", type=int, default=None, help="--fit: the context, tokens")
 
 
-def _demo_parser(sub, name: str, model_help: str) -> None:
+def _demo_parser(sub, name: str) -> None:
     sub.add_parser(name, help="SmolLM2-135M: convert once to .entity, then chat")
 
 
-def _download_parser(sub, name: str, model_help: str) -> None:
+def _download_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="download a model into the HF cache")
     p.add_argument("repo_id", help="HF repo id, org/name")
 
 
-def _serve_parser(sub, name: str, model_help: str) -> None:
+def _serve_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="OpenAI-compatible HTTP server (the serve extra)")
-    p.add_argument("model", help=model_help)
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-batch", dest="max_batch", type=int, default=16,
@@ -335,9 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"lucy {__version__} (polyloom)")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    model_help = ".entity file, HF model dir, .gguf file or cached HF model id"
     for name, add_parser in SUBCOMMANDS.items():
-        add_parser(sub, name, model_help)
+        add_parser(sub, name)
     return parser
 
 
