@@ -140,6 +140,9 @@ NESTED: dict[str, type] = {"rope_scaling": RopeScaling, "block": BlockRecipe}
 
 @dataclass(frozen=True)
 class TransformerConfig:
+    """A transformer model's shape and options, validated once (`__post_init__`): the sizes,
+    norms, rope, block recipe and MoE of a model; `.entity` headers store it (`to_dict`)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -99,6 +99,8 @@ BLOB_DTYPES: dict[str, np.dtype] = _BlobDtypes(
 
 @dataclass(frozen=True, slots=True)
 class BlobRecord:
+    """One blob of a `.entity` file: where it lies, its dtype and shape, its crc32."""
+
     path: str
     offset: int
     length: int
@@ -112,6 +114,8 @@ class BlobRecord:
 
 @dataclass(frozen=True, slots=True)
 class Header:
+    """A `.entity` header, checked against `HEADER_FIELDS` (`decode_header`)."""
+
     format_version: int
     network: dict[str, Any]
     transformer: dict[str, Any]

@@ -14,6 +14,8 @@ from poly.ops import ACTIVATIONS, linear
 
 @dataclass
 class DenseViews:
+    """A dense layer's weight as named views into its master."""
+
     w: np.ndarray  # [out, in]
 
     def as_dict(self) -> dict:

@@ -33,6 +33,8 @@ HF_ACTIVATIONS = {
 
 @dataclass
 class GeluMLPViews:
+    """A GELU MLP's matrices and biases as named views into its master."""
+
     w_up: np.ndarray  # [I, h]
     w_down: np.ndarray  # [h, I]
     b_up: np.ndarray  # [I]

@@ -18,6 +18,8 @@ from poly.nn.spec import Spec, carve
 
 @dataclass
 class LayerNormViews:
+    """A LayerNorm's gamma and beta as named views into its master."""
+
     gamma: np.ndarray  # [h]
     beta: np.ndarray  # [h]
 

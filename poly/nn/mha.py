@@ -37,6 +37,9 @@ MATRICES = frozenset({"w_q", "w_k", "w_v", "w_o"})
 
 @dataclass
 class MHAViews:
+    """An attention layer's projections, biases, q/k norms and sinks as named views into its
+    master."""
+
     w_q: np.ndarray  # [q, d]
     w_k: np.ndarray  # [kv, d]
     w_v: np.ndarray  # [kv, d]

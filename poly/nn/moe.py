@@ -43,6 +43,9 @@ from poly.ops import HOOKS, dense_matmul, linear
 
 @dataclass
 class MoEViews:
+    """An MoE layer's router (and its bias, and the shared expert's gate) as named views into
+    its master."""
+
     router: np.ndarray  # [E, d]
     shared_gate: np.ndarray | None = None  # [1, d]
     router_bias: np.ndarray | None = None  # [E]

@@ -14,6 +14,8 @@ from poly.ops import rms_norm
 
 @dataclass
 class RMSNormViews:
+    """An RMSNorm's gamma as a named view into its master."""
+
     gamma: np.ndarray  # [h]
 
     def as_dict(self) -> dict:

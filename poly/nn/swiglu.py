@@ -17,6 +17,8 @@ MATRICES = frozenset({"w_gate", "w_up", "w_down"})
 
 @dataclass
 class SwiGLUViews:
+    """A SwiGLU MLP's three matrices as named views into its master."""
+
     w_gate: np.ndarray  # [I, h]
     w_up: np.ndarray  # [I, h]
     w_down: np.ndarray  # [h, I]

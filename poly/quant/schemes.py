@@ -29,6 +29,9 @@ C_Q5_0, C_Q5_1, C_Q2_K, C_Q3_K, C_Q5_K, C_IQ4_NL, C_IQ4_XS, C_MXFP4 = range(10, 
 
 @dataclass(frozen=True)
 class QuantScheme:
+    """One weight encoding: its tensor type, block size, C kind, and its names in `.entity`
+    files, GGUF files and the CLI."""
+
     name: str  # canonical: QTensor.scheme and the stored-version name
     qtensor: type[QTensor]
     block: int  # weights per block along a row (1: per element)

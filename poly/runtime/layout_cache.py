@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import math
 import mmap
 import os
 from pathlib import Path
@@ -223,7 +224,7 @@ def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
     The .npy header must be byte for byte the one `store` writes for `shape` and `dtype`: numpy's
     own parser compiles each header with `ast`, a cost every layout of an open would pay."""
     head = _npy_header(shape, dtype)
-    n = int(np.prod(shape))
+    n = math.prod(shape)
     size = len(head) + n * dtype.itemsize
     try:
         fd = os.open(path, os.O_RDONLY)
