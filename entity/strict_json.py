@@ -132,7 +132,13 @@ class FieldError(ValueError):
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
+    """`value` for an error line, at most 40 characters however big it is (a crafted header can
+    put a million-item map where a string belongs: its full repr would take seconds)."""
+    import reprlib  # here: only an error shows a value
+
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = 40
+    text = short.repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -187,6 +187,11 @@ def _data_start(hlen):
         (lambda h: h["blobs"][0].update(ggml_type=None), None),  # nil: no native blocks
         (lambda h: h.update(network=None), "network: must be a map, got None"),  # nil is a value
         (lambda h: h.update(tokenizer=None), None),
+        # a big wrong value is shown cut short, not whole
+        (
+            lambda h: h.update(tokenizer={str(i): i for i in range(10**5)}),
+            r"got \{'0': 0, .{0,40} \[",
+        ),
     ],
 )
 def test_schema_and_layout_checks(small, tmp_path, edit, match):
