@@ -22,7 +22,9 @@ def _private_home() -> None:
     """A POLY_HOME of this run's own, so the tests' layouts, tokenizers and entities never land
     in (nor are served from) the user's caches; only `models` (SmolLM2, fetched through pip)
     links to the real home's."""
-    real = Path(os.environ.get("POLY_HOME") or Path.home() / ".cache" / "poly")
+    from poly.runtime.cache_files import poly_home
+
+    real = poly_home()
     home = Path(tempfile.mkdtemp(prefix="poly-test-home-"))
     (real / "models").mkdir(parents=True, exist_ok=True)
     (home / "models").symlink_to(real / "models", target_is_directory=True)
