@@ -78,7 +78,7 @@ VARIABLES: dict[str, tuple[Callable[[str], None], str]] = {
     ),
     "POLY_LAYOUT_CACHE_MAX": (
         _size_bytes,
-        "bytes of repacked layouts kept in $POLY_HOME/layouts (default 4G; oldest removed)",
+        "bytes of repacked layouts kept in $POLY_HOME/layouts (default 16G; oldest removed)",
     ),
     "POLY_MALLOC_TUNE": (_choice("0", "1"), "0: leave glibc's malloc thresholds alone"),
     "POLY_CONVERT_BLOCK_DELAY": (_seconds, "test hook: seconds to sleep after each block"),

@@ -23,6 +23,7 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setenv("POLY_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("POLY_LAYOUT_CACHE", raising=False)
     monkeypatch.setattr(layout_cache, "MIN_BYTES", 0)  # the tiny model's matrices too
+    monkeypatch.setattr(layout_cache, "FREE_SHARE", 0.0)  # a CI disk may be nearly full
     return tmp_path / "home" / "layouts"
 
 
@@ -189,6 +190,29 @@ def test_a_file_larger_than_the_cap_is_not_cached(home, tiny, tmp_path, monkeypa
     monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", str(os.path.getsize(served) - 1))
     np.testing.assert_array_equal(_logits(served), first)
     assert not home.exists() or not _files(home)
+
+
+def test_nothing_is_written_where_the_disk_would_be_left_short(home, tiny, tmp_path, monkeypatch):
+    """A disk that would keep less than FREE_SHARE of itself free after the model's layouts gets
+    none written (the model still opens, repacked in memory); with room they are written."""
+    from poly.runtime import layout_cache
+
+    monkeypatch.setattr(layout_cache, "FREE_SHARE", 0.05)
+    served = _f16(tiny, tmp_path / "m.entity")
+    real = os.statvfs(tmp_path)
+    size = os.path.getsize(served)
+
+    class Disk:  # a 1000-block disk whose free blocks hold the model plus 2% (or 10%) of it
+        def __init__(self, share):
+            self.f_frsize, self.f_blocks = real.f_frsize, 1000
+            self.f_bavail = size // real.f_frsize + int(share * 1000) + 1
+
+    monkeypatch.setattr(layout_cache.os, "statvfs", lambda _: Disk(0.02))
+    first = _logits(served)
+    assert not home.exists() or not list(home.rglob("*.*"))
+    monkeypatch.setattr(layout_cache.os, "statvfs", lambda _: Disk(0.10))
+    np.testing.assert_array_equal(_logits(served), first)
+    assert _files(home) and list(home.rglob("kept-*.bin"))
 
 
 def _mapped_files() -> set[str]:

@@ -73,6 +73,9 @@ def test_f32_gguf_with_a_tied_table_peak_rss_is_its_file_size(snapshot, tmp_path
     gguf = tmp_path / "m.gguf"
     convert(snapshot, gguf, quant="f32", to="gguf")
     size = gguf.stat().st_size
+    st = os.statvfs(tmp_path)
+    if st.f_bavail * st.f_frsize - size < 0.05 * st.f_blocks * st.f_frsize:
+        pytest.skip("a disk this full gets no layout cache (poly.runtime.layout_cache.FREE_SHARE)")
     base = _peak(gguf, "describe", tmp_path)["peak"]
     first = _peak(gguf, "load", tmp_path)  # writes the layout cache under tmp_path
     again = _peak(gguf, "load", tmp_path)

@@ -21,9 +21,10 @@ and written again (truncated, corrupt, of another version). Written to a tempora
 renamed: a reader never sees half a file. A directory whose source file is gone or changed is
 removed when a new one is written. POLY_LAYOUT_CACHE=0 turns it off (nothing read or
 written); matrices under 64 KB are not cached. The layouts are a second copy of the weights:
-past POLY_LAYOUT_CACHE_MAX bytes in all (default 4 GiB) the directories used longest ago are
-removed when a new one is written, and a model file larger than that is not cached at all (an
-8B-class Q8_0: its copies are made in C at each open).
+past POLY_LAYOUT_CACHE_MAX bytes in all (default 16 GiB: an 8B-class Q8_0 and a few small
+models) the directories used longest ago are removed when a new one is written, a model file
+larger than that is not cached at all (its copies are made in C at each open), and none is
+written where it would leave less than 5% of the disk free (`_has_room`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from poly.runtime.cache_files import poly_home, write_renamed
 VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
 _HEAD = 64 << 10  # bytes of the model file hashed into its key
-DEFAULT_MAX_BYTES = 4 << 30
+DEFAULT_MAX_BYTES = 16 << 30
+FREE_SHARE = 0.05  # of the disk left free after a model's layouts are written
 
 
 def max_bytes() -> int:
@@ -130,7 +132,9 @@ def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> No
 
 def _write(snap: FileSnapshot, path: Path, fill) -> None:
     """`write_renamed` into `snap`'s directory, made (and the cache pruned) on its first file.
-    Errors (a full disk, no permission) leave it uncached."""
+    Errors (a full disk, no permission) leave it uncached, as does a disk short of room."""
+    if not _has_room(snap):
+        return
     try:
         fresh = not path.parent.is_dir()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +144,23 @@ def _write(snap: FileSnapshot, path: Path, fill) -> None:
     except OSError:
         return
     write_renamed(path, fill)
+
+
+def _has_room(snap: FileSnapshot) -> bool:
+    """Whether the cache's disk keeps FREE_SHARE of itself free after this model's layouts
+    (about the model file's size): an 8B model's copies never fill a disk. Asked once per file."""
+    room = getattr(snap, "_layout_room", None)
+    if room is None:
+        folder = cache_root()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            st = os.statvfs(folder)
+            room = st.f_bavail * st.f_frsize - snap.size >= FREE_SHARE * st.f_blocks * st.f_frsize
+        except OSError:
+            room = False
+        snap._layout_room = room
+    return room
 
 
 def _verified_path(snap: FileSnapshot) -> Path | None:
