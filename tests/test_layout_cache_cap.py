@@ -30,6 +30,19 @@ def test_cap_removes_oldest_until_under(tmp_path, monkeypatch):
     assert new.exists() and keep.exists()
 
 
+def test_cap_counts_the_model_about_to_be_written(tmp_path, monkeypatch):
+    # a new directory holds little when the cap is checked: its model's copies (about the
+    # file's size) must fit beside the rest, or the cache ends a whole model past its cap
+    monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", "2500")
+    old = _dir(tmp_path, "old", 1000, 100)
+    new = _dir(tmp_path, "new", 1000, 300)
+    keep = _dir(tmp_path, "keep", 0, 50)
+    layout_cache._cap(keep, 400)
+    assert old.exists() and new.exists()  # 2000 + 400 coming fit
+    layout_cache._cap(keep, 1000)
+    assert not old.exists() and new.exists() and keep.exists()  # 2000 + 1000 do not
+
+
 def test_max_bytes_parses_suffixes(monkeypatch):
     for raw, want in (("4G", 4 << 30), ("500M", 500 << 20), ("12k", 12 << 10), ("77", 77)):
         monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", raw)

@@ -140,7 +140,7 @@ def _write(snap: FileSnapshot, path: Path, fill) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:
             (path.parent / "source.json").write_text(json.dumps(snap._layout_source))
-            _prune(path.parent)
+            _prune(path.parent, snap.size)
     except OSError:
         return
     write_renamed(path, fill)
@@ -276,8 +276,9 @@ def _npy_header(shape: tuple, dtype: np.dtype) -> bytes:
     return buf.getvalue()
 
 
-def _prune(keep: Path) -> None:
-    """Remove the other layout directories whose source file is gone or changed."""
+def _prune(keep: Path, coming: int = 0) -> None:
+    """Remove the other layout directories whose source file is gone or changed, then the oldest
+    past the cap with `coming` bytes (the model file's size) still to be written into `keep`."""
     for d in keep.parent.iterdir():
         if d == keep or not d.is_dir():
             continue
@@ -294,7 +295,7 @@ def _prune(keep: Path) -> None:
             same = False
         if not same:
             _remove_tree(d)
-    _cap(keep)
+    _cap(keep, coming)
 
 
 def _size(d: Path) -> int:
@@ -304,8 +305,9 @@ def _size(d: Path) -> int:
         return 0
 
 
-def _cap(keep: Path) -> None:
-    """Remove the directories modified longest ago until the rest fit in max_bytes()."""
+def _cap(keep: Path, coming: int = 0) -> None:
+    """Remove the directories modified longest ago until the rest and `coming` bytes fit in
+    max_bytes()."""
     dirs = []
     for d in keep.parent.iterdir():
         if d != keep and d.is_dir() and (d / "source.json").is_file():
@@ -313,7 +315,7 @@ def _cap(keep: Path) -> None:
                 dirs.append((d.stat().st_mtime, d))
             except OSError:
                 continue
-    total = _size(keep) + sum(_size(d) for _, d in dirs)
+    total = _size(keep) + coming + sum(_size(d) for _, d in dirs)
     for _, d in sorted(dirs):
         if total <= max_bytes():
             break
