@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from lucy.terminal import progress_bar
+from lucy.terminal import opening, progress_bar
 from poly.errors import ModelNotFoundError, NoNetworkError, OutputExistsError, UsageError
 
 DEMO_QUANT = "q4"  # the demo file: entity.paths.entity_filename(GGUF, DEMO_QUANT)
@@ -33,7 +33,8 @@ def load_model(
     if memory is not None:
         max_experts, kw["max_seq_len"] = _fit_memory(spec, memory, max_experts, kv_cache, kw)
     try:
-        model = entity.load(spec, max_resident_experts=max_experts, **kw)
+        with opening(spec):
+            model = entity.load(spec, max_resident_experts=max_experts, **kw)
     except ModelNotFoundError as err:
         raise _with_hint(err, str(spec)) from None
     if kv_cache is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -78,3 +79,15 @@ def progress_bar(con):
         TimeElapsedColumn(),
     )
     return Progress(*columns, console=con, transient=True, disable=not con.is_terminal)
+
+
+@contextlib.contextmanager
+def opening(spec: str):
+    """A spinner on stderr while a model opens (the first open of an 8B file writes its repacked
+    layouts: tens of seconds), drawn only on a terminal and removed when it is open."""
+    con = make_console(stderr=True)
+    if not con.is_terminal:
+        yield
+        return
+    with con.status(f"opening {clean(str(spec))} …", spinner="dots"):
+        yield
