@@ -117,13 +117,14 @@ def load(
 
 def _open(path_or_model_id: str | os.PathLike, tp: Any, kw: dict) -> Any:
     from poly.filesnapshot import deferred_reads
+    from poly.runtime.cache_files import holding
     from poly.runtime.fused import prepare
     from poly.runtime.heap import trim_heap
     from poly.runtime.layout_cache import KEPT
 
     # the file mapped; read in at the end (or mapped from the layout cache's copy of those
     # pages) but for what copies replace
-    with deferred_reads(KEPT):
+    with holding(), deferred_reads(KEPT):  # cache files written after the open, not during it
         model = _load(path_or_model_id, **kw)
         if tp is not None:
             from poly.runtime.tp import shard

@@ -215,6 +215,39 @@ def test_nothing_is_written_where_the_disk_would_be_left_short(home, tiny, tmp_p
     assert _files(home) and list(home.rglob("kept-*.bin"))
 
 
+def test_a_large_models_layouts_are_written_after_the_open(home, tiny, tmp_path, monkeypatch):
+    """Past LATER_BYTES the layouts go to the cache writer's thread: written once it is flushed,
+    then read by the next open (no repacking) with the same logits."""
+    from poly.runtime import cache_files, layout_cache
+
+    monkeypatch.setattr(layout_cache, "LATER_BYTES", 0)
+    served = _f16(tiny, tmp_path / "m.entity")
+    first = _logits(served)
+    cache_files.flush()
+    assert _files(home)
+    _no_repacking(monkeypatch)
+    np.testing.assert_array_equal(_logits(served), first)
+
+
+def test_the_exit_waits_for_the_layouts_being_written(home, tiny, tmp_path):
+    """A one-shot process that opened a large model leaves its layouts written at exit."""
+    import subprocess
+    import sys
+
+    served = _f16(tiny, tmp_path / "m.entity")
+    code = (
+        "import entity\nfrom poly.runtime import layout_cache\n"
+        "layout_cache.MIN_BYTES = layout_cache.LATER_BYTES = 0\n"
+        "import time\nfrom poly.runtime import cache_files\nwrite = cache_files.write_renamed\n"
+        "cache_files.write_renamed = lambda *a: (time.sleep(0.05), write(*a))[1]  # a slow disk\n"
+        f"entity.load({str(served)!r})\n"
+    )
+    env = {**os.environ, "POLY_HOME": str(home.parent)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert _files(home) and not list(home.rglob("*.tmp"))
+
+
 def _mapped_files() -> set[str]:
     """The files mapped into this process (/proc/self/maps)."""
     with open("/proc/self/maps") as f:

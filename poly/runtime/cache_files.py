@@ -1,12 +1,17 @@
 """Where poly keeps what it learns between processes (`poly_home`), and how a cache file is
-written (`write_renamed`): the layout, tokenizer and tuning caches share both."""
+written (`write_renamed`, or `write_renamed_later` on a worker thread): the layout, tokenizer
+and tuning caches share them."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import queue
+import threading
 from pathlib import Path
 
-__all__ = ["poly_home", "write_renamed"]
+__all__ = ["flush", "holding", "poly_home", "write_renamed", "write_renamed_later"]
 
 
 def poly_home() -> Path:
@@ -52,3 +57,77 @@ def _fsync_dir(folder: Path) -> None:
         pass  # some file systems refuse a directory fsync: the rename stands
     finally:
         os.close(fd)
+
+
+# the worker of write_renamed_later: its queue, or None before the first call (and in a child)
+_later: dict = {"queue": None}
+_later_lock = threading.Lock()
+_open_now = threading.Condition()  # the worker waits while `holding` blocks run (their count)
+_holds = [0]
+
+
+@contextlib.contextmanager
+def holding():
+    """Writes handed to `write_renamed_later` inside wait until every such block has ended: a
+    model's open runs without a disk writer beside it (the written pages and the open's own
+    compete for memory: docs/performance.md). `flush` inside such a block would never return."""
+    with _open_now:
+        _holds[0] += 1
+    try:
+        yield
+    finally:
+        with _open_now:
+            _holds[0] -= 1
+            _open_now.notify_all()
+
+
+def write_renamed_later(path: Path, fill) -> None:
+    """`write_renamed(path, fill)` on one worker thread, in the order given, while the caller
+    goes on: an 8B model's layouts (8 GB, bound by the disk's write speed) are written after
+    its open, not during it. `fill` keeps what it writes alive until then. The interpreter's
+    exit waits for the writes (`flush`), so a one-shot process still leaves them written."""
+    with _later_lock:
+        if _later["queue"] is None:
+            _later["queue"] = q = queue.SimpleQueue()
+            threading.Thread(target=_work, args=(q,), name="poly-cache-writer", daemon=True).start()
+            atexit.register(flush)
+    _later["queue"].put((path, fill))
+
+
+def flush() -> None:
+    """Wait for every write handed to `write_renamed_later` so far (Ctrl-C stops waiting)."""
+    q = _later["queue"]
+    if q is None:
+        return
+    done = threading.Event()
+    q.put(done)
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        pass  # the unwritten files are made again by the next open
+
+
+def _work(q: queue.SimpleQueue) -> None:
+    while True:
+        item = q.get()
+        with _open_now:
+            _open_now.wait_for(lambda: _holds[0] == 0)
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        try:
+            write_renamed(*item)
+        except Exception:  # noqa: BLE001 - a cache file that cannot be made stays unwritten
+            pass
+        del item  # what `fill` held (a model's copy) goes now, not at the next write
+
+
+def _forget_worker() -> None:
+    """A forked child has no worker thread: its first write starts its own."""
+    global _later_lock
+    _later_lock = threading.Lock()
+    _later["queue"] = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_worker)

@@ -24,7 +24,9 @@ written); matrices under 64 KB are not cached. The layouts are a second copy of 
 past POLY_LAYOUT_CACHE_MAX bytes in all (default 16 GiB: an 8B-class Q8_0 and a few small
 models) the directories used longest ago are removed when a new one is written, a model file
 larger than that is not cached at all (its copies are made in C at each open), and none is
-written where it would leave less than 5% of the disk free (`_has_room`).
+written where it would leave less than 5% of the disk free (`_has_room`). A model file of
+LATER_BYTES or more has its layouts written on the cache writer's thread after the open
+(`write_renamed_later`: 8 GB is tens of seconds of disk); the process's exit waits for them.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ import numpy as np
 
 from poly.digest import hasher, hexdigest
 from poly.filesnapshot import FileSnapshot, map_private, snapshot_of
-from poly.runtime.cache_files import poly_home, write_renamed
+from poly.runtime.cache_files import poly_home, write_renamed, write_renamed_later
 
 VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
 _HEAD = 64 << 10  # bytes of the model file hashed into its key
 DEFAULT_MAX_BYTES = 16 << 30
+LATER_BYTES = 1 << 30  # model files this large get their layouts written after the open
 FREE_SHARE = 0.05  # of the disk left free after a model's layouts are written
 
 
@@ -127,12 +130,14 @@ def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> No
     got = _entry(raw, name, extra)
     if got is not None:
         _write(got[0], got[1], lambda f: np.lib.format.write_array(
-            f, np.ascontiguousarray(out), allow_pickle=False))  # fmt: skip
+            f, np.ascontiguousarray(out), allow_pickle=False),
+            later=got[0].size >= LATER_BYTES)  # fmt: skip
 
 
-def _write(snap: FileSnapshot, path: Path, fill) -> None:
-    """`write_renamed` into `snap`'s directory, made (and the cache pruned) on its first file.
-    Errors (a full disk, no permission) leave it uncached, as does a disk short of room."""
+def _write(snap: FileSnapshot, path: Path, fill, later: bool = False) -> None:
+    """`write_renamed` into `snap`'s directory, made (and the cache pruned) on its first file;
+    ``later``: on the cache writer's thread (`write_renamed_later`). Errors (a full disk, no
+    permission) leave it uncached, as does a disk short of room."""
     if not _has_room(snap):
         return
     try:
@@ -143,7 +148,7 @@ def _write(snap: FileSnapshot, path: Path, fill) -> None:
             _prune(path.parent, snap.size)
     except OSError:
         return
-    write_renamed(path, fill)
+    (write_renamed_later if later else write_renamed)(path, fill)
 
 
 def _has_room(snap: FileSnapshot) -> bool:
