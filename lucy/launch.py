@@ -47,4 +47,8 @@ def main() -> None:
             raise
         _fail(str(err), int(err.exit_code))
     signal.signal(signal.SIGINT, previous)  # from here on, run() reports Ctrl-C itself
-    sys.exit(run())
+    code = run()
+    from lucy.terminal import finish_cache_writes
+
+    finish_cache_writes()  # a first open's layouts, written after it (poly.runtime.cache_files)
+    sys.exit(code)

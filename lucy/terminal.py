@@ -91,3 +91,18 @@ def opening(spec: str):
         return
     with con.status(f"opening {clean(str(spec))} …", spinner="dots"):
         yield
+
+
+def finish_cache_writes() -> None:
+    """Wait for the layout files a first open handed to the cache writer (`cache_files.flush`),
+    saying why on a terminal; Ctrl-C skips them (the next open makes them again)."""
+    from poly.runtime import cache_files
+
+    if not cache_files.pending():
+        return
+    con = make_console(stderr=True)
+    if not con.is_terminal:
+        cache_files.flush()
+        return
+    with con.status("writing the repacked layouts for the next open … (Ctrl-C skips)"):
+        cache_files.flush()

@@ -43,6 +43,20 @@ def test_cap_counts_the_model_about_to_be_written(tmp_path, monkeypatch):
     assert not old.exists() and new.exists() and keep.exists()  # 2000 + 1000 do not
 
 
+def test_prune_removes_a_killed_writers_temporary_files(tmp_path):
+    other = _dir(tmp_path, "other", 10, 100)
+    st = os.stat(__file__)  # a live source: the directory stays, its stale temp file goes
+    src = {"path": __file__, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    (other / "source.json").write_text(json.dumps(src))
+    stale, live = other / ".a.npy-x1.tmp", other / ".b.npy-x2.tmp"
+    stale.write_bytes(b"0" * 10)
+    live.write_bytes(b"0" * 10)
+    os.utime(stale, (1000, 1000))  # untouched for decades: its writer is gone
+    keep = _dir(tmp_path, "keep", 0, 50)
+    layout_cache._prune(keep)
+    assert not stale.exists() and live.exists()
+
+
 def test_max_bytes_parses_suffixes(monkeypatch):
     for raw, want in (("4G", 4 << 30), ("500M", 500 << 20), ("12k", 12 << 10), ("77", 77)):
         monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", raw)

@@ -11,7 +11,7 @@ import queue
 import threading
 from pathlib import Path
 
-__all__ = ["flush", "holding", "poly_home", "write_renamed", "write_renamed_later"]
+__all__ = ["flush", "holding", "pending", "poly_home", "write_renamed", "write_renamed_later"]
 
 
 def poly_home() -> Path:
@@ -60,7 +60,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 # the worker of write_renamed_later: its queue, or None before the first call (and in a child)
-_later: dict = {"queue": None}
+_later: dict = {"queue": None, "pending": 0, "skip": False}
 _later_lock = threading.Lock()
 _open_now = threading.Condition()  # the worker waits while `holding` blocks run (their count)
 _holds = [0]
@@ -91,20 +91,26 @@ def write_renamed_later(path: Path, fill) -> None:
             _later["queue"] = q = queue.SimpleQueue()
             threading.Thread(target=_work, args=(q,), name="poly-cache-writer", daemon=True).start()
             atexit.register(flush)
+        _later["pending"] += 1
     _later["queue"].put((path, fill))
+
+
+def pending() -> int:
+    """Files handed to `write_renamed_later` and not yet written."""
+    return _later["pending"]
 
 
 def flush() -> None:
     """Wait for every write handed to `write_renamed_later` so far (Ctrl-C stops waiting)."""
     q = _later["queue"]
-    if q is None:
+    if q is None or _later["skip"]:
         return
     done = threading.Event()
     q.put(done)
     try:
         done.wait()
     except KeyboardInterrupt:
-        pass  # the unwritten files are made again by the next open
+        _later["skip"] = True  # nor at the exit: the next open makes the unwritten files
 
 
 def _work(q: queue.SimpleQueue) -> None:
@@ -119,6 +125,8 @@ def _work(q: queue.SimpleQueue) -> None:
             write_renamed(*item)
         except Exception:  # noqa: BLE001 - a cache file that cannot be made stays unwritten
             pass
+        with _later_lock:
+            _later["pending"] -= 1
         del item  # what `fill` held (a model's copy) goes now, not at the next write
 
 
@@ -126,7 +134,7 @@ def _forget_worker() -> None:
     """A forked child has no worker thread: its first write starts its own."""
     global _later_lock
     _later_lock = threading.Lock()
-    _later["queue"] = None
+    _later.update(queue=None, pending=0, skip=False)
 
 
 if hasattr(os, "register_at_fork"):

@@ -31,6 +31,7 @@ LATER_BYTES or more has its layouts written on the cache writer's thread after t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -282,11 +283,13 @@ def _npy_header(shape: tuple, dtype: np.dtype) -> bytes:
 
 
 def _prune(keep: Path, coming: int = 0) -> None:
-    """Remove the other layout directories whose source file is gone or changed, then the oldest
-    past the cap with `coming` bytes (the model file's size) still to be written into `keep`."""
+    """Remove the other layout directories whose source file is gone or changed, and temporary
+    files a killed writer left (an hour old), then the oldest directories past the cap with
+    `coming` bytes (the model file's size) still to be written into `keep`."""
     for d in keep.parent.iterdir():
         if d == keep or not d.is_dir():
             continue
+        _remove_stale_temps(d)
         try:
             src = json.loads((d / "source.json").read_text())
         except (OSError, ValueError):
@@ -301,6 +304,17 @@ def _prune(keep: Path, coming: int = 0) -> None:
         if not same:
             _remove_tree(d)
     _cap(keep, coming)
+
+
+def _remove_stale_temps(d: Path, age: float = 3600.0) -> None:
+    """`write_renamed`'s temporary files in `d` untouched for `age` seconds: a writer that was
+    killed (a live one writes to its file all along)."""
+    import time
+
+    for f in d.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            if time.time() - f.stat().st_mtime > age:
+                f.unlink()
 
 
 def _size(d: Path) -> int:
