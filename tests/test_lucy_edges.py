@@ -168,6 +168,7 @@ def test_ctrl_c_in_generate_ends_the_line(smollm2_gguf, tmp_path):
         encoding="utf-8",
         timeout=120,
     )
+    child.expect_exact("\x1b[?25h")  # the opening spinner ends (it shows the cursor again)
     child.expect(r"\w+ \w+")  # a few tokens have streamed
     child.sendintr()
     child.expect(pexpect.EOF)
