@@ -77,7 +77,7 @@ def holding():
         yield
     finally:
         with _open_now:
-            _holds[0] -= 1
+            _holds[0] = max(0, _holds[0] - 1)  # a forked child's block began in its parent
             _open_now.notify_all()
 
 
@@ -131,9 +131,11 @@ def _work(q: queue.SimpleQueue) -> None:
 
 
 def _forget_worker() -> None:
-    """A forked child has no worker thread: its first write starts its own."""
-    global _later_lock
-    _later_lock = threading.Lock()
+    """A forked child has no worker thread, nor the opens other threads were running: its
+    first write starts its own worker."""
+    global _later_lock, _open_now
+    _later_lock, _open_now = threading.Lock(), threading.Condition()
+    _holds[0] = 0
     _later.update(queue=None, pending=0, skip=False)
 
 
