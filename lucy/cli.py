@@ -386,8 +386,4 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lucy.terminal import finish_cache_writes
-
-    code = run(argv)
-    finish_cache_writes()  # a first open's layouts, written after it (poly.runtime.cache_files)
-    sys.exit(code)
+    sys.exit(run(argv))

@@ -82,15 +82,20 @@ def progress_bar(con):
 
 
 @contextlib.contextmanager
-def opening(spec: str):
-    """A spinner on stderr while a model opens (the first open of an 8B file writes its repacked
-    layouts: tens of seconds), drawn only on a terminal and removed when it is open."""
+def _spinner(text: str):
+    """`text` beside a spinner on stderr while the block runs, drawn only on a terminal (no
+    redraws into pipes and logs) and erased when it ends."""
     con = make_console(stderr=True)
     if not con.is_terminal:
         yield
         return
-    with con.status(f"opening {clean(str(spec))} …", spinner="dots"):
+    with con.status(text, spinner="dots"):
         yield
+
+
+def opening(spec: str):
+    """The spinner while a model opens (the first open of an 8B file repacks its weights)."""
+    return _spinner(f"opening {clean(str(spec))} …")
 
 
 def finish_cache_writes() -> None:
@@ -98,11 +103,6 @@ def finish_cache_writes() -> None:
     saying why on a terminal; Ctrl-C skips them (the next open makes them again)."""
     from poly.runtime import cache_files
 
-    if not cache_files.pending():
-        return
-    con = make_console(stderr=True)
-    if not con.is_terminal:
-        cache_files.flush()
-        return
-    with con.status("writing the repacked layouts for the next open … (Ctrl-C skips)"):
-        cache_files.flush()
+    if cache_files.pending():
+        with _spinner("writing the repacked layouts for the next open … (Ctrl-C skips)"):
+            cache_files.flush()

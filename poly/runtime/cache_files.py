@@ -59,11 +59,11 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-# the worker of write_renamed_later: its queue, or None before the first call (and in a child)
-_later: dict = {"queue": None, "pending": 0, "skip": False}
+# the worker of write_renamed_later: its queue (None before the first call, and in a child),
+# the files not yet written, whether a Ctrl-C gave up on them, the `holding` blocks running
+_later: dict = {"queue": None, "pending": 0, "skip": False, "holds": 0}
 _later_lock = threading.Lock()
-_open_now = threading.Condition()  # the worker waits while `holding` blocks run (their count)
-_holds = [0]
+_open_now = threading.Condition()  # the worker waits on it while `holding` blocks run
 
 
 @contextlib.contextmanager
@@ -72,12 +72,12 @@ def holding():
     model's open runs without a disk writer beside it (the written pages and the open's own
     compete for memory: docs/performance.md). `flush` inside such a block would never return."""
     with _open_now:
-        _holds[0] += 1
+        _later["holds"] += 1
     try:
         yield
     finally:
         with _open_now:
-            _holds[0] = max(0, _holds[0] - 1)  # a forked child's block began in its parent
+            _later["holds"] = max(0, _later["holds"] - 1)  # a forked child's began in its parent
             _open_now.notify_all()
 
 
@@ -117,7 +117,7 @@ def _work(q: queue.SimpleQueue) -> None:
     while True:
         item = q.get()
         with _open_now:
-            _open_now.wait_for(lambda: _holds[0] == 0)
+            _open_now.wait_for(lambda: _later["holds"] == 0)
         if isinstance(item, threading.Event):
             item.set()
             continue
@@ -135,8 +135,7 @@ def _forget_worker() -> None:
     first write starts its own worker."""
     global _later_lock, _open_now
     _later_lock, _open_now = threading.Lock(), threading.Condition()
-    _holds[0] = 0
-    _later.update(queue=None, pending=0, skip=False)
+    _later.update(queue=None, pending=0, skip=False, holds=0)
 
 
 if hasattr(os, "register_at_fork"):

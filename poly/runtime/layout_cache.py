@@ -152,20 +152,24 @@ def _write(snap: FileSnapshot, path: Path, fill, later: bool = False) -> None:
     (write_renamed_later if later else write_renamed)(path, fill)
 
 
+def has_room(nbytes: int) -> bool:
+    """Whether the cache's disk keeps FREE_SHARE of itself free after `nbytes` more (a model's
+    layouts, about its file's size): an 8B model's copies never fill a disk."""
+    folder = cache_root()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize - nbytes >= FREE_SHARE * st.f_blocks * st.f_frsize
+
+
 def _has_room(snap: FileSnapshot) -> bool:
-    """Whether the cache's disk keeps FREE_SHARE of itself free after this model's layouts
-    (about the model file's size): an 8B model's copies never fill a disk. Asked once per file."""
+    """`has_room` for `snap`'s model, asked once per file."""
     room = getattr(snap, "_layout_room", None)
     if room is None:
-        folder = cache_root()
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-        try:
-            st = os.statvfs(folder)
-            room = st.f_bavail * st.f_frsize - snap.size >= FREE_SHARE * st.f_blocks * st.f_frsize
-        except OSError:
-            room = False
-        snap._layout_room = room
+        room = snap._layout_room = has_room(snap.size)
     return room
 
 
