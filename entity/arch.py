@@ -1,5 +1,5 @@
-"""Roles and shapes of the poly decoder block, and the family tables under their older names
-(the families themselves: entity/families/, one file each).
+"""Roles and shapes of the poly decoder block (the model families: entity/families/, one file
+each; a `.entity` open never imports them).
 
 A llama decoder block has four roles, the poly accessors ``attn_norm``, ``attn``, ``mlp_norm`` and
 ``mlp`` (``Transformer.attn(i)`` ...); components are the layer's named master views (``w_q`` ...
@@ -14,8 +14,6 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
-from entity.families import FAMILIES, GGUF_FAMILIES, Family
-
 if TYPE_CHECKING:
     from poly.config import TransformerConfig
 
@@ -25,7 +23,6 @@ __all__ = [
     "role_shapes",
     "global_shapes",
     "roles",
-    "family_of",
 ]
 
 
@@ -38,11 +35,6 @@ def roles(cfg: TransformerConfig) -> tuple[str, ...]:
     from poly.model.block import weight_roles
 
     return weight_roles(cfg.block)
-
-
-def family_of(cfg: TransformerConfig) -> Family | None:
-    """The family of a config (`architecture` is an HF model_type or a GGUF arch name)."""
-    return FAMILIES.get(cfg.architecture) or GGUF_FAMILIES.get(cfg.architecture)
 
 
 @functools.lru_cache(maxsize=64)

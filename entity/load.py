@@ -9,6 +9,7 @@ so that one missing or broken module does not break the others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import importlib
 import os
@@ -272,7 +273,8 @@ def _describe_entity(path: Path) -> Description | None:
     from entity.dotentity.read import attach_meta
 
     tf = _skeleton(_entity_config(header, path))
-    attach_meta(tf, SimpleNamespace(meta=lambda key: getattr(header, key), path=str(path)))
+    meta = functools.partial(header.value, path=str(path))
+    attach_meta(tf, SimpleNamespace(meta=meta, header=header, path=str(path)))
     return Description("entity", str(path), tf, _entity_tensors(header))
 
 

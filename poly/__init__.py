@@ -1,16 +1,9 @@
 """poly: build and run transformer language models on a volumetric layer grid."""
 
-import os as _os
+from poly import openblas  # noqa: F401  (first: OpenBLAS reads its settings as numpy loads)
 
 # the one place the version is written: pyproject.toml reads it (distribution polyloom)
 __version__ = "0.3.0"
-
-# OpenBLAS worker threads busy-wait 2**28 cycles (~0.1 s) after each call: the decode steps
-# right after a BLAS prefill (on poly.runtime.native.ckernels' OpenMP threads) ran 2x slower while they
-# spun. 2**24 cycles (a few ms) outlasts the gaps between a prefill's GEMMs, so prefill speed
-# is unchanged (docs/performance.md). Read when numpy loads: no effect if numpy is loaded
-# already, and an explicit setting wins.
-_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "24")
 
 # nn registers the layer kinds; runtime and text fill the model's hooks (poly.model.hooks)
 from poly import nn, runtime, text  # noqa: F401

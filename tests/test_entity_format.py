@@ -146,8 +146,9 @@ def test_lazy_and_off_verification(small, tmp_path):
         EntityFile(bad, verify=False).verify()
 
 
-def _rewrite_header(path, out, edit):
-    """Re-encode the header after `edit(obj)` with a correct checksum (a well-formed liar)."""
+def _rewrite_header(path, out, edit, packer=None):
+    """Re-encode the header after `edit(obj)` with a correct checksum (a well-formed liar);
+    `packer` packs the values (`use_bin_type=False`: bytes as msgpack strings, any bytes)."""
     data = path.read_bytes()
     hlen = PREFIX.unpack(data[:20])[3]
     obj = msgpack.unpackb(data[20 : 20 + hlen], raw=False)
@@ -157,7 +158,7 @@ def _rewrite_header(path, out, edit):
     if raw is not None:  # an abusive value under key "x", then the checksum entry
         body = msgpack.Packer().pack_map_header(2) + msgpack.packb("x") + raw
     else:
-        packer = msgpack.Packer()
+        packer = packer or msgpack.Packer()
         body = packer.pack_map_header(len(obj) + 1)
         body += b"".join(packer.pack(k) + packer.pack(v) for k, v in obj.items())
     body += msgpack.packb("header_crc32") + b"\xce"
@@ -187,6 +188,7 @@ def _data_start(hlen):
         (lambda h: h["blobs"][0].update(ggml_type=None), None),  # nil: no native blocks
         (lambda h: h.update(network=None), "network: must be a map, got None"),  # nil is a value
         (lambda h: h.update(tokenizer=None), None),
+        (lambda h: h.update(tokenizer=b"{}"), "tokenizer: must be a string or nil"),  # bin
         # a big wrong value is shown cut short, not whole
         (
             lambda h: h.update(tokenizer={str(i): i for i in range(10**5)}),
@@ -203,6 +205,30 @@ def test_schema_and_layout_checks(small, tmp_path, edit, match):
         return
     with pytest.raises(EntityFormatError, match=match):
         EntityFile(out)
+
+
+def test_deferred_fields_are_checked_when_read(small, tmp_path):
+    """An open keeps the tokenizer text and the network spec as bytes (nothing in an open reads
+    the spec; the text is hashed, not decoded); `meta` decodes them with the header's checks."""
+    path, _ = small
+    ef = EntityFile(path)
+    assert type(ef.header.network) is bytes and type(ef.header.tokenizer) is bytes
+    assert ef.meta("network") == META["network"] and ef.meta("tokenizer") == META["tokenizer"]
+    cases = {
+        "nan": (dict(network={"depth": float("nan")}), "network", "non-finite"),
+        "ext": (dict(network={"x": msgpack.ExtType(0, b"")}), "network", "ext type"),
+        "utf8": (dict(tokenizer=b"\xff{}"), "tokenizer", "utf-8"),
+    }
+    as_str = msgpack.Packer(use_bin_type=False)  # bytes packed as a msgpack string
+    for name, (change, key, match) in cases.items():
+        out = tmp_path / f"{name}.entity"
+        _rewrite_header(path, out, lambda h, c=change: h.update(c), as_str)
+        liar = EntityFile(out)  # the header's checksum and the rest of its schema hold
+        with pytest.raises(EntityFormatError, match=match):
+            liar.meta(key)
+        if key == "network":  # the writer checks all it writes
+            with pytest.raises(EntityFormatError, match=match):
+                EntityWriter(tmp_path / f"copy-{name}.entity").finish(META | change)
 
 
 def test_offsets_must_cover_the_data_exactly(small, tmp_path):

@@ -5,6 +5,10 @@ chunks; and the thread policy that keeps BLAS from waiting on spinning OpenMP wo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -110,6 +114,28 @@ def test_blas_runs_one_thread_under_the_c_backend():
         assert kernels.blas_threads(n) == n and blas() <= {n}
     finally:
         kernels.set_backend("c")
+
+
+def test_numpy_loaded_by_poly_starts_its_blas_at_one_thread():
+    """`poly.openblas`: numpy's OpenBLAS starts at the C backend's one thread, with nothing
+    left in the environment and no threadpoolctl import, and can still be raised."""
+    pytest.importorskip("threadpoolctl")
+    code = """if True:
+        import os, sys
+        import poly
+        from poly.runtime import kernels
+        kernels.set_num_threads(2)
+        if kernels.backend() != "c":  # no C kernels in this build: BLAS runs the products
+            sys.exit(0)
+        assert "threadpoolctl" not in sys.modules and "OPENBLAS_NUM_THREADS" not in os.environ
+        from threadpoolctl import threadpool_info
+        blas = lambda: {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+        assert blas() == {1}, blas()
+        kernels.set_backend("numpy")
+        assert blas() == {min(2, os.cpu_count())}, blas()
+    """
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
 @pytest.mark.parametrize("n,start,groups", [(96, 0, 3), (100, 37, 1), (130, 5, 2), (300, 37, 2)])

@@ -47,7 +47,7 @@ def moe_dir(tmp_path_factory):
 def test_entity_header_with_a_million_experts_fails_fast(moe_dir, tmp_path):
     convert(moe_dir, tmp_path / "ok.entity", quant="f32")
     ef = EntityFile(tmp_path / "ok.entity")
-    meta = {k: getattr(ef.header, k) for k in ("network", "transformer", "quant", "tokenizer",
+    meta = {k: ef.meta(k) for k in ("network", "transformer", "quant", "tokenizer",
             "tokenizer_config", "chat_template", "generation_config", "eos_token_ids", "source")}  # fmt: skip
     meta["transformer"] = dict(
         meta["transformer"], moe=dict(meta["transformer"]["moe"], num_experts=HUGE)

@@ -95,7 +95,7 @@ def _rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | No
             if rec.path == reshape:
                 arr = arr[:-1]
             out.add(rec.path, arr)
-        meta = {k: getattr(header, k) for k in ("network", "transformer", "quant", "tokenizer",
+        meta = {k: header.value(k) for k in ("network", "transformer", "quant", "tokenizer",
                 "tokenizer_config", "chat_template", "generation_config", "eos_token_ids", "source")}  # fmt: skip
         if dense_layers is not None:
             spec = dict(meta["transformer"])

@@ -6,7 +6,6 @@ checks themselves are exercised (a checksum alone would hide them).
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 import zlib
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from entity.dotentity.container import ALIGN, CRC_TAIL, MAGIC, PREFIX, EntityFile, align
+from entity.dotentity.header import META_KEYS
 from entity.dotentity.read import load_entity
 from entity.dotentity.write import save_entity
 from poly.errors import (
@@ -198,8 +198,7 @@ def _rewrite_blob(src, dst, name: str, fn):
     for rec in ef.header.blobs:
         arr = np.array(ef.array(rec.path))
         w.add(rec.path, fn(arr) if rec.path == name else arr)
-    head = dataclasses.asdict(ef.header)
-    meta = {k: v for k, v in head.items() if k not in ("format_version", "blobs", "header_crc32")}
+    meta = {k: ef.meta(k) for k in META_KEYS}
     return w.finish(meta)
 
 

@@ -194,7 +194,7 @@ class EntityFile:
         return name in self.blobs
 
     def meta(self, key: str) -> Any:
-        return getattr(self.header, key)
+        return self.header.value(key, self.path)
 
     def array(self, name: str) -> np.ndarray:
         """Zero-copy read-only view of blob ``name`` with its dtype and shape."""
@@ -307,7 +307,7 @@ class EntityWriter:
             )
         try:
             head = self._header_for(meta)
-            decode_header(head[PREFIX.size :], str(self.path))  # never write what we cannot read
+            decode_header(head[PREFIX.size :], str(self.path), defer=False)  # all readable
             self._payload.flush()
             size = align(len(head)) + self._pos
             with atomic_output(

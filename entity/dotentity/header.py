@@ -117,17 +117,23 @@ class Header:
     """A `.entity` header, checked against `HEADER_FIELDS` (`decode_header`)."""
 
     format_version: int
-    network: dict[str, Any]
+    network: dict[str, Any] | bytes  # bytes: its msgpack map, deferred (`network_spec`)
     transformer: dict[str, Any]
     quant: dict[str, Any]
     blobs: list[BlobRecord]
-    tokenizer: str | None
+    tokenizer: str | bytes | None  # bytes: its UTF-8 text, deferred
     tokenizer_config: dict[str, Any]
     chat_template: str | None
     generation_config: dict[str, Any]
     eos_token_ids: list[int]
     source: dict[str, Any]
     header_crc32: int
+
+    def value(self, key: str, path: str | None = None) -> Any:
+        """Field `key` as stored: a deferred one (`decode_header`) decoded and checked now, as
+        the rest of the header was at open."""
+        value = getattr(self, key)
+        return _undefer(key, value, path) if key in _DEFERRED and type(value) is bytes else value
 
 
 # The schema as name tables (`entity.strict_json.Field`), checked by hand, not by pydantic,
@@ -182,12 +188,12 @@ def _checked(obj: Any, table: dict[str, Field], where: str) -> dict[str, Any]:
         raise ValueError(f"bad header field {where}{exc}") from None
 
 
-def _header(obj: Any) -> Header:
+def _header_fields(obj: Any) -> dict[str, Any]:
     head = _checked(obj, HEADER_FIELDS, "")
     head["blobs"] = [
         BlobRecord(**_checked(b, BLOB_FIELDS, f"blobs.{i}.")) for i, b in enumerate(head["blobs"])
     ]
-    return Header(**head)
+    return head
 
 
 META_KEYS = tuple(
@@ -232,7 +238,13 @@ class _ItemBudget:
 
     def pairs_hook(self, pairs: list[tuple[Any, Any]]) -> dict:
         self.charge(len(pairs))
-        return _no_dups(pairs)
+        out = dict(pairs)  # the common case checked in C; `_no_dups` names what is wrong
+        if len(out) != len(pairs) or not _STR_ONLY.issuperset(map(type, out)):
+            return _no_dups(pairs)
+        return out
+
+
+_STR_ONLY = frozenset({str})
 
 
 def _no_dups(pairs: list[tuple[Any, Any]]) -> dict:
@@ -286,37 +298,23 @@ def _describe(exc: Exception) -> str:
     return type(exc).__name__
 
 
-def decode_header(raw: bytes, path: str | None) -> Header:
-    budget = _ItemBudget()
-    try:
-        obj = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            object_pairs_hook=budget.pairs_hook,
-            list_hook=budget.list_hook,
-            ext_hook=_reject_ext,
-            max_array_len=MAX_BLOBS,
-            max_map_len=MAX_BLOBS,
-        )
-        if not isinstance(obj, dict):
-            raise ValueError("header is not a map")
-        # blob records hold no float that passes their type checks: their values are not walked
-        rest = {k: v for k, v in obj.items() if k != "blobs"}
-        if not _all_finite(rest):
-            _check_finite(rest)
-    except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
-        raise fail(f"bad msgpack header: {_describe(exc)}", path, PREFIX.size) from exc
-    try:
-        return _header(obj)
-    except ValueError as exc:
-        raise fail(str(exc), path, PREFIX.size) from None
+# Values an open does not read, kept as bytes when they are of their expected kind (anything
+# else is decoded and refused as usual): the tokenizer's UTF-8 text (hashed, not decoded, when a
+# kept tokenizer matches it: `poly.text.tokenizer_cache`) and the network spec (Loom's grid).
+# The schema checks them as these stand-ins of their kind.
+_DEFERRED = {"tokenizer": ("str", ""), "network": ("map", {})}
+_STR_LENGTHS = {0xD9: 1, 0xDA: 2, 0xDB: 4}  # str8/16/32: big-endian length bytes after the marker
 
 
-def peek_fields(raw: bytes, keys: tuple[str, ...], path: str | None) -> dict[str, Any]:
-    """The values of top-level ``keys`` of a msgpack header map; every other value is skipped
-    by msgpack without building it."""
+def _kind(first: int) -> str:
+    if 0xA0 <= first <= 0xBF or first in _STR_LENGTHS:
+        return "str"
+    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
+        return "map"
+    return "other"
+
+
+def _unpacker(raw: bytes) -> tuple[msgpack.Unpacker, _ItemBudget]:
     budget = _ItemBudget()
     up = msgpack.Unpacker(
         raw=False, strict_map_key=True, object_pairs_hook=budget.pairs_hook,
@@ -324,6 +322,75 @@ def peek_fields(raw: bytes, keys: tuple[str, ...], path: str | None) -> dict[str
         max_array_len=MAX_BLOBS, max_map_len=MAX_BLOBS,
     )  # fmt: skip
     up.feed(raw)
+    return up, budget
+
+
+def _top_map(up: msgpack.Unpacker, raw: bytes, later: dict[str, bytes]) -> dict[str, Any]:
+    """The header map; `_DEFERRED` values of their kind go to `later` as bytes (a string's
+    UTF-8 payload, a map's msgpack), skipped by msgpack without being built."""
+    out: dict[str, Any] = {}
+    for _ in range(up.read_map_header()):
+        key = up.unpack()
+        if type(key) is not str:
+            raise ValueError("header map key is not a string")
+        if key in out or key in later:
+            raise ValueError(f"duplicate key {key!r}")
+        start = up.tell()
+        kind = _kind(raw[start]) if start < len(raw) else "other"
+        if key in _DEFERRED and kind == _DEFERRED[key][0]:
+            up.skip()
+            head = 1 + _STR_LENGTHS.get(raw[start], 0) if kind == "str" else 0
+            later[key] = raw[start + head : up.tell()]
+        else:
+            out[key] = up.unpack()
+    return out
+
+
+def _unpack(raw: bytes, path: str | None, later: dict[str, bytes] | None = None) -> Any:
+    """One msgpack value under the header's limits (items, nesting, unique string keys, no ext
+    types, finite numbers); given `later`, a map whose `_DEFERRED` values go there."""
+    up, _ = _unpacker(raw)
+    try:
+        obj = _top_map(up, raw, later) if later is not None else up.unpack()
+        if up.tell() != len(raw):
+            raise ValueError("extra data after the value")
+        # blob records hold no float that passes their type checks: their values are not walked
+        rest = obj if later is None else [v for k, v in obj.items() if k != "blobs"]
+        if not _all_finite(rest):
+            _check_finite(obj)
+    except Exception as exc:  # msgpack raises many kinds (ValueError, StackError, ExtraData...)
+        raise fail(f"bad msgpack header: {_describe(exc)}", path, PREFIX.size) from exc
+    return obj
+
+
+def decode_header(raw: bytes, path: str | None, *, defer: bool = True) -> Header:
+    """The checked header of `raw` (the bytes after the prefix). ``defer``: the tokenizer text
+    and the network spec stay bytes (`_DEFERRED`); the writer checks everything it writes."""
+    later: dict[str, bytes] = {}
+    obj = _unpack(raw, path, later)
+    if not defer:
+        obj.update({key: _undefer(key, data, path) for key, data in later.items()})
+        later.clear()
+    try:
+        head = _header_fields({**obj, **{key: _DEFERRED[key][1] for key in later}})
+    except ValueError as exc:
+        raise fail(str(exc), path, PREFIX.size) from None
+    return Header(**{**head, **later})
+
+
+def _undefer(key: str, data: bytes, path: str | None) -> Any:
+    if _DEFERRED[key][0] == "map":
+        return _unpack(data, path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(f"bad msgpack header: {exc}", path, PREFIX.size) from None
+
+
+def peek_fields(raw: bytes, keys: tuple[str, ...], path: str | None) -> dict[str, Any]:
+    """The values of top-level ``keys`` of a msgpack header map; every other value is skipped
+    by msgpack without building it."""
+    up, _ = _unpacker(raw)
     out: dict[str, Any] = {}
     try:
         for _ in range(up.read_map_header()):

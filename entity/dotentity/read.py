@@ -107,7 +107,7 @@ def attach_meta(tf, ef: EntityFile, text: bool = True) -> None:
     from poly.text.tokenizer import Tokenizer
 
     tok_cfg = ef.meta("tokenizer_config")
-    vocab = ef.meta("tokenizer") if text else None
+    vocab = ef.header.tokenizer if text else None  # its UTF-8 bytes: hashed, not decoded
     if vocab is not None:
         special = {k: tok_cfg.get(k) for k in ("bos_token", "eos_token") if tok_cfg.get(k)}
         tf.tokenizer = Tokenizer.from_str(vocab, path=ef.path, **special)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from poly import ops
+from poly import openblas, ops
 from poly.errors import UsageError
 from poly.quant import qtensor
 from poly.quant.schemes import SCHEMES
@@ -47,7 +47,8 @@ _NUMBA_NAMES = frozenset(
     {"HALF", "mm_f32", "mm_f16", "mm_i8", "mm_q4loom", "mm_gguf_q4", "mm_gguf_q8_0"}
 )
 
-_state = {"backend": "numpy", "threads": 0}
+# blas: the BLAS pools' thread count as last set (None: not known)
+_state = {"backend": "numpy", "threads": 0, "blas": 1 if openblas.ONE_THREAD else None}
 NUMBA: Any = None  # poly.runtime.numba_kernels once the numba backend was chosen
 
 
@@ -86,12 +87,7 @@ def set_num_threads(n: int | None = None) -> int:
     if "mm_f32" in globals():  # numba loaded: never import it just to set its pool
         numba = sys.modules["numba"]
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    try:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(blas_threads(n), user_api="blas")
-    except ImportError:
-        pass  # without threadpoolctl BLAS keeps its own default (OPENBLAS_NUM_THREADS)
+    _set_blas(blas_threads(n))
     _state["threads"] = n
     return n
 
@@ -109,6 +105,14 @@ def use_threads(n: int) -> None:
     count only under the C backend (the numpy backend reaches no C function)."""
     if _state["backend"] == "c":
         ckernels.set_num_threads(n)
+    _set_blas(blas_threads(n))
+
+
+def _set_blas(n: int) -> None:
+    """The BLAS pools at n threads. threadpoolctl is imported only to change the count: numpy's
+    OpenBLAS starts at one where poly loads it (`poly.openblas`), as the C backend wants."""
+    if _state["blas"] == n:
+        return
     if not _BLAS:
         try:
             from threadpoolctl import ThreadpoolController
@@ -118,7 +122,8 @@ def use_threads(n: int) -> None:
             _BLAS.append(None)  # without threadpoolctl BLAS keeps its own count
     for lib in _BLAS:
         if lib is not None:
-            lib.set_num_threads(blas_threads(n))
+            lib.set_num_threads(n)
+    _state["blas"] = n
 
 
 def blas_threads(n: int) -> int:
@@ -333,5 +338,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+set_backend()  # first: the thread count's BLAS share depends on the backend (blas_threads)
 set_num_threads()
-set_backend()
