@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -133,10 +134,7 @@ def kind_of(layer_type: LayerType) -> LayerKind:
 
 def param_count(layer: VolumetricLayer) -> int:
     """Values in the layer's flat master: the sum over its parameter spec."""
-    total = 0
-    for _, shape in kind_of(layer.type).spec(layer):
-        total += int(np.prod(shape, dtype=np.int64))
-    return total
+    return int(sum(math.prod(shape) for _, shape in kind_of(layer.type).spec(layer)))
 
 
 def _check_common(layer: VolumetricLayer) -> None:

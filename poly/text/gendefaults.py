@@ -19,12 +19,15 @@ supplied the value, for ``lucy ... --verbose`` and the chat's ``/stats``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poly.errors import SamplingParamsError
-from poly.text.sampling import GenOptions
+
+if TYPE_CHECKING:
+    from poly.text.sampling import GenOptions
 
 __all__ = [
     "MODEL_FILE",
@@ -66,7 +69,21 @@ _FILE_FIELDS = frozenset(
         "dry_sequence_breakers",
     }
 )
-_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(GenOptions) if f.init)
+
+
+def _options(**settings: Any) -> GenOptions:
+    """`GenOptions` (validated): poly.text.sampling loads at the first use, not at a model's open
+    (a file without settings checks none)."""
+    from poly.text.sampling import GenOptions
+
+    return GenOptions(**settings)
+
+
+@functools.cache
+def _option_fields() -> frozenset[str]:
+    from poly.text.sampling import GenOptions
+
+    return frozenset(f.name for f in dataclasses.fields(GenOptions) if f.init)
 
 
 def _checked(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,7 +91,8 @@ def _checked(settings: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(settings) - _FILE_FIELDS)
     if unknown:
         raise SamplingParamsError(f"not a model generation setting: {', '.join(unknown)}")
-    GenOptions(**settings)  # validates every value (SamplingParamsError)
+    if settings:
+        _options(**settings)  # validates every value (SamplingParamsError)
     return settings
 
 
@@ -92,7 +110,8 @@ class GenerationDefaults:
     def __post_init__(self) -> None:
         object.__setattr__(self, "settings", _checked(self.settings))
         object.__setattr__(self, "known", _checked(self.known))
-        GenOptions(**{**self.known, **self.settings})
+        if self.known and self.settings:
+            _options(**{**self.known, **self.settings})
         if self.source not in (MODEL_FILE, KNOWN_MODEL, FALLBACK):
             raise SamplingParamsError(f"generation defaults source {self.source!r} is unknown")
 
@@ -113,7 +132,7 @@ class GenerationDefaults:
     @property
     def options(self) -> GenOptions:
         """The options a caller with no explicit settings runs with."""
-        return GenOptions(**{**self.known, **self.settings})
+        return _options(**{**self.known, **self.settings})
 
     def origin(self, name: str) -> str:
         if name in self.settings:
@@ -169,13 +188,13 @@ def resolve(
     ``overrides`` still apply on top of it.
     """
     overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - _OPTION_FIELDS)
+    unknown = sorted(set(overrides) - _option_fields())
     if unknown:
         raise SamplingParamsError(f"unknown generation option {unknown[0]!r}")
     if options is not None:
-        base, origins = options, dict.fromkeys(_OPTION_FIELDS, label)
+        base, origins = options, dict.fromkeys(_option_fields(), label)
     else:
         d = defaults_of(model)
-        base, origins = d.options, {n: d.origin(n) for n in _OPTION_FIELDS}
+        base, origins = d.options, {n: d.origin(n) for n in _option_fields()}
     resolved = base.replace(**overrides) if overrides else base
     return Resolved(resolved, {**origins, **dict.fromkeys(overrides, label)})
