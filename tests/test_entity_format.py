@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import struct
-import subprocess
-import sys
-import tempfile
-import textwrap
-import time
 import zlib
-from pathlib import Path
 
 import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
 
-from entity.atomic import atomic_output, open_locked_temp, sweep_stale_temps, temp_name
 from entity.dotentity.container import (
     ALIGN,
     MAGIC,
@@ -30,10 +21,7 @@ from entity.dotentity.container import (
 )
 from poly.errors import (
     EntityFormatError,
-    InsufficientSpaceError,
     IntegrityError,
-    OutputExistsError,
-    OutputPathError,
 )
 
 # The same complete header meta as the fuzz corpus's valid .entity files.
@@ -281,119 +269,6 @@ def test_nonzero_padding_is_refused(small, tmp_path):
     out.write_bytes(bytes(data))
     with pytest.raises(EntityFormatError, match="padding"):
         EntityFile(out)
-
-
-# --- atomic output ------------------------------------------------------------------------------
-
-
-def test_refuses_existing_output_unless_forced(small):
-    path, arrays = small
-    before = path.read_bytes()
-    with pytest.raises(OutputExistsError):
-        _write(path, arrays)
-    assert path.read_bytes() == before
-    _write(path, {"x": np.zeros(3, np.float32)}, force=True)
-    assert list(EntityFile(path).blobs) == ["x"]
-    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
-
-
-def test_missing_directory(tmp_path):
-    with pytest.raises(OutputPathError):
-        _write(tmp_path / "nope" / "m.entity", {})
-
-
-def test_never_writes_over_the_input(small):
-    path, _ = small
-    with pytest.raises(OutputPathError, match="input"):
-        with atomic_output(path, force=True, inputs=[path]):
-            pass
-    link = path.with_name("hard.entity")
-    os.link(path, link)
-    with pytest.raises(OutputPathError):
-        EntityWriter(link, force=True, inputs=[path])
-
-
-def test_read_only_directory(tmp_path):
-    base = tmp_path if os.geteuid() != 0 else Path(tempfile.mkdtemp(dir="/tmp"))
-    os.chmod(base, 0o755)  # traversable by the unprivileged user below
-    ro = base / "ro"
-    ro.mkdir()
-    os.chmod(ro, 0o555)
-    if os.geteuid() != 0:
-        with pytest.raises(OutputPathError):
-            _write(ro / "m.entity", {})
-        return
-    # root ignores permission bits: import as root, then drop to an unprivileged uid.
-    code = textwrap.dedent(f"""
-        import os
-        from entity.dotentity.container import EntityWriter
-        from poly.errors import OutputPathError
-        os.setgid(65534)
-        os.setuid(65534)
-        try:
-            EntityWriter({str(ro / "m.entity")!r})
-        except OutputPathError:
-            raise SystemExit(0)
-        raise SystemExit(3)
-    """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True)
-    assert res.returncode == 0, res.stderr.decode()
-    assert list(ro.iterdir()) == []
-    os.chmod(ro, 0o755)
-    shutil.rmtree(base)
-
-
-def test_exception_and_interrupt_remove_the_temp_file(tmp_path):
-    out = tmp_path / "x.bin"
-    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
-        with pytest.raises(type(exc)):
-            with atomic_output(out) as f:
-                f.write(b"partial")
-                raise exc
-        assert list(tmp_path.iterdir()) == []
-
-
-def test_disk_full_is_typed_and_leaves_nothing(tmp_path):
-    # RLIMIT_FSIZE makes writes beyond 1 MiB fail with EFBIG (Python ignores SIGXFSZ).
-    code = textwrap.dedent(f"""
-        import resource
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        import numpy as np
-        from entity.dotentity.container import EntityWriter
-        from poly.errors import InsufficientSpaceError
-        try:
-            w = EntityWriter({str(tmp_path / "big.entity")!r})
-            w.add("x", np.zeros(1 << 19, np.float32))
-        except InsufficientSpaceError:
-            raise SystemExit(0)
-        raise SystemExit(3)
-    """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True)
-    assert res.returncode == 0, res.stderr.decode()
-    assert list(tmp_path.iterdir()) == []
-    with pytest.raises(InsufficientSpaceError):
-        with atomic_output(tmp_path / "y.bin", expected_size=1 << 60):
-            pass
-
-
-def test_sweeps_stale_temps_of_dead_processes(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
-    )
-    dead_pid = int(proc.stdout)
-    stale = tmp_path / f".m.entity.tmp-{dead_pid}-abcd"
-    stale.write_bytes(b"x")
-    os.utime(stale, (time.time() - 60, time.time() - 60))  # old enough, and locked by no one
-    live = temp_name(tmp_path / "m.entity")  # ours: a live writer holds its flock
-    fd = open_locked_temp(live)
-    os.utime(live, (time.time() - 60, time.time() - 60))
-    other = tmp_path / ".unrelated"
-    other.write_bytes(b"z")
-    try:
-        assert sweep_stale_temps(tmp_path) == [stale]
-        assert live.exists() and other.exists()
-    finally:
-        os.close(fd)
 
 
 def test_the_checksum_is_zlibs_crc32_over_chunks():
