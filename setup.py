@@ -135,7 +135,9 @@ class BuildExt(build_ext):
             _say(f"C kernels ({', '.join(isas)}) reused from {cached.parent} (same sources)")
             return
         start = time.monotonic()
-        ext.extra_objects = self._compile_isas(isas, [*ext.extra_compile_args])
+        # info()["build"]: what the layout cache names its files by (the same build anywhere)
+        build_key = f'-DPK_BUILD_KEY="{key}"'
+        ext.extra_objects = self._compile_isas(isas, [*ext.extra_compile_args, build_key])
         super().build_extension(ext)
         _say(f"C kernels built in {time.monotonic() - start:.0f} s")
         if cached is not None:

@@ -319,3 +319,28 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
     assert write_renamed(tmp_path / "x.npy", lambda f: f.write(b"ok")) is True
     assert [p.name for p in tmp_path.iterdir()] == ["x.npy"]
+
+
+def test_the_cache_is_named_by_the_build_not_the_thread_count_or_install_path(monkeypatch):
+    """Another thread count, or the same build installed elsewhere (a second checkout, a
+    reinstall), finds the layouts already made; a build of other sources does not."""
+    from types import SimpleNamespace
+
+    from poly.runtime import ckernels, kernels, layout_cache
+
+    if not ckernels.AVAILABLE or not ckernels.EXT.info().get("build"):
+        pytest.skip("no C kernels, or a build without setup.py's key")
+    before = layout_cache._ext_identity()
+    n = kernels.num_threads()
+    try:
+        kernels.set_num_threads(1 if n > 1 else 2)
+        assert layout_cache._ext_identity() == before
+    finally:
+        kernels.set_num_threads(n)
+    info = ckernels.EXT.info()
+    for build, same in ((info["build"], True), ("0" * 16, False)):
+        elsewhere = SimpleNamespace(
+            __file__="/elsewhere/ckernels.so", info=lambda b=build: {**info, "build": b}
+        )
+        monkeypatch.setattr(ckernels, "EXT", elsewhere)
+        assert (layout_cache._ext_identity() == before) is same

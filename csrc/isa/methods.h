@@ -23,6 +23,11 @@ static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     return PyLong_FromLong(pk_threads);
 }
 
+/* setup.py's hash of the sources, compiler and flags: the same build wherever it is installed */
+#ifndef PK_BUILD_KEY
+#define PK_BUILD_KEY ""
+#endif
+
 static PyObject *py_info(PyObject *self, PyObject *unused) {
     (void)self; (void)unused;
 #ifdef _OPENMP
@@ -30,9 +35,10 @@ static PyObject *py_info(PyObject *self, PyObject *unused) {
 #else
     int omp = 0;
 #endif
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads,
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s}", "simd", PK_SIMD, "openmp", omp, "threads", pk_threads,
                          "interleave16", PK_IL16, "float_kmajor16", KM16_KINDS, "kquant_interleave8", PK_KIL8,
-                         "interleave16_panels", PK_IL16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_auto(2));
+                         "interleave16_panels", PK_IL16P, "gemm_rows", GEMM_ROWS, "loom8", PK_LOOM8, "bf16", bf16_auto(2),
+                         "build", PK_BUILD_KEY);
 }
 
 static PyMethodDef methods[] = {

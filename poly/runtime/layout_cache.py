@@ -4,8 +4,9 @@ The repacked copies (`poly.runtime.repack`: rows by 16 or 8, float rows k-major)
 function of a matrix's stored bytes, yet made again by every process that opens the model. Made
 once, each is written as a .npy file under ``$POLY_HOME/layouts/<source>/`` (default
 ~/.cache/poly), where <source> hashes the model file's identity (path, device, inode, size,
-mtime, its first 64 KB) and the C extension's own identity (a rebuilt extension may lay rows out
-differently). A later open maps the file copy-on-write instead of repacking: no copy is made,
+mtime, its first 64 KB) and the C extension's build (setup.py's hash of its sources, compiler and
+flags: the same build installed elsewhere or run on other thread counts shares the directory; a
+build of other sources may lay rows out differently). A later open maps the file copy-on-write instead of repacking: no copy is made,
 the first forward pulls the pages from the page cache (decode speed then depends on how the page
 cache holds them: docs/performance.md). It also maps the model file's other kept pages from one
 `kept-*.bin` copy (`KeptPages`) instead of reading them, so a rewrite of the model file cannot
@@ -72,13 +73,19 @@ def cache_root() -> Path:
 
 
 def _ext_identity() -> str:
+    """The C extension that makes the layouts: its build key (setup.py's hash of the sources,
+    compiler and flags: one cache for every install of the same build), else its file, and what
+    it lays out; not the thread count a process runs with."""
     from poly.runtime import ckernels
 
     try:
+        info = {k: v for k, v in ckernels.EXT.info().items() if k != "threads"}
+        if info.get("build"):
+            return repr(sorted(info.items()))
         st = os.stat(ckernels.EXT.__file__)
     except (AttributeError, OSError, TypeError):
         return "none"
-    return f"{ckernels.EXT.__file__}|{st.st_size}|{st.st_mtime_ns}|{ckernels.EXT.info()}"
+    return f"{ckernels.EXT.__file__}|{st.st_size}|{st.st_mtime_ns}|{sorted(info.items())}"
 
 
 def _source_dir(snap: FileSnapshot) -> Path | None:
