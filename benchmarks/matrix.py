@@ -36,7 +36,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.matrix_report import decode_bytes, parse_cpuinfo, render, stats  # noqa: E402
-from benchmarks.workers import Worker, start_worker  # noqa: E402
+from benchmarks.workers import Worker, start_worker, warm  # noqa: E402
 
 # llama_ftype of each preset (llama.h); F32 is the source file itself. The default run: the
 # issue's nine; --precisions takes the other presets llama.cpp's quantizer writes too
@@ -256,7 +256,10 @@ def engine_specs(model: str, precision: str, files: dict, args) -> dict[str, dic
 
 def start(specs: dict, label: str, entries: dict, ids: dict, args) -> list[Worker]:
     """Start and warm up each engine (weights paged in, poly's thread count chosen); a failed
-    one gets an "error" entry and is left out."""
+    one gets an "error" entry and is left out. Every file is read once first: the engine started
+    first would pay for a cold page cache in its load time."""
+    for path in {spec["path"] for spec in specs.values()}:
+        warm(path)
     workers = []
     for name, spec in specs.items():
         try:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks.matrix_report import parse_cpuinfo
+from benchmarks.workers import warm
 
 TREE = os.environ.get("POLY_OPEN_TREE", "")  # --tree
 PROMPT = "The capital of France is"  # 5 tokens in SmolLM2's vocabulary
@@ -119,15 +120,6 @@ def run_child(engine: str, path: str, threads: int, first: bool = False) -> dict
     got = json.loads(out.strip().splitlines()[-1])
     got.update(process_s=wall, cpu_s=ru.ru_utime + ru.ru_stime, peak_rss_mb=ru.ru_maxrss / 1024)
     return got
-
-
-def warm(path: str) -> None:
-    """Read every byte once: the page cache holds the file (the issue's warm cache)."""
-    files = sorted(Path(path).iterdir()) if Path(path).is_dir() else [Path(path)]
-    for f in files:
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
 
 
 def medians(runs: list[dict]) -> dict:
