@@ -36,7 +36,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.matrix_report import decode_bytes, parse_cpuinfo, render, stats  # noqa: E402
-from benchmarks.workers import Worker, start_worker, warm  # noqa: E402
+from benchmarks.workers import Worker, start_worker, warm_page_cache  # noqa: E402
 
 # llama_ftype of each preset (llama.h); F32 is the source file itself. The default run: the
 # issue's nine; --precisions takes the other presets llama.cpp's quantizer writes too
@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 1000])
     ap.add_argument("--agree-new", type=int, default=64, help="greedy tokens compared with f32")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
-    ap.add_argument("--kv-cache", dest="kv_cache", choices=("f32", "f16"), default="f32",
-                    help="poly's KV cache (llama.cpp's is f16, its default)")  # fmt: skip
+    ap.add_argument("--kv-cache", dest="kv_cache", choices=("f32", "f16", "q8_0"), default="f32",
+                    help="poly's KV cache; q8_0: llama.cpp's too (else its default, f16)")  # fmt: skip
     ap.add_argument("--llama-buffers", dest="llama_buffers", choices=("default", "plain"),
                     default="default", help="llama.cpp's weight buffers: its default (repacked "
                     "Q4_0/Q4_K/... layouts; plain if it crashes) or plain")  # fmt: skip
@@ -247,7 +247,8 @@ def engine_specs(model: str, precision: str, files: dict, args) -> dict[str, dic
     specs = {"poly": dict(ours, path=str(files["gguf"]))}
     if "entity" in files:
         specs[f"poly-entity-{ENTITY_IN[precision]}"] = dict(ours, path=str(files["entity"]))
-    llama = dict(kind="llama", path=str(files["gguf"]), n_ctx=n_ctx, buffers=args.llama_buffers)
+    llama = dict(kind="llama", path=str(files["gguf"]), n_ctx=n_ctx, buffers=args.llama_buffers,
+                 kv="q8_0" if args.kv_cache == "q8_0" else "f16")  # fmt: skip
     specs["llama"] = dict(base, **llama)
     if precision == "F32" and not args.no_hf:
         specs["hf"] = dict(base, kind="hf", path=str(files["gguf"]))
@@ -259,7 +260,7 @@ def start(specs: dict, label: str, entries: dict, ids: dict, args) -> list[Worke
     one gets an "error" entry and is left out. Every file is read once first: the engine started
     first would pay for a cold page cache in its load time."""
     for path in {spec["path"] for spec in specs.values()}:
-        warm(path)
+        warm_page_cache(path)
     workers = []
     for name, spec in specs.items():
         try:

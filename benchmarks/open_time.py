@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks.matrix_report import parse_cpuinfo
-from benchmarks.workers import warm
+from benchmarks.workers import warm_page_cache
 
 TREE = os.environ.get("POLY_OPEN_TREE", "")  # --tree
 PROMPT = "The capital of France is"  # 5 tokens in SmolLM2's vocabulary
@@ -133,7 +133,7 @@ def medians(runs: list[dict]) -> dict:
 
 
 def measure(label: str, ours: str, peer: str, rounds: int, threads: int) -> dict:
-    warm(ours), warm(peer)
+    warm_page_cache(ours), warm_page_cache(peer)
     run_child("poly", ours, threads, first=True)  # untimed: the layout cache written
     run_child("llama", peer, threads, first=True)
     runs = {"poly": [], "llama": []}

@@ -139,15 +139,23 @@ def llama_plain_buffers() -> None:
     llama_mod.llama_cpp.llama_model_default_params = plain
 
 
+# llama.cpp's KV cache for the matrix's --kv-cache: f16 (its default), or q8_0 blocks, which its
+# V cache holds only under flash attention
+LLAMA_KV = {"f16": {}, "q8_0": {"type_k": 8, "type_v": 8, "flash_attn": True}}  # 8: GGML_TYPE_Q8_0
+
+
 class LlamaEngine(Engine):
-    def __init__(self, path: str, threads: int, n_ctx: int = 512, buffers: str = "default"):
+    def __init__(
+        self, path: str, threads: int, n_ctx: int = 512, buffers: str = "default", kv: str = "f16"
+    ):
         from llama_cpp import Llama
 
         if buffers == "plain":
             llama_plain_buffers()
         self.llm = Llama(
-            model_path=path, n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False
-        )
+            model_path=path, n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False,
+            **LLAMA_KV[kv],
+        )  # fmt: skip
 
     def last_logits(self) -> np.ndarray:
         """The last evaluated token's logits, read from the context: `llm.scores` is only
@@ -216,7 +224,9 @@ def make_engine(spec: dict) -> Engine:
         )  # fmt: skip
     if kind == "llama":
         n_ctx = int(spec.get("n_ctx", 512))
-        return LlamaEngine(path, threads, n_ctx, spec.get("buffers", "default"))
+        return LlamaEngine(
+            path, threads, n_ctx, spec.get("buffers", "default"), spec.get("kv", "f16")
+        )
     if kind == "hf":
         return HFEngine(path, threads)
     raise ValueError(f"unknown engine kind {kind!r}")
@@ -307,7 +317,7 @@ class Worker:
             self.proc.wait()
 
 
-def warm(path: str) -> None:
+def warm_page_cache(path: str) -> None:
     """Read every byte once: the page cache holds the file (a warm cache: no engine pays for reading it first)."""
     files = sorted(Path(path).iterdir()) if Path(path).is_dir() else [Path(path)]
     for f in files:
