@@ -52,14 +52,7 @@ ENTITY_COPY = {"smollm2": True, "synth1b": True, "synth8b": False}  # ENTITY_IN 
 CHAT_PROMPT = "What is the capital of France? Answer in two sentences."
 # seconds before each request: the last engine's OpenMP/ggml threads spin a while after work
 SETTLE = 0.05
-QUICK = {
-    "runs": 1,
-    "warmup": 0,
-    "new": 8,
-    "prefill": [16, 42],
-    "contexts": [0, 128],
-    "models": ["smollm2"],
-}
+QUICK = dict(runs=1, warmup=0, new=8, prefill=[16, 42], contexts=[0, 128], models=["smollm2"])
 WORK = Path(os.environ.get("POLY_BENCH_DIR", "/tmp/poly-bench"))
 
 
