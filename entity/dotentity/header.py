@@ -119,7 +119,7 @@ class Header:
     """A `.entity` header, checked against `HEADER_FIELDS` (`decode_header`)."""
 
     format_version: int
-    network: dict[str, Any] | bytes  # bytes: its msgpack map, deferred (`network_spec`)
+    network: dict[str, Any] | bytes  # bytes: its msgpack map, deferred (`value`)
     transformer: dict[str, Any]
     quant: dict[str, Any]
     blobs: list[BlobRecord]

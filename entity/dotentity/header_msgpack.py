@@ -111,7 +111,8 @@ def _kind(first: int) -> str:
     return "other"
 
 
-def unpacker(raw: bytes) -> tuple[msgpack.Unpacker, _ItemBudget]:
+def unpacker(raw: bytes) -> msgpack.Unpacker:
+    """An unpacker fed `raw`, under the header's limits (its own item budget)."""
     budget = _ItemBudget()
     up = msgpack.Unpacker(
         raw=False, strict_map_key=True, object_pairs_hook=budget.pairs_hook,
@@ -119,7 +120,7 @@ def unpacker(raw: bytes) -> tuple[msgpack.Unpacker, _ItemBudget]:
         max_array_len=MAX_BLOBS, max_map_len=MAX_BLOBS,
     )  # fmt: skip
     up.feed(raw)
-    return up, budget
+    return up
 
 
 def _top_map(up: msgpack.Unpacker, raw: bytes, later: dict[str, bytes]) -> dict[str, Any]:
@@ -146,7 +147,7 @@ def _top_map(up: msgpack.Unpacker, raw: bytes, later: dict[str, bytes]) -> dict[
 def unpack(raw: bytes, later: dict[str, bytes] | None = None) -> Any:
     """One msgpack value under the header's limits (items, nesting, unique string keys, no ext
     types, finite numbers); given `later`, a map whose `DEFERRED` values go there."""
-    up, _ = unpacker(raw)
+    up = unpacker(raw)
     try:
         obj = _top_map(up, raw, later) if later is not None else up.unpack()
         if up.tell() != len(raw):
@@ -173,7 +174,7 @@ def undefer(key: str, data: bytes) -> Any:
 def peek(raw: bytes, keys: tuple[str, ...]) -> dict[str, Any]:
     """The values of top-level ``keys`` of a msgpack map; every other value is skipped by
     msgpack without building it."""
-    up, _ = unpacker(raw)
+    up = unpacker(raw)
     out: dict[str, Any] = {}
     try:
         for _ in range(up.read_map_header()):
