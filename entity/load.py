@@ -121,11 +121,12 @@ def _open(path_or_model_id: str | os.PathLike, tp: Any, kw: dict) -> Any:
     from poly.runtime.cache_files import holding
     from poly.runtime.fused import prepare
     from poly.runtime.heap import trim_heap
-    from poly.runtime.layout_cache import KEPT
+    from poly.runtime.kept_pages import KEPT
+    from poly.runtime.layout_cache import packing
 
     # the file mapped; read in at the end (or mapped from the layout cache's copy of those
-    # pages) but for what copies replace
-    with holding(), deferred_reads(KEPT):  # cache files written after the open, not during it
+    # pages) but for what copies replace; the layouts made written as one pack at the end
+    with holding(), deferred_reads(KEPT), packing():  # cache files written after the open
         model = _load(path_or_model_id, **kw)
         if tp is not None:
             from poly.runtime.tp import shard

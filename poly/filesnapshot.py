@@ -38,6 +38,8 @@ class FileSnapshot(mmap.mmap):
             os.close(fd)
             raise
         self.fd, self.path, self.size = fd, str(path), st.st_size
+        with memoryview(self) as mv:  # where the bytes lie: fixed while the mapping lives
+            self.address = np.frombuffer(mv, np.uint8).ctypes.data
         self.identity = (st.st_size, st.st_mtime_ns)
         self._closer = weakref.finalize(self, os.close, fd)
         holes = sorted(r for r in (self._page_range(o, n) for o, n in lazy) if r[1] > r[0])
@@ -84,8 +86,7 @@ class FileSnapshot(mmap.mmap):
         this platform has no such call."""
         if _LIBC_MMAP is None or stop <= start:
             return False
-        with memoryview(self) as mv:
-            base = np.frombuffer(mv, np.uint8).ctypes.data
+        base = self.address
         return _LIBC_MMAP(base + start, stop - start, prot, flags, fd, at) == base + start
 
     def release(self, offset: int, length: int) -> None:
@@ -124,7 +125,7 @@ class FileSnapshot(mmap.mmap):
     def settle(self, copies: Any = None) -> None:
         """End a deferred open (`deferred_reads`): every page not released (nor lazy) is read
         into our own memory now, pinned ones always; the file must still be the one opened.
-        `copies` (poly.runtime.layout_cache.KEPT) maps those pages from a private copy of them
+        `copies` (poly.runtime.kept_pages.KEPT) maps those pages from a private copy of them
         a former open wrote, instead of reading the file, and writes one when there is none."""
         if not self.deferred:
             return
@@ -173,8 +174,7 @@ class FileSnapshot(mmap.mmap):
 
     def offset_of(self, arr: np.ndarray) -> int:
         """Where `arr` (a view of these bytes) starts in the file."""
-        with memoryview(self) as mv:
-            return arr.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data
+        return arr.ctypes.data - self.address
 
     def read_into(self, view: np.ndarray, out: np.ndarray) -> None:
         """`out[...] = view` read with pread from the file (the kernel copies from the page

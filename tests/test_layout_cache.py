@@ -61,6 +61,28 @@ def _files(root) -> list:
     return sorted(root.rglob("*.npy"))
 
 
+def _layouts(root) -> list[str]:
+    """The cached layouts' names: their .npy files' and their packs' entries."""
+    from poly.runtime import layout_pack
+
+    names = [p.stem for p in root.rglob("*.npy")]
+    for path in root.rglob(layout_pack.NAME):
+        pack = layout_pack.read(path)
+        assert pack is not None, f"{path} is not a valid pack"
+        names += list(pack.entries)
+    return sorted(names)
+
+
+@pytest.fixture
+def npy_only(monkeypatch):
+    """Opens write their layouts as .npy files, as layouts made outside an open are."""
+    import contextlib
+
+    from poly.runtime import layout_cache
+
+    monkeypatch.setattr(layout_cache, "packing", contextlib.nullcontext)
+
+
 @pytest.fixture
 def tiny(tmp_path):
     return make_tiny_checkpoint(tmp_path / "ck", "llama", tied=True)
@@ -85,7 +107,7 @@ def test_cached_entity_layouts_give_the_same_logits(home, tiny, tmp_path, monkey
     assert not home.exists()
     monkeypatch.delenv("POLY_LAYOUT_CACHE")
     cold = _logits(path)  # repacked, then written
-    assert _files(home), "no layout written"
+    assert _layouts(home), "no layout written"
     with monkeypatch.context() as m:
         _no_repacking(m)
         warm = _logits(path)
@@ -107,8 +129,8 @@ def test_cached_q4_1_rows_give_the_same_logits(home, smollm2_gguf, monkeypatch):
     monkeypatch.delenv("POLY_LAYOUT_CACHE")
     cold = _logits(smollm2_gguf)
     # a layout per block matrix; q and k (GGUF permutes their rows) their rows in order too
-    assert len(_files(home)) >= 30 * 7
-    assert len([f for f in _files(home) if "-rows-" in f.name]) == 30 * 2
+    assert len(_layouts(home)) >= 30 * 7
+    assert len([f for f in _layouts(home) if "-rows-" in f]) == 30 * 2
     with monkeypatch.context() as m:
         _no_repacking(m)
         m.setattr(np, "ascontiguousarray", _refuse_reordering(np.ascontiguousarray))
@@ -159,7 +181,7 @@ class _Boom:
         return (open, (str(self.marker), "w"))
 
 
-def test_a_corrupt_cache_file_is_ignored_never_unpickled(home, tiny, tmp_path):
+def test_a_corrupt_cache_file_is_ignored_never_unpickled(home, tiny, tmp_path, npy_only):
     served = _f16(tiny, tmp_path / "m.entity")
     good = _logits(served)
     files = _files(home)
@@ -185,11 +207,11 @@ def test_a_file_larger_than_the_cap_is_not_cached(home, tiny, tmp_path, monkeypa
     # its layouts would evict every other model's, then its own at the next open of another
     served = _f16(tiny, tmp_path / "m.entity")
     first = _logits(served)
-    assert _files(home)  # under the cap: cached
+    assert _layouts(home)  # under the cap: cached
     shutil.rmtree(home)
     monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", str(os.path.getsize(served) - 1))
     np.testing.assert_array_equal(_logits(served), first)
-    assert not home.exists() or not _files(home)
+    assert not home.exists() or not _layouts(home)
 
 
 def test_nothing_is_written_where_the_disk_would_be_left_short(home, tiny, tmp_path, monkeypatch):
@@ -212,7 +234,7 @@ def test_nothing_is_written_where_the_disk_would_be_left_short(home, tiny, tmp_p
     assert not home.exists() or not list(home.rglob("*.*"))
     monkeypatch.setattr(layout_cache.os, "statvfs", lambda _: Disk(0.10))
     np.testing.assert_array_equal(_logits(served), first)
-    assert _files(home) and list(home.rglob("kept-*.bin"))
+    assert _layouts(home) and list(home.rglob("kept-*.bin"))
 
 
 def test_a_large_models_layouts_are_written_after_the_open(home, tiny, tmp_path, monkeypatch):
@@ -224,7 +246,7 @@ def test_a_large_models_layouts_are_written_after_the_open(home, tiny, tmp_path,
     served = _f16(tiny, tmp_path / "m.entity")
     first = _logits(served)
     cache_files.flush()
-    assert _files(home)
+    assert _layouts(home)
     _no_repacking(monkeypatch)
     np.testing.assert_array_equal(_logits(served), first)
 
@@ -245,7 +267,7 @@ def test_the_exit_waits_for_the_layouts_being_written(home, tiny, tmp_path):
     env = {**os.environ, "POLY_HOME": str(home.parent)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    assert _files(home) and not list(home.rglob("*.tmp"))
+    assert _layouts(home) and not list(home.rglob("*.tmp"))
 
 
 def _mapped_files() -> set[str]:
@@ -257,9 +279,10 @@ def _mapped_files() -> set[str]:
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux /proc")
 def test_kept_pages_and_layouts_are_mapped_from_the_cache(home, tiny, tmp_path):
     """A second open maps the pages no layout replaces from the cache's kept-*.bin copy and the
-    layouts from their .npy files (nothing read into memory), with the same logits; a short
-    copy is ignored and written again."""
+    layouts from their pack (nothing read into memory), with the same logits; a short copy is
+    ignored and written again."""
     import entity
+    from poly.runtime import layout_pack
 
     served = tmp_path / "m.entity"
     entity.convert(str(tiny), str(served), quant="q8")
@@ -269,7 +292,7 @@ def test_kept_pages_and_layouts_are_mapped_from_the_cache(home, tiny, tmp_path):
     model = entity.load(served)
     maps = _mapped_files()  # while the model holds its mappings
     assert str(kept[0]) in maps
-    assert any(f.endswith(".npy") for f in maps)
+    assert any(f.endswith(layout_pack.NAME) for f in maps)
     assert np.array_equal(np.array(model.forward(IDS)), first)
     model.reset()
     del model

@@ -1,33 +1,29 @@
 """Repacked weight layouts kept on disk between processes (issue 62: open -> first logits).
 
 The repacked copies (`poly.runtime.repack`: rows by 16 or 8, float rows k-major) are a pure
-function of a matrix's stored bytes, yet made again by every process that opens the model. Made
-once, each is written as a .npy file under ``$POLY_HOME/layouts/<source>/`` (default
-~/.cache/poly), where <source> hashes the model file's identity (path, device, inode, size,
-mtime, its first 64 KB) and the C extension's build (setup.py's hash of its sources, compiler and
-flags: the same build installed elsewhere or run on other thread counts shares the directory; a
-build of other sources may lay rows out differently). A later open maps the file copy-on-write instead of repacking: no copy is made,
-the first forward pulls the pages from the page cache (decode speed then depends on how the page
-cache holds them: docs/performance.md). It also maps the model file's other kept pages from one
-`kept-*.bin` copy (`KeptPages`) instead of reading them, so a rewrite of the model file cannot
-reach the model. A changed model file or extension is another directory, never a stale layout.
-A `.entity` file whose blob checksums all matched leaves a `blobs-verified` marker there
-(`mark_verified`): a later open of the same file skips them (`EntityFile(verify="once")`,
-`load_entity`'s default). Nothing here is rewritten in place (a mapping of a file cut short
-would fault): new files are renamed in (`write_renamed`).
+function of a matrix's stored bytes, yet made again by every process that opens the model. The
+open that makes them writes them under ``$POLY_HOME/layouts/<source>/`` (default ~/.cache/poly)
+as one pack (`layout_pack`, at the end of `packing`: entity.load) or, made outside an open, as
+.npy files. <source> hashes the model file's identity (path, device, inode, size, mtime, its
+first 64 KB) and the C extension's build (setup.py's hash of its sources, compiler and flags: a
+build of other sources may lay rows out differently). A later open maps them copy-on-write: no
+copy is made, the first forward pulls the pages from the page cache. It also maps the model
+file's other kept pages from one `kept-*.bin` copy (`KeptPages`) instead of reading them, so a
+rewrite of the model file cannot reach the model. A `.entity` file whose blob checksums all
+matched leaves a `blobs-verified` marker there (`mark_verified`): a later open of the same file
+skips them. Nothing is rewritten in place (a mapping of a file cut short would fault): files
+are renamed in (`write_renamed`), a reader never sees half a file.
 
-Files are plain .npy; one is used only when its header is byte for byte the one poly writes for
-the expected shape and dtype and its size matches (pickles are never read), else it is ignored
-and written again (truncated, corrupt, of another version). Written to a temporary name and
-renamed: a reader never sees half a file. A directory whose source file is gone or changed is
-removed when a new one is written. POLY_LAYOUT_CACHE=0 turns it off (nothing read or
-written); matrices under 64 KB are not cached. The layouts are a second copy of the weights:
-past POLY_LAYOUT_CACHE_MAX bytes in all (default 16 GiB: an 8B-class Q8_0 and a few small
-models) the directories used longest ago are removed when a new one is written, a model file
-larger than that is not cached at all (its copies are made in C at each open), and none is
-written where it would leave less than 5% of the disk free (`_has_room`). A model file of
-LATER_BYTES or more has its layouts written on the cache writer's thread after the open
-(`write_renamed_later`: 8 GB is tens of seconds of disk); the process's exit waits for them.
+A .npy file is used only when its header is byte for byte the one poly writes for the expected
+shape and dtype and its size matches, a pack's entry only for the dtype and shape asked for
+(pickles are never read); else it is ignored and written again. A directory whose source file
+is gone or changed is removed when a new one is written. POLY_LAYOUT_CACHE=0 turns it off;
+matrices under 64 KB are not cached. Past POLY_LAYOUT_CACHE_MAX bytes in all (default 16 GiB)
+the directories used longest ago are removed, a model file larger than that is not cached at
+all (its copies are made in C at each open), and nothing is written where it would leave less
+than 5% of the disk free (`_has_room`). A model file of LATER_BYTES or more has its layouts
+written on the cache writer's thread after the open (`write_renamed_later`: 8 GB is tens of
+seconds of disk); the process's exit waits for them.
 """
 
 from __future__ import annotations
@@ -39,12 +35,14 @@ import json
 import math
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from poly.digest import hasher, hexdigest
 from poly.filesnapshot import FileSnapshot, map_private, snapshot_of
+from poly.runtime import layout_pack
 from poly.runtime.cache_files import poly_home, write_renamed, write_renamed_later
 
 VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
@@ -108,38 +106,93 @@ def _source_dir(snap: FileSnapshot) -> Path | None:
     return snap._layout_dir
 
 
-def _entry(raw: np.ndarray, name: str, extra: bytes) -> tuple[FileSnapshot, Path] | None:
-    """(snapshot, .npy path) of the layout `name` of `raw`, or None where it is not cached:
-    off, small, or `raw` is not a view of a model file read by `FileSnapshot`."""
-    if not enabled() or raw.nbytes < MIN_BYTES:
+def _entry(raw: np.ndarray, name: str, extra: bytes) -> tuple[FileSnapshot, Path, str] | None:
+    """(snapshot, directory, key) of the layout `name` of `raw` (its .npy file is <key>.npy), or
+    None where it is not cached: off, small, or `raw` is not a view of a file's `FileSnapshot`."""
+    if raw.nbytes < MIN_BYTES:
         return None
     snap = snapshot_of(raw)
-    # a file past the cap: its layouts would evict every other model's, then its own
-    if snap is None or snap.closed or snap.size > max_bytes():
+    if snap is None or snap.closed:
         return None
-    folder = _source_dir(snap)
+    folder = snap.__dict__.get("_layout_use", False)
+    if folder is False:  # a file past the cap: its layouts would evict every other model's
+        off = not enabled() or snap.size > max_bytes()
+        folder = snap._layout_use = None if off else _source_dir(snap)
     if folder is None:
         return None
     offset = snap.offset_of(raw)
     tag = hexdigest(extra)[:12] if extra else "0"
-    return snap, folder / f"{offset}-{raw.nbytes}-{name}-{tag}.npy"
+    return snap, folder, f"{offset}-{raw.nbytes}-{name}-{tag}"
 
 
 def load(raw: np.ndarray, name: str, shape: tuple, dtype, extra: bytes = b"") -> np.ndarray | None:
-    """The cached layout `name` of `raw` (of `shape` and `dtype`), read into aligned memory of
-    our own, or None (not cached, off, or a file that does not match: then `store` writes it)."""
+    """The cached layout `name` of `raw` (of `shape` and `dtype`) mapped from its model's pack or
+    its .npy file, or None (not cached, off, or a file that does not match: `store` writes it)."""
     got = _entry(raw, name, extra)
-    return None if got is None else _read(got[1], tuple(shape), np.dtype(dtype))
+    if got is None:
+        return None
+    snap, folder, key = got
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    pack = _pack_of(snap, folder)
+    found = None if pack is None else pack.get(key, shape, dtype)
+    return found if found is not None else _read(folder / f"{key}.npy", shape, dtype)
 
 
 def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> None:
-    """Write `out`, the layout `name` of `raw`; errors (a full disk, no permission) leave it
-    uncached."""
+    """Write `out`, the layout `name` of `raw`: into its model's pack at the end of a `packing`
+    block, else as a .npy file; errors (a full disk, no permission) leave it uncached."""
     got = _entry(raw, name, extra)
-    if got is not None:
-        _write(got[0], got[1], lambda f: np.lib.format.write_array(
-            f, np.ascontiguousarray(out), allow_pickle=False),
-            later=got[0].size >= LATER_BYTES)  # fmt: skip
+    if got is None:
+        return
+    snap, folder, key = got
+    pending = getattr(_PACKING, "pending", None)
+    if pending is not None:
+        pending.setdefault(id(snap), (snap, {}))[1][key] = out
+        return
+    _write(snap, folder / f"{key}.npy", lambda f: np.lib.format.write_array(
+        f, np.ascontiguousarray(out), allow_pickle=False), later=snap.size >= LATER_BYTES)  # fmt: skip
+
+
+_PACKING = threading.local()
+
+
+@contextlib.contextmanager
+def packing():
+    """Layouts stored inside the block (a model's open) are written at its end as one pack per
+    model file (`layout_pack`), which later opens map once; where that file already has a pack,
+    as .npy files. A block left by an error writes nothing; nested blocks write at the outer's
+    end."""
+    if getattr(_PACKING, "pending", None) is not None:
+        yield
+        return
+    _PACKING.pending = {}
+    try:
+        yield
+        made, _PACKING.pending = _PACKING.pending, None
+        for snap, arrays in made.values():
+            _write_pack(snap, arrays)
+    finally:
+        _PACKING.pending = None
+
+
+def _write_pack(snap: FileSnapshot, arrays: dict[str, np.ndarray]) -> None:
+    folder, later = _source_dir(snap), snap.size >= LATER_BYTES
+    if folder is None:
+        return
+    if _pack_of(snap, folder) is None:
+        _write(snap, folder / layout_pack.NAME, layout_pack.fill(arrays), later)
+        return
+    for key, out in arrays.items():  # layouts its pack lacks (made after it was written)
+        _write(snap, folder / f"{key}.npy", lambda f, out=out: np.lib.format.write_array(
+            f, np.ascontiguousarray(out), allow_pickle=False), later)  # fmt: skip
+
+
+def _pack_of(snap: FileSnapshot, folder: Path) -> layout_pack.Pack | None:
+    """The pack of `snap`'s file, mapped at its first use in this process."""
+    got = getattr(snap, "_layout_pack", False)
+    if got is False:
+        got = snap._layout_pack = layout_pack.read(folder / layout_pack.NAME)
+    return got
 
 
 def _write(snap: FileSnapshot, path: Path, fill, later: bool = False) -> None:
@@ -197,63 +250,6 @@ def mark_verified(snap: FileSnapshot) -> None:
     path = _verified_path(snap)
     if path is not None:
         _write(snap, path, lambda f: None)
-
-
-class KeptPages:
-    """The pages of a model file that no repacked copy replaces (`FileSnapshot.settle`'s kept
-    ranges: matrices read as stored, norms, pinned tables), kept as one file per set of ranges,
-    each range at a page boundary. A later open maps them from it copy-on-write instead of
-    reading the model file into anonymous memory (issue 62: open time)."""
-
-    @staticmethod
-    def _path(snap: FileSnapshot, keep: list[tuple[int, int]]) -> Path | None:
-        if not enabled() or snap.size > max_bytes() or not keep:
-            return None
-        folder = _source_dir(snap)
-        tag = hexdigest(repr(keep).encode())[:16]
-        return None if folder is None else folder / f"kept-{tag}.bin"
-
-    def map(self, snap: FileSnapshot, keep: list[tuple[int, int]]) -> bool:
-        path = self._path(snap, keep)
-        if path is None:
-            return False
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            offsets = _page_offsets(keep)
-            if os.fstat(fd).st_size != offsets[-1]:
-                return False
-            return all(snap.map_copy(lo, hi, fd, at) for (lo, hi), at in zip(keep, offsets))
-        finally:
-            os.close(fd)  # the mappings hold the file
-
-    def store(self, snap: FileSnapshot, keep: list[tuple[int, int]]) -> None:
-        path = self._path(snap, keep)
-        if path is None:
-            return
-        offsets = _page_offsets(keep)
-
-        def fill(f) -> None:
-            with memoryview(snap) as mv:
-                for (lo, hi), at in zip(keep, offsets):
-                    f.seek(at)
-                    f.write(mv[lo:hi])
-                f.truncate(offsets[-1])
-
-        _write(snap, path, fill)
-
-
-def _page_offsets(keep: list[tuple[int, int]]) -> list[int]:
-    """Where each range starts in a kept-pages file, and (last) the file's size."""
-    out = [0]
-    for lo, hi in keep:
-        out.append(out[-1] + -(-(hi - lo) // mmap.PAGESIZE) * mmap.PAGESIZE)
-    return out
-
-
-KEPT = KeptPages()
 
 
 def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:

@@ -24,8 +24,7 @@ def serve(w, rows) -> None:
 def unpin(snap, table: np.ndarray) -> None:
     """Forget the pins of `table`'s rows in `snap` (a `poly.filesnapshot.FileSnapshot`, or None)."""
     if snap is not None and hasattr(snap, "unpin"):
-        with memoryview(snap) as mv:
-            snap.unpin(table.ctypes.data - np.frombuffer(mv, np.uint8).ctypes.data, table.nbytes)
+        snap.unpin(snap.offset_of(table), table.nbytes)
 
 
 def float_rows(out: np.ndarray, dtype):
