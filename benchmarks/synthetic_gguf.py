@@ -78,7 +78,7 @@ def write(
     ffn: int = 8192,
     heads: int = 32,
     kv_heads: int = 8,
-    context: int = 4096,
+    context: int = 16384,  # the matrix opens at the longest prompt + context (8,192 + 8,000)
     seed: int = 0,
 ) -> Path:
     """Write the model to `dst` (through a temp file renamed at the end)."""
