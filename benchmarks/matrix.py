@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 1000])
     ap.add_argument("--agree-new", type=int, default=64, help="greedy tokens compared with f32")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--no-entity", action="store_true", help="skip the .entity copies")
     ap.add_argument("--kv-cache", dest="kv_cache", choices=("f32", "f16", "q8_0"), default="f32",
                     help="poly's KV cache; q8_0: llama.cpp's too (else its default, f16)")  # fmt: skip
     ap.add_argument("--llama-buffers", dest="llama_buffers", choices=("default", "plain"),
@@ -238,7 +239,7 @@ def engine_specs(model: str, precision: str, files: dict, args) -> dict[str, dic
     base = {"threads": args.threads}
     ours = dict(base, kind="poly", kv_cache=args.kv_cache, n_ctx=n_ctx)
     specs = {"poly": dict(ours, path=str(files["gguf"]))}
-    if "entity" in files:
+    if "entity" in files and not args.no_entity:
         specs[f"poly-entity-{ENTITY_IN[precision]}"] = dict(ours, path=str(files["entity"]))
     llama = dict(kind="llama", path=str(files["gguf"]), n_ctx=n_ctx, buffers=args.llama_buffers,
                  kv="q8_0" if args.kv_cache == "q8_0" else "f16")  # fmt: skip

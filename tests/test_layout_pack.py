@@ -101,3 +101,24 @@ def test_layouts_a_pack_lacks_go_to_npy_files(home, served, monkeypatch):  # noq
     with monkeypatch.context() as m:
         _no_repacking(m)
         assert np.array_equal(_logits(served), first)
+
+
+def test_an_earlier_versions_npy_files_move_into_a_pack(home, served, monkeypatch):  # noqa: F811
+    """A cache of .npy files (as poly wrote before packs) is read, then written as one pack and
+    its files removed; the next open maps the pack and repacks nothing."""
+    import contextlib
+
+    from poly.runtime import layout_cache
+
+    with monkeypatch.context() as m:
+        m.setattr(layout_cache, "packing", contextlib.nullcontext)
+        first = _logits(served)
+    names = _layouts(home)
+    assert len(list(home.rglob("*.npy"))) == len(names) >= 3
+    with monkeypatch.context() as m:
+        _no_repacking(m)
+        assert np.array_equal(_logits(served), first)
+    assert not list(home.rglob("*.npy")) and _layouts(home) == names
+    with monkeypatch.context() as m:
+        _no_repacking(m)
+        assert np.array_equal(_logits(served), first)

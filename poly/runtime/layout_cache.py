@@ -135,7 +135,9 @@ def load(raw: np.ndarray, name: str, shape: tuple, dtype, extra: bytes = b"") ->
     shape, dtype = tuple(shape), np.dtype(dtype)
     pack = _pack_of(snap, folder)
     found = None if pack is None else pack.get(key, shape, dtype)
-    return found if found is not None else _read(folder / f"{key}.npy", shape, dtype)
+    if found is None and (found := _read(folder / f"{key}.npy", shape, dtype)) is not None:
+        _pend(snap, key, found, served=True)  # an earlier open's file: moved into a new pack
+    return found
 
 
 def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> None:
@@ -145,15 +147,28 @@ def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> No
     if got is None:
         return
     snap, folder, key = got
-    pending = getattr(_PACKING, "pending", None)
-    if pending is not None:
-        pending.setdefault(id(snap), (snap, {}))[1][key] = out
-        return
-    _write(snap, folder / f"{key}.npy", lambda f: np.lib.format.write_array(
-        f, np.ascontiguousarray(out), allow_pickle=False), later=snap.size >= LATER_BYTES)  # fmt: skip
+    if not _pend(snap, key, out):
+        _write(snap, folder / f"{key}.npy", _npy(out), later=snap.size >= LATER_BYTES)
+
+
+def _npy(out: np.ndarray):
+    return lambda f: np.lib.format.write_array(f, np.ascontiguousarray(out), allow_pickle=False)
 
 
 _PACKING = threading.local()
+
+
+def _pend(snap: FileSnapshot, key: str, out: np.ndarray, served: bool = False) -> bool:
+    """Keep `out` for the pack of the `packing` block running (False: none runs); `served`: it
+    was mapped from its .npy file."""
+    pending = getattr(_PACKING, "pending", None)
+    if pending is None:
+        return False
+    arrays, files = pending.setdefault(id(snap), (snap, {}, []))[1:]
+    arrays[key] = out
+    if served:
+        files.append(key)
+    return True
 
 
 @contextlib.contextmanager
@@ -169,22 +184,31 @@ def packing():
     try:
         yield
         made, _PACKING.pending = _PACKING.pending, None
-        for snap, arrays in made.values():
-            _write_pack(snap, arrays)
+        for snap, arrays, served in made.values():
+            _write_pack(snap, arrays, served)
     finally:
         _PACKING.pending = None
 
 
-def _write_pack(snap: FileSnapshot, arrays: dict[str, np.ndarray]) -> None:
+def _write_pack(snap: FileSnapshot, arrays: dict[str, np.ndarray], served: list[str]) -> None:
+    """A pack of `arrays` where `snap`'s file has none: the .npy files of the `served` ones (an
+    earlier version's cache) removed once it is written; else the made ones as .npy files (the
+    layouts its pack lacks)."""
     folder, later = _source_dir(snap), snap.size >= LATER_BYTES
     if folder is None:
         return
     if _pack_of(snap, folder) is None:
-        _write(snap, folder / layout_pack.NAME, layout_pack.fill(arrays), later)
+        fill = layout_pack.fill(arrays)
+
+        def fill_and_remove(f) -> None:
+            fill(f)
+            for key in served:
+                (folder / f"{key}.npy").unlink(missing_ok=True)
+
+        _write(snap, folder / layout_pack.NAME, fill_and_remove, later)
         return
-    for key, out in arrays.items():  # layouts its pack lacks (made after it was written)
-        _write(snap, folder / f"{key}.npy", lambda f, out=out: np.lib.format.write_array(
-            f, np.ascontiguousarray(out), allow_pickle=False), later)  # fmt: skip
+    for key in set(arrays).difference(served):
+        _write(snap, folder / f"{key}.npy", _npy(arrays[key]), later)
 
 
 def _pack_of(snap: FileSnapshot, folder: Path) -> layout_pack.Pack | None:
