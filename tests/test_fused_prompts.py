@@ -216,3 +216,31 @@ def test_the_last_block_runs_its_ffn_on_the_last_row_only(scheme, monkeypatch):
     np.testing.assert_allclose(got, every[-1], rtol=0, atol=tol * scale)
     for a, b in zip(kv_fused, kv_all):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
+
+
+def test_a_prompt_reaching_past_long_context_runs_on_the_reference_path(monkeypatch):
+    """Past dispatch.LONG_CONTEXT (the cache's length and the prompt's) a longer prompt than
+    one call takes runs on the reference path (its attention two GEMMs per 128 queries), even
+    where fused calls win; short of it, and for a prompt of one call, the fused calls."""
+    tf = random_transformer(tiny_cfg(max_seq_len=256), seed=4)
+    monkeypatch.setattr(dispatch, "calls_win", lambda model, plan, n: True)
+    monkeypatch.setattr(dispatch, "LONG_CONTEXT", 120)
+    calls = []
+    real = ckernels.decode
+
+    def spy(layers, caches, head, x, logits, pos, *rest):
+        calls.append((x.shape[0], pos[0]))
+        return real(layers, caches, head, x, logits, pos, *rest)
+
+    monkeypatch.setattr(ckernels, "decode", spy)
+    prompt = [(7 * i + 3) % 120 for i in range(100)]
+    tf.reset()
+    tf.forward(prompt)  # ends at 100: fused calls
+    assert calls == [(50, 0), (50, 50)]
+    got = tf.forward(prompt[:30])  # one call's worth: fused although it ends at 130
+    assert calls[2:] == [(30, 100)]
+    tf.reset()
+    calls.clear()
+    long = tf.forward(prompt + prompt[:30])  # 130 tokens from 0: the reference path
+    assert calls == [] and tf.position == 130
+    np.testing.assert_allclose(long, got, rtol=0, atol=2e-5 * np.abs(got).max())

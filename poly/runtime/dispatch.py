@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from poly.nn import mha
 from poly.runtime import ckernels, crossover, fused, prefill
 
 # The shipped rule (`shipped_rule`); the A/B runs behind each value: benchmarks/results/README.md
@@ -26,6 +27,11 @@ CALLS_WIN = frozenset({ckernels.F16, ckernels.Q4_1})
 # Loom q4 blocks leave SMALL_WIDTH's fused calls past this. Measured per machine (tune cache)
 NARROW_EXCEPT = frozenset({ckernels.LOOM_Q4})
 NARROW_EXCEPT_MAX = 320
+# longer prompts that reach past this position: the reference path at any width. A fused call
+# attends row by row, reading every earlier key and value once per row; the reference path
+# multiplies 128 queries at a time by the keys in two GEMMs (ckernels.attend). Not probed (a
+# probe at such contexts costs seconds): docs/performance.md, "Long prompts"
+LONG_CONTEXT = 1024
 
 
 def shipped_rule(model, p: fused.Plan, n: int) -> bool:
@@ -52,9 +58,12 @@ def calls_win(model, p: fused.Plan, n: int) -> bool:
 
 def fused_prompt(model, p: fused.Plan, n: int) -> bool:
     """Whether an n-token prompt (n >= 2) runs as fused calls: one call up to FUSED_PREFILL_MAX
-    tokens unless this machine measured otherwise, `calls_win` past it."""
+    tokens unless this machine measured otherwise, `calls_win` past it but for one that reaches
+    past LONG_CONTEXT."""
     if n <= FUSED_PREFILL_MAX:
         return crossover.fused_wins(model, p, n, True) if ckernels.SIMD else True
+    if p.attn and mha.live_cache(p.attn[0]).length + n > LONG_CONTEXT:
+        return False
     return calls_win(model, p, n)
 
 

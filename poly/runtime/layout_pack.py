@@ -63,7 +63,7 @@ def read(path: Path) -> Pack | None:
         if mapped is None:
             mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         return Pack(mapped, entries)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: an index nested too deep
         return None
     finally:
         os.close(fd)  # the mapping holds the file
