@@ -81,3 +81,21 @@ def test_pure_quantization_puts_every_matrix_in_one_type(kind, smollm2_gguf, tmp
     assert len(matrices) == 1 + 2 * 7
     assert all(pure[n] == want for n in matrices)
     assert any(mixed[n] != want for n in matrices)  # the preset mixes types: pure is not it
+
+
+def test_prefill_paths_times_each_path(smollm2_gguf, tmp_path, monkeypatch):
+    """benchmarks.prefill_paths runs each prompt as fused calls and on the reference path (the
+    dispatcher's choice overridden, then put back) and writes both paths' tok/s."""
+    from benchmarks import prefill_paths
+    from poly.runtime import dispatch, fused
+
+    real, calls = dispatch.fused_prompt, []
+    calls_real = fused.prefill_calls
+    monkeypatch.setattr(fused, "prefill_calls", lambda *a: calls.append(1) or calls_real(*a))
+    out = tmp_path / "paths.json"
+    prefill_paths.main([str(smollm2_gguf), "--lengths", "70", "--rounds", "2", "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert set(got["tok_s"]["70"]) == {"fused", "reference"}
+    assert all(len(v) == 2 for v in got["seconds"]["70"].values())
+    assert len(calls) == 2, "the fused path ran once a round, the reference path never"
+    assert dispatch.fused_prompt is real

@@ -27,7 +27,7 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home" / "layouts"
 
 
-def _logits(path) -> np.ndarray:
+def logits_of(path) -> np.ndarray:
     import entity
 
     model = entity.load(path)
@@ -36,7 +36,7 @@ def _logits(path) -> np.ndarray:
     return out
 
 
-def _no_repacking(monkeypatch) -> None:
+def no_repacking(monkeypatch) -> None:
     """Repacking raises: a load that passes read every layout from the cache."""
     from poly.runtime import repack
 
@@ -61,7 +61,7 @@ def _files(root) -> list:
     return sorted(root.rglob("*.npy"))
 
 
-def _layouts(root) -> list[str]:
+def cached_layouts(root) -> list[str]:
     """The cached layouts' names: their .npy files' and their packs' entries."""
     from poly.runtime import layout_pack
 
@@ -103,14 +103,14 @@ def test_cached_entity_layouts_give_the_same_logits(home, tiny, tmp_path, monkey
     path = tmp_path / f"m-{quant}.entity"
     entity.convert(str(tiny), str(path), quant=quant)
     monkeypatch.setenv("POLY_LAYOUT_CACHE", "0")
-    off = _logits(path)
+    off = logits_of(path)
     assert not home.exists()
     monkeypatch.delenv("POLY_LAYOUT_CACHE")
-    cold = _logits(path)  # repacked, then written
-    assert _layouts(home), "no layout written"
+    cold = logits_of(path)  # repacked, then written
+    assert cached_layouts(home), "no layout written"
     with monkeypatch.context() as m:
-        _no_repacking(m)
-        warm = _logits(path)
+        no_repacking(m)
+        warm = logits_of(path)
     assert np.array_equal(off, cold) and np.array_equal(off, warm)
     ref = hf_logits(tiny, IDS)[-1]
     if quant == "f16":
@@ -125,16 +125,16 @@ def test_cached_q4_1_rows_give_the_same_logits(home, smollm2_gguf, monkeypatch):
     if not (ckernels.AVAILABLE and ckernels.EXT.info().get("interleave16")):
         pytest.skip("no repacked rows in this build")
     monkeypatch.setenv("POLY_LAYOUT_CACHE", "0")
-    off = _logits(smollm2_gguf)
+    off = logits_of(smollm2_gguf)
     monkeypatch.delenv("POLY_LAYOUT_CACHE")
-    cold = _logits(smollm2_gguf)
+    cold = logits_of(smollm2_gguf)
     # a layout per block matrix; q and k (GGUF permutes their rows) their rows in order too
-    assert len(_layouts(home)) >= 30 * 7
-    assert len([f for f in _layouts(home) if "-rows-" in f]) == 30 * 2
+    assert len(cached_layouts(home)) >= 30 * 7
+    assert len([f for f in cached_layouts(home) if "-rows-" in f]) == 30 * 2
     with monkeypatch.context() as m:
-        _no_repacking(m)
+        no_repacking(m)
         m.setattr(np, "ascontiguousarray", _refuse_reordering(np.ascontiguousarray))
-        warm = _logits(smollm2_gguf)
+        warm = logits_of(smollm2_gguf)
     assert np.array_equal(off, cold) and np.array_equal(off, warm)
 
 
@@ -160,11 +160,11 @@ def _f16(ck, path):
 
 def test_a_changed_file_gets_fresh_layouts(home, tiny, tmp_path):
     served = _f16(tiny, tmp_path / "m.entity")
-    first = _logits(served)
+    first = logits_of(served)
     dirs = sorted(p.name for p in home.iterdir())
     other = make_tiny_checkpoint(tmp_path / "other", "llama", tied=True, seed=3)
     shutil.copy(_f16(other, tmp_path / "o.entity"), served)  # same path, new bytes
-    second = _logits(served)
+    second = logits_of(served)
     assert not np.array_equal(first, second)
     np.testing.assert_allclose(second, hf_logits(other, IDS)[-1], rtol=0.05, atol=0.05)
     now = sorted(p.name for p in home.iterdir())
@@ -183,7 +183,7 @@ class _Boom:
 
 def test_a_corrupt_cache_file_is_ignored_never_unpickled(home, tiny, tmp_path, npy_only):
     served = _f16(tiny, tmp_path / "m.entity")
-    good = _logits(served)
+    good = logits_of(served)
     files = _files(home)
     assert len(files) >= 3
     marker = tmp_path / "unpickled"
@@ -195,7 +195,7 @@ def test_a_corrupt_cache_file_is_ignored_never_unpickled(home, tiny, tmp_path, n
     raw = bytearray(files[2].read_bytes())
     raw[:6] = b"\x00" * 6  # not a .npy file
     files[2].write_bytes(bytes(raw))
-    again = _logits(served)
+    again = logits_of(served)
     assert not marker.exists()
     assert np.array_equal(good, again)
     for f in files[:3]:  # rewritten as valid layouts
@@ -206,12 +206,12 @@ def test_a_corrupt_cache_file_is_ignored_never_unpickled(home, tiny, tmp_path, n
 def test_a_file_larger_than_the_cap_is_not_cached(home, tiny, tmp_path, monkeypatch):
     # its layouts would evict every other model's, then its own at the next open of another
     served = _f16(tiny, tmp_path / "m.entity")
-    first = _logits(served)
-    assert _layouts(home)  # under the cap: cached
+    first = logits_of(served)
+    assert cached_layouts(home)  # under the cap: cached
     shutil.rmtree(home)
     monkeypatch.setenv("POLY_LAYOUT_CACHE_MAX", str(os.path.getsize(served) - 1))
-    np.testing.assert_array_equal(_logits(served), first)
-    assert not home.exists() or not _layouts(home)
+    np.testing.assert_array_equal(logits_of(served), first)
+    assert not home.exists() or not cached_layouts(home)
 
 
 def test_nothing_is_written_where_the_disk_would_be_left_short(home, tiny, tmp_path, monkeypatch):
@@ -230,11 +230,11 @@ def test_nothing_is_written_where_the_disk_would_be_left_short(home, tiny, tmp_p
             self.f_bavail = size // real.f_frsize + int(share * 1000) + 1
 
     monkeypatch.setattr(layout_cache.os, "statvfs", lambda _: Disk(0.02))
-    first = _logits(served)
+    first = logits_of(served)
     assert not home.exists() or not list(home.rglob("*.*"))
     monkeypatch.setattr(layout_cache.os, "statvfs", lambda _: Disk(0.10))
-    np.testing.assert_array_equal(_logits(served), first)
-    assert _layouts(home) and list(home.rglob("kept-*.bin"))
+    np.testing.assert_array_equal(logits_of(served), first)
+    assert cached_layouts(home) and list(home.rglob("kept-*.bin"))
 
 
 def test_a_large_models_layouts_are_written_after_the_open(home, tiny, tmp_path, monkeypatch):
@@ -244,11 +244,11 @@ def test_a_large_models_layouts_are_written_after_the_open(home, tiny, tmp_path,
 
     monkeypatch.setattr(layout_cache, "LATER_BYTES", 0)
     served = _f16(tiny, tmp_path / "m.entity")
-    first = _logits(served)
+    first = logits_of(served)
     cache_files.flush()
-    assert _layouts(home)
-    _no_repacking(monkeypatch)
-    np.testing.assert_array_equal(_logits(served), first)
+    assert cached_layouts(home)
+    no_repacking(monkeypatch)
+    np.testing.assert_array_equal(logits_of(served), first)
 
 
 def test_the_exit_waits_for_the_layouts_being_written(home, tiny, tmp_path):
@@ -267,7 +267,7 @@ def test_the_exit_waits_for_the_layouts_being_written(home, tiny, tmp_path):
     env = {**os.environ, "POLY_HOME": str(home.parent)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    assert _layouts(home) and not list(home.rglob("*.tmp"))
+    assert cached_layouts(home) and not list(home.rglob("*.tmp"))
 
 
 def _mapped_files() -> set[str]:
@@ -286,7 +286,7 @@ def test_kept_pages_and_layouts_are_mapped_from_the_cache(home, tiny, tmp_path):
 
     served = tmp_path / "m.entity"
     entity.convert(str(tiny), str(served), quant="q8")
-    first = _logits(served)
+    first = logits_of(served)
     kept = sorted(home.rglob("kept-*.bin"))
     assert len(kept) == 1 and kept[0].stat().st_size % os.sysconf("SC_PAGE_SIZE") == 0
     model = entity.load(served)
@@ -297,7 +297,7 @@ def test_kept_pages_and_layouts_are_mapped_from_the_cache(home, tiny, tmp_path):
     model.reset()
     del model
     kept[0].write_bytes(kept[0].read_bytes()[:-4096])  # a short copy: read the file, write anew
-    assert np.array_equal(_logits(served), first)
+    assert np.array_equal(logits_of(served), first)
     assert kept[0].stat().st_size % os.sysconf("SC_PAGE_SIZE") == 0
     assert kept[0].stat().st_size > os.path.getsize(served) // 8
 

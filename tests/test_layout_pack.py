@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.hf_fixtures import make_tiny_checkpoint
-from tests.test_layout_cache import _layouts, _logits, _no_repacking, home  # noqa: F401
+from tests.test_layout_cache import cached_layouts, home, logits_of, no_repacking  # noqa: F401
 
 
 @pytest.fixture
@@ -35,12 +35,12 @@ def _pack(root):
 
 
 def test_an_open_writes_one_pack_and_the_next_maps_it(home, served, monkeypatch):  # noqa: F811
-    first = _logits(served)
+    first = logits_of(served)
     assert not list(home.rglob("*.npy")), "layouts written one file each"
-    assert len(_layouts(home)) >= 3
+    assert len(cached_layouts(home)) >= 3
     with monkeypatch.context() as m:
-        _no_repacking(m)
-        assert np.array_equal(_logits(served), first)
+        no_repacking(m)
+        assert np.array_equal(logits_of(served), first)
 
 
 def _index(path) -> tuple[dict, int]:
@@ -61,7 +61,7 @@ def _rewrite_index(path, index: dict, n: int) -> None:
 
 @pytest.mark.parametrize("damage", ["object dtype", "past the end", "cut short", "not json"])
 def test_a_corrupt_pack_is_ignored_and_written_again(home, served, damage):  # noqa: F811
-    first = _logits(served)
+    first = logits_of(served)
     path = _pack(home)
     index, n = _index(path)
     key = next(iter(index["entries"]))
@@ -77,7 +77,7 @@ def test_a_corrupt_pack_is_ignored_and_written_again(home, served, damage):  # n
         raw = bytearray(path.read_bytes())
         raw[16:20] = b"\xff\xfe{["
         path.write_bytes(bytes(raw))
-    assert np.array_equal(_logits(served), first)
+    assert np.array_equal(logits_of(served), first)
     from poly.runtime import layout_pack
 
     assert layout_pack.read(_pack(home)) is not None, "the corrupt pack was not written again"
@@ -88,19 +88,19 @@ def test_layouts_a_pack_lacks_go_to_npy_files(home, served, monkeypatch):  # noq
     from poly.runtime import layout_pack
     from poly.runtime.cache_files import write_renamed
 
-    first = _logits(served)
+    first = logits_of(served)
     path = _pack(home)
     pack = layout_pack.read(path)
     kept = dict(list(pack.entries.items())[: len(pack.entries) // 2])
     arrays = {k: pack.get(k, shape, np.dtype(d)).copy() for k, (_, d, shape) in kept.items()}
     del pack
     assert write_renamed(path, layout_pack.fill(arrays))
-    assert np.array_equal(_logits(served), first)
+    assert np.array_equal(logits_of(served), first)
     assert len(list(home.rglob("*.npy"))) >= len(arrays) - 1
     assert sorted(layout_pack.read(path).entries) == sorted(arrays), "the pack was rewritten"
     with monkeypatch.context() as m:
-        _no_repacking(m)
-        assert np.array_equal(_logits(served), first)
+        no_repacking(m)
+        assert np.array_equal(logits_of(served), first)
 
 
 def test_an_earlier_versions_npy_files_move_into_a_pack(home, served, monkeypatch):  # noqa: F811
@@ -112,13 +112,13 @@ def test_an_earlier_versions_npy_files_move_into_a_pack(home, served, monkeypatc
 
     with monkeypatch.context() as m:
         m.setattr(layout_cache, "packing", contextlib.nullcontext)
-        first = _logits(served)
-    names = _layouts(home)
+        first = logits_of(served)
+    names = cached_layouts(home)
     assert len(list(home.rglob("*.npy"))) == len(names) >= 3
     with monkeypatch.context() as m:
-        _no_repacking(m)
-        assert np.array_equal(_logits(served), first)
-    assert not list(home.rglob("*.npy")) and _layouts(home) == names
+        no_repacking(m)
+        assert np.array_equal(logits_of(served), first)
+    assert not list(home.rglob("*.npy")) and cached_layouts(home) == names
     with monkeypatch.context() as m:
-        _no_repacking(m)
-        assert np.array_equal(_logits(served), first)
+        no_repacking(m)
+        assert np.array_equal(logits_of(served), first)

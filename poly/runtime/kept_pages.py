@@ -10,7 +10,7 @@ from pathlib import Path
 
 from poly.digest import hexdigest
 from poly.filesnapshot import FileSnapshot
-from poly.runtime.layout_cache import _source_dir, _write, enabled, max_bytes
+from poly.runtime.layout_cache import enabled, max_bytes, source_dir, write_file
 
 
 class KeptPages:
@@ -23,7 +23,7 @@ class KeptPages:
     def _path(snap: FileSnapshot, keep: list[tuple[int, int]]) -> Path | None:
         if not enabled() or snap.size > max_bytes() or not keep:
             return None
-        folder = _source_dir(snap)
+        folder = source_dir(snap)
         tag = hexdigest(repr(keep).encode())[:16]
         return None if folder is None else folder / f"kept-{tag}.bin"
 
@@ -56,7 +56,7 @@ class KeptPages:
                     f.write(mv[lo:hi])
                 f.truncate(offsets[-1])
 
-        _write(snap, path, fill)
+        write_file(snap, path, fill)
 
 
 def _page_offsets(keep: list[tuple[int, int]]) -> list[int]:

@@ -86,7 +86,7 @@ def _ext_identity() -> str:
     return f"{ckernels.EXT.__file__}|{st.st_size}|{st.st_mtime_ns}|{sorted(info.items())}"
 
 
-def _source_dir(snap: FileSnapshot) -> Path | None:
+def source_dir(snap: FileSnapshot) -> Path | None:
     """The directory of `snap`'s file (computed once per snapshot), None when it cannot be
     identified (fstat fails)."""
     got = getattr(snap, "_layout_dir", False)
@@ -117,7 +117,7 @@ def _entry(raw: np.ndarray, name: str, extra: bytes) -> tuple[FileSnapshot, Path
     folder = snap.__dict__.get("_layout_use", False)
     if folder is False:  # a file past the cap: its layouts would evict every other model's
         off = not enabled() or snap.size > max_bytes()
-        folder = snap._layout_use = None if off else _source_dir(snap)
+        folder = snap._layout_use = None if off else source_dir(snap)
     if folder is None:
         return None
     offset = snap.offset_of(raw)
@@ -148,7 +148,7 @@ def store(raw: np.ndarray, name: str, out: np.ndarray, extra: bytes = b"") -> No
         return
     snap, folder, key = got
     if not _pend(snap, key, out):
-        _write(snap, folder / f"{key}.npy", _npy(out), later=snap.size >= LATER_BYTES)
+        write_file(snap, folder / f"{key}.npy", _npy(out), later=snap.size >= LATER_BYTES)
 
 
 def _npy(out: np.ndarray):
@@ -194,7 +194,7 @@ def _write_pack(snap: FileSnapshot, arrays: dict[str, np.ndarray], served: list[
     """A pack of `arrays` where `snap`'s file has none: the .npy files of the `served` ones (an
     earlier version's cache) removed once it is written; else the made ones as .npy files (the
     layouts its pack lacks)."""
-    folder, later = _source_dir(snap), snap.size >= LATER_BYTES
+    folder, later = source_dir(snap), snap.size >= LATER_BYTES
     if folder is None:
         return
     if _pack_of(snap, folder) is None:
@@ -205,10 +205,10 @@ def _write_pack(snap: FileSnapshot, arrays: dict[str, np.ndarray], served: list[
             for key in served:
                 (folder / f"{key}.npy").unlink(missing_ok=True)
 
-        _write(snap, folder / layout_pack.NAME, fill_and_remove, later)
+        write_file(snap, folder / layout_pack.NAME, fill_and_remove, later)
         return
     for key in set(arrays).difference(served):
-        _write(snap, folder / f"{key}.npy", _npy(arrays[key]), later)
+        write_file(snap, folder / f"{key}.npy", _npy(arrays[key]), later)
 
 
 def _pack_of(snap: FileSnapshot, folder: Path) -> layout_pack.Pack | None:
@@ -219,7 +219,7 @@ def _pack_of(snap: FileSnapshot, folder: Path) -> layout_pack.Pack | None:
     return got
 
 
-def _write(snap: FileSnapshot, path: Path, fill, later: bool = False) -> None:
+def write_file(snap: FileSnapshot, path: Path, fill, later: bool = False) -> None:
     """`write_renamed` into `snap`'s directory, made (and the cache pruned) on its first file;
     ``later``: on the cache writer's thread (`write_renamed_later`). Errors (a full disk, no
     permission) leave it uncached, as does a disk short of room."""
@@ -258,7 +258,7 @@ def _has_room(snap: FileSnapshot) -> bool:
 
 
 def _verified_path(snap: FileSnapshot) -> Path | None:
-    folder = _source_dir(snap) if enabled() else None
+    folder = source_dir(snap) if enabled() else None
     return None if folder is None else folder / "blobs-verified"
 
 
@@ -273,7 +273,7 @@ def mark_verified(snap: FileSnapshot) -> None:
     """Record that every blob checksum of `snap`'s file matched (an empty marker file)."""
     path = _verified_path(snap)
     if path is not None:
-        _write(snap, path, lambda f: None)
+        write_file(snap, path, lambda f: None)
 
 
 def _read(path: Path, shape: tuple, dtype: np.dtype) -> np.ndarray | None:

@@ -48,8 +48,7 @@ def release_mapped(arr: np.ndarray) -> None:
 
     if (b := _mapping(arr)) is None:
         return
-    base = getattr(b, "address", None)  # a FileSnapshot's, else the mapping's own
-    a0 = arr.ctypes.data - (np.frombuffer(b, np.uint8).ctypes.data if base is None else base)
+    a0 = arr.ctypes.data - (getattr(b, "address", None) or np.frombuffer(b, np.uint8).ctypes.data)
     page = mmap.PAGESIZE
     p0, p1 = -(-a0 // page) * page, (a0 + arr.nbytes) // page * page
     if 0 <= p0 < p1:
