@@ -75,19 +75,24 @@ def test_which_long_prompts_run_as_fused_calls(hidden, scheme, n, wins):
     assert dispatch.calls_win(tf, fused.plan(tf), n) == (wins and ckernels.SIMD)
 
 
-def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
-    """Past STEP_ROWS tokens a prompt runs as ceil(n / 64) fused calls of equal size where
-    dispatch.calls_win, with the reference path's logits."""
-    tf = random_transformer(tiny_cfg(max_seq_len=256), seed=4)
-    quantize_all(tf, "float16")
-    calls = []
-    real = ckernels.decode
+def _decode_calls(monkeypatch) -> list:
+    """(rows, first position) of each fused call from now on (ckernels.decode spied on)."""
+    calls, real = [], ckernels.decode
 
     def spy(layers, caches, head, x, logits, pos, *rest):
         calls.append((x.shape[0], pos[0]))
         return real(layers, caches, head, x, logits, pos, *rest)
 
     monkeypatch.setattr(ckernels, "decode", spy)
+    return calls
+
+
+def test_a_long_prompt_runs_as_equal_fused_calls_where_they_win(monkeypatch):
+    """Past STEP_ROWS tokens a prompt runs as ceil(n / 64) fused calls of equal size where
+    dispatch.calls_win, with the reference path's logits."""
+    tf = random_transformer(tiny_cfg(max_seq_len=256), seed=4)
+    quantize_all(tf, "float16")
+    calls = _decode_calls(monkeypatch)
     monkeypatch.setattr(dispatch, "calls_win", lambda model, plan, n: True)
     prompt = [(7 * i + 3) % 120 for i in range(129)]
     tf.reset()
@@ -225,14 +230,7 @@ def test_a_prompt_reaching_past_long_context_runs_on_the_reference_path(monkeypa
     tf = random_transformer(tiny_cfg(max_seq_len=256), seed=4)
     monkeypatch.setattr(dispatch, "calls_win", lambda model, plan, n: True)
     monkeypatch.setattr(dispatch, "LONG_CONTEXT", 120)
-    calls = []
-    real = ckernels.decode
-
-    def spy(layers, caches, head, x, logits, pos, *rest):
-        calls.append((x.shape[0], pos[0]))
-        return real(layers, caches, head, x, logits, pos, *rest)
-
-    monkeypatch.setattr(ckernels, "decode", spy)
+    calls = _decode_calls(monkeypatch)
     prompt = [(7 * i + 3) % 120 for i in range(100)]
     tf.reset()
     tf.forward(prompt)  # ends at 100: fused calls
