@@ -113,8 +113,24 @@ def _same_file(a: Path, b: Path) -> bool:
 def check_output(
     path: str | os.PathLike, *, force: bool = False, inputs: Iterable[str | os.PathLike] = ()
 ) -> None:
-    """Raise the typed error `atomic_output` would raise for ``path`` (to fail before slow work)."""
-    _check_target(Path(os.path.abspath(os.fspath(path))), force, list(inputs))
+    """Raise the typed error `atomic_output` would raise for ``path`` (to fail before slow work),
+    including a directory that refuses new files (read-only filesystem, no permission)."""
+    out = Path(os.path.abspath(os.fspath(path)))
+    _check_target(out, force, list(inputs))
+    _probe_writable(out)
+
+
+def _probe_writable(out: Path) -> None:
+    """Create and remove the temp file `atomic_output` would create; a full disk is left to the
+    space checks of the real write (a probe of zero bytes proves nothing about room)."""
+    tmp = temp_name(out)
+    try:
+        os.close(open_locked_temp(tmp))
+    except OSError as exc:
+        if exc.errno in _SPACE_ERRNOS:
+            return
+        raise wrap_os_error(exc, out) from exc
+    _unlink_quiet(tmp)
 
 
 def _check_target(out: Path, force: bool, inputs: Iterable[str | os.PathLike]) -> None:

@@ -4,6 +4,7 @@ typed error, and the temp files of dead writers are swept."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -16,7 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from entity.atomic import atomic_output, open_locked_temp, sweep_stale_temps, temp_name
+from entity.atomic import (
+    atomic_output,
+    check_output,
+    open_locked_temp,
+    sweep_stale_temps,
+    temp_name,
+)
 from entity.dotentity.container import EntityFile, EntityWriter
 from poly.errors import InsufficientSpaceError, OutputExistsError, OutputPathError
 from tests.fuzz.corpus import ENTITY_ARRAYS, ENTITY_META
@@ -142,3 +149,30 @@ def test_sweeps_stale_temps_of_dead_processes(tmp_path):
         assert live.exists() and other.exists()
     finally:
         os.close(fd)
+
+
+def _refusing_create(monkeypatch, directory: Path, err: int) -> None:
+    real_open = os.open
+
+    def fake_open(path, flags, *a, **k):
+        if str(path).startswith(str(directory)) and flags & os.O_CREAT:
+            raise OSError(err, os.strerror(err), str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", fake_open)
+
+
+def test_check_output_probes_a_directory_that_refuses_new_files(tmp_path, monkeypatch):
+    _refusing_create(monkeypatch, tmp_path, errno.EROFS)
+    with pytest.raises(OutputPathError, match="Read-only file system"):
+        check_output(tmp_path / "m.entity")
+
+
+def test_check_output_leaves_a_full_disk_to_the_write(tmp_path, monkeypatch):
+    _refusing_create(monkeypatch, tmp_path, errno.ENOSPC)
+    check_output(tmp_path / "m.entity")  # the real write reports the space (typed) itself
+
+
+def test_check_output_probe_leaves_nothing_behind(tmp_path):
+    check_output(tmp_path / "m.entity")
+    assert list(tmp_path.iterdir()) == []
