@@ -260,6 +260,7 @@ def test_the_exit_waits_for_the_layouts_being_written(home, tiny, tmp_path):
     code = (
         "import entity\nfrom poly.runtime import layout_cache\n"
         "layout_cache.MIN_BYTES = layout_cache.LATER_BYTES = 0\n"
+        "layout_cache.FREE_SHARE = 0.0\n"  # as the `home` fixture: a CI disk may be nearly full
         "import time\nfrom poly.runtime import cache_files\nwrite = cache_files.write_renamed\n"
         "cache_files.write_renamed = lambda *a: (time.sleep(0.05), write(*a))[1]  # a slow disk\n"
         f"entity.load({str(served)!r})\n"
