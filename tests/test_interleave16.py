@@ -169,37 +169,32 @@ def test_the_python_gemm_reads_the_repacked_copy_bit_for_bit(scheme, float_path)
     assert not np.array_equal(got, ref)
 
 
-def test_repacked_q8_0_record_holds_scales_code_sums_and_codes(monkeypatch):
+def test_repacked_q8_0_record_holds_scales_and_codes(monkeypatch):
     rng = np.random.default_rng(6)
     qt = MAKERS["gguf_q8_0"](rng.standard_normal((32, 64)).astype(np.float32))
     kind, raw, _ = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
     rp = repack.interleave16(kind, raw, 32, 64)
-    assert rp.shape == (2, 2, 576)  # [groups, blocks, D + S + 8 x 64 codes]
+    assert rp.shape == (2, 2, 544)  # [groups, blocks, D + 8 x 64 codes]: the stored 16 x 34
     d = rp[..., 0:32].copy().view(np.float16).astype(np.float32)  # [g, b, 16]
-    s = rp[..., 32:64].copy().view(np.int16)
-    codes = rp[..., 64:].copy().view(np.int8).reshape(2, 2, 8, 16, 4)  # [g, b, q, row, i]
+    codes = rp[..., 32:].copy().view(np.int8).reshape(2, 2, 8, 16, 4)  # [g, b, q, row, i]
     codes = codes.transpose(0, 3, 1, 2, 4).reshape(2, 16, 2, 32)  # [g, row, b, element]
-    np.testing.assert_array_equal(codes.sum(axis=-1, dtype=np.int16), s.transpose(0, 2, 1))
     got = codes.astype(np.float32) * d.transpose(0, 2, 1)[..., None]
     np.testing.assert_array_equal(got.reshape(32, 64), qt.dequantize())
 
 
-def test_repacked_int8_record_holds_code_sums_and_codes(monkeypatch):
-    """.entity q8 rows (int8 codes, a float32 scale per row): S[16] then the codes as Q8_0's
-    record lays them out; the row scales stay where they are (the tile applies them last)."""
+def test_repacked_int8_record_holds_the_codes(monkeypatch):
+    """.entity q8 rows (int8 codes, a float32 scale per row): the codes as Q8_0's record lays
+    them out; the row scales stay where they are (the tile applies them last)."""
     rng = np.random.default_rng(7)
     qt = MAKERS["int8"](rng.standard_normal((32, 64)).astype(np.float32))
     kind, codes, scales = ckernels.operands(qt)
     monkeypatch.setattr(ckernels, "EXT", _FakeExt(ckernels.EXT))
     rp = repack.interleave16(kind, codes, 32, 64)
-    assert rp.shape == (2, 2, repack.INTERLEAVE16_REC_I8)  # [groups, blocks, S + 8 x 64 codes]
-    s = rp[..., 0:32].copy().view(np.int16)  # [g, b, 16]
-    got = rp[..., 32:].copy().view(np.int8).reshape(2, 2, 8, 16, 4)  # [g, b, q, row, i]
+    assert rp.shape == (2, 2, 512)  # [groups, blocks, 8 x 64 codes]
+    got = rp.copy().view(np.int8).reshape(2, 2, 8, 16, 4)  # [g, b, q, row, i]
     got = got.transpose(0, 3, 1, 2, 4).reshape(32, 64)  # [row, element]
     np.testing.assert_array_equal(got, codes)
-    sums = codes.reshape(2, 16, 2, 32).sum(axis=-1).transpose(0, 2, 1)  # [g, b, row]
-    np.testing.assert_array_equal(s, sums)
     np.testing.assert_array_equal(got * scales[:, None], qt.dequantize())
 
 

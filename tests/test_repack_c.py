@@ -48,7 +48,7 @@ def test_c_records_are_the_numpy_records(kind, m, k, monkeypatch):
 
 def test_bad_shapes_and_buffers_are_value_errors():
     raw = np.zeros((16, 34), np.uint8)
-    out = np.zeros((1, 1, 576), np.uint8)
+    out = np.zeros((1, 1, 544), np.uint8)
     ckernels.EXT.repack_records("q8_0", raw, 16, 32, out)
     for args in (("q9_0", raw, 16, 32, out), ("q8_0", raw, 15, 32, out),
                  ("q8_0", raw, 16, 64, out), ("q8_0", raw, 16, 32, out.reshape(-1)[:500])):  # fmt: skip

@@ -21,8 +21,8 @@
 
 #define IL16_REC 320 /* bytes per 16 rows and 32-block of Q4_1: D[16], M[16] float16, 4 x 64 codes (stored: 320) */
 #define IL16_REC4 288 /* Q4_0 and Loom Q4: D[16] float16, 4 x 64 codes (Q4_0 stored: 288) */
-#define IL16_REC8 576 /* Q8_0: D[16] float16, S[16] int16 (each row's code sum), 8 x 64 code bytes */
-#define IL16_RECI 544 /* int8 rows (.entity q8): S[16], 8 x 64 code bytes; the scales are per row (aux) */
+#define IL16_REC8 544 /* Q8_0: D[16] float16, 8 x 64 code bytes (stored: 544) */
+#define IL16_RECI 512 /* int8 rows (.entity q8): 8 x 64 code bytes; the scales are per row (aux) */
 /* the symmetric 4-bit kinds: M = -8 D, not stored */
 static inline int il16_sym(int kind) { return KINDS[kind]->il16 == IL16_SYM; }
 /* 8-bit codes (Q8_0, int8 rows), else 4-bit */
@@ -31,9 +31,11 @@ static inline int64_t il16_rec(int kind) {
     const int L = KINDS[kind]->il16;
     return L == IL16_Q8 ? IL16_REC8 : L == IL16_I8 ? IL16_RECI : L == IL16_SYM ? IL16_REC4 : IL16_REC;
 }
-/* where a record's code vectors and S (or M) start */
-static inline int64_t il16_codes_at(int kind) { return KINDS[kind]->il16 == IL16_I8 || il16_sym(kind) ? 32 : 64; }
-static inline int64_t il16_sums_at(int kind) { return kind == K_I8 ? 0 : 32; }
+/* where a record's code vectors start: after D[16] (and Q4_1's M[16]); int8 rows hold codes alone */
+static inline int64_t il16_codes_at(int kind) {
+    const int L = KINDS[kind]->il16;
+    return L == IL16_I8 ? 0 : L == IL16_Q8 || L == IL16_SYM ? 32 : 64;
+}
 /* IL16_KIND_SWITCH (the tiles' kind a constant per layout): formats/kinds.h */
 /* the bytes of an [m, k] matrix repacked by 16, or -1 when its kind or shape is not repacked
  * (the `rp` arguments of decode and gemm) */
@@ -109,7 +111,8 @@ static const int8_t *il16_inputs(const mm_args *A, int64_t c, int nn, int form, 
 /* rows [16 g, 16 g + 16) x the nn (<= 8) inputs of X (il16_inputs) into out rows c..; lanes
  * outside `keep` not stored. Q4: codes (u8) times x's codes (s8), + M * sum(x) per block; Q8_0:
  * x's codes as unsigned bytes (c + 128, il16_inputs) times the signed codes, less 128 * the
- * row's code sum (S), so the int32 sums are the signed products; int8 rows (K_I8) as Q8_0 with
+ * row's code sum (S, one vpdpbusd of ones per code vector, shared by the nn inputs: not stored,
+ * so a record is the stored block's 544 bytes), so the int32 sums are the signed products; int8 rows (K_I8) as Q8_0 with
  * D = 1, the row scales (aux) applied once at the end. kind is a constant here. */
 static inline __attribute__((always_inline)) void il16_tile(int kind, const mm_args *A, const uint8_t *rp, int64_t g,
                                                            const int8_t *X, int64_t c, __mmask16 keep, const int nn, const int x1) {
@@ -126,14 +129,18 @@ static inline __attribute__((always_inline)) void il16_tile(int kind, const mm_a
 #pragma GCC unroll 9
         for (int l = 0; l < rec; l += 64) prefetch_line((const char *)p + 2048 + l);
         const __m512 D = i8 ? _mm512_set1_ps(1.0f) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        /* M, or S (Q4_0 and Loom: no second field, M = -8 D) */
-        const __m256i second = sym ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(p + il16_sums_at(kind)));
-        const __m512 M = sym ? _mm512_mul_ps(D, _mm512_set1_ps(-8.0f)) : _mm512_cvtph_ps(second);
-        const __m512i S = _mm512_slli_epi32(_mm512_cvtepi16_epi32(second), 7);
-        __m512i w[8];
-        if (q8) {
+        /* Q4_1's M (Q4_0 and Loom: M = -8 D; Q8_0 and int8: none) */
+        const __m512 M = sym || q8 ? _mm512_mul_ps(D, _mm512_set1_ps(-8.0f))
+                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        __m512i w[8], S = _mm512_setzero_si512();
+        if (q8) { /* S: 128 * each row's code sum (ones as the unsigned bytes) */
+            const __m512i ones = _mm512_set1_epi8(1);
 #pragma GCC unroll 8
-            for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512((const void *)(p + co + 64 * q));
+            for (int q = 0; q < 8; q++) {
+                w[q] = _mm512_loadu_si512((const void *)(p + co + 64 * q));
+                S = _mm512_dpbusd_epi32(S, ones, w[q]);
+            }
+            S = _mm512_slli_epi32(S, 7);
         } else {
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++) { /* low nibbles: elements 4 q + i, high: 16 + 4 q + i */

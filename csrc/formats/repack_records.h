@@ -9,23 +9,16 @@
 #include <stdint.h>
 #include <string.h>
 
-/* One group of 16 rows [16][nb][bb] -> nb records: D[16] (f16 bits), then Q4_1's M[16] or
- * Q8_0's S[16] (int16 code sums), then nq 64-byte vectors, byte 4 r + i of vector q = the
- * stored code byte 4 q + i of row r. */
-static void il16_group(const uint8_t *rows, int64_t nb, int bb, int nq, int field2, int sums,
-                       uint8_t *out, int64_t rec) {
-    const int at = 32 * (1 + (field2 || sums));
+/* One group of 16 rows [16][nb][bb] -> nb records: D[16] (f16 bits), then Q4_1's M[16],
+ * then nq 64-byte vectors, byte 4 r + i of vector q = the stored code byte 4 q + i of row r. */
+static void il16_group(const uint8_t *rows, int64_t nb, int bb, int nq, int field2, uint8_t *out, int64_t rec) {
+    const int at = 32 * (1 + field2);
     for (int r = 0; r < 16; r++) {
         const uint8_t *blk = rows + (int64_t)r * nb * bb;
         for (int64_t b = 0; b < nb; b++, blk += bb) {
             uint8_t *o = out + b * rec;
             memcpy(o + 2 * r, blk, 2);
             if (field2) memcpy(o + 32 + 2 * r, blk + 2, 2);
-            if (sums) {
-                int16_t s = 0;
-                for (int i = 2; i < bb; i++) s = (int16_t)(s + (int8_t)blk[i]);
-                memcpy(o + 32 + 2 * r, &s, 2);
-            }
             const uint8_t *codes = blk + bb - 4 * nq;
             for (int q = 0; q < nq; q++) memcpy(o + at + 64 * q + 4 * r, codes + 4 * q, 4);
         }
@@ -93,11 +86,11 @@ static PyObject *py_repack_records(PyObject *self, PyObject *const *args, Py_ssi
     const char *layout = PyUnicode_AsUTF8(args[0]);
     const int64_t m = PyLong_AsLongLong(args[2]), k = PyLong_AsLongLong(args[3]);
     if (!layout || PyErr_Occurred()) return NULL;
-    int bb = 0, nq = 0, field2 = 0, sums = 0, rows = 16, cols = 32;
+    int bb = 0, nq = 0, field2 = 0, rows = 16, cols = 32;
     int64_t rec = 0;
     if (!strcmp(layout, "q4_0")) bb = 18, nq = 4, rec = 288;
     else if (!strcmp(layout, "q4_1")) bb = 20, nq = 4, field2 = 1, rec = 320;
-    else if (!strcmp(layout, "q8_0")) bb = 34, nq = 8, sums = 1, rec = 576;
+    else if (!strcmp(layout, "q8_0")) bb = 34, nq = 8, rec = 544;
     else if (!strcmp(layout, "q4_k")) bb = 144, rows = 8, cols = 256, rec = 1184;
     else if (!strcmp(layout, "q6_k")) bb = 210, rows = 8, cols = 256, rec = 1680;
     if (!bb || m <= 0 || k <= 0 || m % rows || k % cols) {
@@ -121,7 +114,7 @@ static PyObject *py_repack_records(PyObject *self, PyObject *const *args, Py_ssi
             const uint8_t *grp = src + g * rows * nb * bb;
             if (bb == 210) kil8q6_group(grp, nb, dst + g * nb * rec);
             else if (rows == 8) kil8_group(grp, nb, dst + g * nb * rec);
-            else il16_group(grp, nb, bb, nq, field2, sums, dst + g * nb * rec, rec);
+            else il16_group(grp, nb, bb, nq, field2, dst + g * nb * rec, rec);
         }
         Py_END_ALLOW_THREADS
     }

@@ -45,7 +45,8 @@ from poly.filesnapshot import FileSnapshot, map_private, snapshot_of
 from poly.runtime import layout_pack
 from poly.runtime.cache_files import poly_home, write_renamed, write_renamed_later
 
-VERSION = 2  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16)
+VERSION = 3  # 2: files named by layout (interleave16-/kquant_interleave8-<kind>, float_kmajor16);
+# 3: Q8_0 and int8 records by 16 without code sums
 MIN_BYTES = 64 << 10  # smaller layouts cost less to make than a file to open
 _HEAD = 64 << 10  # bytes of the model file hashed into its key
 DEFAULT_MAX_BYTES = 16 << 30

@@ -17,7 +17,8 @@ from poly.runtime.ckernels import F16, F32, I8, LOOM_Q4, Q4_0, Q4_1, Q4_K, Q6_K,
 # bytes of a record: per 16 rows and 32-block (interleave16.h), 8 rows and super-block (by 8)
 INTERLEAVE16_REC = 320  # Q4_1: D[16], M[16] float16 and the codes: the stored size
 INTERLEAVE16_REC4 = 288  # Q4_0 and Loom Q4: D[16] float16 and the codes (M = -8 D in the tiles)
-INTERLEAVE16_REC_I8 = 544  # int8 rows (.entity q8): S[16] int16, 8 x 64 code bytes
+INTERLEAVE16_REC8 = 544  # Q8_0: D[16] float16 and 8 x 64 code bytes: the stored size
+INTERLEAVE16_REC_I8 = 512  # int8 rows (.entity q8): 8 x 64 code bytes (the scales are per row)
 KQUANT_INTERLEAVE8_REC = 1184  # Q4_K
 KQUANT_INTERLEAVE8_Q6_REC = 1680  # Q6_K: the stored 8 x 210
 
@@ -64,12 +65,10 @@ def interleave16(
     """Q4_0/Q4_1/Q8_0 rows regrouped 16 at a time for csrc/formats/interleave16.h (the fused step's decode
     and prompt rows on int8 codes of x, every SIMD build), or None where this build or
     shape does not take them. Per 16 rows and 32-block: D[16] as float16, then for Q4_1 M[16]
-    as float16 or for Q8_0 S[16] as int16 (each row's code sum; Q4_0: no M, the tiles take
-    -8 D), then the codes as 64-byte vectors, byte 4 r + i of vector q = stored code byte
+    as float16 (Q4_0: no M, the tiles take -8 D), then the codes as 64-byte vectors, byte 4 r + i of vector q = stored code byte
     4 q + i of row r (4 vectors of Q4 bytes, 8 of Q8_0 codes). The stored rows' pages are then released (`release_mapped`):
     read once here, they stay out of the resident set (a prompt's GEMM reads the copy). int8
-    rows with a scale per row (.entity q8, kind I8: `raw` the [m, k] codes): S[16] and the
-    codes alone (`_repack_i8`). Loom Q4 (.entity q4, `aux` its float32 block scales): Q4_0's
+    rows with a scale per row (.entity q8, kind I8: `raw` the [m, k] codes): the codes alone (`_repack_i8`). Loom Q4 (.entity q4, `aux` its float32 block scales): Q4_0's
     record, D[16] rounded to float16 (`_repack_loom`). float16/float32 rows: `float_kmajor16`
     when `owner` (the weight object the copy lives with) is given."""
     if kind in (F16, F32):
@@ -90,8 +89,6 @@ def interleave16(
     fields = [_field(blocks, 0)]  # D as float16 bits [m, nb]; Q4_0: D alone (M = -8 D)
     if kind == Q4_1:
         fields.append(_field(blocks, 2))
-    elif kind == Q8_0:  # each row's code sum per block: the unsigned-x correction
-        fields.append(blocks[..., 2:].view(np.int8).sum(axis=-1, dtype=np.int16))  # [m, nb]
     out = np.empty((g, nb, 32 * len(fields) + 64 * nq), dtype=np.uint8)
     for j, v in enumerate(fields):
         _place_fields(out, 32 * j, v)
@@ -106,7 +103,7 @@ def interleave16(
 # moving single bytes is several times slower (benchmarks/results/results-first-turn-*.json).
 def _place_fields(out: np.ndarray, at: int, v: np.ndarray) -> None:
     """A 2-byte field per row and 32-block, v [m, nb] (any 2-byte dtype), as
-    out[..., at : at + 32]: row r's at bytes 2 r, 2 r + 1 (the record's D[16], M[16] or S[16])."""
+    out[..., at : at + 32]: row r's at bytes 2 r, 2 r + 1 (the record's D[16] or M[16])."""
     g, nb = out.shape[:2]
     rows = v.view(np.uint16).reshape(g, 16, nb).transpose(0, 2, 1)  # [g, nb, row]
     out.view(np.uint16)[..., at // 2 : at // 2 + 16] = rows
@@ -157,7 +154,7 @@ def copy_for(w, kind: int, data: np.ndarray, m: int, k: int, aux, by16: bool) ->
 # kquant_interleave8_q6, interleave16)
 _RECORDS = {Q4_K: (8, 256, KQUANT_INTERLEAVE8_REC), Q6_K: (8, 256, KQUANT_INTERLEAVE8_Q6_REC),
             Q4_0: (16, 32, INTERLEAVE16_REC4), LOOM_Q4: (16, 32, INTERLEAVE16_REC4),
-            Q4_1: (16, 32, INTERLEAVE16_REC), Q8_0: (16, 32, 576),
+            Q4_1: (16, 32, INTERLEAVE16_REC), Q8_0: (16, 32, INTERLEAVE16_REC8),
             I8: (16, 32, INTERLEAVE16_REC_I8)}  # fmt: skip
 
 
@@ -292,15 +289,13 @@ def _q6k_codes(blocks: np.ndarray) -> np.ndarray:
 
 
 def _repack_i8(codes: np.ndarray, m: int, k: int) -> np.ndarray:
-    """[m, k] int8 codes by 16 rows and 32-block: each row's code sum S[16] as int16 (the
-    unsigned-x correction), then 8 vectors of 64 bytes, byte 4 r + i of vector q = code
-    4 q + i of row r's block (Q8_0's record without its scales: those are per row)."""
+    """[m, k] int8 codes by 16 rows and 32-block: 8 vectors of 64 bytes, byte 4 r + i of
+    vector q = code 4 q + i of row r's block (Q8_0's record without its scales: those are per
+    row)."""
     g, nb = m // 16, k // 32
     c = np.asarray(codes).view(np.uint8).reshape(m, nb, 32)  # [m, nb, 32]
     out = np.empty((g, nb, INTERLEAVE16_REC_I8), dtype=np.uint8)
-    sums = c.view(np.int8).sum(axis=-1, dtype=np.int16)  # [m, nb]
-    _place_fields(out, 0, sums)
-    _place_codes(out, 32, c)
+    _place_codes(out, 0, c)
     release_mapped(codes)
     return out
 

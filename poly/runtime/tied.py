@@ -51,11 +51,11 @@ def codes_by16(rec: np.ndarray, lane: np.ndarray, at: int) -> np.ndarray:
 
 
 def i8_rows(rp: np.ndarray, enc, k: int):
-    """rows(ids) of int8 rows from their records by 16 (`repack._repack_i8`: S[16], codes)."""
+    """rows(ids) of int8 rows from their records by 16 (`repack._repack_i8`: the codes)."""
     from poly.quant.qtensor import CodedMatrix
 
     def rows(ids: np.ndarray) -> np.ndarray:
-        codes = codes_by16(rp[ids // 16], ids % 16, 32).reshape(len(ids), k).view(np.int8)
+        codes = codes_by16(rp[ids // 16], ids % 16, 0).reshape(len(ids), k).view(np.int8)
         zero = None if enc.zero is None else enc.zero[ids]
         part = dataclasses.replace(enc, shape=(len(ids), k), codes=codes, scales=enc.scales[ids],
                                    zero=zero)  # fmt: skip
@@ -65,18 +65,18 @@ def i8_rows(rp: np.ndarray, enc, k: int):
 
 
 def q8_0_rows(rp: np.ndarray, k: int):
-    """rows(ids) of Q8_0 rows from their records by 16 (D[16], S[16], codes): each row's
+    """rows(ids) of Q8_0 rows from their records by 16 (D[16], codes): each row's
     stored blocks (D, then its 32 codes) put back together and decoded as stored."""
     from poly.quant.ggml import GGMLType
     from poly.quant.qtensor import GGUFMatrix
 
     def rows(ids: np.ndarray) -> np.ndarray:
-        rec, lane, nb = rp[ids // 16], ids % 16, rp.shape[1]  # [n, nb, 576]
+        rec, lane, nb = rp[ids // 16], ids % 16, rp.shape[1]  # [n, nb, 544]
         n = len(ids)
         blocks = np.empty((n, nb, 34), dtype=np.uint8)
         sel = np.arange(n)[:, None, None], np.arange(nb)[None, :, None]
         blocks[..., :2] = rec[(*sel, 2 * lane[:, None, None] + np.arange(2))]  # D[lane]
-        blocks[..., 2:] = codes_by16(rec, lane, 64)
+        blocks[..., 2:] = codes_by16(rec, lane, 32)
         return GGUFMatrix(blocks.reshape(n, -1), GGMLType.Q8_0, (n, k)).dequantize()
 
     return rows
