@@ -186,27 +186,29 @@ def source_f32(model: str) -> Path:
     return path
 
 
-def cell_files(model: str, precision: str, threads: int) -> dict[str, Path]:
+def cell_files(model: str, precision: str, threads: int, entity_copy: bool = True) -> dict:
     """The GGUF of one cell (made by llama.cpp's quantizer from the F32 GGUF) and, where this
-    cell runs one, the `.entity` converted from the F32 GGUF."""
+    cell runs one, the `.entity` converted from the F32 GGUF. The F32 GGUF is written only when
+    a file has to be made from it (an 8B one is 28.7 GB: its quantized files may outlive it)."""
     from benchmarks.compare import stale
 
-    src, out = source_f32(model), WORK / "matrix"
+    out = WORK / "matrix"
     out.mkdir(parents=True, exist_ok=True)
-    files = {"gguf": src}
-    if precision != "F32":
-        files["gguf"] = out / f"{model}-{precision}.gguf"
+    if precision == "F32":
+        files = {"gguf": source_f32(model)}
+    else:
+        files = {"gguf": out / f"{model}-{precision}.gguf"}
         if not files["gguf"].is_file():
             progress(f"quantizing {model} to {precision} (llama_model_quantize)")
-            quantize(src, files["gguf"], PRECISIONS[precision], threads)
+            quantize(source_f32(model), files["gguf"], PRECISIONS[precision], threads)
     quant = ENTITY_IN.get(precision)
-    if quant and ENTITY_COPY[model]:
+    if quant and ENTITY_COPY[model] and entity_copy:
         import entity
 
         files["entity"] = out / f"{model}-{quant}.entity"
         if stale(files["entity"]):
             progress(f"converting {model} to .entity {quant}")
-            entity.convert(str(src), str(files["entity"]), quant=quant, force=True)
+            entity.convert(str(source_f32(model)), str(files["entity"]), quant=quant, force=True)
     return files
 
 
@@ -309,7 +311,7 @@ def rounds(label: str, workers: list[Worker], entries: dict, args, ids: dict) ->
 
 def run_cell(model: str, precision: str, args, ids: dict, base_tokens: list | None) -> dict:
     label = f"[{model} {precision}]"
-    files = cell_files(model, precision, args.threads)
+    files = cell_files(model, precision, args.threads, not args.no_entity)
     specs = engine_specs(model, precision, files, args)
     entries = {
         n: {"path": s["path"], "bytes_per_token": weight_bytes(Path(s["path"]))}
@@ -370,7 +372,7 @@ def prepare(args) -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     for model in args.models:
         for precision in args.precisions:
-            files = cell_files(model, precision, args.threads)
+            files = cell_files(model, precision, args.threads, not args.no_entity)
             progress(f"{model} {precision}: " + ", ".join(str(f) for f in files.values()))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks import matrix
 from benchmarks.matrix import (
     DEFAULT_PRECISIONS,
     PRECISIONS,
@@ -300,3 +301,23 @@ def test_gguf_cpu_runs_llama_on_its_default_buffers(monkeypatch, buffers, plain)
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=lambda **kw: kw))
     gguf_cpu._llama("m.gguf", [1, 2], 2, buffers)
     assert len(asked) == plain
+
+
+def test_cell_files_write_no_f32_source_when_the_quantized_file_exists(tmp_path, monkeypatch):
+    """An 8B-shaped cell whose Q4_K_M file is there runs without its 28.7 GB F32 source (which
+    may have been deleted); the .entity copy is not made when --no-entity drops it."""
+    monkeypatch.setattr(matrix, "WORK", tmp_path)
+
+    def no_source(model):
+        raise AssertionError(f"wrote the F32 source of {model}")
+
+    monkeypatch.setattr(matrix, "source_f32", no_source)
+    (tmp_path / "matrix").mkdir()
+    for name in ("synth8b-Q4_K_M.gguf", "smollm2-Q8_0.gguf"):
+        (tmp_path / "matrix" / name).write_bytes(b"GGUF")
+    got = matrix.cell_files("synth8b", "Q4_K_M", 2)
+    assert got == {"gguf": tmp_path / "matrix" / "synth8b-Q4_K_M.gguf"}
+    got = matrix.cell_files("smollm2", "Q8_0", 2, entity_copy=False)
+    assert got == {"gguf": tmp_path / "matrix" / "smollm2-Q8_0.gguf"}
+    with pytest.raises(AssertionError, match="F32 source of smollm2"):
+        matrix.cell_files("smollm2", "Q8_0", 2)  # its .entity copy is made from the source
