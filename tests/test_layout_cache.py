@@ -173,6 +173,33 @@ def test_a_changed_file_gets_fresh_layouts(home, tiny, tmp_path):
     assert now != dirs and len(now) == 1, "the stale directory is pruned"
 
 
+def test_an_older_versions_layouts_are_pruned_another_builds_kept(home, tiny, tmp_path):
+    """Layouts of an older VERSION for an unchanged file are never read again: the next fresh
+    directory prunes them. Another build's (same VERSION) and a source.json from before the
+    version field are kept."""
+    import json
+
+    from poly.runtime import layout_cache
+
+    served = _f16(tiny, tmp_path / "m.entity")
+    logits_of(served)
+    (ours,) = home.iterdir()
+    src = json.loads((ours / "source.json").read_text())
+    assert src["version"] == layout_cache.VERSION
+    kinds = {
+        "older": dict(src, version=layout_cache.VERSION - 1),
+        "other-build": src,
+        "no-field": {k: v for k, v in src.items() if k != "version"},
+    }
+    for name, body in kinds.items():
+        (home / name).mkdir()
+        (home / name / "source.json").write_text(json.dumps(body))
+        (home / name / "layouts.pack").write_bytes(b"x" * 100)
+    shutil.rmtree(ours)
+    logits_of(served)  # a fresh directory: the cache is pruned
+    assert sorted(p.name for p in home.iterdir()) == sorted([ours.name, "no-field", "other-build"])
+
+
 class _Boom:
     """Unpickling this writes a marker file: proof that a cache file was unpickled."""
 

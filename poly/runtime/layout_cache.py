@@ -103,7 +103,7 @@ def source_dir(snap: FileSnapshot) -> Path | None:
     key = hasher((ident + head.hexdigest() + "|" + _ext_identity()).encode())
     snap._layout_dir = cache_root() / key.hexdigest()[:32]
     snap._layout_source = {"path": snap.path, "ino": st.st_ino, "size": st.st_size,
-                           "mtime_ns": st.st_mtime_ns}  # fmt: skip
+                           "mtime_ns": st.st_mtime_ns, "version": VERSION}  # fmt: skip
     return snap._layout_dir
 
 
@@ -315,9 +315,11 @@ def _npy_header(shape: tuple, dtype: np.dtype) -> bytes:
 
 
 def _prune(keep: Path, coming: int = 0) -> None:
-    """Remove the other layout directories whose source file is gone or changed, and temporary
-    files a killed writer left (an hour old), then the oldest directories past the cap with
-    `coming` bytes (the model file's size) still to be written into `keep`."""
+    """Remove the other layout directories whose source file is gone or changed, or whose
+    layouts are of an older VERSION (never read again; another build's of this VERSION stays,
+    as two installs may share the cache; a source.json from before the field is kept), and
+    temporary files a killed writer left (an hour old); then the oldest directories past the
+    cap with `coming` bytes (the model file's size) still to be written into `keep`."""
     for d in keep.parent.iterdir():
         if d == keep or not d.is_dir():
             continue
@@ -330,8 +332,8 @@ def _prune(keep: Path, coming: int = 0) -> None:
             st = os.stat(src["path"])
             same = (st.st_ino, st.st_size, st.st_mtime_ns) == (
                 src["ino"], src["size"], src["mtime_ns"]
-            )  # fmt: skip
-        except (OSError, KeyError, TypeError):
+            ) and src.get("version", VERSION) >= VERSION  # fmt: skip
+        except (OSError, KeyError, TypeError, AttributeError):
             same = False
         if not same:
             _remove_tree(d)
