@@ -330,12 +330,12 @@ def _prune(keep: Path, coming: int = 0) -> None:
             continue  # being written by another process, or not ours: left alone
         try:
             st = os.stat(src["path"])
-            same = (st.st_ino, st.st_size, st.st_mtime_ns) == (
+            current = (st.st_ino, st.st_size, st.st_mtime_ns) == (
                 src["ino"], src["size"], src["mtime_ns"]
             ) and src.get("version", VERSION) >= VERSION  # fmt: skip
         except (OSError, KeyError, TypeError, AttributeError):
-            same = False
-        if not same:
+            current = False
+        if not current:
             _remove_tree(d)
     _cap(keep, coming)
 
