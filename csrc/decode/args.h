@@ -2,6 +2,7 @@
 #ifndef POLY_DECODE_ARGS_H
 #define POLY_DECODE_ARGS_H
 #include "core/common.h"
+#include "core/step_buffer.h"
 #include "formats/kinds.h"
 #include "core/matrix_check.h"
 #include "formats/kquant_panels.h"
@@ -249,15 +250,14 @@ static PyObject *pk_py_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (nargs == 10 && args[9] != Py_None && parse_reduce(&H, args[9], &S)) goto done;
     if (S.red && S.mrows) { PyErr_SetString(PyExc_ValueError, "MoE layers take no reduce"); goto done; }
     const int nt = want_nt ? (int)want_nt : pk_threads;
-    /* 64-byte aligned: a row kernel's 64-byte loads of x that split cache lines ran at 0.64x */
-    if (posix_memalign((void **)&scratch, 64, pk_scratch_floats(&S, nt) * 4)) { scratch = NULL; PyErr_NoMemory(); goto done; }
+    /* page-aligned (64 bytes matter: a row kernel's loads of x that split cache lines ran at 0.64x) */
+    if (!(scratch = step_buffer(pk_scratch_floats(&S, nt) * 4))) { PyErr_NoMemory(); goto done; }
     Py_BEGIN_ALLOW_THREADS
     pk_run_step(&S, scratch, nt);
     Py_END_ALLOW_THREADS
     if (S.red_err) PyErr_Restore(S.et, S.ev, S.etb); /* the first error of reduce's fn */
     else ret = Py_NewRef(Py_None);
 done:
-    free(scratch);
     for (int i = 0; i < H.n; i++) PyBuffer_Release(&H.bufs[i]);
     free(H.bufs);
     for (Py_ssize_t l = 0; S.L && l < nl; l++)
