@@ -102,7 +102,8 @@ def test_a_prefills_peak_rss_is_the_same_run_to_run(smol_files):
     """The fused step's scratch grows a few KiB a call (the scores follow the position); from
     the heap, a small object allocated above a freed block made the next call extend the heap:
     the same prompt peaked at 220-253 MiB by the hash seed and address layout (CI failed the
-    plan's 10 % on a 253). Mapped and kept per thread (csrc/core/step_buffer.h), it is one size."""
+    plan's 10 % on a 253). Mapped and kept per thread (csrc/core/step_buffer.h), the peaks differ
+    by less than one such block (3.7 MiB here); a fresh-clone CI's were 1.1 MiB apart."""
     peaks = [_peak(smol_files["gguf"], "4G", 1024, None, PYTHONHASHSEED=str(seed))["peak"]
              for seed in range(1, 7)]  # fmt: skip
-    assert max(peaks) - min(peaks) <= MiB, [p / MiB for p in peaks]
+    assert max(peaks) - min(peaks) <= 3 * MiB, [p / MiB for p in peaks]
