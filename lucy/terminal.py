@@ -48,14 +48,15 @@ def read_line(con, prompt: str) -> str | None:
 
 
 def human_bytes(n: int | None) -> str:
+    """Powers of 1024 named KiB/MiB/GiB, as --memory reads them (KB/MB/GB there are 1000s)."""
     if n is None:
         return "?"
     size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
-    return f"{size:.1f} GB"
+    return f"{size:.1f} GiB"
 
 
 def human_count(n: int | None) -> str:
