@@ -4,7 +4,9 @@ Each tree (a checkout with its extension built in place, e.g. a `git worktree` o
 revision) runs in its own process, one process per tree and round, the trees alternating
 (ABBA...), so drift in the machine's load hits both alike. A round: a warm-up, then `--reps`
 timed prompts of each `--prefill` length from an empty cache and `--reps` greedy decodes of
-`--new` tokens after a `--context`-token prompt. Printed: medians per tree and B/A. With
+`--new` tokens after a `--context`-token prompt. Printed: medians per tree, B/A, and the
+median of the rounds' own B/A (a round's two processes ran back to back: a VM whose
+processes settle at one of two speeds moves the pooled medians more than it). With
 `--drop-caches` (root) the page cache is dropped first: the tree whose layout files were written
 last would otherwise decode from pages the kernel holds in 2 MB folios, the faster
 (docs/performance.md).
@@ -93,6 +95,12 @@ def drop_caches() -> None:
         raise SystemExit(f"--drop-caches: {exc.strerror} (it needs root)") from None
 
 
+def paired(va: list[float], vb: list[float], reps: int) -> float:
+    """The median over rounds of B's median / A's median in that round (`reps` runs a round)."""
+    cut = [slice(r * reps, (r + 1) * reps) for r in range(len(va) // reps)]
+    return statistics.median(statistics.median(vb[c]) / statistics.median(va[c]) for c in cut)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.drop_caches:
@@ -105,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs[side].setdefault(op, []).extend(v)
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
     print(f"A = {a.a}\nB = {a.b}\n")
-    print("| op | A tok/s | B tok/s | B/A |\n|---|---|---|---|")
+    print("| op | A tok/s | B tok/s | B/A | B/A by round |\n|---|---|---|---|---|")
     for op, va in runs["A"].items():
-        ma, mb = statistics.median(va), statistics.median(runs["B"][op])
-        print(f"| {op} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} |")
+        vb = runs["B"][op]
+        ma, mb = statistics.median(va), statistics.median(vb)
+        print(f"| {op} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} | {paired(va, vb, a.reps):.3f} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))
     return 0

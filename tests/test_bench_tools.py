@@ -24,7 +24,7 @@ def test_ab_needs_two_checkouts(tmp_path, capsys):
     assert (a.a, a.rounds, a.reps, a.prefill, a.new, a.kv_cache) == (".", 6, 2, [16, 42], 64, "f16")
 
 
-def test_ab_rounds_alternate_and_time_every_op(smollm2_gguf, tmp_path, monkeypatch):
+def test_ab_rounds_alternate_and_time_every_op(smollm2_gguf, tmp_path, monkeypatch, capsys):
     trees = []
     real = ab.one_round
 
@@ -38,10 +38,18 @@ def test_ab_rounds_alternate_and_time_every_op(smollm2_gguf, tmp_path, monkeypat
     argv += ["--prefill", "4", "--new", "2", "--context", "3", "--json", str(out)]
     assert ab.main(argv) == 0
     assert trees == [str(REPO)] * 4  # A B, then B A
+    assert "| B/A by round |" in capsys.readouterr().out
     runs = json.loads(out.read_text())["runs"]
     for side in ("A", "B"):
         assert set(runs[side]) == {"prefill 4", "decode 2 @3"}
         assert all(len(v) == 2 and min(v) > 0 for v in runs[side].values())
+
+
+def test_ab_paired_ratio_is_the_median_of_each_rounds_own():
+    # three rounds of two runs: B/A 1.05, 1.05 and 0.9 in turn, whatever speed the round ran at
+    a, b = [100, 100, 200, 200, 100, 100], [105, 105, 210, 210, 90, 90]
+    assert ab.paired(a, b, 2) == pytest.approx(1.05)
+    assert ab.paired(a[:2], b[:2], 2) == pytest.approx(1.05)
 
 
 def test_ab_round_fails_on_a_tree_without_the_benchmarks(tmp_path):
