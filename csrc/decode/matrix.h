@@ -49,9 +49,11 @@ typedef struct { int64_t *ctr, m0, m1; } hand_t;
  * piece, so HAND_ROWS-row pieces packed them again every 2 groups of 16 rows (SmolLM2 Q4_0, a
  * 128-token prompt on one thread: the fused step 0.81x the reference path; 2-8 tokens, as a
  * draft's check, +10-50 % with these pieces). About 4 pieces a thread, in whole groups; the same
- * on every thread (one shared counter). */
-static inline int64_t il16_piece(int64_t rows) {
-    const int64_t p = (rows / (4 * pk_nth()) + 15) & ~(int64_t)15;
+ * on every thread (one shared counter). No more rows than il16_range's L2 block holds: past it
+ * the codes are packed again anyway, and 8B-shaped rows only lost balance. */
+static inline int64_t il16_piece(int kind, int64_t rows, int64_t nb) {
+    const int64_t share = (rows / (4 * pk_nth()) + 15) & ~(int64_t)15;
+    const int64_t block = (384 << 10) / (nb * il16_rec(kind)) * 16, p = share < block ? share : block;
     return p > HAND_ROWS ? p : HAND_ROWS;
 }
 
@@ -86,7 +88,7 @@ static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int6
     const int gemm = panels && !kqp && !il16c; /* surely the panels: they take their rows from h */
     if (bf && !gemm) h = NULL; /* the BF16 tiles convert x per call */
     if (h && !gemm) { /* a piece of rows at a time, each on the route below */
-        const int64_t piece = il16c ? il16_piece(h->m1 - h->m0) : HAND_ROWS;
+        const int64_t piece = il16c ? il16_piece(M->kind, h->m1 - h->m0, A.k / 32) : HAND_ROWS;
         for (int64_t a; (a = h->m0 + next_piece(h->ctr, -1) * piece) < h->m1;)
             mat_rows(M, P, out, ldo, a, a + piece < h->m1 ? a + piece : h->m1, q8, n, NULL);
         return 1;
