@@ -48,12 +48,12 @@ typedef struct { int64_t *ctr, m0, m1; } hand_t;
 /* a piece of a prompt's rows on the repacked rows: il16_range packs each 8 inputs' codes once per
  * piece, so HAND_ROWS-row pieces packed them again every 2 groups of 16 rows (SmolLM2 Q4_0, a
  * 128-token prompt on one thread: the fused step 0.81x the reference path; 2-8 tokens, as a
- * draft's check, +10-50 % with these pieces). About 4 pieces a thread, in whole groups; the same
+ * draft's check, +21-27 % with these pieces). About 4 pieces a thread, in whole groups; the same
  * on every thread (one shared counter). No more rows than il16_range's L2 block holds: past it
  * the codes are packed again anyway, and 8B-shaped rows only lost balance. */
 static inline int64_t il16_piece(int kind, int64_t rows, int64_t nb) {
     const int64_t share = (rows / (4 * pk_nth()) + 15) & ~(int64_t)15;
-    const int64_t block = (384 << 10) / (nb * il16_rec(kind)) * 16, p = share < block ? share : block;
+    const int64_t block = IL16_L2 / (nb * il16_rec(kind)) * 16, p = share < block ? share : block;
     return p > HAND_ROWS ? p : HAND_ROWS;
 }
 

@@ -43,6 +43,7 @@ static inline int64_t il16_bytes(int kind, int64_t m, int64_t k) {
     const int ok = kind >= 0 && kind < K_COUNT && KINDS[kind]->il16 && m % 16 == 0 && k % 32 == 0;
     return ok ? m / 16 * (k / 32) * il16_rec(kind) : -1;
 }
+#define IL16_L2 (384 << 10) /* bytes of records a block of groups keeps in L2 while every 8 inputs pass */
 #define IL16P_MIN 4 /* inputs from which the 8-lane il16_range takes il16p_range (formats/interleave16_avx2.h) */
 #if PK_SIMD
 #define PK_IL16 1
@@ -192,7 +193,6 @@ static inline __attribute__((always_inline)) void il16_tile(int kind, const mm_a
     case 2: IL16_TILE(KIND, 2) break;                                                         \
     default: IL16_TILE(KIND, 1)                                                               \
     }
-#define IL16_L2 (384 << 10) /* bytes of records a block of groups keeps in L2 while every 8 inputs pass */
 static int il16_range(int kind, const mm_args *A, const uint8_t *rp, int64_t r0, int64_t r1) {
     const int64_t g0 = r0 / 16, g1 = (r1 + 15) / 16, per = IL16_L2 / (A->nb * il16_rec(kind));
     const int64_t gb = A->n <= 8 ? g1 - g0 : per > 1 ? per : 1; /* groups a block */
