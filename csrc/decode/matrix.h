@@ -58,8 +58,8 @@ static inline int64_t il16_piece(int kind, int64_t rows, int64_t nb) {
 }
 
 /* rows [r0, r1) of M for the n prepared inputs; out row i at out + i * ldo. h (not NULL): every
- * thread takes pieces of [h->m0, h->m1) from h's counter instead (gemm panels, or HAND_ROWS rows
- * on any other route but the BF16 tiles) and 1 is returned (the same on every thread: the route
+ * thread takes pieces of [h->m0, h->m1) from h's counter instead (gemm panels, il16_piece rows on
+ * the repacked rows, HAND_ROWS rows on any other route but the BF16 tiles) and 1 is returned (the same on every thread: the route
  * does not depend on the thread's rows), so the caller waits on a barrier before it reads its own
  * rows */
 static int mat_rows(const mat_t *M, const px_t *P, float *out, int64_t ldo, int64_t r0, int64_t r1, int q8,
