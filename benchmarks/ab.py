@@ -31,7 +31,9 @@ import json, os, sys
 sys.path.insert(0, os.environ["POLY_AB_TREE"])
 from benchmarks.workers import PolyEngine
 a = json.loads(sys.argv[1])
-e = PolyEngine(a["model"], a["threads"], kv_cache=a["kv_cache"])
+ctx = max([*a["prefill"], a["context"] + a["new"] + 4]) + 8
+kw = {"n_ctx": ctx} if ctx > 2048 else {}  # past the loader's default context (older trees: none)
+e = PolyEngine(a["model"], a["threads"], kv_cache=a["kv_cache"], **kw)
 ids = lambda n: list(range(100, 100 + n))  # token ids every vocabulary has
 e.prefill(ids(8)); e.decode(ids(a["context"]), 4)  # warm-up: pages in, threads chosen
 out = {f"prefill {n}": [n / e.prefill(ids(n)) for _ in range(a["reps"])] for n in a["prefill"]}

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from poly.runtime import ckernels, kernels, repack
+from poly.runtime import attention, ckernels, kernels, repack
 from tests.test_ckernels import MAKERS, block_of, random_weights
 
 pytestmark = [
@@ -149,7 +149,7 @@ def test_c_prefill_attention_matches_numpy(n, start, groups, each_isa, monkeypat
     q = rng.standard_normal((n, kvh * groups, hd)).astype(np.float32)
     k = rng.standard_normal((t, kvh, hd)).astype(np.float32)
     v = rng.standard_normal((t, kvh, hd)).astype(np.float32)
-    got = ckernels.attend(q, k, v, start, groups)
+    got = attention.attend(q, k, v, start, groups)
     assert got is not None and got.shape == q.shape
     monkeypatch.setitem(ops.HOOKS, "attend", None)
     ref = mha._attend(
@@ -158,12 +158,32 @@ def test_c_prefill_attention_matches_numpy(n, start, groups, each_isa, monkeypat
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("block", [16, 37])
+def test_c_prefill_attention_in_short_blocks_matches_numpy(block, monkeypatch):
+    """A long context caps a block's scores (ATTEND_SCORES): fewer queries a block, the last
+    block partial, still the reference's numbers."""
+    from poly import ops
+    from poly.nn import mha
+
+    rng = np.random.default_rng(block)
+    n, start, groups, kvh, hd = 150, 700, 3, 2, 64
+    t = start + n
+    monkeypatch.setattr(attention, "ATTEND_SCORES", groups * t * block)
+    q = rng.standard_normal((n, kvh * groups, hd)).astype(np.float32)
+    k = rng.standard_normal((t, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((t, kvh, hd)).astype(np.float32)
+    got = attention.attend(q, k, v, start, groups)
+    monkeypatch.setitem(ops.HOOKS, "attend", None)
+    ref = mha._attend(*(a.astype(np.float64) for a in (q, k, v)), start, groups)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5)
+
+
 def test_small_attention_stays_on_numpy():
     q = np.zeros((4, 2, 64), np.float32)
     k = np.zeros((4, 1, 64), np.float32)
-    assert ckernels.attend(q, k, k, 0, 2) is None  # below ATTEND_MIN queries x keys
+    assert attention.attend(q, k, k, 0, 2) is None  # below ATTEND_MIN queries x keys
     assert (
-        ckernels.attend(
+        attention.attend(
             np.zeros((200, 2, 64)), np.zeros((200, 1, 64)), np.zeros((200, 1, 64)), 0, 2
         )
         is None

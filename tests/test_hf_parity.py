@@ -316,11 +316,11 @@ def test_parameter_count_equals_transformers(checkpoints, variant):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_c_prefill_attention_keeps_parity(checkpoints, arch, monkeypatch):
     """The C prefill attention (gemm + softmax_causal) on every prompt: still transformers' logits."""
-    from poly.runtime import ckernels, kernels
+    from poly.runtime import attention, kernels
 
     if kernels.backend() != "c":
         pytest.skip("needs the C backend")
-    monkeypatch.setattr(ckernels, "ATTEND_MIN", 0)
+    monkeypatch.setattr(attention, "ATTEND_MIN", 0)
     path = checkpoints[(arch, "float32", False)]
     tf = entity.load(path)
     np.testing.assert_allclose(tf.forward_all(PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)

@@ -19,6 +19,7 @@ import mmap
 import numpy as np
 
 from poly.errors import ContextOverflowError, DTypeError, GenerationError
+from poly.nn import scratch
 
 Q8 = np.dtype(np.int8)  # the KV dtype of a q8_0 cache (codes int8 + a float16 scale per block)
 Q8_BLOCK = 32  # values per scale (llama.cpp QK8_0)
@@ -39,8 +40,39 @@ def q8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def q8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """codes int8 [..., hd], scales float16 [..., hd/32] -> float32 [..., hd]."""
     blocks = (*codes.shape[:-1], codes.shape[-1] // Q8_BLOCK, Q8_BLOCK)
-    cb = codes.reshape(blocks).astype(np.float32)
-    return (cb * scales.astype(np.float32)[..., None]).reshape(codes.shape)
+    out = np.empty(blocks, dtype=np.float32)  # codes cast as they are read: no float copy of them
+    np.multiply(codes.reshape(blocks), scales.astype(np.float32)[..., None], out=out)
+    return out.reshape(codes.shape)
+
+
+def by_head(t: int, kv_heads: int, head_dim: int, values: bool, block: int):
+    """A float32 [t, kvh, hd] (scratch: valid until the next call) laid out a head at a time: keys [kvh, t, hd], values
+    [kvh, hd, t] (transposed) in memory, as the prefill attention reads them (runtime/attention.py: a
+    head's keys and values are then views, not copies) -> (that array, the same memory viewed as
+    [t, kvh, hd/block, block]: q8_0's blocks)."""
+    split = (head_dim // block, block)
+    if values:
+        mem = scratch.take("values", (kv_heads, *split, t))
+        return mem.reshape(kv_heads, head_dim, t).transpose(2, 0, 1), mem.transpose(3, 0, 1, 2)
+    mem = scratch.take("keys", (kv_heads, t, *split))
+    return mem.reshape(kv_heads, t, head_dim).transpose(1, 0, 2), mem.transpose(1, 0, 2, 3)
+
+
+def attention_rows(k: np.ndarray, v: np.ndarray, ks=None, vs=None) -> tuple[np.ndarray, np.ndarray]:
+    """float32 keys and values [t, kvh, hd] laid out by head (`by_head`) from a float16 cache's
+    rows, or a q8_0 cache's codes and scales (`ks`, `vs`)."""
+    t, kvh, hd = k.shape
+    out = []
+    for rows, scales, values in ((k, ks, False), (v, vs, True)):
+        x, blocks = by_head(t, kvh, hd, values, hd if scales is None else Q8_BLOCK)
+        if scales is None:
+            np.copyto(x, rows)  # float16 -> float32 as it is read
+        else:  # codes cast as they are read: no float copy of them
+            np.multiply(
+                rows.reshape(blocks.shape), scales.astype(np.float32)[..., None], out=blocks
+            )
+        out.append(x)
+    return out[0], out[1]
 
 
 def q8_rows(rows: int, kv_heads: int, head_dim: int) -> tuple[np.ndarray, ...]:
@@ -147,7 +179,7 @@ class KVCache:
         """Keys/values of rows a..b-1 as attention reads them (q8_0: dequantized)."""
         if self.ks is None:
             return self.k[a:b], self.v[a:b]
-        return q8_dequantize(self.k[a:b], self.ks[a:b]), q8_dequantize(self.v[a:b], self.vs[a:b])
+        return attention_rows(self.k[a:b], self.v[a:b], self.ks[a:b], self.vs[a:b])
 
     def _put(self, a: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k/v [n, kvh, hd] at rows a..a+n-1 (q8_0: quantized)."""

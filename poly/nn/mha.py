@@ -21,6 +21,7 @@ from poly.errors import ContextOverflowError, LayerConfigError
 from poly.layer import LayerKind, LayerType
 from poly.nn.kvcache import (  # noqa: F401 (the cache's names, as callers import them from here)
     KVCache,
+    attention_rows,
     cache_for,
     kv_dtype,
     lazy_zeros,
@@ -338,8 +339,8 @@ def _append(layer, cache: KVCache, p: Plan, q, k, v, tile: int) -> np.ndarray:
     q, k = _rope(layer, cache, q, k, start, dt)
     # RoPE in the activation dtype, then stored (rounded to float16 by a float16 cache)
     keys, values, first = cache.append(k, v.reshape(n, kvh, hd))  # [T, kvh, hd]
-    if keys.dtype != dt:  # a float16 cache: attention sums in the activation dtype
-        keys, values = keys.astype(dt), values.astype(dt)
+    if keys.dtype != dt:  # a float16 cache: attention sums in float32, laid out by head
+        keys, values = attention_rows(keys, values)
     opts = _softmax_opts(layer, p)
     if tile and first == 0 and opts.plain and opts.scale == 1.0 / np.sqrt(hd):
         attn = _attend_tiled(q, keys, values, start, heads // kvh, tile)

@@ -333,41 +333,6 @@ def aligned(x: np.ndarray) -> np.ndarray:
     return out
 
 
-ATTEND_MIN = 8192  # queries x keys below which numpy's attention is as fast
-ATTEND_BLOCK = 128  # queries per block: a block's keys end at its last query (causal)
-
-
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int):
-    """Prefill attention (the `poly.ops.HOOKS["attend"]` entry): q [n, H, hd] at positions
-    start.. over k/v [T, kvh, hd] -> [n, H, hd], or None for small or non-float32 cases. Per kv
-    head and block of ATTEND_BLOCK queries: scores = gemm(q_g, K_h) over the keys up to the
-    block's last query only (a 512-token prompt from an empty cache: 5/8 of the scores),
-    `softmax_causal` in place, out = gemm(P, V_h.T), all on the OpenMP threads (numpy's version
-    is single-threaded BLAS plus five passes of numpy)."""
-    n, heads, hd = q.shape
-    t, kvh = k.shape[0], k.shape[1]
-    if n * t < ATTEND_MIN or not all(a.dtype == _F32 for a in (q, k, v)):
-        return None
-    qg = np.empty((kvh, groups, n, hd), dtype=np.float32)  # [kvh, g, n, hd]
-    np.multiply(q.reshape(n, kvh, groups, hd).transpose(1, 2, 0, 3), np.float32(hd**-0.5), out=qg)
-    out = np.empty((kvh, groups, n, hd), dtype=np.float32)  # [kvh, g, n, hd]
-    for h in range(kvh):
-        kh = np.ascontiguousarray(k[:, h, :])  # [T, hd]
-        vt = np.ascontiguousarray(v[:, h, :].T)  # [hd, T]
-        for q0 in range(0, n, ATTEND_BLOCK):
-            q1 = min(n, q0 + ATTEND_BLOCK)
-            b, keys = q1 - q0, start + q1  # queries q0..q1-1 see keys 0..start+q1-1
-            qb = np.ascontiguousarray(qg[h, :, q0:q1]).reshape(groups * b, hd)  # [g*b, hd]
-            scores = np.empty((groups * b, keys), dtype=np.float32)  # [g*b, keys]
-            EXT.gemm(F32, qb, scores, kh[:keys], None, groups * b, hd, keys, 0)
-            EXT.softmax_causal(scores, b, start + q0, 0)
-            vb = vt if keys == t else np.ascontiguousarray(vt[:, :keys])  # [hd, keys]
-            ob = np.empty((groups * b, hd), dtype=np.float32)  # [g*b, hd]
-            EXT.gemm(F32, scores, ob, vb, None, groups * b, keys, hd, 0)
-            out[h, :, q0:q1] = ob.reshape(groups, b, hd)
-    return out.transpose(2, 0, 1, 3).reshape(n, heads, hd)
-
-
 def kernel(qt, x2: np.ndarray, res: np.ndarray) -> None:
     """The `poly.quant.qtensor.KERNELS` entry: C for a supported form, else numpy.
 

@@ -29,7 +29,7 @@ NARROW_EXCEPT = frozenset({ckernels.LOOM_Q4})
 NARROW_EXCEPT_MAX = 320
 # longer prompts that reach past this position: the reference path at any width. A fused call
 # attends row by row, reading every earlier key and value once per row; the reference path
-# multiplies 128 queries at a time by the keys in two GEMMs (ckernels.attend). Not probed (a
+# multiplies 128 queries at a time by the keys in two GEMMs (attention.attend). Not probed (a
 # probe at such contexts costs seconds): docs/performance.md, "Long prompts"
 LONG_CONTEXT = 1024
 

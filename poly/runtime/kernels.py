@@ -33,7 +33,7 @@ from poly import openblas, ops
 from poly.errors import UsageError
 from poly.quant import qtensor
 from poly.quant.schemes import SCHEMES
-from poly.runtime import ckernels, experts
+from poly.runtime import attention, ckernels, experts
 from poly.weights import Generations
 
 SMALL_N = 16  # input rows up to which the matvec kernels beat dequantize + sgemm
@@ -312,7 +312,7 @@ def _install_hooks(chosen: str) -> None:
     if ckernels.AVAILABLE:
         ops.HOOKS["silu_mul"] = ckernels.silu_mul
         ops.HOOKS["rope_inplace"] = ckernels.EXT.rope
-        ops.HOOKS["attend"] = ckernels.attend
+        ops.HOOKS["attend"] = attention.attend
         ops.HOOKS["expert"] = experts.run
         qtensor.DEQUANTIZER.update(
             supported=ckernels.dequantize_supported, rows=ckernels.dequantize
