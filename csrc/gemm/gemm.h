@@ -2,6 +2,7 @@
 #ifndef POLY_GEMM_GEMM_H
 #define POLY_GEMM_GEMM_H
 #include "core/common.h"
+#include "core/step_buffer.h"
 #include "rows/avx512.h"
 #include "formats/kquant_panels.h"
 #include "formats/kquant_panels_prep.h"
@@ -130,8 +131,8 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
                     mm_args *x8) {
     const int64_t k = D->k, panels = (m + GR - 1) / GR, ldx = x8 ? k : gemm_ldx(k);
     if (panels < nt) nt = (int)(panels > 0 ? panels : 1);
-    float *xp = NULL; /* x at row stride ldx */
-    if (ldx != k && posix_memalign((void **)&xp, 64, (size_t)(n * ldx) * 4)) return -1;
+    float *xp = NULL; /* x at row stride ldx, in the calling thread's kept buffer */
+    if (ldx != k && !(xp = kept_buffer(KEPT_GEMM_X, (size_t)(n * ldx) * 4))) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
@@ -173,7 +174,6 @@ static int gemm_run(int kind, const dq_args *D, const float *x, int64_t n, float
             }
         }
     }
-    free(xp);
     return failed ? -1 : 0;
 }
 
