@@ -46,10 +46,10 @@ def q8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def by_head(t: int, kv_heads: int, head_dim: int, values: bool, block: int):
-    """A float32 [t, kvh, hd] (scratch: valid until the next call) laid out a head at a time: keys [kvh, t, hd], values
-    [kvh, hd, t] (transposed) in memory, as the prefill attention reads them (runtime/attention.py: a
+    """A float32 [t, kvh, hd] laid out a head at a time: keys [kvh, t, hd], values [kvh, hd, t]
+    (transposed) in memory, as the prompt attention reads them (poly/runtime/attention.py: a
     head's keys and values are then views, not copies) -> (that array, the same memory viewed as
-    [t, kvh, hd/block, block]: q8_0's blocks)."""
+    [t, kvh, hd/block, block]: q8_0's blocks). Scratch memory: valid until the next call."""
     split = (head_dim // block, block)
     if values:
         mem = scratch.take("values", (kv_heads, *split, t))
