@@ -2,9 +2,9 @@
  * (decode/run.h carves it) and a gemm's padded copy of its inputs (gemm/gemm.h), which for the
  * prompt attention's scores grows with the context. A malloc and free per call landed in the
  * heap, and each call asked a few KiB more than the last: when a small object was allocated above
- * the freed block, the next call could not reuse it and the heap grew by another block (a
- * 1023-token SmolLM2 prefill's peak RSS moved between 220 and 253 MiB from run to run that way).
- * Mapped outside the heap, grown with headroom, unmapped when the thread exits. */
+ * the freed block, the next call could not reuse it and the heap grew by another block, so a
+ * prefill's peak RSS moved from run to run (docs/performance.md, sessions 17-18). Mapped outside
+ * the heap, grown with headroom, unmapped when the thread exits. */
 #ifndef POLY_CORE_STEP_BUFFER_H
 #define POLY_CORE_STEP_BUFFER_H
 #include <pthread.h>

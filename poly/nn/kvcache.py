@@ -39,10 +39,15 @@ def q8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def q8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """codes int8 [..., hd], scales float16 [..., hd/32] -> float32 [..., hd]."""
-    blocks = (*codes.shape[:-1], codes.shape[-1] // Q8_BLOCK, Q8_BLOCK)
-    out = np.empty(blocks, dtype=np.float32)  # codes cast as they are read: no float copy of them
-    np.multiply(codes.reshape(blocks), scales.astype(np.float32)[..., None], out=out)
+    out = np.empty((*codes.shape[:-1], codes.shape[-1] // Q8_BLOCK, Q8_BLOCK), dtype=np.float32)
+    q8_dequantize_into(codes, scales, out)
     return out.reshape(codes.shape)
+
+
+def q8_dequantize_into(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
+    """codes int8 [..., hd] times scales float16 [..., hd/32] into out, float32 [..., hd/32, 32]
+    of any strides; the codes are cast as they are read (no float copy of them)."""
+    np.multiply(codes.reshape(out.shape), scales.astype(np.float32)[..., None], out=out)
 
 
 def by_head(t: int, kv_heads: int, head_dim: int, values: bool, block: int):
@@ -67,10 +72,8 @@ def attention_rows(k: np.ndarray, v: np.ndarray, ks=None, vs=None) -> tuple[np.n
         x, blocks = by_head(t, kvh, hd, values, hd if scales is None else Q8_BLOCK)
         if scales is None:
             np.copyto(x, rows)  # float16 -> float32 as it is read
-        else:  # codes cast as they are read: no float copy of them
-            np.multiply(
-                rows.reshape(blocks.shape), scales.astype(np.float32)[..., None], out=blocks
-            )
+        else:
+            q8_dequantize_into(rows, scales, blocks)
         out.append(x)
     return out[0], out[1]
 

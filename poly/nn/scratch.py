@@ -3,9 +3,9 @@ and values (kvcache.attention_rows) and a block's scores (poly.runtime.attention
 
 Those arrays are megabytes each, made and dropped once per layer, and a prompt's later chunks
 ask larger ones (they grow with the context). From glibc's heap (heap.py keeps blocks up to
-32 MB there) a larger one could not reuse the holes the last chunk left, so a SmolLM2 prompt
-of 8,000 tokens peaked at 365-411 MiB from run to run while its arrays in use never passed
-~35 MB. Here each has one mapping, outside the heap, grown with headroom and kept.
+32 MB there) a larger one could not reuse the holes the last chunk left, so the heap grew far
+past what was in use, by a different amount each run (docs/performance.md, session 18). Here
+each has one mapping, outside the heap, grown with headroom and kept.
 """
 
 from __future__ import annotations
@@ -32,8 +32,3 @@ def take(name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         size = max(GRAIN, (nbytes + nbytes // 8 + GRAIN - 1) // GRAIN * GRAIN)
         buf = kept[name] = mmap.mmap(-1, size)
     return np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
-
-
-def kept_bytes() -> int:
-    """Bytes this thread's buffers hold mapped (their pages count once written)."""
-    return sum(len(b) for b in _local.__dict__.get("buffers", {}).values())

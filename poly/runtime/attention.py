@@ -28,8 +28,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, groups: int)
     qg = np.empty((kvh, groups, n, hd), dtype=np.float32)  # [kvh, g, n, hd]
     np.multiply(q.reshape(n, kvh, groups, hd).transpose(1, 2, 0, 3), np.float32(hd**-0.5), out=qg)
     out = np.empty((kvh, groups, n, hd), dtype=np.float32)  # [kvh, g, n, hd]
-    # one buffer for every block's scores (a block's own array was allocated while the last one
-    # was still held: 2 x 12 MB of SmolLM2's at 8,000 positions)
+    # one buffer for every block's scores: a block's own array was allocated while the last one
+    # was still held, two of the largest temporaries at once
     block = max(16, min(ATTEND_BLOCK, ATTEND_SCORES // (groups * t)))
     space = scratch.take("scores", (groups * min(n, block) * t,))
     for h in range(kvh):
