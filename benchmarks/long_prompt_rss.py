@@ -66,9 +66,11 @@ def main(argv: list[str] | None = None) -> None:
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"run {r + 1}/{a.runs}: peak {runs[-1]['peak_mib']:.0f} MiB", file=sys.stderr)
     if a.json:
-        with open(a.json, "w") as f:
-            cpu = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
-            json.dump({"machine": {"cpu": cpu}, "args": vars(a), "runs": runs}, f)
+        from entity.atomic import atomic_output
+
+        cpu = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        with atomic_output(a.json, force=True) as f:  # temp, fsync, rename: never half a file
+            f.write(json.dumps({"machine": {"cpu": cpu}, "args": vars(a), "runs": runs}).encode())
     peaks = ", ".join(f"{r['peak_mib']:.0f}" for r in runs)
     print(f"peak RSS MiB: {peaks}")
 
